@@ -1,0 +1,56 @@
+# kvxfer — see README.md. `make help` lists the targets.
+
+SHELL := /bin/bash
+export PATH := /usr/local/go/bin:$(HOME)/go/bin:$(PATH)
+GO        ?= go
+PKGS      := ./...
+BIN       := bin/kvxfer
+REVISION  := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
+DIRTY     := $(shell git status --porcelain 2>/dev/null | grep -q . && echo -dirty)
+LDFLAGS   := -X github.com/kvxfer/kvxfer/internal/buildinfo.Revision=$(REVISION)$(DIRTY)
+FUZZTIME  ?= 5s
+
+.PHONY: help run test deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+run: build ## the main job: check the example configs and list the backends of this binary
+	./$(BIN) version
+	./$(BIN) config check examples/worker.yaml examples/disagg.yaml
+	./$(BIN) backends
+
+test: deps fmt-check vet staticcheck unit invariants fuzz-short nocgo ## every check and test (installs what it needs)
+	@echo "make test: all checks passed"
+
+deps: ## install missing system packages (root, non-interactive, only when missing)
+	@scripts/deps.sh
+
+build: deps ## build bin/kvxfer
+	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/kvxfer
+
+fmt-check: ## fail if any file is not gofmt-ed
+	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
+	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+vet: ## go vet
+	$(GO) vet $(PKGS)
+
+staticcheck: ## staticcheck, pinned by the tool directive in go.mod
+	$(GO) tool staticcheck $(PKGS)
+
+unit: ## go test -race -shuffle=on
+	$(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
+
+invariants: ## the packages that have an invariants build tag, tested with it
+	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \
+	if [ -n "$$pkgs" ]; then echo "go test -tags invariants $$pkgs"; $(GO) test -tags invariants -count=1 $$pkgs; fi
+
+fuzz-short: ## every fuzz target for FUZZTIME (default 5s)
+	@FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
+
+nocgo: ## the binary builds without cgo
+	CGO_ENABLED=0 $(GO) build $(PKGS)
+
+clean: ## remove build outputs
+	rm -rf bin

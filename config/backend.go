@@ -1,0 +1,64 @@
+package config
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Backend names a KV-cache transfer backend as written in
+// cache_transceiver_config.backend. Values are always upper case once
+// parsed; the empty Backend means "not configured".
+type Backend string
+
+// Backends accepted in cache_transceiver_config.backend. DEFAULT, UCX, NIXL
+// and MPI are TensorRT-LLM's; TCP, SHM and AUTO are kvxfer's own.
+const (
+	BackendUnset   Backend = ""
+	BackendDefault Backend = "DEFAULT"
+	BackendUCX     Backend = "UCX"
+	BackendNIXL    Backend = "NIXL"
+	BackendMPI     Backend = "MPI"
+	BackendTCP     Backend = "TCP"
+	BackendSHM     Backend = "SHM"
+	// BackendAuto picks, per peer, the fastest backend that works between
+	// the two ranks: SHM on the same host, else UCX when built in, else TCP.
+	// It is what DEFAULT resolves to when no environment variable decides.
+	BackendAuto Backend = "AUTO"
+)
+
+// ValidBackends lists every name ParseBackend accepts, in the order they
+// are shown to users.
+var ValidBackends = []Backend{BackendDefault, BackendAuto, BackendTCP, BackendSHM, BackendUCX, BackendNIXL, BackendMPI}
+
+// ParseBackend parses a backend name in any case ("ucx", "Ucx") and returns
+// it in upper case. Mid-2025 TRT-LLM configs used lower case, so both are
+// accepted.
+func ParseBackend(s string) (Backend, error) {
+	b := Backend(strings.ToUpper(strings.TrimSpace(s)))
+	for _, v := range ValidBackends {
+		if b == v {
+			return b, nil
+		}
+	}
+	return BackendUnset, fmt.Errorf("unknown backend %q (valid: %s)", s, backendList())
+}
+
+func backendList() string {
+	names := make([]string, len(ValidBackends))
+	for i, b := range ValidBackends {
+		names[i] = string(b)
+	}
+	return strings.Join(names, ", ")
+}
+
+// unsupported explains why a backend that TRT-LLM accepts cannot run in
+// kvxfer, or returns "" when kvxfer implements it.
+func (b Backend) unsupported() string {
+	switch b {
+	case BackendNIXL:
+		return "NIXL is not available in kvxfer: no Go binding exists and no package registry reachable here ships NIXL; use UCX (the library NIXL is built on), TCP, SHM or AUTO"
+	case BackendMPI:
+		return "MPI is deprecated in TensorRT-LLM and not available in kvxfer (it needs one MPI world spanning both instances); use UCX, TCP, SHM or AUTO"
+	}
+	return ""
+}

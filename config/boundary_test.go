@@ -1,0 +1,59 @@
+package config
+
+import (
+	"go/parser"
+	"go/token"
+	"io/fs"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestBoundary enforces the rule of DESIGN.md: the public config is read by
+// the transceiver constructor and by nothing below it. No file of transport,
+// layout or kvcache (tests included) imports package config, and the pure
+// cores import no package of kvxfer above them.
+func TestBoundary(t *testing.T) {
+	const module = "github.com/kvxfer/kvxfer/"
+	rules := map[string][]string{
+		"transport": {"config", "transceiver", "layout", "kvcache", "engine", "serve", "bench", "internal/cli"},
+		"layout":    {"config", "transceiver", "transport", "engine", "serve", "bench", "internal/cli"},
+		"kvcache":   {"config", "transceiver", "transport", "layout", "engine", "serve", "bench", "internal/cli"},
+	}
+	checked := 0
+	for dir, forbidden := range rules {
+		root := filepath.Join("..", dir)
+		err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			if d.IsDir() && d.Name() == "testdata" {
+				return filepath.SkipDir
+			}
+			if d.IsDir() || !strings.HasSuffix(path, ".go") {
+				return nil
+			}
+			f, err := parser.ParseFile(token.NewFileSet(), path, nil, parser.ImportsOnly)
+			if err != nil {
+				return err
+			}
+			checked++
+			for _, imp := range f.Imports {
+				p, _ := strconv.Unquote(imp.Path.Value)
+				for _, bad := range forbidden {
+					if p == module+bad || strings.HasPrefix(p, module+bad+"/") {
+						t.Errorf("%s imports %s: package %s must not depend on %s", path, p, dir, bad)
+					}
+				}
+			}
+			return nil
+		})
+		if err != nil && !strings.Contains(err.Error(), "no such file") {
+			t.Fatal(err)
+		}
+	}
+	if checked == 0 {
+		t.Fatal("no files checked: the package directories moved?")
+	}
+}

@@ -1,0 +1,19 @@
+// Package config owns kvxfer's typed configuration: the
+// cache_transceiver_config block of TensorRT-LLM (CacheTransceiver), the two
+// file forms it appears in (a worker's extra LLM API options file and a
+// cluster's disagg_config.yaml), the TRT-LLM environment variables of the
+// KV-cache transfer path, and the DEFAULT backend resolution.
+//
+// Loading always runs in one order: defaults → strict YAML → environment →
+// Validate. Every problem found on the way is collected, with its field path
+// and file:line:column, and reported at once as a Problems error; nothing is
+// reported one error at a time.
+//
+// The typed CacheTransceiver is the only configuration that travels through
+// the program. It is turned into transport options at exactly one place,
+// transceiver.New; no package below the transceiver (transport, layout,
+// kvcache) imports config, and a test enforces that.
+//
+// config does not know which backends a binary was built with: callers pass
+// that in (see ResolveBackend), so resolution stays a pure function.
+package config

@@ -1,0 +1,172 @@
+package config
+
+import (
+	"fmt"
+	"math"
+	"sort"
+	"strconv"
+	"strings"
+)
+
+// Environment variables honoured by kvxfer, with TensorRT-LLM's meaning.
+const (
+	EnvUseUCX            = "TRTLLM_USE_UCX_KVCACHE"
+	EnvUseNIXL           = "TRTLLM_USE_NIXL_KVCACHE"
+	EnvUseMPI            = "TRTLLM_USE_MPI_KVCACHE"
+	EnvTransferBuffer    = "TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE"
+	EnvSendConcurrency   = "TRTLLM_KVCACHE_SEND_MAX_CONCURRENCY_NUM"
+	EnvRequestConcurrent = "TRTLLM_REQUEST_KV_CACHE_CONCURRENT"
+	EnvRecvBufferCount   = "TRTLLM_KVCACHE_RECV_BUFFER_COUNT"
+	EnvTryZeroCopy       = "TRTLLM_TRY_ZCOPY_FOR_KVCACHE_TRANSFER"
+	EnvTimeOutputPath    = "TRTLLM_KVCACHE_TIME_OUTPUT_PATH"
+	EnvUCXInterface      = "TRTLLM_UCX_INTERFACE"
+)
+
+// Defaults of the environment-derived settings.
+const (
+	DefaultTransferBufferSize = 512 << 20 // bytes, TRT-LLM's default
+	DefaultSendBuffers        = 2
+	DefaultConcurrentRecv     = 2 // receive buffers when TRTLLM_REQUEST_KV_CACHE_CONCURRENT=1
+	maxBufferCount            = 64
+)
+
+// Env is a snapshot of the environment variables that matter to the KV-cache
+// transfer path, read once (LoadEnv) and passed around by value. Flags
+// count only when their value is exactly "1", as in TRT-LLM.
+type Env struct {
+	// Raw holds every honoured TRTLLM_* variable that was set, and every
+	// UCX_* variable, by name.
+	Raw map[string]string
+}
+
+// LoadEnv reads the environment through lookup (os.LookupEnv in programs,
+// a map in tests) and returns the snapshot. UCX_* variables are found by
+// scanning environ, which may be nil.
+func LoadEnv(lookup func(string) (string, bool), environ []string) Env {
+	e := Env{Raw: map[string]string{}}
+	for _, k := range []string{EnvUseUCX, EnvUseNIXL, EnvUseMPI, EnvTransferBuffer, EnvSendConcurrency,
+		EnvRequestConcurrent, EnvRecvBufferCount, EnvTryZeroCopy, EnvTimeOutputPath, EnvUCXInterface} {
+		if v, ok := lookup(k); ok {
+			e.Raw[k] = v
+		}
+	}
+	for _, kv := range environ {
+		if k, v, ok := strings.Cut(kv, "="); ok && strings.HasPrefix(k, "UCX_") {
+			e.Raw[k] = v
+		}
+	}
+	return e
+}
+
+// EnvFromMap is a convenience for tests and callers that already hold the
+// variables in a map.
+func EnvFromMap(m map[string]string) Env {
+	environ := make([]string, 0, len(m))
+	for k, v := range m {
+		environ = append(environ, k+"="+v)
+	}
+	return LoadEnv(func(k string) (string, bool) { v, ok := m[k]; return v, ok }, environ)
+}
+
+// Flag reports whether the variable is set to exactly "1".
+func (e Env) Flag(name string) bool { return e.Raw[name] == "1" }
+
+// Names returns the set variables in sorted order.
+func (e Env) Names() []string {
+	names := make([]string, 0, len(e.Raw))
+	for k := range e.Raw {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// ParseByteSize parses sizes as TRT-LLM's TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE
+// does: a non-negative integer with an optional unit B, KB, MB or GB (binary
+// multiples; KiB, MiB and GiB are accepted too). A bare number is bytes.
+func ParseByteSize(s string) (int64, error) {
+	t := strings.ToUpper(strings.TrimSpace(s))
+	mult := int64(1)
+	for _, u := range []struct {
+		suffix string
+		mult   int64
+	}{{"KIB", 1 << 10}, {"MIB", 1 << 20}, {"GIB", 1 << 30}, {"KB", 1 << 10}, {"MB", 1 << 20}, {"GB", 1 << 30}, {"B", 1}} {
+		if strings.HasSuffix(t, u.suffix) {
+			t, mult = strings.TrimSpace(strings.TrimSuffix(t, u.suffix)), u.mult
+			break
+		}
+	}
+	n, err := strconv.ParseInt(t, 10, 64)
+	if err != nil || n < 0 {
+		return 0, fmt.Errorf("want a size such as 512MB, 1GB or 0B, got %q", s)
+	}
+	if n > math.MaxInt64/mult {
+		return 0, fmt.Errorf("size %q overflows", s)
+	}
+	return n * mult, nil
+}
+
+// applyEnv fills ct's environment-derived fields and records their sources.
+// Problems with a variable's value are reported on the variable.
+func applyEnv(ct *CacheTransceiver, env Env, c *collector, src map[string]Source, prefix string) {
+	envProblem := func(name, format string, args ...any) {
+		c.problems = append(c.problems, Problem{Severity: SevError, Path: "env " + name, Msg: fmt.Sprintf(format, args...)})
+	}
+	set := func(field, name string) { src[prefix+field] = Source{Kind: SourceEnv, Env: name} }
+
+	ct.TransferBufferSize = DefaultTransferBufferSize
+	if v, ok := env.Raw[EnvTransferBuffer]; ok {
+		n, err := ParseByteSize(v)
+		if err != nil {
+			envProblem(EnvTransferBuffer, "%v", err)
+		} else {
+			ct.TransferBufferSize = n
+			set("transfer_buffer_size", EnvTransferBuffer)
+		}
+	}
+	ct.SendBuffers = DefaultSendBuffers
+	if v, ok := env.Raw[EnvSendConcurrency]; ok {
+		n, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || n < 1 || n > maxBufferCount {
+			envProblem(EnvSendConcurrency, "want an integer 1..%d, got %q", maxBufferCount, v)
+		} else {
+			ct.SendBuffers = n
+			set("send_buffers", EnvSendConcurrency)
+		}
+	}
+	ct.RecvBuffers = 1
+	if env.Flag(EnvRequestConcurrent) {
+		ct.RecvBuffers = DefaultConcurrentRecv
+		set("recv_buffers", EnvRequestConcurrent)
+		if v, ok := env.Raw[EnvRecvBufferCount]; ok {
+			n, err := strconv.Atoi(strings.TrimSpace(v))
+			if err != nil || n < 1 || n > maxBufferCount {
+				envProblem(EnvRecvBufferCount, "want an integer 1..%d, got %q", maxBufferCount, v)
+			} else {
+				ct.RecvBuffers = n
+				set("recv_buffers", EnvRecvBufferCount)
+			}
+		}
+	}
+	ct.ZeroCopy = true
+	if v, ok := env.Raw[EnvTryZeroCopy]; ok {
+		switch strings.TrimSpace(v) {
+		case "1":
+			set("zero_copy", EnvTryZeroCopy)
+		case "0":
+			ct.ZeroCopy = false
+			set("zero_copy", EnvTryZeroCopy)
+		default:
+			envProblem(EnvTryZeroCopy, "want 0 or 1, got %q", v)
+		}
+	}
+	if v, ok := env.Raw[EnvTimeOutputPath]; ok && v != "" {
+		ct.TimeOutputPath = v
+		set("time_output_path", EnvTimeOutputPath)
+	}
+	if v, ok := env.Raw[EnvUCXInterface]; ok && v != "" {
+		ct.UCXInterface = v
+		set("ucx_interface", EnvUCXInterface)
+	}
+	ct.Env = env
+}

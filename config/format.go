@@ -1,0 +1,134 @@
+package config
+
+import (
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// Format writes the effective configuration of f as YAML in the file's own
+// form, every value commented with its source (default, file:line:col, env).
+// Settings that come only from the environment are written as comments, so
+// the output loads back (with the same environment) to the same values.
+func (f *File) Format(w io.Writer) error {
+	doc := &yaml.Node{Kind: yaml.MappingNode}
+	switch f.Kind {
+	case KindWorker:
+		f.formatWorker(doc)
+	case KindCluster:
+		f.formatCluster(doc)
+	default:
+		return fmt.Errorf("config: format: file %s has no kind", f.Path)
+	}
+	enc := yaml.NewEncoder(w)
+	enc.SetIndent(2)
+	if err := enc.Encode(doc); err != nil {
+		return fmt.Errorf("config: format %s: %w", f.Path, err)
+	}
+	return enc.Close()
+}
+
+func (f *File) formatWorker(m *yaml.Node) {
+	wk := f.Worker
+	f.addInt(m, "", "tensor_parallel_size", wk.TensorParallelSize)
+	f.addInt(m, "", "pipeline_parallel_size", wk.PipelineParallelSize)
+	f.addKVCache(m, "kv_cache_config", wk.KVCache)
+	if wk.CacheTransceiver == nil {
+		m.Content[0].HeadComment = "cache_transceiver_config: not set (no transceiver: disaggregated requests are refused)"
+		return
+	}
+	f.addCT(m, "cache_transceiver_config", wk.CacheTransceiver)
+}
+
+func (f *File) formatCluster(m *yaml.Node) {
+	cl := f.Cluster
+	f.addScalar(m, "", "hostname", "!!str", cl.Hostname)
+	f.addInt(m, "", "port", cl.Port)
+	for _, g := range []struct {
+		name string
+		g    *ServerGroup
+	}{{"context_servers", &cl.Context}, {"generation_servers", &cl.Generation}} {
+		gm := &yaml.Node{Kind: yaml.MappingNode}
+		m.Content = append(m.Content, key(g.name), gm)
+		f.addInt(gm, g.name, "num_instances", g.g.NumInstances)
+		f.addInt(gm, g.name, "tensor_parallel_size", g.g.TensorParallelSize)
+		f.addInt(gm, g.name, "pipeline_parallel_size", g.g.PipelineParallelSize)
+		if len(g.g.URLs) > 0 {
+			seq := &yaml.Node{Kind: yaml.SequenceNode, Style: yaml.FlowStyle, LineComment: f.Source(join(g.name, "urls")).String()}
+			for _, u := range g.g.URLs {
+				seq.Content = append(seq.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: u})
+			}
+			gm.Content = append(gm.Content, key("urls"), seq)
+		} else {
+			gm.Content[0].HeadComment = "urls: none (the launcher picks free ports)"
+		}
+		rm := &yaml.Node{Kind: yaml.MappingNode}
+		gm.Content = append(gm.Content, key("router"), rm)
+		f.addScalar(rm, join(g.name, "router"), "type", "!!str", g.g.Router)
+		f.addKVCache(gm, join(g.name, "kv_cache_config"), g.g.KVCache)
+		if g.g.CacheTransceiver != nil {
+			f.addCT(gm, join(g.name, "cache_transceiver_config"), g.g.CacheTransceiver)
+		}
+	}
+}
+
+func (f *File) addKVCache(m *yaml.Node, path string, kv KVCache) {
+	km := &yaml.Node{Kind: yaml.MappingNode}
+	m.Content = append(m.Content, key(lastElem(path)), km)
+	f.addInt(km, path, "tokens_per_block", kv.TokensPerBlock)
+	f.addInt(km, path, "max_tokens", kv.MaxTokens)
+}
+
+func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
+	cm := &yaml.Node{Kind: yaml.MappingNode}
+	m.Content = append(m.Content, key(lastElem(path)), cm)
+	if ct.Backend != BackendUnset {
+		f.addScalar(cm, path, "backend", "!!str", string(ct.Backend))
+	}
+	if ct.MaxTokensInBuffer > 0 {
+		f.addInt(cm, path, "max_tokens_in_buffer", ct.MaxTokensInBuffer)
+	}
+	f.addInt(cm, path, "kv_transfer_timeout_ms", ct.KVTransferTimeoutMs)
+	src := func(field string) string { return f.Source(join(path, field)).String() }
+	var foot []string
+	if ct.MaxTokensInBuffer == 0 {
+		foot = append(foot, fmt.Sprintf("max_tokens_in_buffer: unset, staging buffers are %d bytes each (%s %s)",
+			ct.TransferBufferSize, EnvTransferBuffer, src("transfer_buffer_size")))
+	}
+	foot = append(foot,
+		fmt.Sprintf("send buffers: %d (%s)", ct.SendBuffers, src("send_buffers")),
+		fmt.Sprintf("receive buffers: %d (%s)", ct.RecvBuffers, src("recv_buffers")),
+		fmt.Sprintf("zero-copy for identical layouts: %v (%s)", ct.ZeroCopy, src("zero_copy")))
+	if ct.TimeOutputPath != "" {
+		foot = append(foot, fmt.Sprintf("timing CSV directory: %s (%s)", ct.TimeOutputPath, src("time_output_path")))
+	}
+	if ct.UCXInterface != "" {
+		foot = append(foot, fmt.Sprintf("UCX bootstrap interface: %s (%s)", ct.UCXInterface, src("ucx_interface")))
+	}
+	// A head comment on the mapping's first key renders inside the mapping
+	// at its indentation; yaml.v3 misplaces foot comments of nested maps.
+	cm.Content[0].HeadComment = "from the environment:\n" + strings.Join(foot, "\n")
+}
+
+func (f *File) addInt(m *yaml.Node, prefix, k string, v int) {
+	f.addScalar(m, prefix, k, "!!int", strconv.Itoa(v))
+}
+
+func (f *File) addScalar(m *yaml.Node, prefix, k, tag, v string) {
+	m.Content = append(m.Content, key(k), &yaml.Node{Kind: yaml.ScalarNode, Tag: tag, Value: v,
+		LineComment: f.Source(join(prefix, k)).String()})
+}
+
+func key(k string) *yaml.Node { return &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: k} }
+
+func lastElem(path string) string {
+	for i := len(path) - 1; i >= 0; i-- {
+		if path[i] == '.' {
+			return path[i+1:]
+		}
+	}
+	return path
+}

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the system packages kvxfer's build and tests need, only when
+# missing, non-interactively. Needs root for apt-get.
+set -euo pipefail
+
+need=()
+command -v gcc >/dev/null 2>&1 || need+=(gcc libc6-dev)   # cgo, for go test -race
+
+if ((${#need[@]})); then
+	if [[ $(id -u) -ne 0 ]]; then
+		echo "deps: missing ${need[*]} and not root: install them with apt-get" >&2
+		exit 1
+	fi
+	echo "deps: installing ${need[*]}"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+if ! command -v go >/dev/null 2>&1; then
+	echo "deps: go not found on PATH (expected /usr/local/go/bin/go, Go 1.26)" >&2
+	exit 1
+fi

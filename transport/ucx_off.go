@@ -1,0 +1,9 @@
+//go:build !ucx
+
+package transport
+
+import "fmt"
+
+func init() {
+	Register("ucx", fmt.Errorf("%w: build with -tags ucx (needs libucx-dev)", ErrNotBuilt))
+}
