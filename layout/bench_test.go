@@ -1,0 +1,136 @@
+package layout
+
+import "testing"
+
+// Benchmarks on Llama-3.1-8B shapes (32 layers, 8 KV heads, head_dim 128,
+// bf16, 32 tokens per block) for a 4096-token request: 128 blocks. Each
+// family has a "copy" sub-benchmark that moves the same number of bytes with
+// one copy() between two flat buffers, so the ratio can be read off one run.
+// The "staged" variants stream the same blocks through a reused staging
+// buffer of stageBlocks blocks, as the transceiver does; the staging buffer
+// stays in cache, which matters for the side whose runs are scattered.
+
+const (
+	benchTokens = 4096
+	stageBlocks = 4
+)
+
+type benchCase struct {
+	name string
+	ctx  CacheState
+	c    int
+	gen  CacheState
+	g    int
+}
+
+func benchCases() []benchCase {
+	return []benchCase{
+		{"ctxTP2-genTP1", state(llama8B, 2, 1), 0, state(llama8B, 1, 1), 0},
+		{"ctxTP1-genTP2", state(llama8B, 1, 1), 0, state(llama8B, 2, 1), 0},
+		{"ctxTP4PP2-genTP8PP1", state(llama8B, 4, 2), 0, state(llama8B, 8, 1), 0},
+		{"identical", state(llama8B, 2, 1), 0, state(llama8B, 2, 1), 0},
+	}
+}
+
+// benchBlocks returns n blocks of size bytes with every page touched.
+func benchBlocks(n int, size int64) [][]byte {
+	out := make([][]byte, n)
+	for i := range out {
+		out[i] = make([]byte, size)
+		for j := range out[i] {
+			out[i][j] = byte(i + j)
+		}
+	}
+	return out
+}
+
+func benchCopy(b *testing.B, n int64) {
+	src, dst := benchBlocks(1, n)[0], benchBlocks(1, n)[0]
+	b.SetBytes(n)
+	b.ReportAllocs()
+	for b.Loop() {
+		copy(dst, src)
+	}
+}
+
+func BenchmarkPack(b *testing.B) {
+	for _, bc := range benchCases() {
+		b.Run(bc.name, func(b *testing.B) {
+			p := mustPlan(b, bc.ctx, bc.c, bc.gen, bc.g)
+			nb := NumBlocks(benchTokens, llama8B.TokensPerBlock)
+			n := int64(nb) * p.PackedBytesPerBlock()
+			b.Run("pack", func(b *testing.B) {
+				src := benchBlocks(nb, p.SrcBlockBytes())
+				dst := benchBlocks(1, n)[0]
+				b.SetBytes(n)
+				b.ReportAllocs()
+				for b.Loop() {
+					if err := p.Pack(dst, src); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+			b.Run("pack-staged", func(b *testing.B) {
+				src := benchBlocks(nb, p.SrcBlockBytes())
+				stage := benchBlocks(1, stageBlocks*p.PackedBytesPerBlock())[0]
+				b.SetBytes(n)
+				b.ReportAllocs()
+				for b.Loop() {
+					for i := 0; i < nb; i += stageBlocks {
+						if err := p.Pack(stage, src[i:i+stageBlocks]); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			})
+			b.Run("copy", func(b *testing.B) { benchCopy(b, n) })
+		})
+	}
+}
+
+func BenchmarkUnpack(b *testing.B) {
+	for _, bc := range benchCases() {
+		b.Run(bc.name, func(b *testing.B) {
+			p := mustPlan(b, bc.ctx, bc.c, bc.gen, bc.g)
+			nb := NumBlocks(benchTokens, llama8B.TokensPerBlock)
+			n := int64(nb) * p.PackedBytesPerBlock()
+			b.Run("unpack", func(b *testing.B) {
+				src := benchBlocks(1, n)[0]
+				dst := benchBlocks(nb, p.DstBlockBytes())
+				b.SetBytes(n)
+				b.ReportAllocs()
+				for b.Loop() {
+					if err := p.Unpack(dst, src); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+			b.Run("unpack-staged", func(b *testing.B) {
+				stage := benchBlocks(1, stageBlocks*p.PackedBytesPerBlock())[0]
+				dst := benchBlocks(nb, p.DstBlockBytes())
+				b.SetBytes(n)
+				b.ReportAllocs()
+				for b.Loop() {
+					for i := 0; i < nb; i += stageBlocks {
+						if err := p.Unpack(dst[i:i+stageBlocks], stage); err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			})
+			b.Run("copy", func(b *testing.B) { benchCopy(b, n) })
+		})
+	}
+}
+
+// BenchmarkNewPlan measures plan construction, which the transceiver does
+// once per (request, peer rank) unless it caches plans per layout pair.
+func BenchmarkNewPlan(b *testing.B) {
+	ctx, gen := state(llama8B, 4, 2), state(llama8B, 8, 1)
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := NewPlan(ctx, 0, gen, 0); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
