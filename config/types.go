@@ -252,3 +252,22 @@ type NamedTransceiver struct {
 	Path string
 	CT   *CacheTransceiver
 }
+
+// NewCacheTransceiver returns the config of a worker started from flags
+// rather than a file: backend b (parsed, any case), every other file field
+// at its default, the environment applied, validated against
+// tokensPerBlock.
+func NewCacheTransceiver(b string, tokensPerBlock int, env Env) (*CacheTransceiver, error) {
+	backend, err := ParseBackend(b)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	ct := &CacheTransceiver{Backend: backend, KVTransferTimeoutMs: DefaultKVTransferTimeoutMs}
+	c := &collector{}
+	applyEnv(ct, env, c, map[string]Source{}, "")
+	validateCT(ct, tokensPerBlock, c, "cache_transceiver_config", nil)
+	if errs := c.errs(); len(errs) > 0 {
+		return nil, errs
+	}
+	return ct, nil
+}

@@ -3,7 +3,9 @@
 // and why not.
 //
 // transport knows bytes, endpoints and memory regions, never requests,
-// layouts or the public config (it must not import package config). The
-// backend interfaces and the conformance suite arrive with the transceiver;
-// this file set holds the registry every backend will register in.
+// layouts or the public config (it must not import package config). It
+// defines what every backend implements (Backend, Transport, Recv,
+// Descriptor, Options), the errors they share, and the registry they
+// register in. The backends live in sub-packages (tcp), and
+// transporttest is the conformance suite every backend passes.
 package transport

@@ -1,6 +1,7 @@
 package transport
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sort"
@@ -16,7 +17,7 @@ var ErrNotBuilt = errors.New("transport: not built in this binary")
 // kvxfer names but does not implement yet.
 var ErrNotImplemented = errors.New("transport: not implemented yet")
 
-// ErrUnknownBackend is returned by Lookup for a name no backend uses.
+// ErrUnknownBackend is returned for a name no backend uses.
 var ErrUnknownBackend = errors.New("transport: unknown backend")
 
 // Status is a backend's availability in this binary.
@@ -30,33 +31,80 @@ type Status struct {
 // Available reports whether the backend can be used in this binary.
 func (s Status) Available() bool { return s.Err == nil }
 
+type entry struct {
+	backend Backend // nil when unavailable
+	err     error
+}
+
 var (
 	mu       sync.RWMutex
-	registry = map[string]Status{}
+	registry = map[string]entry{}
 )
 
-// Register records a backend's availability. It is called from init
-// functions of backend files; a second registration of one name is a
+// Register makes a backend available under its Name. It is called from the
+// init function of the backend's package; registering one name twice is a
 // programmer error and panics, like sql.Register.
-func Register(name string, availability error) {
+func Register(b Backend) {
+	if b == nil {
+		panic("transport: Register of a nil backend")
+	}
+	register(b.Name(), entry{backend: b})
+}
+
+// RegisterUnavailable records a backend that this binary names but cannot
+// use, with the reason (wrapping ErrNotBuilt or ErrNotImplemented).
+func RegisterUnavailable(name string, why error) {
+	if why == nil {
+		panic("transport: RegisterUnavailable without a reason")
+	}
+	register(name, entry{err: why})
+}
+
+func register(name string, e entry) {
 	name = strings.ToLower(name)
 	mu.Lock()
 	defer mu.Unlock()
-	if _, dup := registry[name]; dup {
-		panic(fmt.Sprintf("transport: Register called twice for backend %q", name))
+	if old, dup := registry[name]; dup && old.backend != nil {
+		panic(fmt.Sprintf("transport: backend %q registered twice", name))
+	} else if dup && e.backend == nil {
+		panic(fmt.Sprintf("transport: backend %q registered twice", name))
 	}
-	registry[name] = Status{Name: name, Err: availability}
+	// A real backend replaces a placeholder that said "not implemented".
+	registry[name] = e
 }
 
 // Lookup returns the status of the named backend (any case).
 func Lookup(name string) (Status, error) {
 	mu.RLock()
 	defer mu.RUnlock()
-	s, ok := registry[strings.ToLower(name)]
+	e, ok := registry[strings.ToLower(name)]
 	if !ok {
 		return Status{}, fmt.Errorf("%w %q", ErrUnknownBackend, name)
 	}
-	return s, nil
+	return Status{Name: strings.ToLower(name), Err: e.err}, nil
+}
+
+// Get returns the named backend, or an error saying why it cannot be used.
+func Get(name string) (Backend, error) {
+	mu.RLock()
+	defer mu.RUnlock()
+	e, ok := registry[strings.ToLower(name)]
+	switch {
+	case !ok:
+		return nil, fmt.Errorf("%w %q", ErrUnknownBackend, name)
+	case e.err != nil:
+		return nil, fmt.Errorf("transport: backend %s: %w", strings.ToLower(name), e.err)
+	}
+	return e.backend, nil
+}
+
+// Open opens the named backend's data plane (see Backend.Open).
+func Open(ctx context.Context, name string, opts Options) (Transport, error) {
+	b, err := Get(name)
+	if err != nil {
+		return nil, err
+	}
+	return b.Open(ctx, opts.WithDefaults())
 }
 
 // All returns every registered backend, sorted by name.
@@ -64,15 +112,9 @@ func All() []Status {
 	mu.RLock()
 	defer mu.RUnlock()
 	out := make([]Status, 0, len(registry))
-	for _, s := range registry {
-		out = append(out, s)
+	for name, e := range registry {
+		out = append(out, Status{Name: name, Err: e.err})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
-}
-
-func init() {
-	// The data planes land with the transceiver (tcp) and the shm/ucx issue.
-	Register("tcp", fmt.Errorf("%w: the TCP data plane arrives with the transceiver", ErrNotImplemented))
-	Register("shm", fmt.Errorf("%w: the shared-memory data plane arrives after the TCP one", ErrNotImplemented))
 }

@@ -5,5 +5,5 @@ package transport
 import "fmt"
 
 func init() {
-	Register("ucx", fmt.Errorf("%w: build with -tags ucx (needs libucx-dev)", ErrNotBuilt))
+	RegisterUnavailable("ucx", fmt.Errorf("%w: build with -tags ucx (needs libucx-dev)", ErrNotBuilt))
 }

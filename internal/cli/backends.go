@@ -35,26 +35,3 @@ func newBackendsCmd() *cobra.Command {
 		},
 	}
 }
-
-// availability answers config.ResolveBackend's question for this binary.
-func availability(b config.Backend) error {
-	switch b {
-	case config.BackendAuto:
-		// AUTO needs at least one backend that works between two ranks.
-		var reasons []string
-		for _, s := range transport.All() {
-			if s.Available() {
-				return nil
-			}
-			reasons = append(reasons, fmt.Sprintf("%s: %v", s.Name, s.Err))
-		}
-		return fmt.Errorf("no backend is available in this binary (%s)", strings.Join(reasons, "; "))
-	case config.BackendDefault, config.BackendUnset:
-		return nil
-	}
-	s, err := transport.Lookup(string(b))
-	if err != nil {
-		return err
-	}
-	return s.Err
-}

@@ -8,6 +8,9 @@ import (
 	"os"
 
 	"github.com/spf13/cobra"
+
+	// The data planes register themselves.
+	_ "github.com/kvxfer/kvxfer/transport/tcp"
 )
 
 // exitError carries an exit status through cobra without printing usage.
@@ -54,6 +57,6 @@ with TensorRT-LLM's cache_transceiver_config.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newVersionCmd(), newBackendsCmd(), newConfigCmd(e))
+	root.AddCommand(newVersionCmd(), newBackendsCmd(), newConfigCmd(e), newBenchCmd(e), newBenchPeerCmd(e))
 	return root
 }

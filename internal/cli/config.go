@@ -5,6 +5,7 @@ import (
 	"io"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/transceiver"
 	"github.com/spf13/cobra"
 )
 
@@ -61,7 +62,7 @@ func checkOne(out, errw io.Writer, path string, env config.Env) bool {
 		return false
 	}
 	for _, nt := range f.Transceivers() {
-		r := nt.CT.Resolve(availability)
+		r := nt.CT.Resolve(transceiver.Availability)
 		fmt.Fprintf(out, "# %s: %s → %s: %s\n", nt.Path+".backend", r.Configured, r.Backend, r.Reason)
 		for _, ig := range r.Ignored {
 			fmt.Fprintf(out, "#   env %s\n", ig)

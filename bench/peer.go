@@ -1,0 +1,226 @@
+package bench
+
+import (
+	"bufio"
+	"context"
+	"encoding/base64"
+	"encoding/binary"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver"
+)
+
+// The parent (generation side) and the child (context side) speak JSON
+// lines over the child's stdin and stdout.
+
+// peerSetup is the first line the parent sends.
+type peerSetup struct {
+	Backend        string `json:"backend"`
+	State          []byte `json:"state"` // layout.CacheState, binary
+	PoolBlocks     int    `json:"pool_blocks"`
+	ReferenceFill  bool   `json:"reference_fill"`
+	MaxTokensInBuf int    `json:"max_tokens_in_buffer,omitempty"`
+}
+
+// peerMsg is every later message, both ways.
+type peerMsg struct {
+	Op        string   `json:"op"` // prepare, prepared, quit, bye, ready, error
+	ID        uint64   `json:"id,omitempty"`
+	Tokens    int      `json:"tokens,omitempty"`
+	Seed      uint64   `json:"seed,omitempty"`
+	Opaque    string   `json:"opaque,omitempty"`
+	Error     string   `json:"error,omitempty"`
+	Endpoints []string `json:"endpoints,omitempty"`
+	Leaked    int      `json:"leaked_blocks,omitempty"`
+	Failed    int      `json:"failed,omitempty"`
+	Bytes     int64    `json:"bytes,omitempty"`
+}
+
+// PeerMain runs the context side of a benchmark: it reads the setup from in,
+// builds a context instance, answers prepare requests by filling blocks and
+// handing them to the transceiver, and exits when told to quit or when in
+// closes (the parent died). It is what `kvxfer bench-peer` runs.
+func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, log *slog.Logger) error {
+	sc := bufio.NewScanner(in)
+	sc.Buffer(make([]byte, 1<<16), 1<<20)
+	enc := json.NewEncoder(out)
+	if !sc.Scan() {
+		return fmt.Errorf("bench peer: no setup line: %v", sc.Err())
+	}
+	var setup peerSetup
+	if err := json.Unmarshal(sc.Bytes(), &setup); err != nil {
+		return fmt.Errorf("bench peer: setup: %w", err)
+	}
+	var st layout.CacheState
+	if err := st.UnmarshalBinary(setup.State); err != nil {
+		return fmt.Errorf("bench peer: setup state: %w", err)
+	}
+	ct, err := config.NewCacheTransceiver(setup.Backend, st.Shape.TokensPerBlock, env)
+	if err != nil {
+		return err
+	}
+	if setup.MaxTokensInBuf > 0 {
+		ct.MaxTokensInBuffer = setup.MaxTokensInBuf
+	}
+	pools, err := newPools(st, setup.PoolBlocks)
+	if err != nil {
+		return err
+	}
+	defer closePools(pools)
+	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: st, Pools: pools, Logger: log})
+	if err != nil {
+		enc.Encode(peerMsg{Op: "error", Error: err.Error()})
+		return err
+	}
+	defer tr.Close()
+	enc.Encode(peerMsg{Op: "ready", Endpoints: tr.Endpoints()})
+
+	// Drain finished context transfers so they do not pile up.
+	failed := 0
+	drain := func(atLeast int) {
+		done, _ := tr.CheckContextTransferStatus(ctx, atLeast)
+		for _, r := range done {
+			if r.Err() != nil {
+				failed++
+				log.Warn("context transfer failed", "request", r.ID, "err", r.Err())
+			}
+		}
+	}
+	for sc.Scan() {
+		var m peerMsg
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			return fmt.Errorf("bench peer: message: %w", err)
+		}
+		switch m.Op {
+		case "prepare":
+			// The generation side may finish a pull before this side has
+			// released the blocks: like an executor whose pool is
+			// exhausted, wait for finished sends before allocating.
+			nb := layout.NumBlocks(m.Tokens, st.Shape.TokensPerBlock)
+			for i := 0; i < 100 && minFree(pools) < nb && tr.PendingContext() > 0; i++ {
+				drain(1)
+			}
+			opaque, err := prepare(tr, st, pools, m, setup.ReferenceFill)
+			reply := peerMsg{Op: "prepared", ID: m.ID, Opaque: opaque}
+			if err != nil {
+				reply.Error = err.Error()
+			}
+			enc.Encode(reply)
+			drain(0)
+		case "rawtcp":
+			reply := peerMsg{Op: "sent"}
+			if err := sendRaw(m.Opaque, m.Bytes); err != nil {
+				reply.Error = err.Error()
+			}
+			enc.Encode(reply)
+		case "quit":
+			drain(-1)
+			leaked := 0
+			for _, p := range pools {
+				leaked += p.NumBlocks() - p.FreeBlocks()
+			}
+			enc.Encode(peerMsg{Op: "bye", Leaked: leaked, Failed: failed})
+			return nil
+		default:
+			return fmt.Errorf("bench peer: unknown op %q", m.Op)
+		}
+	}
+	return sc.Err()
+}
+
+func minFree(pools []*kvcache.Pool) int {
+	m := pools[0].FreeBlocks()
+	for _, p := range pools[1:] {
+		m = min(m, p.FreeBlocks())
+	}
+	return m
+}
+
+func newPools(st layout.CacheState, blocks int) ([]*kvcache.Pool, error) {
+	var pools []*kvcache.Pool
+	for r := range st.Parallel.NumRanks() {
+		p, err := kvcache.NewPool(st.RankLayout(r), blocks, kvcache.MmapAllocator{})
+		if err != nil {
+			closePools(pools)
+			return nil, fmt.Errorf("bench: pool of rank %d (%d blocks): %w", r, blocks, err)
+		}
+		pools = append(pools, p)
+	}
+	return pools, nil
+}
+
+func closePools(pools []*kvcache.Pool) {
+	for _, p := range pools {
+		p.Close()
+	}
+}
+
+// prepare plays the context instance's prefill: allocate the request's
+// blocks, fill them, hand them to the transceiver.
+func prepare(tr *transceiver.Transceiver, st layout.CacheState, pools []*kvcache.Pool, m peerMsg, reference bool) (string, error) {
+	nb := layout.NumBlocks(m.Tokens, st.Shape.TokensPerBlock)
+	blocks := make([][]kvcache.BlockID, len(pools))
+	release := func() {
+		for r, b := range blocks {
+			if len(b) > 0 {
+				pools[r].Release(b...)
+			}
+		}
+	}
+	defer release() // the transceiver holds its own references
+	for r, p := range pools {
+		b, err := p.Allocate(nb)
+		if err != nil {
+			return "", fmt.Errorf("rank %d: %w", r, err)
+		}
+		blocks[r] = b
+	}
+	if reference {
+		l, err := layout.NewLogical(st.Shape, m.Tokens)
+		if err != nil {
+			return "", err
+		}
+		l.Fill(m.Seed)
+		for r := range pools {
+			shard, err := layout.Shard(l, st, r)
+			if err != nil {
+				return "", err
+			}
+			for i, b := range blocks[r] {
+				copy(pools[r].Block(b), shard[i])
+			}
+		}
+	} else {
+		for r, p := range pools {
+			for i, b := range blocks[r] {
+				quickFill(p.Block(b), m.Seed^uint64(r)<<40^uint64(i))
+			}
+		}
+	}
+	req := &transceiver.Request{ID: m.ID, Type: transceiver.ContextOnly, Blocks: blocks}
+	if err := tr.RespondAndSendAsync(req); err != nil {
+		return "", err
+	}
+	return base64.StdEncoding.EncodeToString(req.ContextPhase.OpaqueState), nil
+}
+
+// quickFill writes a cheap non-constant pattern (xorshift64) into b.
+func quickFill(b []byte, seed uint64) {
+	x := seed | 1
+	for len(b) >= 8 {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		binary.LittleEndian.PutUint64(b, x)
+		b = b[8:]
+	}
+	for i := range b {
+		b[i] = byte(x >> (8 * i))
+	}
+}

@@ -1,0 +1,71 @@
+package transceiver
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
+)
+
+// ctrlConn is one control connection between a generation rank (which
+// dialled it) and a context rank. Frames are written whole under wmu; one
+// reader goroutine per connection, owned by the rank, reads them.
+type ctrlConn struct {
+	c    net.Conn
+	br   *bufio.Reader
+	wmu  sync.Mutex
+	peer peerInfo // from the peer's Hello
+
+	closeOnce sync.Once
+	dead      chan struct{} // closed when the connection is closed
+	err       error         // why it died; set before dead is closed
+}
+
+// peerInfo is what a Hello tells about the other side.
+type peerInfo struct {
+	rank     int
+	state    []byte
+	host     string
+	backends []string
+	endpoint string // the address we dialled (generation side) or the remote address
+}
+
+const writeTimeout = 10 * time.Second
+
+func newCtrlConn(c net.Conn) *ctrlConn {
+	return &ctrlConn{c: c, br: bufio.NewReaderSize(c, 16<<10), dead: make(chan struct{})}
+}
+
+// send writes one frame. A write that cannot finish within writeTimeout
+// kills the connection: a control peer that does not read is gone.
+func (cc *ctrlConn) send(f wire.Frame) error {
+	b, err := wire.Append(make([]byte, 0, 128), f)
+	if err != nil {
+		return err
+	}
+	cc.wmu.Lock()
+	defer cc.wmu.Unlock()
+	select {
+	case <-cc.dead:
+		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.peer.endpoint, cc.err)
+	default:
+	}
+	cc.c.SetWriteDeadline(time.Now().Add(writeTimeout))
+	if _, err := cc.c.Write(b); err != nil {
+		cc.close(err)
+		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.peer.endpoint, err)
+	}
+	return nil
+}
+
+// close closes the connection once, recording why.
+func (cc *ctrlConn) close(why error) {
+	cc.closeOnce.Do(func() {
+		cc.err = why
+		cc.c.Close()
+		close(cc.dead)
+	})
+}

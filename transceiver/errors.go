@@ -1,0 +1,26 @@
+package transceiver
+
+import "errors"
+
+// Errors of the transceiver. Failures of a request wrap one of these (or a
+// transport error) with the request id, the peer and what was going on.
+var (
+	// ErrRefused: the context rank refused the request-info (unknown or
+	// expired request, wrong token, incompatible layouts). The reason
+	// follows in the message.
+	ErrRefused = errors.New("transceiver: refused")
+	// ErrPeerAborted: the peer ended the transfer with an error.
+	ErrPeerAborted = errors.New("transceiver: aborted by peer")
+	// ErrTimeout: kv_transfer_timeout_ms passed before the transfer ended.
+	ErrTimeout = errors.New("transceiver: transfer timed out")
+	// ErrCanceled: the request was cancelled locally.
+	ErrCanceled = errors.New("transceiver: transfer cancelled")
+	// ErrClosed: the transceiver was closed.
+	ErrClosed = errors.New("transceiver: closed")
+	// ErrBadOpaqueState: the opaque state does not decode.
+	ErrBadOpaqueState = errors.New("transceiver: bad opaque state")
+	// ErrNoTransceiver: the worker has no cache_transceiver_config.
+	ErrNoTransceiver = errors.New("transceiver: not configured")
+	// ErrPeerLost: the control connection to the peer broke.
+	ErrPeerLost = errors.New("transceiver: peer lost")
+)

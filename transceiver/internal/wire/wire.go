@@ -1,0 +1,436 @@
+package wire
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// Version is the control protocol version carried in Hello. A peer with
+// another version is refused with both versions named.
+const Version = 1
+
+// Limits of the control protocol.
+const (
+	// MaxFrame bounds a frame (type byte and payload).
+	MaxFrame = 64 << 10
+	// MaxReason bounds the text of Refused and Abort.
+	MaxReason = 8 << 10
+	// MaxBlob bounds an opaque field (an encoded CacheState, a descriptor).
+	MaxBlob = 4 << 10
+	// MaxBackends bounds the backend list of Hello.
+	MaxBackends = 16
+	// MaxName bounds a host or backend name.
+	MaxName = 256
+)
+
+// Type identifies a frame.
+type Type uint8
+
+// Frame types.
+const (
+	TypeHello Type = iota + 1
+	TypeRequestInfo
+	TypeReady
+	TypeRefused
+	TypeChunkDesc
+	TypeAbort
+	TypePing
+	TypePong
+)
+
+var typeNames = [...]string{"invalid", "hello", "request-info", "ready", "refused", "chunk-desc", "abort", "ping", "pong"}
+
+func (t Type) String() string {
+	if int(t) < len(typeNames) {
+		return typeNames[t]
+	}
+	return fmt.Sprintf("type(%d)", uint8(t))
+}
+
+// ErrMalformed is wrapped by every decoding error.
+var ErrMalformed = errors.New("wire: malformed frame")
+
+// Frame is one control frame.
+type Frame interface {
+	// Type is the frame's type.
+	Type() Type
+	appendPayload(b []byte) []byte
+	decodePayload(d *decoder)
+}
+
+// Hello opens a control connection, in both directions.
+type Hello struct {
+	Version  uint16
+	Rank     uint32 // sender's rank in its instance
+	State    []byte // sender instance's CacheState (layout encoding)
+	Host     string // host identity, for same-host detection
+	Backends []string
+}
+
+// RequestInfo asks a context rank for its part of a request's KV cache.
+type RequestInfo struct {
+	CtxRequestID uint64
+	Token        [16]byte
+	GenRequestID uint64 // the generation side's id for this transfer; echoed in replies
+	GenRank      uint32
+	GenState     []byte // the generation instance's CacheState, DP rank included
+	// NumBlocks is how many of the request's blocks are wanted: all of them
+	// (equal to the context request's count), or the last NumBlocks when the
+	// generation side already holds a reused prefix; then LastHash, when
+	// HasLastHash, is the hash key of the last block wanted.
+	NumBlocks   uint32
+	HasLastHash bool
+	LastHash    [16]byte
+	// MaxChunkBlocks is the most blocks per chunk the receiver can take.
+	MaxChunkBlocks uint32
+	// Backend is the data-plane backend the receiver chose for this pair.
+	Backend string
+	// Desc, when not empty, is a receipt for the whole transfer already armed
+	// straight into the receiver's blocks (zero-copy): no chunks follow.
+	Desc []byte
+}
+
+// Ready tells the generation rank that the context rank will send, in
+// chunks of ChunkBlocks blocks.
+type Ready struct {
+	CtxRequestID uint64
+	GenRequestID uint64
+	ChunkBlocks  uint32
+}
+
+// Refusal codes.
+const (
+	RefusedUnknown      = 1 // no such request, wrong token, expired or already pulled
+	RefusedIncompatible = 2 // the two CacheStates cannot be paired
+	RefusedBadRequest   = 3 // the request-info itself is wrong
+	RefusedVersion      = 4 // protocol versions differ
+	RefusedUnavailable  = 5 // backend not available, shutting down
+)
+
+// Refused declines a Hello or a RequestInfo, with the reason.
+type Refused struct {
+	CtxRequestID uint64
+	GenRequestID uint64
+	Code         uint8
+	Reason       string
+}
+
+// ChunkDesc hands the context rank the receipt for chunk Index.
+type ChunkDesc struct {
+	CtxRequestID uint64
+	GenRequestID uint64
+	Index        uint32
+	Desc         []byte
+}
+
+// Abort ends a transfer with an error, in either direction.
+type Abort struct {
+	CtxRequestID uint64
+	GenRequestID uint64
+	Reason       string
+}
+
+// Ping asks for a Pong with the same nonce.
+type Ping struct{ Nonce uint64 }
+
+// Pong answers a Ping.
+type Pong struct{ Nonce uint64 }
+
+// Type implementations.
+func (*Hello) Type() Type       { return TypeHello }
+func (*RequestInfo) Type() Type { return TypeRequestInfo }
+func (*Ready) Type() Type       { return TypeReady }
+func (*Refused) Type() Type     { return TypeRefused }
+func (*ChunkDesc) Type() Type   { return TypeChunkDesc }
+func (*Abort) Type() Type       { return TypeAbort }
+func (*Ping) Type() Type        { return TypePing }
+func (*Pong) Type() Type        { return TypePong }
+
+// Append appends f's encoding (length prefix included) to b.
+func Append(b []byte, f Frame) ([]byte, error) {
+	start := len(b)
+	b = append(b, 0, 0, 0, 0, byte(f.Type()))
+	b = f.appendPayload(b)
+	n := len(b) - start - 4
+	if n > MaxFrame {
+		return b[:start], fmt.Errorf("wire: %s frame of %d bytes exceeds %d", f.Type(), n, MaxFrame)
+	}
+	binary.LittleEndian.PutUint32(b[start:], uint32(n))
+	return b, nil
+}
+
+// Write writes one frame to w with a single Write call.
+func Write(w io.Writer, f Frame) error {
+	b, err := Append(make([]byte, 0, 128), f)
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(b)
+	return err
+}
+
+// Read reads one frame from r. A length beyond MaxFrame, an unknown type or
+// a malformed payload is an error wrapping ErrMalformed; the connection
+// should then be closed, since framing can no longer be trusted.
+func Read(r *bufio.Reader) (Frame, error) {
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return nil, err
+	}
+	n := binary.LittleEndian.Uint32(hdr[:])
+	if n == 0 || n > MaxFrame {
+		return nil, fmt.Errorf("%w: length %d not in 1..%d", ErrMalformed, n, MaxFrame)
+	}
+	buf := make([]byte, n)
+	if _, err := io.ReadFull(r, buf); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return nil, err
+	}
+	return Decode(buf)
+}
+
+// Decode decodes one frame body (type byte and payload, no length prefix).
+func Decode(body []byte) (Frame, error) {
+	if len(body) == 0 {
+		return nil, fmt.Errorf("%w: empty frame", ErrMalformed)
+	}
+	var f Frame
+	switch Type(body[0]) {
+	case TypeHello:
+		f = &Hello{}
+	case TypeRequestInfo:
+		f = &RequestInfo{}
+	case TypeReady:
+		f = &Ready{}
+	case TypeRefused:
+		f = &Refused{}
+	case TypeChunkDesc:
+		f = &ChunkDesc{}
+	case TypeAbort:
+		f = &Abort{}
+	case TypePing:
+		f = &Ping{}
+	case TypePong:
+		f = &Pong{}
+	default:
+		return nil, fmt.Errorf("%w: unknown frame type %d", ErrMalformed, body[0])
+	}
+	d := &decoder{buf: body, off: 1, frame: f.Type()}
+	f.decodePayload(d)
+	if d.err == nil && d.off != len(d.buf) {
+		d.fail("end", fmt.Sprintf("%d trailing bytes", len(d.buf)-d.off))
+	}
+	if d.err != nil {
+		return nil, d.err
+	}
+	return f, nil
+}
+
+// decoder reads bounded fields and records the first error with its
+// position.
+type decoder struct {
+	buf   []byte
+	off   int
+	frame Type
+	err   error
+}
+
+func (d *decoder) fail(field, why string) {
+	if d.err == nil {
+		d.err = fmt.Errorf("%w: %s.%s at byte %d: %s", ErrMalformed, d.frame, field, d.off, why)
+	}
+}
+
+func (d *decoder) uvarint(field string, max uint64) uint64 {
+	if d.err != nil {
+		return 0
+	}
+	v, n := binary.Uvarint(d.buf[d.off:])
+	if n <= 0 {
+		d.fail(field, "truncated or overlong varint")
+		return 0
+	}
+	if v > max {
+		d.fail(field, fmt.Sprintf("value %d exceeds %d", v, max))
+		return 0
+	}
+	d.off += n
+	return v
+}
+
+func (d *decoder) fixed(field string, dst []byte) {
+	if d.err != nil {
+		return
+	}
+	if len(d.buf)-d.off < len(dst) {
+		d.fail(field, fmt.Sprintf("need %d bytes, have %d", len(dst), len(d.buf)-d.off))
+		return
+	}
+	copy(dst, d.buf[d.off:])
+	d.off += len(dst)
+}
+
+func (d *decoder) bool(field string) bool {
+	if d.err != nil {
+		return false
+	}
+	v := d.uvarint(field, 1)
+	return v == 1
+}
+
+func (d *decoder) bytes(field string, max int) []byte {
+	n := int(d.uvarint(field+".len", uint64(max)))
+	if d.err != nil {
+		return nil
+	}
+	if len(d.buf)-d.off < n {
+		d.fail(field, fmt.Sprintf("length %d, only %d bytes left", n, len(d.buf)-d.off))
+		return nil
+	}
+	out := make([]byte, n)
+	copy(out, d.buf[d.off:])
+	d.off += n
+	return out
+}
+
+func (d *decoder) string(field string, max int) string { return string(d.bytes(field, max)) }
+
+func appendBytes(b, v []byte) []byte {
+	b = binary.AppendUvarint(b, uint64(len(v)))
+	return append(b, v...)
+}
+
+func appendBool(b []byte, v bool) []byte {
+	if v {
+		return append(b, 1)
+	}
+	return append(b, 0)
+}
+
+func (f *Hello) appendPayload(b []byte) []byte {
+	b = binary.AppendUvarint(b, uint64(f.Version))
+	b = binary.AppendUvarint(b, uint64(f.Rank))
+	b = appendBytes(b, f.State)
+	b = appendBytes(b, []byte(f.Host))
+	b = binary.AppendUvarint(b, uint64(len(f.Backends)))
+	for _, s := range f.Backends {
+		b = appendBytes(b, []byte(s))
+	}
+	return b
+}
+
+func (f *Hello) decodePayload(d *decoder) {
+	f.Version = uint16(d.uvarint("version", 1<<16-1))
+	f.Rank = uint32(d.uvarint("rank", 1<<20))
+	f.State = d.bytes("state", MaxBlob)
+	f.Host = d.string("host", MaxName)
+	n := int(d.uvarint("backends", MaxBackends))
+	for i := 0; i < n && d.err == nil; i++ {
+		f.Backends = append(f.Backends, d.string(fmt.Sprintf("backends[%d]", i), MaxName))
+	}
+}
+
+func (f *RequestInfo) appendPayload(b []byte) []byte {
+	b = binary.AppendUvarint(b, f.CtxRequestID)
+	b = append(b, f.Token[:]...)
+	b = binary.AppendUvarint(b, f.GenRequestID)
+	b = binary.AppendUvarint(b, uint64(f.GenRank))
+	b = appendBytes(b, f.GenState)
+	b = binary.AppendUvarint(b, uint64(f.NumBlocks))
+	b = appendBool(b, f.HasLastHash)
+	if f.HasLastHash {
+		b = append(b, f.LastHash[:]...)
+	}
+	b = binary.AppendUvarint(b, uint64(f.MaxChunkBlocks))
+	b = appendBytes(b, []byte(f.Backend))
+	return appendBytes(b, f.Desc)
+}
+
+func (f *RequestInfo) decodePayload(d *decoder) {
+	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
+	d.fixed("token", f.Token[:])
+	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	f.GenRank = uint32(d.uvarint("gen_rank", 1<<20))
+	f.GenState = d.bytes("gen_state", MaxBlob)
+	f.NumBlocks = uint32(d.uvarint("num_blocks", 1<<31-1))
+	f.HasLastHash = d.bool("has_last_hash")
+	if f.HasLastHash {
+		d.fixed("last_hash", f.LastHash[:])
+	}
+	f.MaxChunkBlocks = uint32(d.uvarint("max_chunk_blocks", 1<<31-1))
+	f.Backend = d.string("backend", MaxName)
+	f.Desc = d.bytes("desc", MaxBlob)
+}
+
+func (f *Ready) appendPayload(b []byte) []byte {
+	b = binary.AppendUvarint(b, f.CtxRequestID)
+	b = binary.AppendUvarint(b, f.GenRequestID)
+	return binary.AppendUvarint(b, uint64(f.ChunkBlocks))
+}
+
+func (f *Ready) decodePayload(d *decoder) {
+	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	f.ChunkBlocks = uint32(d.uvarint("chunk_blocks", 1<<31-1))
+}
+
+func (f *Refused) appendPayload(b []byte) []byte {
+	b = binary.AppendUvarint(b, f.CtxRequestID)
+	b = binary.AppendUvarint(b, f.GenRequestID)
+	b = append(b, f.Code)
+	return appendBytes(b, []byte(truncate(f.Reason)))
+}
+
+func (f *Refused) decodePayload(d *decoder) {
+	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	var c [1]byte
+	d.fixed("code", c[:])
+	f.Code = c[0]
+	f.Reason = d.string("reason", MaxReason)
+}
+
+func (f *ChunkDesc) appendPayload(b []byte) []byte {
+	b = binary.AppendUvarint(b, f.CtxRequestID)
+	b = binary.AppendUvarint(b, f.GenRequestID)
+	b = binary.AppendUvarint(b, uint64(f.Index))
+	return appendBytes(b, f.Desc)
+}
+
+func (f *ChunkDesc) decodePayload(d *decoder) {
+	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	f.Index = uint32(d.uvarint("index", 1<<31-1))
+	f.Desc = d.bytes("desc", MaxBlob)
+}
+
+func (f *Abort) appendPayload(b []byte) []byte {
+	b = binary.AppendUvarint(b, f.CtxRequestID)
+	b = binary.AppendUvarint(b, f.GenRequestID)
+	return appendBytes(b, []byte(truncate(f.Reason)))
+}
+
+func (f *Abort) decodePayload(d *decoder) {
+	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	f.Reason = d.string("reason", MaxReason)
+}
+
+func (f *Ping) appendPayload(b []byte) []byte { return binary.AppendUvarint(b, f.Nonce) }
+func (f *Ping) decodePayload(d *decoder)      { f.Nonce = d.uvarint("nonce", 1<<64-1) }
+func (f *Pong) appendPayload(b []byte) []byte { return binary.AppendUvarint(b, f.Nonce) }
+func (f *Pong) decodePayload(d *decoder)      { f.Nonce = d.uvarint("nonce", 1<<64-1) }
+
+// truncate cuts a reason to MaxReason bytes so that an encoder never
+// produces a frame its peer must refuse.
+func truncate(s string) string {
+	if len(s) > MaxReason {
+		return s[:MaxReason-3] + "..."
+	}
+	return s
+}

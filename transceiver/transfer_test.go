@@ -1,0 +1,379 @@
+package transceiver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// TestPairings moves requests over real loopback TCP between instances of
+// different layouts and checks every generation byte against the reference.
+func TestPairings(t *testing.T) {
+	bf, fp16, fp8 := kvcache.BF16, kvcache.FP16, kvcache.FP8E4M3
+	uneven := func(s layout.CacheState, per ...int) layout.CacheState {
+		s.Parallel.LayersPerPP = per
+		return s
+	}
+	tests := []struct {
+		name     string
+		ctx, gen layout.CacheState
+	}{
+		{"identical TP1 (zero-copy)", state(4, 4, 16, 4, bf, 1, 1, false), state(4, 4, 16, 4, bf, 1, 1, false)},
+		{"identical TP2 PP2 (zero-copy)", state(4, 4, 16, 4, bf, 2, 2, false), state(4, 4, 16, 4, bf, 2, 2, false)},
+		{"TP2 to TP1", state(4, 4, 16, 4, bf, 2, 1, false), state(4, 4, 16, 4, bf, 1, 1, false)},
+		{"TP1 to TP2", state(4, 4, 16, 4, fp16, 1, 1, false), state(4, 4, 16, 4, fp16, 2, 1, false)},
+		{"TP4 PP2 to TP2 PP1", state(4, 4, 16, 4, bf, 4, 2, false), state(4, 4, 16, 4, bf, 2, 1, false)},
+		{"TP1 PP2 to TP2 PP2 uneven", uneven(state(5, 4, 16, 4, fp8, 1, 2, false), 1, 4), uneven(state(5, 4, 16, 4, fp8, 2, 2, false), 3, 2)},
+		{"duplicated heads TP4 to TP1", state(4, 2, 16, 4, bf, 4, 1, false), state(4, 2, 16, 4, bf, 1, 1, false)},
+		{"duplicated heads TP1 to TP4", state(4, 2, 16, 4, bf, 1, 1, false), state(4, 2, 16, 4, bf, 4, 1, false)},
+		{"MLA TP2 PP1 to TP1 PP2", state(4, 1, 36, 4, bf, 2, 1, true), state(4, 1, 36, 4, bf, 1, 2, true)},
+		{"MLA TP4 PP2 to TP2 PP2", state(4, 1, 36, 4, fp8, 4, 2, true), state(4, 1, 36, 4, fp8, 2, 2, true)},
+		{"TP3 to TP2 (not a power of two)", state(2, 6, 8, 4, bf, 3, 1, false), state(2, 6, 8, 4, bf, 2, 1, false)},
+	}
+	for i, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := newInst(t, tc.ctx, testCfg(), 64)
+			gen := newInst(t, tc.gen, testCfg(), 64)
+			// 37 tokens: a partial last block; 150 tokens: several chunks
+			// through the 64 KiB staging buffers.
+			transfer(t, ctx, gen, uint64(10*i+1), 37, uint64(i), 0, 0)
+			transfer(t, ctx, gen, uint64(10*i+2), 150, uint64(i+100), 0, 0)
+		})
+	}
+}
+
+// TestAttentionDP: the generation side has attention DP; the request lives
+// in one DP group.
+func TestAttentionDP(t *testing.T) {
+	cs := state(4, 4, 16, 4, kvcache.BF16, 2, 1, false)
+	gs := state(4, 4, 16, 4, kvcache.BF16, 4, 1, false)
+	gs.Parallel.AttentionDP, gs.Parallel.DPSize = true, 2
+	ctx := newInst(t, cs, testCfg(), 32)
+	gen := newInst(t, gs, testCfg(), 32)
+	transfer(t, ctx, gen, 1, 40, 1, 0, 1)
+	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
+}
+
+// TestLargerThanBuffer: a request 8× the staging buffer streams through it.
+func TestLargerThanBuffer(t *testing.T) {
+	s1 := state(4, 4, 32, 8, kvcache.BF16, 1, 1, false) // block = 4×2×4×8×32×2 = 16 KiB
+	s2 := state(4, 4, 32, 8, kvcache.BF16, 2, 1, false)
+	cfg := testCfg(func(c *config.CacheTransceiver) { c.MaxTokensInBuffer = 16 }) // 3 blocks
+	ctx := newInst(t, s1, cfg, 64)
+	gen := newInst(t, s2, cfg, 64)
+	// 24 blocks of 16 KiB: 8× the 48 KiB buffer.
+	transfer(t, ctx, gen, 1, 24*8, 7, 0, 0)
+	// Pools hold no more than they did: the chunks went through the
+	// buffers, whose number and size are fixed.
+	for _, r := range gen.t.ranks {
+		if r.recvBufs.count() != 1 || r.recvBufs.size != 3*int(gen.pools[r.idx].BlockBytes()) {
+			t.Errorf("rank %d: %d receive buffers of %d bytes", r.idx, r.recvBufs.count(), r.recvBufs.size)
+		}
+	}
+}
+
+// TestConcurrentSmall runs 1,000 one-block transfers, many at a time.
+func TestConcurrentSmall(t *testing.T) {
+	n := 1000
+	if testing.Short() {
+		n = 200
+	}
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	ctx := newInst(t, s, testCfg(), 256)
+	gen := newInst(t, s, testCfg(), 256)
+	l, _ := layout.NewLogical(s.Shape, 4)
+	l.Fill(3)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, 64)
+	errs := make(chan error, n)
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			errs <- oneSmall(ctx, gen, l, uint64(i+1))
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	got, err := ctx.t.CheckContextTransferStatus(context.Background(), -1)
+	if err != nil || len(got) != n {
+		t.Fatalf("CheckContextTransferStatus: %d requests, %v", len(got), err)
+	}
+	if !gen.t.GenTransferComplete() {
+		t.Error("GenTransferComplete false after every receive ended")
+	}
+}
+
+func oneSmall(ctx, gen *inst, l *layout.Logical, id uint64) error {
+	cb, err := ctx.pools[0].Allocate(1)
+	if err != nil {
+		return err
+	}
+	shard, _ := layout.Shard(l, ctx.state, 0)
+	copy(ctx.pools[0].Block(cb[0]), shard[0])
+	creq := &Request{ID: id, Type: ContextOnly, Blocks: [][]kvcache.BlockID{cb}}
+	if err := ctx.t.RespondAndSendAsync(creq); err != nil {
+		return err
+	}
+	ctx.pools[0].Release(cb...)
+	gb, err := gen.pools[0].Allocate(1)
+	if err != nil {
+		return err
+	}
+	defer gen.pools[0].Release(gb...)
+	greq := &Request{ID: id, Type: GenerationOnly, Blocks: [][]kvcache.BlockID{gb}, ContextPhase: creq.ContextPhase}
+	c, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := gen.t.RequestAndReceiveSync(c, greq); err != nil {
+		return fmt.Errorf("request %d: %w", id, err)
+	}
+	if got := gen.pools[0].Block(gb[0]); string(got) != string(shard[0]) {
+		return fmt.Errorf("request %d: wrong bytes", id)
+	}
+	return nil
+}
+
+// startCtx prepares and hands over one context request; it returns the
+// request and the logical cache.
+func startCtx(t *testing.T, ctx *inst, id uint64, tokens int) (*Request, *layout.Logical) {
+	t.Helper()
+	var l *layout.Logical
+	nb := layout.NumBlocks(tokens, ctx.state.Shape.TokensPerBlock)
+	cb := ctx.alloc(t, 0, nb)
+	if tokens <= 1024 { // the naive reference is slow; large requests here test control flow, not bytes
+		l, _ = layout.NewLogical(ctx.state.Shape, tokens)
+		l.Fill(id)
+		ctx.fill(t, l, 0, cb)
+	}
+	creq := &Request{ID: id, Type: ContextOnly, Blocks: cb}
+	if err := ctx.t.RespondAndSendAsync(creq); err != nil {
+		t.Fatal(err)
+	}
+	ctx.release(t, cb)
+	return creq, l
+}
+
+func genReqFor(gen *inst, t *testing.T, creq *Request, nb int) *Request {
+	return &Request{ID: creq.ID, Type: GenerationOnly, Blocks: gen.alloc(t, 0, nb),
+		ContextPhase: &ContextPhaseParams{CtxRequestID: creq.ID, OpaqueState: creq.ContextPhase.OpaqueState}}
+}
+
+func TestWrongToken(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	ctx := newInst(t, s, testCfg(), 16)
+	gen := newInst(t, s, testCfg(), 16)
+	creq, _ := startCtx(t, ctx, 5, 8)
+	var op OpaqueState
+	if err := op.UnmarshalBinary(creq.ContextPhase.OpaqueState); err != nil {
+		t.Fatal(err)
+	}
+	op.Token[3] ^= 1
+	forged, _ := op.MarshalBinary()
+	greq := genReqFor(gen, t, creq, 2)
+	greq.ContextPhase.OpaqueState = forged
+	err := gen.t.RequestAndReceiveSync(context.Background(), greq)
+	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "unknown id or wrong token") {
+		t.Fatalf("forged token: %v", err)
+	}
+	if greq.State() != DisaggTransError {
+		t.Errorf("state %s", greq.State())
+	}
+	gen.release(t, greq.Blocks)
+	// The real request is untouched: it can still be pulled.
+	real := genReqFor(gen, t, creq, 2)
+	if err := gen.t.RequestAndReceiveSync(context.Background(), real); err != nil {
+		t.Fatalf("the genuine pull after a forged one: %v", err)
+	}
+	gen.release(t, real.Blocks)
+	// And not twice.
+	again := genReqFor(gen, t, creq, 2)
+	if err := gen.t.RequestAndReceiveSync(context.Background(), again); !errors.Is(err, ErrRefused) {
+		t.Fatalf("second pull of one request: %v", err)
+	}
+	gen.release(t, again.Blocks)
+}
+
+func TestIncompatible(t *testing.T) {
+	cs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
+	gs := state(4, 4, 32, 8, kvcache.FP16, 1, 1, false)
+	ctx := newInst(t, cs, testCfg(), 16)
+	gen := newInst(t, gs, testCfg(), 16)
+	creq, _ := startCtx(t, ctx, 9, 8)
+	greq := genReqFor(gen, t, creq, 1)
+	err := gen.t.RequestAndReceiveAsync(greq)
+	// Checked before any byte moves, on the generation side, with both
+	// values of every differing field.
+	if err == nil {
+		t.Fatal("incompatible states accepted")
+	}
+	for _, want := range []string{"dtype", "bf16", "fp16", "head_dim", "16", "32", "tokens_per_block"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error lacks %q: %v", want, err)
+		}
+	}
+	gen.release(t, greq.Blocks)
+	ctx.t.Cancel(creq)
+	waitDone(t, creq, 5*time.Second)
+}
+
+// TestIncompatibleRefusedByContext: a generation rank that skips its own
+// check still gets the context rank's refusal with the fields listed.
+func TestIncompatibleRefusedByContext(t *testing.T) {
+	cs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
+	gs := state(4, 4, 16, 4, kvcache.FP16, 1, 1, false)
+	ctx := newInst(t, cs, testCfg(), 16)
+	gen := newInst(t, gs, testCfg(), 16)
+	creq, _ := startCtx(t, ctx, 9, 8)
+	// Lie about the context state so that the generation side's own check
+	// passes and the request-info goes out.
+	var op OpaqueState
+	op.UnmarshalBinary(creq.ContextPhase.OpaqueState)
+	op.State.Shape.DType = kvcache.FP16
+	lie, _ := op.MarshalBinary()
+	greq := genReqFor(gen, t, creq, 2)
+	greq.ContextPhase.OpaqueState = lie
+	err := gen.t.RequestAndReceiveSync(context.Background(), greq)
+	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "dtype") || !strings.Contains(err.Error(), "bf16") {
+		t.Fatalf("refusal: %v", err)
+	}
+	gen.release(t, greq.Blocks)
+	ctx.t.Cancel(creq)
+	waitDone(t, creq, 5*time.Second)
+}
+
+// TestContextTimeout: nobody pulls; the blocks go back at the deadline.
+func TestContextTimeout(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false)
+	ctx := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16)
+	creq, _ := startCtx(t, ctx, 1, 16)
+	if got := ctx.pools[0].FreeBlocks(); got != 12 {
+		t.Fatalf("free blocks while held: %d, want 12", got)
+	}
+	waitDone(t, creq, 5*time.Second)
+	if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrTimeout) {
+		t.Fatalf("state %s, err %v", creq.State(), creq.Err())
+	}
+	for r, p := range ctx.pools {
+		if p.FreeBlocks() != 16 {
+			t.Errorf("rank %d: %d free after the deadline", r, p.FreeBlocks())
+		}
+	}
+}
+
+// TestGenerationTimeout: the context instance is gone; the receive fails
+// within its deadline.
+func TestGenerationTimeout(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	cfg := testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 300 })
+	gen := newInst(t, s, cfg, 16)
+	// A listener that accepts and never answers: the handshake hangs.
+	silent := newSilentListener(t)
+	op := &OpaqueState{RequestID: 1, State: s, Endpoints: []string{silent}}
+	enc, _ := op.MarshalBinary()
+	greq := &Request{ID: 1, Type: GenerationOnly, Blocks: gen.alloc(t, 0, 1), ContextPhase: &ContextPhaseParams{OpaqueState: enc}}
+	start := time.Now()
+	err := gen.t.RequestAndReceiveSync(context.Background(), greq)
+	if !errors.Is(err, ErrTimeout) {
+		t.Fatalf("err %v", err)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Errorf("failed after %v; the deadline was 300ms", d)
+	}
+	gen.release(t, greq.Blocks)
+}
+
+// TestCancel cancels on each side, before and during the transfer.
+func TestCancel(t *testing.T) {
+	s := state(4, 8, 64, 16, kvcache.BF16, 1, 1, false) // 64 KiB blocks
+	t.Run("context before pull", func(t *testing.T) {
+		ctx := newInst(t, s, testCfg(), 64)
+		gen := newInst(t, s, testCfg(), 64)
+		creq, _ := startCtx(t, ctx, 1, 64)
+		if !ctx.t.Cancel(creq) {
+			t.Fatal("Cancel returned false")
+		}
+		waitDone(t, creq, 5*time.Second)
+		if !errors.Is(creq.Err(), ErrCanceled) || creq.State() != DisaggTransError {
+			t.Fatalf("%s %v", creq.State(), creq.Err())
+		}
+		if ctx.t.Cancel(creq) {
+			t.Error("second Cancel returned true")
+		}
+		greq := genReqFor(gen, t, creq, 4)
+		if err := gen.t.RequestAndReceiveSync(context.Background(), greq); !errors.Is(err, ErrRefused) {
+			t.Fatalf("pull after cancel: %v", err)
+		}
+		gen.release(t, greq.Blocks)
+	})
+	t.Run("generation during pull", func(t *testing.T) {
+		ctx := newInst(t, s, testCfg(), 600)
+		gen := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), 600)
+		creq, _ := startCtx(t, ctx, 2, 512*16) // 32 MiB through 64 KiB chunks
+		greq := genReqFor(gen, t, creq, 512)
+		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+		cancelled := gen.t.Cancel(greq)
+		waitDone(t, greq, 5*time.Second)
+		if !cancelled {
+			t.Skip("the transfer ended before the cancel: nothing to check")
+		}
+		if !errors.Is(greq.Err(), ErrCanceled) || greq.State() != DisaggTransError {
+			t.Fatalf("gen: %s %v", greq.State(), greq.Err())
+		}
+		// The abort reaches the context side, which ends in error too.
+		waitDone(t, creq, 5*time.Second)
+		if creq.State() != DisaggTransError && creq.State() != DisaggContextComplete {
+			t.Fatalf("ctx: %s", creq.State())
+		}
+		gen.release(t, greq.Blocks)
+	})
+	t.Run("context during pull", func(t *testing.T) {
+		ctx := newInst(t, s, testCfg(), 600)
+		gen := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), 600)
+		creq, _ := startCtx(t, ctx, 3, 512*16)
+		greq := genReqFor(gen, t, creq, 512)
+		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+		cancelled := ctx.t.Cancel(creq)
+		waitDone(t, creq, 5*time.Second)
+		waitDone(t, greq, 5*time.Second)
+		if !cancelled {
+			t.Skip("the transfer ended before the cancel: nothing to check")
+		}
+		if greq.State() != DisaggTransError || (!errors.Is(greq.Err(), ErrPeerAborted) && !errors.Is(greq.Err(), transport.ErrAborted)) {
+			t.Fatalf("gen: %s %v, want an abort from the context side", greq.State(), greq.Err())
+		}
+		gen.release(t, greq.Blocks)
+	})
+}
+
+func TestNoTransceiver(t *testing.T) {
+	_, err := New(context.Background(), &config.CacheTransceiver{}, Options{})
+	if !errors.Is(err, ErrNoTransceiver) {
+		t.Fatalf("%v", err)
+	}
+	_, err = New(context.Background(), &config.CacheTransceiver{Backend: config.BackendNIXL}, Options{State: state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)})
+	if err == nil || !strings.Contains(err.Error(), "NIXL") {
+		t.Fatalf("NIXL: %v", err)
+	}
+}

@@ -1,0 +1,75 @@
+// Package tcp is kvxfer's pure-Go TCP data plane, registered as the
+// transport backend "tcp" by its init function (import it for that effect).
+//
+// It owns moving bytes between a Send and the memory of an armed receipt
+// over TCP connections; it knows nothing of requests, layouts or config, and
+// it does not authenticate peers beyond the unguessable tag in a descriptor:
+// whoever holds a descriptor can fill, or abort, that receipt.
+//
+// # Receipts, tags and descriptors
+//
+// Expect registers a receipt under a random 64-bit tag from crypto/rand and
+// returns its descriptor: version, the receiver's endpoint, the tag and the
+// total length (wire formats in wire.go). A peer cannot write into another
+// receipt's memory without its tag.
+//
+// # Frames and streams
+//
+// A sender dials, lazily, Options.Streams connections per receiver endpoint
+// (TCP_NODELAY) and starts each with a preface: magic, protocol version and
+// a random session id shared by all connections of that sending Transport.
+// Send cuts its bytes into frames of at most Options.FrameBytes; each frame
+// is a fixed 64-byte header (type, tag, offset, length, reserved space)
+// followed by the payload and zero padding to a multiple of 64 bytes, written
+// with one vectored write straight from the caller's slices. (The padding
+// keeps every payload 64-byte aligned in the kernel's socket buffers; copies
+// between misaligned addresses run at half speed or worse.) The frames of one Send are spread over the streams, one goroutine
+// per stream; concurrent Sends share the connections and interleave at frame
+// boundaries (a write lock per connection).
+//
+// Each accepted connection has one reader. It checks every header (a known
+// type, a length of at most transport.MaxFrameBytes, the frame inside its
+// receipt) and reads the payload straight into the receipt's memory; a frame
+// for an unknown or ended tag is read into a small per-connection scratch
+// buffer and dropped. A malformed frame closes that connection
+// (transport.ErrProtocol) and nothing else. A receipt completes when all its
+// bytes have arrived; an ABORT frame fails it with transport.ErrAborted.
+//
+// # Cancel
+//
+// Send: when ctx ends, the streams stop before their next frame, a frame
+// being written gets a grace of one second (then its connection, whose byte
+// stream is now corrupt, is closed and dropped from the pool, and a later
+// Send redials), an ABORT for the tag is written, and Send returns an error
+// wrapping ctx.Err() (a *transport.TimeoutError for a deadline).
+//
+// Recv.Cancel: the receipt ends with transport.ErrCanceled; a reader in the
+// middle of one of its frames is interrupted (a read deadline in the past),
+// stops writing into dst after the Read in progress and drops the rest of
+// the frame, so the connection survives. Cancel returns when no reader
+// writes into dst any more; a reader that does not let go within a second
+// has its connection closed. The sender is not told: its frames are dropped
+// and its Send succeeds. Telling it is the control plane's business.
+//
+// # Connection failure
+//
+// Connections from one sending Transport form a session. A receipt is bound
+// to the session of its first frame (frames for it from another session fail
+// it with ErrProtocol). The receipts of a session fail with
+// transport.ErrPeerLost when
+//   - a connection breaks in the middle of one of their frames (that receipt);
+//   - a connection of the session breaks other than by a clean end between
+//     frames, such as a reset or a protocol error, since bytes of any of them
+//     may have been lost with it (every receipt bound to the session);
+//   - the last connection of the session ends, however cleanly: nobody is
+//     left to complete them (every receipt bound to the session).
+//
+// A receipt that has seen no frame is bound to nobody: if its sender never
+// comes, the caller's deadline ends it (Cancel). A sending Transport that
+// closes aborts its Sends in flight before it closes its connections.
+//
+// On the sending side, every pooled connection has a goroutine that reads
+// from it (receivers never write), so that a peer closing or resetting it is
+// noticed at once: the connection is dropped from the pool and writes in
+// progress on it fail with transport.ErrPeerLost.
+package tcp

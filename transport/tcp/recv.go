@@ -1,0 +1,447 @@
+package tcp
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// prefaceTimeout bounds the wait for a new connection's preface.
+const prefaceTimeout = 10 * time.Second
+
+// scratchBytes is the size of the per-connection buffer that frames for
+// unknown or ended receipts are read into and dropped.
+const scratchBytes = 64 << 10
+
+// errLetGo tells a reader that the receipt it is reading into has ended: it
+// stops writing into dst and drops the rest of the frame.
+var errLetGo = errors.New("tcp: receipt ended")
+
+// aLongTimeAgo is a read deadline in the past: setting it makes a blocked
+// Read return at once (net/http uses the same trick).
+var aLongTimeAgo = time.Unix(1, 0)
+
+// recv is one armed receipt.
+type recv struct {
+	t     *Transport
+	tag   uint64
+	desc  transport.Descriptor
+	dst   [][]byte
+	ends  []int64 // ends[i]: offset just past dst[i] in the receipt
+	total int64
+	done  chan struct{}
+	// finished is set (under t.mu) when the receipt has ended; readers test
+	// it after every Read without the lock.
+	finished atomic.Bool
+
+	// Guarded by t.mu.
+	err      error
+	received int64    // bytes of completed frames
+	active   int      // readers between frame start and letting go of dst
+	session  *session // the sender session it is bound to; nil before a frame
+	closed   bool     // done is closed
+}
+
+// session groups the inbound connections of one sending Transport (the id in
+// their preface). Guarded by Transport.mu.
+type session struct {
+	id    uint64
+	conns int
+}
+
+// inConn is an accepted data connection and its reader's state.
+type inConn struct {
+	nc      net.Conn
+	remote  string
+	sess    *session
+	cur     *recv // receipt a frame is being read into; guarded by t.mu
+	hdr     [headerLen]byte
+	scratch []byte
+}
+
+var _ transport.Recv = (*recv)(nil)
+
+// Expect arms a receipt of sum(len(dst[i])) bytes under a fresh random tag.
+func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
+	ends := make([]int64, len(dst))
+	var total int64
+	for i, b := range dst {
+		total += int64(len(b))
+		ends[i] = total
+	}
+	if total == 0 {
+		return nil, errors.New("tcp: expect: nothing to receive (total length 0)")
+	}
+	r := &recv{t: t, dst: dst, ends: ends, total: total, done: make(chan struct{})}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return nil, &transport.ClosedError{Op: "expect"}
+	}
+	for r.tag == 0 || t.receipts[r.tag] != nil {
+		r.tag = randUint64()
+	}
+	t.receipts[r.tag] = r
+	t.mu.Unlock()
+	r.desc = descriptor{endpoint: t.endpoint, tag: r.tag, total: total}.encode()
+	return r, nil
+}
+
+// Descriptor returns a copy of the receipt's descriptor.
+func (r *recv) Descriptor() transport.Descriptor { return slices.Clone(r.desc) }
+
+// Done is closed when the receipt has ended and no reader writes into dst.
+func (r *recv) Done() <-chan struct{} { return r.done }
+
+// Err returns why the receipt failed, or nil before Done and on success.
+func (r *recv) Err() error {
+	select {
+	case <-r.done:
+		return r.err
+	default:
+		return nil
+	}
+}
+
+// Cancel ends the receipt with ErrCanceled unless it has ended, then waits
+// until no reader writes into dst. A reader in the middle of a frame for
+// this receipt is interrupted (its read deadline is set in the past), lets
+// go of dst after at most the Read in progress, and drops the rest of the
+// frame into scratch, so the connection stays usable. Should a reader not
+// let go within cancelGrace, its connection is closed.
+func (r *recv) Cancel() {
+	t := r.t
+	t.mu.Lock()
+	t.finish(r, fmt.Errorf("tcp: receive: %w", transport.ErrCanceled))
+	t.mu.Unlock()
+	select {
+	case <-r.done:
+		return
+	default:
+	}
+	timer := time.NewTimer(cancelGrace)
+	defer timer.Stop()
+	select {
+	case <-r.done:
+		return
+	case <-timer.C:
+	}
+	t.mu.Lock()
+	var stuck []*inConn
+	for c := range t.inbound {
+		if c.cur == r {
+			stuck = append(stuck, c)
+		}
+	}
+	t.mu.Unlock()
+	for _, c := range stuck {
+		t.log.Warn("tcp: closing a connection whose reader did not let go of a cancelled receipt", "remote", c.remote)
+		c.nc.Close()
+	}
+	<-r.done
+}
+
+// finish ends r with err (nil: success) unless it has ended. Readers in the
+// middle of a frame for r are interrupted; Done closes when the last lets
+// go. t.mu must be held.
+func (t *Transport) finish(r *recv, err error) {
+	if r.finished.Load() {
+		return
+	}
+	r.err = err
+	r.finished.Store(true)
+	delete(t.receipts, r.tag)
+	if r.active == 0 {
+		r.closed = true
+		close(r.done)
+		return
+	}
+	for c := range t.inbound {
+		if c.cur == r {
+			c.nc.SetReadDeadline(aLongTimeAgo)
+		}
+	}
+}
+
+// release is called by a reader that stops writing into r's dst. t.mu must
+// be held.
+func (t *Transport) release(c *inConn, r *recv) {
+	c.cur = nil
+	r.active--
+	if r.active == 0 && r.finished.Load() && !r.closed {
+		r.closed = true
+		close(r.done)
+	}
+}
+
+// serve runs the reader of one accepted connection.
+func (t *Transport) serve(c *inConn) {
+	defer t.wg.Done()
+	err := t.readLoop(c)
+	clean := errors.Is(err, io.EOF) // at a frame boundary (else ErrUnexpectedEOF)
+	switch {
+	case errors.Is(err, transport.ErrProtocol):
+		t.log.Warn("tcp: closing data connection", "remote", c.remote, "err", err)
+	case !clean && !errors.Is(err, net.ErrClosed):
+		t.log.Debug("tcp: data connection broke", "remote", c.remote, "err", err)
+	}
+	lost := peerLost("receive from", c.remote, err)
+	t.mu.Lock()
+	delete(t.inbound, c)
+	if s := c.sess; s != nil {
+		s.conns--
+		// A connection that broke (not a clean end between frames) may
+		// have lost bytes of any receipt of its sender; one whose sender
+		// has no connection left has nobody to complete it.
+		if !clean || s.conns == 0 {
+			for _, r := range t.receipts {
+				if r.session == s {
+					t.finish(r, lost)
+				}
+			}
+		}
+		if s.conns == 0 && t.sessions[s.id] == s {
+			delete(t.sessions, s.id)
+		}
+	}
+	t.mu.Unlock()
+	c.nc.Close()
+}
+
+// readLoop reads the preface and then frames until the connection ends or
+// breaks the protocol; it returns why.
+func (t *Transport) readLoop(c *inConn) error {
+	// Nobody can interrupt this read (no receipt uses the connection yet),
+	// so a plain deadline bounds how long a silent connection is kept.
+	var pre [prefaceLen]byte
+	c.nc.SetReadDeadline(time.Now().Add(prefaceTimeout))
+	if _, err := io.ReadFull(c.nc, pre[:]); err != nil {
+		return err
+	}
+	c.nc.SetReadDeadline(time.Time{})
+	id, err := decodePreface(pre[:])
+	if err != nil {
+		return err
+	}
+	t.mu.Lock()
+	s := t.sessions[id]
+	if s == nil {
+		s = &session{id: id}
+		t.sessions[id] = s
+	}
+	s.conns++
+	c.sess = s
+	t.mu.Unlock()
+
+	for {
+		if err := t.readFull(c, c.hdr[:]); err != nil {
+			return err
+		}
+		h, err := decodeHeader(c.hdr[:])
+		if err != nil {
+			return err
+		}
+		if h.typ == frameAbort {
+			t.mu.Lock()
+			if r := t.receipts[h.tag]; r != nil {
+				t.finish(r, fmt.Errorf("tcp: receive from %s: %w", c.remote, transport.ErrAborted))
+			}
+			t.mu.Unlock()
+			continue
+		}
+		if err := t.readData(c, h); err != nil {
+			return err
+		}
+	}
+}
+
+// readData reads the payload of a DATA frame straight into its receipt's
+// dst, or into scratch when the receipt is unknown or has ended.
+func (t *Transport) readData(c *inConn, h frameHeader) error {
+	n, off := int64(h.length), int64(h.offset)
+	pad := padLen(n)
+	t.mu.Lock()
+	r := t.receipts[h.tag]
+	switch {
+	case r == nil:
+		t.mu.Unlock()
+		return t.discard(c, n+pad)
+	case n > r.total || off > r.total-n:
+		err := fmt.Errorf("%w: frame [%d, %d) beyond the receipt's %d bytes", transport.ErrProtocol, off, off+n, r.total)
+		t.finish(r, peerLost("receive from", c.remote, err))
+		t.mu.Unlock()
+		return err
+	case r.session == nil:
+		r.session = c.sess
+	case r.session != c.sess:
+		// The descriptor went to two senders; neither can be trusted
+		// with the bytes of the other.
+		t.finish(r, fmt.Errorf("tcp: receive from %s: %w: frames from a second sender", c.remote, transport.ErrProtocol))
+		t.mu.Unlock()
+		return t.discard(c, n+pad)
+	}
+	r.active++
+	c.cur = r
+	t.mu.Unlock()
+
+	i := pieceAt(r.ends, off)
+	pos, left := off, n
+	var err error
+	for left > 0 && err == nil {
+		start := int64(0)
+		if i > 0 {
+			start = r.ends[i-1]
+		}
+		p := r.dst[i][pos-start:]
+		if int64(len(p)) > left {
+			p = p[:left]
+		}
+		var m int
+		m, err = t.readInto(c, r, p)
+		pos += int64(m)
+		left -= int64(m)
+		i++
+	}
+
+	t.mu.Lock()
+	t.release(c, r)
+	switch {
+	case err == nil:
+		if !r.finished.Load() {
+			r.received += n
+			switch {
+			case r.received == r.total:
+				t.finish(r, nil)
+			case r.received > r.total: // overlapping frames: a hole somewhere
+				t.finish(r, fmt.Errorf("tcp: receive from %s: %w: more bytes than the receipt's %d", c.remote, transport.ErrProtocol, r.total))
+			}
+		}
+	case err != errLetGo:
+		t.finish(r, peerLost("receive from", c.remote, err))
+	}
+	t.mu.Unlock()
+	switch {
+	case err == errLetGo:
+		return t.discard(c, left+pad)
+	case err != nil || pad == 0:
+		return err
+	}
+	if err := t.readFull(c, c.hdr[:pad]); err != nil {
+		return noEOF(err)
+	}
+	if !allZero(c.hdr[:pad]) {
+		return fmt.Errorf("%w: non-zero padding after a data frame", transport.ErrProtocol)
+	}
+	return nil
+}
+
+// noEOF turns io.EOF, which readFull returns when it read nothing, into
+// io.ErrUnexpectedEOF: the connection ended inside a frame.
+func noEOF(err error) error {
+	if errors.Is(err, io.EOF) {
+		return io.ErrUnexpectedEOF
+	}
+	return err
+}
+
+// pieceAt returns the index of the dst piece that holds offset off: the
+// first i with ends[i] > off.
+func pieceAt(ends []int64, off int64) int {
+	lo, hi := 0, len(ends)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if ends[m] > off {
+			hi = m
+		} else {
+			lo = m + 1
+		}
+	}
+	return lo
+}
+
+// readInto fills p from c for receipt r. It returns errLetGo, with the count
+// read so far, as soon as r has ended.
+func (t *Transport) readInto(c *inConn, r *recv, p []byte) (int, error) {
+	n := 0
+	for n < len(p) {
+		m, err := c.nc.Read(p[n:])
+		n += m
+		if r.finished.Load() {
+			return n, errLetGo
+		}
+		if err != nil && n < len(p) {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				t.unkick(c)
+				continue
+			}
+			if errors.Is(err, io.EOF) {
+				err = io.ErrUnexpectedEOF
+			}
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// readFull fills p from c, as io.ReadFull does (io.EOF only when nothing was
+// read), riding over the read deadlines that finish sets to interrupt a
+// reader.
+func (t *Transport) readFull(c *inConn, p []byte) error {
+	n := 0
+	for n < len(p) {
+		m, err := c.nc.Read(p[n:])
+		n += m
+		if err != nil && n < len(p) {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				t.unkick(c)
+				continue
+			}
+			if errors.Is(err, io.EOF) && n > 0 {
+				err = io.ErrUnexpectedEOF
+			}
+			return err
+		}
+	}
+	return nil
+}
+
+// unkick clears a read deadline set by finish. Under t.mu, so that it
+// cannot undo a later interruption without the reader seeing it: finish
+// sets the flag the reader tests before it sets the deadline.
+func (t *Transport) unkick(c *inConn) {
+	t.mu.Lock()
+	c.nc.SetReadDeadline(time.Time{})
+	t.mu.Unlock()
+}
+
+// discard reads and drops n bytes.
+func (t *Transport) discard(c *inConn, n int64) error {
+	if c.scratch == nil {
+		c.scratch = make([]byte, scratchBytes)
+	}
+	for n > 0 {
+		p := c.scratch[:min(n, int64(len(c.scratch)))]
+		if err := t.readFull(c, p); err != nil {
+			return noEOF(err)
+		}
+		n -= int64(len(p))
+	}
+	return nil
+}
+
+// peerLost wraps cause as ErrPeerLost of op with peer; a protocol error stays
+// visible to errors.Is. The cause itself is not wrapped otherwise, so that a
+// local net.ErrClosed is not mistaken for a closed Transport.
+func peerLost(op, peer string, cause error) error {
+	if errors.Is(cause, transport.ErrProtocol) {
+		return fmt.Errorf("tcp: %s %s: %w: %w", op, peer, transport.ErrPeerLost, cause)
+	}
+	return fmt.Errorf("tcp: %s %s: %w: %v", op, peer, transport.ErrPeerLost, cause)
+}

@@ -1,0 +1,430 @@
+package tcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// peer is the pool of outbound connections to one receiver endpoint: one
+// slot per stream, dialled lazily, emptied when its connection breaks so
+// that a later Send redials.
+type peer struct {
+	t    *Transport
+	addr string
+
+	mu    sync.Mutex
+	slots []*outConn // nil: not dialled, or dropped
+}
+
+// outConn is one pooled outbound connection.
+type outConn struct {
+	p    *peer
+	slot int
+	nc   *net.TCPConn
+	// lock is the write lock, held for one whole frame so that frames of
+	// concurrent Sends interleave only at frame boundaries. A channel, so
+	// that waiting for it can end with ctx.
+	lock chan struct{}
+
+	// Guarded by lock.
+	hdr  [headerLen]byte
+	vec  [][]byte
+	bufs net.Buffers
+
+	mu       sync.Mutex
+	owner    *sendOp // the Send writing a frame now
+	deadline bool    // a write deadline is set
+}
+
+// sendOp is one Send in flight.
+type sendOp struct {
+	p       *peer
+	tag     uint64
+	total   int64
+	frame   int64
+	nframes int64
+	src     [][]byte
+	ends    []int64 // ends[i]: offset just past src[i]
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
+	next    atomic.Int64 // next frame to take
+	sent    atomic.Int64 // frames written completely
+
+	mu    sync.Mutex
+	conns []*outConn // connections its streams write on
+}
+
+// Send cuts src into frames of at most Options.FrameBytes and writes them
+// over up to Options.Streams pooled connections to the receiver in desc, in
+// parallel (frames are taken from a shared counter, so a slower stream takes
+// fewer). Each frame is one vectored write of its header and the pieces of
+// src it covers; src is never copied.
+//
+// When ctx ends, each stream stops before its next frame; a frame being
+// written gets writeGrace to finish, after which the write fails and its
+// connection, now corrupt, is closed and dropped from the pool. Send then
+// writes an ABORT frame for the tag on a live connection to the peer (dialled
+// for the purpose, within writeGrace, if there is none) and returns an error
+// wrapping ctx.Err(), a *transport.TimeoutError for a deadline. Close of the
+// Transport does the same and Send returns a *transport.ClosedError. A
+// broken connection or a peer that cannot be reached fails Send with
+// transport.ErrPeerLost (after an ABORT on any other live connection).
+func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][]byte) error {
+	d, err := decodeDescriptor(desc)
+	if err != nil {
+		return err
+	}
+	ends := make([]int64, len(src))
+	var total int64
+	for i, b := range src {
+		total += int64(len(b))
+		ends[i] = total
+	}
+	if total != d.total {
+		return errDesc("the receipt is for %d bytes, src has %d", d.total, total)
+	}
+
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	frame := int64(t.opts.FrameBytes)
+	op := &sendOp{
+		tag: d.tag, total: total, frame: frame, nframes: (total + frame - 1) / frame,
+		src: src, ends: ends, ctx: sctx, cancel: cancel,
+	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		return &transport.ClosedError{Op: "send"}
+	}
+	p := t.peers[d.endpoint]
+	if p == nil {
+		p = &peer{t: t, addr: d.endpoint, slots: make([]*outConn, t.opts.Streams)}
+		t.peers[d.endpoint] = p
+	}
+	op.p = p
+	t.ops[op] = struct{}{}
+	t.sends.Add(1)
+	t.mu.Unlock()
+	defer func() {
+		t.mu.Lock()
+		delete(t.ops, op)
+		t.mu.Unlock()
+		t.sends.Done()
+	}()
+
+	// When the Send ends early, a frame write in progress gets writeGrace.
+	interrupted := make(chan struct{})
+	stop := context.AfterFunc(sctx, func() {
+		defer close(interrupted)
+		op.interrupt()
+	})
+	err = op.run()
+	if !stop() {
+		<-interrupted // owned by this Send: do not return while it runs
+	}
+	if err == nil {
+		return nil
+	}
+
+	var ret error
+	dial := true // whether to dial a connection for the ABORT if none is live
+	switch cerr := ctx.Err(); {
+	case errors.Is(cerr, context.DeadlineExceeded):
+		ret = &transport.TimeoutError{Op: "send", Peer: d.endpoint, Err: cerr}
+	case cerr != nil:
+		ret = fmt.Errorf("tcp: send to %s: %w", d.endpoint, cerr)
+	case isClosed(context.Cause(sctx)):
+		ret = &transport.ClosedError{Op: "send"}
+	default:
+		ret, dial = peerLost("send to", d.endpoint, err), false
+	}
+	op.abort(dial)
+	return ret
+}
+
+func isClosed(err error) bool {
+	var ce *transport.ClosedError
+	return errors.As(err, &ce)
+}
+
+// run writes every frame and returns nil, or the first error.
+func (op *sendOp) run() error {
+	n := int(min(int64(len(op.p.slots)), op.nframes))
+	if n == 1 {
+		return op.stream(0)
+	}
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := 1; i < n; i++ {
+		wg.Go(func() { errs[i] = op.stream(i) })
+	}
+	errs[0] = op.stream(0)
+	wg.Wait()
+	if op.sent.Load() == op.nframes {
+		return nil // a stream that could not dial was not missed
+	}
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return errors.New("tcp: send: internal error: frames left unsent")
+}
+
+// stream writes frames on connection slot i until none are left. A failure
+// to dial fails only this stream: the others take its frames. (A stream
+// still dialling when the others have taken every frame is waited for, so
+// that the connection joins the pool instead of being dialled again by
+// every Send.) A failed frame write fails the whole Send.
+func (op *sendOp) stream(i int) error {
+	oc, err := op.p.conn(op.ctx, i)
+	if err != nil {
+		if op.ctx.Err() != nil {
+			return context.Cause(op.ctx)
+		}
+		return err
+	}
+	op.mu.Lock()
+	op.conns = append(op.conns, oc)
+	op.mu.Unlock()
+	for {
+		if op.ctx.Err() != nil {
+			return context.Cause(op.ctx)
+		}
+		k := op.next.Add(1) - 1
+		if k >= op.nframes {
+			return nil
+		}
+		if err := oc.writeFrame(op, k); err != nil {
+			op.cancel(err)
+			return err
+		}
+		op.sent.Add(1)
+	}
+}
+
+// interrupt gives the frames of op being written writeGrace to finish.
+func (op *sendOp) interrupt() {
+	op.mu.Lock()
+	defer op.mu.Unlock()
+	for _, oc := range op.conns {
+		oc.mu.Lock()
+		if oc.owner == op && !oc.deadline {
+			oc.nc.SetWriteDeadline(time.Now().Add(writeGrace))
+			oc.deadline = true
+		}
+		oc.mu.Unlock()
+	}
+}
+
+// abort tells the receiver, best effort, that op will not complete: an ABORT
+// frame on the first live connection that takes it within writeGrace.
+func (op *sendOp) abort(dial bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), writeGrace)
+	defer cancel()
+	p := op.p
+	p.mu.Lock()
+	live := make([]*outConn, 0, len(p.slots))
+	for _, oc := range p.slots {
+		if oc != nil {
+			live = append(live, oc)
+		}
+	}
+	p.mu.Unlock()
+	for _, oc := range live {
+		if oc.writeAbort(ctx, op.tag) == nil {
+			return
+		}
+	}
+	if !dial {
+		return
+	}
+	for i := range p.slots {
+		if oc, err := p.conn(ctx, i); err == nil && oc.writeAbort(ctx, op.tag) == nil {
+			return
+		}
+		if ctx.Err() != nil {
+			return
+		}
+	}
+}
+
+// conn returns the connection of slot i, dialling it when there is none.
+func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
+	p.mu.Lock()
+	oc := p.slots[i]
+	p.mu.Unlock()
+	if oc != nil {
+		return oc, nil
+	}
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "tcp", p.addr)
+	if err != nil {
+		return nil, err
+	}
+	tc := nc.(*net.TCPConn)
+	tc.SetNoDelay(true)
+	var pre [prefaceLen]byte
+	putPreface(pre[:], p.t.session)
+	if dl, ok := ctx.Deadline(); ok {
+		tc.SetWriteDeadline(dl)
+	}
+	if _, err := tc.Write(pre[:]); err != nil {
+		tc.Close()
+		return nil, err
+	}
+	tc.SetWriteDeadline(time.Time{})
+	oc = &outConn{p: p, slot: i, nc: tc, lock: make(chan struct{}, 1)}
+	p.mu.Lock()
+	if cur := p.slots[i]; cur != nil { // a concurrent Send dialled it first
+		p.mu.Unlock()
+		tc.Close()
+		return cur, nil
+	}
+	p.slots[i] = oc
+	// Safe against Close's Wait: dials happen only inside a Send, which
+	// Close waits for before it waits for these goroutines.
+	p.t.wg.Add(1)
+	p.mu.Unlock()
+	go oc.watch()
+	return oc, nil
+}
+
+// watch reads from the connection, which a receiver never writes to, so
+// that a peer that closes or resets it is noticed at once: the connection
+// is dropped from the pool and writes in progress on it fail.
+func (oc *outConn) watch() {
+	defer oc.p.t.wg.Done()
+	var b [1]byte
+	_, err := oc.nc.Read(b[:])
+	if err == nil {
+		err = fmt.Errorf("%w: receiver wrote on a data connection", transport.ErrProtocol)
+	}
+	if !errors.Is(err, net.ErrClosed) {
+		oc.p.t.log.Debug("tcp: outbound data connection ended", "peer", oc.p.addr, "err", err)
+	}
+	oc.p.drop(oc)
+}
+
+// drop closes oc and removes it from the pool.
+func (p *peer) drop(oc *outConn) {
+	p.mu.Lock()
+	if p.slots[oc.slot] == oc {
+		p.slots[oc.slot] = nil
+	}
+	p.mu.Unlock()
+	oc.nc.Close()
+}
+
+// closeAll closes every pooled connection.
+func (p *peer) closeAll() {
+	p.mu.Lock()
+	conns := make([]*outConn, 0, len(p.slots))
+	for i, oc := range p.slots {
+		if oc != nil {
+			conns = append(conns, oc)
+			p.slots[i] = nil
+		}
+	}
+	p.mu.Unlock()
+	for _, oc := range conns {
+		oc.nc.Close()
+	}
+}
+
+// writeFrame writes frame k of op: one vectored write of the header and the
+// pieces of src it covers.
+func (oc *outConn) writeFrame(op *sendOp, k int64) error {
+	select {
+	case oc.lock <- struct{}{}:
+	case <-op.ctx.Done():
+		return context.Cause(op.ctx)
+	}
+	oc.mu.Lock()
+	oc.owner = op
+	oc.mu.Unlock()
+	if op.ctx.Err() != nil { // ended before interrupt could see us as owner
+		oc.unlock()
+		return context.Cause(op.ctx)
+	}
+	off := k * op.frame
+	n := min(op.frame, op.total-off)
+	putHeader(oc.hdr[:], frameHeader{typ: frameData, length: uint32(n), tag: op.tag, offset: uint64(off)})
+	oc.vec = op.appendPieces(append(oc.vec[:0], oc.hdr[:]), off, n)
+	if pad := padLen(n); pad > 0 {
+		oc.vec = append(oc.vec, zeros[:pad])
+	}
+	oc.bufs = oc.vec
+	w, err := oc.bufs.WriteTo(oc.nc)
+	clear(oc.vec) // do not keep src reachable
+	if err != nil && (w > 0 || !errors.Is(err, os.ErrDeadlineExceeded)) {
+		oc.p.drop(oc) // a partial frame: the stream is corrupt
+	}
+	oc.unlock()
+	return err
+}
+
+// writeAbort writes an ABORT frame for tag, within ctx's deadline.
+func (oc *outConn) writeAbort(ctx context.Context, tag uint64) error {
+	select {
+	case oc.lock <- struct{}{}:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if dl, ok := ctx.Deadline(); ok {
+		oc.mu.Lock()
+		oc.nc.SetWriteDeadline(dl)
+		oc.deadline = true
+		oc.mu.Unlock()
+	}
+	putHeader(oc.hdr[:], frameHeader{typ: frameAbort, tag: tag})
+	w, err := oc.nc.Write(oc.hdr[:])
+	if err != nil && (w > 0 || !errors.Is(err, os.ErrDeadlineExceeded)) {
+		oc.p.drop(oc)
+	}
+	oc.unlock()
+	return err
+}
+
+// unlock releases the write lock, clearing a write deadline set while it
+// was held.
+func (oc *outConn) unlock() {
+	oc.mu.Lock()
+	if oc.deadline {
+		oc.nc.SetWriteDeadline(time.Time{})
+		oc.deadline = false
+	}
+	oc.owner = nil
+	oc.mu.Unlock()
+	<-oc.lock
+}
+
+// appendPieces appends the sub-slices of src that hold [off, off+n).
+func (op *sendOp) appendPieces(vec [][]byte, off, n int64) [][]byte {
+	i := pieceAt(op.ends, off)
+	for n > 0 {
+		start := int64(0)
+		if i > 0 {
+			start = op.ends[i-1]
+		}
+		p := op.src[i][off-start:]
+		if int64(len(p)) > n {
+			p = p[:n]
+		}
+		if len(p) > 0 {
+			vec = append(vec, p)
+		}
+		off += int64(len(p))
+		n -= int64(len(p))
+		i++
+	}
+	return vec
+}

@@ -1,0 +1,211 @@
+package tcp
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// Grace periods of cancel and close. A frame in flight is given this long to
+// finish once its transfer is cancelled; after that its connection is closed,
+// since a half-written or half-read frame cannot be resumed.
+const (
+	writeGrace  = time.Second // Send: a frame write after ctx ended; an ABORT
+	cancelGrace = time.Second // Recv.Cancel: fallback before closing connections
+)
+
+func init() { transport.Register(Backend{}) }
+
+// Backend is the tcp backend, registered under the name "tcp".
+type Backend struct{}
+
+// Name returns "tcp".
+func (Backend) Name() string { return "tcp" }
+
+// Open calls the package's Open.
+func (Backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
+	t, err := Open(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
+// Transport is the tcp data plane of one rank: a listener that receives
+// frames into the memory of armed receipts, and a pool of connections per
+// peer that sends. See the package documentation for the protocol.
+//
+// Lock order: Transport.mu, peer.mu and outConn.mu are never held together,
+// except that Transport.mu may be held while a connection's read deadline is
+// set. The write lock of an outConn (a channel) may be held while taking
+// peer.mu or outConn.mu, never the other way round.
+type Transport struct {
+	opts     transport.Options
+	log      *slog.Logger
+	ln       net.Listener
+	endpoint string
+	session  uint64 // our sender session, sent in every connection preface
+
+	done      chan struct{} // closed when Close starts
+	closeOnce sync.Once
+
+	sends sync.WaitGroup // in-flight Sends; Add only under mu while !closed
+	wg    sync.WaitGroup // accept loop, inbound readers, outbound watchers
+
+	mu       sync.Mutex
+	closed   bool
+	receipts map[uint64]*recv     // armed receipts by tag
+	ops      map[*sendOp]struct{} // in-flight Sends
+	inbound  map[*inConn]struct{}
+	sessions map[uint64]*session // inbound sender sessions by id
+	peers    map[string]*peer    // outbound pools by endpoint
+}
+
+var _ transport.Transport = (*Transport)(nil)
+
+// Open listens on opts.ListenAddr (after opts.WithDefaults) and starts
+// accepting data connections. The goroutines it starts stop in Close. ctx
+// bounds only the opening itself. FrameBytes of 64 or more is rounded down
+// to a multiple of 64, which keeps frames aligned in the receiver's memory
+// as they are in the kernel's buffers (see wire.go).
+func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
+	opts = opts.WithDefaults()
+	if opts.FrameBytes >= frameAlign {
+		opts.FrameBytes &^= frameAlign - 1
+	}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", opts.ListenAddr)
+	if err != nil {
+		return nil, fmt.Errorf("tcp: open: %w", err)
+	}
+	ep := ln.Addr().String()
+	if len(ep) > maxEndpoint {
+		ln.Close()
+		return nil, fmt.Errorf("tcp: open: endpoint %q longer than %d bytes", ep, maxEndpoint)
+	}
+	t := &Transport{
+		opts:     opts,
+		log:      opts.Logger.With("backend", "tcp", "endpoint", ep),
+		ln:       ln,
+		endpoint: ep,
+		session:  randUint64(),
+		done:     make(chan struct{}),
+		receipts: make(map[uint64]*recv),
+		ops:      make(map[*sendOp]struct{}),
+		inbound:  make(map[*inConn]struct{}),
+		sessions: make(map[uint64]*session),
+		peers:    make(map[string]*peer),
+	}
+	t.wg.Add(1)
+	go t.accept()
+	return t, nil
+}
+
+// Name returns "tcp".
+func (t *Transport) Name() string { return "tcp" }
+
+// Endpoint returns the listener's address, host:port.
+func (t *Transport) Endpoint() string { return t.endpoint }
+
+// Close stops the data plane. In-flight Sends stop at their next frame
+// boundary and tell their receivers (ABORT); then every connection and the
+// listener close, pending receipts fail with a *transport.ClosedError, and
+// Close waits for every goroutine of the Transport. Close takes at most a few
+// grace periods when a peer has stopped reading. Idempotent; a concurrent
+// second Close waits for the first.
+func (t *Transport) Close() error {
+	t.closeOnce.Do(func() {
+		t.mu.Lock()
+		t.closed = true
+		ops := make([]*sendOp, 0, len(t.ops))
+		for op := range t.ops {
+			ops = append(ops, op)
+		}
+		t.mu.Unlock()
+		close(t.done)
+		for _, op := range ops {
+			op.cancel(&transport.ClosedError{Op: "send"})
+		}
+		t.sends.Wait() // Sends may still write ABORTs on pooled connections
+
+		t.ln.Close()
+		t.mu.Lock()
+		for _, r := range t.receipts {
+			t.finish(r, &transport.ClosedError{Op: "receive"})
+		}
+		conns := make([]*inConn, 0, len(t.inbound))
+		for c := range t.inbound {
+			conns = append(conns, c)
+		}
+		peers := make([]*peer, 0, len(t.peers))
+		for _, p := range t.peers {
+			peers = append(peers, p)
+		}
+		t.mu.Unlock()
+		for _, c := range conns {
+			c.nc.Close()
+		}
+		for _, p := range peers {
+			p.closeAll()
+		}
+		t.wg.Wait()
+	})
+	return nil
+}
+
+// accept runs until the listener closes.
+func (t *Transport) accept() {
+	defer t.wg.Done()
+	var delay time.Duration
+	for {
+		nc, err := t.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of file descriptors and the like: back off as
+			// net/http does instead of spinning.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			t.log.Warn("tcp: accept failed; retrying", "err", err, "delay", delay)
+			timer := time.NewTimer(delay)
+			select {
+			case <-timer.C:
+			case <-t.done:
+				timer.Stop()
+				return
+			}
+			continue
+		}
+		delay = 0
+		c := &inConn{nc: nc, remote: nc.RemoteAddr().String()}
+		t.mu.Lock()
+		if t.closed {
+			t.mu.Unlock()
+			nc.Close()
+			continue
+		}
+		t.inbound[c] = struct{}{}
+		t.wg.Add(1)
+		t.mu.Unlock()
+		go t.serve(c)
+	}
+}
+
+// randUint64 returns a random non-zero value from crypto/rand.
+func randUint64() uint64 {
+	var b [8]byte
+	for {
+		rand.Read(b[:]) // never fails (see crypto/rand.Read)
+		if v := binary.BigEndian.Uint64(b[:]); v != 0 {
+			return v
+		}
+	}
+}

@@ -1,0 +1,31 @@
+// Package transporttest is the conformance suite every transport backend
+// passes: round trips of many sizes and shapes (contiguous and scattered),
+// many concurrent transfers both ways, cancel on both sides before and during
+// a transfer, deadlines, Close and peer death in the middle of a transfer, bad
+// descriptors, use after Close, and data for unknown tags. Every wait is
+// bounded (Limit), and every case ends with a goroutine leak check.
+//
+// It owns no backend and nothing outside the tests it runs; it imports only
+// package transport. A backend's test calls Run with a function that opens
+// two transports able to send to each other (two Open calls on loopback for
+// tcp):
+//
+//	func TestConformance(t *testing.T) {
+//		transporttest.Run(t, func(t *testing.T) (a, b transport.Transport) {
+//			return open(t), open(t)
+//		})
+//	}
+//
+// What the suite holds a backend to, beyond the interface documentation:
+//   - after Recv.Cancel returns, and after Done, the backend never writes
+//     into dst (checked with a canary, and by the race detector);
+//   - a Send cancelled before or during a transfer fails its receipt with
+//     ErrAborted (or ErrPeerLost), also when no byte had been sent;
+//   - a Send whose peer has closed fails with ErrPeerLost; a receipt whose
+//     transport closes fails with net.ErrClosed;
+//   - a receipt whose sender's transport closes in the middle of a Send
+//     that had started fails (ErrAborted, ErrPeerLost or net.ErrClosed);
+//   - anything that is not a descriptor of the backend for exactly the
+//     bytes offered (garbage, truncated, extended, wrong total) fails Send
+//     with ErrBadDescriptor.
+package transporttest
