@@ -329,7 +329,7 @@ func TestCancel(t *testing.T) {
 		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(20 * time.Millisecond)
+		waitMoving(t, gen)
 		cancelled := gen.t.Cancel(greq)
 		waitDone(t, greq, 5*time.Second)
 		if !cancelled {
@@ -353,7 +353,7 @@ func TestCancel(t *testing.T) {
 		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
 			t.Fatal(err)
 		}
-		time.Sleep(20 * time.Millisecond)
+		waitMoving(t, ctx)
 		cancelled := ctx.t.Cancel(creq)
 		waitDone(t, creq, 5*time.Second)
 		waitDone(t, greq, 5*time.Second)
@@ -365,6 +365,27 @@ func TestCancel(t *testing.T) {
 		}
 		gen.release(t, greq.Blocks)
 	})
+}
+
+// waitMoving waits until rank 0 of in has a request whose data is moving.
+func waitMoving(t *testing.T, in *inst) {
+	t.Helper()
+	r := in.t.ranks[0]
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		r.mu.Lock()
+		moving := false
+		for _, cr := range r.ctxReqs {
+			moving = moving || cr.core.phase == phaseMoving
+		}
+		for _, gr := range r.genReqs {
+			moving = moving || gr.core.phase == phaseMoving
+		}
+		r.mu.Unlock()
+		if moving {
+			return
+		}
+	}
+	t.Fatal("no transfer started moving data within 10s")
 }
 
 func TestNoTransceiver(t *testing.T) {
