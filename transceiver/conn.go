@@ -26,11 +26,12 @@ type ctrlConn struct {
 
 // peerInfo is what a Hello tells about the other side.
 type peerInfo struct {
-	rank     int
-	state    []byte
-	host     string
-	backends []string
-	endpoint string // the address we dialled (generation side) or the remote address
+	rank      int
+	state     []byte
+	host      string
+	backends  []string
+	endpoints []string // data-plane endpoint of each backend
+	endpoint  string   // the address we dialled (generation side) or the remote address
 }
 
 const writeTimeout = 10 * time.Second

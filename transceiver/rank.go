@@ -174,6 +174,17 @@ func (r *rank) backendNames() []string {
 	return names
 }
 
+// backendEndpoints returns the data-plane endpoint of each backend, in the
+// order of backendNames.
+func (r *rank) backendEndpoints() []string {
+	names := r.backendNames()
+	eps := make([]string, len(names))
+	for i, n := range names {
+		eps[i] = r.transports[n].Endpoint()
+	}
+	return eps
+}
+
 // start runs the accept loop.
 func (r *rank) start() {
 	r.wg.Add(1)
@@ -358,9 +369,9 @@ func (r *rank) handshakeCtx(cc *ctrlConn) error {
 		cc.send(&wire.Refused{Code: wire.RefusedVersion, Reason: reason})
 		return errors.New(reason)
 	}
-	cc.peer.rank, cc.peer.state, cc.peer.host, cc.peer.backends = int(h.Rank), h.State, h.Host, h.Backends
+	cc.peer.rank, cc.peer.state, cc.peer.host, cc.peer.backends, cc.peer.endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
 	st, _ := r.state.MarshalBinary()
-	return cc.send(&wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames()})
+	return cc.send(&wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames(), Endpoints: r.backendEndpoints()})
 }
 
 func (r *rank) refuse(cc *ctrlConn, ri *wire.RequestInfo, code uint8, format string, args ...any) {

@@ -365,7 +365,7 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 	cc := newCtrlConn(c)
 	cc.peer.endpoint = endpoint
 	st, _ := r.state.MarshalBinary()
-	if err := cc.send(&wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames()}); err != nil {
+	if err := cc.send(&wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames(), Endpoints: r.backendEndpoints()}); err != nil {
 		c.Close()
 		return nil, err
 	}
@@ -378,7 +378,7 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 	}
 	switch h := f.(type) {
 	case *wire.Hello:
-		cc.peer.rank, cc.peer.state, cc.peer.host, cc.peer.backends = int(h.Rank), h.State, h.Host, h.Backends
+		cc.peer.rank, cc.peer.state, cc.peer.host, cc.peer.backends, cc.peer.endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
 	case *wire.Refused:
 		c.Close()
 		return nil, fmt.Errorf("%w by %s: %s", ErrRefused, endpoint, h.Reason)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 )
 
 // Backend opens a rank's data plane. Backends register themselves with
@@ -43,7 +44,7 @@ const (
 	MaxFrameBytes     = 64 << 20
 	MaxStreams        = 64
 	// MaxDescriptorBytes bounds a Descriptor on the wire.
-	MaxDescriptorBytes = 1024
+	MaxDescriptorBytes = 4096
 )
 
 // WithDefaults returns o with zero fields set to their defaults.
@@ -109,6 +110,30 @@ type Transport interface {
 	// Close stops the data plane, fails pending receives and in-flight
 	// sends, and waits for the goroutines it owns. Idempotent.
 	Close() error
+}
+
+// MemoryRegistrar is implemented by backends that move data between memory
+// the two processes share or have registered (shm, ucx). The transceiver
+// registers every pool arena and staging buffer of its rank before using
+// it as a source or destination; a backend may then refuse (with an error)
+// memory that was not registered, or fall back to a slower path and say so
+// in its documentation.
+type MemoryRegistrar interface {
+	// RegisterMemory declares mem as a region usable by Send and Expect.
+	// f, when non-nil, is a file (a sealed memfd, see kvcache.ShmArena)
+	// whose whole mapping is mem, which a peer on the same host can map.
+	// The transport does not take ownership of f; it may dup it. mem must
+	// stay valid until the transport is closed.
+	RegisterMemory(mem []byte, f *os.File) error
+}
+
+// Prober is implemented by backends that work only between some pairs of
+// ranks (shm: the same host, sharing memory). Probe checks, without moving
+// any data of a request, that this transport can Send to the transport whose
+// Endpoint is endpoint. AUTO uses it to choose a backend per peer and to fall
+// back, with the reason logged, when it fails.
+type Prober interface {
+	Probe(ctx context.Context, endpoint string) error
 }
 
 // Recv is one armed receipt, returned by Transport.Expect.

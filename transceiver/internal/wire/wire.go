@@ -15,11 +15,12 @@ const Version = 1
 // Limits of the control protocol.
 const (
 	// MaxFrame bounds a frame (type byte and payload).
-	MaxFrame = 64 << 10
+	MaxFrame = 256 << 10
 	// MaxReason bounds the text of Refused and Abort.
 	MaxReason = 8 << 10
-	// MaxBlob bounds an opaque field (an encoded CacheState, a descriptor).
-	MaxBlob = 4 << 10
+	// MaxBlob bounds an opaque field (an encoded CacheState, a descriptor,
+	// a data-plane endpoint).
+	MaxBlob = 8 << 10
 	// MaxBackends bounds the backend list of Hello.
 	MaxBackends = 16
 	// MaxName bounds a host or backend name.
@@ -68,6 +69,9 @@ type Hello struct {
 	State    []byte // sender instance's CacheState (layout encoding)
 	Host     string // host identity, for same-host detection
 	Backends []string
+	// Endpoints[i] is the data-plane endpoint of Backends[i] on the
+	// sender's rank (for probing: see transport.Prober).
+	Endpoints []string
 }
 
 // RequestInfo asks a context rank for its part of a request's KV cache.
@@ -321,6 +325,10 @@ func (f *Hello) appendPayload(b []byte) []byte {
 	for _, s := range f.Backends {
 		b = appendBytes(b, []byte(s))
 	}
+	b = binary.AppendUvarint(b, uint64(len(f.Endpoints)))
+	for _, s := range f.Endpoints {
+		b = appendBytes(b, []byte(s))
+	}
 	return b
 }
 
@@ -332,6 +340,10 @@ func (f *Hello) decodePayload(d *decoder) {
 	n := int(d.uvarint("backends", MaxBackends))
 	for i := 0; i < n && d.err == nil; i++ {
 		f.Backends = append(f.Backends, d.string(fmt.Sprintf("backends[%d]", i), MaxName))
+	}
+	n = int(d.uvarint("endpoints", MaxBackends))
+	for i := 0; i < n && d.err == nil; i++ {
+		f.Endpoints = append(f.Endpoints, d.string(fmt.Sprintf("endpoints[%d]", i), MaxBlob))
 	}
 }
 

@@ -14,7 +14,7 @@ import (
 
 func samples() []Frame {
 	return []Frame{
-		&Hello{Version: Version, Rank: 3, State: []byte{1, 2, 3}, Host: "host-a", Backends: []string{"tcp", "shm"}},
+		&Hello{Version: Version, Rank: 3, State: []byte{1, 2, 3}, Host: "host-a", Backends: []string{"tcp", "shm"}, Endpoints: []string{"127.0.0.1:9", "@kvxfer-shm-1"}},
 		&Hello{},
 		&RequestInfo{CtxRequestID: 1<<63 + 5, Token: [16]byte{1, 2, 3, 15: 9}, GenRequestID: 77, GenRank: 5,
 			GenState: []byte{9, 9}, NumBlocks: 128, HasLastHash: true, LastHash: [16]byte{0: 4, 15: 1}, MaxChunkBlocks: 16,
@@ -75,13 +75,13 @@ func TestMalformed(t *testing.T) {
 	tests := []struct {
 		name, in, want string
 	}{
-		{"zero length", string(frame()), "length 0 not in 1..65536"},
+		{"zero length", string(frame()), "length 0 not in 1..262144"},
 		{"huge length", "\xff\xff\xff\x7f", "length 2147483647"},
 		{"unknown type", string(frame(99)), "unknown frame type 99"},
 		{"truncated varint", string(frame(byte(TypeReady), 0x80)), "ready.ctx_request_id at byte 1: truncated"},
 		{"trailing", string(append(ok[:len(ok):len(ok)], 0)), ""}, // length prefix still says 4: the extra byte is the next frame
 		{"trailing in frame", string(frame(byte(TypeReady), 1, 2, 3, 4)), "ready.end at byte 4: 1 trailing bytes"},
-		{"blob too long", string(frame(byte(TypeChunkDesc), 1, 2, 3, 0xff, 0xff, 0x03)), "chunk-desc.desc.len at byte 4: value 65535 exceeds 4096"},
+		{"blob too long", string(frame(byte(TypeChunkDesc), 1, 2, 3, 0xff, 0xff, 0x03)), "chunk-desc.desc.len at byte 4: value 65535 exceeds 8192"},
 		{"blob past end", string(frame(byte(TypeChunkDesc), 1, 2, 3, 10, 1)), "chunk-desc.desc at byte 5: length 10, only 1 bytes left"},
 		{"bad bool", string(frame(append(append([]byte{byte(TypeRequestInfo), 1}, make([]byte, 16)...), 1, 1, 0, 1, 2)...)), "has_last_hash"},
 		{"too many backends", string(frame(byte(TypeHello), 1, 0, 0, 0, 17)), "hello.backends at byte 5: value 17 exceeds 16"},
