@@ -108,7 +108,7 @@ type ctxPeer struct {
 	first, n int // blocks [first, first+n) of the request
 	chunk    int
 	backend  string
-	zdesc    transport.Descriptor // zero-copy receipt for the whole transfer
+	zdesc    transport.Descriptor // receipt of a direct transfer (no staging)
 	descs    chan chunkDesc
 }
 
@@ -442,8 +442,8 @@ func (r *rank) handleAsk(cc *ctrlConn, ri *wire.RequestInfo) {
 	switch {
 	case packed == 0:
 	case len(ri.Desc) > 0:
-		if !plan.Identity() {
-			r.refuse(cc, ri, wire.RefusedBadRequest, "zero-copy asked for layouts that differ")
+		if !directOK(plan, n) {
+			r.refuse(cc, ri, wire.RefusedBadRequest, "a direct transfer was asked for a plan whose spans are too small for one")
 			return
 		}
 		p.zdesc, p.chunk = ri.Desc, n
@@ -506,7 +506,7 @@ func (r *rank) sendPair(cr *ctxReq, p *ctxPeer) (int64, int, error) {
 	tr := r.transports[p.backend]
 	blocks := cr.mem[p.first : p.first+p.n]
 	if p.zdesc != nil {
-		err := tr.Send(ctx, p.zdesc, blocks)
+		err := tr.Send(ctx, p.zdesc, segments(blocks, p.plan.SrcSpans()))
 		if err != nil {
 			return 0, 0, err
 		}

@@ -144,8 +144,9 @@ func (r *rank) execGen(gr *genReq, effs []effect) {
 	}
 }
 
-// ask connects to context rank s, chooses the backend, arms the zero-copy
-// receipt when the layouts are identical, and sends the request-info.
+// ask connects to context rank s, chooses the backend, arms the receipt of
+// a direct transfer when the plan allows one (see directOK), and sends the
+// request-info.
 func (r *rank) ask(gr *genReq, s *genSrc) error {
 	ctx := gr.ctx
 	cc, err := r.dial(ctx, gr.op.Endpoints[s.rank])
@@ -177,8 +178,8 @@ func (r *rank) ask(gr *genReq, s *genSrc) error {
 	}
 	s.conn, s.backend, s.tr = cc, backend, tr
 	r.mu.Unlock()
-	if packed > 0 && r.set.zeroCopy && s.plan.Identity() {
-		rv, err := tr.Expect(gr.mem)
+	if packed > 0 && r.set.zeroCopy && directOK(s.plan, len(gr.mem)) {
+		rv, err := tr.Expect(segments(gr.mem, s.plan.DstSpans()))
 		if err != nil {
 			return err
 		}

@@ -36,8 +36,11 @@ func TestPairings(t *testing.T) {
 		{"duplicated heads TP4 to TP1", state(4, 2, 16, 4, bf, 4, 1, false), state(4, 2, 16, 4, bf, 1, 1, false)},
 		{"duplicated heads TP1 to TP4", state(4, 2, 16, 4, bf, 1, 1, false), state(4, 2, 16, 4, bf, 4, 1, false)},
 		{"MLA TP2 PP1 to TP1 PP2", state(4, 1, 36, 4, bf, 2, 1, true), state(4, 1, 36, 4, bf, 1, 2, true)},
-		{"MLA TP4 PP2 to TP2 PP2", state(4, 1, 36, 4, fp8, 4, 2, true), state(4, 1, 36, 4, fp8, 2, 2, true)},
+		{"MLA TP4 PP2 to TP2 PP2 (zero-copy: replicated latent)", state(4, 1, 36, 4, fp8, 4, 2, true), state(4, 1, 36, 4, fp8, 2, 2, true)},
 		{"TP3 to TP2 (not a power of two)", state(2, 6, 8, 4, bf, 3, 1, false), state(2, 6, 8, 4, bf, 2, 1, false)},
+		// Spans of 32 KiB: direct scatter/gather without staging.
+		{"TP2 to TP1 direct", state(2, 4, 256, 32, bf, 2, 1, false), state(2, 4, 256, 32, bf, 1, 1, false)},
+		{"TP1 to TP2 PP2 direct", state(2, 4, 256, 32, bf, 1, 1, false), state(2, 4, 256, 32, bf, 2, 2, false)},
 	}
 	for i, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -47,6 +50,14 @@ func TestPairings(t *testing.T) {
 			// through the 64 KiB staging buffers.
 			transfer(t, ctx, gen, uint64(10*i+1), 37, uint64(i), 0, 0)
 			transfer(t, ctx, gen, uint64(10*i+2), 150, uint64(i+100), 0, 0)
+			// Direct pairs never touch a staging buffer (they are allocated
+			// on first use); the others do.
+			direct := strings.HasSuffix(tc.name, "direct") || strings.Contains(tc.name, "zero-copy")
+			for _, r := range gen.t.ranks {
+				if used := allocatedBuffers(r.recvBufs); (used == 0) != direct {
+					t.Errorf("rank %d: %d receive staging buffers allocated (direct: %v)", r.idx, used, direct)
+				}
+			}
 		})
 	}
 }
@@ -365,6 +376,20 @@ func TestCancel(t *testing.T) {
 		}
 		gen.release(t, greq.Blocks)
 	})
+}
+
+// allocatedBuffers counts the buffers of an idle pool that were ever
+// allocated.
+func allocatedBuffers(p *bufPool) int {
+	n := 0
+	for range p.count() {
+		b := <-p.slots
+		if b != nil {
+			n++
+		}
+		p.slots <- b
+	}
+	return n
 }
 
 // waitMoving waits until rank 0 of in has a request whose data is moving.

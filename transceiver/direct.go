@@ -1,0 +1,45 @@
+package transceiver
+
+import "github.com/kvxfer/kvxfer/layout"
+
+// Direct transfers skip the staging buffers: the sender gathers its part of
+// each block straight from pool memory and the receiver scatters it straight
+// into its blocks, with vectored I/O. It applies to identical layouts (one
+// whole-block span per block: TensorRT-LLM's zero-copy) and, beyond what
+// TensorRT-LLM does, to any pairing whose spans are large enough that
+// per-segment costs stay small (context TP2 → generation TP1 of a Llama
+// shape: one 4 MiB block in, 64 spans of 32 KiB out). Smaller spans go
+// through the staging buffers in chunks. Both sides decide with the same
+// function of the same plan, so they always agree.
+
+// minDirectSpan is the smallest average span, in bytes, for which direct
+// transfers beat pack + send + unpack.
+const minDirectSpan = 16 << 10
+
+// maxDirectSegments bounds the segment list of one direct transfer.
+const maxDirectSegments = 1 << 20
+
+// directOK reports whether a pair with plan p may move n blocks directly.
+func directOK(p *layout.Plan, n int) bool {
+	if p.Identity() {
+		return true
+	}
+	packed := p.PackedBytesPerBlock()
+	src, dst := len(p.SrcSpans()), len(p.DstSpans())
+	if packed == 0 || src == 0 || dst == 0 || n*max(src, dst) > maxDirectSegments {
+		return false
+	}
+	return packed/int64(src) >= minDirectSpan && packed/int64(dst) >= minDirectSpan
+}
+
+// segments returns the spans of every block, in order: the byte stream of a
+// direct transfer is the packed form, which both lists describe.
+func segments(blocks [][]byte, spans []layout.Span) [][]byte {
+	out := make([][]byte, 0, len(blocks)*len(spans))
+	for _, b := range blocks {
+		for _, s := range spans {
+			out = append(out, b[s.Off:s.Off+s.Len:s.Off+s.Len])
+		}
+	}
+	return out
+}
