@@ -1,0 +1,107 @@
+package serve
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// APIError is the body of every error answer, in OpenAI's shape.
+type APIError struct {
+	Error struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    int    `json:"code"`
+	} `json:"error"`
+}
+
+func writeError(w http.ResponseWriter, code int, typ, msg string) {
+	var e APIError
+	e.Error.Message, e.Error.Type, e.Error.Code = msg, typ, code
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	json.NewEncoder(w).Encode(e)
+}
+
+func readBody(req *http.Request) ([]byte, error) {
+	b, err := io.ReadAll(http.MaxBytesReader(nil, req.Body, MaxBody))
+	if err != nil {
+		return nil, fmt.Errorf("reading the request body: %v (at most %d bytes)", err, MaxBody)
+	}
+	return b, nil
+}
+
+func copyHeaders(w http.ResponseWriter, resp *http.Response) {
+	for _, k := range []string{"Content-Type", "Cache-Control", "X-Kvxfer-Timing"} {
+		if v := resp.Header.Get(k); v != "" {
+			w.Header().Set(k, v)
+		}
+	}
+}
+
+// flushCopy copies a (possibly streamed) body, flushing after every read so
+// server-sent events reach the client as they come.
+func flushCopy(w http.ResponseWriter, r io.Reader) {
+	f, _ := w.(http.Flusher)
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := r.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return
+			}
+			if f != nil {
+				f.Flush()
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// statusRecorder remembers the status code for metrics.
+type statusRecorder struct {
+	http.ResponseWriter
+	code int
+}
+
+func (s *statusRecorder) WriteHeader(code int) {
+	if s.code == 0 {
+		s.code = code
+	}
+	s.ResponseWriter.WriteHeader(code)
+}
+
+func (s *statusRecorder) Write(b []byte) (int, error) {
+	if s.code == 0 {
+		s.code = http.StatusOK
+	}
+	return s.ResponseWriter.Write(b)
+}
+
+func (s *statusRecorder) Flush() {
+	if f, ok := s.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// countCodes counts requests by route pattern and status code.
+func countCodes(next *http.ServeMux, c *prometheus.CounterVec) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		rec := &statusRecorder{ResponseWriter: w}
+		next.ServeHTTP(rec, req)
+		_, pattern := next.Handler(req)
+		if pattern == "" || pattern == "/" {
+			pattern = "other"
+		}
+		if rec.code == 0 {
+			rec.code = http.StatusOK
+		}
+		c.WithLabelValues(pattern, strconv.Itoa(rec.code)).Inc()
+	})
+}

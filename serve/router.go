@@ -1,0 +1,442 @@
+package serve
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// MaxBody bounds a request body accepted by the router and the workers.
+const MaxBody = 8 << 20
+
+// Policy chooses a server of a group for each request.
+type Policy string
+
+// Policies.
+const (
+	RoundRobin    Policy = "round_robin"
+	LoadBalancing Policy = "load_balancing" // fewest requests in flight
+)
+
+// upstream is one worker URL with its in-flight count.
+type upstream struct {
+	url      string
+	inflight atomic.Int64
+}
+
+// group is the context or generation servers with their policy.
+type group struct {
+	name    string
+	policy  Policy
+	servers []*upstream
+	next    atomic.Uint64
+}
+
+// order returns the servers to try, best first.
+func (g *group) order() []*upstream {
+	n := len(g.servers)
+	out := make([]*upstream, 0, n)
+	switch g.policy {
+	case LoadBalancing:
+		out = append(out, g.servers...)
+		// Fewest in flight first; ties by round robin so load spreads.
+		start := int(g.next.Add(1) % uint64(n))
+		rot := append(out[start:], out[:start]...)
+		out = make([]*upstream, 0, n)
+		for len(rot) > 0 {
+			best := 0
+			for i, s := range rot {
+				if s.inflight.Load() < rot[best].inflight.Load() {
+					best = i
+				}
+			}
+			out = append(out, rot[best])
+			rot = append(rot[:best:best], rot[best+1:]...)
+		}
+	default:
+		start := int(g.next.Add(1) % uint64(n))
+		for i := range n {
+			out = append(out, g.servers[(start+i)%n])
+		}
+	}
+	return out
+}
+
+// RouterOptions configure a Router.
+type RouterOptions struct {
+	Context, Generation             []string // worker base URLs ("http://host:port" or "host:port")
+	ContextPolicy, GenerationPolicy Policy
+	Logger                          *slog.Logger
+	// Client is used for upstream requests; nil means a default with
+	// timeouts suited to streaming.
+	Client *http.Client
+}
+
+// Router is the disaggregated router: it sends each request to a context
+// worker as context_only, then to a generation worker as generation_only
+// with the context's disaggregated_params and prompt token ids, and returns
+// (or streams) the generation worker's answer. Safe for concurrent use.
+type Router struct {
+	ctx, gen *group
+	client   *http.Client
+	log      *slog.Logger
+	reg      *prometheus.Registry
+	requests *prometheus.CounterVec
+	upstream *prometheus.CounterVec
+	latency  *prometheus.HistogramVec
+}
+
+// NewRouter builds a router. It starts no goroutines.
+func NewRouter(o RouterOptions) (*Router, error) {
+	if len(o.Context) == 0 || len(o.Generation) == 0 {
+		return nil, fmt.Errorf("serve: router needs at least one context and one generation server (have %d and %d)", len(o.Context), len(o.Generation))
+	}
+	mk := func(name string, urls []string, p Policy) (*group, error) {
+		if p == "" {
+			p = RoundRobin
+		}
+		if p != RoundRobin && p != LoadBalancing {
+			return nil, fmt.Errorf("serve: %s router policy %q (valid: round_robin, load_balancing)", name, p)
+		}
+		g := &group{name: name, policy: p}
+		for _, u := range urls {
+			g.servers = append(g.servers, &upstream{url: normalizeURL(u)})
+		}
+		return g, nil
+	}
+	cg, err := mk("context", o.Context, o.ContextPolicy)
+	if err != nil {
+		return nil, err
+	}
+	gg, err := mk("generation", o.Generation, o.GenerationPolicy)
+	if err != nil {
+		return nil, err
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	client := o.Client
+	if client == nil {
+		client = &http.Client{Transport: &http.Transport{
+			DialContext:           (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+			MaxIdleConnsPerHost:   64,
+			ResponseHeaderTimeout: 10 * time.Minute,
+		}}
+	}
+	r := &Router{ctx: cg, gen: gg, client: client, log: log, reg: prometheus.NewRegistry()}
+	r.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_http_requests_total",
+		Help: "HTTP requests served by the router, by route and status code."}, []string{"route", "code"})
+	r.upstream = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_router_upstream_requests_total",
+		Help: "Requests the router sent to workers, by server role and result (ok, http_error, connect_error, error)."}, []string{"role", "result"})
+	r.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvxfer_router_request_duration_seconds",
+		Help: "Duration of routed requests until the answer (or its stream) ended.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, []string{"route"})
+	r.reg.MustRegister(r.requests, r.upstream, r.latency, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return r, nil
+}
+
+func normalizeURL(u string) string {
+	if !strings.HasPrefix(u, "http://") && !strings.HasPrefix(u, "https://") {
+		u = "http://" + u
+	}
+	return strings.TrimRight(u, "/")
+}
+
+// Handler returns the router's HTTP handler.
+func (r *Router) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, req *http.Request) { r.route(w, req, "/v1/completions") })
+	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, req *http.Request) { r.route(w, req, "/v1/chat/completions") })
+	mux.HandleFunc("GET /v1/models", r.models)
+	mux.HandleFunc("GET /health", r.health)
+	mux.Handle("GET /metrics", promhttp.HandlerFor(r.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
+		writeError(w, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s (routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)", req.Method, req.URL.Path))
+	})
+	return countCodes(mux, r.requests)
+}
+
+// Close closes the idle upstream connections. Requests in flight finish.
+// Idempotent.
+func (r *Router) Close() { r.client.CloseIdleConnections() }
+
+// Registry returns the router's metrics registry.
+func (r *Router) Registry() *prometheus.Registry { return r.reg }
+
+// route runs the disaggregated flow of one completion request.
+func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
+	start := time.Now()
+	defer func() { r.latency.WithLabelValues(path).Observe(time.Since(start).Seconds()) }()
+	body, err := readBody(req)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+		return
+	}
+	var orig object
+	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "request body must be a JSON object")
+		return
+	}
+	if _, ok := orig["disaggregated_params"]; ok {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", "disaggregated_params is set by the router; send the plain OpenAI request")
+		return
+	}
+	var stream bool
+	if _, err := orig.get("stream", &stream); err != nil {
+		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+		return
+	}
+
+	// 1. Context phase: context_only, never streamed.
+	ctxReq := object{}
+	for k, v := range orig {
+		ctxReq[k] = v
+	}
+	ctxReq.set("stream", false)
+	delete(ctxReq, "stream_options")
+	ctxReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
+	resp, err := r.post(req.Context(), r.ctx, path, ctxReq)
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+		return
+	}
+	ctxBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	resp.Body.Close()
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "upstream_error", "reading the context server's answer: "+err.Error())
+		return
+	}
+	if resp.StatusCode != http.StatusOK {
+		copyHeaders(w, resp)
+		w.WriteHeader(resp.StatusCode)
+		w.Write(ctxBody)
+		return
+	}
+	var cr struct {
+		Choices []struct {
+			FinishReason        *string              `json:"finish_reason"`
+			DisaggregatedParams *DisaggregatedParams `json:"disaggregated_params"`
+			PromptTokenIDs      []int32              `json:"prompt_token_ids"`
+		} `json:"choices"`
+		PromptTokenIDs []int32 `json:"prompt_token_ids"`
+	}
+	if err := json.Unmarshal(ctxBody, &cr); err != nil || len(cr.Choices) == 0 {
+		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no choices")
+		return
+	}
+	ch := cr.Choices[0]
+	fr := ""
+	if ch.FinishReason != nil {
+		fr = *ch.FinishReason
+	}
+	if fr != "length" && fr != "not_finished" {
+		// Finished in the context phase (EOS or a stop string as the first
+		// token): that is the answer.
+		r.replayFinished(w, ctxBody, stream)
+		return
+	}
+	if ch.DisaggregatedParams == nil {
+		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no disaggregated_params")
+		return
+	}
+	ids := cr.PromptTokenIDs
+	if len(ids) == 0 {
+		ids = ch.PromptTokenIDs
+	}
+
+	// 2. Generation phase.
+	genReq := object{}
+	for k, v := range orig {
+		genReq[k] = v
+	}
+	dp := *ch.DisaggregatedParams
+	dp.RequestType = TypeGenerationOnly
+	genReq.set("disaggregated_params", dp)
+	if len(ids) > 0 {
+		if path == "/v1/completions" {
+			genReq.set("prompt", ids)
+		} else {
+			genReq.set("prompt_token_ids", ids)
+		}
+	}
+	resp, err = r.post(req.Context(), r.gen, path, genReq)
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+		return
+	}
+	defer resp.Body.Close()
+	copyHeaders(w, resp)
+	w.WriteHeader(resp.StatusCode)
+	flushCopy(w, resp.Body)
+}
+
+// replayFinished returns a context-phase answer that already finished; a
+// streaming client gets it as one chunk and [DONE].
+func (r *Router) replayFinished(w http.ResponseWriter, body []byte, stream bool) {
+	if !stream {
+		w.Header().Set("Content-Type", "application/json")
+		w.Write(body)
+		return
+	}
+	var o object
+	json.Unmarshal(body, &o)
+	if typ := ""; o != nil {
+		o.get("object", &typ)
+		o.set("object", strings.TrimSuffix(typ, ".chunk")+chunkSuffix(typ))
+	}
+	chunk, _ := json.Marshal(o)
+	w.Header().Set("Content-Type", "text/event-stream")
+	fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", chunk)
+}
+
+func chunkSuffix(typ string) string {
+	if typ == "chat.completion" {
+		return ".chunk"
+	}
+	return ""
+}
+
+// post sends body to the group's servers in policy order, moving to the next
+// server only when one cannot be reached (nothing was sent).
+func (r *Router) post(ctx context.Context, g *group, path string, body object) (*http.Response, error) {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return nil, err
+	}
+	var errs []error
+	for _, s := range g.order() {
+		hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url+path, bytes.NewReader(b))
+		if err != nil {
+			return nil, err
+		}
+		hreq.Header.Set("Content-Type", "application/json")
+		s.inflight.Add(1)
+		resp, err := r.client.Do(hreq)
+		if err != nil {
+			s.inflight.Add(-1)
+			var op *net.OpError
+			if errors.As(err, &op) && op.Op == "dial" {
+				r.upstream.WithLabelValues(g.name, "connect_error").Inc()
+				r.log.Warn("worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
+				errs = append(errs, fmt.Errorf("%s: %v", s.url, err))
+				continue
+			}
+			r.upstream.WithLabelValues(g.name, "error").Inc()
+			return nil, fmt.Errorf("%s server %s: %w", g.name, s.url, err)
+		}
+		result := "ok"
+		if resp.StatusCode != http.StatusOK {
+			result = "http_error"
+		}
+		r.upstream.WithLabelValues(g.name, result).Inc()
+		resp.Body = &doneBody{ReadCloser: resp.Body, done: func() { s.inflight.Add(-1) }}
+		return resp, nil
+	}
+	return nil, fmt.Errorf("no %s server reachable: %w", g.name, errors.Join(errs...))
+}
+
+// doneBody runs done once when the body is closed.
+type doneBody struct {
+	io.ReadCloser
+	once sync.Once
+	done func()
+}
+
+func (d *doneBody) Close() error {
+	err := d.ReadCloser.Close()
+	d.once.Do(d.done)
+	return err
+}
+
+func (r *Router) models(w http.ResponseWriter, req *http.Request) {
+	resp, err := r.get(req.Context(), r.gen, "/v1/models")
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+		return
+	}
+	defer resp.Body.Close()
+	copyHeaders(w, resp)
+	w.WriteHeader(resp.StatusCode)
+	io.Copy(w, io.LimitReader(resp.Body, MaxBody))
+}
+
+func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response, error) {
+	var errs []error
+	for _, s := range g.order() {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.url+path, nil)
+		resp, err := r.client.Do(req)
+		if err == nil {
+			return resp, nil
+		}
+		errs = append(errs, err)
+	}
+	return nil, errors.Join(errs...)
+}
+
+// health is 200 when at least one context and one generation worker answer
+// their /health with 200, else 503; the body lists every worker.
+func (r *Router) health(w http.ResponseWriter, req *http.Request) {
+	ctx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
+	defer cancel()
+	type state struct {
+		URL     string `json:"url"`
+		Healthy bool   `json:"healthy"`
+		Error   string `json:"error,omitempty"`
+	}
+	check := func(g *group) []state {
+		out := make([]state, len(g.servers))
+		var wg sync.WaitGroup
+		for i, s := range g.servers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				out[i] = state{URL: s.url}
+				hr, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.url+"/health", nil)
+				resp, err := r.client.Do(hr)
+				if err != nil {
+					out[i].Error = err.Error()
+					return
+				}
+				io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+				resp.Body.Close()
+				out[i].Healthy = resp.StatusCode == http.StatusOK
+				if !out[i].Healthy {
+					out[i].Error = resp.Status
+				}
+			}()
+		}
+		wg.Wait()
+		return out
+	}
+	cs, gs := check(r.ctx), check(r.gen)
+	anyHealthy := func(ss []state) bool {
+		for _, s := range ss {
+			if s.Healthy {
+				return true
+			}
+		}
+		return false
+	}
+	ok := anyHealthy(cs) && anyHealthy(gs)
+	code, status := http.StatusOK, "ok"
+	if !ok {
+		code, status = http.StatusServiceUnavailable, "unavailable"
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(code)
+	json.NewEncoder(w).Encode(map[string]any{"status": status, "context_servers": cs, "generation_servers": gs})
+}

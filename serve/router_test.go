@@ -1,0 +1,292 @@
+package serve
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+)
+
+// fakeWorker plays a context or generation worker for router tests.
+type fakeWorker struct {
+	role  string
+	calls atomic.Int64
+	last  atomic.Value // object of the last request
+	// finish is the context worker's finish_reason.
+	finish string
+}
+
+func (f *fakeWorker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Path == "/health" {
+		w.WriteHeader(http.StatusOK)
+		return
+	}
+	f.calls.Add(1)
+	var o object
+	if err := json.NewDecoder(r.Body).Decode(&o); err != nil {
+		writeError(w, 400, "invalid_request_error", err.Error())
+		return
+	}
+	f.last.Store(o)
+	var dp DisaggregatedParams
+	o.get("disaggregated_params", &dp)
+	switch f.role {
+	case "ctx":
+		if dp.RequestType != TypeContextOnly {
+			writeError(w, 400, "invalid_request_error", "want context_only, got "+dp.RequestType)
+			return
+		}
+		var stream bool
+		o.get("stream", &stream)
+		if stream {
+			writeError(w, 400, "invalid_request_error", "the context phase must not stream")
+			return
+		}
+		id := uint64(7)
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(map[string]any{
+			"object": "text_completion",
+			"choices": []map[string]any{{"index": 0, "text": "H", "finish_reason": f.finish,
+				"disaggregated_params": DisaggregatedParams{RequestType: TypeContextOnly, CtxRequestID: &id,
+					EncodedOpaqueState: "b3BhcXVl", FirstGenTokens: []int32{72}}}},
+			"prompt_token_ids": []int32{256, 104, 105},
+		})
+	case "gen":
+		if dp.RequestType != TypeGenerationOnly || dp.EncodedOpaqueState != "b3BhcXVl" || dp.CtxRequestID == nil || *dp.CtxRequestID != 7 {
+			writeError(w, 400, "invalid_request_error", fmt.Sprintf("bad disaggregated_params %+v", dp))
+			return
+		}
+		var prompt []int32
+		if _, err := o.get("prompt", &prompt); err != nil {
+			o.get("prompt_token_ids", &prompt)
+		}
+		var stream bool
+		o.get("stream", &stream)
+		if stream {
+			w.Header().Set("Content-Type", "text/event-stream")
+			for _, t := range []string{"H", "ello"} {
+				fmt.Fprintf(w, "data: {\"choices\":[{\"text\":%q}]}\n\n", t)
+				w.(http.Flusher).Flush()
+			}
+			fmt.Fprint(w, "data: [DONE]\n\n")
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(map[string]any{"object": "text_completion",
+			"choices": []map[string]any{{"index": 0, "text": "Hello", "finish_reason": "length"}}, "prompt": prompt})
+	}
+}
+
+func newTestRouter(t *testing.T, ctxURLs, genURLs []string, p Policy) *httptest.Server {
+	t.Helper()
+	r, err := NewRouter(RouterOptions{Context: ctxURLs, Generation: genURLs, ContextPolicy: p, GenerationPolicy: p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := httptest.NewServer(r.Handler())
+	t.Cleanup(func() {
+		s.Close()
+		r.Close()
+		http.DefaultClient.CloseIdleConnections()
+	})
+	return s
+}
+
+func startFake(t *testing.T, role, finish string) (*fakeWorker, string) {
+	f := &fakeWorker{role: role, finish: finish}
+	s := httptest.NewServer(f)
+	t.Cleanup(s.Close)
+	return f, s.URL
+}
+
+func post(t *testing.T, url, body string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
+
+func TestRouterFlow(t *testing.T) {
+	ctxW, cu := startFake(t, "ctx", "length")
+	genW, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
+
+	resp, body := post(t, rs.URL+"/v1/completions", `{"model":"m","prompt":"hi","max_tokens":5,"user":"kept"}`)
+	if resp.StatusCode != 200 || !strings.Contains(body, `"Hello"`) {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+	// The generation worker got the token ids instead of the text, the
+	// context's params as generation_only, and the fields it did not know.
+	last := genW.last.Load().(object)
+	var prompt []int32
+	last.get("prompt", &prompt)
+	var user string
+	last.get("user", &user)
+	if fmt.Sprint(prompt) != "[256 104 105]" || user != "kept" {
+		t.Errorf("generation request: prompt %v user %q", prompt, user)
+	}
+	if ctxW.calls.Load() != 1 || genW.calls.Load() != 1 {
+		t.Errorf("calls ctx %d gen %d", ctxW.calls.Load(), genW.calls.Load())
+	}
+
+	// Chat: the ids travel as prompt_token_ids, messages stay.
+	resp, body = post(t, rs.URL+"/v1/chat/completions", `{"model":"m","messages":[{"role":"user","content":"hi"}]}`)
+	if resp.StatusCode != 200 {
+		t.Fatalf("chat: %d %s", resp.StatusCode, body)
+	}
+	last = genW.last.Load().(object)
+	var ids []int32
+	last.get("prompt_token_ids", &ids)
+	if len(ids) != 3 || last["messages"] == nil {
+		t.Errorf("chat generation request: %v", last)
+	}
+}
+
+func TestRouterStreams(t *testing.T) {
+	_, cu := startFake(t, "ctx", "not_finished")
+	_, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
+	resp, err := http.Post(rs.URL+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"hi","stream":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if ct := resp.Header.Get("Content-Type"); ct != "text/event-stream" {
+		t.Errorf("content type %q", ct)
+	}
+	var events []string
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if l := sc.Text(); strings.HasPrefix(l, "data: ") {
+			events = append(events, strings.TrimPrefix(l, "data: "))
+		}
+	}
+	if len(events) != 3 || events[2] != "[DONE]" {
+		t.Fatalf("events %q", events)
+	}
+}
+
+// A context answer that already finished (first token was EOS) is the
+// answer: the generation server is not called.
+func TestRouterFinishedInContext(t *testing.T) {
+	_, cu := startFake(t, "ctx", "stop")
+	genW, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
+	resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`)
+	if resp.StatusCode != 200 || !strings.Contains(body, `"finish_reason":"stop"`) || genW.calls.Load() != 0 {
+		t.Fatalf("%d %s (gen calls %d)", resp.StatusCode, body, genW.calls.Load())
+	}
+	resp, body = post(t, rs.URL+"/v1/completions", `{"prompt":"hi","stream":true}`)
+	if resp.StatusCode != 200 || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("stream: %d %q", resp.StatusCode, body)
+	}
+}
+
+func deadURL(t *testing.T) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	u := "http://" + ln.Addr().String()
+	ln.Close()
+	return u
+}
+
+func TestRouterRetriesUnreachable(t *testing.T) {
+	ctxW, cu := startFake(t, "ctx", "length")
+	_, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{deadURL(t), cu}, []string{deadURL(t), gu}, RoundRobin)
+	for range 4 {
+		resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`)
+		if resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+	}
+	if ctxW.calls.Load() != 4 {
+		t.Errorf("context calls %d", ctxW.calls.Load())
+	}
+	// Nobody reachable: 502 naming the servers.
+	rs2 := newTestRouter(t, []string{deadURL(t)}, []string{gu}, RoundRobin)
+	resp, body := post(t, rs2.URL+"/v1/completions", `{"prompt":"hi"}`)
+	if resp.StatusCode != http.StatusBadGateway || !strings.Contains(body, "no context server reachable") {
+		t.Fatalf("%d %s", resp.StatusCode, body)
+	}
+}
+
+func TestRouterLoadBalancing(t *testing.T) {
+	g := &group{policy: LoadBalancing, servers: []*upstream{{url: "a"}, {url: "b"}, {url: "c"}}}
+	g.servers[0].inflight.Store(5)
+	g.servers[1].inflight.Store(1)
+	g.servers[2].inflight.Store(3)
+	if o := g.order(); o[0].url != "b" || o[1].url != "c" || o[2].url != "a" {
+		t.Fatalf("order %s %s %s", o[0].url, o[1].url, o[2].url)
+	}
+	rr := &group{policy: RoundRobin, servers: []*upstream{{url: "a"}, {url: "b"}}}
+	if rr.order()[0].url == rr.order()[0].url {
+		t.Error("round robin did not rotate")
+	}
+}
+
+func TestRouterBadRequests(t *testing.T) {
+	_, cu := startFake(t, "ctx", "length")
+	_, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
+	for _, tc := range []struct{ body, want string }{
+		{`not json`, "JSON object"},
+		{`[1,2]`, "JSON object"},
+		{`{"prompt":"x","stream":"yes"}`, `field \"stream\"`},
+		{`{"prompt":"x","disaggregated_params":{}}`, "set by the router"},
+	} {
+		resp, body := post(t, rs.URL+"/v1/completions", tc.body)
+		if resp.StatusCode != 400 || !strings.Contains(body, tc.want) {
+			t.Errorf("%s: %d %s", tc.body, resp.StatusCode, body)
+		}
+	}
+	resp, _ := post(t, rs.URL+"/v2/nothing", `{}`)
+	if resp.StatusCode != 404 {
+		t.Errorf("unknown route: %d", resp.StatusCode)
+	}
+}
+
+func TestRouterHealthAndMetrics(t *testing.T) {
+	_, cu := startFake(t, "ctx", "length")
+	_, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
+	resp, body := get(t, rs.URL+"/health")
+	if resp.StatusCode != 200 || !strings.Contains(body, `"status":"ok"`) {
+		t.Fatalf("health %d %s", resp.StatusCode, body)
+	}
+	bad := newTestRouter(t, []string{cu}, []string{deadURL(t)}, RoundRobin)
+	resp, body = get(t, bad.URL+"/health")
+	if resp.StatusCode != 503 || !strings.Contains(body, `"healthy":false`) {
+		t.Fatalf("health with a dead worker %d %s", resp.StatusCode, body)
+	}
+	post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`)
+	_, m := get(t, rs.URL+"/metrics")
+	for _, want := range []string{`kvxfer_http_requests_total{code="200",route="POST /v1/completions"} 1`, `kvxfer_router_upstream_requests_total{result="ok",role="context"} 1`} {
+		if !strings.Contains(m, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
+
+func get(t *testing.T, url string) (*http.Response, string) {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp, string(b)
+}
