@@ -232,7 +232,8 @@ func TestRouterLoadBalancing(t *testing.T) {
 		t.Fatalf("order %s %s %s", o[0].url, o[1].url, o[2].url)
 	}
 	rr := &group{policy: RoundRobin, servers: []*upstream{{url: "a"}, {url: "b"}}}
-	if rr.order()[0].url == rr.order()[0].url {
+	first, second := rr.order()[0].url, rr.order()[0].url
+	if first == second {
 		t.Error("round robin did not rotate")
 	}
 }
