@@ -41,6 +41,7 @@ type rankStats struct {
 	chunks  int
 	backend string
 	start   time.Time
+	moving  time.Time // when data started to move; zero if it never did
 	end     time.Time
 }
 
@@ -63,6 +64,8 @@ type rank struct {
 
 	wg   sync.WaitGroup  // every goroutine of this rank
 	life context.Context // ends when the rank closes: bounds dials and handshakes
+	obs  Observer        // nil: none
+	csv  *timingCSV      // nil: none
 	stop context.CancelFunc
 
 	mu      sync.Mutex
@@ -174,6 +177,15 @@ func (r *rank) backendNames() []string {
 	return names
 }
 
+// report hands a finished transfer to the observer and the timing file.
+func (r *rank) report(id uint64, role string, err error, st rankStats) {
+	rec := st.record(id, r.idx, role, err)
+	if r.obs != nil {
+		r.obs.TransferEnded(rec)
+	}
+	r.csv.write(rec)
+}
+
 // backendEndpoints returns the data-plane endpoint of each backend, in the
 // order of backendNames.
 func (r *rank) backendEndpoints() []string {
@@ -252,6 +264,9 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 		return fmt.Errorf("transceiver: rank %d: context request %d is already in flight", r.idx, id)
 	}
 	r.ctxReqs[id] = cr
+	if r.obs != nil {
+		r.obs.TransferStarted(RoleContext)
+	}
 	cr.timer = time.AfterFunc(r.set.timeout, func() {
 		r.stepCtx(cr, func() []effect {
 			return cr.core.timeout(fmt.Errorf("%w: context request %d not pulled and sent within %v", ErrTimeout, id, r.set.timeout))
@@ -281,6 +296,11 @@ func (r *rank) execCtx(cr *ctxReq, effs []effect) {
 			p.conn.send(&wire.Ready{CtxRequestID: cr.id, GenRequestID: p.genReqID, ChunkBlocks: uint32(p.chunk)})
 		case effStartSend:
 			p := cr.peers[e.peer]
+			r.mu.Lock()
+			if cr.stats.moving.IsZero() {
+				cr.stats.moving = r.set.now()
+			}
+			r.mu.Unlock()
 			r.wg.Add(1)
 			cr.workers.Add(1)
 			go func() {
@@ -319,6 +339,7 @@ func (r *rank) execCtx(cr *ctxReq, effs []effect) {
 				if err != nil {
 					r.log.Warn("context transfer failed", "request", cr.id, "err", err)
 				}
+				r.report(cr.id, RoleContext, err, cr.stats)
 				r.done(r, false, cr.id, err, cr.stats)
 			}()
 		}

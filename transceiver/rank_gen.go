@@ -58,6 +58,9 @@ func (r *rank) receive(reqID uint64, op *OpaqueState, genState layout.CacheState
 	r.nextGen++
 	gr.id = r.nextGen
 	r.genReqs[gr.id] = gr
+	if r.obs != nil {
+		r.obs.TransferStarted(RoleGeneration)
+	}
 	gr.timer = time.AfterFunc(r.set.timeout, func() {
 		r.stepGen(gr, func() []effect {
 			return gr.core.timeout(fmt.Errorf("%w: request %d (context request %d) not received within %v", ErrTimeout, reqID, op.RequestID, r.set.timeout))
@@ -92,6 +95,11 @@ func (r *rank) execGen(gr *genReq, effs []effect) {
 			}()
 		case effStartRecv:
 			s := gr.srcs[e.peer]
+			r.mu.Lock()
+			if gr.stats.moving.IsZero() {
+				gr.stats.moving = r.set.now()
+			}
+			r.mu.Unlock()
 			r.wg.Add(1)
 			gr.workers.Add(1)
 			go func() {
@@ -138,6 +146,7 @@ func (r *rank) execGen(gr *genReq, effs []effect) {
 				if err != nil {
 					r.log.Warn("generation transfer failed", "request", gr.reqID, "ctx_request", gr.op.RequestID, "err", err)
 				}
+				r.report(gr.reqID, RoleGeneration, err, gr.stats)
 				r.done(r, true, gr.reqID, err, gr.stats)
 			}()
 		}

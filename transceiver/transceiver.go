@@ -39,6 +39,8 @@ type Options struct {
 	Logger *slog.Logger
 	// Now is the clock for statistics; nil means time.Now.
 	Now func() time.Time
+	// Observer receives transfer events (metrics); nil means none.
+	Observer Observer
 }
 
 // Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
@@ -54,6 +56,7 @@ type Transceiver struct {
 	resolution config.Resolution
 	log        *slog.Logger
 	now        func() time.Time
+	csv        *timingCSV
 
 	mu      sync.Mutex
 	closed  bool
@@ -131,6 +134,9 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	}
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: now,
 		pending: map[pendingKey]*pending{}, wake: make(chan struct{})}
+	if cfg.TimeOutputPath != "" {
+		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
+	}
 	for i := range nr {
 		bufBytes := cfg.TransferBufferSize
 		if cfg.MaxTokensInBuffer > 0 {
@@ -172,6 +178,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 			return nil, openErr
 		}
 		r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone)
+		r.obs, r.csv = opts.Observer, t.csv
 		t.ranks = append(t.ranks, r)
 		r.start()
 	}
@@ -593,6 +600,9 @@ func (t *Transceiver) Close() error {
 		if err := r.close(); err != nil && !errors.Is(err, net.ErrClosed) {
 			errs = append(errs, err)
 		}
+	}
+	if err := t.csv.close(); err != nil {
+		errs = append(errs, fmt.Errorf("transceiver: timing files: %w", err))
 	}
 	return errors.Join(errs...)
 }

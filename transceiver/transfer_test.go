@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -421,5 +423,77 @@ func TestNoTransceiver(t *testing.T) {
 	_, err = New(context.Background(), &config.CacheTransceiver{Backend: config.BackendNIXL}, Options{State: state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)})
 	if err == nil || !strings.Contains(err.Error(), "NIXL") {
 		t.Fatalf("NIXL: %v", err)
+	}
+}
+
+type countObserver struct {
+	mu      sync.Mutex
+	started map[string]int
+	ended   []Record
+}
+
+func (o *countObserver) TransferStarted(role string) {
+	o.mu.Lock()
+	o.started[role]++
+	o.mu.Unlock()
+}
+
+func (o *countObserver) TransferEnded(rec Record) {
+	o.mu.Lock()
+	o.ended = append(o.ended, rec)
+	o.mu.Unlock()
+}
+
+// TestObserverAndTimingCSV: every rank's part of every transfer is reported
+// once, and the timing file has one row per transfer.
+func TestObserverAndTimingCSV(t *testing.T) {
+	dir := t.TempDir()
+	cs := state(4, 4, 16, 4, kvcache.BF16, 2, 1, false)
+	gs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
+	obs := &countObserver{started: map[string]int{}}
+	cfg := testCfg(func(c *config.CacheTransceiver) { c.TimeOutputPath = dir })
+	ctx := newInst(t, cs, cfg, 32)
+	gen := newInst(t, gs, cfg, 32)
+	for _, in := range []*inst{ctx, gen} {
+		for _, r := range in.t.ranks {
+			r.obs = obs
+		}
+	}
+	for i := range 3 {
+		transfer(t, ctx, gen, uint64(i+1), 40, uint64(i), 0, 0)
+	}
+	creq, _ := startCtx(t, ctx, 99, 8)
+	ctx.t.Cancel(creq)
+	waitDone(t, creq, 5*time.Second)
+
+	obs.mu.Lock()
+	if obs.started[RoleContext] != 8 || obs.started[RoleGeneration] != 3 || len(obs.ended) != 11 {
+		t.Errorf("started %v, ended %d", obs.started, len(obs.ended))
+	}
+	results := map[string]int{}
+	for _, r := range obs.ended {
+		results[r.Role+"/"+r.Result]++
+		if r.Result == ResultOK && r.Role == RoleGeneration && (r.Bytes == 0 || r.Backend != "tcp" || r.Duration <= 0) {
+			t.Errorf("record %+v", r)
+		}
+	}
+	obs.mu.Unlock()
+	if results["context/cancelled"] != 2 || results["context/ok"] != 6 || results["generation/ok"] != 3 {
+		t.Errorf("results %v", results)
+	}
+	ctx.t.Close()
+	gen.t.Close()
+	files, _ := filepath.Glob(filepath.Join(dir, "*.csv"))
+	rows := 0
+	for _, f := range files {
+		b, _ := os.ReadFile(f)
+		lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+		if lines[0] != strings.TrimSpace(csvHeader) {
+			t.Errorf("%s: header %q", f, lines[0])
+		}
+		rows += len(lines) - 1
+	}
+	if len(files) != 3 || rows != 11 {
+		t.Errorf("%d files, %d rows: %v", len(files), rows, files)
 	}
 }
