@@ -619,3 +619,25 @@ func (t *Transceiver) PendingContext() int {
 	}
 	return n
 }
+
+// StagingBytesInUse returns the bytes of staging buffers currently taken by
+// transfers, over all ranks (role "send" or "recv").
+func (t *Transceiver) StagingBytesInUse() (send, recv int64) {
+	for _, r := range t.ranks {
+		send += r.sendBufs.inUse.Load() * int64(r.sendBufs.size)
+		recv += r.recvBufs.inUse.Load() * int64(r.recvBufs.size)
+	}
+	return send, recv
+}
+
+// ControlConnections returns the number of open control connections of all
+// ranks (dialled and accepted).
+func (t *Transceiver) ControlConnections() int {
+	n := 0
+	for _, r := range t.ranks {
+		r.mu.Lock()
+		n += len(r.conns)
+		r.mu.Unlock()
+	}
+	return n
+}

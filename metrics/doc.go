@@ -1,0 +1,8 @@
+// Package metrics defines kvxfer's Prometheus metrics: names with the
+// kvxfer_ prefix and base units (bytes, seconds), registered on a registry
+// the caller passes in — never the global one, so that tests and several
+// workers in one process do not collide.
+//
+// It knows no kvxfer package: callers feed it (serve adapts the
+// transceiver's Observer and the engine's timings to it).
+package metrics
