@@ -15,11 +15,8 @@ FUZZTIME  ?= 5s
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-run: build ## the main job: check the example configs, then move verified Llama-3.1-8B KV between two processes (TP2 -> TP1)
-	./$(BIN) version
-	./$(BIN) config check examples/worker.yaml examples/disagg.yaml
-	./$(BIN) backends
-	./$(BIN) bench --backend tcp --model llama-3.1-8b --isl 1024 --requests 8 --ctx-tp 2 --gen-tp 1 --verify --baseline
+run: build ## the main job: start a local disaggregated cluster (context TP2 -> generation TP1) behind an OpenAI-compatible router on :8000
+	./$(BIN) up
 
 test: deps fmt-check vet staticcheck unit invariants fuzz-short nocgo ## every check and test (installs what it needs)
 	@echo "make test: all checks passed"

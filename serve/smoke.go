@@ -1,0 +1,149 @@
+package serve
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// SmokeResult is the outcome of Smoke.
+type SmokeResult struct {
+	Prompts    int
+	Matched    int
+	Failures   []string
+	TTFTDisagg []time.Duration // through the router (disaggregated)
+	TTFTAgg    []time.Duration // the aggregated worker
+}
+
+// OK reports whether every answer matched.
+func (s *SmokeResult) OK() bool { return s.Prompts > 0 && s.Matched == s.Prompts && len(s.Failures) == 0 }
+
+// Percentile returns the p-th percentile of ds.
+func Percentile(ds []time.Duration, p float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	s := slices.Clone(ds)
+	slices.Sort(s)
+	i := int(p/100*float64(len(s))+0.5) - 1
+	return s[max(0, min(i, len(s)-1))]
+}
+
+// SmokePrompts are the prompts of Smoke, cycled.
+var SmokePrompts = []string{
+	"The quick brown fox", "KV caches move from prefill to decode.", "Once upon a time",
+	"Disaggregated serving splits", "0123456789", "Hello, world!", "Tensor parallel ranks",
+	"A long prompt that spans several blocks of the paged KV cache, so that the transfer moves more than one block per rank and the chunking is exercised.",
+}
+
+// Smoke sends n prompts, streamed, through the router and to the aggregated
+// worker with the same seed and compares the answers; concurrency prompts
+// run at a time.
+func Smoke(ctx context.Context, routerURL, aggregatedURL string, n, concurrency int) *SmokeResult {
+	res := &SmokeResult{Prompts: n}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, max(1, concurrency))
+	client := &http.Client{Timeout: 2 * time.Minute}
+	defer client.CloseIdleConnections()
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			prompt := SmokePrompts[i%len(SmokePrompts)]
+			body := map[string]any{"prompt": prompt, "max_tokens": 24, "temperature": 0, "seed": i, "stream": true}
+			if i%3 == 1 {
+				body["temperature"] = 0.8 // seeded sampling must match too
+			}
+			dText, dTTFT, derr := streamCompletion(ctx, client, routerURL, body)
+			aText, aTTFT, aerr := streamCompletion(ctx, client, aggregatedURL, body)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case derr != nil:
+				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d via the router: %v", i, derr))
+			case aerr != nil:
+				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d on the aggregated worker: %v", i, aerr))
+			case dText != aText:
+				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d: disaggregated %q != aggregated %q", i, dText, aText))
+			default:
+				res.Matched++
+				res.TTFTDisagg = append(res.TTFTDisagg, dTTFT)
+				res.TTFTAgg = append(res.TTFTAgg, aTTFT)
+			}
+		}()
+	}
+	wg.Wait()
+	return res
+}
+
+// streamCompletion posts a streaming completion and returns its text and
+// the time to the first text.
+func streamCompletion(ctx context.Context, c *http.Client, base string, body map[string]any) (string, time.Duration, error) {
+	b, _ := json.Marshal(body)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
+	if err != nil {
+		return "", 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	start := time.Now()
+	resp, err := c.Do(req)
+	if err != nil {
+		return "", 0, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return "", 0, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
+	}
+	var text strings.Builder
+	var ttft time.Duration
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	done := false
+	for sc.Scan() {
+		line := sc.Text()
+		if !strings.HasPrefix(line, "data: ") {
+			continue
+		}
+		data := strings.TrimPrefix(line, "data: ")
+		if data == "[DONE]" {
+			done = true
+			break
+		}
+		var ch struct {
+			Choices []struct {
+				Text string `json:"text"`
+			} `json:"choices"`
+			Error *struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(data), &ch); err != nil {
+			return "", 0, fmt.Errorf("bad event %q: %v", data, err)
+		}
+		if ch.Error != nil {
+			return "", 0, fmt.Errorf("error event: %s", ch.Error.Message)
+		}
+		for _, c := range ch.Choices {
+			if c.Text != "" && ttft == 0 {
+				ttft = time.Since(start)
+			}
+			text.WriteString(c.Text)
+		}
+	}
+	if !done {
+		return "", 0, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
+	}
+	return text.String(), ttft, nil
+}

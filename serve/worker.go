@@ -1,0 +1,414 @@
+package serve
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/engine"
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/metrics"
+	"github.com/kvxfer/kvxfer/transceiver"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Worker roles.
+const (
+	RoleContext    = "context"
+	RoleGeneration = "generation"
+	RoleBoth       = "both"
+)
+
+// WorkerOptions configure a Worker.
+type WorkerOptions struct {
+	// Role is context (serves context_only), generation (generation_only)
+	// or both (every request type; the disaggregated ones need a
+	// transceiver).
+	Role string
+	// Model is an engine preset name (engine.Presets).
+	Model string
+	// Config is the worker file (TP, PP, kv_cache_config,
+	// cache_transceiver_config).
+	Config *config.Worker
+	// DType is the KV cache dtype; zero means bf16.
+	DType kvcache.DType
+	// TransceiverHost is the address the transceiver listens on (its
+	// control and data planes); "" means 127.0.0.1.
+	TransceiverHost string
+	Logger          *slog.Logger
+}
+
+// Worker is an OpenAI-compatible HTTP worker around one engine instance.
+type Worker struct {
+	role    string
+	model   string
+	eng     *engine.Engine
+	tr      *transceiver.Transceiver
+	tok     engine.Tokenizer
+	log     *slog.Logger
+	reg     *prometheus.Registry
+	m       *metrics.Set
+	created int64
+	seq     atomic.Uint64
+}
+
+// NewWorker builds the model, its sharded instance, the transceiver (when
+// the worker file has a cache_transceiver_config: the one place the public
+// config becomes transport options is transceiver.New) and the engine. It
+// starts no goroutines; the engine starts on the first request.
+func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
+	switch o.Role {
+	case RoleContext, RoleGeneration, RoleBoth:
+	default:
+		return nil, fmt.Errorf("serve: role %q (valid: context, generation, both)", o.Role)
+	}
+	wc := o.Config
+	if wc == nil {
+		wc = &config.Worker{TensorParallelSize: 1, PipelineParallelSize: 1,
+			KVCache: config.KVCache{TokensPerBlock: config.DefaultTokensPerBlock, MaxTokens: config.DefaultPoolTokens}}
+	}
+	if o.Role != RoleBoth && (wc.CacheTransceiver == nil || wc.CacheTransceiver.Backend == config.BackendUnset) {
+		return nil, fmt.Errorf("serve: a %s worker needs a cache_transceiver_config with a backend (e.g. backend: DEFAULT)", o.Role)
+	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	mc, err := engine.Preset(o.Model)
+	if err != nil {
+		return nil, err
+	}
+	model, err := engine.NewModel(mc)
+	if err != nil {
+		return nil, err
+	}
+	dt := o.DType
+	if dt == 0 {
+		dt = kvcache.BF16
+	}
+	inst, err := engine.NewInstance(model, engine.InstanceConfig{TP: wc.TensorParallelSize, PP: wc.PipelineParallelSize,
+		TokensPerBlock: wc.KVCache.TokensPerBlock, DType: dt, PoolTokens: wc.KVCache.MaxTokens})
+	if err != nil {
+		return nil, err
+	}
+	w := &Worker{role: o.Role, model: o.Model, log: log, reg: prometheus.NewRegistry(), created: time.Now().Unix()}
+	w.m = metrics.New(w.reg)
+	w.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	var tr *transceiver.Transceiver
+	if ct := wc.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
+		tr, err = transceiver.New(ctx, ct, transceiver.Options{State: inst.State(), Pools: inst.Pools(),
+			ListenHost: o.TransceiverHost, Logger: log, Observer: observer{w.m}})
+		if err != nil {
+			inst.Close()
+			return nil, err
+		}
+		res := tr.Resolution()
+		log.Info("transceiver ready", "backend", string(res.Backend), "reason", res.Reason, "endpoints", tr.Endpoints())
+		w.m.AddGauge("kvxfer_staging_buffer_bytes_in_use", "Staging buffer bytes taken by transfers, by role (send, recv).",
+			prometheus.Labels{"role": "send"}, func() float64 { s, _ := tr.StagingBytesInUse(); return float64(s) })
+		w.m.AddGauge("kvxfer_staging_buffer_bytes_in_use", "Staging buffer bytes taken by transfers, by role (send, recv).",
+			prometheus.Labels{"role": "recv"}, func() float64 { _, r := tr.StagingBytesInUse(); return float64(r) })
+		w.m.AddGauge("kvxfer_peer_connections", "Open control connections to peer ranks.",
+			prometheus.Labels{"backend": "control"}, func() float64 { return float64(tr.ControlConnections()) })
+	}
+	for i, p := range inst.Pools() {
+		w.m.AddPool(i, func() metrics.PoolStats {
+			s := p.Stats()
+			return metrics.PoolStats{Free: s.Free, Cached: s.Cached, Pinned: s.Pinned}
+		})
+	}
+	eng, err := engine.New(inst, engine.Options{Transceiver: tr, Logger: log})
+	if err != nil {
+		if tr != nil {
+			tr.Close()
+		}
+		inst.Close()
+		return nil, err
+	}
+	w.eng, w.tr = eng, tr
+	return w, nil
+}
+
+// observer feeds transfer events to the metrics.
+type observer struct{ m *metrics.Set }
+
+func (o observer) TransferStarted(role string) { o.m.InFlight.WithLabelValues(role).Inc() }
+
+func (o observer) TransferEnded(r transceiver.Record) {
+	o.m.InFlight.WithLabelValues(r.Role).Dec()
+	o.m.Transfers.WithLabelValues(r.Role, r.Result).Inc()
+	if r.Bytes > 0 {
+		o.m.TransferBytes.WithLabelValues(r.Backend, r.Role).Add(float64(r.Bytes))
+		o.m.TransferDuration.WithLabelValues(r.Role).Observe(r.Duration.Seconds())
+	}
+	o.m.TransferDelay.WithLabelValues(r.Role).Observe(r.Delay.Seconds())
+}
+
+// Close stops the engine (failing requests in flight) and the transceiver.
+func (w *Worker) Close() error { return w.eng.Close() }
+
+// Engine returns the worker's engine.
+func (w *Worker) Engine() *engine.Engine { return w.eng }
+
+// Registry returns the worker's metrics registry.
+func (w *Worker) Registry() *prometheus.Registry { return w.reg }
+
+// Handler returns the worker's HTTP handler.
+func (w *Worker) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/completions", func(rw http.ResponseWriter, r *http.Request) { w.complete(rw, r, false) })
+	mux.HandleFunc("POST /v1/chat/completions", func(rw http.ResponseWriter, r *http.Request) { w.complete(rw, r, true) })
+	mux.HandleFunc("GET /v1/models", w.models)
+	mux.HandleFunc("GET /health", func(rw http.ResponseWriter, _ *http.Request) {
+		rw.Header().Set("Content-Type", "application/json")
+		st := w.eng.Stats()
+		json.NewEncoder(rw).Encode(map[string]any{"status": "ok", "role": w.role, "model": w.model,
+			"waiting": st.Waiting, "running": st.Running, "transferring": st.Transferring,
+			"free_blocks": st.FreeBlocks, "total_blocks": st.TotalBlocks})
+	})
+	mux.Handle("GET /metrics", promhttp.HandlerFor(w.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("/", func(rw http.ResponseWriter, r *http.Request) {
+		writeError(rw, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s", r.Method, r.URL.Path))
+	})
+	return countCodes(mux, w.m.HTTPRequests)
+}
+
+func (w *Worker) models(rw http.ResponseWriter, _ *http.Request) {
+	rw.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(rw).Encode(map[string]any{"object": "list", "data": []map[string]any{
+		{"id": w.model, "object": "model", "created": w.created, "owned_by": "kvxfer"}}})
+}
+
+// completionRequest is the part of an OpenAI completion or chat request the
+// worker reads. Other fields are accepted and ignored.
+type completionRequest struct {
+	Model          string               `json:"model"`
+	Prompt         json.RawMessage      `json:"prompt"`
+	Messages       []chatMessage        `json:"messages"`
+	PromptTokenIDs []int32              `json:"prompt_token_ids"`
+	MaxTokens      *int                 `json:"max_tokens"`
+	MaxCompletion  *int                 `json:"max_completion_tokens"`
+	Temperature    *float64             `json:"temperature"`
+	Seed           *uint64              `json:"seed"`
+	Stop           json.RawMessage      `json:"stop"`
+	Stream         bool                 `json:"stream"`
+	StreamOptions  *struct{ Usage bool } `json:"-"`
+	N              *int                 `json:"n"`
+	IgnoreEOS      bool                 `json:"ignore_eos"`
+	Disagg         *DisaggregatedParams `json:"disaggregated_params"`
+	RawOptions     json.RawMessage      `json:"stream_options"`
+}
+
+type chatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+// MaxPromptTokens bounds a prompt (bytes are tokens here).
+const MaxPromptTokens = 1 << 20
+
+// httpError is an error with the HTTP status it maps to.
+type httpError struct {
+	code int
+	typ  string
+	msg  string
+}
+
+func (e *httpError) Error() string { return e.msg }
+
+func badRequest(format string, args ...any) *httpError {
+	return &httpError{http.StatusBadRequest, "invalid_request_error", fmt.Sprintf(format, args...)}
+}
+
+// parse turns the body into an engine request, checking everything a
+// client can get wrong.
+func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Request, *httpError) {
+	var cr completionRequest
+	dec := json.NewDecoder(strings.NewReader(string(body)))
+	if err := dec.Decode(&cr); err != nil {
+		return nil, engine.Request{}, badRequest("request body: %v", err)
+	}
+	var er engine.Request
+	if cr.Model != "" && cr.Model != w.model {
+		return nil, er, &httpError{http.StatusNotFound, "model_not_found", fmt.Sprintf("model %q is not served here (this worker serves %q)", cr.Model, w.model)}
+	}
+	if cr.N != nil && *cr.N != 1 {
+		return nil, er, badRequest("n = %d: kvxfer serves one choice per request", *cr.N)
+	}
+	if len(cr.RawOptions) > 0 && string(cr.RawOptions) != "null" {
+		var so struct {
+			IncludeUsage bool `json:"include_usage"`
+		}
+		if err := json.Unmarshal(cr.RawOptions, &so); err != nil {
+			return nil, er, badRequest("stream_options: %v", err)
+		}
+		cr.StreamOptions = &struct{ Usage bool }{so.IncludeUsage}
+	}
+	// The prompt: token ids from the router win; else the text or ids.
+	switch {
+	case len(cr.PromptTokenIDs) > 0:
+		er.Prompt = cr.PromptTokenIDs
+	case chat:
+		if len(cr.Messages) == 0 {
+			return nil, er, badRequest("messages: at least one message is required")
+		}
+		er.Prompt = w.tok.Encode(chatTemplate(cr.Messages))
+	default:
+		p, herr := w.parsePrompt(cr.Prompt)
+		if herr != nil {
+			return nil, er, herr
+		}
+		er.Prompt = p
+	}
+	if len(er.Prompt) > MaxPromptTokens {
+		return nil, er, badRequest("prompt of %d tokens exceeds %d", len(er.Prompt), MaxPromptTokens)
+	}
+	if cr.MaxTokens == nil {
+		cr.MaxTokens = cr.MaxCompletion
+	}
+	if cr.MaxTokens != nil {
+		if *cr.MaxTokens < 1 || *cr.MaxTokens > 1<<16 {
+			return nil, er, badRequest("max_tokens = %d, want 1..65536", *cr.MaxTokens)
+		}
+		er.MaxTokens = *cr.MaxTokens
+	}
+	if cr.Temperature != nil {
+		if *cr.Temperature < 0 || *cr.Temperature > 2 {
+			return nil, er, badRequest("temperature = %v, want 0..2", *cr.Temperature)
+		}
+		er.Sampling.Temperature = *cr.Temperature
+	}
+	er.Sampling.Seed = cr.Seed
+	stop, herr := parseStop(cr.Stop)
+	if herr != nil {
+		return nil, er, herr
+	}
+	er.Stop, er.IgnoreEOS = stop, cr.IgnoreEOS
+	// The request type must be one this worker's role serves.
+	typ := TypeContextAndGeneration
+	if cr.Disagg != nil {
+		if err := cr.Disagg.validate(); err != nil {
+			return nil, er, badRequest("%v", err)
+		}
+		typ = cr.Disagg.RequestType
+	}
+	allowed := map[string][]string{RoleContext: {TypeContextOnly}, RoleGeneration: {TypeGenerationOnly},
+		RoleBoth: {TypeContextAndGeneration, TypeContextOnly, TypeGenerationOnly}}[w.role]
+	if !slices.Contains(allowed, typ) {
+		return nil, er, badRequest("this is a %s worker: it serves %s requests, not %s (set disaggregated_params.request_type, or send plain requests to the router)",
+			w.role, strings.Join(allowed, " and "), typ)
+	}
+	if typ != TypeContextAndGeneration && w.tr == nil {
+		return nil, er, &httpError{http.StatusBadRequest, "invalid_request_error",
+			fmt.Sprintf("%s requests need a transceiver and this worker has no cache_transceiver_config: %v", typ, transceiver.ErrNoTransceiver)}
+	}
+	switch typ {
+	case TypeContextOnly:
+		er.Type = transceiver.ContextOnly
+	case TypeGenerationOnly:
+		er.Type = transceiver.GenerationOnly
+		opaque, err := base64.StdEncoding.DecodeString(cr.Disagg.EncodedOpaqueState)
+		if err != nil {
+			return nil, er, badRequest("disaggregated_params.encoded_opaque_state is not base64: %v", err)
+		}
+		if _, err := transceiver.DecodeOpaque(cr.Disagg.EncodedOpaqueState); err != nil {
+			return nil, er, badRequest("disaggregated_params.encoded_opaque_state: %v", err)
+		}
+		er.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: *cr.Disagg.CtxRequestID,
+			FirstGenTokens: cr.Disagg.FirstGenTokens, DraftTokens: cr.Disagg.DraftTokens, OpaqueState: opaque}
+	}
+	return &cr, er, nil
+}
+
+func (w *Worker) parsePrompt(raw json.RawMessage) ([]int32, *httpError) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, badRequest("prompt is required")
+	}
+	var s string
+	if err := json.Unmarshal(raw, &s); err == nil {
+		if s == "" {
+			return nil, badRequest("prompt is empty")
+		}
+		return w.tok.Encode(s), nil
+	}
+	var ids []int32
+	if err := json.Unmarshal(raw, &ids); err == nil {
+		if len(ids) == 0 {
+			return nil, badRequest("prompt is an empty list of token ids")
+		}
+		return ids, nil
+	}
+	var ss []string
+	if err := json.Unmarshal(raw, &ss); err == nil {
+		if len(ss) != 1 {
+			return nil, badRequest("prompt is a list of %d strings: kvxfer serves one prompt per request", len(ss))
+		}
+		return w.tok.Encode(ss[0]), nil
+	}
+	return nil, badRequest("prompt must be a string, a list of token ids or a list of one string")
+}
+
+func parseStop(raw json.RawMessage) ([]string, *httpError) {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil, nil
+	}
+	var s string
+	if json.Unmarshal(raw, &s) == nil {
+		return []string{s}, nil
+	}
+	var ss []string
+	if err := json.Unmarshal(raw, &ss); err != nil {
+		return nil, badRequest("stop must be a string or a list of strings")
+	}
+	if len(ss) > engine.MaxStopStrings {
+		return nil, badRequest("stop has %d strings, at most %d", len(ss), engine.MaxStopStrings)
+	}
+	return ss, nil
+}
+
+// chatTemplate is the reference models' simple chat format.
+func chatTemplate(msgs []chatMessage) string {
+	var b strings.Builder
+	for _, m := range msgs {
+		fmt.Fprintf(&b, "<|%s|>\n%s\n", m.Role, m.Content)
+	}
+	b.WriteString("<|assistant|>\n")
+	return b.String()
+}
+
+// statusOf maps an engine or transfer error to an HTTP status.
+func statusOf(err error) (int, string) {
+	var tl *engine.TooLongError
+	switch {
+	case errors.As(err, &tl):
+		return http.StatusBadRequest, "context_length_exceeded"
+	case errors.Is(err, engine.ErrBadRequest), errors.Is(err, transceiver.ErrBadOpaqueState):
+		return http.StatusBadRequest, "invalid_request_error"
+	case errors.Is(err, transceiver.ErrRefused):
+		// The context request is unknown, expired, cancelled or already
+		// pulled, or the layouts are incompatible.
+		return http.StatusConflict, "kv_transfer_refused"
+	case errors.Is(err, transceiver.ErrTimeout):
+		return http.StatusGatewayTimeout, "kv_transfer_timeout"
+	case errors.Is(err, transceiver.ErrPeerLost), errors.Is(err, transceiver.ErrPeerAborted):
+		return http.StatusBadGateway, "kv_transfer_failed"
+	case errors.Is(err, engine.ErrQueueFull):
+		return http.StatusTooManyRequests, "queue_full"
+	case errors.Is(err, engine.ErrClosed):
+		return http.StatusServiceUnavailable, "shutting_down"
+	case errors.Is(err, context.Canceled):
+		return 499, "cancelled"
+	}
+	return http.StatusInternalServerError, "internal_error"
+}
