@@ -1,0 +1,802 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver"
+)
+
+// Defaults of Options.
+const (
+	DefaultMaxBatch         = 64
+	DefaultMaxQueue         = 1024
+	DefaultMaxPrefillTokens = 4096
+	DefaultMaxTokens        = 16
+	// MaxStopStrings bounds Request.Stop (OpenAI allows 4).
+	MaxStopStrings = 16
+	// MaxStopLen bounds the length of one stop string, in bytes.
+	MaxStopLen = 1024
+	// pollInterval bounds an idle wait that cannot block on one event
+	// source alone (see Engine.idle).
+	pollInterval = 2 * time.Millisecond
+)
+
+// Options configure an Engine.
+type Options struct {
+	// Transceiver moves KV caches for context_only and generation_only
+	// requests. It must have been built on the instance's State() and
+	// Pools(). The engine takes it over: Close closes it. Nil means an
+	// aggregated engine: disaggregated requests are refused.
+	Transceiver *transceiver.Transceiver
+	// MaxBatch bounds the requests holding blocks at once (prefilling,
+	// transferring or decoding); default 64.
+	MaxBatch int
+	// MaxQueue bounds the requests waiting for admission; Submit returns
+	// ErrQueueFull beyond it. Default 1024.
+	MaxQueue int
+	// MaxPrefillTokens bounds the prompt tokens prefilled in one iteration
+	// (a longer prompt runs alone), so that decoding requests are not
+	// starved; default 4096.
+	MaxPrefillTokens int
+	// DefaultMaxTokens applies to requests with MaxTokens 0; default 16.
+	DefaultMaxTokens int
+	// Logger receives the engine's logs; nil discards them.
+	Logger *slog.Logger
+	// Now is the clock of the timings; nil means time.Now.
+	Now func() time.Time
+}
+
+// Engine is the executor of one instance: it admits requests while the KV
+// pool has room, prefills them, hands context_only requests to the
+// transceiver, pulls generation_only requests' KV caches, and decodes every
+// running request one token per iteration (continuous batching). One
+// scheduler goroutine does all of it; it is started by Start or by the
+// first Submit, and stopped by Close.
+//
+// Submit and the accessors are safe for concurrent use.
+type Engine struct {
+	inst *Instance
+	tr   *transceiver.Transceiver
+	opts Options
+	log  *slog.Logger
+	now  func() time.Time
+
+	life   context.Context // cancelled by Close
+	stop   context.CancelFunc
+	done   chan struct{} // closed when the scheduler exits
+	nextID atomic.Uint64
+
+	closeOnce sync.Once
+	closeErr  error
+
+	mu         sync.Mutex
+	started    bool
+	closed     bool
+	inbox      []*request
+	kicked     bool               // something happened since the scheduler last looked
+	waitCancel context.CancelFunc // interrupts the scheduler's idle wait
+	stats      Stats
+	held       map[uint64]*transceiver.Request // context_only requests the transceiver holds, by ctx_request_id
+
+	// Owned by the scheduler goroutine.
+	waiting      []*request
+	running      []*request
+	transferring map[*transceiver.Request]*request
+	draining     []*request // failed to start a transfer that some ranks had begun
+	iterations   uint64
+}
+
+// Stats is a snapshot of the engine's queues.
+type Stats struct {
+	Waiting      int    // submitted, not admitted yet
+	Running      int    // decoding
+	Transferring int    // generation_only requests pulling their KV
+	FreeBlocks   int    // blocks every rank can allocate
+	TotalBlocks  int    // blocks of each rank's pool
+	Iterations   uint64 // scheduler iterations that did work
+}
+
+// request is the scheduler's record of one request.
+type request struct {
+	id        uint64
+	ctx       context.Context
+	stopAfter func() bool
+	typ       transceiver.RequestType
+	prompt    []int32
+	maxTokens int
+	temp      float64
+	seed      uint64
+	stopToks  []int32
+	ignoreEOS bool
+	phase     *transceiver.ContextPhaseParams // generation_only
+	reserve   int                             // tokens of KV the request needs
+
+	out       chan Event
+	text      *textStream
+	seq       *Sequence
+	treq      *transceiver.Request
+	generated []int32
+	state     transceiver.RequestState
+	startErr  error // draining: why the transfer could not start
+	cancelled bool  // transceiver.Cancel was called for the client
+	finished  bool
+
+	submitted, xferStart time.Time
+	decodes              int
+	timing               Timing
+}
+
+// New returns an engine running inst. It takes over inst and
+// opts.Transceiver: Close closes both. It starts no goroutine.
+func New(inst *Instance, opts Options) (*Engine, error) {
+	if inst == nil {
+		return nil, fmt.Errorf("%w: nil instance", ErrBadConfig)
+	}
+	if opts.MaxBatch <= 0 {
+		opts.MaxBatch = DefaultMaxBatch
+	}
+	if opts.MaxQueue <= 0 {
+		opts.MaxQueue = DefaultMaxQueue
+	}
+	if opts.MaxPrefillTokens <= 0 {
+		opts.MaxPrefillTokens = DefaultMaxPrefillTokens
+	}
+	if opts.DefaultMaxTokens <= 0 {
+		opts.DefaultMaxTokens = DefaultMaxTokens
+	}
+	e := &Engine{inst: inst, tr: opts.Transceiver, opts: opts, log: opts.Logger, now: opts.Now,
+		done: make(chan struct{}), transferring: map[*transceiver.Request]*request{}, held: map[uint64]*transceiver.Request{}}
+	if e.log == nil {
+		e.log = slog.New(slog.DiscardHandler)
+	}
+	if e.now == nil {
+		e.now = time.Now
+	}
+	e.life, e.stop = context.WithCancel(context.Background())
+	e.stats.TotalBlocks = inst.NumBlocks()
+	e.stats.FreeBlocks = inst.FreeBlocks()
+	return e, nil
+}
+
+// Instance returns the engine's instance.
+func (e *Engine) Instance() *Instance { return e.inst }
+
+// State returns the instance's CacheState (for transceiver.Options).
+func (e *Engine) State() layout.CacheState { return e.inst.State() }
+
+// Pools returns the instance's pools in rank order (for
+// transceiver.Options).
+func (e *Engine) Pools() []*kvcache.Pool { return e.inst.Pools() }
+
+// Stats returns a snapshot of the queues, as of the last iteration.
+func (e *Engine) Stats() Stats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.stats
+}
+
+// Start starts the scheduler goroutine if it is not running. Submit calls
+// it; it is idempotent and does nothing after Close.
+func (e *Engine) Start() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.startLocked()
+}
+
+func (e *Engine) startLocked() {
+	if e.started || e.closed {
+		return
+	}
+	e.started = true
+	go e.run()
+}
+
+// kick wakes the scheduler: a request arrived, a client cancelled, or the
+// engine is closing.
+func (e *Engine) kick() {
+	e.mu.Lock()
+	e.kickLocked()
+	e.mu.Unlock()
+}
+
+func (e *Engine) kickLocked() {
+	e.kicked = true
+	if e.waitCancel != nil {
+		e.waitCancel()
+	}
+}
+
+// Submit validates req and queues it. Errors here are the request's fault
+// (ErrBadRequest, *TooLongError, a missing transceiver for a disaggregated
+// type) or the engine's state (ErrClosed, ErrQueueFull); after a successful
+// Submit every outcome arrives on the stream. Cancelling ctx cancels the
+// request in whatever phase it is: queued, prefilling, transferring (the
+// transfer is cancelled and the peer told) or decoding; its blocks are
+// released.
+func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	r, err := e.newRequest(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return nil, ErrClosed
+	}
+	if len(e.inbox)+e.stats.Waiting >= e.opts.MaxQueue {
+		return nil, fmt.Errorf("%w: %d requests waiting", ErrQueueFull, len(e.inbox)+e.stats.Waiting)
+	}
+	r.id = e.nextID.Add(1)
+	r.submitted = e.now()
+	r.stopAfter = context.AfterFunc(ctx, e.kick)
+	e.inbox = append(e.inbox, r)
+	e.startLocked()
+	e.kickLocked()
+	return &Stream{id: r.id, events: r.out}, nil
+}
+
+func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: "+format, append([]any{ErrBadRequest}, args...)...)
+	}
+	switch req.Type {
+	case transceiver.ContextAndGeneration:
+	case transceiver.ContextOnly, transceiver.GenerationOnly:
+		if e.tr == nil {
+			return nil, fmt.Errorf("%w: %s requests need a cache transceiver (cache_transceiver_config): %w",
+				ErrBadRequest, req.Type, transceiver.ErrNoTransceiver)
+		}
+	default:
+		return nil, bad("request type %v", req.Type)
+	}
+	if len(req.Prompt) == 0 {
+		return nil, bad("empty prompt")
+	}
+	for i, t := range req.Prompt {
+		if t < 0 || t >= VocabSize {
+			return nil, bad("prompt token %d is %d, out of the vocabulary [0,%d)", i, t, VocabSize)
+		}
+	}
+	if req.MaxTokens < 0 {
+		return nil, bad("max_tokens %d", req.MaxTokens)
+	}
+	temp := req.Sampling.Temperature
+	if math.IsNaN(temp) || math.IsInf(temp, 0) || temp < 0 {
+		return nil, bad("temperature %v, want a finite value >= 0", temp)
+	}
+	if len(req.Stop) > MaxStopStrings {
+		return nil, bad("%d stop strings, at most %d", len(req.Stop), MaxStopStrings)
+	}
+	for _, st := range req.Stop {
+		if len(st) > MaxStopLen {
+			return nil, bad("stop string of %d bytes, at most %d", len(st), MaxStopLen)
+		}
+	}
+	r := &request{ctx: ctx, typ: req.Type, prompt: slices.Clone(req.Prompt), maxTokens: req.MaxTokens,
+		temp: temp, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
+		text: newTextStream(req.Stop), state: transceiver.ContextInit}
+	if r.maxTokens == 0 {
+		r.maxTokens = e.opts.DefaultMaxTokens
+	}
+	if req.Sampling.Seed != nil {
+		r.seed = *req.Sampling.Seed
+	} else {
+		r.seed = rand.Uint64()
+	}
+	P := len(r.prompt)
+	r.reserve = P + r.maxTokens - 1
+	events := r.maxTokens + 1
+	switch req.Type {
+	case transceiver.ContextOnly:
+		r.reserve, events = P, 2
+	case transceiver.GenerationOnly:
+		cp := req.ContextPhase
+		if cp == nil || len(cp.OpaqueState) == 0 {
+			return nil, bad("generation_only request without context phase params (ctx_request_id, opaque state)")
+		}
+		if len(cp.FirstGenTokens) != 1 {
+			return nil, bad("generation_only request with %d first_gen_tokens, want 1 (beam width 1)", len(cp.FirstGenTokens))
+		}
+		if t := cp.FirstGenTokens[0]; t < 0 || t >= VocabSize {
+			return nil, bad("first_gen_token %d out of the vocabulary", t)
+		}
+		var op transceiver.OpaqueState
+		if err := op.UnmarshalBinary(cp.OpaqueState); err != nil {
+			return nil, bad("opaque state: %w", err)
+		}
+		r.phase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID, FirstGenTokens: slices.Clone(cp.FirstGenTokens),
+			DraftTokens: slices.Clone(cp.DraftTokens), OpaqueState: slices.Clone(cp.OpaqueState)}
+		r.state = transceiver.DisaggGenerationInit
+	}
+	need := kvcache.BlocksForTokens(r.reserve, e.inst.tpb)
+	if need > e.inst.NumBlocks() {
+		mt := r.maxTokens
+		if req.Type == transceiver.ContextOnly {
+			mt = 0
+		}
+		return nil, &TooLongError{PromptTokens: P, MaxTokens: mt, NeedBlocks: need, PoolBlocks: e.inst.NumBlocks(), BlockTokens: e.inst.tpb}
+	}
+	r.out = make(chan Event, events)
+	return r, nil
+}
+
+// CancelContext cancels a context_only request that the transceiver still
+// holds for a generation instance, by its ctx_request_id (a router whose
+// client went away before the generation side pulled): the blocks go back
+// to the pools, and a generation instance that asks for it is refused. It
+// reports whether a held request was cancelled.
+func (e *Engine) CancelContext(ctxRequestID uint64) bool {
+	e.mu.Lock()
+	treq := e.held[ctxRequestID]
+	e.mu.Unlock()
+	if treq == nil {
+		return false
+	}
+	return e.tr.Cancel(treq)
+}
+
+// Close stops the scheduler and ends every request still in the engine
+// with ErrClosed. It closes the transceiver (which fails every transfer in
+// flight and waits until none touches a block) before releasing the blocks
+// of requests that were transferring, then closes the instance. It returns their errors; an error wrapping
+// kvcache.ErrBlocksInUse means blocks leaked. Idempotent.
+func (e *Engine) Close() error {
+	e.closeOnce.Do(func() {
+		e.mu.Lock()
+		e.closed = true
+		started := e.started
+		e.kickLocked()
+		e.mu.Unlock()
+		e.stop()
+		if started {
+			<-e.done
+		}
+		var errs []error
+		if e.tr != nil {
+			if err := e.tr.Close(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		e.finishTransfers()
+		if err := e.inst.Close(); err != nil {
+			errs = append(errs, err)
+		}
+		e.closeErr = errors.Join(errs...)
+	})
+	return e.closeErr
+}
+
+// run is the scheduler goroutine.
+func (e *Engine) run() {
+	defer close(e.done)
+	for {
+		e.mu.Lock()
+		e.kicked = false
+		e.waiting = append(e.waiting, e.inbox...)
+		e.inbox = nil
+		closed := e.closed
+		e.mu.Unlock()
+		if closed {
+			e.shutdown()
+			return
+		}
+		worked := e.step()
+		if worked {
+			e.iterations++
+		}
+		e.publish()
+		if !worked {
+			e.idle()
+		}
+	}
+}
+
+func (e *Engine) publish() {
+	st := Stats{Waiting: len(e.waiting), Running: len(e.running), Transferring: len(e.transferring) + len(e.draining),
+		FreeBlocks: e.inst.FreeBlocks(), TotalBlocks: e.inst.NumBlocks(), Iterations: e.iterations}
+	e.mu.Lock()
+	e.stats = st
+	e.mu.Unlock()
+}
+
+// step runs one iteration and reports whether it did anything.
+func (e *Engine) step() bool {
+	worked := e.reapCancelled()
+	if e.tr != nil {
+		// atLeast 0: collect what has finished, never block here.
+		if done, err := e.tr.CheckContextTransferStatus(e.life, 0); err == nil {
+			e.onCtxDone(done)
+		}
+		if done, err := e.tr.CheckGenTransferStatus(e.life, 0); err == nil && len(done) > 0 {
+			e.onGenDone(done)
+			worked = true
+		}
+	}
+	if e.pollDraining() {
+		worked = true
+	}
+	decoding := len(e.running)
+	prefill := e.admit()
+	for _, r := range prefill {
+		e.prefill(r)
+		worked = true
+	}
+	// One decode step for every request that was running before this
+	// iteration's prefills (those join the next iteration).
+	keep := e.running[:0]
+	for i, r := range e.running {
+		if i < decoding && !r.finished {
+			e.decodeStep(r)
+			worked = true
+		}
+		if !r.finished {
+			keep = append(keep, r)
+		}
+	}
+	clear(e.running[len(keep):])
+	e.running = keep
+	return worked
+}
+
+// idle blocks until something can happen. Following TensorRT-LLM's
+// executor, the generation side blocks on transfers only when nothing else
+// can run, and the context side blocks on its transfers only when requests
+// wait for blocks the transceiver holds. A Submit, a client's cancel or
+// Close interrupts the wait.
+func (e *Engine) idle() {
+	genPending := len(e.transferring) > 0
+	ctxBlocked := e.tr != nil && len(e.waiting) > 0 && e.tr.PendingContext() > 0
+	var wctx context.Context
+	var cancel context.CancelFunc
+	if len(e.draining) > 0 || (genPending && ctxBlocked) {
+		// Two sources (or a draining request) to watch: poll.
+		wctx, cancel = context.WithTimeout(e.life, pollInterval)
+	} else {
+		wctx, cancel = context.WithCancel(e.life)
+	}
+	defer cancel()
+	e.mu.Lock()
+	if e.kicked || e.closed {
+		e.mu.Unlock()
+		return
+	}
+	e.waitCancel = cancel
+	e.mu.Unlock()
+	switch {
+	case genPending:
+		if done, err := e.tr.CheckGenTransferStatus(wctx, 1); err == nil {
+			e.onGenDone(done)
+		}
+	case ctxBlocked:
+		if done, err := e.tr.CheckContextTransferStatus(wctx, 1); err == nil {
+			e.onCtxDone(done)
+		}
+	default:
+		<-wctx.Done()
+	}
+	e.mu.Lock()
+	e.waitCancel = nil
+	e.mu.Unlock()
+}
+
+// reapCancelled ends the requests whose client has gone away. Requests
+// whose transfer is in flight get the transfer cancelled; they end when the
+// transceiver reports it, since until then it may write into their blocks.
+func (e *Engine) reapCancelled() bool {
+	worked := false
+	gone := func(r *request) bool {
+		if r.ctx.Err() == nil {
+			return false
+		}
+		e.finish(r, FinishError, context.Cause(r.ctx))
+		worked = true
+		return true
+	}
+	e.waiting = slices.DeleteFunc(e.waiting, gone)
+	e.running = slices.DeleteFunc(e.running, gone)
+	for treq, r := range e.transferring {
+		if !r.cancelled && r.ctx.Err() != nil {
+			r.cancelled = true
+			e.tr.Cancel(treq)
+		}
+	}
+	return worked
+}
+
+// admit takes waiting requests in arrival order while their blocks can be
+// allocated (first come, first served: a request that does not fit stops
+// the admission of those behind it) and returns those to prefill.
+// generation_only requests start their pull here.
+func (e *Engine) admit() []*request {
+	var prefill []*request
+	budget := e.opts.MaxPrefillTokens
+	n := 0
+	for _, r := range e.waiting {
+		active := len(e.running) + len(e.transferring) + len(e.draining) + len(prefill)
+		if active >= e.opts.MaxBatch {
+			break
+		}
+		if r.typ != transceiver.GenerationOnly && len(prefill) > 0 && len(r.prompt) > budget {
+			break
+		}
+		seq := e.inst.NewSequence()
+		if err := seq.Reserve(r.reserve); err != nil {
+			if errors.Is(err, kvcache.ErrPoolExhausted) {
+				break
+			}
+			e.finish(r, FinishError, err)
+			n++
+			continue
+		}
+		n++
+		r.seq = seq
+		r.timing.Queue = e.now().Sub(r.submitted)
+		if r.typ == transceiver.GenerationOnly {
+			e.startTransfer(r)
+			continue
+		}
+		budget -= len(r.prompt)
+		prefill = append(prefill, r)
+	}
+	clear(e.waiting[:n])
+	e.waiting = e.waiting[n:]
+	return prefill
+}
+
+// prefill runs a context phase: the prompt's forward pass and the first
+// token. A context_only request is then handed to the transceiver and
+// answered at once, before any KV moves; the engine drops its own
+// reference to the blocks, which the transceiver holds until the pull or
+// its deadline.
+func (e *Engine) prefill(r *request) {
+	start := e.now()
+	logits, err := e.inst.Prefill(r.seq, r.prompt)
+	if err != nil {
+		e.finish(r, FinishError, err)
+		return
+	}
+	tok := sampleToken(logits, r.temp, r.seed, 0)
+	r.timing.Prefill = e.now().Sub(start)
+	reason := e.appendToken(r, tok)
+	if r.typ != transceiver.ContextOnly {
+		if reason != "" {
+			e.finish(r, reason, nil)
+			return
+		}
+		r.state = transceiver.GenerationInProgress
+		e.running = append(e.running, r)
+		return
+	}
+	if reason == FinishStop { // nothing left for a generation instance
+		e.finish(r, FinishStop, nil)
+		return
+	}
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.ContextOnly, Blocks: r.seq.Blocks(len(r.prompt)),
+		ContextPhase: &transceiver.ContextPhaseParams{FirstGenTokens: []int32{tok}}}
+	if err := e.tr.RespondAndSendAsync(r.treq); err != nil {
+		e.finish(r, FinishError, fmt.Errorf("engine: request %d: hand over to the transceiver: %w", r.id, err))
+		return
+	}
+	r.state = transceiver.DisaggContextTransInProgress
+	e.mu.Lock()
+	e.held[r.id] = r.treq
+	e.mu.Unlock()
+	if reason == "" {
+		reason = FinishNotFinished
+	}
+	e.finish(r, reason, nil)
+}
+
+// startTransfer starts pulling a generation_only request's KV cache into
+// the blocks of its prompt.
+func (e *Engine) startTransfer(r *request) {
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: r.seq.Blocks(len(r.prompt)),
+		ContextPhase: r.phase}
+	r.treq.SetState(transceiver.DisaggGenerationInit)
+	r.xferStart = e.now()
+	if err := e.tr.RequestAndReceiveAsync(r.treq); err != nil {
+		err = fmt.Errorf("%w: request %d (context request %d): %w", ErrTransfer, r.id, r.phase.CtxRequestID, err)
+		if r.treq.State() == transceiver.DisaggGenerationTransInProgress {
+			// Some ranks had started: they are being cancelled and may
+			// still write into the blocks. Keep them until they stop.
+			r.startErr = err
+			e.draining = append(e.draining, r)
+			return
+		}
+		r.state = transceiver.DisaggTransError
+		e.finish(r, FinishError, err)
+		return
+	}
+	r.state = transceiver.DisaggGenerationTransInProgress
+	e.transferring[r.treq] = r
+}
+
+// pollDraining ends the requests whose failed start has wound down.
+func (e *Engine) pollDraining() bool {
+	worked := false
+	e.draining = slices.DeleteFunc(e.draining, func(r *request) bool {
+		if r.treq.State() == transceiver.DisaggGenerationTransInProgress {
+			return false
+		}
+		r.state = transceiver.DisaggTransError
+		e.finish(r, FinishError, r.startErr)
+		worked = true
+		return true
+	})
+	return worked
+}
+
+// onGenDone handles finished pulls: failures end their request; successes
+// emit the context instance's first token and join the decoding requests.
+func (e *Engine) onGenDone(done []*transceiver.Request) {
+	for _, treq := range done {
+		r := e.transferring[treq]
+		if r == nil {
+			e.log.Warn("transfer of an unknown request reported", "request", treq.ID)
+			continue
+		}
+		delete(e.transferring, treq)
+		r.timing.KVTransfer = e.now().Sub(r.xferStart)
+		r.timing.TransferBytes = treq.Stats().Bytes
+		r.state = treq.State()
+		switch {
+		case r.ctx.Err() != nil:
+			e.finish(r, FinishError, context.Cause(r.ctx))
+			continue
+		case r.state != transceiver.DisaggGenerationTransComplete:
+			e.finish(r, FinishError, fmt.Errorf("%w: request %d (context request %d): %w", ErrTransfer, r.id, r.phase.CtxRequestID, treq.Err()))
+			continue
+		}
+		if err := r.seq.SetLen(len(r.prompt)); err != nil {
+			e.finish(r, FinishError, err)
+			continue
+		}
+		r.state = transceiver.GenerationInProgress
+		treq.SetState(r.state)
+		if reason := e.appendToken(r, r.phase.FirstGenTokens[0]); reason != "" {
+			e.finish(r, reason, nil)
+			continue
+		}
+		e.running = append(e.running, r)
+	}
+}
+
+// onCtxDone logs the context transfers that ended (their blocks are back in
+// the pools).
+func (e *Engine) onCtxDone(done []*transceiver.Request) {
+	if len(done) == 0 {
+		return
+	}
+	e.mu.Lock()
+	for _, treq := range done {
+		delete(e.held, treq.ID)
+	}
+	e.mu.Unlock()
+	for _, treq := range done {
+		if err := treq.Err(); err != nil {
+			e.log.Warn("context transfer failed", "ctx_request", treq.ID, "err", err)
+		} else {
+			st := treq.Stats()
+			e.log.Debug("context transfer done", "ctx_request", treq.ID, "bytes", st.Bytes, "duration", st.Duration, "backend", st.Backend)
+		}
+	}
+}
+
+// decodeStep runs one token of a running request.
+func (e *Engine) decodeStep(r *request) {
+	start := e.now()
+	logits, err := e.inst.Decode(r.seq, r.generated[len(r.generated)-1])
+	if err != nil {
+		e.finish(r, FinishError, err)
+		return
+	}
+	tok := sampleToken(logits, r.temp, r.seed, len(r.generated))
+	d := e.now().Sub(start)
+	if r.decodes == 0 {
+		r.timing.FirstDecode = d
+	}
+	r.decodes++
+	r.timing.Decode += d
+	if reason := e.appendToken(r, tok); reason != "" {
+		e.finish(r, reason, nil)
+	}
+}
+
+// appendToken records and emits a generated token and returns why the
+// request stops after it ("" to go on).
+func (e *Engine) appendToken(r *request, tok int32) string {
+	r.generated = append(r.generated, tok)
+	piece, hitStop := r.text.push(tok)
+	r.out <- Event{Token: tok, Text: piece}
+	switch {
+	case hitStop, tok == EOS && !r.ignoreEOS, slices.Contains(r.stopToks, tok):
+		return FinishStop
+	case len(r.generated) >= r.maxTokens:
+		return FinishLength
+	}
+	return ""
+}
+
+// finish ends a request: its blocks go back (a context_only request's stay
+// held by the transceiver), the final event goes out, the stream closes.
+func (e *Engine) finish(r *request, reason string, err error) {
+	if r.finished {
+		return
+	}
+	r.finished = true
+	if r.seq != nil {
+		if rerr := r.seq.Release(); rerr != nil {
+			e.log.Error("release blocks", "request", r.id, "err", rerr)
+		}
+	}
+	r.stopAfter()
+	switch {
+	case err != nil:
+		reason = FinishError
+	case r.state == transceiver.GenerationInProgress, r.state == transceiver.ContextInit:
+		r.state = transceiver.GenerationComplete
+	}
+	if r.treq != nil && r.typ == transceiver.GenerationOnly {
+		r.treq.SetState(r.state)
+	}
+	r.timing.Total = e.now().Sub(r.submitted)
+	f := &Final{FinishReason: reason, Err: err, State: r.state, Timing: r.timing,
+		Usage: Usage{PromptTokens: len(r.prompt), CompletionTokens: len(r.generated)}, PromptTokenIDs: r.prompt}
+	if r.typ == transceiver.ContextOnly && r.treq != nil && err == nil {
+		cp := r.treq.ContextPhase
+		f.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID,
+			FirstGenTokens: slices.Clone(cp.FirstGenTokens), OpaqueState: slices.Clone(cp.OpaqueState)}
+	}
+	r.out <- Event{Token: NoToken, Text: r.text.flush(), Final: f}
+	close(r.out)
+	if err != nil && !errors.Is(err, context.Canceled) {
+		e.log.Info("request failed", "request", r.id, "type", r.typ.String(), "err", err)
+	}
+}
+
+// shutdown ends the requests that hold no transfer, on Close, and cancels
+// the transfers in flight (their peers get an abort). Their requests end in
+// Close, once the transceiver is closed and can no longer write into their
+// blocks.
+func (e *Engine) shutdown() {
+	for _, r := range e.waiting {
+		e.finish(r, FinishError, ErrClosed)
+	}
+	e.waiting = nil
+	for _, r := range e.running {
+		e.finish(r, FinishError, ErrClosed)
+	}
+	e.running = nil
+	for treq := range e.transferring {
+		e.tr.Cancel(treq)
+	}
+}
+
+// finishTransfers ends, after the scheduler has exited and the transceiver
+// is closed, the requests whose transfers were in flight at Close.
+func (e *Engine) finishTransfers() {
+	for treq, r := range e.transferring {
+		r.state = transceiver.DisaggTransError
+		e.finish(r, FinishError, ErrClosed)
+		delete(e.transferring, treq)
+	}
+	for _, r := range e.draining {
+		r.state = transceiver.DisaggTransError
+		e.finish(r, FinishError, ErrClosed)
+	}
+	e.draining = nil
+}

@@ -1,0 +1,136 @@
+package engine
+
+import (
+	"strings"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transceiver"
+)
+
+// Request is one generation request as the HTTP layer hands it over.
+type Request struct {
+	// Type is context_and_generation (the default), context_only or
+	// generation_only (disaggregated_params.request_type).
+	Type transceiver.RequestType
+	// Prompt holds the prompt's token ids, BOS first (Tokenizer.Encode); for
+	// generation_only, the prompt_token_ids the context instance returned.
+	Prompt []int32
+	// MaxTokens is the most tokens to generate, counting the first token a
+	// context instance generated; 0 means Options.DefaultMaxTokens.
+	MaxTokens int
+	Sampling  Sampling
+	// Stop strings end the generation when the text produces one; the text
+	// returned excludes it.
+	Stop []string
+	// StopTokenIDs end the generation when generated (like EOS).
+	StopTokenIDs []int32
+	// IgnoreEOS keeps generating after EOS.
+	IgnoreEOS bool
+	// ContextPhase is required for generation_only: the context instance's
+	// ctx_request_id, first_gen_tokens (one: beam width 1) and opaque state.
+	ContextPhase *transceiver.ContextPhaseParams
+}
+
+// Finish reasons, as in OpenAI responses plus TensorRT-LLM's
+// "not_finished" (a context_only request whose generation continues
+// elsewhere).
+const (
+	FinishLength      = "length"
+	FinishStop        = "stop"
+	FinishError       = "error"
+	FinishNotFinished = "not_finished"
+)
+
+// NoToken is the Token of an event that carries no token (the final one).
+const NoToken int32 = -1
+
+// Event is one item of a request's stream: a generated token with the text
+// it completes, or, last, the final event.
+type Event struct {
+	// Token is the generated token, or NoToken in the final event.
+	Token int32
+	// Text is the text that can be sent now. It may be empty: the token is
+	// a special token, ends inside a UTF-8 sequence, or may be the start of
+	// a stop string. The final event carries the rest. The concatenation of
+	// every Text is the completion's text.
+	Text string
+	// Final is set on the last event only.
+	Final *Final
+}
+
+// Final is the end of a request.
+type Final struct {
+	// FinishReason is FinishLength, FinishStop, FinishError or
+	// FinishNotFinished.
+	FinishReason string
+	// Err says why, when FinishReason is FinishError: a transfer error
+	// (wrapping ErrTransfer and the transceiver's error), the client's
+	// context error, ErrClosed, ...
+	Err error
+	// State is the request's last state.
+	State  transceiver.RequestState
+	Usage  Usage
+	Timing Timing
+	// PromptTokenIDs is the prompt (for a context_only response, which the
+	// router forwards to the generation instance).
+	PromptTokenIDs []int32
+	// ContextPhase is set for a context_only request handed to the
+	// transceiver: ctx_request_id, first_gen_tokens and the opaque state.
+	ContextPhase *transceiver.ContextPhaseParams
+}
+
+// Usage counts tokens as OpenAI responses do.
+type Usage struct {
+	PromptTokens     int
+	CompletionTokens int
+}
+
+// Timing splits a request's time.
+type Timing struct {
+	Queue         time.Duration // Submit to admission (blocks allocated)
+	Prefill       time.Duration // the prompt's forward pass and the first token
+	KVTransfer    time.Duration // generation_only: start of the pull to its completion
+	TransferBytes int64         // generation_only: KV bytes received
+	FirstDecode   time.Duration // the first decode step
+	Decode        time.Duration // every decode step
+	Total         time.Duration // Submit to the final event
+}
+
+// Stream is the output of one request. Range over Events until it is
+// closed; the last event has Final set. The engine never blocks on a slow
+// reader (the channel holds every event the request can produce), and a
+// reader that stops early should cancel the request's context.
+type Stream struct {
+	id     uint64
+	events chan Event
+}
+
+// ID returns the request's id in this engine; for a context_only request it
+// is the ctx_request_id.
+func (s *Stream) ID() uint64 { return s.id }
+
+// Events returns the stream's events. It is closed after the final event.
+func (s *Stream) Events() <-chan Event { return s.events }
+
+// Result is a whole stream, collected.
+type Result struct {
+	Tokens []int32
+	Text   string
+	Final  Final
+}
+
+// Wait reads the stream to its end and returns it collected.
+func (s *Stream) Wait() Result {
+	var res Result
+	var b strings.Builder
+	for ev := range s.events {
+		b.WriteString(ev.Text)
+		if ev.Final != nil {
+			res.Final = *ev.Final
+			continue
+		}
+		res.Tokens = append(res.Tokens, ev.Token)
+	}
+	res.Text = b.String()
+	return res
+}
