@@ -1,0 +1,251 @@
+package serve
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	_ "github.com/kvxfer/kvxfer/transport/tcp"
+)
+
+type testWorker struct {
+	w   *Worker
+	srv *httptest.Server
+}
+
+func newTestWorker(t *testing.T, role, model string, tp, pp int, mod ...func(*config.CacheTransceiver)) *testWorker {
+	t.Helper()
+	wc := &config.Worker{TensorParallelSize: tp, PipelineParallelSize: pp, KVCache: config.KVCache{TokensPerBlock: 16, MaxTokens: 4096}}
+	ct, err := config.NewCacheTransceiver("tcp", 16, config.Env{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct.KVTransferTimeoutMs = 10_000
+	for _, m := range mod {
+		m(ct)
+	}
+	wc.CacheTransceiver = ct
+	w, err := NewWorker(context.Background(), WorkerOptions{Role: role, Model: model, Config: wc})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(w.Handler())
+	tw := &testWorker{w: w, srv: srv}
+	t.Cleanup(func() {
+		srv.Close()
+		http.DefaultClient.CloseIdleConnections()
+		tw.waitIdle(t)
+		if err := w.Close(); err != nil {
+			t.Errorf("close %s worker: %v", role, err)
+		}
+	})
+	return tw
+}
+
+// waitIdle waits until every block of the worker's pools is free again
+// (held context requests are released when pulled or at their deadline).
+func (tw *testWorker) waitIdle(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		st := tw.w.Engine().Stats()
+		free := true
+		for _, p := range tw.w.Engine().Pools() {
+			free = free && p.FreeBlocks() == p.NumBlocks()
+		}
+		if free && st.Running == 0 && st.Waiting == 0 && st.Transferring == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%s worker not idle: %+v", tw.w.role, st)
+			return
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+type completion struct {
+	Choices []struct {
+		Text         string               `json:"text"`
+		FinishReason string               `json:"finish_reason"`
+		Disagg       *DisaggregatedParams `json:"disaggregated_params"`
+	} `json:"choices"`
+	PromptTokenIDs []int32 `json:"prompt_token_ids"`
+	Error          *struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+	} `json:"error"`
+}
+
+func postJSON(t *testing.T, url string, body any) (int, completion, string) {
+	t.Helper()
+	b, _ := json.Marshal(body)
+	resp, err := http.Post(url, "application/json", strings.NewReader(string(b)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var raw strings.Builder
+	var c completion
+	dec := json.NewDecoder(resp.Body)
+	var v json.RawMessage
+	dec.Decode(&v)
+	raw.Write(v)
+	json.Unmarshal(v, &c)
+	return resp.StatusCode, c, raw.String()
+}
+
+// TestDisaggregatedEqualsAggregated: through the router, every pairing gives
+// the tokens of an aggregated TP1 worker, streamed or not, greedy or seeded.
+func TestDisaggregatedEqualsAggregated(t *testing.T) {
+	tests := []struct {
+		model                      string
+		ctxTP, ctxPP, genTP, genPP int
+	}{
+		{"tiny-gqa", 2, 1, 1, 1},
+		{"tiny-gqa", 1, 1, 2, 1},
+		{"tiny-gqa", 2, 2, 1, 2},
+		{"tiny-gqa", 4, 1, 2, 2},
+		{"tiny-gqa2", 4, 1, 1, 1}, // duplicated KV heads on the context side
+		{"tiny-mla", 2, 1, 1, 2},
+	}
+	if testing.Short() {
+		tests = tests[:2]
+	}
+	for _, tc := range tests {
+		t.Run(fmt.Sprintf("%s ctx TP%d PP%d to gen TP%d PP%d", tc.model, tc.ctxTP, tc.ctxPP, tc.genTP, tc.genPP), func(t *testing.T) {
+			ctxW := newTestWorker(t, RoleContext, tc.model, tc.ctxTP, tc.ctxPP)
+			genW := newTestWorker(t, RoleGeneration, tc.model, tc.genTP, tc.genPP)
+			agg := newTestWorker(t, RoleBoth, tc.model, 1, 1)
+			rs := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
+			for i, prompt := range []string{"The quick brown fox", strings.Repeat("a long prompt over several blocks ", 4)} {
+				for _, temp := range []float64{0, 0.9} {
+					body := map[string]any{"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i}
+					_, want, raw := postJSON(t, agg.srv.URL+"/v1/completions", body)
+					if len(want.Choices) == 0 {
+						t.Fatalf("aggregated: %s", raw)
+					}
+					code, got, raw := postJSON(t, rs.URL+"/v1/completions", body)
+					if code != 200 || len(got.Choices) == 0 || got.Choices[0].Text != want.Choices[0].Text {
+						t.Fatalf("prompt %d temp %v: router %d %s, aggregated %q", i, temp, code, raw, want.Choices[0].Text)
+					}
+					text, _, err := streamCompletion(context.Background(), http.DefaultClient, rs.URL, map[string]any{
+						"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i, "stream": true})
+					if err != nil || text != want.Choices[0].Text {
+						t.Fatalf("prompt %d temp %v streamed: %q %v, want %q", i, temp, text, err, want.Choices[0].Text)
+					}
+				}
+			}
+		})
+	}
+}
+
+// TestManyClients: 64 clients in flight, a few hundred requests, all
+// complete, and every pool is back to its free count.
+func TestManyClients(t *testing.T) {
+	n, inflight := 256, 64
+	if testing.Short() {
+		n, inflight = 64, 16
+	}
+	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
+	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
+	rs := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, LoadBalancing)
+	var wg sync.WaitGroup
+	sem := make(chan struct{}, inflight)
+	errs := make(chan string, n)
+	client := &http.Client{Timeout: 60 * time.Second}
+	defer client.CloseIdleConnections()
+	for i := range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			body := map[string]any{"prompt": fmt.Sprintf("client %d says", i), "max_tokens": 8, "stream": i%2 == 0}
+			if i%2 == 0 {
+				if _, _, err := streamCompletion(context.Background(), client, rs.URL, body); err != nil {
+					errs <- err.Error()
+				}
+				return
+			}
+			b, _ := json.Marshal(body)
+			resp, err := client.Post(rs.URL+"/v1/completions", "application/json", strings.NewReader(string(b)))
+			if err != nil {
+				errs <- err.Error()
+				return
+			}
+			resp.Body.Close()
+			if resp.StatusCode != 200 {
+				errs <- resp.Status
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for e := range errs {
+		t.Error(e)
+	}
+}
+
+func TestWorkerBadRequests(t *testing.T) {
+	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
+	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
+	id := uint64(1)
+	tests := []struct {
+		name string
+		url  string
+		body any
+		code int
+		want string
+	}{
+		{"no params on a context worker", ctxW.srv.URL, map[string]any{"prompt": "x"}, 400, "serves context_only requests, not context_and_generation"},
+		{"generation type on a context worker", ctxW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "generation_only"}}, 400, "encoded_opaque_state is required"},
+		{"context type on a generation worker", genW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "serves generation_only requests"},
+		{"unknown request type", ctxW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "prefill"}}, 400, `is not one of context_only`},
+		{"params not an object", ctxW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": 7}, 400, "disaggregated_params"},
+		{"opaque state not base64", genW.srv.URL, map[string]any{"prompt": []int{256, 1}, "disaggregated_params": DisaggregatedParams{RequestType: TypeGenerationOnly, CtxRequestID: &id, FirstGenTokens: []int32{5}, EncodedOpaqueState: "%%%"}}, 400, "not base64"},
+		{"opaque state garbage", genW.srv.URL, map[string]any{"prompt": []int{256, 1}, "disaggregated_params": DisaggregatedParams{RequestType: TypeGenerationOnly, CtxRequestID: &id, FirstGenTokens: []int32{5}, EncodedOpaqueState: "aGVsbG8gd29ybGQ="}}, 400, "bad opaque state"},
+		{"no prompt", ctxW.srv.URL, map[string]any{"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "prompt is required"},
+		{"bad max_tokens", ctxW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 0, "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "max_tokens = 0"},
+		{"wrong model", ctxW.srv.URL, map[string]any{"model": "gpt-4", "prompt": "x"}, 404, `is not served here`},
+		{"prompt too long", ctxW.srv.URL, map[string]any{"prompt": strings.Repeat("x", 5000), "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "context_length_exceeded"},
+		{"not json", ctxW.srv.URL, "garbage", 400, "request body"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			code, _, raw := postJSON(t, tc.url+"/v1/completions", tc.body)
+			if code != tc.code || !strings.Contains(raw, tc.want) {
+				t.Fatalf("%d %s, want %d and %q", code, raw, tc.code, tc.want)
+			}
+		})
+	}
+}
+
+// TestPulledTwice: a context request can be pulled once; the second pull is
+// refused with 409 and a message that says why.
+func TestPulledTwice(t *testing.T) {
+	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
+	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
+	code, c, raw := postJSON(t, ctxW.srv.URL+"/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 4,
+		"disaggregated_params": map[string]any{"request_type": "context_only"}})
+	if code != 200 || len(c.Choices) == 0 || c.Choices[0].Disagg == nil || len(c.PromptTokenIDs) == 0 {
+		t.Fatalf("%d %s", code, raw)
+	}
+	dp := *c.Choices[0].Disagg
+	dp.RequestType = TypeGenerationOnly
+	body := map[string]any{"prompt": c.PromptTokenIDs, "max_tokens": 4, "disaggregated_params": dp}
+	if code, _, raw := postJSON(t, genW.srv.URL+"/v1/completions", body); code != 200 {
+		t.Fatalf("first pull: %d %s", code, raw)
+	}
+	code, _, raw = postJSON(t, genW.srv.URL+"/v1/completions", body)
+	if code != http.StatusConflict || !strings.Contains(raw, "already transferred") {
+		t.Fatalf("second pull: %d %s", code, raw)
+	}
+}
