@@ -117,9 +117,9 @@ func TestDisaggEquivalence(t *testing.T) {
 			genE := newDisaggEngine(t, tc.preset, tc.gen)
 			seed := uint64(7)
 			reqs := []Request{
-				{Prompt: prompt("Disaggregated serving, greedy."), MaxTokens: 10, IgnoreEOS: true},
-				{Prompt: prompt("Sampled at temperature 0.8"), MaxTokens: 8, IgnoreEOS: true, Sampling: Sampling{Temperature: 0.8, Seed: &seed}},
-				{Prompt: prompt("16 bytes exactly"[:15]), MaxTokens: 9, IgnoreEOS: true}, // prompt of 16 tokens: full blocks
+				{Prompt: prompt("Greedy path"), MaxTokens: 10, IgnoreEOS: true}, // 12 tokens: a partial last block
+				{Prompt: prompt("Sampled 0.8"), MaxTokens: 8, IgnoreEOS: true, Sampling: Sampling{Temperature: 0.8, Seed: &seed}},
+				{Prompt: prompt("Two full blocks"), MaxTokens: 9, IgnoreEOS: true}, // 16 tokens: full blocks only
 			}
 			for i, req := range reqs {
 				agg := waitResult(t, submit(t, genE, context.Background(), req))
@@ -152,7 +152,7 @@ func TestDisaggEquivalence(t *testing.T) {
 func TestDisaggConcurrent(t *testing.T) {
 	const n = 32
 	ctxE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TP: 2, TokensPerBlock: 8, PoolTokens: 2048})
-	genE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 8 * 40})
+	genE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 8 * 48}) // 16 requests at a time: the rest queue for blocks
 	ref := newTestInstance(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 256})
 	type out struct {
 		tokens []int32
@@ -162,7 +162,7 @@ func TestDisaggConcurrent(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := range n {
 		wg.Go(func() {
-			p := prompt(fmt.Sprintf("concurrent request number %d", i))
+			p := prompt(fmt.Sprintf("request %02d", i))
 			_, gen, err := tryDisaggregate(ctxE, genE, Request{Prompt: p, MaxTokens: 4 + i%5, IgnoreEOS: true})
 			if err == nil {
 				err = gen.Final.Err
@@ -172,7 +172,7 @@ func TestDisaggConcurrent(t *testing.T) {
 	}
 	wg.Wait()
 	for i, r := range results {
-		want := generate(t, ref, prompt(fmt.Sprintf("concurrent request number %d", i)), 4+i%5, 0, 0)
+		want := generate(t, ref, prompt(fmt.Sprintf("request %02d", i)), 4+i%5, 0, 0)
 		if r.err != nil || fmt.Sprint(r.tokens) != fmt.Sprint(want.tokens) {
 			t.Errorf("request %d: %v (%v), want %v", i, r.tokens, r.err, want.tokens)
 		}

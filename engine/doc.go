@@ -62,10 +62,10 @@
 //     would change with TP). Each rank produces one partial vector per
 //     query head or MLP chunk; the reduction adds those in their global
 //     order, starting from zero, in float64, and rounds once. Every layout
-//     adds the same numbers in the same order. Summing per-rank float64
-//     partials instead differs from this order in the last float64 bits
-//     for about half of the sums, and (for this model) virtually never
-//     after rounding to float32; the fixed tree removes even that chance.
+//     adds the same numbers in the same order. (Summing per-rank float64
+//     partials instead changes the last float64 bits of more than half of
+//     the sums when TP changes, and, for this model, almost never the
+//     float32 result; the fixed tree removes even that chance.)
 //   - Seeded sampling draws the k-th generated token with PCG(seed, k), so
 //     a context instance drawing the first token and a generation instance
 //     drawing the rest draw what one instance would.

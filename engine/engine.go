@@ -80,6 +80,8 @@ type Engine struct {
 	closeOnce sync.Once
 	closeErr  error
 
+	// mu guards the fields below. It is the engine's only lock and is never
+	// held while calling the transceiver or the instance.
 	mu         sync.Mutex
 	started    bool
 	closed     bool
@@ -352,8 +354,9 @@ func (e *Engine) CancelContext(ctxRequestID uint64) bool {
 // Close stops the scheduler and ends every request still in the engine
 // with ErrClosed. It closes the transceiver (which fails every transfer in
 // flight and waits until none touches a block) before releasing the blocks
-// of requests that were transferring, then closes the instance. It returns their errors; an error wrapping
-// kvcache.ErrBlocksInUse means blocks leaked. Idempotent.
+// of requests that were transferring, then closes the instance, and
+// returns their errors: one wrapping kvcache.ErrBlocksInUse means blocks
+// leaked. Idempotent.
 func (e *Engine) Close() error {
 	e.closeOnce.Do(func() {
 		e.mu.Lock()

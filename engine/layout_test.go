@@ -29,7 +29,7 @@ func TestLayoutInvariance(t *testing.T) {
 	}
 	cases := []tc{{"tiny-gqa", kvcache.BF16}, {"tiny-gqa2", kvcache.BF16}, {"tiny-mla", kvcache.BF16},
 		{"tiny-gqa", kvcache.FP8E4M3}, {"tiny-gqa2", kvcache.FP16}, {"tiny-mla", kvcache.FP32}}
-	p := prompt("Layout invariance: 1, 2, 3!")
+	p := prompt("Layout: 1, 2, 3!") // 17 tokens: a partial third block
 	const n = 12
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("%s %v", c.preset, c.dt), func(t *testing.T) {

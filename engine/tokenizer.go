@@ -74,11 +74,17 @@ func (ts *textStream) push(tok int32) (string, bool) {
 		return "", false
 	}
 	ts.buf = append(ts.buf, byte(tok))
+	// Of the stop strings this byte completes, the longest starts first:
+	// the text ends before it.
+	cut := -1
 	for _, s := range ts.stops {
 		if bytes.HasSuffix(ts.buf, s) {
-			ts.buf = ts.buf[:len(ts.buf)-len(s)]
-			return "", true
+			cut = max(cut, len(s))
 		}
+	}
+	if cut >= 0 {
+		ts.buf = ts.buf[:len(ts.buf)-cut]
+		return "", true
 	}
 	safe := len(ts.buf) - ts.hold
 	// Hold back a trailing incomplete (but possibly valid) UTF-8 sequence.

@@ -24,7 +24,9 @@ type SmokeResult struct {
 }
 
 // OK reports whether every answer matched.
-func (s *SmokeResult) OK() bool { return s.Prompts > 0 && s.Matched == s.Prompts && len(s.Failures) == 0 }
+func (s *SmokeResult) OK() bool {
+	return s.Prompts > 0 && s.Matched == s.Prompts && len(s.Failures) == 0
+}
 
 // Percentile returns the p-th percentile of ds.
 func Percentile(ds []time.Duration, p float64) time.Duration {

@@ -193,21 +193,21 @@ func (w *Worker) models(rw http.ResponseWriter, _ *http.Request) {
 // completionRequest is the part of an OpenAI completion or chat request the
 // worker reads. Other fields are accepted and ignored.
 type completionRequest struct {
-	Model          string               `json:"model"`
-	Prompt         json.RawMessage      `json:"prompt"`
-	Messages       []chatMessage        `json:"messages"`
-	PromptTokenIDs []int32              `json:"prompt_token_ids"`
-	MaxTokens      *int                 `json:"max_tokens"`
-	MaxCompletion  *int                 `json:"max_completion_tokens"`
-	Temperature    *float64             `json:"temperature"`
-	Seed           *uint64              `json:"seed"`
-	Stop           json.RawMessage      `json:"stop"`
-	Stream         bool                 `json:"stream"`
+	Model          string                `json:"model"`
+	Prompt         json.RawMessage       `json:"prompt"`
+	Messages       []chatMessage         `json:"messages"`
+	PromptTokenIDs []int32               `json:"prompt_token_ids"`
+	MaxTokens      *int                  `json:"max_tokens"`
+	MaxCompletion  *int                  `json:"max_completion_tokens"`
+	Temperature    *float64              `json:"temperature"`
+	Seed           *uint64               `json:"seed"`
+	Stop           json.RawMessage       `json:"stop"`
+	Stream         bool                  `json:"stream"`
 	StreamOptions  *struct{ Usage bool } `json:"-"`
-	N              *int                 `json:"n"`
-	IgnoreEOS      bool                 `json:"ignore_eos"`
-	Disagg         *DisaggregatedParams `json:"disaggregated_params"`
-	RawOptions     json.RawMessage      `json:"stream_options"`
+	N              *int                  `json:"n"`
+	IgnoreEOS      bool                  `json:"ignore_eos"`
+	Disagg         *DisaggregatedParams  `json:"disaggregated_params"`
+	RawOptions     json.RawMessage       `json:"stream_options"`
 }
 
 type chatMessage struct {
