@@ -165,7 +165,7 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	if c.MaxTokensInBuffer > 0 {
 		ct.MaxTokensInBuffer = c.MaxTokensInBuffer
 	}
-	pools, err := newPools(gs, poolBlocks)
+	pools, err := newPools(gs, poolBlocks, transceiver.PoolAllocator(ct))
 	if err != nil {
 		return nil, err
 	}

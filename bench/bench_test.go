@@ -12,6 +12,7 @@ import (
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver"
+	_ "github.com/kvxfer/kvxfer/transport/shm"
 	_ "github.com/kvxfer/kvxfer/transport/tcp"
 	"go.uber.org/goleak"
 )
@@ -84,7 +85,7 @@ func TestContextProcessKilled(t *testing.T) {
 	ct, _ := config.NewCacheTransceiver("tcp", 32, config.Env{})
 	ct.KVTransferTimeoutMs = 5000
 	ct.TransferBufferSize = 1 << 20 // many small chunks: the transfer takes a while
-	pools, err := newPools(st, nb)
+	pools, err := newPools(st, nb, kvcache.HeapAllocator{})
 	if err != nil {
 		t.Fatal(err)
 	}

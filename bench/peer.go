@@ -68,7 +68,7 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 	if setup.MaxTokensInBuf > 0 {
 		ct.MaxTokensInBuffer = setup.MaxTokensInBuf
 	}
-	pools, err := newPools(st, setup.PoolBlocks)
+	pools, err := newPools(st, setup.PoolBlocks, transceiver.PoolAllocator(ct))
 	if err != nil {
 		return err
 	}
@@ -142,10 +142,10 @@ func minFree(pools []*kvcache.Pool) int {
 	return m
 }
 
-func newPools(st layout.CacheState, blocks int) ([]*kvcache.Pool, error) {
+func newPools(st layout.CacheState, blocks int, alloc kvcache.Allocator) ([]*kvcache.Pool, error) {
 	var pools []*kvcache.Pool
 	for r := range st.Parallel.NumRanks() {
-		p, err := kvcache.NewPool(st.RankLayout(r), blocks, kvcache.MmapAllocator{})
+		p, err := kvcache.NewPool(st.RankLayout(r), blocks, alloc)
 		if err != nil {
 			closePools(pools)
 			return nil, fmt.Errorf("bench: pool of rank %d (%d blocks): %w", r, blocks, err)

@@ -16,8 +16,10 @@ import (
 // cores import no package of kvxfer above them.
 func TestBoundary(t *testing.T) {
 	const module = "github.com/kvxfer/kvxfer/"
+	// transport/shm maps its peers' pool memory with kvcache's memory-file
+	// helpers; no other transport package imports kvcache.
 	rules := map[string][]string{
-		"transport": {"config", "transceiver", "layout", "kvcache", "engine", "serve", "bench", "internal/cli"},
+		"transport": {"config", "transceiver", "layout", "engine", "serve", "bench", "internal/cli", "metrics"},
 		"layout":    {"config", "transceiver", "transport", "engine", "serve", "bench", "internal/cli"},
 		"kvcache":   {"config", "transceiver", "transport", "layout", "engine", "serve", "bench", "internal/cli"},
 	}
@@ -41,6 +43,9 @@ func TestBoundary(t *testing.T) {
 			checked++
 			for _, imp := range f.Imports {
 				p, _ := strconv.Unquote(imp.Path.Value)
+				if dir == "transport" && p == module+"kvcache" && !strings.HasPrefix(path, filepath.Join(root, "shm")+string(filepath.Separator)) {
+					t.Errorf("%s imports %s: only transport/shm may use kvcache", path, p)
+				}
 				for _, bad := range forbidden {
 					if p == module+bad || strings.HasPrefix(p, module+bad+"/") {
 						t.Errorf("%s imports %s: package %s must not depend on %s", path, p, dir, bad)

@@ -98,7 +98,8 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 		dt = kvcache.BF16
 	}
 	inst, err := engine.NewInstance(model, engine.InstanceConfig{TP: wc.TensorParallelSize, PP: wc.PipelineParallelSize,
-		TokensPerBlock: wc.KVCache.TokensPerBlock, DType: dt, PoolTokens: wc.KVCache.MaxTokens})
+		TokensPerBlock: wc.KVCache.TokensPerBlock, DType: dt, PoolTokens: wc.KVCache.MaxTokens,
+		Allocator: transceiver.PoolAllocator(wc.CacheTransceiver)})
 	if err != nil {
 		return nil, err
 	}

@@ -13,6 +13,9 @@ type bufPool struct {
 	size  int
 	slots chan []byte // a nil entry is a buffer not yet allocated
 	inUse atomic.Int64
+	// alloc, when set, allocates a buffer (in shared memory, registered
+	// with the transports that need it); nil means the Go heap.
+	alloc func(size int) ([]byte, error)
 }
 
 func newBufPool(count, size int) *bufPool {
@@ -27,7 +30,7 @@ func newBufPool(count, size int) *bufPool {
 func (p *bufPool) get(ctx context.Context) ([]byte, error) {
 	select {
 	case b := <-p.slots:
-		return p.fill(b), nil
+		return p.fill(b)
 	case <-ctx.Done():
 		return nil, context.Cause(ctx)
 	}
@@ -37,18 +40,27 @@ func (p *bufPool) get(ctx context.Context) ([]byte, error) {
 func (p *bufPool) tryGet() ([]byte, bool) {
 	select {
 	case b := <-p.slots:
-		return p.fill(b), true
+		b, err := p.fill(b)
+		return b, err == nil
 	default:
 		return nil, false
 	}
 }
 
-func (p *bufPool) fill(b []byte) []byte {
+func (p *bufPool) fill(b []byte) ([]byte, error) {
 	if b == nil {
-		b = make([]byte, p.size)
+		if p.alloc == nil {
+			b = make([]byte, p.size)
+		} else {
+			var err error
+			if b, err = p.alloc(p.size); err != nil {
+				p.slots <- nil // the slot stays free for a later try
+				return nil, err
+			}
+		}
 	}
 	p.inUse.Add(1)
-	return b
+	return b, nil
 }
 
 // put returns a buffer taken with get or tryGet.

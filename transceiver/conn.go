@@ -19,6 +19,9 @@ type ctrlConn struct {
 	wmu  sync.Mutex
 	peer peerInfo // from the peer's Hello
 
+	probeOnce sync.Once // shm probe of the peer, once per connection
+	probeErr  error
+
 	closeOnce sync.Once
 	dead      chan struct{} // closed when the connection is closed
 	err       error         // why it died; set before dead is closed

@@ -11,6 +11,7 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	_ "github.com/kvxfer/kvxfer/transport/shm"
 	_ "github.com/kvxfer/kvxfer/transport/tcp"
 )
 
@@ -47,7 +48,7 @@ func newInst(t *testing.T, state layout.CacheState, cfg *config.CacheTransceiver
 	n := state.Parallel.NumRanks()
 	in := &inst{state: state}
 	for r := range n {
-		p, err := kvcache.NewPool(state.RankLayout(r), blocksPerRank, kvcache.HeapAllocator{})
+		p, err := kvcache.NewPool(state.RankLayout(r), blocksPerRank, PoolAllocator(cfg))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -183,7 +184,7 @@ func state(layers, heads, headDim, tpb int, dt kvcache.DType, tp, pp int, mla bo
 }
 
 // transfer runs one request from ctx to gen and checks it bit-exact.
-func transfer(t *testing.T, ctx, gen *inst, id uint64, tokens int, seed uint64, ctxDP, genDP int) {
+func transfer(t *testing.T, ctx, gen *inst, id uint64, tokens int, seed uint64, ctxDP, genDP int) Stats {
 	t.Helper()
 	l, err := layout.NewLogical(ctx.state.Shape, tokens)
 	if err != nil {
@@ -223,4 +224,5 @@ func transfer(t *testing.T, ctx, gen *inst, id uint64, tokens int, seed uint64, 
 	if got, err := ctx.t.CheckContextTransferStatus(cctx, 1); err != nil || len(got) != 1 || got[0] != creq {
 		t.Fatalf("CheckContextTransferStatus: %v %v", got, err)
 	}
+	return greq.Stats()
 }

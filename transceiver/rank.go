@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"slices"
 	"sync"
 	"time"
@@ -62,11 +63,12 @@ type rank struct {
 	done       rankDone
 	log        *slog.Logger
 
-	wg   sync.WaitGroup  // every goroutine of this rank
-	life context.Context // ends when the rank closes: bounds dials and handshakes
-	obs  Observer        // nil: none
-	csv  *timingCSV      // nil: none
-	stop context.CancelFunc
+	wg     sync.WaitGroup  // every goroutine of this rank
+	arenas []kvcache.Arena // shared-memory staging buffers, closed after the transports
+	life   context.Context // ends when the rank closes: bounds dials and handshakes
+	obs    Observer        // nil: none
+	csv    *timingCSV      // nil: none
+	stop   context.CancelFunc
 
 	mu      sync.Mutex
 	closed  bool
@@ -175,6 +177,49 @@ func (r *rank) backendNames() []string {
 	}
 	slices.Sort(names)
 	return names
+}
+
+// registerMemory declares the rank's pool arena to every backend that
+// wants memory registered, and makes the send staging buffers shared
+// memory registered the same way (a shm peer reads them).
+func (r *rank) registerMemory() error {
+	var regs []transport.MemoryRegistrar
+	for _, n := range r.backendNames() {
+		if mr, ok := r.transports[n].(transport.MemoryRegistrar); ok {
+			regs = append(regs, mr)
+		}
+	}
+	if len(regs) == 0 {
+		return nil
+	}
+	arena := r.pool.Arena()
+	var f *os.File
+	if sa, ok := arena.(*kvcache.ShmArena); ok {
+		f = sa.File()
+	}
+	for _, mr := range regs {
+		if err := mr.RegisterMemory(arena.Bytes(), f); err != nil {
+			return fmt.Errorf("transceiver: rank %d: register the pool: %w", r.idx, err)
+		}
+	}
+	r.sendBufs.alloc = func(size int) ([]byte, error) {
+		a, err := kvcache.ShmAllocator{Name: "kvxfer-staging"}.Allocate(size)
+		if err != nil {
+			return nil, fmt.Errorf("transceiver: rank %d: staging buffer in shared memory: %w", r.idx, err)
+		}
+		sa := a.(*kvcache.ShmArena)
+		for _, mr := range regs {
+			if err := mr.RegisterMemory(sa.Bytes(), sa.File()); err != nil {
+				a.Close()
+				return nil, fmt.Errorf("transceiver: rank %d: register a staging buffer: %w", r.idx, err)
+			}
+		}
+		r.mu.Lock()
+		r.arenas = append(r.arenas, a)
+		r.mu.Unlock()
+		return sa.Bytes(), nil
+	}
+	return nil
 }
 
 // report hands a finished transfer to the observer and the timing file.

@@ -213,7 +213,11 @@ func (r *rank) chooseBackend(cc *ctrlConn) (string, error) {
 		return r.set.backend, nil
 	}
 	if cc.peer.host == r.set.host && has("shm") {
-		return "shm", nil
+		if err := r.probeShm(cc); err == nil {
+			return "shm", nil
+		} else {
+			r.log.Info("shm not usable with this peer, falling back", "peer", cc.peer.endpoint, "peer_rank", cc.peer.rank, "reason", err)
+		}
 	}
 	for _, b := range []string{"ucx", "tcp"} {
 		if has(b) {
@@ -221,6 +225,31 @@ func (r *rank) chooseBackend(cc *ctrlConn) (string, error) {
 		}
 	}
 	return "", fmt.Errorf("no backend in common with context rank %d at %s (it has %v, this rank %v)", cc.peer.rank, cc.peer.endpoint, cc.peer.backends, r.backendNames())
+}
+
+// probeShm checks once per control connection that this rank can reach
+// the peer's shm endpoint and map memory with it (same host and namespace,
+// working memory files); the answer is cached on the connection.
+func (r *rank) probeShm(cc *ctrlConn) error {
+	cc.probeOnce.Do(func() {
+		i := slices.Index(cc.peer.backends, "shm")
+		if i < 0 || i >= len(cc.peer.endpoints) {
+			cc.probeErr = fmt.Errorf("the peer announced no shm endpoint")
+			return
+		}
+		// The generation side receives; the context side sends. Probe in
+		// the direction of the data: ask our shm transport to reach the
+		// peer's (both directions need the same host and namespace).
+		p, ok := r.transports["shm"].(transport.Prober)
+		if !ok {
+			cc.probeErr = fmt.Errorf("the shm backend cannot probe")
+			return
+		}
+		ctx, cancel := context.WithTimeout(r.life, 5*time.Second)
+		defer cancel()
+		cc.probeErr = p.Probe(ctx, cc.peer.endpoints[i])
+	})
+	return cc.probeErr
 }
 
 // recvPair receives the chunks from source s and unpacks them into the
@@ -530,6 +559,14 @@ func (r *rank) close() error {
 		if cerr := tr.Close(); cerr != nil && err == nil {
 			err = cerr
 		}
+	}
+	// Registered staging memory outlives the transports that used it.
+	r.mu.Lock()
+	arenas := r.arenas
+	r.arenas = nil
+	r.mu.Unlock()
+	for _, a := range arenas {
+		a.Close()
 	}
 	return err
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -120,6 +121,15 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		log.Info("environment variable ignored", "detail", ig)
 	}
 	names := backendsToOpen(res.Backend)
+	if slices.Contains(names, "shm") && !poolsShared(opts.Pools) {
+		// The shm backend's receiver reads straight out of the sender's
+		// pool memory: it must be a memory file another process can map.
+		if res.Backend == config.BackendSHM {
+			return nil, fmt.Errorf("transceiver: backend SHM needs every pool in shared memory: allocate them with transceiver.PoolAllocator (kvcache.ShmAllocator)")
+		}
+		names = slices.DeleteFunc(names, func(n string) bool { return n == "shm" })
+		log.Info("shm backend not used: the pools are not in shared memory (allocate them with transceiver.PoolAllocator)")
+	}
 	host := opts.ListenHost
 	if host == "" {
 		host = "127.0.0.1"
@@ -179,6 +189,11 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		}
 		r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone)
 		r.obs, r.csv = opts.Observer, t.csv
+		if err := r.registerMemory(); err != nil {
+			r.close()
+			t.Close()
+			return nil, err
+		}
 		t.ranks = append(t.ranks, r)
 		r.start()
 	}
@@ -197,6 +212,32 @@ func backendsToOpen(b config.Backend) []string {
 		}
 	}
 	return names
+}
+
+// poolsShared reports whether every pool's arena is a shared-memory file.
+func poolsShared(pools []*kvcache.Pool) bool {
+	for _, p := range pools {
+		if _, ok := p.Arena().(*kvcache.ShmArena); !ok {
+			return false
+		}
+	}
+	return true
+}
+
+// PoolAllocator returns the allocator the pools of an instance should use
+// with this config: shared memory (kvcache.ShmAllocator) when the backend
+// may be SHM (SHM, or AUTO/DEFAULT resolving to AUTO with shm available), so
+// that a same-host peer can read blocks straight out of them; the Go heap
+// otherwise.
+func PoolAllocator(cfg *config.CacheTransceiver) kvcache.Allocator {
+	if cfg == nil || cfg.Backend == config.BackendUnset {
+		return kvcache.HeapAllocator{}
+	}
+	res := cfg.Resolve(Availability)
+	if res.Err == nil && slices.Contains(backendsToOpen(res.Backend), "shm") {
+		return kvcache.ShmAllocator{Name: "kvxfer-pool"}
+	}
+	return kvcache.HeapAllocator{}
 }
 
 // Availability reports whether this binary can run a backend (nil) or why

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -44,23 +45,37 @@ func TestPairings(t *testing.T) {
 		{"TP2 to TP1 direct", state(2, 4, 256, 32, bf, 2, 1, false), state(2, 4, 256, 32, bf, 1, 1, false)},
 		{"TP1 to TP2 PP2 direct", state(2, 4, 256, 32, bf, 1, 1, false), state(2, 4, 256, 32, bf, 2, 2, false)},
 	}
-	for i, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			ctx := newInst(t, tc.ctx, testCfg(), 64)
-			gen := newInst(t, tc.gen, testCfg(), 64)
+	for _, backend := range []config.Backend{config.BackendTCP, config.BackendSHM} {
+		for i, tc := range tests {
+			t.Run(string(backend)+" "+tc.name, func(t *testing.T) {
+				pairing(t, backend, i, tc.name, tc.ctx, tc.gen)
+			})
+		}
+	}
+}
+
+func pairing(t *testing.T, backend config.Backend, i int, name string, cs, gs layout.CacheState) {
+	{
+		{
+			cfg := testCfg(func(c *config.CacheTransceiver) { c.Backend = backend })
+			ctx := newInst(t, cs, cfg, 64)
+			gen := newInst(t, gs, cfg, 64)
 			// 37 tokens: a partial last block; 150 tokens: several chunks
 			// through the 64 KiB staging buffers.
 			transfer(t, ctx, gen, uint64(10*i+1), 37, uint64(i), 0, 0)
-			transfer(t, ctx, gen, uint64(10*i+2), 150, uint64(i+100), 0, 0)
+			st := transfer(t, ctx, gen, uint64(10*i+2), 150, uint64(i+100), 0, 0)
+			if want := strings.ToLower(string(backend)); st.Backend != want {
+				t.Errorf("carried by %q, want %q", st.Backend, want)
+			}
 			// Direct pairs never touch a staging buffer (they are allocated
 			// on first use); the others do.
-			direct := strings.HasSuffix(tc.name, "direct") || strings.Contains(tc.name, "zero-copy")
+			direct := strings.HasSuffix(name, "direct") || strings.Contains(name, "zero-copy")
 			for _, r := range gen.t.ranks {
 				if used := allocatedBuffers(r.recvBufs); (used == 0) != direct {
 					t.Errorf("rank %d: %d receive staging buffers allocated (direct: %v)", r.idx, used, direct)
 				}
 			}
-		})
+		}
 	}
 }
 
@@ -495,5 +510,51 @@ func TestObserverAndTimingCSV(t *testing.T) {
 	}
 	if len(files) != 3 || rows != 11 {
 		t.Errorf("%d files, %d rows: %v", len(files), rows, files)
+	}
+}
+
+// TestAutoPicksPerPeer: AUTO takes shm between two instances on this host
+// whose pools are in shared memory, and falls back to tcp when the context
+// side's pools are not (it then does not even open shm).
+func TestAutoPicksPerPeer(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	auto := testCfg(func(c *config.CacheTransceiver) { c.Backend = config.BackendAuto })
+	if _, ok := PoolAllocator(auto).(kvcache.ShmAllocator); !ok {
+		t.Fatalf("PoolAllocator(AUTO) = %T, want shared memory", PoolAllocator(auto))
+	}
+	ctx := newInst(t, s, auto, 16)
+	gen := newInst(t, s, auto, 16)
+	if st := transfer(t, ctx, gen, 1, 8, 1, 0, 0); st.Backend != "shm" {
+		t.Errorf("AUTO between shared pools: %q, want shm", st.Backend)
+	}
+
+	// A context instance on heap pools.
+	heap := &inst{state: s}
+	for r := range s.Parallel.NumRanks() {
+		p, _ := kvcache.NewPool(s.RankLayout(r), 16, kvcache.HeapAllocator{})
+		heap.pools = append(heap.pools, p)
+		heap.free = append(heap.free, p.FreeBlocks())
+	}
+	tr, err := New(context.Background(), auto, Options{State: s, Pools: heap.pools})
+	if err != nil {
+		t.Fatal(err)
+	}
+	heap.t = tr
+	t.Cleanup(func() {
+		tr.Close()
+		for _, p := range heap.pools {
+			p.Close()
+		}
+	})
+	if names := tr.ranks[0].backendNames(); slices.Contains(names, "shm") {
+		t.Errorf("heap pools opened %v", names)
+	}
+	if st := transfer(t, heap, gen, 2, 8, 2, 0, 0); st.Backend != "tcp" {
+		t.Errorf("AUTO with a heap-pool context side: %q, want tcp", st.Backend)
+	}
+	// Explicit SHM on heap pools is refused with the way out.
+	shm := testCfg(func(c *config.CacheTransceiver) { c.Backend = config.BackendSHM })
+	if _, err := New(context.Background(), shm, Options{State: s, Pools: heap.pools}); err == nil || !strings.Contains(err.Error(), "PoolAllocator") {
+		t.Errorf("SHM on heap pools: %v", err)
 	}
 }

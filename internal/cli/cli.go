@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	// The data planes register themselves.
+	_ "github.com/kvxfer/kvxfer/transport/shm"
 	_ "github.com/kvxfer/kvxfer/transport/tcp"
 )
 

@@ -16,6 +16,11 @@
 //		})
 //	}
 //
+// A backend that sends only from memory registered with it (shm) calls
+// RunOptions instead, with an Options.Alloc that allocates the suite's
+// sources in memory it can register (a sealed memfd); the suite registers
+// them with each transport that implements transport.MemoryRegistrar.
+//
 // What the suite holds a backend to, beyond the interface documentation:
 //   - after Recv.Cancel returns, and after Done, the backend never writes
 //     into dst (checked with a canary, and by the race detector);

@@ -9,6 +9,7 @@ import (
 	"hash/fnv"
 	"math/rand/v2"
 	"net"
+	"os"
 	"sync"
 	"testing"
 	"time"
@@ -30,7 +31,24 @@ const Limit = 10 * time.Second
 // before it, so the cases run one at a time and the caller must not run
 // other tests in parallel with Run.
 func Run(t *testing.T, open func(t *testing.T) (a, b transport.Transport)) {
-	s := &suite{open: open}
+	RunOptions(t, open, Options{})
+}
+
+// Options adapt the suite to a backend.
+type Options struct {
+	// Alloc, when set, allocates the memory of the suite's sources (what
+	// it passes to Send): n > 0 zeroed bytes and, for a backend that Sends
+	// only from registered memory, the file behind them (nil: none). The
+	// suite registers every source with each transport of its case that
+	// implements transport.MemoryRegistrar (RegisterMemory(mem, f)), and
+	// calls free once those transports have closed. nil: sources come from
+	// make and are never registered.
+	Alloc func(n int) (mem []byte, f *os.File, free func(), err error)
+}
+
+// RunOptions runs the suite as Run does, adapted by opts.
+func RunOptions(t *testing.T, open func(t *testing.T) (a, b transport.Transport), opts Options) {
+	s := &suite{open: open, opts: opts, cases: make(map[*testing.T]*caseMem)}
 	cases := []struct {
 		name string
 		fn   func(t *testing.T)
@@ -58,6 +76,100 @@ func Run(t *testing.T, open func(t *testing.T) (a, b transport.Transport)) {
 
 type suite struct {
 	open func(t *testing.T) (a, b transport.Transport)
+	opts Options
+
+	mu    sync.Mutex
+	cases map[*testing.T]*caseMem
+}
+
+// caseMem is what one (sub)test has opened and allocated, for Options.Alloc.
+type caseMem struct {
+	trs   []transport.Transport
+	mems  []allocated
+	frees []func()
+}
+
+type allocated struct {
+	mem []byte
+	f   *os.File
+}
+
+// caseOf returns the state of t, creating it (and arranging for its
+// memory to be freed) on first use. Called before t's transports open, so
+// that the cleanup that frees runs after theirs that close.
+func (s *suite) caseOf(t *testing.T) *caseMem {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	cm := s.cases[t]
+	if cm == nil {
+		cm = &caseMem{}
+		s.cases[t] = cm
+		t.Cleanup(func() {
+			s.mu.Lock()
+			delete(s.cases, t)
+			s.mu.Unlock()
+			for _, free := range cm.frees {
+				free()
+			}
+		})
+	}
+	return cm
+}
+
+// register registers m with tr if tr is a transport.MemoryRegistrar; a
+// transport that has closed may refuse.
+func register(t *testing.T, tr transport.Transport, m allocated) {
+	t.Helper()
+	if mr, ok := tr.(transport.MemoryRegistrar); ok {
+		if err := mr.RegisterMemory(m.mem, m.f); err != nil && !errors.Is(err, net.ErrClosed) {
+			t.Fatalf("RegisterMemory(%d bytes): %v", len(m.mem), err)
+		}
+	}
+}
+
+// src returns n zeroed bytes for a source: from Options.Alloc, registered
+// with every transport of t's case, or from make.
+func (s *suite) src(t *testing.T, n int) []byte {
+	t.Helper()
+	if s.opts.Alloc == nil || n == 0 {
+		return make([]byte, n)
+	}
+	mem, f, free, err := s.opts.Alloc(n)
+	if err != nil {
+		t.Fatalf("Options.Alloc(%d): %v", n, err)
+	}
+	cm := s.caseOf(t)
+	m := allocated{mem: mem, f: f}
+	s.mu.Lock()
+	cm.frees = append(cm.frees, free)
+	cm.mems = append(cm.mems, m)
+	trs := cm.trs
+	s.mu.Unlock()
+	if len(mem) != n {
+		t.Fatalf("Options.Alloc(%d) returned %d bytes", n, len(mem))
+	}
+	for _, tr := range trs {
+		register(t, tr, m)
+	}
+	return mem
+}
+
+// srcSegments returns source pieces of the given sizes, cut from one
+// allocation of s.src.
+func (s *suite) srcSegments(t *testing.T, sizes []int) [][]byte {
+	t.Helper()
+	n := 0
+	for _, v := range sizes {
+		n += v
+	}
+	mem := s.src(t, n)
+	out := make([][]byte, len(sizes))
+	off := 0
+	for i, v := range sizes {
+		out[i] = mem[off : off+v : off+v]
+		off += v
+	}
+	return out
 }
 
 // pair opens two transports for one case and arranges, in t.Cleanup, for
@@ -66,7 +178,16 @@ func (s *suite) pair(t *testing.T) (a, b transport.Transport) {
 	t.Helper()
 	before := goleak.IgnoreCurrent()
 	t.Cleanup(func() { goleak.VerifyNone(t, before) }) // runs last
+	cm := s.caseOf(t)
 	a, b = s.open(t)
+	s.mu.Lock()
+	cm.trs = append(cm.trs, a, b)
+	mems := cm.mems
+	s.mu.Unlock()
+	for _, m := range mems {
+		register(t, a, m)
+		register(t, b, m)
+	}
 	t.Cleanup(func() {
 		closeWithin(t, a, "a")
 		closeWithin(t, b, "b")
@@ -183,7 +304,7 @@ func (s *suite) roundTrip(t *testing.T) {
 				t.Skip("skipped in -short mode")
 			}
 			a, b := s.pair(t)
-			src := [][]byte{pattern(seed(t), 0, make([]byte, sz.n))}
+			src := [][]byte{pattern(seed(t), 0, s.src(t, sz.n))}
 			transfer(t, a, b, src, [][]byte{make([]byte, sz.n)})
 			if sz.n <= 1<<20 {
 				transfer(t, b, a, src, [][]byte{make([]byte, sz.n)})
@@ -207,7 +328,7 @@ func (s *suite) scattered(t *testing.T) {
 		m += v
 	}
 	dstSizes[len(dstSizes)-1] = n - m
-	src := segments(srcSizes)
+	src := s.srcSegments(t, srcSizes)
 	fill(seed(t), src)
 	transfer(t, a, b, src, segments(dstSizes))
 	transfer(t, b, a, src, segments(dstSizes))
@@ -224,10 +345,12 @@ func (s *suite) manyPieces(t *testing.T) {
 		sizes[i] = rng.IntN(700)
 		n += sizes[i]
 	}
-	src := segments(sizes)
+	src := s.srcSegments(t, sizes)
 	fill(seed(t), src)
 	transfer(t, a, b, src, segments([]int{n / 3, n - n/3}))
-	transfer(t, b, a, [][]byte{flatten(src)}, segments(sizes))
+	flat := s.src(t, n)
+	copy(flat, flatten(src))
+	transfer(t, b, a, [][]byte{flat}, segments(sizes))
 }
 
 // concurrent runs 200 small and a few large transfers at once, both ways.
@@ -245,9 +368,9 @@ func (s *suite) concurrent(t *testing.T) {
 		if i%2 == 1 {
 			from, to = b, a
 		}
-		sd := seed(t) + uint64(i)
+		src := [][]byte{pattern(seed(t)+uint64(i), 0, s.src(t, n))}
 		wg.Go(func() {
-			if err := transferQuiet(from, to, sd, n); err != nil {
+			if err := transferQuiet(from, to, src); err != nil {
 				t.Errorf("transfer %d (%d bytes): %v", i, n, err)
 			}
 		})
@@ -259,9 +382,8 @@ func (s *suite) concurrent(t *testing.T) {
 
 // transferQuiet is transfer for goroutines other than the test's: it
 // returns what went wrong. Every wait is bounded by Limit.
-func transferQuiet(from, to transport.Transport, sd uint64, n int) error {
-	src := [][]byte{pattern(sd, 0, make([]byte, n))}
-	dst := [][]byte{make([]byte, n)}
+func transferQuiet(from, to transport.Transport, src [][]byte) error {
+	dst := [][]byte{make([]byte, total(src))}
 	r, err := to.Expect(dst)
 	if err != nil {
 		return fmt.Errorf("expect: %w", err)
@@ -312,8 +434,8 @@ func (s *suite) cancelBeforeSend(t *testing.T) {
 	}
 	cancelWithin(t, r) // idempotent
 	canary(dst)
-	_ = send(t, a, r.Descriptor(), [][]byte{pattern(seed(t), 0, make([]byte, n))}) // any result
-	healthy(t, a, b)
+	_ = send(t, a, r.Descriptor(), [][]byte{pattern(seed(t), 0, s.src(t, n))}) // any result
+	s.healthy(t, a, b)
 	checkCanary(t, dst, "after Cancel")
 }
 
@@ -322,7 +444,7 @@ func (s *suite) cancelBeforeSend(t *testing.T) {
 func (s *suite) cancelDuringReceive(t *testing.T) {
 	a, b := s.pair(t)
 	const n = 64 << 20
-	src := [][]byte{pattern(seed(t), 0, make([]byte, n))}
+	src := [][]byte{pattern(seed(t), 0, s.src(t, n))}
 	dst := [][]byte{make([]byte, n)}
 	for _, delay := range []time.Duration{0, time.Millisecond, 5 * time.Millisecond} {
 		r := expect(t, b, dst)
@@ -338,7 +460,7 @@ func (s *suite) cancelDuringReceive(t *testing.T) {
 		canary(dst) // the caller owns dst again
 		_ = result(t, res, "Send to a cancelled receipt")
 		cancel()
-		healthy(t, a, b)
+		s.healthy(t, a, b)
 		checkCanary(t, dst, fmt.Sprintf("delay %v: after Cancel", delay))
 	}
 }
@@ -349,7 +471,7 @@ func (s *suite) cancelDuringReceive(t *testing.T) {
 func (s *suite) senderCancel(t *testing.T) {
 	a, b := s.pair(t)
 	const n = 64 << 20
-	src := [][]byte{pattern(seed(t), 0, make([]byte, n))}
+	src := [][]byte{pattern(seed(t), 0, s.src(t, n))}
 	dst := [][]byte{make([]byte, n)}
 
 	r := expect(t, b, dst)
@@ -382,14 +504,14 @@ func (s *suite) senderCancel(t *testing.T) {
 		}
 		expectFailed(t, r, "Recv of a cancelled Send", transport.ErrAborted, transport.ErrPeerLost)
 	}
-	healthy(t, a, b)
+	s.healthy(t, a, b)
 }
 
 // senderDeadline: a Send past its deadline returns a timeout error.
 func (s *suite) senderDeadline(t *testing.T) {
 	a, b := s.pair(t)
 	const n = 64 << 20
-	src := [][]byte{pattern(seed(t), 0, make([]byte, n))}
+	src := [][]byte{pattern(seed(t), 0, s.src(t, n))}
 	dst := [][]byte{make([]byte, n)}
 	for _, d := range []time.Duration{-time.Second, time.Millisecond} {
 		r := expect(t, b, dst)
@@ -411,7 +533,7 @@ func (s *suite) senderDeadline(t *testing.T) {
 		}
 		expectFailed(t, r, "Recv of a timed-out Send", transport.ErrAborted, transport.ErrPeerLost)
 	}
-	healthy(t, a, b)
+	s.healthy(t, a, b)
 }
 
 // closeSenderWhileSending: Close of the sending transport in the middle of
@@ -419,9 +541,9 @@ func (s *suite) senderDeadline(t *testing.T) {
 func (s *suite) closeSenderWhileSending(t *testing.T) {
 	a, b := s.pair(t)
 	const n = 64 << 20
-	src := [][]byte{pattern(seed(t), 0, make([]byte, n))}
+	src := [][]byte{pattern(seed(t), 0, s.src(t, n))}
 	dst := [][]byte{make([]byte, n)}
-	healthy(t, a, b) // connections up, so that the Send below starts at once
+	s.healthy(t, a, b) // connections up, so that the Send below starts at once
 	r := expect(t, b, dst)
 	res, started := sendAsync(context.Background(), a, r.Descriptor(), src)
 	<-started
@@ -446,9 +568,9 @@ func (s *suite) closeSenderWhileSending(t *testing.T) {
 func (s *suite) closeReceiverWhileSending(t *testing.T) {
 	a, b := s.pair(t)
 	const n = 64 << 20
-	src := [][]byte{pattern(seed(t), 0, make([]byte, n))}
+	src := [][]byte{pattern(seed(t), 0, s.src(t, n))}
 	dst := [][]byte{make([]byte, n)}
-	healthy(t, a, b)
+	s.healthy(t, a, b)
 	r := expect(t, b, dst)
 	res, started := sendAsync(context.Background(), a, r.Descriptor(), src)
 	<-started
@@ -472,7 +594,7 @@ func (s *suite) closeReceiverWhileSending(t *testing.T) {
 
 	// The other way round: a receipt pending on a whose sender, b, is gone.
 	a2, b2 := s.pair(t)
-	healthy(t, b2, a2)
+	s.healthy(t, b2, a2)
 	r = expect(t, a2, dst)
 	res, started = sendAsync(context.Background(), b2, r.Descriptor(), src)
 	<-started
@@ -496,7 +618,7 @@ func (s *suite) sendToClosedPeer(t *testing.T) {
 	dst := [][]byte{make([]byte, 1<<20)}
 	r := expect(t, b, dst)
 	closeWithin(t, b, "b")
-	err := send(t, a, r.Descriptor(), [][]byte{make([]byte, 1<<20)})
+	err := send(t, a, r.Descriptor(), [][]byte{s.src(t, 1<<20)})
 	if !errors.Is(err, transport.ErrPeerLost) {
 		t.Errorf("Send to a closed peer = %v, want ErrPeerLost", err)
 	}
@@ -510,7 +632,7 @@ func (s *suite) badDescriptor(t *testing.T) {
 	r := expect(t, b, [][]byte{make([]byte, n)})
 	defer r.Cancel()
 	good := r.Descriptor()
-	src := [][]byte{make([]byte, n)}
+	src := [][]byte{s.src(t, n)}
 	bad := map[string]transport.Descriptor{
 		"nil":       nil,
 		"empty":     {},
@@ -531,7 +653,7 @@ func (s *suite) badDescriptor(t *testing.T) {
 		}
 	}
 	for _, m := range []int{n - 1, n + 1, 1} {
-		if err := send(t, a, good, [][]byte{make([]byte, m)}); !errors.Is(err, transport.ErrBadDescriptor) {
+		if err := send(t, a, good, [][]byte{s.src(t, m)}); !errors.Is(err, transport.ErrBadDescriptor) {
 			t.Errorf("Send(%d bytes to a receipt of %d) = %v, want ErrBadDescriptor", m, n, err)
 		}
 	}
@@ -541,7 +663,7 @@ func (s *suite) badDescriptor(t *testing.T) {
 	if err := r.Err(); err != nil {
 		t.Errorf("receipt failed by bad Sends: %v", err)
 	}
-	healthy(t, a, b)
+	s.healthy(t, a, b)
 }
 
 // afterClose: Expect and Send on a closed transport fail with net.ErrClosed
@@ -563,7 +685,7 @@ func (s *suite) afterClose(t *testing.T) {
 	if _, err := a.Expect([][]byte{make([]byte, 1)}); !errors.Is(err, net.ErrClosed) || !errors.As(err, &ce) {
 		t.Errorf("Expect after Close = %v, want a *transport.ClosedError", err)
 	}
-	if err := send(t, a, rb.Descriptor(), [][]byte{make([]byte, 100)}); !errors.Is(err, net.ErrClosed) || !errors.As(err, &ce) {
+	if err := send(t, a, rb.Descriptor(), [][]byte{s.src(t, 100)}); !errors.Is(err, net.ErrClosed) || !errors.As(err, &ce) {
 		t.Errorf("Send after Close = %v, want a *transport.ClosedError", err)
 	}
 }
@@ -574,7 +696,7 @@ func (s *suite) afterClose(t *testing.T) {
 func (s *suite) unknownTag(t *testing.T) {
 	a, b := s.pair(t)
 	const n = 9<<20 + 1
-	src := [][]byte{pattern(seed(t), 0, make([]byte, n))}
+	src := [][]byte{pattern(seed(t), 0, s.src(t, n))}
 
 	dst := [][]byte{make([]byte, n)}
 	r := expect(t, b, dst)
@@ -583,7 +705,7 @@ func (s *suite) unknownTag(t *testing.T) {
 	for range 3 {
 		_ = send(t, a, r.Descriptor(), src) // any result
 	}
-	healthy(t, a, b)
+	s.healthy(t, a, b)
 
 	dst2 := [][]byte{make([]byte, n)}
 	r2 := expect(t, b, dst2)
@@ -596,17 +718,17 @@ func (s *suite) unknownTag(t *testing.T) {
 	}
 	canary(dst2)
 	_ = send(t, a, r2.Descriptor(), src) // a receipt that is done: any result
-	healthy(t, a, b)
+	s.healthy(t, a, b)
 	time.Sleep(20 * time.Millisecond) // give late bytes a chance to show
 	checkCanary(t, dst, "after Cancel")
 	checkCanary(t, dst2, "after Done")
 }
 
 // healthy checks that transfers both ways still work.
-func healthy(t *testing.T, a, b transport.Transport) {
+func (s *suite) healthy(t *testing.T, a, b transport.Transport) {
 	t.Helper()
 	for _, n := range []int{1, 5 << 20} {
-		src := [][]byte{pattern(seed(t)+uint64(n), 0, make([]byte, n))}
+		src := [][]byte{pattern(seed(t)+uint64(n), 0, s.src(t, n))}
 		transfer(t, a, b, src, [][]byte{make([]byte, n)})
 		transfer(t, b, a, src, [][]byte{make([]byte, n)})
 	}

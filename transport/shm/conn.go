@@ -1,0 +1,264 @@
+//go:build linux
+
+package shm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+)
+
+const (
+	// readBufStart is the initial size of a connection's read buffer; it
+	// grows, up to one whole message, when a longer message arrives.
+	readBufStart = 16 << 10
+	// maxFdsPerRecv bounds the descriptors one recvmsg accepts; a peer
+	// sending more (each REGION carries one) breaks the protocol.
+	maxFdsPerRecv = 4
+	// maxPendingFds bounds descriptors received ahead of their REGION
+	// messages.
+	maxPendingFds = 16
+)
+
+// aLongTimeAgo is a deadline in the past: setting it makes blocked I/O
+// return at once (net/http uses the same trick).
+var aLongTimeAgo = time.Unix(1, 0)
+
+// msgReader reads messages, and the descriptors that come with them, from
+// a Unix stream connection. It is used by one goroutine at a time.
+//
+// Descriptors sent with SCM_RIGHTS arrive with the first byte of the
+// sendmsg that carried them, and the kernel never returns the bytes of two
+// such sendmsg calls in one recvmsg; so by the time a REGION message has
+// been read, its descriptor is in fds, in order.
+type msgReader struct {
+	nc   *net.UnixConn
+	buf  []byte
+	r, w int // unread bytes are buf[r:w]
+	oob  []byte
+	fds  []int // received, not yet claimed by a REGION
+	segs []segment
+}
+
+func newMsgReader(nc *net.UnixConn) *msgReader {
+	return &msgReader{
+		nc:  nc,
+		buf: make([]byte, readBufStart),
+		oob: make([]byte, syscall.CmsgSpace(4*maxFdsPerRecv)),
+	}
+}
+
+// next returns the next message. io.EOF means the peer closed the
+// connection between messages; io.ErrUnexpectedEOF, inside one.
+func (mr *msgReader) next() (msg, error) {
+	for {
+		m, n, err := decodeMsg(mr.buf[mr.r:mr.w], mr.segs)
+		if err != nil {
+			return msg{}, err
+		}
+		if n > 0 {
+			mr.r += n
+			if m.typ == msgRead {
+				mr.segs = m.segs
+			}
+			return m, nil
+		}
+		if err := mr.fill(); err != nil {
+			return msg{}, err
+		}
+	}
+}
+
+// fill reads more bytes, making room for at least one whole message.
+func (mr *msgReader) fill() error {
+	need := hdrLen
+	if mr.w-mr.r >= hdrLen {
+		need, _ = msgLen(mr.buf[mr.r : mr.r+hdrLen]) // checked by decodeMsg
+	}
+	if mr.r > 0 && len(mr.buf)-mr.r < need {
+		mr.w = copy(mr.buf, mr.buf[mr.r:mr.w])
+		mr.r = 0
+	}
+	if len(mr.buf) < need {
+		nb := make([]byte, max(need, 2*len(mr.buf)))
+		mr.w = copy(nb, mr.buf[mr.r:mr.w])
+		mr.r = 0
+		mr.buf = nb
+	}
+	n, oobn, flags, _, err := mr.nc.ReadMsgUnix(mr.buf[mr.w:], mr.oob)
+	if oobn > 0 {
+		if ferr := mr.takeFds(mr.oob[:oobn]); ferr != nil {
+			return ferr
+		}
+	}
+	if flags&syscall.MSG_CTRUNC != 0 {
+		return errProto("more descriptors in one message than allowed (%d)", maxFdsPerRecv)
+	}
+	mr.w += n
+	switch {
+	case err != nil:
+		if errors.Is(err, io.EOF) && mr.w > mr.r {
+			return io.ErrUnexpectedEOF
+		}
+		return err
+	case n == 0: // a stream socket's end
+		if mr.w > mr.r {
+			return io.ErrUnexpectedEOF
+		}
+		return io.EOF
+	}
+	return nil
+}
+
+// takeFds keeps the descriptors of SCM_RIGHTS messages in oob (closing all
+// of them when anything is wrong).
+func (mr *msgReader) takeFds(oob []byte) error {
+	cms, err := syscall.ParseSocketControlMessage(oob)
+	if err != nil {
+		return errProto("control message: %v", err)
+	}
+	var bad error
+	for _, cm := range cms {
+		fds, err := syscall.ParseUnixRights(&cm)
+		if err != nil {
+			if bad == nil {
+				bad = errProto("control message of level %d type %d", cm.Header.Level, cm.Header.Type)
+			}
+			continue
+		}
+		mr.fds = append(mr.fds, fds...)
+	}
+	if bad == nil && len(mr.fds) > maxPendingFds {
+		bad = errProto("%d descriptors received ahead of their regions", len(mr.fds))
+	}
+	if bad != nil {
+		mr.closeFds()
+	}
+	return bad
+}
+
+// takeFd returns the oldest received descriptor, which the caller owns.
+func (mr *msgReader) takeFd() (int, bool) {
+	if len(mr.fds) == 0 {
+		return -1, false
+	}
+	fd := mr.fds[0]
+	mr.fds = mr.fds[1:]
+	return fd, true
+}
+
+// closeFds closes every descriptor received and not claimed.
+func (mr *msgReader) closeFds() {
+	for _, fd := range mr.fds {
+		syscall.Close(fd)
+	}
+	mr.fds = nil
+}
+
+// writeFull writes b, and oob with its first byte. A stream sendmsg may
+// write part of b; the rest follows without oob (the descriptors travel
+// with the first part).
+func writeFull(nc *net.UnixConn, b, oob []byte) error {
+	if oob == nil {
+		_, err := nc.Write(b)
+		return err
+	}
+	n, _, err := nc.WriteMsgUnix(b, oob, nil)
+	if err != nil {
+		return err
+	}
+	if n < len(b) {
+		_, err = nc.Write(b[n:])
+	}
+	return err
+}
+
+// dialUnix connects to an abstract socket and exchanges HELLOs, within
+// ctx and at most limit. It returns the connection and its reader.
+func dialUnix(ctx context.Context, ep string, limit time.Duration) (*net.UnixConn, *msgReader, error) {
+	ctx, cancel := context.WithTimeout(ctx, limit)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", ep)
+	if err != nil {
+		return nil, nil, fmt.Errorf("dial: %w", err)
+	}
+	nc := c.(*net.UnixConn)
+	fired := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		defer close(fired)
+		nc.SetDeadline(aLongTimeAgo)
+	})
+	mr, err := hello(nc)
+	if !stop() {
+		<-fired // the deadline is set: the connection is of no use
+		if err == nil {
+			mr.closeFds()
+			err = ctx.Err()
+		}
+	}
+	if err != nil {
+		nc.Close()
+		if ctx.Err() != nil {
+			err = fmt.Errorf("hello: %w (%w)", ctx.Err(), err)
+		} else {
+			err = fmt.Errorf("hello: %w", err)
+		}
+		return nil, nil, err
+	}
+	nc.SetDeadline(time.Time{})
+	return nc, mr, nil
+}
+
+// hello writes our HELLO and reads the peer's.
+func hello(nc *net.UnixConn) (*msgReader, error) {
+	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgHello, version: protoVersion}), nil); err != nil {
+		return nil, err
+	}
+	mr := newMsgReader(nc)
+	m, err := mr.next()
+	if err != nil {
+		mr.closeFds()
+		return nil, err
+	}
+	if err := checkHello(m); err != nil {
+		mr.closeFds()
+		return nil, err
+	}
+	return mr, nil
+}
+
+// checkHello checks that m is a HELLO of our protocol version.
+func checkHello(m msg) error {
+	if m.typ != msgHello {
+		return errProto("message type %d before hello", m.typ)
+	}
+	if m.version != protoVersion {
+		return errProto("protocol version %d, want %d", m.version, protoVersion)
+	}
+	return nil
+}
+
+// peerName names the process at the other end of nc for logs and errors.
+func peerName(nc *net.UnixConn) string {
+	rc, err := nc.SyscallConn()
+	if err != nil {
+		return "unknown process"
+	}
+	var cred *syscall.Ucred
+	rc.Control(func(fd uintptr) {
+		cred, err = syscall.GetsockoptUcred(int(fd), syscall.SOL_SOCKET, syscall.SO_PEERCRED)
+	})
+	if err != nil || cred == nil {
+		return "unknown process"
+	}
+	return fmt.Sprintf("pid %d", cred.Pid)
+}
+
+// fdFile wraps a received descriptor in an *os.File that owns it.
+func fdFile(fd int, name string) *os.File { return os.NewFile(uintptr(fd), name) }

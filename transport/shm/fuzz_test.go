@@ -1,0 +1,76 @@
+//go:build linux
+
+package shm
+
+import (
+	"bytes"
+	"testing"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// FuzzDescriptor: the descriptor decoder never panics, and what it accepts
+// it encodes back to the same bytes.
+func FuzzDescriptor(f *testing.F) {
+	good := descriptor{endpoint: endpointPrefix + "0123456789abcdef0123456789abcdef", tag: 7, total: 4096}.encode()
+	f.Add([]byte(good))
+	f.Add([]byte(good[:len(good)-1]))
+	f.Add([]byte{})
+	f.Add([]byte{descKind, descVersion, 44})
+	f.Add(bytes.Repeat([]byte{0xff}, 63))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		d, err := decodeDescriptor(transport.Descriptor(b))
+		if err != nil {
+			return
+		}
+		if !bytes.Equal(d.encode(), b) {
+			t.Fatalf("decode(%x) = %+v, which encodes to %x", b, d, d.encode())
+		}
+		if checkEndpoint(d.endpoint) != nil || d.tag == 0 || d.total <= 0 {
+			t.Fatalf("decode(%x) accepted %+v", b, d)
+		}
+	})
+}
+
+// FuzzMessage: the message decoder never panics, never reads past what it
+// was given, asks for more only when the header is whole and valid or
+// missing, and what it accepts it encodes back to the same bytes.
+func FuzzMessage(f *testing.F) {
+	for _, m := range []*msg{
+		{typ: msgHello, version: protoVersion},
+		{typ: msgRegion, region: 1, size: 4096},
+		{typ: msgRead, op: 1, tag: 2, offset: 3, last: true, segs: []segment{{1, 0, 10}, {2, 5, 1}}},
+		{typ: msgCancel, op: 1},
+		{typ: msgAbort, tag: 9},
+		{typ: msgAck, op: 1},
+		{typ: msgProbe, op: 1, region: 1},
+		{typ: msgDone, op: 1},
+		{typ: msgErr, op: 1, code: codeUnknown, text: "no receipt"},
+		{typ: msgProbeOK, op: 1, nonce: 0xdeadbeef},
+	} {
+		b := appendMsg(nil, m)
+		f.Add(b)
+		f.Add(b[:len(b)-1])
+		f.Add(append(b, b...))
+	}
+	f.Add([]byte{msgRead, 0, 0, 0, 0xff, 0xff, 0xff, 0xff})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, n, err := decodeMsg(b, nil)
+		switch {
+		case err != nil:
+			return
+		case n == 0:
+			if len(b) >= hdrLen {
+				if want, err := msgLen(b[:hdrLen]); err != nil || want <= len(b) {
+					t.Fatalf("decode(%x) wants more bytes, with a header for %d (%v)", b, want, err)
+				}
+			}
+			return
+		case n > len(b) || n < hdrLen:
+			t.Fatalf("decode(%x) consumed %d bytes", b, n)
+		}
+		if enc := appendMsg(nil, &m); !bytes.Equal(enc, b[:n]) {
+			t.Fatalf("decode(%x) = %+v, which encodes to %x", b[:n], m, enc)
+		}
+	})
+}

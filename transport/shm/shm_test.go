@@ -1,0 +1,1003 @@
+//go:build linux
+
+package shm
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"regexp"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+	"unsafe"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/transporttest"
+)
+
+func TestMain(m *testing.M) {
+	if role := os.Getenv(childEnv); role != "" {
+		os.Exit(childMain(role))
+	}
+	goleak.VerifyTestMain(mappingCheck{m})
+}
+
+// mappingCheck fails the run if any memory file of the tests is still
+// mapped once every test has ended (every Close must have unmapped what
+// it mapped).
+type mappingCheck struct{ m *testing.M }
+
+func (c mappingCheck) Run() int {
+	code := c.m.Run()
+	if maps, err := memfdMaps(); err == nil && len(maps) > 0 && code == 0 {
+		fmt.Fprintf(os.Stderr, "memory files still mapped after the tests:\n%s\n", strings.Join(maps, "\n"))
+		return 1
+	}
+	return code
+}
+
+// memfdName names the test's memory files, as they show in /proc/self/maps.
+const memfdName = "kvxfer-shm-test"
+
+// memfdMaps returns the lines of /proc/self/maps of kvxfer memory files
+// ("/memfd:kvxfer... (deleted)").
+func memfdMaps() ([]string, error) {
+	b, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, line := range strings.Split(string(b), "\n") {
+		if strings.Contains(line, "/memfd:kvxfer") {
+			out = append(out, line)
+		}
+	}
+	return out, nil
+}
+
+// open opens an shm Transport and closes it in t.Cleanup.
+func open(t testing.TB, opts transport.Options) *Transport {
+	t.Helper()
+	tr, err := Open(context.Background(), opts)
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	t.Cleanup(func() { tr.Close() })
+	return tr
+}
+
+// shmAlloc allocates n bytes of sealed shared memory: the suite's sources.
+func shmAlloc(n int) ([]byte, *os.File, func(), error) {
+	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	sa := a.(*kvcache.ShmArena)
+	return sa.Bytes(), sa.File(), func() { sa.Close() }, nil
+}
+
+// shared allocates n bytes of shared memory registered with each of trs.
+// At the end of the test it closes trs (memory must outlive its
+// registration), then frees the memory.
+func shared(t testing.TB, n int, trs ...*Transport) []byte {
+	t.Helper()
+	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sa := a.(*kvcache.ShmArena)
+	t.Cleanup(func() {
+		for _, tr := range trs {
+			tr.Close()
+		}
+		sa.Close()
+	})
+	for _, tr := range trs {
+		if err := tr.RegisterMemory(sa.Bytes(), sa.File()); err != nil {
+			t.Fatalf("RegisterMemory: %v", err)
+		}
+	}
+	return sa.Bytes()
+}
+
+// fill writes a pattern of seed into b and returns b.
+func fill(b []byte, seed int) []byte {
+	for i := range b {
+		b[i] = byte(i*7 + i>>11 + seed)
+	}
+	return b
+}
+
+// within fails t unless f returns within limit.
+func within(t *testing.T, limit time.Duration, what string, f func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { f(); close(done) }()
+	timer := time.NewTimer(limit)
+	defer timer.Stop()
+	select {
+	case <-done:
+	case <-timer.C:
+		t.Fatalf("%s: not done after %v", what, limit)
+	}
+}
+
+// move sends src from a into a fresh receipt on b and checks the bytes.
+func move(t *testing.T, a, b *Transport, src, dst [][]byte) {
+	t.Helper()
+	r, err := b.Expect(dst)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := a.Send(ctx, r.Descriptor(), src); err != nil {
+		r.Cancel()
+		t.Fatalf("Send: %v", err)
+	}
+	within(t, 10*time.Second, "Recv", func() { <-r.Done() })
+	if err := r.Err(); err != nil {
+		t.Fatalf("Recv: %v", err)
+	}
+	if !bytes.Equal(bytes.Join(dst, nil), bytes.Join(src, nil)) {
+		t.Fatal("bytes differ")
+	}
+}
+
+// healthy checks that a sends to b, from src (registered with a).
+func healthy(t *testing.T, a, b *Transport, src []byte) {
+	t.Helper()
+	fill(src, 3)
+	move(t, a, b, [][]byte{src}, [][]byte{make([]byte, len(src))})
+}
+
+// setHook installs f as the copiers' per-piece hook until the end of t.
+func setHook(t *testing.T, f func()) {
+	testHookPiece.Store(&f)
+	t.Cleanup(func() { testHookPiece.Store(nil) })
+}
+
+// holdFirst returns a hook that holds the first piece copied until
+// release is closed, and a channel closed when that piece is reached.
+func holdFirst(release <-chan struct{}) (hook func(), holding <-chan struct{}) {
+	h := make(chan struct{})
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			close(h)
+			<-release
+		})
+	}, h
+}
+
+func TestConformance(t *testing.T) {
+	transporttest.RunOptions(t, func(t *testing.T) (a, b transport.Transport) {
+		return open(t, transport.Options{}), open(t, transport.Options{})
+	}, transporttest.Options{Alloc: shmAlloc})
+}
+
+// TestConformanceSmallPieces runs the suite again with the receivers
+// checking for cancel every 64 KiB, and one copier per op.
+func TestConformanceSmallPieces(t *testing.T) {
+	if testing.Short() {
+		t.Skip("skipped in -short mode")
+	}
+	transporttest.RunOptions(t, func(t *testing.T) (a, b transport.Transport) {
+		x, y := open(t, transport.Options{FrameBytes: 64 << 10}), open(t, transport.Options{FrameBytes: 64<<10 + 1})
+		x.copiers, y.copiers = 1, 1
+		return x, y
+	}, transporttest.Options{Alloc: shmAlloc})
+}
+
+func TestRegistered(t *testing.T) {
+	st, err := transport.Lookup("SHM")
+	if err != nil || !st.Available() {
+		t.Fatalf("Lookup(shm) = %+v, %v; want available", st, err)
+	}
+	tr, err := transport.Open(context.Background(), "shm", transport.Options{ListenAddr: "10.9.8.7:1"})
+	if err != nil {
+		t.Fatalf("transport.Open(shm): %v", err)
+	}
+	defer tr.Close()
+	if tr.Name() != "shm" {
+		t.Errorf("Name = %q", tr.Name())
+	}
+	if !regexp.MustCompile(`^@kvxfer-shm-[0-9a-f]{32}$`).MatchString(tr.Endpoint()) {
+		t.Errorf("Endpoint = %q, want @kvxfer-shm-<32 hex digits>", tr.Endpoint())
+	}
+	if _, ok := tr.(transport.MemoryRegistrar); !ok {
+		t.Error("not a transport.MemoryRegistrar")
+	}
+	if _, ok := tr.(transport.Prober); !ok {
+		t.Error("not a transport.Prober")
+	}
+}
+
+// TestNotShared: a source outside registered shared memory fails Send
+// with ErrNotShared, and nothing else is affected.
+func TestNotShared(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	mem := shared(t, 8192, a)
+	noFile := make([]byte, 4096)
+	if err := a.RegisterMemory(noFile, nil); err != nil {
+		t.Fatalf("RegisterMemory without a file: %v", err)
+	}
+	r, err := b.Expect([][]byte{make([]byte, 4096)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Cancel()
+	for name, src := range map[string][][]byte{
+		"heap":       {make([]byte, 4096)},
+		"no file":    {noFile},
+		"one of two": {mem[:2048], make([]byte, 2048)},
+		// Never read: Send refuses it first.
+		"past its end": {unsafe.Slice(&mem[8192-2048], 4096)},
+	} {
+		err := a.Send(context.Background(), r.Descriptor(), src)
+		if !errors.Is(err, ErrNotShared) {
+			t.Errorf("%s: Send = %v, want ErrNotShared", name, err)
+		} else {
+			t.Logf("%s: %v", name, err)
+		}
+	}
+	if err := r.Err(); err != nil {
+		t.Fatalf("receipt failed by the refused Sends: %v", err)
+	}
+	src := fill(mem[:4096], 1)
+	if err := a.Send(context.Background(), r.Descriptor(), [][]byte{src}); err != nil {
+		t.Fatal(err)
+	}
+	<-r.Done()
+	if r.Err() != nil {
+		t.Fatal(r.Err())
+	}
+}
+
+func TestRegisterMemory(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	sa, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(16 << 10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	arena := sa.(*kvcache.ShmArena)
+	defer arena.Close()
+	defer a.Close()
+	mem, f := arena.Bytes(), arena.File()
+
+	if err := a.RegisterMemory(nil, f); err == nil {
+		t.Error("RegisterMemory(empty) = nil")
+	}
+	tmp, err := os.Create(t.TempDir() + "/plain")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tmp.Close()
+	tmp.Truncate(16 << 10)
+	if err := a.RegisterMemory(make([]byte, 16<<10), tmp); err == nil || !strings.Contains(err.Error(), "sealed") {
+		t.Errorf("RegisterMemory(a plain file) = %v, want an error about seals", err)
+	}
+	if err := a.RegisterMemory(make([]byte, 32<<10), f); err == nil {
+		t.Error("RegisterMemory(more memory than its file) = nil")
+	}
+	// Without the file first, then with it: the region becomes a source.
+	if err := a.RegisterMemory(mem, nil); err != nil {
+		t.Fatal(err)
+	}
+	r, err := b.Expect([][]byte{make([]byte, 100)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.Send(context.Background(), r.Descriptor(), [][]byte{mem[:100]}); !errors.Is(err, ErrNotShared) {
+		t.Errorf("Send from a region without a file = %v, want ErrNotShared", err)
+	}
+	r.Cancel()
+	for range 2 {
+		if err := a.RegisterMemory(mem, f); err != nil {
+			t.Fatalf("RegisterMemory again with the file: %v", err)
+		}
+	}
+	if err := a.RegisterMemory(mem[4096:8192], f); err == nil {
+		t.Error("RegisterMemory(part of a region) = nil")
+	}
+	if err := a.RegisterMemory(mem[:4096:4096], nil); err == nil {
+		t.Error("RegisterMemory(start of a region) = nil")
+	}
+	fill(mem, 9)
+	move(t, a, b, [][]byte{mem[:5000], mem[6000:9000]}, [][]byte{make([]byte, 8000)})
+	a.Close()
+	var ce *transport.ClosedError
+	if err := a.RegisterMemory(make([]byte, 1), nil); !errors.As(err, &ce) {
+		t.Errorf("RegisterMemory after Close = %v, want a *transport.ClosedError", err)
+	}
+}
+
+// TestManySegments: a Send of more separate pieces than one READ message
+// takes, into scattered memory.
+func TestManySegments(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const pieces = 3*maxSegsPerMsg + 17
+	mem := fill(shared(t, 4*pieces, a), 5)
+	var src [][]byte
+	n := 0
+	for i := range pieces {
+		k := 1 + i%3 // 1..3 bytes, then a gap: nothing merges
+		src = append(src, mem[4*i:4*i+k])
+		n += k
+	}
+	dst := [][]byte{make([]byte, n/3), {}, make([]byte, n-n/3-1), make([]byte, 1)}
+	move(t, a, b, src, dst)
+}
+
+// TestCredit: Sends beyond a connection's credit wait for it and all
+// complete; a Send heavier than the whole credit fails at once.
+func TestCredit(t *testing.T) {
+	old := connCredit
+	connCredit = 3 * (opWeight + 50)
+	t.Cleanup(func() { connCredit = old })
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	mem := fill(shared(t, 100*20, a), 7)
+	var wg sync.WaitGroup
+	errs := make(chan error, 20)
+	for k := range 20 {
+		var src [][]byte
+		for i := range 50 {
+			src = append(src, mem[k*100+2*i:k*100+2*i+1])
+		}
+		wg.Go(func() {
+			dst := make([]byte, 50)
+			r, err := b.Expect([][]byte{dst})
+			if err != nil {
+				errs <- err
+				return
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if err := a.Send(ctx, r.Descriptor(), src); err != nil {
+				r.Cancel()
+				errs <- err
+				return
+			}
+			<-r.Done()
+			if r.Err() != nil {
+				errs <- r.Err()
+			} else if !bytes.Equal(dst, bytes.Join(src, nil)) {
+				errs <- errors.New("bytes differ")
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	var src [][]byte
+	for i := range 300 {
+		src = append(src, mem[2*i:2*i+1])
+	}
+	r, err := b.Expect([][]byte{make([]byte, len(src))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Cancel()
+	if err := a.Send(context.Background(), r.Descriptor(), src); err == nil || !strings.Contains(err.Error(), "credit") {
+		t.Errorf("Send heavier than the credit = %v, want an error about credit", err)
+	}
+}
+
+func TestProbe(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	ctx := context.Background()
+	if err := a.Probe(ctx, b.Endpoint()); err != nil {
+		t.Fatalf("Probe(peer): %v", err)
+	}
+	if err := a.Probe(ctx, a.Endpoint()); err != nil {
+		t.Fatalf("Probe(itself): %v", err)
+	}
+
+	nobody := endpointPrefix + strings.Repeat("0", 32)
+	start := time.Now()
+	err := a.Probe(ctx, nobody)
+	if err == nil || !strings.Contains(err.Error(), "no shm transport listens") {
+		t.Errorf("Probe(nobody) = %v, want an error saying no transport listens there", err)
+	}
+	if d := time.Since(start); d > time.Second {
+		t.Errorf("Probe(nobody) took %v", d)
+	}
+	for _, ep := range []string{"", "127.0.0.1:9", "@kvxfer-shm-", "@other", nobody + "0", strings.ToUpper(nobody)} {
+		if err := a.Probe(ctx, ep); err == nil || !strings.Contains(err.Error(), "not an shm endpoint") {
+			t.Errorf("Probe(%q) = %v, want an error saying it is not an shm endpoint", ep, err)
+		}
+	}
+
+	// Listeners that are not shm transports: one that hangs up, one that
+	// says something else, one that says nothing.
+	for _, tc := range []struct {
+		name  string
+		serve func(c net.Conn)
+		want  string
+	}{
+		{"hangs up", func(c net.Conn) {}, "hello"},
+		{"garbage", func(c net.Conn) { c.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n")) }, "protocol error"},
+		{"silent", func(c net.Conn) { time.Sleep(time.Second) }, "deadline"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ep := rawListener(t, tc.serve)
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			defer cancel()
+			err := a.Probe(ctx, ep)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Probe = %v, want an error mentioning %q", err, tc.want)
+			}
+			t.Log(err)
+		})
+	}
+
+	b.Close()
+	if err := a.Probe(ctx, b.Endpoint()); err == nil {
+		t.Error("Probe(a closed transport) = nil")
+	}
+	a.Close()
+	var ce *transport.ClosedError
+	if err := a.Probe(ctx, b.Endpoint()); !errors.As(err, &ce) {
+		t.Errorf("Probe after Close = %v, want a *transport.ClosedError", err)
+	}
+	if maps, _ := memfdMaps(); len(maps) > 0 {
+		for _, m := range maps {
+			if strings.Contains(m, "probe") {
+				t.Errorf("probe memory still mapped: %s", m)
+			}
+		}
+	}
+}
+
+// rawListener listens on a fresh shm-like endpoint and runs serve on each
+// connection, until the end of t.
+func rawListener(t *testing.T, serve func(c net.Conn)) string {
+	t.Helper()
+	ep := endpointPrefix + fmt.Sprintf("%032x", randUint64())
+	ln, err := net.Listen("unix", ep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Go(func() {
+				defer c.Close()
+				serve(c)
+			})
+		}
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		wg.Wait()
+	})
+	return ep
+}
+
+// TestReceiverCancelMidCopy: Recv.Cancel during a copy returns once the
+// copy has stopped, dst is not written after it, and the Send fails with
+// ErrRefused and ErrCanceled.
+func TestReceiverCancelMidCopy(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 32 << 20
+	src := fill(shared(t, n, a), 1)
+	release := make(chan struct{})
+	hook, holding := holdFirst(release)
+	setHook(t, hook)
+	dst := make([]byte, n)
+	r, err := b.Expect([][]byte{dst})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res := make(chan error, 1)
+	go func() { res <- a.Send(context.Background(), r.Descriptor(), [][]byte{src}) }()
+	<-holding
+	canceled := make(chan struct{})
+	go func() { r.Cancel(); close(canceled) }()
+	select {
+	case <-canceled:
+		t.Fatal("Cancel returned while a copy into dst was held")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(release)
+	within(t, 5*time.Second, "Cancel", func() { <-canceled })
+	for i := range dst {
+		dst[i] = 0xa5
+	}
+	var err2 error
+	within(t, 5*time.Second, "Send", func() { err2 = <-res })
+	if !errors.Is(err2, ErrRefused) || !errors.Is(err2, transport.ErrCanceled) {
+		t.Errorf("Send to a receipt cancelled mid-copy = %v, want ErrRefused and ErrCanceled", err2)
+	}
+	if !errors.Is(r.Err(), transport.ErrCanceled) {
+		t.Errorf("Recv.Err = %v, want ErrCanceled", r.Err())
+	}
+	healthy(t, a, b, src[:1<<20])
+	for i, c := range dst {
+		if c != 0xa5 {
+			t.Fatalf("dst written at %d after Cancel", i)
+		}
+	}
+}
+
+// TestSenderCancelMidCopy: a Send cancelled during the receiver's copy
+// waits for the receiver to stop, returns the ctx error, and the receipt
+// fails with ErrAborted.
+func TestSenderCancelMidCopy(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 32 << 20
+	src := fill(shared(t, n, a), 2)
+	release := make(chan struct{})
+	hook, holding := holdFirst(release)
+	setHook(t, hook)
+	r, err := b.Expect([][]byte{make([]byte, n)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	res := make(chan error, 1)
+	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src}) }()
+	<-holding
+	cancel()
+	select {
+	case err := <-res:
+		t.Fatalf("Send returned (%v) while the receiver was still copying", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	var err2 error
+	within(t, 5*time.Second, "Send", func() { err2 = <-res })
+	if !errors.Is(err2, context.Canceled) {
+		t.Errorf("Send = %v, want context.Canceled", err2)
+	}
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if !errors.Is(r.Err(), transport.ErrAborted) {
+		t.Errorf("Recv.Err = %v, want ErrAborted", r.Err())
+	}
+	healthy(t, a, b, src[:1<<20])
+}
+
+// TestSenderGiveUp: a receiver that does not stop within the grace period
+// has its connection closed, and Send returns; the receipt cannot complete
+// afterwards, even when the copy finishes, since the ACK never comes.
+func TestSenderGiveUp(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 8 << 20
+	src := fill(shared(t, n, a), 4)
+	release := make(chan struct{})
+	hook, holding := holdFirst(release)
+	setHook(t, hook)
+	dst := make([]byte, n)
+	r, err := b.Expect([][]byte{dst})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	res := make(chan error, 1)
+	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src}) }()
+	<-holding
+	start := time.Now()
+	cancel()
+	var err2 error
+	within(t, 5*time.Second, "Send", func() { err2 = <-res })
+	if d := time.Since(start); d < grace {
+		t.Errorf("Send returned after %v, before the grace period of %v", d, grace)
+	}
+	if !errors.Is(err2, context.Canceled) {
+		t.Errorf("Send = %v, want context.Canceled", err2)
+	}
+	t.Logf("Send returned %v after its cancel: %v", time.Since(start), err2)
+	close(release)
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	// Aborted if the receiver saw the CANCEL before the connection's end.
+	if err := r.Err(); !errors.Is(err, transport.ErrPeerLost) && !errors.Is(err, transport.ErrAborted) {
+		t.Errorf("Recv.Err = %v, want ErrPeerLost or ErrAborted", err)
+	}
+	healthy(t, a, b, src[:1<<20]) // a redials
+}
+
+// rawConn dials tr's endpoint as a sender would and exchanges HELLOs.
+func rawConn(t *testing.T, tr *Transport) (*net.UnixConn, *msgReader) {
+	t.Helper()
+	nc, mr, err := dialUnix(context.Background(), tr.Endpoint(), 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		nc.Close()
+		mr.closeFds()
+	})
+	return nc, mr
+}
+
+// announce sends a REGION for mem (a ShmArena's) over nc.
+func announce(t *testing.T, nc *net.UnixConn, id uint32, a *kvcache.ShmArena) {
+	t.Helper()
+	fd, err := dupMemFile(a.File(), int(a.Size()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeFd(fd)
+	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgRegion, region: id, size: uint64(a.Size())}), syscall.UnixRights(fd)); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func writeMsgs(t *testing.T, nc *net.UnixConn, ms ...*msg) {
+	t.Helper()
+	var b []byte
+	for _, m := range ms {
+		b = appendMsg(b, m)
+	}
+	if _, err := nc.Write(b); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// readMsg reads one message, within 5 s.
+func readMsg(t *testing.T, nc *net.UnixConn, mr *msgReader) msg {
+	t.Helper()
+	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	defer nc.SetReadDeadline(time.Time{})
+	m, err := mr.next()
+	if err != nil {
+		t.Fatalf("reading an answer: %v", err)
+	}
+	return m
+}
+
+// expectClosed checks that the receiver closes nc within 5 s.
+func expectClosed(t *testing.T, nc *net.UnixConn) {
+	t.Helper()
+	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var b [256]byte
+	for {
+		_, err := nc.Read(b[:])
+		if err == nil {
+			continue
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatal("the receiver did not close the connection")
+		}
+		return
+	}
+}
+
+func testArena(t *testing.T, n int) *kvcache.ShmArena {
+	t.Helper()
+	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sa := a.(*kvcache.ShmArena)
+	t.Cleanup(func() { sa.Close() })
+	return sa
+}
+
+// TestMalformed: each malformed message closes its connection, and only
+// that: a pooled connection of another sender, and the receiver, go on.
+func TestMalformed(t *testing.T) {
+	var logs syncBuffer
+	a := open(t, transport.Options{})
+	b := open(t, transport.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	src := shared(t, 1<<20, a)
+	healthy(t, a, b, src) // a's pooled connection to b is up
+	reg := testArena(t, 4096)
+	hdr := func(typ byte, n uint32, rest ...byte) []byte {
+		h := []byte{typ, 0, 0, 0, byte(n >> 24), byte(n >> 16), byte(n >> 8), byte(n)}
+		return append(h, rest...)
+	}
+	readOf := func(region uint32, off, n uint64, last bool) *msg {
+		return &msg{typ: msgRead, op: 1, tag: 77, last: last, segs: []segment{{region: region, offset: off, length: n}}}
+	}
+	cases := []struct {
+		name string
+		send func(t *testing.T, nc *net.UnixConn)
+	}{
+		{"unknown type", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(99, 8, make([]byte, 8)...)) }},
+		{"reserved bytes", func(t *testing.T, nc *net.UnixConn) {
+			nc.Write([]byte{msgCancel, 1, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 1})
+		}},
+		{"huge body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgRead, 1<<30)) }},
+		{"short body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgCancel, 4, 0, 0, 0, 1)) }},
+		{"second hello", func(t *testing.T, nc *net.UnixConn) {
+			writeMsgs(t, nc, &msg{typ: msgHello, version: protoVersion})
+		}},
+		{"receiver's message", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgDone, op: 1}) }},
+		{"region without file", func(t *testing.T, nc *net.UnixConn) {
+			writeMsgs(t, nc, &msg{typ: msgRegion, region: 1, size: 4096})
+		}},
+		{"region twice", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, 1, reg)
+			announce(t, nc, 1, reg)
+		}},
+		{"too many descriptors", func(t *testing.T, nc *net.UnixConn) {
+			fd, _ := dupMemFile(reg.File(), 4096)
+			defer closeFd(fd)
+			writeFull(nc, appendMsg(nil, &msg{typ: msgRegion, region: 1, size: 4096}), syscall.UnixRights(fd, fd, fd, fd, fd, fd))
+		}},
+		{"read of an unknown region", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, readOf(5, 0, 10, true)) }},
+		{"read past a region", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, 1, reg)
+			writeMsgs(t, nc, readOf(1, 4000, 200, true))
+		}},
+		{"empty segment", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, 1, reg)
+			b := appendMsg(nil, readOf(1, 0, 1, true))
+			b[len(b)-1] = 0 // length 0
+			nc.Write(b)
+		}},
+		{"part out of sequence", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, 1, reg)
+			m := readOf(1, 0, 10, true)
+			m.offset = 10
+			writeMsgs(t, nc, m)
+		}},
+		{"op started twice", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, 1, reg)
+			writeMsgs(t, nc, readOf(1, 0, 10, false), readOf(1, 0, 10, true))
+		}},
+		{"cancel between parts", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, 1, reg)
+			writeMsgs(t, nc, readOf(1, 0, 10, false), &msg{typ: msgCancel, op: 1})
+		}},
+		{"ack of nothing", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAck, op: 3}) }},
+		{"probe of nothing", func(t *testing.T, nc *net.UnixConn) {
+			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1, region: 2})
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			nc, _ := rawConn(t, b)
+			logs.Reset()
+			tc.send(t, nc)
+			expectClosed(t, nc)
+			if got := logs.String(); !strings.Contains(got, "closing connection") || !strings.Contains(got, "protocol error") {
+				t.Errorf("no protocol error logged; the log:\n%s", got)
+			} else {
+				t.Log(strings.TrimSpace(got))
+			}
+			healthy(t, a, b, src)
+		})
+	}
+	t.Run("before hello", func(t *testing.T) {
+		for _, pre := range [][]byte{
+			[]byte("GET / HTTP/1.1\r\n\r\n"),
+			appendMsg(nil, &msg{typ: msgHello, version: protoVersion + 1}),
+			appendMsg(nil, &msg{typ: msgCancel, op: 1}),
+		} {
+			c, err := net.Dial("unix", b.Endpoint())
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.Write(pre)
+			expectClosed(t, c.(*net.UnixConn))
+			c.Close()
+		}
+		healthy(t, a, b, src)
+	})
+}
+
+// TestReadAnswers: READs for unknown tags, receipts of another length, and
+// regions that cannot be mapped are answered ERR on a connection that
+// stays up; a receipt completes only at the ACK.
+func TestReadAnswers(t *testing.T) {
+	b := open(t, transport.Options{})
+	nc, mr := rawConn(t, b)
+	reg := testArena(t, 64<<10)
+	fill(reg.Bytes(), 6)
+	announce(t, nc, 1, reg)
+
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: 12345, last: true, segs: []segment{{1, 0, 100}}})
+	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 1 || m.code != codeUnknown {
+		t.Fatalf("answer to a READ of an unknown tag: %+v", m)
+	}
+	r, err := b.Expect([][]byte{make([]byte, 100)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, _ := decodeDescriptor(r.Descriptor())
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 2, tag: d.tag, last: true, segs: []segment{{1, 0, 99}}})
+	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 2 || m.code != codeMismatch {
+		t.Fatalf("answer to a READ of the wrong length: %+v", m)
+	}
+	// A region the receiver cannot map: a memfd not sealed... is not to be
+	// had from kvcache; claim a size larger than the file instead.
+	fd, _ := dupMemFile(reg.File(), 4096)
+	writeFull(nc, appendMsg(nil, &msg{typ: msgRegion, region: 2, size: 1 << 30}), syscall.UnixRights(fd))
+	closeFd(fd)
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 3, tag: d.tag, last: true, segs: []segment{{2, 0, 100}}})
+	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 3 || m.code != codeRegion {
+		t.Fatalf("answer to a READ of an unmappable region: %+v", m)
+	}
+	writeMsgs(t, nc, &msg{typ: msgProbe, op: 4, region: 2})
+	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 4 || m.code != codeRegion {
+		t.Fatalf("answer to a PROBE of an unmappable region: %+v", m)
+	}
+	if r.Err() != nil {
+		t.Fatalf("receipt failed by refused READs: %v", r.Err())
+	}
+
+	// The receipt completes at the ACK, not at DONE.
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, segs: []segment{{1, 0, 60}}},
+		&msg{typ: msgRead, op: 1, tag: d.tag, offset: 60, last: true, segs: []segment{{1, 1000, 40}}})
+	if m := readMsg(t, nc, mr); m.typ != msgDone || m.op != 1 {
+		t.Fatalf("answer to a good READ: %+v", m)
+	}
+	select {
+	case <-r.Done():
+		t.Fatalf("receipt done before the ACK: %v", r.Err())
+	case <-time.After(20 * time.Millisecond):
+	}
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 2, tag: d.tag, last: true, segs: []segment{{1, 0, 100}}})
+	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 2 || m.code != codeBusy {
+		t.Fatalf("answer to a second READ of a receipt: %+v", m)
+	}
+	writeMsgs(t, nc, &msg{typ: msgAck, op: 1})
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if r.Err() != nil {
+		t.Fatal(r.Err())
+	}
+	if got := r.(*recv).dst[0]; !bytes.Equal(got, append(slices.Clone(reg.Bytes()[:60]), reg.Bytes()[1000:1040]...)) {
+		t.Fatal("bytes differ")
+	}
+
+	// DONE, then the sender goes away without an ACK, or breaks the
+	// protocol: the receipt fails.
+	for _, end := range []string{"close", "garbage"} {
+		r, err := b.Expect([][]byte{make([]byte, 100)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, _ := decodeDescriptor(r.Descriptor())
+		nc, mr := rawConn(t, b)
+		announce(t, nc, 1, reg)
+		writeMsgs(t, nc, &msg{typ: msgRead, op: 9, tag: d.tag, last: true, segs: []segment{{1, 0, 100}}})
+		if m := readMsg(t, nc, mr); m.typ != msgDone {
+			t.Fatalf("answer to a good READ: %+v", m)
+		}
+		if end == "close" {
+			nc.Close()
+		} else {
+			nc.Write(make([]byte, 16))
+		}
+		within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+		if !errors.Is(r.Err(), transport.ErrPeerLost) {
+			t.Errorf("%s after DONE: Recv.Err = %v, want ErrPeerLost", end, r.Err())
+		}
+		if end == "garbage" && !errors.Is(r.Err(), transport.ErrProtocol) {
+			t.Errorf("garbage after DONE: Recv.Err = %v, want ErrProtocol too", r.Err())
+		}
+	}
+}
+
+// TestAbortBeforeRead: ABORT fails an idle receipt, but not one that an op
+// is filling.
+func TestAbortBeforeRead(t *testing.T) {
+	b := open(t, transport.Options{})
+	nc, mr := rawConn(t, b)
+	r, _ := b.Expect([][]byte{make([]byte, 10)})
+	d, _ := decodeDescriptor(r.Descriptor())
+	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.tag})
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if !errors.Is(r.Err(), transport.ErrAborted) {
+		t.Errorf("Recv.Err = %v, want ErrAborted", r.Err())
+	}
+
+	reg := testArena(t, 4096)
+	announce(t, nc, 1, reg)
+	r, _ = b.Expect([][]byte{make([]byte, 10)})
+	d, _ = decodeDescriptor(r.Descriptor())
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, last: true, segs: []segment{{1, 0, 10}}})
+	if m := readMsg(t, nc, mr); m.typ != msgDone {
+		t.Fatalf("answer: %+v", m)
+	}
+	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.tag}, &msg{typ: msgAck, op: 1})
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if r.Err() != nil {
+		t.Errorf("Recv.Err = %v, want nil", r.Err())
+	}
+}
+
+// TestNoLeaks: after transfers, cancels, a probe, a protocol error and
+// Close, every mapping of a peer's region is gone, every descriptor closed,
+// and /dev/shm was not used.
+func TestNoLeaks(t *testing.T) {
+	countFds := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Skipf("no /proc/self/fd: %v", err)
+		}
+		return len(ents)
+	}
+	devShm := func() map[string]bool {
+		m := map[string]bool{}
+		ents, _ := os.ReadDir("/dev/shm")
+		for _, e := range ents {
+			m[e.Name()] = true
+		}
+		return m
+	}
+	round := func(t *testing.T) {
+		a, b := open(t, transport.Options{}), open(t, transport.Options{})
+		src := shared(t, 8<<20, a, b)
+		healthy(t, a, b, src)
+		healthy(t, b, a, src)
+		if err := a.Probe(context.Background(), b.Endpoint()); err != nil {
+			t.Fatal(err)
+		}
+		r, _ := b.Expect([][]byte{make([]byte, 10)})
+		r.Cancel()
+		a.Send(context.Background(), r.Descriptor(), [][]byte{src[:10]})
+		r, _ = b.Expect([][]byte{make([]byte, len(src))})
+		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		a.Send(ctx, r.Descriptor(), [][]byte{src})
+		cancel()
+		nc, _ := rawConn(t, b)
+		nc.Write([]byte("garbage garbage garbage"))
+		expectClosed(t, nc)
+		r, _ = a.Expect([][]byte{make([]byte, 100)})
+		b.Close() // while a maps b's region
+		a.Close() // with a receipt pending
+		<-r.Done()
+	}
+	t.Run("warm-up", round)
+	fds, shm := countFds(), devShm()
+	maps, _ := memfdMaps()
+	if len(maps) > 0 {
+		t.Fatalf("memory files mapped before the test:\n%s", strings.Join(maps, "\n"))
+	}
+	t.Run("round", round)
+	if n := countFds(); n != fds {
+		t.Errorf("%d descriptors open after Close, %d before", n, fds)
+	}
+	if maps, _ := memfdMaps(); len(maps) > 0 {
+		t.Errorf("memory files still mapped after Close:\n%s", strings.Join(maps, "\n"))
+	}
+	for name := range devShm() {
+		if !shm[name] {
+			t.Errorf("new file in /dev/shm: %s", name)
+		}
+	}
+}
+
+// syncBuffer is a bytes.Buffer for a logger that goroutines share.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func (s *syncBuffer) Reset() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.b.Reset()
+}

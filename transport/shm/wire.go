@@ -1,0 +1,389 @@
+//go:build linux
+
+package shm
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// Wire formats. All integers are big-endian.
+//
+// Every message on a connection is an 8-byte header and a body:
+//
+//	0  1  type
+//	1  3  reserved, zero
+//	4  4  body length (bounded per type; at most maxBody)
+//
+// Sender → receiver (on a connection the sender dialled):
+//
+//	HELLO   8   magic "KVXS", protocol version (1), 3 reserved (zero); first
+//	            message of each side (the receiver answers with its own)
+//	REGION  16  region id (4, never 0), reserved (4), size (8); sent with
+//	            exactly one descriptor (SCM_RIGHTS): the region's memfd
+//	READ    32+24n  op id (8), tag (8), offset of this part in the receipt
+//	            (8), n (4, 1..maxSegsPerMsg), flags (4; bit 0: last part),
+//	            then n segments: region id (4), reserved (4), offset in
+//	            the region (8), length (8, > 0)
+//	CANCEL  8   op id: stop the op (the receiver answers DONE or ERR)
+//	ABORT   8   tag: fail that receipt with ErrAborted if no op is filling
+//	            it (a Send that ended before its READ went out)
+//	ACK     8   op id: the sender has seen DONE while still holding src;
+//	            only now does the receipt complete
+//	PROBE   16  op id (8), region id (4), reserved (4)
+//
+// Receiver → sender:
+//
+//	HELLO   8   as above
+//	DONE    8   op id: every byte copied
+//	ERR     16+k  op id (8), code (4), k (4, 0..maxErrText), k bytes of
+//	            reason text
+//	PROBEOK 16  op id (8), the first 8 bytes of the probed region
+//
+// Descriptor (what Expect returns, what Send consumes), 63 bytes:
+//
+//	0  1  kind 's' (0x73): not a descriptor of another backend
+//	1  1  descriptor version (1)
+//	2  1  n: length of the endpoint (44)
+//	3  n  receiver endpoint, "@kvxfer-shm-" and 32 lower-case hex digits
+//	.  8  tag (never 0)
+//	.  8  total length in bytes (1..MaxInt64)
+const (
+	protoVersion = 1
+	helloMagic   = "KVXS"
+	hdrLen       = 8
+	maxBody      = readFixed + maxSegsPerMsg*segLen
+	readFixed    = 32
+	segLen       = 24
+	// maxSegsPerMsg bounds the segments of one READ part (a 96 KiB
+	// message); a Send with more is cut into several parts.
+	maxSegsPerMsg = 4096
+	maxErrText    = 512
+	// maxRegionSize is kvcache's largest arena.
+	maxRegionSize = 1 << 47
+
+	descKind       = 's'
+	descVersion    = 1
+	endpointPrefix = "@kvxfer-shm-"
+	endpointLen    = len(endpointPrefix) + 32
+	descLen        = 3 + endpointLen + 16
+)
+
+// Message types.
+const (
+	msgHello   = 1
+	msgRegion  = 2
+	msgRead    = 3
+	msgCancel  = 4
+	msgAbort   = 5
+	msgAck     = 6
+	msgProbe   = 7
+	msgDone    = 8
+	msgErr     = 9
+	msgProbeOK = 10
+)
+
+// READ flags.
+const flagLast = 1
+
+// ERR codes: why a receiver refused or stopped an op.
+const (
+	codeUnknown  = 1 // no armed receipt under the tag (never armed, or ended)
+	codeBusy     = 2 // another Send is filling the receipt
+	codeMismatch = 3 // the op's length is not the receipt's
+	codeRegion   = 4 // the receiver could not map a region the op reads
+	codeCanceled = 5 // the receiver cancelled the receipt
+	codeClosing  = 6 // the receiver's transport is closing
+	codeAborted  = 7 // stopped at the sender's CANCEL
+)
+
+// segment is one piece of a READ: length bytes at offset of a region.
+type segment struct {
+	region uint32
+	offset uint64
+	length uint64
+}
+
+// msg is one decoded message; which fields mean something depends on typ.
+type msg struct {
+	typ     byte
+	version byte      // HELLO
+	op      uint64    // READ CANCEL ACK PROBE DONE ERR PROBEOK
+	tag     uint64    // READ ABORT
+	offset  uint64    // READ: of the part in the receipt
+	last    bool      // READ
+	segs    []segment // READ
+	region  uint32    // REGION PROBE
+	size    uint64    // REGION
+	code    uint32    // ERR
+	text    string    // ERR
+	nonce   uint64    // PROBEOK
+}
+
+// errProto returns an ErrProtocol error saying what is wrong.
+func errProto(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", transport.ErrProtocol, fmt.Sprintf(format, args...))
+}
+
+// bodyBounds returns the smallest and largest body length of a message type;
+// ok is false for an unknown type.
+func bodyBounds(typ byte) (lo, hi int, ok bool) {
+	switch typ {
+	case msgHello, msgCancel, msgAbort, msgAck, msgDone:
+		return 8, 8, true
+	case msgRegion, msgProbe, msgProbeOK:
+		return 16, 16, true
+	case msgRead:
+		return readFixed + segLen, maxBody, true
+	case msgErr:
+		return 16, 16 + maxErrText, true
+	}
+	return 0, 0, false
+}
+
+// msgLen checks a message header and returns the length of the whole
+// message, header included.
+func msgLen(h []byte) (int, error) {
+	typ := h[0]
+	if h[1]|h[2]|h[3] != 0 {
+		return 0, errProto("message header with non-zero reserved bytes")
+	}
+	lo, hi, ok := bodyBounds(typ)
+	if !ok {
+		return 0, errProto("unknown message type %d", typ)
+	}
+	n := binary.BigEndian.Uint32(h[4:8])
+	if n < uint32(lo) || n > uint32(hi) {
+		return 0, errProto("message type %d with a body of %d bytes (want %d..%d)", typ, n, lo, hi)
+	}
+	return hdrLen + int(n), nil
+}
+
+// decodeMsg decodes the message at the start of b. It returns n == 0 and
+// no error when b does not hold a whole message yet. The segments of a READ
+// are appended to segs[:0], so that a reader can reuse one slice; they are
+// valid until the next call with the same slice.
+func decodeMsg(b []byte, segs []segment) (m msg, n int, err error) {
+	if len(b) < hdrLen {
+		return msg{}, 0, nil
+	}
+	n, err = msgLen(b[:hdrLen])
+	if err != nil {
+		return msg{}, 0, err
+	}
+	if len(b) < n {
+		return msg{}, 0, nil
+	}
+	m.typ = b[0]
+	body := b[hdrLen:n]
+	u64 := func(i int) uint64 { return binary.BigEndian.Uint64(body[i:]) }
+	u32 := func(i int) uint32 { return binary.BigEndian.Uint32(body[i:]) }
+	switch m.typ {
+	case msgHello:
+		if string(body[:4]) != helloMagic {
+			return msg{}, 0, errProto("not a kvxfer shm connection (bad hello)")
+		}
+		if body[5]|body[6]|body[7] != 0 {
+			return msg{}, 0, errProto("hello with non-zero reserved bytes")
+		}
+		m.version = body[4]
+	case msgRegion:
+		m.region, m.size = u32(0), u64(8)
+		switch {
+		case m.region == 0:
+			return msg{}, 0, errProto("region id 0")
+		case u32(4) != 0:
+			return msg{}, 0, errProto("region with non-zero reserved bytes")
+		case m.size == 0 || m.size > maxRegionSize:
+			return msg{}, 0, errProto("region of %d bytes (want 1..%d)", m.size, uint64(maxRegionSize))
+		}
+	case msgRead:
+		m.op, m.tag, m.offset = u64(0), u64(8), u64(16)
+		cnt, flags := u32(24), u32(28)
+		switch {
+		case (len(body)-readFixed)%segLen != 0 || uint32((len(body)-readFixed)/segLen) != cnt:
+			return msg{}, 0, errProto("read of %d bytes with %d segments", len(body), cnt)
+		case m.op == 0 || m.tag == 0:
+			return msg{}, 0, errProto("read with op %d, tag %d (want non-zero)", m.op, m.tag)
+		case flags&^flagLast != 0:
+			return msg{}, 0, errProto("read with unknown flags %#x", flags)
+		case m.offset > math.MaxInt64:
+			return msg{}, 0, errProto("read part at offset %d", m.offset)
+		}
+		m.last = flags&flagLast != 0
+		segs = segs[:0]
+		for i := readFixed; i < len(body); i += segLen {
+			s := segment{region: u32(i), offset: u64(i + 8), length: u64(i + 16)}
+			switch {
+			case s.region == 0:
+				return msg{}, 0, errProto("segment in region 0")
+			case u32(i+4) != 0:
+				return msg{}, 0, errProto("segment with non-zero reserved bytes")
+			case s.length == 0 || s.length > maxRegionSize || s.offset > maxRegionSize-s.length:
+				return msg{}, 0, errProto("segment [%d, +%d) out of range", s.offset, s.length)
+			}
+			segs = append(segs, s)
+		}
+		m.segs = segs
+	case msgCancel, msgAck, msgDone:
+		m.op = u64(0)
+		if m.op == 0 {
+			return msg{}, 0, errProto("message type %d for op 0", m.typ)
+		}
+	case msgAbort:
+		m.tag = u64(0)
+		if m.tag == 0 {
+			return msg{}, 0, errProto("abort of tag 0")
+		}
+	case msgProbe:
+		m.op, m.region = u64(0), u32(8)
+		if m.op == 0 || m.region == 0 || u32(12) != 0 {
+			return msg{}, 0, errProto("malformed probe")
+		}
+	case msgErr:
+		m.op, m.code = u64(0), u32(8)
+		k := u32(12)
+		if m.op == 0 || uint64(k) != uint64(len(body)-16) {
+			return msg{}, 0, errProto("malformed error reply")
+		}
+		m.text = string(body[16:])
+	case msgProbeOK:
+		m.op, m.nonce = u64(0), u64(8)
+		if m.op == 0 {
+			return msg{}, 0, errProto("probe reply for op 0")
+		}
+	}
+	return m, n, nil
+}
+
+// appendMsg appends the encoding of m to b. It is the inverse of decodeMsg
+// for every message decodeMsg accepts; m must be valid (the encoder of a
+// READ does not cut it: callers keep len(m.segs) within maxSegsPerMsg).
+func appendMsg(b []byte, m *msg) []byte {
+	start := len(b)
+	b = append(b, m.typ, 0, 0, 0, 0, 0, 0, 0)
+	be := binary.BigEndian
+	switch m.typ {
+	case msgHello:
+		b = append(b, helloMagic...)
+		b = append(b, m.version, 0, 0, 0)
+	case msgRegion:
+		b = be.AppendUint32(b, m.region)
+		b = be.AppendUint32(b, 0)
+		b = be.AppendUint64(b, m.size)
+	case msgRead:
+		b = be.AppendUint64(b, m.op)
+		b = be.AppendUint64(b, m.tag)
+		b = be.AppendUint64(b, m.offset)
+		b = be.AppendUint32(b, uint32(len(m.segs)))
+		var flags uint32
+		if m.last {
+			flags = flagLast
+		}
+		b = be.AppendUint32(b, flags)
+		for _, s := range m.segs {
+			b = be.AppendUint32(b, s.region)
+			b = be.AppendUint32(b, 0)
+			b = be.AppendUint64(b, s.offset)
+			b = be.AppendUint64(b, s.length)
+		}
+	case msgCancel, msgAck, msgDone:
+		b = be.AppendUint64(b, m.op)
+	case msgAbort:
+		b = be.AppendUint64(b, m.tag)
+	case msgProbe:
+		b = be.AppendUint64(b, m.op)
+		b = be.AppendUint32(b, m.region)
+		b = be.AppendUint32(b, 0)
+	case msgErr:
+		text := m.text
+		if len(text) > maxErrText {
+			text = text[:maxErrText]
+		}
+		b = be.AppendUint64(b, m.op)
+		b = be.AppendUint32(b, m.code)
+		b = be.AppendUint32(b, uint32(len(text)))
+		b = append(b, text...)
+	case msgProbeOK:
+		b = be.AppendUint64(b, m.op)
+		b = be.AppendUint64(b, m.nonce)
+	default:
+		panic(fmt.Sprintf("shm: encoding message type %d", m.typ))
+	}
+	be.PutUint32(b[start+4:], uint32(len(b)-start-hdrLen))
+	return b
+}
+
+// descriptor is a decoded transport.Descriptor of this backend.
+type descriptor struct {
+	endpoint string
+	tag      uint64
+	total    int64
+}
+
+func (d descriptor) encode() transport.Descriptor {
+	b := make([]byte, 0, descLen)
+	b = append(b, descKind, descVersion, byte(len(d.endpoint)))
+	b = append(b, d.endpoint...)
+	b = binary.BigEndian.AppendUint64(b, d.tag)
+	b = binary.BigEndian.AppendUint64(b, uint64(d.total))
+	return b
+}
+
+// errDesc reports what is wrong with a descriptor.
+func errDesc(format string, args ...any) error {
+	return fmt.Errorf("shm: %w: %s", transport.ErrBadDescriptor, fmt.Sprintf(format, args...))
+}
+
+// decodeDescriptor decodes a descriptor from the wire, which is untrusted:
+// every field is checked, and the length must match exactly.
+func decodeDescriptor(b transport.Descriptor) (descriptor, error) {
+	switch {
+	case len(b) == 0:
+		return descriptor{}, errDesc("empty")
+	case len(b) > transport.MaxDescriptorBytes:
+		return descriptor{}, errDesc("%d bytes, more than %d", len(b), transport.MaxDescriptorBytes)
+	case b[0] != descKind:
+		return descriptor{}, errDesc("kind %#x, want %#x (not an shm descriptor)", b[0], descKind)
+	case len(b) < 3:
+		return descriptor{}, errDesc("truncated: %d bytes", len(b))
+	case b[1] != descVersion:
+		return descriptor{}, errDesc("version %d, want %d", b[1], descVersion)
+	case len(b) != descLen || int(b[2]) != endpointLen:
+		return descriptor{}, errDesc("%d bytes with an endpoint of %d, want %d and %d", len(b), b[2], descLen, endpointLen)
+	}
+	d := descriptor{
+		endpoint: string(b[3 : 3+endpointLen]),
+		tag:      binary.BigEndian.Uint64(b[3+endpointLen:]),
+	}
+	total := binary.BigEndian.Uint64(b[3+endpointLen+8:])
+	if err := checkEndpoint(d.endpoint); err != nil {
+		return descriptor{}, errDesc("%v", err)
+	}
+	if d.tag == 0 {
+		return descriptor{}, errDesc("zero tag")
+	}
+	if total == 0 || total > math.MaxInt64 {
+		return descriptor{}, errDesc("total length %d out of range", total)
+	}
+	d.total = int64(total)
+	return d, nil
+}
+
+// checkEndpoint accepts exactly the endpoints Open makes: the prefix and 32
+// lower-case hex digits. Nothing else is dialled, so that a descriptor from
+// the wire cannot point a sender at an arbitrary socket.
+func checkEndpoint(ep string) error {
+	if len(ep) != endpointLen || ep[:len(endpointPrefix)] != endpointPrefix {
+		return fmt.Errorf("endpoint %q is not an shm endpoint (%s and 32 hex digits)", ep, endpointPrefix)
+	}
+	for _, c := range []byte(ep[len(endpointPrefix):]) {
+		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return fmt.Errorf("endpoint %q is not an shm endpoint (%s and 32 hex digits)", ep, endpointPrefix)
+		}
+	}
+	return nil
+}
