@@ -588,7 +588,7 @@ func (e *Engine) prefill(r *request) {
 		e.finish(r, FinishStop, nil)
 		return
 	}
-	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.ContextOnly, Blocks: r.seq.Blocks(len(r.prompt)),
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.ContextOnly, Blocks: r.seq.Blocks(len(r.prompt)), NumTokens: len(r.prompt),
 		ContextPhase: &transceiver.ContextPhaseParams{FirstGenTokens: []int32{tok}}}
 	if err := e.tr.RespondAndSendAsync(r.treq); err != nil {
 		e.finish(r, FinishError, fmt.Errorf("engine: request %d: hand over to the transceiver: %w", r.id, err))
@@ -607,7 +607,7 @@ func (e *Engine) prefill(r *request) {
 // startTransfer starts pulling a generation_only request's KV cache into
 // the blocks of its prompt.
 func (e *Engine) startTransfer(r *request) {
-	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: r.seq.Blocks(len(r.prompt)),
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: r.seq.Blocks(len(r.prompt)), NumTokens: len(r.prompt),
 		ContextPhase: r.phase}
 	r.treq.SetState(transceiver.DisaggGenerationInit)
 	r.xferStart = e.now()

@@ -176,7 +176,7 @@ func (w *Worker) Handler() http.Handler {
 		st := w.eng.Stats()
 		json.NewEncoder(rw).Encode(map[string]any{"status": "ok", "role": w.role, "model": w.model,
 			"waiting": st.Waiting, "running": st.Running, "transferring": st.Transferring,
-			"free_blocks": st.FreeBlocks, "total_blocks": st.TotalBlocks})
+			"free_blocks": w.eng.Instance().FreeBlocks(), "total_blocks": w.eng.Instance().NumBlocks()})
 	})
 	mux.Handle("GET /metrics", promhttp.HandlerFor(w.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("/", func(rw http.ResponseWriter, r *http.Request) {
@@ -394,7 +394,7 @@ func statusOf(err error) (int, string) {
 	switch {
 	case errors.As(err, &tl):
 		return http.StatusBadRequest, "context_length_exceeded"
-	case errors.Is(err, engine.ErrBadRequest), errors.Is(err, transceiver.ErrBadOpaqueState):
+	case errors.Is(err, engine.ErrBadRequest), errors.Is(err, transceiver.ErrBadOpaqueState), errors.Is(err, transceiver.ErrPromptMismatch):
 		return http.StatusBadRequest, "invalid_request_error"
 	case errors.Is(err, transceiver.ErrRefused):
 		// The context request is unknown, expired, cancelled or already

@@ -249,3 +249,27 @@ func TestPulledTwice(t *testing.T) {
 		t.Fatalf("second pull: %d %s", code, raw)
 	}
 }
+
+// TestPromptMustMatch: a generation_only request whose prompt is not the
+// one the context request was computed for is refused before any decoding.
+func TestPromptMustMatch(t *testing.T) {
+	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
+	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
+	code, c, raw := postJSON(t, ctxW.srv.URL+"/v1/completions", map[string]any{"prompt": "hello there", "max_tokens": 4,
+		"disaggregated_params": map[string]any{"request_type": "context_only"}})
+	if code != 200 || len(c.Choices) == 0 || c.Choices[0].Disagg == nil {
+		t.Fatalf("%d %s", code, raw)
+	}
+	dp := *c.Choices[0].Disagg
+	dp.RequestType = TypeGenerationOnly
+	short := c.PromptTokenIDs[:len(c.PromptTokenIDs)-2]
+	code, _, raw = postJSON(t, genW.srv.URL+"/v1/completions", map[string]any{"prompt": short, "max_tokens": 4, "disaggregated_params": dp})
+	if code != 400 || !strings.Contains(raw, "does not belong to this context request") {
+		t.Fatalf("mismatched prompt: %d %s", code, raw)
+	}
+	// The genuine prompt still works: the context request was not consumed.
+	code, _, raw = postJSON(t, genW.srv.URL+"/v1/completions", map[string]any{"prompt": c.PromptTokenIDs, "max_tokens": 4, "disaggregated_params": dp})
+	if code != 200 {
+		t.Fatalf("genuine prompt: %d %s", code, raw)
+	}
+}

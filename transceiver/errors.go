@@ -21,6 +21,9 @@ var (
 	ErrBadOpaqueState = errors.New("transceiver: bad opaque state")
 	// ErrNoTransceiver: the worker has no cache_transceiver_config.
 	ErrNoTransceiver = errors.New("transceiver: not configured")
+	// ErrPromptMismatch: a generation request's prompt is not the one its
+	// context request's KV cache was computed for.
+	ErrPromptMismatch = errors.New("transceiver: prompt does not match the context request")
 	// ErrPeerLost: the control connection to the peer broke.
 	ErrPeerLost = errors.New("transceiver: peer lost")
 )

@@ -16,7 +16,10 @@ import (
 type OpaqueState struct {
 	RequestID uint64
 	Token     [16]byte
-	State     layout.CacheState
+	// Tokens is the number of tokens of the context request's KV cache
+	// (0: not recorded).
+	Tokens uint64
+	State  layout.CacheState
 	// Endpoints holds the control endpoint (host:port) of every context
 	// rank, in rank order.
 	Endpoints []string
@@ -43,6 +46,7 @@ func (s *OpaqueState) MarshalBinary() ([]byte, error) {
 	b := append([]byte(opaqueMagic), opaqueVersion)
 	b = binary.AppendUvarint(b, s.RequestID)
 	b = append(b, s.Token[:]...)
+	b = binary.AppendUvarint(b, s.Tokens)
 	b = binary.AppendUvarint(b, uint64(len(st)))
 	b = append(b, st...)
 	b = binary.AppendUvarint(b, uint64(len(s.Endpoints)))
@@ -95,6 +99,9 @@ func (s *OpaqueState) UnmarshalBinary(b []byte) error {
 	}
 	copy(out.Token[:], b[off:])
 	off += 16
+	if out.Tokens, err = uv("tokens", 1<<40); err != nil {
+		return err
+	}
 	n, err := uv("state.len", maxOpaque)
 	if err != nil {
 		return err

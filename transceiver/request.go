@@ -114,6 +114,12 @@ type Request struct {
 	// Blocks[r] are rank r's blocks of the request, in order, pinned by the
 	// caller. Ranks outside the request's DP group have none.
 	Blocks [][]kvcache.BlockID
+	// NumTokens is the number of tokens the blocks hold (the prompt). On
+	// the context side it travels in the opaque state; on the generation
+	// side, when set, it must equal the context request's, so that a prompt
+	// that does not match its KV cache is refused instead of decoded
+	// wrongly. 0 means unknown (not checked).
+	NumTokens int
 	// BlockHashes are the reuse hashes of the request's full blocks, in
 	// order (optional; needed only to serve "last N blocks ending at hash").
 	BlockHashes []kvcache.Hash

@@ -341,7 +341,7 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	var token [16]byte
 	rand.Read(token[:])
 	state := t.requestState(req.DPRank)
-	op := &OpaqueState{RequestID: req.ID, Token: token, State: state, Endpoints: t.Endpoints()}
+	op := &OpaqueState{RequestID: req.ID, Token: token, Tokens: uint64(max(0, req.NumTokens)), State: state, Endpoints: t.Endpoints()}
 	enc, err := op.MarshalBinary()
 	if err != nil {
 		return err
@@ -384,6 +384,10 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	}
 	if len(req.Blocks) != len(t.ranks) {
 		return fmt.Errorf("transceiver: receive: request %d has blocks for %d ranks, the instance has %d", req.ID, len(req.Blocks), len(t.ranks))
+	}
+	if req.NumTokens > 0 && op.Tokens > 0 && uint64(req.NumTokens) != op.Tokens {
+		return fmt.Errorf("%w: request %d has %d prompt tokens but context request %d holds the KV cache of %d: the prompt does not belong to this context request",
+			ErrPromptMismatch, req.ID, req.NumTokens, op.RequestID, op.Tokens)
 	}
 	genState := t.requestState(req.DPRank)
 	if err := layout.Compatible(op.State, genState); err != nil {
