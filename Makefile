@@ -38,7 +38,7 @@ staticcheck: ## staticcheck, pinned by the tool directive in go.mod
 	$(GO) tool staticcheck $(PKGS)
 
 unit: ## go test -race -shuffle=on
-	$(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
+	KVXFER_REQUIRE_NODE=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
 
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \

@@ -17,6 +17,23 @@ if ((${#need[@]})); then
 	apt-get install -y -qq --no-install-recommends "${need[@]}"
 fi
 
+# The OpenAI client test runs the openai npm package on the machine's Node.js.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+	if [[ $(id -u) -ne 0 ]]; then
+		echo "deps: node/npm missing and not root: install nodejs and npm" >&2
+		exit 1
+	fi
+	echo "deps: installing nodejs npm"
+	export DEBIAN_FRONTEND=noninteractive
+	apt-get update -qq
+	apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+here=$(cd "$(dirname "$0")/.." && pwd)
+if [[ ! -d $here/tests/node/node_modules/openai ]]; then
+	echo "deps: installing the openai npm package for the client test"
+	(cd "$here/tests/node" && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
 if ! command -v go >/dev/null 2>&1; then
 	echo "deps: go not found on PATH (expected /usr/local/go/bin/go, Go 1.26)" >&2
 	exit 1

@@ -1,6 +1,8 @@
 package cli
 
 import (
+	"os/signal"
+	"syscall"
 	"bytes"
 	"context"
 	"os"
@@ -11,7 +13,17 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// The test binary doubles as the kvxfer binary for the workers that
+// serve.Launch starts: with KVXFER_CLI_CHILD=1 it runs the command line.
+func TestMain(m *testing.M) {
+	if os.Getenv("KVXFER_CLI_CHILD") == "1" {
+		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+		code := Run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+		stop()
+		os.Exit(code)
+	}
+	goleak.VerifyTestMain(m)
+}
 
 func runWith(t *testing.T, vars map[string]string, args ...string) (int, string, string) {
 	t.Helper()

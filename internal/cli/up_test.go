@@ -1,0 +1,214 @@
+package cli
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/serve"
+)
+
+// launch starts a cluster whose workers are this test binary running the
+// CLI (see TestMain).
+func launch(t *testing.T, clusterYAML string, aggregated bool) *serve.Launched {
+	t.Helper()
+	f, err := config.LoadBytes("cluster.yaml", []byte(clusterYAML), config.Env{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Cluster.Port = -1
+	var logs bytes.Buffer
+	l, err := serve.Launch(context.Background(), serve.LaunchOptions{Cluster: f.Cluster, Aggregated: aggregated,
+		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: &syncWriter{w: &logs}, Ready: 60 * time.Second})
+	if err != nil {
+		t.Fatalf("launch: %v\n%s", err, logs.String())
+	}
+	t.Cleanup(func() {
+		l.Stop()
+		if t.Failed() {
+			t.Logf("worker logs:\n%s", logs.String())
+		}
+	})
+	return l
+}
+
+type syncWriter struct {
+	w  *bytes.Buffer
+	mu chan struct{}
+}
+
+func (s *syncWriter) Write(b []byte) (int, error) {
+	if s.mu == nil {
+		s.mu = make(chan struct{}, 1)
+	}
+	s.mu <- struct{}{}
+	defer func() { <-s.mu }()
+	return s.w.Write(b)
+}
+
+const smallCluster = `
+context_servers:
+  tensor_parallel_size: 2
+  kv_cache_config: {tokens_per_block: 16, max_tokens: 8192}
+  cache_transceiver_config: {backend: DEFAULT, kv_transfer_timeout_ms: 5000}
+generation_servers:
+  kv_cache_config: {tokens_per_block: 16, max_tokens: 8192}
+  cache_transceiver_config: {backend: DEFAULT, kv_transfer_timeout_ms: 5000}
+`
+
+// TestUpSmoke is `kvxfer up --smoke` on the embedded default cluster: every
+// answer through the router equals the aggregated worker's.
+func TestUpSmoke(t *testing.T) {
+	l := launch(t, string(serve.DefaultCluster), true)
+	res := serve.Smoke(context.Background(), l.RouterURL, l.AggregatedURL, 8, 4)
+	if !res.OK() {
+		t.Fatalf("smoke: %d/%d matched: %v", res.Matched, res.Prompts, res.Failures)
+	}
+}
+
+func freeBlocks(t *testing.T, url string) (int, int) {
+	resp, err := http.Get(url + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var h struct {
+		Free  int `json:"free_blocks"`
+		Total int `json:"total_blocks"`
+	}
+	json.NewDecoder(resp.Body).Decode(&h)
+	return h.Free, h.Total
+}
+
+// TestGenerationWorkerKilledMidStream: the client's stream ends with an
+// error (no [DONE]) and the context worker's pool returns to its free count.
+func TestGenerationWorkerKilledMidStream(t *testing.T) {
+	l := launch(t, smallCluster, false)
+	body := `{"prompt":"a prompt for a long answer","max_tokens":3000,"ignore_eos":true,"stream":true}`
+	resp, err := http.Post(l.RouterURL+"/v1/completions", "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	chunks := 0
+	for chunks < 5 && sc.Scan() {
+		if strings.HasPrefix(sc.Text(), "data: ") {
+			chunks++
+		}
+	}
+	if chunks < 5 {
+		t.Fatalf("stream ended after %d chunks", chunks)
+	}
+	syscall.Kill(l.Workers()["generation-0"], syscall.SIGKILL)
+	done := make(chan bool, 1)
+	go func() {
+		sawDone := false
+		for sc.Scan() {
+			sawDone = sawDone || sc.Text() == "data: [DONE]"
+		}
+		done <- sawDone
+	}()
+	select {
+	case sawDone := <-done:
+		if sawDone {
+			t.Fatal("the stream ended with [DONE] although its generation worker died")
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("the client's stream did not end after the generation worker died")
+	}
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		free, total := freeBlocks(t, l.ContextURLs[0])
+		if free == total && total > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("context pool: %d of %d blocks free", free, total)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestContextWorkerKilledBeforePull: the generation request fails within
+// the transfer timeout with an error that says what happened.
+func TestContextWorkerKilledBeforePull(t *testing.T) {
+	l := launch(t, smallCluster, false)
+	post := func(url, body string) (int, string) {
+		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	code, raw := post(l.ContextURLs[0], `{"prompt":"hello","max_tokens":8,"disaggregated_params":{"request_type":"context_only"}}`)
+	if code != 200 {
+		t.Fatalf("context: %d %s", code, raw)
+	}
+	var c struct {
+		Choices []struct {
+			Disagg serve.DisaggregatedParams `json:"disaggregated_params"`
+		} `json:"choices"`
+		Prompt []int32 `json:"prompt_token_ids"`
+	}
+	json.Unmarshal([]byte(raw), &c)
+	syscall.Kill(l.Workers()["context-0"], syscall.SIGKILL)
+	time.Sleep(100 * time.Millisecond)
+	dp := c.Choices[0].Disagg
+	dp.RequestType = serve.TypeGenerationOnly
+	b, _ := json.Marshal(map[string]any{"prompt": c.Prompt, "max_tokens": 8, "disaggregated_params": dp})
+	start := time.Now()
+	code, raw = post(l.GenerationURL[0], string(b))
+	if code == 200 {
+		t.Fatalf("generation succeeded without its context worker: %s", raw)
+	}
+	if d := time.Since(start); d > 6*time.Second {
+		t.Errorf("failed after %v; the transfer timeout is 5s", d)
+	}
+	if !strings.Contains(raw, "kv_transfer") || !strings.Contains(raw, "context rank") {
+		t.Errorf("unclear error %d %s", code, raw)
+	}
+}
+
+// TestOpenAINodeClient: the openai npm package, run by the machine's
+// Node.js, completes a prompt through the router, streaming and not.
+func TestOpenAINodeClient(t *testing.T) {
+	dir, _ := filepath.Abs(filepath.Join("..", "..", "tests", "node"))
+	if _, err := os.Stat(filepath.Join(dir, "node_modules", "openai")); err != nil {
+		if os.Getenv("KVXFER_REQUIRE_NODE") == "1" {
+			t.Fatalf("openai npm package missing in %s (make test installs it): %v", dir, err)
+		}
+		t.Skipf("openai npm package not installed in %s (make test installs it)", dir)
+	}
+	node, err := exec.LookPath("node")
+	if err != nil {
+		t.Skip("node not found")
+	}
+	l := launch(t, smallCluster, false)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, node, filepath.Join(dir, "client.mjs"), l.RouterURL+"/v1").CombinedOutput()
+	if err != nil {
+		t.Fatalf("node client: %v\n%s", err, out)
+	}
+	for _, want := range []string{"completion ok", "stream ok", "chat ok"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("node client output lacks %q:\n%s", want, out)
+		}
+	}
+	fmt.Fprintf(io.Discard, "%s", out)
+}
