@@ -1,13 +1,13 @@
 package cli
 
 import (
-	"os/signal"
-	"syscall"
 	"bytes"
 	"context"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"go.uber.org/goleak"
