@@ -273,3 +273,40 @@ func TestPromptMustMatch(t *testing.T) {
 		t.Fatalf("genuine prompt: %d %s", code, raw)
 	}
 }
+
+// TestWorkerMetrics: after a few disaggregated requests, both workers'
+// /metrics show non-zero transfer counters with the right labels.
+func TestWorkerMetrics(t *testing.T) {
+	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
+	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
+	rs := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
+	for i := range 3 {
+		if code, _, raw := postJSON(t, rs.URL+"/v1/completions", map[string]any{"prompt": fmt.Sprint("metrics ", i), "max_tokens": 4}); code != 200 {
+			t.Fatalf("%d %s", code, raw)
+		}
+	}
+	ctxW.waitIdle(t)
+	scrape := func(url string) string { _, b := get(t, url+"/metrics"); return b }
+	gm, cm := scrape(genW.srv.URL), scrape(ctxW.srv.URL)
+	for _, want := range []string{
+		`kvxfer_transfers_total{result="ok",role="generation"} 3`,
+		`kvxfer_transfer_bytes_total{backend="tcp",role="generation"}`,
+		`kvxfer_time_to_first_token_seconds_count 3`,
+		`kvxfer_http_requests_total{code="200",route="POST /v1/completions"} 3`,
+		`kvxfer_pool_blocks{rank="0",state="free"}`,
+	} {
+		if !strings.Contains(gm, want) {
+			t.Errorf("generation /metrics lacks %s", want)
+		}
+	}
+	// Two context ranks, three requests: six rank transfers.
+	for _, want := range []string{`kvxfer_transfers_total{result="ok",role="context"} 6`, `kvxfer_transfer_bytes_total{backend="tcp",role="context"}`,
+		`kvxfer_transfers_in_flight{role="context"} 0`} {
+		if !strings.Contains(cm, want) {
+			t.Errorf("context /metrics lacks %s", want)
+		}
+	}
+	if strings.Contains(gm, `kvxfer_transfer_bytes_total{backend="tcp",role="generation"} 0`) {
+		t.Error("no bytes counted")
+	}
+}

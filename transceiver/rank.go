@@ -382,7 +382,7 @@ func (r *rank) execCtx(cr *ctxReq, effs []effect) {
 				}
 				cr.stats.end = r.set.now()
 				if err != nil {
-					r.log.Warn("context transfer failed", "request", cr.id, "err", err)
+					r.log.Warn("context transfer failed", "request", cr.id, "backend", cr.stats.backend, "peers", len(cr.peers), "err", err)
 				}
 				r.report(cr.id, RoleContext, err, cr.stats)
 				r.done(r, false, cr.id, err, cr.stats)

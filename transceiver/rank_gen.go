@@ -144,7 +144,7 @@ func (r *rank) execGen(gr *genReq, effs []effect) {
 				gr.cancel(nil)
 				gr.stats.end = r.set.now()
 				if err != nil {
-					r.log.Warn("generation transfer failed", "request", gr.reqID, "ctx_request", gr.op.RequestID, "err", err)
+					r.log.Warn("generation transfer failed", "request", gr.reqID, "ctx_request", gr.op.RequestID, "backend", gr.stats.backend, "err", err)
 				}
 				r.report(gr.reqID, RoleGeneration, err, gr.stats)
 				r.done(r, true, gr.reqID, err, gr.stats)

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/pprof"
 	"strconv"
 	"strings"
 	"time"
@@ -40,6 +41,41 @@ func (l *logFlags) logger(cmd *cobra.Command) (*slog.Logger, error) {
 	return nil, fmt.Errorf("--log-format %q: want text or json", l.format)
 }
 
+// adminFlag is the address of the admin listener (pprof).
+type adminFlag struct{ addr string }
+
+func (a *adminFlag) add(cmd *cobra.Command) {
+	cmd.Flags().StringVar(&a.addr, "admin-addr", "127.0.0.1:0", "admin listener for /debug/pprof/ (loopback by default; \"\" disables it)")
+}
+
+// start serves /debug/pprof/ on the admin address until ctx ends or the
+// returned stop function is called; stop also waits for the goroutine it
+// started.
+func (a *adminFlag) start(ctx context.Context, log *slog.Logger) (stop func(), err error) {
+	if a.addr == "" {
+		return func() {}, nil
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	ln, err := net.Listen("tcp", a.addr)
+	if err != nil {
+		cancel()
+		return nil, fmt.Errorf("--admin-addr: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("/debug/pprof/", pprof.Index)
+	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	log.Info("admin listener", "pprof", "http://"+ln.Addr().String()+"/debug/pprof/")
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		serveHTTP(ctx, ln, mux, slog.New(slog.DiscardHandler))
+	}()
+	return func() { cancel(); <-done }, nil
+}
+
 // serveHTTP runs h on ln until ctx ends, then shuts down gracefully.
 func serveHTTP(ctx context.Context, ln net.Listener, h http.Handler, log *slog.Logger) error {
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
@@ -63,6 +99,7 @@ func newServeCmd(e env) *cobra.Command {
 		role, cfgPath, model, host, dtype, txHost string
 		port, tp, pp                              int
 		lf                                        logFlags
+		admin                                     adminFlag
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -124,6 +161,11 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 			}
 			log.Info("worker listening", "role", role, "model", model, "url", "http://"+ln.Addr().String(),
 				"tp", wc.TensorParallelSize, "pp", wc.PipelineParallelSize)
+			wait, err := admin.start(cmd.Context(), log)
+			if err != nil {
+				return err
+			}
+			defer wait()
 			return serveHTTP(cmd.Context(), ln, w.Handler(), log)
 		},
 	}
@@ -138,6 +180,7 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 	f.StringVar(&dtype, "dtype", "bf16", "KV cache dtype: fp32, fp16, bf16, fp8")
 	f.StringVar(&txHost, "transceiver-host", "127.0.0.1", "address the transceiver's control and data listeners bind to")
 	lf.add(cmd)
+	admin.add(cmd)
 	return cmd
 }
 
@@ -164,6 +207,7 @@ func newRouterCmd(e env) *cobra.Command {
 		cfgPath, host string
 		port          int
 		lf            logFlags
+		admin         adminFlag
 	)
 	cmd := &cobra.Command{
 		Use:   "router",
@@ -201,6 +245,11 @@ func newRouterCmd(e env) *cobra.Command {
 				return err
 			}
 			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs)
+			wait, err := admin.start(cmd.Context(), log)
+			if err != nil {
+				return err
+			}
+			defer wait()
 			return serveHTTP(cmd.Context(), ln, r.Handler(), log)
 		},
 	}
@@ -208,6 +257,7 @@ func newRouterCmd(e env) *cobra.Command {
 	cmd.Flags().StringVar(&host, "host", "", "listen host (default: the file's hostname)")
 	cmd.Flags().IntVar(&port, "port", 8000, "listen port (default: the file's port)")
 	lf.add(cmd)
+	admin.add(cmd)
 	return cmd
 }
 

@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -29,9 +30,9 @@ func launch(t *testing.T, clusterYAML string, aggregated bool) *serve.Launched {
 		t.Fatal(err)
 	}
 	f.Cluster.Port = -1
-	var logs bytes.Buffer
+	logs := &syncWriter{w: &bytes.Buffer{}}
 	l, err := serve.Launch(context.Background(), serve.LaunchOptions{Cluster: f.Cluster, Aggregated: aggregated,
-		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: &syncWriter{w: &logs}, Ready: 60 * time.Second})
+		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: logs, Ready: 60 * time.Second})
 	if err != nil {
 		t.Fatalf("launch: %v\n%s", err, logs.String())
 	}
@@ -45,17 +46,20 @@ func launch(t *testing.T, clusterYAML string, aggregated bool) *serve.Launched {
 }
 
 type syncWriter struct {
+	mu sync.Mutex
 	w  *bytes.Buffer
-	mu chan struct{}
 }
 
 func (s *syncWriter) Write(b []byte) (int, error) {
-	if s.mu == nil {
-		s.mu = make(chan struct{}, 1)
-	}
-	s.mu <- struct{}{}
-	defer func() { <-s.mu }()
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	return s.w.Write(b)
+}
+
+func (s *syncWriter) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.String()
 }
 
 const smallCluster = `
