@@ -429,7 +429,12 @@ func TestProbe(t *testing.T) {
 		want  string
 	}{
 		{"hangs up", func(c net.Conn) {}, "hello"},
-		{"garbage", func(c net.Conn) { c.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n")) }, "protocol error"},
+		// It stays open a while: hanging up at once can beat the probe's
+		// HELLO write, which then fails with a broken pipe instead.
+		{"garbage", func(c net.Conn) {
+			c.Write([]byte("HTTP/1.1 400 Bad Request\r\n\r\n"))
+			time.Sleep(300 * time.Millisecond)
+		}, "protocol error"},
 		{"silent", func(c net.Conn) { time.Sleep(time.Second) }, "deadline"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
