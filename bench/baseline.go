@@ -1,20 +1,336 @@
 package bench
 
 import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
 	"time"
 )
 
-// Baselines are the machine's own limits, measured in the same run as the
-// transfers so that ratios between them mean something on a noisy machine.
-type Baselines struct {
-	// RawTCPGBps is one plain TCP stream over loopback between the two
-	// benchmark processes, moving the same bytes per request.
-	RawTCPGBps float64 `json:"raw_tcp_gbps"`
-	// CopyGBps is a single-threaded copy of the same bytes in this process.
-	CopyGBps float64 `json:"copy_gbps"`
+// The baselines' names.
+const (
+	BaselineCopy        = "copy"
+	BaselineRawTCP      = "raw_tcp"
+	BaselineIperf3      = "iperf3"
+	BaselineUCXPerftest = "ucx_perftest"
+)
+
+// Baseline is one of the machine's own limits, measured in the same run as
+// the transfers so that ratios between them mean something on a noisy
+// machine. A baseline that could not be measured has GBps 0 and says why
+// in Skipped (the tool is not installed) or Error (it failed).
+type Baseline struct {
+	Name        string  `json:"name"` // BaselineCopy, BaselineRawTCP, BaselineIperf3 or BaselineUCXPerftest
+	Description string  `json:"description"`
+	GBps        float64 `json:"gbps"`  // 1e9 bytes per second
+	Bytes       int64   `json:"bytes"` // moved per measurement
+	// Backends are the kvxfer backends whose runs are compared with this
+	// baseline (by the backend that actually carried the data).
+	Backends []string `json:"backends"`
+	Command  string   `json:"command,omitempty"` // an external tool's client command line
+	Skipped  string   `json:"skipped,omitempty"`
+	Error    string   `json:"error,omitempty"`
+}
+
+// Ratio is a run's GB/s over a baseline's.
+type Ratio struct {
+	Baseline string  `json:"baseline"`
+	Ratio    float64 `json:"ratio"`
+}
+
+// baselineBackends maps a backend that carried data (its name before any
+// "(detail)") to the baselines it is compared with.
+var baselineBackends = map[string][]string{
+	"tcp": {BaselineRawTCP, BaselineIperf3},
+	"shm": {BaselineCopy},
+	"ucx": {BaselineUCXPerftest},
+}
+
+func backendsOf(baseline string) []string {
+	var out []string
+	for _, b := range []string{"tcp", "shm", "ucx"} {
+		for _, n := range baselineBackends[b] {
+			if n == baseline {
+				out = append(out, b)
+			}
+		}
+	}
+	return out
+}
+
+// ratios returns r's ratios to the measured baselines that apply to the
+// backend that carried its data.
+func ratios(r *Result, bs []Baseline) []Ratio {
+	if r.GBps <= 0 || r.Backend == "" || strings.Contains(r.Backend, "+") {
+		return nil
+	}
+	kind, _, _ := strings.Cut(r.Backend, "(")
+	var out []Ratio
+	for _, name := range baselineBackends[kind] {
+		for _, b := range bs {
+			if b.Name == name && b.GBps > 0 {
+				out = append(out, Ratio{Baseline: name, Ratio: r.GBps / b.GBps})
+			}
+		}
+	}
+	return out
+}
+
+// baselineRunner measures the baselines of a sweep.
+type baselineRunner struct {
+	cfg      Config // for the peer process
+	bytes    int64
+	lookPath func(string) (string, error)
+	timeout  time.Duration // per external tool
+	report   func(Baseline)
+}
+
+func (br *baselineRunner) run(ctx context.Context) []Baseline {
+	var out []Baseline
+	add := func(b Baseline) {
+		b.Backends = backendsOf(b.Name)
+		out = append(out, b)
+		br.report(b)
+	}
+	add(Baseline{Name: BaselineCopy, Description: "single-thread memory copy in this process (best of 3)",
+		Bytes: min(br.bytes, 1<<30), GBps: copyGBps(br.bytes, 3)})
+
+	raw := Baseline{Name: BaselineRawTCP, Description: "one TCP stream over loopback from the context process to this one, read through a 4 MiB buffer (best of 3)", Bytes: br.bytes}
+	if gbps, err := br.rawTCP(ctx); err != nil {
+		raw.Error = err.Error()
+	} else {
+		raw.GBps = gbps
+	}
+	add(raw)
+	add(br.iperf3(ctx))
+	add(br.ucxPerftest(ctx))
+	return out
+}
+
+func (br *baselineRunner) rawTCP(ctx context.Context) (float64, error) {
+	p, err := startPeer(ctx, br.cfg, peerSetup{}, nil)
+	if err != nil {
+		return 0, err
+	}
+	defer p.stop()
+	gbps, err := p.rawTCP(br.bytes, 3)
+	if err != nil {
+		return 0, err
+	}
+	if _, err := p.quit(); err != nil {
+		return 0, err
+	}
+	return gbps, nil
+}
+
+// iperf3 runs `iperf3 -s -1` and `iperf3 -c ... -n BYTES -J` over loopback.
+func (br *baselineRunner) iperf3(ctx context.Context) Baseline {
+	b := Baseline{Name: BaselineIperf3, Description: "iperf3, one TCP stream over loopback (receiver's rate)", Bytes: br.bytes}
+	exe, err := br.lookPath("iperf3")
+	if err != nil {
+		b.Skipped = "iperf3 is not installed (Debian package iperf3)"
+		return b
+	}
+	port, err := freePort()
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	p := strconv.Itoa(port)
+	client := []string{exe, "-c", "127.0.0.1", "-p", p, "-n", strconv.FormatInt(br.bytes, 10), "-J"}
+	b.Command = "iperf3 " + strings.Join(client[1:], " ")
+	out, err := br.serverClient(ctx, []string{exe, "-s", "-1", "-p", p}, client)
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	if b.GBps, err = parseIperf3(out); err != nil {
+		b.Error = err.Error()
+	}
+	return b
+}
+
+// ucxPerftest runs `ucx_perftest -p PORT` and a tag_bw client over
+// loopback, with this process's UCX_* environment (UCX_TLS included).
+func (br *baselineRunner) ucxPerftest(ctx context.Context) Baseline {
+	b := Baseline{Name: BaselineUCXPerftest, Description: "ucx_perftest tag_bw over loopback", Bytes: br.bytes}
+	exe, err := br.lookPath("ucx_perftest")
+	if err != nil {
+		b.Skipped = "ucx_perftest is not installed (Debian package ucx-utils)"
+		return b
+	}
+	if tls, ok := os.LookupEnv("UCX_TLS"); ok {
+		b.Description += ", UCX_TLS=" + tls
+	} else {
+		b.Description += ", UCX_TLS unset (UCX chooses)"
+	}
+	// Messages of at most 16 MiB, as many as make up the bytes (at least
+	// 8), after 2 warm-up messages (the default is 10000).
+	msg := min(br.bytes, 16<<20)
+	iters := max(br.bytes/msg, 8)
+	b.Bytes = msg * iters
+	port, err := freePort()
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	p := strconv.Itoa(port)
+	client := []string{exe, "127.0.0.1", "-p", p, "-t", "tag_bw", "-s", strconv.FormatInt(msg, 10),
+		"-n", strconv.FormatInt(iters, 10), "-w", "2"}
+	b.Command = "ucx_perftest " + strings.Join(client[1:], " ")
+	out, err := br.serverClient(ctx, []string{exe, "-p", p}, client)
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	if b.GBps, err = parseUCXPerftest(out); err != nil {
+		b.Error = err.Error()
+	}
+	return b
+}
+
+// serverClient starts server, then runs client until it succeeds (the
+// server may not listen yet) and returns the client's stdout. The server
+// is expected to exit after one client; it is killed if it does not.
+func (br *baselineRunner) serverClient(ctx context.Context, server, client []string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, br.timeout)
+	defer cancel()
+	srv := exec.CommandContext(ctx, server[0], server[1:]...)
+	var srvOut bytes.Buffer
+	srv.Stdout, srv.Stderr = &srvOut, &srvOut
+	if err := srv.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", strings.Join(server, " "), err)
+	}
+	srvDone := make(chan error, 1)
+	go func() { srvDone <- srv.Wait() }()
+	defer func() {
+		select {
+		case <-srvDone:
+		case <-time.After(5 * time.Second):
+			srv.Process.Kill()
+			<-srvDone
+		}
+	}()
+	var lastErr error
+	var lastOut []byte
+	retry := time.NewTicker(100 * time.Millisecond)
+	defer retry.Stop()
+	for attempt := 0; attempt < 30; attempt++ {
+		cmd := exec.CommandContext(ctx, client[0], client[1:]...)
+		var stdout, stderr bytes.Buffer
+		cmd.Stdout, cmd.Stderr = &stdout, &stderr
+		err := cmd.Run()
+		if err == nil {
+			return stdout.Bytes(), nil
+		}
+		lastErr, lastOut = err, append(stdout.Bytes(), stderr.Bytes()...)
+		if ctx.Err() != nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+		case <-retry.C:
+		case err := <-srvDone:
+			srvDone <- err // for the deferred wait
+			return nil, fmt.Errorf("%s exited (%v) before a client ran: %s", server[0], err, tail(srvOut.Bytes()))
+		}
+	}
+	srv.Process.Kill()
+	return nil, fmt.Errorf("%s: %v: %s", strings.Join(client, " "), lastErr, tail(lastOut))
+}
+
+func tail(b []byte) string {
+	s := strings.TrimSpace(string(b))
+	if len(s) > 500 {
+		s = "..." + s[len(s)-500:]
+	}
+	return s
+}
+
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// parseIperf3 reads the receiver's rate from `iperf3 -J` output.
+func parseIperf3(out []byte) (float64, error) {
+	var r struct {
+		Error string `json:"error"`
+		End   struct {
+			SumReceived *struct {
+				BitsPerSecond float64 `json:"bits_per_second"`
+			} `json:"sum_received"`
+			SumSent *struct {
+				BitsPerSecond float64 `json:"bits_per_second"`
+			} `json:"sum_sent"`
+		} `json:"end"`
+	}
+	if err := json.Unmarshal(out, &r); err != nil {
+		return 0, fmt.Errorf("iperf3 -J output: %w", err)
+	}
+	switch {
+	case r.Error != "":
+		return 0, fmt.Errorf("iperf3: %s", r.Error)
+	case r.End.SumReceived != nil && r.End.SumReceived.BitsPerSecond > 0:
+		return r.End.SumReceived.BitsPerSecond / 8 / 1e9, nil
+	case r.End.SumSent != nil && r.End.SumSent.BitsPerSecond > 0:
+		return r.End.SumSent.BitsPerSecond / 8 / 1e9, nil
+	}
+	return 0, errors.New("iperf3 -J output has no end.sum_received.bits_per_second")
+}
+
+// parseUCXPerftest reads the overall bandwidth of the final line of
+// ucx_perftest's table: the last line of at least 8 numbers (after an
+// optional label such as "Final:"), whose columns end with bandwidth
+// average and overall in MB/s (2^20 bytes per second) and message rate
+// average and overall.
+func parseUCXPerftest(out []byte) (float64, error) {
+	var last []float64
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		if len(f) > 0 {
+			if _, err := strconv.ParseFloat(f[0], 64); err != nil {
+				f = f[1:] // "Final:", "[thread 0]" is two words but never the last line
+			}
+		}
+		if len(f) < 8 {
+			continue
+		}
+		nums := make([]float64, 0, len(f))
+		for _, s := range f {
+			v, err := strconv.ParseFloat(s, 64)
+			if err != nil {
+				nums = nil
+				break
+			}
+			nums = append(nums, v)
+		}
+		if nums != nil {
+			last = nums
+		}
+	}
+	if last == nil {
+		return 0, fmt.Errorf("ucx_perftest output has no result line: %s", tail(out))
+	}
+	mbps := last[len(last)-3]
+	if mbps <= 0 {
+		return 0, fmt.Errorf("ucx_perftest reported %v MB/s", mbps)
+	}
+	return mbps * (1 << 20) / 1e9, nil
 }
 
 // rawTCP times a plain TCP stream of n bytes from the peer process to this
@@ -44,8 +360,10 @@ func (p *peerProc) rawTCP(n int64, rounds int) (float64, error) {
 		if err != nil || got != n {
 			return 0, fmt.Errorf("bench: raw TCP baseline: read %d of %d bytes: %v", got, n, err)
 		}
-		if _, err := p.read(); err != nil { // the peer's "sent"
+		if m, err := p.read(); err != nil { // the peer's "sent"
 			return 0, err
+		} else if m.Error != "" {
+			return 0, fmt.Errorf("bench: raw TCP baseline: context process: %s", m.Error)
 		}
 		best = max(best, float64(n)/d.Seconds()/1e9)
 	}
@@ -77,8 +395,8 @@ func sendRaw(addr string, n int64) error {
 	return nil
 }
 
-// copyGBps times a single-threaded copy of n bytes between two buffers,
-// best of rounds.
+// copyGBps times a single-threaded copy of n bytes (at most 1 GiB) between
+// two buffers, best of rounds.
 func copyGBps(n int64, rounds int) float64 {
 	n = min(n, 1<<30)
 	src, dst := make([]byte, n), make([]byte, n)

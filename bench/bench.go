@@ -1,19 +1,12 @@
 package bench
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/base64"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"os"
-	"os/exec"
+	"slices"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
@@ -38,54 +31,102 @@ type Config struct {
 	// MaxTokensInBuffer overrides max_tokens_in_buffer (0: the environment's
 	// TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE).
 	MaxTokensInBuffer int
-	Verify            bool
-	// Baseline measures the machine's limits in the same run (raw TCP,
-	// memory copy) and reports kvxfer's ratio to them.
-	Baseline bool
-	Env      config.Env
+	// Verify checks every received byte against the naive reference
+	// sharding. Requests larger than the reference allows
+	// (layout.MaxLogicalBytes) are not verified: the run reports
+	// VerifySkipped instead.
+	Verify bool
+	Env    config.Env
 	// Peer is the command that starts the context process; it must run
 	// PeerMain. Nil means this executable with the argument "bench-peer".
 	Peer    []string
 	PeerEnv []string // extra environment of the peer
-	// Progress receives one line per batch; nil discards it.
-	Progress io.Writer
+	// Progress is told after every batch of requests; nil discards.
+	Progress func(Event)
 	Logger   *slog.Logger
 }
 
-// Result is what a run measured. Its JSON form is the report of
-// `kvxfer bench --json`.
+// Verification outcomes (Result.Verification).
+const (
+	VerifyOff     = "off"
+	VerifyPassed  = "passed"
+	VerifyFailed  = "failed"
+	VerifySkipped = "skipped (too large for the naive reference)"
+	VerifyNotRun  = "not run" // the run failed before anything could be checked
+)
+
+// Result is what one run measured: one row of the report.
 type Result struct {
-	Verified      bool     `json:"verified"`
-	Bytes         int64    `json:"bytes"`
-	GBps          float64  `json:"gbps"`
-	P50Ms         float64  `json:"p50_ms"`
-	P99Ms         float64  `json:"p99_ms"`
-	Backend       string   `json:"backend"`
+	// What the run was asked to do.
+	RequestedBackend string `json:"backend_requested"`
+	Model            string `json:"model"`
+	ISL              int    `json:"isl"`
+	DType            string `json:"dtype"`
+	Concurrency      int    `json:"concurrency"`
+	Ctx              Par    `json:"ctx"`
+	Gen              Par    `json:"gen"`
+	MLA              bool   `json:"mla"`
+
+	// What it measured. Backend is what actually carried the data ("tcp",
+	// "shm", "ucx(cma)"; several joined by "+" when AUTO chose differently
+	// for different requests; "" when nothing moved).
+	Backend       string  `json:"backend"`
+	Requests      int     `json:"requests"`
+	Bytes         int64   `json:"bytes"`
+	BytesPerReq   int64   `json:"bytes_per_request"`
+	MeasuredS     float64 `json:"measured_s"`
+	GBps          float64 `json:"gbps"`
+	TransfersPerS float64 `json:"transfers_per_s"`
+	P50Ms         float64 `json:"p50_ms"`
+	P99Ms         float64 `json:"p99_ms"`
+	// Verified is true when verification ran and every byte matched.
+	Verified     bool   `json:"verified"`
+	Verification string `json:"verification"` // VerifyOff, VerifyPassed, VerifyFailed, VerifySkipped or VerifyNotRun
+	// Errors counts failed transfers, failed checks and a failed setup.
 	Errors        int      `json:"errors"`
 	ErrorMessages []string `json:"error_messages,omitempty"`
-	Requests      int      `json:"requests"`
-	MeasuredS     float64  `json:"measured_s"`
-	TransfersPerS float64  `json:"transfers_per_s"`
-	Model         string   `json:"model"`
-	ISL           int      `json:"isl"`
-	DType         string   `json:"dtype"`
-	Concurrency   int      `json:"concurrency"`
-	Ctx           Par      `json:"ctx"`
-	Gen           Par      `json:"gen"`
-	MLA           bool     `json:"mla"`
-	BytesPerReq   int64    `json:"bytes_per_request"`
-	PeerFailed    int      `json:"peer_failed_transfers"`
-	PeerLeaked    int      `json:"peer_leaked_blocks"`
-	// Baselines and the ratios to them, with Config.Baseline.
-	Baselines   *Baselines `json:"baselines,omitempty"`
-	RatioRawTCP float64    `json:"ratio_raw_tcp,omitempty"`
-	RatioCopy   float64    `json:"ratio_copy,omitempty"`
+	// Error is set when the run could not be set up or was cut short (an
+	// unavailable backend, too little memory, a dead context process): its
+	// figures are then absent or partial.
+	Error      string `json:"error,omitempty"`
+	PeerFailed int    `json:"peer_failed_transfers"`
+	PeerLeaked int    `json:"peer_leaked_blocks"`
+	// Ratios are GBps over each measured baseline that applies to Backend.
+	Ratios []Ratio `json:"ratios,omitempty"`
 }
 
 // Par is a parallel layout in the report.
 type Par struct {
 	TP int `json:"tp"`
 	PP int `json:"pp"`
+}
+
+// OK reports whether the run moved data without any error.
+func (r *Result) OK() bool { return r.Errors == 0 && r.Error == "" && r.Verification != VerifyFailed }
+
+// Label names the run in progress lines and charts.
+func (r *Result) Label() string {
+	return fmt.Sprintf("%s isl=%d c=%d %s", r.RequestedBackend, r.ISL, r.Concurrency, r.DType)
+}
+
+func (r *Result) fail(err error) {
+	r.Errors++
+	if r.Error == "" {
+		r.Error = err.Error()
+	} else {
+		r.ErrorMessages = append(r.ErrorMessages, err.Error())
+	}
+	if r.Verification == VerifyPassed {
+		r.Verification = VerifyFailed
+	}
+	r.Verified = false
+}
+
+func (r *Result) addError(msg string) {
+	r.Errors++
+	if !slices.Contains(r.ErrorMessages, msg) {
+		r.ErrorMessages = append(r.ErrorMessages, msg)
+	}
 }
 
 func (c *Config) defaults() {
@@ -122,42 +163,63 @@ func (c *Config) defaults() {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Progress == nil {
-		c.Progress = io.Discard
+		c.Progress = func(Event) {}
 	}
 }
 
-// Run runs the benchmark. The returned Result is non-nil whenever the run
-// got as far as moving data; err reports a run that could not be set up.
-func Run(ctx context.Context, c Config) (*Result, error) {
-	c.defaults()
-	m, err := LookupModel(c.Model)
-	if err != nil {
-		return nil, err
+// states returns the context and generation instance states of c.
+func (c *Config) states() (m Model, cs, gs layout.CacheState, err error) {
+	if m, err = LookupModel(c.Model); err != nil {
+		return
 	}
 	dt, err := kvcache.ParseDType(c.DType)
 	if err != nil {
-		return nil, err
+		return
 	}
-	cs, err := m.State(dt, c.TokensPerBlock, c.CtxTP, c.CtxPP, c.MLA)
-	if err != nil {
-		return nil, err
+	if cs, err = m.State(dt, c.TokensPerBlock, c.CtxTP, c.CtxPP, c.MLA); err != nil {
+		return
 	}
-	gs, err := m.State(dt, c.TokensPerBlock, c.GenTP, c.GenPP, c.MLA)
-	if err != nil {
-		return nil, err
+	if gs, err = m.State(dt, c.TokensPerBlock, c.GenTP, c.GenPP, c.MLA); err != nil {
+		return
 	}
-	if err := layout.Compatible(cs, gs); err != nil {
-		return nil, err
-	}
-	nb := layout.NumBlocks(c.ISL, c.TokensPerBlock)
-	poolBlocks := nb * c.Concurrency
+	err = layout.Compatible(cs, gs)
+	return
+}
 
-	peer, err := startPeer(ctx, c, cs, poolBlocks)
+// newResult is the row of c before anything ran.
+func (c *Config) newResult() *Result {
+	res := &Result{RequestedBackend: strings.ToLower(c.Backend), Model: strings.ToLower(c.Model), ISL: c.ISL,
+		DType: strings.ToLower(c.DType), Concurrency: c.Concurrency, Ctx: Par{c.CtxTP, c.CtxPP}, Gen: Par{c.GenTP, c.GenPP},
+		MLA: c.MLA, Verification: VerifyOff}
+	if m, err := LookupModel(c.Model); err == nil {
+		res.Model, res.MLA = m.Name, m.MLA || c.MLA
+	}
+	if dt, err := kvcache.ParseDType(c.DType); err == nil {
+		res.DType = dt.String()
+	}
+	return res
+}
+
+// poolBytes is the memory of the pools of every rank of st, blocks blocks
+// each.
+func poolBytes(st layout.CacheState, blocks int) int64 {
+	var n int64
+	for r := range st.Parallel.NumRanks() {
+		n += st.RankLayout(r).BlockBytes() * int64(blocks)
+	}
+	return n
+}
+
+// Run runs one benchmark. err reports a run that could not be set up (an
+// unknown model, a backend this binary lacks, too little memory) and comes
+// with a nil Result; a run cut short once data moved (a dead context
+// process) returns its partial Result with Result.Error set and a nil err.
+func Run(ctx context.Context, c Config) (*Result, error) {
+	c.defaults()
+	m, cs, gs, err := c.states()
 	if err != nil {
 		return nil, err
 	}
-	defer peer.stop()
-
 	ct, err := config.NewCacheTransceiver(c.Backend, c.TokensPerBlock, c.Env)
 	if err != nil {
 		return nil, err
@@ -165,6 +227,25 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	if c.MaxTokensInBuffer > 0 {
 		ct.MaxTokensInBuffer = c.MaxTokensInBuffer
 	}
+	// Ask before starting the context process, whose own failure would
+	// say less.
+	if r := ct.Resolve(transceiver.Availability); r.Err != nil {
+		return nil, fmt.Errorf("bench: backend %s: %w", strings.ToLower(c.Backend), r.Err)
+	}
+	nb := layout.NumBlocks(c.ISL, c.TokensPerBlock)
+	poolBlocks := nb * c.Concurrency
+	verifyOn := c.Verify && verifiable(cs, c.ISL)
+	if err := checkMemory(cs, gs, poolBlocks, c.ISL, verifyOn); err != nil {
+		return nil, err
+	}
+
+	peer, err := startPeer(ctx, c, peerSetup{Backend: c.Backend, PoolBlocks: poolBlocks, ReferenceFill: verifyOn,
+		MaxTokensInBuf: c.MaxTokensInBuffer}, &cs)
+	if err != nil {
+		return nil, err
+	}
+	defer peer.stop()
+
 	pools, err := newPools(gs, poolBlocks, transceiver.PoolAllocator(ct))
 	if err != nil {
 		return nil, err
@@ -176,9 +257,16 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	}
 	defer tr.Close()
 
-	res := &Result{Verified: c.Verify, Model: m.Name, ISL: c.ISL, DType: dt.String(), Concurrency: c.Concurrency,
-		Ctx: Par{c.CtxTP, c.CtxPP}, Gen: Par{c.GenTP, c.GenPP}, MLA: cs.Attention == layout.AttentionMLA}
+	res := c.newResult()
+	res.Model, res.MLA = m.Name, cs.Attention == layout.AttentionMLA
+	switch {
+	case verifyOn:
+		res.Verification, res.Verified = VerifyPassed, true
+	case c.Verify:
+		res.Verification = VerifySkipped
+	}
 	var lat []float64
+	var backends []string
 	var measured time.Duration
 	total := c.Warmup + c.Requests
 	id := uint64(1)
@@ -194,12 +282,14 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 			seeds[i] = id*7919 + 17
 			opaque, err := peer.prepare(id, c.ISL, seeds[i])
 			if err != nil {
-				return res, fmt.Errorf("bench: context side: %w", err)
+				res.fail(fmt.Errorf("bench: context side: %w", err))
+				return res, nil
 			}
 			blocks := make([][]kvcache.BlockID, len(pools))
 			for r, p := range pools {
 				if blocks[r], err = p.Allocate(nb); err != nil {
-					return res, err
+					res.fail(err)
+					return res, nil
 				}
 			}
 			reqs[i] = &transceiver.Request{ID: id, Type: transceiver.GenerationOnly, Blocks: blocks,
@@ -209,32 +299,31 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 		t0 := time.Now()
 		for _, r := range reqs {
 			if err := tr.RequestAndReceiveAsync(r); err != nil {
-				res.Errors++
-				res.ErrorMessages = append(res.ErrorMessages, err.Error())
+				res.addError(err.Error())
 			}
 		}
 		if _, err := tr.CheckGenTransferStatus(ctx, -1); err != nil {
-			return res, err
+			res.fail(err)
+			return res, nil
 		}
 		elapsed := time.Since(t0)
 		for i, r := range reqs {
 			if r.State() == transceiver.DisaggTransError {
-				if !slicesContainsErr(res.ErrorMessages, r.Err()) {
-					res.Errors++
-					res.ErrorMessages = append(res.ErrorMessages, r.Err().Error())
-				}
-			} else if !warm {
+				res.addError(r.Err().Error())
+			} else {
 				st := r.Stats()
-				res.Bytes += st.Bytes
-				res.BytesPerReq = st.Bytes
-				res.Backend = st.Backend
-				lat = append(lat, float64(st.Duration)/float64(time.Millisecond))
+				if st.Backend != "" && !slices.Contains(backends, st.Backend) {
+					backends = append(backends, st.Backend)
+				}
+				if !warm {
+					res.Bytes += st.Bytes
+					res.BytesPerReq = st.Bytes
+					lat = append(lat, float64(st.Duration)/float64(time.Millisecond))
+				}
 			}
-			if c.Verify && r.State() == transceiver.DisaggGenerationTransComplete {
+			if verifyOn && r.State() == transceiver.DisaggGenerationTransComplete {
 				if err := verify(gs, pools, r.Blocks, c.ISL, seeds[i]); err != nil {
-					res.Verified = false
-					res.Errors++
-					res.ErrorMessages = append(res.ErrorMessages, fmt.Sprintf("request %d: %v", r.ID, err))
+					res.addError(fmt.Sprintf("request %d: %v", r.ID, err))
 				}
 			}
 			for rk, b := range r.Blocks {
@@ -245,12 +334,13 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 			measured += elapsed
 		}
 		done += n
-		phase := "measure"
+		phase := PhaseMeasure
 		if warm {
-			phase = "warm-up"
+			phase = PhaseWarmup
 		}
-		fmt.Fprintf(c.Progress, "bench: %s %d/%d requests, %.1f ms for %d\n", phase, done, total, float64(elapsed)/1e6, n)
+		c.Progress(Event{Phase: phase, Done: done, Total: total})
 	}
+	res.Backend = strings.Join(backends, "+")
 	res.Requests = len(lat)
 	res.MeasuredS = measured.Seconds()
 	if measured > 0 {
@@ -258,42 +348,50 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 		res.TransfersPerS = float64(res.Requests) / measured.Seconds()
 	}
 	res.P50Ms, res.P99Ms = percentile(lat, 50), percentile(lat, 99)
-	if c.Baseline && res.BytesPerReq > 0 {
-		raw, err := peer.rawTCP(res.BytesPerReq, 3)
-		if err != nil {
-			res.Errors++
-			res.ErrorMessages = append(res.ErrorMessages, err.Error())
-		}
-		res.Baselines = &Baselines{RawTCPGBps: raw, CopyGBps: copyGBps(res.BytesPerReq, 3)}
-		if raw > 0 {
-			res.RatioRawTCP = res.GBps / raw
-		}
-		res.RatioCopy = res.GBps / res.Baselines.CopyGBps
-	}
 	bye, err := peer.quit()
 	if err != nil {
-		res.Errors++
-		res.ErrorMessages = append(res.ErrorMessages, err.Error())
+		res.addError(err.Error())
 	} else {
 		res.PeerFailed, res.PeerLeaked = bye.Failed, bye.Leaked
 		if bye.Leaked != 0 {
-			res.Errors++
-			res.ErrorMessages = append(res.ErrorMessages, fmt.Sprintf("context side: %d blocks still held at the end", bye.Leaked))
+			res.addError(fmt.Sprintf("context side: %d blocks still held at the end", bye.Leaked))
 		}
 	}
-	if res.Errors > 0 {
-		res.Verified = false
+	if res.Errors > 0 && verifyOn {
+		res.Verified, res.Verification = false, VerifyFailed
 	}
 	return res, nil
 }
 
-func slicesContainsErr(msgs []string, err error) bool {
-	for _, m := range msgs {
-		if m == err.Error() {
-			return true
-		}
+// verifiable reports whether a request of tokens tokens fits the naive
+// reference (layout.NewLogical), which holds it whole.
+func verifiable(cs layout.CacheState, tokens int) bool {
+	return cs.Shape.BytesPerToken()*int64(tokens) <= layout.MaxLogicalBytes
+}
+
+// checkMemory refuses a run that would not fit in the memory available now:
+// the pools of both sides (the context process's and this one's) and, with
+// verification, the naive reference's copies on both sides.
+func checkMemory(cs, gs layout.CacheState, poolBlocks, tokens int, verify bool) error {
+	avail, ok := memAvailable()
+	if !ok {
+		return nil
 	}
-	return false
+	ctxB, genB := poolBytes(cs, poolBlocks), poolBytes(gs, poolBlocks)
+	need := ctxB + genB
+	detail := fmt.Sprintf("context pools %s, generation pools %s", humanBytes(ctxB), humanBytes(genB))
+	if verify {
+		// Each side holds a logical cache and its shards while it fills
+		// or checks a request.
+		ref := 4 * cs.Shape.BytesPerToken() * int64(tokens)
+		need += ref
+		detail += fmt.Sprintf(", reference copies %s", humanBytes(ref))
+	}
+	if float64(need) > 0.9*float64(avail) {
+		return fmt.Errorf("bench: this run needs about %s (%s), more than the %s of memory available; lower --isl or --concurrency",
+			humanBytes(need), detail, humanBytes(avail))
+	}
+	return nil
 }
 
 // verify compares a received request with the reference sharding.
@@ -319,137 +417,3 @@ func verify(gs layout.CacheState, pools []*kvcache.Pool, blocks [][]kvcache.Bloc
 	}
 	return nil
 }
-
-// peerProc is the context-side child process.
-type peerProc struct {
-	cmd    *exec.Cmd
-	in     io.WriteCloser
-	out    *bufio.Scanner
-	stderr *bytes.Buffer
-	done   chan error
-}
-
-func startPeer(ctx context.Context, c Config, cs layout.CacheState, poolBlocks int) (*peerProc, error) {
-	argv := c.Peer
-	if len(argv) == 0 {
-		exe, err := os.Executable()
-		if err != nil {
-			return nil, err
-		}
-		argv = []string{exe, "bench-peer"}
-	}
-	cmd := exec.Command(argv[0], argv[1:]...)
-	cmd.Env = append(os.Environ(), c.PeerEnv...)
-	in, err := cmd.StdinPipe()
-	if err != nil {
-		return nil, err
-	}
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return nil, err
-	}
-	p := &peerProc{cmd: cmd, in: in, out: bufio.NewScanner(out), stderr: &bytes.Buffer{}, done: make(chan error, 1)}
-	p.out.Buffer(make([]byte, 1<<16), 1<<22)
-	cmd.Stderr = &lockedWriter{w: p.stderr}
-	if err := cmd.Start(); err != nil {
-		return nil, fmt.Errorf("bench: start context process %v: %w", argv, err)
-	}
-	go func() { p.done <- cmd.Wait() }()
-	st, _ := cs.MarshalBinary()
-	setup, _ := json.Marshal(peerSetup{Backend: c.Backend, State: st, PoolBlocks: poolBlocks, ReferenceFill: c.Verify, MaxTokensInBuf: c.MaxTokensInBuffer})
-	if _, err := fmt.Fprintf(in, "%s\n", setup); err != nil {
-		p.stop()
-		return nil, p.failed("send setup", err)
-	}
-	m, err := p.read()
-	if err != nil {
-		p.stop()
-		return nil, err
-	}
-	if m.Op != "ready" {
-		p.stop()
-		return nil, fmt.Errorf("bench: context process: %s", m.Error)
-	}
-	return p, nil
-}
-
-type lockedWriter struct {
-	mu sync.Mutex
-	w  *bytes.Buffer
-}
-
-func (l *lockedWriter) Write(b []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.w.Len() > 64<<10 {
-		return len(b), nil // keep the tail bounded
-	}
-	return l.w.Write(b)
-}
-
-func (p *peerProc) failed(op string, err error) error {
-	tail := strings.TrimSpace(p.stderr.String())
-	if len(tail) > 2000 {
-		tail = tail[len(tail)-2000:]
-	}
-	return fmt.Errorf("bench: context process: %s: %v\n%s", op, err, tail)
-}
-
-func (p *peerProc) read() (peerMsg, error) {
-	var m peerMsg
-	if !p.out.Scan() {
-		err := p.out.Err()
-		if err == nil {
-			err = io.ErrUnexpectedEOF
-		}
-		return m, p.failed("read", err)
-	}
-	if err := json.Unmarshal(p.out.Bytes(), &m); err != nil {
-		return m, p.failed("decode", err)
-	}
-	return m, nil
-}
-
-func (p *peerProc) send(m peerMsg) error {
-	b, _ := json.Marshal(m)
-	if _, err := p.in.Write(append(b, '\n')); err != nil {
-		return p.failed("write", err)
-	}
-	return nil
-}
-
-func (p *peerProc) prepare(id uint64, tokens int, seed uint64) ([]byte, error) {
-	if err := p.send(peerMsg{Op: "prepare", ID: id, Tokens: tokens, Seed: seed}); err != nil {
-		return nil, err
-	}
-	m, err := p.read()
-	if err != nil {
-		return nil, err
-	}
-	if m.Error != "" {
-		return nil, errors.New(m.Error)
-	}
-	return base64.StdEncoding.DecodeString(m.Opaque)
-}
-
-func (p *peerProc) quit() (peerMsg, error) {
-	if err := p.send(peerMsg{Op: "quit"}); err != nil {
-		return peerMsg{}, err
-	}
-	return p.read()
-}
-
-// stop closes the child's stdin (it exits on EOF) and kills it if it has not
-// exited within a few seconds.
-func (p *peerProc) stop() {
-	p.in.Close()
-	select {
-	case <-p.done:
-	case <-time.After(5 * time.Second):
-		p.cmd.Process.Kill()
-		<-p.done
-	}
-}
-
-// kill ends the child at once (tests of a context process that dies).
-func (p *peerProc) kill() { p.cmd.Process.Kill() }

@@ -73,7 +73,7 @@ func TestContextProcessKilled(t *testing.T) {
 	nb := layout.NumBlocks(tokens, 32)
 	c := peerCfg(Config{Backend: "tcp"})
 	c.defaults()
-	peer, err := startPeer(context.Background(), c, st, nb)
+	peer, err := startPeer(context.Background(), c, peerSetup{Backend: "tcp", PoolBlocks: nb}, &st)
 	if err != nil {
 		t.Fatal(err)
 	}

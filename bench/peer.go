@@ -26,6 +26,9 @@ type peerSetup struct {
 	PoolBlocks     int    `json:"pool_blocks"`
 	ReferenceFill  bool   `json:"reference_fill"`
 	MaxTokensInBuf int    `json:"max_tokens_in_buffer,omitempty"`
+	// BaselineOnly asks for a process that builds no instance and only
+	// serves rawtcp (the baselines' raw TCP stream) until quit.
+	BaselineOnly bool `json:"baseline_only,omitempty"`
 }
 
 // peerMsg is every later message, both ways.
@@ -56,6 +59,9 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 	var setup peerSetup
 	if err := json.Unmarshal(sc.Bytes(), &setup); err != nil {
 		return fmt.Errorf("bench peer: setup: %w", err)
+	}
+	if setup.BaselineOnly {
+		return peerBaselines(sc, enc)
 	}
 	var st layout.CacheState
 	if err := st.UnmarshalBinary(setup.State); err != nil {
@@ -129,6 +135,32 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 			return nil
 		default:
 			return fmt.Errorf("bench peer: unknown op %q", m.Op)
+		}
+	}
+	return sc.Err()
+}
+
+// peerBaselines is PeerMain for a process that only serves the raw TCP
+// baseline.
+func peerBaselines(sc *bufio.Scanner, enc *json.Encoder) error {
+	enc.Encode(peerMsg{Op: "ready"})
+	for sc.Scan() {
+		var m peerMsg
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			return fmt.Errorf("bench peer: message: %w", err)
+		}
+		switch m.Op {
+		case "rawtcp":
+			reply := peerMsg{Op: "sent"}
+			if err := sendRaw(m.Opaque, m.Bytes); err != nil {
+				reply.Error = err.Error()
+			}
+			enc.Encode(reply)
+		case "quit":
+			enc.Encode(peerMsg{Op: "bye"})
+			return nil
+		default:
+			return fmt.Errorf("bench peer: unknown op %q in a baseline-only process", m.Op)
 		}
 	}
 	return sc.Err()

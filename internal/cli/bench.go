@@ -1,98 +1,153 @@
 package cli
 
 import (
-	"encoding/json"
+	"bytes"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
-	"text/tabwriter"
+	"strings"
 
 	"github.com/kvxfer/kvxfer/bench"
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/spf13/cobra"
+	"github.com/spf13/pflag"
 )
 
 func newBenchCmd(e env) *cobra.Command {
-	var c bench.Config
-	var jsonPath string
-	var verbose bool
+	var s bench.Sweep
+	c := &s.Base
+	var jsonPath, mdPath, pngPath string
+	var verbose, printSchema bool
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Measure KV-cache transfers between a context and a generation process",
 		Long: `bench starts a context instance as a child process, has it prefill requests with
 known contents, pulls them into a generation instance in this process over the chosen
 backend, and reports bytes, GB/s (1e9 bytes/s over the measured phase, after a warm-up),
-p50/p99 latency per request and the backend that carried the data. With --verify every
-generation byte is checked against the naive reference sharding. Exit status 1 when a
-transfer fails or verification fails.`,
+transfers/s, p50/p99 latency per request and the backend that carried the data.
+
+--backend, --isl, --concurrency and --dtype take comma-separated lists: every
+combination is one run, with its own context process and warm-up, one after the other.
+A backend this binary lacks (ucx without -tags ucx) is a failed run in the report, not
+a stop. With --verify every generation byte is checked against the naive reference
+sharding (requests over 1 GiB are reported as "skipped (too large for the naive
+reference)"). With --baseline the machine's own limits are measured in the same run
+(single-thread copy, one raw TCP stream over loopback, iperf3 and ucx_perftest when
+installed) and every run is compared with those that apply to its backend.
+
+The table goes to stdout; --json, --md and --png write the report, a Markdown document
+and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`,
+		Example: `  kvxfer bench --model llama-3.1-8b --isl 1024,4096,16384 --backend tcp,auto --baseline \
+      --json r.json --md r.md --png r.png`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			if printSchema {
+				_, err := io.WriteString(cmd.OutOrStdout(), bench.ReportSchema())
+				return err
+			}
 			c.Env = config.LoadEnv(e.lookup, e.environ)
-			c.Progress = cmd.ErrOrStderr()
 			if verbose {
 				c.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), nil))
 			}
-			res, err := bench.Run(cmd.Context(), c)
-			if err != nil && res == nil {
+			s.Command = commandLine(cmd)
+			s.Progress = bench.NewProgress(cmd.ErrOrStderr(), isTerminal(cmd.ErrOrStderr()))
+			rep, err := bench.RunSweep(cmd.Context(), s)
+			if rep == nil {
 				return err
 			}
-			printResult(cmd, res)
-			if jsonPath != "" {
-				b, _ := json.MarshalIndent(res, "", "  ")
-				if werr := os.WriteFile(jsonPath, append(b, '\n'), 0o644); werr != nil {
+			fmt.Fprintln(cmd.OutOrStdout())
+			if werr := rep.WriteTable(cmd.OutOrStdout()); werr != nil {
+				return werr
+			}
+			rep.WriteErrors(cmd.ErrOrStderr())
+			for _, out := range []struct {
+				path  string
+				write func(io.Writer) error
+			}{{jsonPath, rep.WriteJSON}, {mdPath, rep.WriteMarkdown}, {pngPath, rep.WritePNG}} {
+				if out.path == "" {
+					continue
+				}
+				if werr := writeFile(out.path, out.write); werr != nil {
 					return werr
 				}
 			}
 			if err != nil {
 				return err
 			}
-			if res.Errors > 0 || (c.Verify && !res.Verified) {
+			if rep.Failed() {
 				return exitError{1}
 			}
 			return nil
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&c.Backend, "backend", "tcp", "backend: tcp, shm, ucx, auto or default (as cache_transceiver_config.backend)")
+	f.StringSliceVar(&s.Backends, "backend", []string{"tcp"}, "backends, comma-separated: tcp, shm, ucx, auto or default (as cache_transceiver_config.backend)")
 	f.StringVar(&c.Model, "model", "tiny", "model preset: tiny, llama-3.1-8b, llama-3.1-70b, qwen3-32b, deepseek-v3")
-	f.IntVar(&c.ISL, "isl", 4096, "tokens per request")
-	f.IntVar(&c.Requests, "requests", 8, "measured requests")
-	f.IntVar(&c.Warmup, "warmup", 1, "requests before measuring")
-	f.IntVar(&c.Concurrency, "concurrency", 1, "requests in flight at once")
+	f.IntSliceVar(&s.ISLs, "isl", []int{4096}, "tokens per request, comma-separated")
+	f.IntVar(&c.Requests, "requests", 8, "measured requests per run")
+	f.IntVar(&c.Warmup, "warmup", 1, "requests before measuring, per run")
+	f.IntSliceVar(&s.Concurrency, "concurrency", []int{1}, "requests in flight at once, comma-separated")
 	f.IntVar(&c.CtxTP, "ctx-tp", 1, "context tensor parallel size")
 	f.IntVar(&c.CtxPP, "ctx-pp", 1, "context pipeline parallel size")
 	f.IntVar(&c.GenTP, "gen-tp", 1, "generation tensor parallel size")
 	f.IntVar(&c.GenPP, "gen-pp", 1, "generation pipeline parallel size")
 	f.BoolVar(&c.MLA, "mla", false, "MLA attention (one 576-wide latent head, K only)")
-	f.StringVar(&c.DType, "dtype", "bf16", "KV dtype: fp32, fp16, bf16, fp8, int8")
+	f.StringSliceVar(&s.DTypes, "dtype", []string{"bf16"}, "KV dtypes, comma-separated: fp32, fp16, bf16, fp8, int8")
 	f.IntVar(&c.TokensPerBlock, "tokens-per-block", 32, "tokens per KV block")
 	f.IntVar(&c.MaxTokensInBuffer, "max-tokens-in-buffer", 0, "staging buffer size in tokens (0: TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE)")
-	f.BoolVar(&c.Verify, "verify", false, "check every received byte against the reference")
-	f.BoolVar(&c.Baseline, "baseline", false, "also measure a raw loopback TCP stream and a memory copy of the same bytes, and report the ratios")
-	f.StringVar(&jsonPath, "json", "", "write the report as JSON to this file")
+	f.BoolVar(&c.Verify, "verify", false, "check every received byte against the reference (requests up to 1 GiB)")
+	f.BoolVar(&s.Baseline, "baseline", false, "also measure the machine's limits (copy, raw TCP, iperf3, ucx_perftest) and report kvxfer's ratio to them")
+	f.Int64Var(&s.BaselineBytes, "baseline-bytes", 0, "bytes each baseline moves (0: the largest request, clamped to 64 MiB..1 GiB)")
+	f.StringVar(&jsonPath, "json", "", "write the report as JSON to this file (schema: --print-schema)")
+	f.StringVar(&mdPath, "md", "", "write the report as Markdown to this file")
+	f.StringVar(&pngPath, "png", "", "write a chart of GB/s against ISL per backend, with the baselines, to this PNG file")
+	f.BoolVar(&printSchema, "print-schema", false, "print the JSON Schema of the --json report and exit")
 	f.BoolVar(&verbose, "verbose", false, "log the transceivers")
 	return cmd
 }
 
-func printResult(cmd *cobra.Command, r *bench.Result) {
-	tw := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "MODEL\tISL\tCTX\tGEN\tBACKEND\tREQUESTS\tBYTES/REQ\tGB/s\tXFER/s\tP50 ms\tP99 ms\tVERIFIED\tERRORS")
-	verified := "-"
-	if r.Verified {
-		verified = "yes"
-	} else if r.Errors > 0 {
-		verified = "no"
+// commandLine rebuilds the command from the flags that were set, for the
+// report.
+func commandLine(cmd *cobra.Command) []string {
+	words := []string{"kvxfer", "bench"}
+	cmd.Flags().Visit(func(f *pflag.Flag) {
+		switch f.Value.Type() {
+		case "bool":
+			if f.Value.String() == "true" {
+				words = append(words, "--"+f.Name)
+			} else {
+				words = append(words, "--"+f.Name+"=false")
+			}
+			return
+		case "stringSlice", "intSlice":
+			v := strings.Trim(f.Value.String(), "[]")
+			words = append(words, "--"+f.Name, v)
+			return
+		}
+		words = append(words, "--"+f.Name, f.Value.String())
+	})
+	return words
+}
+
+// isTerminal reports whether w is a character device (a terminal), where a
+// progress bar redrawn in place reads well.
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
 	}
-	fmt.Fprintf(tw, "%s\t%d\tTP%d PP%d\tTP%d PP%d\t%s\t%d\t%d\t%.2f\t%.0f\t%.2f\t%.2f\t%s\t%d\n",
-		r.Model, r.ISL, r.Ctx.TP, r.Ctx.PP, r.Gen.TP, r.Gen.PP, r.Backend, r.Requests, r.BytesPerReq, r.GBps, r.TransfersPerS, r.P50Ms, r.P99Ms, verified, r.Errors)
-	tw.Flush()
-	if b := r.Baselines; b != nil {
-		fmt.Fprintf(cmd.OutOrStdout(), "baselines: raw TCP stream %.2f GB/s (kvxfer %.2fx), single-thread copy %.2f GB/s (kvxfer %.2fx)\n",
-			b.RawTCPGBps, r.RatioRawTCP, b.CopyGBps, r.RatioCopy)
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}
+
+// writeFile writes a report file whole or not at all.
+func writeFile(path string, write func(io.Writer) error) error {
+	var b bytes.Buffer
+	if err := write(&b); err != nil {
+		return fmt.Errorf("bench: %s: %w", path, err)
 	}
-	for _, m := range r.ErrorMessages {
-		fmt.Fprintln(cmd.ErrOrStderr(), "error:", m)
-	}
+	return os.WriteFile(path, b.Bytes(), 0o644)
 }
 
 // newBenchPeerCmd is the context side of bench, started by bench itself.

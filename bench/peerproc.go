@@ -1,0 +1,166 @@
+package bench
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/kvxfer/kvxfer/layout"
+)
+
+// peerProc is the context-side child process.
+type peerProc struct {
+	cmd    *exec.Cmd
+	in     io.WriteCloser
+	out    *bufio.Scanner
+	stderr *lockedWriter
+	done   chan error
+}
+
+// startPeer starts the context process and sends it setup, completed with
+// the state cs (nil for a process that only serves the raw TCP baseline).
+func startPeer(_ context.Context, c Config, setup peerSetup, cs *layout.CacheState) (*peerProc, error) {
+	argv := c.Peer
+	if len(argv) == 0 {
+		exe, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		argv = []string{exe, "bench-peer"}
+	}
+	cmd := exec.Command(argv[0], argv[1:]...)
+	cmd.Env = append(os.Environ(), c.PeerEnv...)
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	p := &peerProc{cmd: cmd, in: in, out: bufio.NewScanner(out), stderr: &lockedWriter{}, done: make(chan error, 1)}
+	p.out.Buffer(make([]byte, 1<<16), 1<<22)
+	cmd.Stderr = p.stderr
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("bench: start context process %v: %w", argv, err)
+	}
+	go func() { p.done <- cmd.Wait() }()
+	if cs != nil {
+		setup.State, _ = cs.MarshalBinary()
+	} else {
+		setup.BaselineOnly = true
+	}
+	line, _ := json.Marshal(setup)
+	if _, err := fmt.Fprintf(in, "%s\n", line); err != nil {
+		p.stop()
+		return nil, p.failed("send setup", err)
+	}
+	m, err := p.read()
+	if err != nil {
+		p.stop()
+		return nil, err
+	}
+	if m.Op != "ready" {
+		p.stop()
+		return nil, fmt.Errorf("bench: context process: %s", m.Error)
+	}
+	return p, nil
+}
+
+// lockedWriter keeps the head of the child's stderr for error messages.
+type lockedWriter struct {
+	mu sync.Mutex
+	w  bytes.Buffer
+}
+
+func (l *lockedWriter) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.String()
+}
+
+func (l *lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.w.Len() > 64<<10 {
+		return len(b), nil // keep the tail bounded
+	}
+	return l.w.Write(b)
+}
+
+func (p *peerProc) failed(op string, err error) error {
+	tail := strings.TrimSpace(p.stderr.String())
+	if len(tail) > 2000 {
+		tail = tail[len(tail)-2000:]
+	}
+	return fmt.Errorf("bench: context process: %s: %v\n%s", op, err, tail)
+}
+
+func (p *peerProc) read() (peerMsg, error) {
+	var m peerMsg
+	if !p.out.Scan() {
+		err := p.out.Err()
+		if err == nil {
+			err = io.ErrUnexpectedEOF
+		}
+		return m, p.failed("read", err)
+	}
+	if err := json.Unmarshal(p.out.Bytes(), &m); err != nil {
+		return m, p.failed("decode", err)
+	}
+	return m, nil
+}
+
+func (p *peerProc) send(m peerMsg) error {
+	b, _ := json.Marshal(m)
+	if _, err := p.in.Write(append(b, '\n')); err != nil {
+		return p.failed("write", err)
+	}
+	return nil
+}
+
+func (p *peerProc) prepare(id uint64, tokens int, seed uint64) ([]byte, error) {
+	if err := p.send(peerMsg{Op: "prepare", ID: id, Tokens: tokens, Seed: seed}); err != nil {
+		return nil, err
+	}
+	m, err := p.read()
+	if err != nil {
+		return nil, err
+	}
+	if m.Error != "" {
+		return nil, errors.New(m.Error)
+	}
+	return base64.StdEncoding.DecodeString(m.Opaque)
+}
+
+func (p *peerProc) quit() (peerMsg, error) {
+	if err := p.send(peerMsg{Op: "quit"}); err != nil {
+		return peerMsg{}, err
+	}
+	return p.read()
+}
+
+// stop closes the child's stdin (it exits on EOF) and kills it if it has not
+// exited within a few seconds.
+func (p *peerProc) stop() {
+	p.in.Close()
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+		p.cmd.Process.Kill()
+		<-p.done
+	}
+}
+
+// kill ends the child at once (tests of a context process that dies).
+func (p *peerProc) kill() { p.cmd.Process.Kill() }

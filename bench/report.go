@@ -1,0 +1,251 @@
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+)
+
+// WriteJSON writes the report as indented JSON (see ReportSchema).
+func (r *Report) WriteJSON(w io.Writer) error {
+	b, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	_, err = w.Write(append(b, '\n'))
+	return err
+}
+
+// WriteTable writes the report as text tables: a line on the setup, the
+// baselines when measured, and one row per run. Error messages are not
+// included (see WriteErrors).
+func (r *Report) WriteTable(w io.Writer) error {
+	fmt.Fprintln(w, r.setupLine())
+	if len(r.Baselines) > 0 {
+		fmt.Fprintln(w)
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+		fmt.Fprintln(tw, "BASELINE\tGB/s\tBYTES\tCOMPARED WITH\tNOTE")
+		for _, b := range r.Baselines {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", b.Name, baselineGBps(b), baselineBytes(b),
+				strings.Join(b.Backends, ", "), baselineNote(b))
+		}
+		if err := tw.Flush(); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "BACKEND\tUSED\tISL\tCONC\tDTYPE\tBYTES/REQ\tGB/s\tXFER/s\tP50 ms\tP99 ms\tVS BASELINE\tVERIFIED\tERRORS")
+	for _, run := range r.Runs {
+		c := runCells(run)
+		ratios := make([]string, len(run.Ratios))
+		for i, ra := range run.Ratios {
+			ratios[i] = fmt.Sprintf("%.2fx %s", ra.Ratio, ra.Baseline)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", run.RequestedBackend, c.used, run.ISL,
+			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99, orDash(strings.Join(ratios, ", ")),
+			verifiedCell(run), run.Errors)
+	}
+	return tw.Flush()
+}
+
+// WriteErrors writes one line per error of every run.
+func (r *Report) WriteErrors(w io.Writer) {
+	for _, run := range r.Runs {
+		if run.Error != "" {
+			fmt.Fprintf(w, "error: %s: %s\n", run.Label(), run.Error)
+		}
+		for _, m := range run.ErrorMessages {
+			fmt.Fprintf(w, "error: %s: %s\n", run.Label(), m)
+		}
+	}
+}
+
+// WriteMarkdown writes the report as a Markdown document: the command
+// line, the machine, the setup, the baselines and the runs with their
+// ratios to the baselines.
+func (r *Report) WriteMarkdown(w io.Writer) error {
+	var b strings.Builder
+	b.WriteString("# kvxfer bench report\n\n")
+	fmt.Fprintf(&b, "```\n%s\n```\n\n", strings.Join(r.Command, " "))
+	fmt.Fprintf(&b, "Started %s, took %.0f s. %s\n\n", r.Started.Format("2006-01-02 15:04 MST"), r.DurationS, r.setupLine())
+
+	b.WriteString("## Machine\n\n| | |\n|---|---|\n")
+	cpu := fmt.Sprintf("%d CPUs", r.Machine.CPUs)
+	if r.Machine.CPUModel != "" {
+		cpu = fmt.Sprintf("%s, %d CPUs usable", r.Machine.CPUModel, r.Machine.CPUs)
+	}
+	fmt.Fprintf(&b, "| CPU | %s |\n", mdCell(cpu))
+	if r.Machine.MemoryBytes > 0 {
+		fmt.Fprintf(&b, "| Memory | %s |\n", humanBytes(r.Machine.MemoryBytes))
+	}
+	fmt.Fprintf(&b, "| OS/arch | %s/%s |\n", r.Machine.GOOS, r.Machine.GOARCH)
+	fmt.Fprintf(&b, "| Go | %s |\n", r.Machine.GoVersion)
+	build := fmt.Sprintf("%s, revision %s", r.Build.Version, r.Build.Revision)
+	if r.Build.Modified {
+		build += " (modified)"
+	}
+	if r.Build.Tags != "" {
+		build += ", tags " + r.Build.Tags
+	}
+	fmt.Fprintf(&b, "| kvxfer | %s |\n", mdCell(build))
+	if len(r.Config.Env) > 0 {
+		var env []string
+		for k, v := range r.Config.Env {
+			env = append(env, k+"="+v)
+		}
+		slices.Sort(env)
+		fmt.Fprintf(&b, "| Environment | `%s` |\n", mdCell(strings.Join(env, " ")))
+	}
+	b.WriteString("\n")
+
+	var measured []string
+	if len(r.Baselines) > 0 {
+		b.WriteString("## Baselines\n\nThe machine's own limits, measured in the same run.\n\n")
+		b.WriteString("| baseline | GB/s | bytes | compared with | how |\n|---|--:|--:|---|---|\n")
+		for _, bl := range r.Baselines {
+			how := bl.Description
+			if bl.Command != "" {
+				how += ": `" + bl.Command + "`"
+			}
+			if n := baselineNote(bl); n != "" {
+				how += "; " + n
+			}
+			fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", bl.Name, baselineGBps(bl), baselineBytes(bl),
+				strings.Join(bl.Backends, ", "), mdCell(how))
+			if bl.GBps > 0 {
+				measured = append(measured, bl.Name)
+			}
+		}
+		b.WriteString("\n")
+	}
+
+	b.WriteString("## Runs\n\nGB/s is 1e9 bytes per second over the measured phase; latency is per request.\n\n")
+	b.WriteString("| backend | carried by | ISL | concurrency | dtype | bytes/request | GB/s | transfers/s | p50 ms | p99 ms |")
+	for _, m := range measured {
+		fmt.Fprintf(&b, " vs %s |", m)
+	}
+	b.WriteString(" verified | errors |\n|---|---|--:|--:|---|--:|--:|--:|--:|--:|")
+	for range measured {
+		b.WriteString("--:|")
+	}
+	b.WriteString("---|--:|\n")
+	for _, run := range r.Runs {
+		c := runCells(run)
+		fmt.Fprintf(&b, "| %s | %s | %d | %d | %s | %s | %s | %s | %s | %s |", run.RequestedBackend, c.used, run.ISL,
+			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99)
+		for _, m := range measured {
+			cell := "–"
+			for _, ra := range run.Ratios {
+				if ra.Baseline == m {
+					cell = fmt.Sprintf("%.2f×", ra.Ratio)
+				}
+			}
+			fmt.Fprintf(&b, " %s |", cell)
+		}
+		fmt.Fprintf(&b, " %s | %d |\n", verifiedCell(run), run.Errors)
+	}
+	var errs strings.Builder
+	r.WriteErrors(&errs)
+	if errs.Len() > 0 {
+		b.WriteString("\n## Errors\n\n")
+		for line := range strings.Lines(errs.String()) {
+			fmt.Fprintf(&b, "- %s\n", mdCell(strings.TrimPrefix(strings.TrimSpace(line), "error: ")))
+		}
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func (r *Report) setupLine() string {
+	c := r.Config
+	s := fmt.Sprintf("Model %s, context TP%d PP%d, generation TP%d PP%d", c.Model, c.Ctx.TP, c.Ctx.PP, c.Gen.TP, c.Gen.PP)
+	if c.MLA {
+		s += ", MLA"
+	}
+	s += fmt.Sprintf(", %d tokens per block; per run %d measured requests after %d warm-up", c.TokensPerBlock, c.Requests, c.Warmup)
+	if c.Verify {
+		s += "; every byte verified against the naive reference where a request fits it (up to 1 GiB)"
+	}
+	return s + "."
+}
+
+type cells struct{ used, bytesPerReq, gbps, xfers, p50, p99 string }
+
+func runCells(r *Result) cells {
+	if r.Requests == 0 {
+		return cells{orDash(r.Backend), "–", "–", "–", "–", "–"}
+	}
+	return cells{orDash(r.Backend), humanBytes(r.BytesPerReq), fmt.Sprintf("%.2f", r.GBps), fmt.Sprintf("%.1f", r.TransfersPerS),
+		fmt.Sprintf("%.1f", r.P50Ms), fmt.Sprintf("%.1f", r.P99Ms)}
+}
+
+func verifiedCell(r *Result) string {
+	switch r.Verification {
+	case VerifyPassed:
+		return "yes"
+	case VerifyFailed:
+		return "NO"
+	case VerifySkipped:
+		return "skipped (too large)"
+	}
+	return "–"
+}
+
+func baselineGBps(b Baseline) string {
+	if b.GBps <= 0 {
+		return "–"
+	}
+	return fmt.Sprintf("%.2f", b.GBps)
+}
+
+func baselineBytes(b Baseline) string {
+	if b.GBps <= 0 {
+		return "–"
+	}
+	return humanBytes(b.Bytes)
+}
+
+func baselineNote(b Baseline) string {
+	switch {
+	case b.Skipped != "":
+		return "skipped: " + b.Skipped
+	case b.Error != "":
+		return "failed: " + firstLine(b.Error)
+	}
+	return ""
+}
+
+func orDash(s string) string {
+	if s == "" {
+		return "–"
+	}
+	return s
+}
+
+// mdCell makes s safe inside a Markdown table cell.
+func mdCell(s string) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	return strings.ReplaceAll(s, "|", `\|`)
+}
+
+// humanBytes formats n in binary units ("128 MiB", "1.5 GiB").
+func humanBytes(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit && exp < 4; m /= unit {
+		div *= unit
+		exp++
+	}
+	v := float64(n) / float64(div)
+	if v == float64(int64(v)) {
+		return fmt.Sprintf("%d %ciB", int64(v), "KMGTP"[exp])
+	}
+	return fmt.Sprintf("%.1f %ciB", v, "KMGTP"[exp])
+}

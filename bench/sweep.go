@@ -1,0 +1,321 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"os"
+	"os/exec"
+	"runtime"
+	"runtime/debug"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/buildinfo"
+	"github.com/kvxfer/kvxfer/kvcache"
+)
+
+// ReportVersion is the version of the report's JSON form; it changes when a
+// field changes meaning or goes away (not when one is added).
+const ReportVersion = 1
+
+// Sweep is a set of benchmark runs: every combination of its lists, in the
+// order backend, dtype, concurrency, ISL, each run with its own context
+// process and warm-up, one after the other so that memory stays bounded by
+// the largest run. With Baseline the machine's limits are measured first,
+// in the same process.
+type Sweep struct {
+	// Base holds the settings every run shares. Its Backend, ISL,
+	// Concurrency and DType are used where the lists below are empty.
+	Base        Config
+	Backends    []string
+	ISLs        []int
+	Concurrency []int
+	DTypes      []string
+	// Baseline measures the machine's limits (see Baseline) and every
+	// run's ratio to those that apply to its backend.
+	Baseline bool
+	// BaselineBytes is what each baseline moves; 0 means the largest
+	// request of the sweep, clamped to [64 MiB, 1 GiB].
+	BaselineBytes int64
+	// Command is the command line, recorded in the report.
+	Command []string
+	// Progress is told about every step; nil discards.
+	Progress func(Event)
+
+	lookPath func(string) (string, error) // exec.LookPath; tests replace it
+}
+
+// Report is the outcome of a sweep; its JSON form (see ReportSchema) is the
+// report of `kvxfer bench --json`.
+type Report struct {
+	Version   int            `json:"report_version"`
+	Command   []string       `json:"command"`
+	Started   time.Time      `json:"started"`
+	DurationS float64        `json:"duration_s"`
+	Build     buildinfo.Info `json:"build"`
+	Machine   Machine        `json:"machine"`
+	Config    SweepConfig    `json:"config"`
+	Baselines []Baseline     `json:"baselines"`
+	Runs      []*Result      `json:"runs"`
+	// Errors is the sum of the runs' errors.
+	Errors int `json:"errors"`
+}
+
+// SweepConfig is the effective configuration of a sweep: every default
+// filled in.
+type SweepConfig struct {
+	Model             string            `json:"model"`
+	Backends          []string          `json:"backends"`
+	ISLs              []int             `json:"isls"`
+	Concurrency       []int             `json:"concurrency"`
+	DTypes            []string          `json:"dtypes"`
+	Requests          int               `json:"requests"`
+	Warmup            int               `json:"warmup"`
+	Ctx               Par               `json:"ctx"`
+	Gen               Par               `json:"gen"`
+	MLA               bool              `json:"mla"`
+	TokensPerBlock    int               `json:"tokens_per_block"`
+	MaxTokensInBuffer int               `json:"max_tokens_in_buffer"`
+	Verify            bool              `json:"verify"`
+	Baseline          bool              `json:"baseline"`
+	BaselineBytes     int64             `json:"baseline_bytes"`
+	Env               map[string]string `json:"env"` // the TRTLLM_* and UCX_* variables that were set
+}
+
+// Machine describes where the sweep ran.
+type Machine struct {
+	CPUs        int    `json:"cpus"` // runtime.NumCPU: the CPUs this process may use
+	CPUModel    string `json:"cpu_model,omitempty"`
+	MemoryBytes int64  `json:"memory_bytes,omitempty"`
+	GOOS        string `json:"goos"`
+	GOARCH      string `json:"goarch"`
+	GoVersion   string `json:"go_version"`
+}
+
+// Failed reports whether any run failed: the exit status of kvxfer bench is
+// 1 then.
+func (r *Report) Failed() bool {
+	for _, run := range r.Runs {
+		if !run.OK() {
+			return true
+		}
+	}
+	return false
+}
+
+// fill applies the defaults to s and returns the effective configuration,
+// or every problem with it at once.
+func (s *Sweep) fill() (SweepConfig, error) {
+	base := &s.Base
+	if len(s.Backends) == 0 {
+		s.Backends = []string{base.Backend}
+	}
+	if len(s.ISLs) == 0 {
+		s.ISLs = []int{base.ISL}
+	}
+	if len(s.Concurrency) == 0 {
+		s.Concurrency = []int{base.Concurrency}
+	}
+	if len(s.DTypes) == 0 {
+		s.DTypes = []string{base.DType}
+	}
+	base.defaults()
+	if s.lookPath == nil {
+		s.lookPath = exec.LookPath
+	}
+	if s.Progress == nil {
+		s.Progress = func(Event) {}
+	}
+	var errs []error
+	for i, b := range s.Backends {
+		if b == "" {
+			b = "tcp"
+		}
+		if _, err := config.ParseBackend(b); err != nil {
+			errs = append(errs, fmt.Errorf("--backend: %w", err))
+		}
+		s.Backends[i] = strings.ToLower(b)
+	}
+	for i, isl := range s.ISLs {
+		if isl <= 0 {
+			isl = 4096
+			s.ISLs[i] = isl
+		}
+	}
+	for i, c := range s.Concurrency {
+		if c <= 0 {
+			s.Concurrency[i] = 1
+		}
+	}
+	for i, d := range s.DTypes {
+		if d == "" {
+			d = "bf16"
+		}
+		dt, err := kvcache.ParseDType(d)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("--dtype: %w", err))
+			continue
+		}
+		s.DTypes[i] = dt.String()
+	}
+	if _, err := LookupModel(base.Model); err != nil {
+		errs = append(errs, err)
+	}
+	if err := errors.Join(errs...); err != nil {
+		return SweepConfig{}, err
+	}
+	// Every shape must be valid before anything runs.
+	var largest int64
+	for _, d := range s.DTypes {
+		c := *base
+		c.DType = d
+		_, cs, _, err := c.states()
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		largest = max(largest, cs.Shape.BytesPerToken()*int64(slices.Max(s.ISLs)))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return SweepConfig{}, err
+	}
+	if s.BaselineBytes <= 0 {
+		s.BaselineBytes = min(max(largest, 64<<20), 1<<30)
+	}
+	m, _ := LookupModel(base.Model)
+	return SweepConfig{Model: m.Name, Backends: s.Backends, ISLs: s.ISLs, Concurrency: s.Concurrency, DTypes: s.DTypes,
+		Requests: base.Requests, Warmup: base.Warmup, Ctx: Par{base.CtxTP, base.CtxPP}, Gen: Par{base.GenTP, base.GenPP},
+		MLA: base.MLA || m.MLA, TokensPerBlock: base.TokensPerBlock, MaxTokensInBuffer: base.MaxTokensInBuffer,
+		Verify: base.Verify, Baseline: s.Baseline, BaselineBytes: s.BaselineBytes, Env: envVars(base.Env)}, nil
+}
+
+func envVars(e config.Env) map[string]string {
+	out := map[string]string{}
+	for _, k := range slices.Sorted(maps.Keys(e.Raw)) {
+		out[k] = e.Raw[k]
+	}
+	return out
+}
+
+// RunSweep runs the sweep. The error is for a sweep that cannot start (an
+// unknown model, backend name or dtype) or was cancelled; a run that fails
+// (a backend this binary lacks, a failed transfer) is a row of the report
+// with its error, and the other runs still run.
+func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
+	started := time.Now()
+	cfg, err := s.fill()
+	if err != nil {
+		return nil, err
+	}
+	rep := &Report{Version: ReportVersion, Command: s.Command, Started: started.UTC().Truncate(time.Second),
+		Build: buildinfo.Read(), Machine: readMachine(), Config: cfg, Baselines: []Baseline{}, Runs: []*Result{}}
+	if rep.Command == nil {
+		rep.Command = []string{}
+	}
+	if s.Baseline {
+		br := &baselineRunner{cfg: s.Base, bytes: s.BaselineBytes, lookPath: s.lookPath, timeout: 2 * time.Minute,
+			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }}
+		rep.Baselines = br.run(ctx)
+		freeMemory()
+	}
+	var runs []Config
+	for _, b := range s.Backends {
+		for _, d := range s.DTypes {
+			for _, c := range s.Concurrency {
+				for _, isl := range s.ISLs {
+					rc := s.Base
+					rc.Backend, rc.DType, rc.Concurrency, rc.ISL = b, d, c, isl
+					runs = append(runs, rc)
+				}
+			}
+		}
+	}
+	for i, rc := range runs {
+		if err := ctx.Err(); err != nil {
+			rep.finish(started)
+			return rep, err
+		}
+		label := rc.newResult().Label()
+		ev := Event{Run: i + 1, Runs: len(runs), Label: label}
+		rc.Progress = func(e Event) {
+			e.Run, e.Runs, e.Label = ev.Run, ev.Runs, ev.Label
+			s.Progress(e)
+		}
+		start := ev
+		start.Phase, start.Total = PhaseStart, rc.Warmup+rc.Requests
+		s.Progress(start)
+		res, err := Run(ctx, rc)
+		if res == nil {
+			res = rc.newResult()
+			if rc.Verify {
+				res.Verification = VerifyNotRun
+			}
+		}
+		if err != nil {
+			res.fail(err)
+		}
+		res.Ratios = ratios(res, rep.Baselines)
+		rep.Runs = append(rep.Runs, res)
+		done := ev
+		done.Phase, done.Result = PhaseDone, res
+		s.Progress(done)
+		// The next run allocates its own pools: give this one's back.
+		freeMemory()
+	}
+	rep.finish(started)
+	return rep, ctx.Err()
+}
+
+func (r *Report) finish(started time.Time) {
+	r.DurationS = time.Since(started).Seconds()
+	r.Errors = 0
+	for _, run := range r.Runs {
+		r.Errors += run.Errors
+	}
+}
+
+func freeMemory() {
+	runtime.GC()
+	debug.FreeOSMemory()
+}
+
+func readMachine() Machine {
+	m := Machine{CPUs: runtime.NumCPU(), GOOS: runtime.GOOS, GOARCH: runtime.GOARCH, GoVersion: runtime.Version()}
+	if b, err := os.ReadFile("/proc/cpuinfo"); err == nil {
+		for line := range strings.Lines(string(b)) {
+			if k, v, ok := strings.Cut(line, ":"); ok && strings.TrimSpace(k) == "model name" {
+				m.CPUModel = strings.TrimSpace(v)
+				break
+			}
+		}
+	}
+	m.MemoryBytes, _ = meminfo("MemTotal")
+	return m
+}
+
+// memAvailable is the memory the kernel says can be allocated without
+// swapping, where it says so.
+func memAvailable() (int64, bool) { return meminfo("MemAvailable") }
+
+func meminfo(key string) (int64, bool) {
+	b, err := os.ReadFile("/proc/meminfo")
+	if err != nil {
+		return 0, false
+	}
+	for line := range strings.Lines(string(b)) {
+		k, v, ok := strings.Cut(line, ":")
+		if !ok || k != key {
+			continue
+		}
+		var kb int64
+		if _, err := fmt.Sscanf(strings.TrimSpace(v), "%d kB", &kb); err != nil {
+			return 0, false
+		}
+		return kb << 10, true
+	}
+	return 0, false
+}
