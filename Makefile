@@ -10,7 +10,7 @@ DIRTY     := $(shell git status --porcelain 2>/dev/null | grep -q . && echo -dir
 LDFLAGS   := -X github.com/kvxfer/kvxfer/internal/buildinfo.Revision=$(REVISION)$(DIRTY)
 FUZZTIME  ?= 5s
 
-.PHONY: help run test deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: help run test bench-report deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -49,6 +49,10 @@ fuzz-short: ## every fuzz target for FUZZTIME (default 5s)
 
 nocgo: ## the binary builds without cgo
 	CGO_ENABLED=0 $(GO) build $(PKGS)
+
+bench-report: build ## regenerate the README's performance report (docs/perf.*)
+	./$(BIN) bench --model llama-3.1-8b --isl 1024,4096,16384 --backend tcp,auto --baseline \
+		--json docs/perf.json --md docs/perf.md --png docs/perf.png
 
 clean: ## remove build outputs
 	rm -rf bin
