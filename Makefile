@@ -9,8 +9,10 @@ REVISION  := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 DIRTY     := $(shell git status --porcelain 2>/dev/null | grep -q . && echo -dirty)
 LDFLAGS   := -X github.com/kvxfer/kvxfer/internal/buildinfo.Revision=$(REVISION)$(DIRTY)
 FUZZTIME  ?= 5s
+# The UCX backend is cgo on libucx; make deps installs libucx-dev, so builds include it.
+TAGS      := ucx
 
-.PHONY: help run test bench-report deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: help run test bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -18,14 +20,14 @@ help: ## list the targets
 run: build ## the main job: start a local disaggregated cluster (context TP2 -> generation TP1) behind an OpenAI-compatible router on :8000
 	./$(BIN) up
 
-test: deps fmt-check vet staticcheck unit invariants fuzz-short nocgo ## every check and test (installs what it needs)
+test: deps fmt-check vet staticcheck unit ucx invariants fuzz-short nocgo ## every check and test (installs what it needs)
 	@echo "make test: all checks passed"
 
 deps: ## install missing system packages (root, non-interactive, only when missing)
 	@scripts/deps.sh
 
 build: deps ## build bin/kvxfer
-	$(GO) build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/kvxfer
+	$(GO) build -tags $(TAGS) -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/kvxfer
 
 fmt-check: ## fail if any file is not gofmt-ed
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
@@ -40,6 +42,11 @@ staticcheck: ## staticcheck, pinned by the tool directive in go.mod
 unit: ## go test -race -shuffle=on
 	KVXFER_REQUIRE_NODE=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
 
+ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx
+	$(GO) vet -tags ucx ./transport/... ./internal/cli/
+	$(GO) tool staticcheck -tags ucx ./transport/ucx/ ./internal/cli/
+	$(GO) test -tags ucx -race -shuffle=on -count=1 -timeout 10m ./transport/ucx/
+
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \
 	if [ -n "$$pkgs" ]; then echo "go test -tags invariants $$pkgs"; $(GO) test -tags invariants -count=1 $$pkgs; fi
@@ -47,8 +54,9 @@ invariants: ## the packages that have an invariants build tag, tested with it
 fuzz-short: ## every fuzz target for FUZZTIME (default 5s)
 	@FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
-nocgo: ## the binary builds without cgo
+nocgo: ## the binary builds without cgo (UCX then reports itself as not built in)
 	CGO_ENABLED=0 $(GO) build $(PKGS)
+	CGO_ENABLED=0 $(GO) build -tags ucx $(PKGS)
 
 bench-report: build ## regenerate the README's performance report (docs/perf.*)
 	./$(BIN) bench --model llama-3.1-8b --isl 1024,4096,16384 --backend tcp,auto --baseline \
