@@ -74,7 +74,7 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 		id, object = "chat"+id[4:], "chat.completion"
 	}
 	if cr.Stream {
-		w.streamEvents(rw, stream, id, object, chat, cr.StreamOptions != nil && cr.StreamOptions.Usage, arrived)
+		w.streamEvents(rw, stream, id, object, chat, cr.StreamOptions != nil && cr.StreamOptions.IncludeUsage, arrived)
 		return
 	}
 	var text []byte

@@ -292,22 +292,27 @@ func (r *Router) replayFinished(w http.ResponseWriter, body []byte, stream bool)
 		w.Write(body)
 		return
 	}
+	// As a stream: one chunk, then [DONE]. A chat answer's message becomes
+	// the chunk's delta, as streaming chat clients expect.
 	var o object
 	json.Unmarshal(body, &o)
-	if typ := ""; o != nil {
-		o.get("object", &typ)
-		o.set("object", strings.TrimSuffix(typ, ".chunk")+chunkSuffix(typ))
+	var typ string
+	o.get("object", &typ)
+	if typ == "chat.completion" {
+		o.set("object", "chat.completion.chunk")
+		var choices []object
+		o.get("choices", &choices)
+		for _, c := range choices {
+			if m, ok := c["message"]; ok {
+				c["delta"] = m
+				delete(c, "message")
+			}
+		}
+		o.set("choices", choices)
 	}
 	chunk, _ := json.Marshal(o)
 	w.Header().Set("Content-Type", "text/event-stream")
 	fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", chunk)
-}
-
-func chunkSuffix(typ string) string {
-	if typ == "chat.completion" {
-		return ".chunk"
-	}
-	return ""
 }
 
 // post sends body to the group's servers in policy order, moving to the next

@@ -291,3 +291,15 @@ func get(t *testing.T, url string) (*http.Response, string) {
 	b, _ := io.ReadAll(resp.Body)
 	return resp, string(b)
 }
+
+// A chat answer finished in the context phase, replayed to a streaming
+// client, is a chat.completion.chunk whose message became the delta.
+func TestReplayFinishedChat(t *testing.T) {
+	rec := httptest.NewRecorder()
+	(&Router{}).replayFinished(rec, []byte(`{"object":"chat.completion","choices":[{"index":0,"finish_reason":"stop","message":{"role":"assistant","content":"x"}}]}`), true)
+	body := rec.Body.String()
+	if !strings.Contains(body, `"object":"chat.completion.chunk"`) || !strings.Contains(body, `"delta":{"role":"assistant","content":"x"}`) ||
+		strings.Contains(body, `"message"`) || !strings.HasSuffix(body, "data: [DONE]\n\n") {
+		t.Fatalf("%q", body)
+	}
+}

@@ -194,21 +194,24 @@ func (w *Worker) models(rw http.ResponseWriter, _ *http.Request) {
 // completionRequest is the part of an OpenAI completion or chat request the
 // worker reads. Other fields are accepted and ignored.
 type completionRequest struct {
-	Model          string                `json:"model"`
-	Prompt         json.RawMessage       `json:"prompt"`
-	Messages       []chatMessage         `json:"messages"`
-	PromptTokenIDs []int32               `json:"prompt_token_ids"`
-	MaxTokens      *int                  `json:"max_tokens"`
-	MaxCompletion  *int                  `json:"max_completion_tokens"`
-	Temperature    *float64              `json:"temperature"`
-	Seed           *uint64               `json:"seed"`
-	Stop           json.RawMessage       `json:"stop"`
-	Stream         bool                  `json:"stream"`
-	StreamOptions  *struct{ Usage bool } `json:"-"`
-	N              *int                  `json:"n"`
-	IgnoreEOS      bool                  `json:"ignore_eos"`
-	Disagg         *DisaggregatedParams  `json:"disaggregated_params"`
-	RawOptions     json.RawMessage       `json:"stream_options"`
+	Model          string               `json:"model"`
+	Prompt         json.RawMessage      `json:"prompt"`
+	Messages       []chatMessage        `json:"messages"`
+	PromptTokenIDs []int32              `json:"prompt_token_ids"`
+	MaxTokens      *int                 `json:"max_tokens"`
+	MaxCompletion  *int                 `json:"max_completion_tokens"`
+	Temperature    *float64             `json:"temperature"`
+	Seed           *uint64              `json:"seed"`
+	Stop           json.RawMessage      `json:"stop"`
+	Stream         bool                 `json:"stream"`
+	StreamOptions  *streamOptions       `json:"stream_options"`
+	N              *int                 `json:"n"`
+	IgnoreEOS      bool                 `json:"ignore_eos"`
+	Disagg         *DisaggregatedParams `json:"disaggregated_params"`
+}
+
+type streamOptions struct {
+	IncludeUsage bool `json:"include_usage"`
 }
 
 type chatMessage struct {
@@ -246,15 +249,6 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 	}
 	if cr.N != nil && *cr.N != 1 {
 		return nil, er, badRequest("n = %d: kvxfer serves one choice per request", *cr.N)
-	}
-	if len(cr.RawOptions) > 0 && string(cr.RawOptions) != "null" {
-		var so struct {
-			IncludeUsage bool `json:"include_usage"`
-		}
-		if err := json.Unmarshal(cr.RawOptions, &so); err != nil {
-			return nil, er, badRequest("stream_options: %v", err)
-		}
-		cr.StreamOptions = &struct{ Usage bool }{so.IncludeUsage}
 	}
 	// The prompt: token ids from the router win; else the text or ids.
 	switch {
@@ -323,7 +317,8 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 		if err != nil {
 			return nil, er, badRequest("disaggregated_params.encoded_opaque_state is not base64: %v", err)
 		}
-		if _, err := transceiver.DecodeOpaque(cr.Disagg.EncodedOpaqueState); err != nil {
+		var op transceiver.OpaqueState
+		if err := op.UnmarshalBinary(opaque); err != nil {
 			return nil, er, badRequest("disaggregated_params.encoded_opaque_state: %v", err)
 		}
 		er.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: *cr.Disagg.CtxRequestID,

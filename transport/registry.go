@@ -13,10 +13,6 @@ import (
 // in kvxfer but was left out of this binary by a build tag.
 var ErrNotBuilt = errors.New("transport: not built in this binary")
 
-// ErrNotImplemented is wrapped by the availability error of a backend that
-// kvxfer names but does not implement yet.
-var ErrNotImplemented = errors.New("transport: not implemented yet")
-
 // ErrUnknownBackend is returned for a name no backend uses.
 var ErrUnknownBackend = errors.New("transport: unknown backend")
 
@@ -52,7 +48,7 @@ func Register(b Backend) {
 }
 
 // RegisterUnavailable records a backend that this binary names but cannot
-// use, with the reason (wrapping ErrNotBuilt or ErrNotImplemented).
+// use, with the reason (wrapping ErrNotBuilt).
 func RegisterUnavailable(name string, why error) {
 	if why == nil {
 		panic("transport: RegisterUnavailable without a reason")
@@ -64,12 +60,11 @@ func register(name string, e entry) {
 	name = strings.ToLower(name)
 	mu.Lock()
 	defer mu.Unlock()
-	if old, dup := registry[name]; dup && old.backend != nil {
-		panic(fmt.Sprintf("transport: backend %q registered twice", name))
-	} else if dup && e.backend == nil {
+	// Build tags make a backend's real and unavailable registrations
+	// exclusive (ucx vs ucx_off.go, shm on Linux vs elsewhere).
+	if _, dup := registry[name]; dup {
 		panic(fmt.Sprintf("transport: backend %q registered twice", name))
 	}
-	// A real backend replaces a placeholder that said "not implemented".
 	registry[name] = e
 }
 
