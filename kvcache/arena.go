@@ -97,6 +97,13 @@ type ShmAllocator struct {
 
 	// Populate pre-faults every page at allocation time, as in MmapAllocator.
 	Populate bool
+
+	// PeerReadOnly seals the file against writes (F_SEAL_FUTURE_WRITE)
+	// once the arena's own mapping exists: the arena can still be written
+	// through Bytes, but no descriptor of the file, in this process or one
+	// it was passed to, can write it or map it writable again. Use it for
+	// memory a peer may read and must never change.
+	PeerReadOnly bool
 }
 
 // ShmArena is an arena in shared memory: the one ShmAllocator creates, or a

@@ -20,6 +20,7 @@ const (
 	fSealSeal       = 0x1       // F_SEAL_SEAL
 	fSealShrink     = 0x2       // F_SEAL_SHRINK
 	fSealGrow       = 0x4       // F_SEAL_GROW
+	fSealFutureW    = 0x10      // F_SEAL_FUTURE_WRITE (Linux 5.1)
 
 	mapPopulate = syscall.MAP_POPULATE
 )
@@ -67,15 +68,23 @@ func (a ShmAllocator) Allocate(size int) (Arena, error) {
 		if err := syscall.Ftruncate(fd, int64(size)); err != nil {
 			return fmt.Errorf("kvcache: ftruncate memfd to %d bytes: %w", size, err)
 		}
+		var err error
+		if b, err = mmapShared(fd, size, a.Populate); err != nil {
+			return err
+		}
 		// Sealing the size protects every process that maps the file: a
 		// file shrunk under a mapping turns accesses past the new end into
-		// SIGBUS, which would kill the mapping process.
-		if _, _, e := syscall.Syscall(syscall.SYS_FCNTL, uintptr(fd), fAddSeals, fSealShrink|fSealGrow|fSealSeal); e != 0 {
+		// SIGBUS, which would kill the mapping process. The future-write
+		// seal leaves the mapping just made as the only way to write.
+		seals := uintptr(fSealShrink | fSealGrow | fSealSeal)
+		if a.PeerReadOnly {
+			seals |= fSealFutureW
+		}
+		if _, _, e := syscall.Syscall(syscall.SYS_FCNTL, uintptr(fd), fAddSeals, seals); e != 0 {
+			syscall.Munmap(b)
 			return fmt.Errorf("kvcache: seal memfd: %w", e)
 		}
-		var err error
-		b, err = mmapShared(fd, size, a.Populate)
-		return err
+		return nil
 	})
 	if err != nil {
 		f.Close()
@@ -98,6 +107,17 @@ func (a ShmAllocator) Allocate(size int) (Arena, error) {
 // (as ShmAllocator's files are): memory of a file that a peer could shrink
 // would fault with SIGBUS on access and kill this process.
 func MapShared(f *os.File, size int64) (Arena, error) {
+	return mapPeer(f, size, syscall.PROT_READ|syscall.PROT_WRITE)
+}
+
+// MapSharedReadOnly is MapShared for reading only: the mapping cannot be
+// written, and it works on files sealed against writes (ShmAllocator with
+// PeerReadOnly), which MapShared cannot map.
+func MapSharedReadOnly(f *os.File, size int64) (Arena, error) {
+	return mapPeer(f, size, syscall.PROT_READ)
+}
+
+func mapPeer(f *os.File, size int64, prot int) (Arena, error) {
 	if f == nil {
 		return nil, errors.New("kvcache: map shared memory: nil file")
 	}
@@ -120,9 +140,12 @@ func MapShared(f *os.File, size int64) (Arena, error) {
 		if seals&fSealShrink == 0 {
 			return errors.New("kvcache: map shared memory: file is not sealed against shrinking")
 		}
-		var err error
-		b, err = mmapShared(fd, int(size), false)
-		return err
+		m, err := syscall.Mmap(fd, 0, int(size), prot, syscall.MAP_SHARED)
+		if err != nil {
+			return fmt.Errorf("kvcache: mmap %d shared bytes: %w", size, err)
+		}
+		b = m
+		return nil
 	})
 	if err != nil {
 		return nil, err

@@ -24,3 +24,8 @@ func MapShared(f *os.File, size int64) (Arena, error) {
 func errShmUnsupported() error {
 	return fmt.Errorf("kvcache: shared-memory arenas are not available on %s: %w", runtime.GOOS, errors.ErrUnsupported)
 }
+
+// MapSharedReadOnly returns an error: shared-memory arenas need Linux.
+func MapSharedReadOnly(f *os.File, size int64) (Arena, error) {
+	return nil, errShmUnsupported()
+}

@@ -180,44 +180,21 @@ func (r *rank) backendNames() []string {
 }
 
 // registerMemory declares the rank's pool arena to every backend that
-// wants memory registered, and makes the send staging buffers shared
-// memory registered the same way (a shm peer reads them).
+// wants memory registered. Staging buffers stay private heap memory: no
+// backend hands a peer a pool or a staging buffer (shm copies each part
+// into a window of the connection; see transport/shm).
 func (r *rank) registerMemory() error {
-	var regs []transport.MemoryRegistrar
-	for _, n := range r.backendNames() {
-		if mr, ok := r.transports[n].(transport.MemoryRegistrar); ok {
-			regs = append(regs, mr)
-		}
-	}
-	if len(regs) == 0 {
-		return nil
-	}
 	arena := r.pool.Arena()
 	var f *os.File
 	if sa, ok := arena.(*kvcache.ShmArena); ok {
 		f = sa.File()
 	}
-	for _, mr := range regs {
-		if err := mr.RegisterMemory(arena.Bytes(), f); err != nil {
-			return fmt.Errorf("transceiver: rank %d: register the pool: %w", r.idx, err)
-		}
-	}
-	r.sendBufs.alloc = func(size int) ([]byte, error) {
-		a, err := kvcache.ShmAllocator{Name: "kvxfer-staging"}.Allocate(size)
-		if err != nil {
-			return nil, fmt.Errorf("transceiver: rank %d: staging buffer in shared memory: %w", r.idx, err)
-		}
-		sa := a.(*kvcache.ShmArena)
-		for _, mr := range regs {
-			if err := mr.RegisterMemory(sa.Bytes(), sa.File()); err != nil {
-				a.Close()
-				return nil, fmt.Errorf("transceiver: rank %d: register a staging buffer: %w", r.idx, err)
+	for _, n := range r.backendNames() {
+		if mr, ok := r.transports[n].(transport.MemoryRegistrar); ok {
+			if err := mr.RegisterMemory(arena.Bytes(), f); err != nil {
+				return fmt.Errorf("transceiver: rank %d: register the pool: %w", r.idx, err)
 			}
 		}
-		r.mu.Lock()
-		r.arenas = append(r.arenas, a)
-		r.mu.Unlock()
-		return sa.Bytes(), nil
 	}
 	return nil
 }

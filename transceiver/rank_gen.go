@@ -67,8 +67,13 @@ func (r *rank) receive(reqID uint64, op *OpaqueState, genState layout.CacheState
 		})
 	})
 	effs := gr.core.start()
+	// Until the start's effects are launched (their workers added), a
+	// completion (a cancel from another rank can come at once) must not
+	// hand the blocks back: it waits for this hold too.
+	gr.workers.Add(1)
 	r.mu.Unlock()
 	r.execGen(gr, effs)
+	gr.workers.Done()
 	return nil
 }
 

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -121,15 +120,6 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		log.Info("environment variable ignored", "detail", ig)
 	}
 	names := backendsToOpen(res.Backend)
-	if slices.Contains(names, "shm") && !poolsShared(opts.Pools) {
-		// The shm backend's receiver reads straight out of the sender's
-		// pool memory: it must be a memory file another process can map.
-		if res.Backend == config.BackendSHM {
-			return nil, fmt.Errorf("transceiver: backend SHM needs every pool in shared memory: allocate them with transceiver.PoolAllocator (kvcache.ShmAllocator)")
-		}
-		names = slices.DeleteFunc(names, func(n string) bool { return n == "shm" })
-		log.Info("shm backend not used: the pools are not in shared memory (allocate them with transceiver.PoolAllocator)")
-	}
 	host := opts.ListenHost
 	if host == "" {
 		host = "127.0.0.1"
@@ -214,29 +204,12 @@ func backendsToOpen(b config.Backend) []string {
 	return names
 }
 
-// poolsShared reports whether every pool's arena is a shared-memory file.
-func poolsShared(pools []*kvcache.Pool) bool {
-	for _, p := range pools {
-		if _, ok := p.Arena().(*kvcache.ShmArena); !ok {
-			return false
-		}
-	}
-	return true
-}
-
 // PoolAllocator returns the allocator the pools of an instance should use
-// with this config: shared memory (kvcache.ShmAllocator) when the backend
-// may be SHM (SHM, or AUTO/DEFAULT resolving to AUTO with shm available), so
-// that a same-host peer can read blocks straight out of them; the Go heap
-// otherwise.
+// with this config. Every backend now moves data from and to any memory
+// (shm copies through a window of its own and never shares a pool), so it
+// is the Go heap; the function stays so that callers need not change when a
+// backend wants registered memory again.
 func PoolAllocator(cfg *config.CacheTransceiver) kvcache.Allocator {
-	if cfg == nil || cfg.Backend == config.BackendUnset {
-		return kvcache.HeapAllocator{}
-	}
-	res := cfg.Resolve(Availability)
-	if res.Err == nil && slices.Contains(backendsToOpen(res.Backend), "shm") {
-		return kvcache.ShmAllocator{Name: "kvxfer-pool"}
-	}
 	return kvcache.HeapAllocator{}
 }
 

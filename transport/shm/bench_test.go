@@ -11,10 +11,9 @@ import (
 )
 
 // BenchmarkSend moves one 512 MiB buffer per iteration between two
-// registered shared-memory regions of two Transports (Send, then wait for
-// the receipt): "shm" with the default two copiers, "shm-1copier" with one.
-// "copy" is the baseline in the same run: a plain copy between the same
-// two buffers.
+// Transports (Send, then wait for the receipt): "shm" with the default
+// 1 MiB window slots, "shm-256KiB-slots" with smaller ones. "copy" is the
+// baseline in the same run: a plain copy between the same two buffers.
 func BenchmarkSend(b *testing.B) {
 	const n = 512 << 20
 	src, dst := benchArena(b, n), benchArena(b, n)
@@ -29,17 +28,11 @@ func BenchmarkSend(b *testing.B) {
 		}
 	})
 	for _, sub := range []struct {
-		name    string
-		copiers int
-	}{{"shm", 0}, {"shm-1copier", 1}} {
+		name  string
+		frame int
+	}{{"shm", 0}, {"shm-256KiB-slots", 256 << 10}} {
 		b.Run(sub.name, func(b *testing.B) {
-			tx, rx := open(b, transport.Options{}), open(b, transport.Options{})
-			if sub.copiers > 0 {
-				rx.copiers = sub.copiers
-			}
-			if err := tx.RegisterMemory(src.Bytes(), src.File()); err != nil {
-				b.Fatal(err)
-			}
+			tx, rx := open(b, transport.Options{FrameBytes: sub.frame}), open(b, transport.Options{})
 			ctx := context.Background()
 			move := func() {
 				r, err := rx.Expect([][]byte{dst.Bytes()})
@@ -54,7 +47,7 @@ func BenchmarkSend(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
-			move() // untimed: dial, announce and map the region, fault the pages in
+			move() // untimed: dial, announce and map the window, fault the pages in
 			b.SetBytes(n)
 			b.ReportAllocs()
 			for b.Loop() {

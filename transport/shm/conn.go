@@ -18,10 +18,10 @@ const (
 	// grows, up to one whole message, when a longer message arrives.
 	readBufStart = 16 << 10
 	// maxFdsPerRecv bounds the descriptors one recvmsg accepts; a peer
-	// sending more (each REGION carries one) breaks the protocol.
+	// sending more (a WINDOW carries one) breaks the protocol.
 	maxFdsPerRecv = 4
-	// maxPendingFds bounds descriptors received ahead of their REGION
-	// messages.
+	// maxPendingFds bounds descriptors received ahead of their WINDOW
+	// message.
 	maxPendingFds = 16
 )
 
@@ -34,15 +34,14 @@ var aLongTimeAgo = time.Unix(1, 0)
 //
 // Descriptors sent with SCM_RIGHTS arrive with the first byte of the
 // sendmsg that carried them, and the kernel never returns the bytes of two
-// such sendmsg calls in one recvmsg; so by the time a REGION message has
+// such sendmsg calls in one recvmsg; so by the time a WINDOW message has
 // been read, its descriptor is in fds, in order.
 type msgReader struct {
 	nc   *net.UnixConn
 	buf  []byte
 	r, w int // unread bytes are buf[r:w]
 	oob  []byte
-	fds  []int // received, not yet claimed by a REGION
-	segs []segment
+	fds  []int // received, not yet claimed by a WINDOW
 }
 
 func newMsgReader(nc *net.UnixConn) *msgReader {
@@ -57,15 +56,12 @@ func newMsgReader(nc *net.UnixConn) *msgReader {
 // connection between messages; io.ErrUnexpectedEOF, inside one.
 func (mr *msgReader) next() (msg, error) {
 	for {
-		m, n, err := decodeMsg(mr.buf[mr.r:mr.w], mr.segs)
+		m, n, err := decodeMsg(mr.buf[mr.r:mr.w])
 		if err != nil {
 			return msg{}, err
 		}
 		if n > 0 {
 			mr.r += n
-			if m.typ == msgRead {
-				mr.segs = m.segs
-			}
 			return m, nil
 		}
 		if err := mr.fill(); err != nil {
@@ -134,7 +130,7 @@ func (mr *msgReader) takeFds(oob []byte) error {
 		mr.fds = append(mr.fds, fds...)
 	}
 	if bad == nil && len(mr.fds) > maxPendingFds {
-		bad = errProto("%d descriptors received ahead of their regions", len(mr.fds))
+		bad = errProto("%d descriptors received ahead of their window", len(mr.fds))
 	}
 	if bad != nil {
 		mr.closeFds()

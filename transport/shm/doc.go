@@ -3,88 +3,98 @@
 // effect). It needs Linux; elsewhere the name is registered as unavailable.
 //
 // It owns moving bytes between a Send and the memory of an armed receipt
-// of another transport on the same host, by having the receiver copy them
-// straight out of the sender's memory; it knows nothing of requests,
+// of another transport on the same host; it knows nothing of requests,
 // layouts or config. Like tcp, it does not authenticate peers beyond the
-// unguessable tag in a descriptor.
+// unguessable tag in a descriptor: whoever can hand a sender a descriptor
+// (the transceiver's control plane decides who can) becomes a receiver.
 //
-// # Receiver-driven reads
+// # What a peer can reach
 //
-// Nobody ever writes into another process's memory. A sender shares its
-// source regions (sealed memfds, see kvcache.ShmAllocator) with the
-// receiver, which maps them read-only and copies out of them into the
-// receipt's memory itself. So the receiver can stop a copy whenever it
-// likes, without trusting the sender, and its destination memory needs no
-// registration. The copy is one memcpy per byte, done by the receiver, on
-// two goroutines for transfers of two pieces or more (see Options.FrameBytes).
+// A receiver gets the bytes of the Sends addressed to it, read-only, and
+// nothing else. No pool, staging buffer or other memory of the sender is
+// ever shared: each connection a sender dials has a window of its own, a
+// sealed memfd of 8 slots of (at most) 1 MiB that the sender maps writable,
+// then seals with F_SEAL_FUTURE_WRITE (besides shrink, grow and seal), so
+// that no descriptor of it — the one passed to the receiver, or one reopened
+// through /proc — can write it or map it writable. The sender copies each
+// part of a Send into a free slot and tells the receiver; the receiver,
+// which maps the window read-only, copies the part into the receipt's memory
+// and releases the slot. A window only ever holds bytes of Sends to its one
+// receiver, so a receiver that keeps its mapping learns nothing it was not
+// sent. Nobody writes into another process's memory, so a receiver can
+// always stop, and a sender never depends on a receiver for its own memory.
 //
-// # Endpoints, connections, regions
+// The price is a second copy: the sender's (source → window) and the
+// receiver's (window → destination) run in parallel on two processes, on a
+// window small enough to stay in a shared cache.
+//
+// # Endpoints, connections, windows
 //
 // Each Transport listens on an abstract Unix socket named "@kvxfer-shm-"
 // and 128 random bits in hex: abstract sockets leave no file behind and
 // exist per network namespace, so reaching one proves that both sides share
 // a host and a namespace. A sender dials, lazily, one connection per
-// receiver endpoint and exchanges HELLOs (magic, version). Before a Send
-// first reads from a region on a connection, the sender announces it:
-// REGION with its id and size, and its memory file attached (SCM_RIGHTS).
-// The receiver maps it read-only (kvcache.MapShared checks the seals that
-// make a mapping safe from SIGBUS) and keeps the mapping for the life of
-// the connection; when the connection ends, or the transport closes, the
-// mappings are unmapped, after the copies reading them have stopped.
+// receiver endpoint, exchanges HELLOs (magic, version) and announces its
+// window: WINDOW with the slot size and count, the memory file attached
+// (SCM_RIGHTS). The receiver maps it read-only (kvcache.MapSharedReadOnly
+// checks the seals that make a mapping safe from SIGBUS) for the life of
+// the connection; when the connection ends, or the transport closes, both
+// sides unmap it, after the copies using it have stopped.
 //
-// Sources must be registered (transport.MemoryRegistrar) with their memory
-// file: a Send whose source is not fails with ErrNotShared.
+// Sources need no registration (RegisterMemory accepts any memory and does
+// nothing); destinations neither.
 //
 // # Ops
 //
 // A Send is one op on the connection: READ parts (op id, the receipt's
-// tag, the part's offset in the receipt, up to 4096 segments of (region,
-// offset, length); adjacent pieces of src are merged) ending with one
-// flagged last. The receiver checks every segment against its region's
-// bounds, binds the op to the receipt of the tag (checking the length), and
-// queues it; a worker goroutine per connection copies the queued ops in
-// order, checking between pieces whether to go on. It answers DONE when
-// every byte is in place, or ERR with a code and a reason. On DONE the
-// sender writes ACK and Send returns nil; the receipt completes when the
-// ACK arrives. (So a receiver can never complete a receipt with bytes from
-// a sender that had given up and gone on to reuse its memory.) Wire
-// formats are in wire.go.
+// tag, the op's total length, the part's offset in the receipt, its slot
+// and length), in order, the last one flagged. The receiver checks every
+// part (slot in range and not held, length within a slot, offsets in
+// sequence) and binds the op to the receipt of the tag at its first part
+// (checking the length); a worker goroutine per connection handles the
+// parts in order: it copies each into the receipt, releases its slot
+// (RELEASE), and after the last answers DONE. A refusal (unknown tag,
+// another length, a receipt being filled or cancelled) is answered ERR at
+// once, with a code and a reason; later parts of that op are released
+// unread, and the sender, which stops at the ERR, ends the op with CANCEL.
+// On DONE the sender writes ACK and Send returns nil; the receipt completes
+// when the ACK arrives. Wire formats are in wire.go.
 //
-// Credit bounds what a receiver holds per connection: each op in flight
-// weighs 64 plus its segments, 2 Mi in all; a sender waits for credit, and
-// a receiver closes a connection that exceeds it.
+// The window bounds what is in flight per connection (8 parts); a sender
+// keeps at most 1024 ops open on one connection, and a receiver closes a
+// connection that opens more than twice that.
 //
 // # Cancel and failure
 //
-// Send: when ctx ends, a Send whose READ has gone out writes CANCEL and
-// waits up to a second for the answer: ERR (the receiver stopped before its
-// next piece; the receipt fails with transport.ErrAborted) and Send returns
-// the ctx error, or DONE (all copied already) and Send returns nil. If no
-// answer comes, the connection is closed (failing the other ops on it).
-// A Send that ends before its READ went out writes ABORT for the tag (dialling
-// for it if needed, within a second), which fails the receipt with
+// Send: when ctx ends, a Send whose first READ has gone out writes CANCEL
+// and waits up to a second for the answer: ERR (the receiver stopped; the
+// receipt fails with transport.ErrAborted) and Send returns the ctx error,
+// or DONE (all copied already) and Send returns nil. If no answer comes, the
+// connection is closed (failing the other ops on it). A Send that ends
+// before its first READ went out writes ABORT for the tag (dialling for it
+// if needed, within a second), which fails the receipt with
 // transport.ErrAborted unless another Send is filling it. Close of the
 // Transport cancels its Sends the same way.
 //
 // Recv.Cancel: the receipt ends with transport.ErrCanceled; a copy into it
-// stops before its next piece and Cancel returns once it has. The sender's
-// Send fails with ErrRefused and transport.ErrCanceled (unless it had been
-// answered DONE). A READ for an unknown or ended tag is answered ERR and
-// the connection stays up.
+// finishes its part (at most one slot) and Cancel returns once it has. The
+// sender's Send fails with ErrRefused and transport.ErrCanceled (unless it
+// had been answered DONE). A READ for an unknown or ended tag is answered
+// ERR and the connection stays up.
 //
-// A malformed message, a segment outside its region, or a sender that
-// exceeds its credit closes that connection only (transport.ErrProtocol,
-// logged). A connection that ends fails every receipt an op of it was
-// filling, or awaiting the ACK for, with transport.ErrPeerLost (wrapping
-// the protocol error, if any); a receipt that has seen no READ is left to
-// the caller's deadline. A sender sees a broken connection at once (its
-// reader goroutine) and fails the Sends waiting on it with
-// transport.ErrPeerLost; the next Send redials.
+// A malformed message, a part outside the window, a slot reused before its
+// release, or too many open ops close that connection only
+// (transport.ErrProtocol, logged). A connection that ends fails every
+// receipt an op of it was filling, or awaiting the ACK for, with
+// transport.ErrPeerLost (wrapping the protocol error, if any); a receipt
+// that has seen no READ is left to the caller's deadline. A sender sees a
+// broken connection at once (its reader goroutine) and fails the Sends
+// waiting on it with transport.ErrPeerLost; the next Send redials.
 //
 // # Probe
 //
-// Probe dials the endpoint on a connection of its own, announces a
-// 4 KiB sealed memfd holding a random value and sends PROBE; the peer maps
-// it and answers with the value it reads, which proves the same host and
-// working shared mappings (PROBEOK), or with the reason it cannot (ERR).
+// Probe dials the endpoint on a connection of its own, announces a 4 KiB
+// window holding a random value and sends PROBE; the peer maps it and
+// answers with the value it reads, which proves the same host and working
+// shared mappings (PROBEOK), or with the reason it cannot (ERR).
 package shm

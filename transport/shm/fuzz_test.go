@@ -38,12 +38,14 @@ func FuzzDescriptor(f *testing.F) {
 func FuzzMessage(f *testing.F) {
 	for _, m := range []*msg{
 		{typ: msgHello, version: protoVersion},
-		{typ: msgRegion, region: 1, size: 4096},
-		{typ: msgRead, op: 1, tag: 2, offset: 3, last: true, segs: []segment{{1, 0, 10}, {2, 5, 1}}},
+		{typ: msgWindow, slotLen: 1 << 20, slots: 8},
+		{typ: msgRead, op: 1, tag: 2, total: 13, offset: 3, slot: 5, length: 10, last: true},
+		{typ: msgRead, op: 1, tag: 2, total: 100, offset: 0, slot: 0, length: 10},
+		{typ: msgRelease, slot: 3},
 		{typ: msgCancel, op: 1},
 		{typ: msgAbort, tag: 9},
 		{typ: msgAck, op: 1},
-		{typ: msgProbe, op: 1, region: 1},
+		{typ: msgProbe, op: 1},
 		{typ: msgDone, op: 1},
 		{typ: msgErr, op: 1, code: codeUnknown, text: "no receipt"},
 		{typ: msgProbeOK, op: 1, nonce: 0xdeadbeef},
@@ -55,7 +57,7 @@ func FuzzMessage(f *testing.F) {
 	}
 	f.Add([]byte{msgRead, 0, 0, 0, 0xff, 0xff, 0xff, 0xff})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		m, n, err := decodeMsg(b, nil)
+		m, n, err := decodeMsg(b)
 		switch {
 		case err != nil:
 			return

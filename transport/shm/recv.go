@@ -7,26 +7,29 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"math"
 	"net"
 	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
-// maxMapped bounds the bytes of peers' regions one Transport maps at once
-// (virtual address space, not memory: a region is the sender's memory). A
-// region past it is refused (ERR, "cannot map") rather than let a peer
-// exhaust the address space of this process.
-const maxMapped = 1 << 45
+// maxMapped bounds the bytes of peers' windows one Transport maps at once
+// (virtual address space; each window is a sender's memory). A window past
+// it is refused (ERR, "cannot map") rather than let peers exhaust the
+// address space of this process.
+const maxMapped = 1 << 40
 
-// testHookPiece, when set, is called by copiers before every piece they
-// copy. Tests use it to hold a transfer in the middle.
+// maxOpenOps bounds the ops a sender keeps open on one connection; a
+// receiver allows twice as many (an op is forgotten on each side at
+// slightly different moments).
+const maxOpenOps = 1024
+
+// testHookPiece, when set, is called by the worker before every part it
+// copies. Tests use it to hold a transfer in the middle.
 var testHookPiece atomic.Pointer[func()]
 
 // recv is one armed receipt.
@@ -38,61 +41,66 @@ type recv struct {
 	ends  []int64 // ends[i]: offset just past dst[i] in the receipt
 	total int64
 	done  chan struct{}
-	// finished is set (under t.mu) when the receipt has ended; copiers
-	// test it between pieces without the lock.
+	// finished is set (under t.mu) when the receipt has ended; the worker
+	// tests it between parts without the lock.
 	finished atomic.Bool
 
 	// Guarded by t.mu.
 	err    error
-	active int  // copiers between taking dst and letting go of it
-	op     *rop // the op filling it; nil before its READ
+	active int  // copies between taking dst and letting go of it
+	op     *rop // the op filling it; nil before its first READ
 	closed bool // done is closed
 }
 
 var _ transport.Recv = (*recv)(nil)
 
-// Op states on the receiving side.
-const (
-	opAssembling = iota // READ parts arriving
-	opQueued            // waiting for the worker
-	opCopying           // the worker copies it
-	opAwaitAck          // DONE sent; the receipt completes at ACK
-)
-
-// rop is one op, the receiving side of one Send.
+// rop is one op, the receiving side of one Send. The reader creates it at
+// its first part; the worker answers it.
 type rop struct {
 	id     uint64
 	tag    uint64
-	srcs   [][]byte // pieces of the peer's regions, in order
-	ends   []int64  // ends[i]: offset just past srcs[i] in the op
 	total  int64
-	weight int64  // credit it holds (see connCredit)
-	refuse uint32 // an ERR code decided while assembling; 0: none
+	refuse uint32 // an ERR code decided at the first part; 0: none
 	why    string
-	r      *recv // the receipt it fills, once queued
-	// cancelled is set by the sender's CANCEL; copiers test it.
-	cancelled atomic.Bool
+	r      *recv // the receipt it fills; nil when refused
 
-	state int // guarded by inConn.mu
+	// Guarded by inConn.mu.
+	next      int64 // offset of the next part (reader)
+	wireEnded bool  // its last part or a CANCEL was read
+	answered  bool  // DONE or ERR written
+	awaitAck  bool  // DONE written, the ACK not read yet
+	// cancelled is set by the sender's CANCEL; the worker tests it.
+	cancelled atomic.Bool
 }
 
-// peerRegion is a sender's region as mapped here, read-only.
-type peerRegion struct {
-	size  uint64
-	arena kvcache.Arena // nil when it could not be mapped
-	mem   []byte
-	err   error // why it could not be mapped
+// item is one entry of a connection's work queue: a part to copy, or a
+// CANCEL to carry out, in the order they were read.
+type item struct {
+	op     *rop
+	cancel bool
+	last   bool
+	offset int64 // of the part in the receipt
+	slot   int
+	length int
 }
 
 // inConn is an accepted connection: a reader goroutine (serve) that
-// handles messages, and a worker goroutine (work) that copies the ops the
-// reader queues, one at a time, in order.
+// handles messages, and a worker goroutine (work) that copies the parts
+// the reader queues, one at a time, in order, out of the sender's window.
 type inConn struct {
 	t      *Transport
 	nc     *net.UnixConn
 	remote string
-	mr     *msgReader             // the reader's
-	regs   map[uint32]*peerRegion // the reader's; unmapped after the worker ends
+	mr     *msgReader // the reader's
+
+	// The sender's window, mapped read-only; set once by the reader
+	// before the first READ that uses it, unmapped after the worker ends.
+	win       kvcache.Arena
+	winMem    []byte
+	winErr    error // why the window could not be mapped
+	slotLen   int
+	slots     int
+	winMapped int64 // bytes counted in Transport.mapped
 
 	dead       chan struct{} // closed when the reader stops
 	isDead     atomic.Bool
@@ -103,9 +111,9 @@ type inConn struct {
 	wbuf []byte // guarded by wmu
 
 	mu    sync.Mutex
-	ops   map[uint64]*rop // assembling, queued, copying or awaiting ACK
-	queue []*rop
-	used  int64 // credit of the ops not answered yet
+	ops   map[uint64]*rop // open: not both answered and ended on the wire
+	queue []item
+	held  []bool // held[slot]: a part in the slot is not released yet
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {
@@ -114,7 +122,6 @@ func newInConn(t *Transport, nc *net.UnixConn) *inConn {
 		nc:         nc,
 		remote:     peerName(nc),
 		mr:         newMsgReader(nc),
-		regs:       make(map[uint32]*peerRegion),
 		dead:       make(chan struct{}),
 		wake:       make(chan struct{}, 1),
 		workerDone: make(chan struct{}),
@@ -167,7 +174,7 @@ func (r *recv) Err() error {
 
 // Cancel ends the receipt with ErrCanceled unless it has ended, then waits
 // until nothing copies into dst: a copy in progress stops before its next
-// piece (at most Options.FrameBytes). The Send filling it, if any, fails
+// part (at most one window slot). The Send filling it, if any, fails
 // with ErrRefused and transport.ErrCanceled, unless the receiver had
 // already told it that every byte was copied.
 func (r *recv) Cancel() {
@@ -195,7 +202,7 @@ func (t *Transport) finish(r *recv, err error) {
 	}
 }
 
-// release is called by a copier that lets go of r's dst. t.mu must be held.
+// release is called by the worker when it lets go of r's dst. t.mu must be held.
 func (t *Transport) release(r *recv) {
 	r.active--
 	if r.active == 0 && r.finished.Load() && !r.closed {
@@ -219,8 +226,8 @@ func (c *inConn) serve() {
 
 // teardown closes the connection, stops the worker (closing first frees a
 // worker blocked writing an answer), fails the receipts this connection
-// was filling (ErrPeerLost), unmaps the peer's regions once nothing copies
-// out of them, and closes every descriptor received.
+// was filling (ErrPeerLost), unmaps the sender's window once nothing
+// copies out of it, and closes every descriptor received.
 func (c *inConn) teardown(err error) {
 	c.isDead.Store(true)
 	close(c.dead)
@@ -242,15 +249,13 @@ func (c *inConn) teardown(err error) {
 	c.ops, c.queue = nil, nil
 	c.mu.Unlock()
 	t.mu.Unlock()
-	for _, pr := range c.regs {
-		if pr.arena != nil {
-			if err := pr.arena.Close(); err != nil {
-				t.log.Warn("shm: unmapping a peer's region", "remote", c.remote, "err", err)
-			}
-			t.mapped.Add(-int64(pr.size))
+	if c.win != nil {
+		if err := c.win.Close(); err != nil {
+			t.log.Warn("shm: unmapping a sender's window", "remote", c.remote, "err", err)
 		}
+		c.win, c.winMem = nil, nil
 	}
-	c.regs = nil
+	t.mapped.Add(-c.winMapped)
 	c.mr.closeFds()
 }
 
@@ -277,12 +282,12 @@ func (c *inConn) readLoop() error {
 			return err
 		}
 		switch m.typ {
-		case msgRegion:
-			err = c.onRegion(m)
+		case msgWindow:
+			err = c.onWindow(m)
 		case msgRead:
 			err = c.onRead(m)
 		case msgCancel:
-			err = c.onCancel(m)
+			c.onCancel(m)
 		case msgAbort:
 			c.onAbort(m)
 		case msgAck:
@@ -298,150 +303,125 @@ func (c *inConn) readLoop() error {
 	}
 }
 
-// onRegion maps an announced region, read-only. A region that cannot be
+// onWindow maps the sender's window, read-only. A window that cannot be
 // mapped is remembered with the reason, which the ops that read it get.
-func (c *inConn) onRegion(m msg) error {
+func (c *inConn) onWindow(m msg) error {
 	fd, ok := c.mr.takeFd()
 	if !ok {
-		return errProto("region %d announced without its memory file", m.region)
+		return errProto("window announced without its memory file")
 	}
-	f := fdFile(fd, "shm peer region")
+	f := fdFile(fd, "shm sender window")
 	defer f.Close() // the mapping does not need it
-	if _, dup := c.regs[m.region]; dup {
-		return errProto("region %d announced twice", m.region)
+	if c.slots != 0 {
+		return errProto("window announced twice")
 	}
-	if len(c.regs) >= maxRegions {
-		return errProto("more than %d regions announced", maxRegions)
-	}
-	pr := &peerRegion{size: m.size}
-	c.regs[m.region] = pr
-	if c.t.mapped.Add(int64(m.size)) > maxMapped {
-		c.t.mapped.Add(-int64(m.size))
-		pr.err = fmt.Errorf("peers' regions mapped here would exceed %d bytes", int64(maxMapped))
+	c.slotLen, c.slots = int(m.slotLen), int(m.slots)
+	c.held = make([]bool, c.slots)
+	size := int64(m.slotLen) * int64(m.slots)
+	if c.t.mapped.Add(size) > maxMapped {
+		c.t.mapped.Add(-size)
+		c.winErr = fmt.Errorf("senders' windows mapped here would exceed %d bytes", int64(maxMapped))
 		return nil
 	}
-	a, err := kvcache.MapShared(f, int64(m.size))
-	if err == nil {
-		// Nothing here ever writes into a peer's memory; let the MMU
-		// hold us to that.
-		if err = syscall.Mprotect(a.Bytes(), syscall.PROT_READ); err != nil {
-			a.Close()
-			err = fmt.Errorf("mprotect: %w", err)
-		}
-	}
+	a, err := kvcache.MapSharedReadOnly(f, size)
 	if err != nil {
-		c.t.mapped.Add(-int64(m.size))
-		c.t.log.Warn("shm: cannot map a peer's region", "remote", c.remote, "region", m.region, "size", m.size, "err", err)
-		pr.err = err
+		c.t.mapped.Add(-size)
+		c.t.log.Warn("shm: cannot map a sender's window", "remote", c.remote, "size", size, "err", err)
+		c.winErr = err
 		return nil
 	}
-	pr.arena, pr.mem = a, a.Bytes()
+	c.win, c.winMem, c.winMapped = a, a.Bytes(), size
 	return nil
 }
 
-// onRead adds a READ part to its op; the last part queues the op for the
-// worker, or refuses it.
+// onRead checks a READ part and queues it for the worker. Its first part
+// creates the op and binds it to the receipt of its tag, or records why
+// not (the worker then answers ERR).
 func (c *inConn) onRead(m msg) error {
-	c.mu.Lock()
-	op := c.ops[m.op]
-	w := int64(len(m.segs))
-	if m.offset == 0 && op == nil {
-		w += opWeight
+	if c.slots == 0 {
+		return errProto("read before the window was announced")
 	}
+	if int(m.slot) >= c.slots || int(m.length) > c.slotLen {
+		return errProto("read part in slot %d of %d bytes; the window has %d slots of %d", m.slot, m.length, c.slots, c.slotLen)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.held[m.slot] {
+		return errProto("read part in slot %d, which holds a part not released yet", m.slot)
+	}
+	op := c.ops[m.op]
 	switch {
 	case m.offset == 0 && op != nil:
-		c.mu.Unlock()
 		return errProto("op %d started twice", m.op)
-	case m.offset != 0 && (op == nil || op.state != opAssembling || op.tag != m.tag || uint64(op.total) != m.offset):
-		c.mu.Unlock()
+	case m.offset != 0 && (op == nil || op.wireEnded || op.tag != m.tag || uint64(op.total) != m.total || uint64(op.next) != m.offset):
 		return errProto("read part of op %d at offset %d out of sequence", m.op, m.offset)
-	case c.used+w > c.t.credit:
-		c.mu.Unlock()
-		return errProto("ops in flight exceed the credit of a connection (%d)", c.t.credit)
+	case op == nil && len(c.ops) >= 2*maxOpenOps:
+		return errProto("more than %d ops open on one connection", 2*maxOpenOps)
 	}
 	if op == nil {
-		op = &rop{id: m.op, tag: m.tag}
+		// Only this goroutine creates ops, and the worker sees this one
+		// only once it is queued: c.mu can be let go for bind, which takes
+		// Transport.mu (locked before inConn.mu, never after).
+		op = &rop{id: m.op, tag: m.tag, total: int64(m.total)}
+		c.mu.Unlock()
+		c.bind(op)
+		c.mu.Lock()
+		if c.ops == nil { // cannot happen while the reader runs
+			return net.ErrClosed
+		}
 		c.ops[m.op] = op
 	}
-	op.weight += w
-	c.used += w
-	c.mu.Unlock()
-
-	// Only the reader touches an op while it is assembling.
-	if len(op.ends)+len(m.segs) > maxOpSegs {
-		return errProto("op %d has more than %d segments", m.op, maxOpSegs)
-	}
-	for _, s := range m.segs {
-		pr := c.regs[s.region]
-		switch {
-		case pr == nil:
-			return errProto("op %d reads region %d, which was not announced", m.op, s.region)
-		case s.offset+s.length > pr.size:
-			return errProto("op %d reads [%d, +%d) of region %d, which has %d bytes", m.op, s.offset, s.length, s.region, pr.size)
-		case uint64(op.total) > math.MaxInt64-s.length:
-			return errProto("op %d is longer than %d bytes", m.op, int64(math.MaxInt64))
-		}
-		op.total += int64(s.length)
-		op.ends = append(op.ends, op.total)
-		if pr.err != nil && op.refuse == 0 {
-			op.refuse, op.why = codeRegion, fmt.Sprintf("cannot map region %d: %v", s.region, pr.err)
-		}
-		if op.refuse == 0 {
-			op.srcs = append(op.srcs, pr.mem[s.offset:s.offset+s.length:s.offset+s.length])
-		}
-	}
-	if !m.last {
-		return nil
-	}
-	return c.queueOp(op)
+	op.next += int64(m.length)
+	op.wireEnded = m.last
+	c.held[m.slot] = true
+	c.push(item{op: op, last: m.last, offset: int64(m.offset), slot: int(m.slot), length: int(m.length)})
+	return nil
 }
 
-// queueOp binds a complete op to its receipt and queues it, or refuses it.
-func (c *inConn) queueOp(op *rop) error {
-	code, why := op.refuse, op.why
-	if code == 0 {
-		t := c.t
-		t.mu.Lock()
-		switch r := t.receipts[op.tag]; {
-		case r == nil:
-			code, why = codeUnknown, "no armed receipt for the tag (never armed, or ended: done, cancelled or failed)"
-		case r.op != nil:
-			code, why = codeBusy, "another Send is filling the receipt"
-		case r.total != op.total:
-			code, why = codeMismatch, fmt.Sprintf("the Send has %d bytes, the receipt %d", op.total, r.total)
-		default:
-			r.op, op.r = op, r
-		}
-		t.mu.Unlock()
+// bind binds a new op to the receipt of its tag, or records why it is
+// refused. c.mu must not be held.
+func (c *inConn) bind(op *rop) {
+	if c.winErr != nil {
+		op.refuse, op.why = codeRegion, fmt.Sprintf("cannot map the sender's window: %v", c.winErr)
+		return
 	}
-	if code != 0 {
-		return c.replyErr(op, code, why)
+	t := c.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	switch r := t.receipts[op.tag]; {
+	case r == nil:
+		op.refuse, op.why = codeUnknown, "no armed receipt for the tag (never armed, or ended: done, cancelled or failed)"
+	case r.op != nil:
+		op.refuse, op.why = codeBusy, "another Send is filling the receipt"
+	case r.total != op.total:
+		op.refuse, op.why = codeMismatch, fmt.Sprintf("the Send has %d bytes, the receipt %d", op.total, r.total)
+	default:
+		r.op, op.r = op, r
 	}
-	c.mu.Lock()
-	op.state = opQueued
-	c.queue = append(c.queue, op)
-	c.mu.Unlock()
+}
+
+// push queues it for the worker. c.mu must be held.
+func (c *inConn) push(it item) {
+	c.queue = append(c.queue, it)
 	select {
 	case c.wake <- struct{}{}:
 	default:
 	}
-	return nil
 }
 
-// onCancel marks an op cancelled; the worker stops it at its next piece
-// (or before it starts) and answers ERR, unless it has answered DONE.
-func (c *inConn) onCancel(m msg) error {
+// onCancel marks an op cancelled and queues the cancel for the worker,
+// which answers ERR unless the op was answered already. A CANCEL for an op
+// that is answered and forgotten crossed the answer: nothing to do.
+func (c *inConn) onCancel(m msg) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	op := c.ops[m.op]
-	switch {
-	case op == nil: // answered already: the CANCEL crossed the answer
-		return nil
-	case op.state == opAssembling:
-		return errProto("cancel of op %d in the middle of its reads", m.op)
+	if op == nil {
+		return
 	}
 	op.cancelled.Store(true)
-	return nil
+	op.wireEnded = true
+	c.push(item{op: op, cancel: true})
 }
 
 // onAbort fails the receipt of a Send that ended before it sent its READ,
@@ -459,7 +439,7 @@ func (c *inConn) onAbort(m msg) {
 func (c *inConn) onAck(m msg) error {
 	c.mu.Lock()
 	op := c.ops[m.op]
-	if op == nil || op.state != opAwaitAck {
+	if op == nil || !op.awaitAck {
 		c.mu.Unlock()
 		return errProto("ack of op %d, which is not done", m.op)
 	}
@@ -472,18 +452,17 @@ func (c *inConn) onAck(m msg) error {
 	return nil
 }
 
-// onProbe answers a PROBE with the first 8 bytes of the region.
+// onProbe answers a PROBE with the first 8 bytes of the window.
 func (c *inConn) onProbe(m msg) error {
-	pr := c.regs[m.region]
 	switch {
-	case pr == nil:
-		return errProto("probe of region %d, which was not announced", m.region)
-	case pr.err != nil:
-		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("cannot map region %d: %v", m.region, pr.err)})
-	case pr.size < 8:
-		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("region %d has %d bytes, fewer than 8", m.region, pr.size)})
+	case c.slots == 0:
+		return errProto("probe before the window was announced")
+	case c.winErr != nil:
+		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
+	case len(c.winMem) < 8:
+		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("the window has %d bytes, fewer than 8", len(c.winMem))})
 	}
-	return c.write(&msg{typ: msgProbeOK, op: m.op, nonce: binary.BigEndian.Uint64(pr.mem)})
+	return c.write(&msg{typ: msgProbeOK, op: m.op, nonce: binary.BigEndian.Uint64(c.winMem)})
 }
 
 // write sends one message to the sender. A failed write closes the
@@ -499,29 +478,7 @@ func (c *inConn) write(m *msg) error {
 	return err
 }
 
-// replyErr answers op with ERR and forgets it. Its credit is returned
-// before the answer goes out, as the sender counts on.
-func (c *inConn) replyErr(op *rop, code uint32, why string) error {
-	c.mu.Lock()
-	if c.ops != nil {
-		delete(c.ops, op.id)
-	}
-	c.used -= op.weight
-	c.mu.Unlock()
-	return c.write(&msg{typ: msgErr, op: op.id, code: code, text: why})
-}
-
-// replyDone answers op with DONE; the receipt completes at the ACK.
-func (c *inConn) replyDone(op *rop) error {
-	c.mu.Lock()
-	op.state = opAwaitAck
-	op.srcs, op.ends = nil, nil
-	c.used -= op.weight
-	c.mu.Unlock()
-	return c.write(&msg{typ: msgDone, op: op.id})
-}
-
-// work copies the queued ops, in order, until the connection dies.
+// work handles the queued items, in order, until the connection dies.
 func (c *inConn) work() {
 	defer c.t.wg.Done()
 	defer close(c.workerDone)
@@ -536,69 +493,97 @@ func (c *inConn) work() {
 			}
 			c.mu.Lock()
 		}
-		op := c.queue[0]
-		c.queue[0] = nil
+		it := c.queue[0]
+		c.queue[0] = item{}
 		c.queue = c.queue[1:]
-		op.state = opCopying
 		c.mu.Unlock()
 		if c.isDead.Load() {
-			return // teardown fails its receipt
+			return // teardown fails the receipts
 		}
-		c.serveOp(op)
+		c.handle(it)
 	}
 }
 
-// How a copy ended, in increasing order of precedence.
-const (
-	copyDone      = iota // every byte copied
-	copyLetGo            // the receipt ended (Cancel, Close)
-	copyCancelled        // the sender's CANCEL
-	copyDead             // the connection died
-)
+// handle carries out one item: it copies a part (unless its op is refused,
+// stopped or answered), releases its slot, and answers the op when it is
+// decided.
+func (c *inConn) handle(it item) {
+	op, t := it.op, c.t
+	c.mu.Lock()
+	answered := op.answered
+	c.mu.Unlock()
+	var ans *msg
+	switch {
+	case answered:
+	case it.cancel:
+		if op.r != nil {
+			t.mu.Lock()
+			t.finish(op.r, fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
+			t.mu.Unlock()
+		}
+		ans = &msg{typ: msgErr, op: op.id, code: codeAborted, text: "cancelled by the sender"}
+	case op.refuse != 0:
+		ans = &msg{typ: msgErr, op: op.id, code: op.refuse, text: op.why}
+	default:
+		ans = c.copyPart(op, it)
+	}
+	if !it.cancel {
+		c.mu.Lock()
+		c.held[it.slot] = false
+		c.mu.Unlock()
+		if c.write(&msg{typ: msgRelease, slot: uint32(it.slot)}) != nil {
+			return // the connection is closed; teardown does the rest
+		}
+	}
+	c.mu.Lock()
+	if ans != nil {
+		op.answered = true
+		op.awaitAck = ans.typ == msgDone
+	}
+	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
+		delete(c.ops, op.id)
+	}
+	c.mu.Unlock()
+	if ans != nil {
+		c.write(ans)
+	}
+}
 
-// serveOp copies op into its receipt and answers the sender.
-func (c *inConn) serveOp(op *rop) {
+// copyPart copies one part out of the window into the op's receipt. It
+// returns the op's answer when the op is decided (DONE after its last
+// part, ERR when it stops), nil when more parts are to come.
+func (c *inConn) copyPart(op *rop, it item) *msg {
 	t, r := c.t, op.r
 	t.mu.Lock()
 	switch {
 	case r.finished.Load():
 		code, why := endCode(r.err)
 		t.mu.Unlock()
-		c.replyErr(op, code, why)
-		return
+		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	case op.cancelled.Load():
 		t.finish(r, fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
 		t.mu.Unlock()
-		c.replyErr(op, codeAborted, "cancelled by the sender")
-		return
+		return &msg{typ: msgErr, op: op.id, code: codeAborted, text: "cancelled by the sender"}
 	}
 	r.active++
 	t.mu.Unlock()
-
-	st := c.copy(op, r)
+	if h := testHookPiece.Load(); h != nil {
+		(*h)()
+	}
+	src := c.winMem[it.slot*c.slotLen : it.slot*c.slotLen+it.length]
+	copyInto(r, it.offset, src)
 
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	t.release(r)
-	if st == copyDone && r.finished.Load() {
-		st = copyLetGo // ended as the last piece went in
+	if !it.last {
+		return nil
 	}
-	var code uint32
-	var why string
-	switch st {
-	case copyLetGo:
-		code, why = endCode(r.err)
-	case copyCancelled:
-		t.finish(r, fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
-		code, why = codeAborted, "cancelled by the sender"
+	if r.finished.Load() { // ended as the last part went in
+		code, why := endCode(r.err)
+		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	}
-	t.mu.Unlock()
-	switch st {
-	case copyDone:
-		c.replyDone(op)
-	case copyLetGo, copyCancelled:
-		c.replyErr(op, code, why)
-	}
-	// copyDead: teardown fails the receipt; nobody to answer.
+	return &msg{typ: msgDone, op: op.id}
 }
 
 // endCode is the ERR code of an op whose receipt ended with err.
@@ -609,60 +594,18 @@ func endCode(err error) (uint32, string) {
 	return codeCanceled, fmt.Sprintf("the receiver cancelled the receipt: %v", err)
 }
 
-// copy copies op into r's dst: on two goroutines (the worker and one it
-// joins) when the op is at least two pieces long and two CPUs are there.
-func (c *inConn) copy(op *rop, r *recv) int {
-	n, piece := op.total, int64(c.t.piece)
-	if c.t.copiers < 2 || n < 2*piece {
-		return c.copyRange(op, r, 0, n)
-	}
-	half := n / 2 &^ 4095 // page-aligned cut: both halves copy fast
-	var st2 int
-	var wg sync.WaitGroup
-	wg.Go(func() { st2 = c.copyRange(op, r, half, n) })
-	st1 := c.copyRange(op, r, 0, half)
-	wg.Wait()
-	return max(st1, st2)
-}
-
-// copyRange copies bytes [lo, hi) of op into r's dst, piece by piece,
-// checking before each piece that it should go on.
-func (c *inConn) copyRange(op *rop, r *recv, lo, hi int64) int {
-	piece := int64(c.t.piece)
-	si, di := pieceAt(op.ends, lo), pieceAt(r.ends, lo)
-	for pos := lo; pos < hi; {
-		if st := c.check(op, r); st != copyDone {
-			return st
-		}
-		for r.ends[di] <= pos { // empty pieces of dst
+// copyInto copies src into r's dst from offset off of the receipt on.
+func copyInto(r *recv, off int64, src []byte) {
+	di := pieceAt(r.ends, off)
+	for len(src) > 0 {
+		for r.ends[di] <= off { // empty pieces of dst
 			di++
 		}
-		s := op.srcs[si][pos-(op.ends[si]-int64(len(op.srcs[si]))):]
-		d := r.dst[di][pos-(r.ends[di]-int64(len(r.dst[di]))):]
-		k := min(int64(len(s)), int64(len(d)), piece, hi-pos)
-		copy(d[:k], s[:k])
-		pos += k
-		if pos == op.ends[si] {
-			si++
-		}
+		d := r.dst[di][off-(r.ends[di]-int64(len(r.dst[di]))):]
+		k := copy(d, src)
+		src = src[k:]
+		off += int64(k)
 	}
-	return copyDone
-}
-
-// check reports whether a copy should go on (copyDone) or why not.
-func (c *inConn) check(op *rop, r *recv) int {
-	if h := testHookPiece.Load(); h != nil {
-		(*h)()
-	}
-	switch {
-	case c.isDead.Load():
-		return copyDead
-	case op.cancelled.Load():
-		return copyCancelled
-	case r.finished.Load():
-		return copyLetGo
-	}
-	return copyDone
 }
 
 // pieceAt returns the index of the piece that holds offset off: the first

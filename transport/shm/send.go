@@ -20,26 +20,46 @@ import (
 // errNotWritten: a Send ended before its READ went out.
 var errNotWritten = errors.New("shm: send: read not written")
 
+// errAnswered: the receiver answered an op before its last part was sent
+// (an ERR: the receipt is unknown, busy, cancelled...).
+var errAnswered = errors.New("shm: send: answered early")
+
+// Window geometry: a sender copies each part of a Send into one slot of
+// its window on the connection, which the receiver maps read-only.
+const (
+	// maxSlotLen caps a slot; smaller Options.FrameBytes make smaller
+	// slots.
+	maxSlotLen = 1 << 20
+	// windowSlots is the number of slots of a window: parts in flight on a
+	// connection. 8 slots of 1 MiB keep the window in a shared cache.
+	windowSlots = 8
+)
+
 // sendOp is one Send in flight, for Close to cancel.
 type sendOp struct{ ep string }
 
 // outConn is the pooled connection to one receiver endpoint, with a reader
-// goroutine that routes the receiver's answers to the Sends waiting.
+// goroutine that routes the receiver's answers to the Sends waiting and
+// frees the window slots the receiver releases.
 type outConn struct {
 	t    *Transport
 	ep   string
 	nc   *net.UnixConn
 	mr   *msgReader    // the reader goroutine's
 	dead chan struct{} // closed when the reader has stopped
-	// wlock is the write lock, held for all the messages of one op so that
-	// a REGION precedes the READ that needs it and READ parts are not
-	// interleaved. A channel, so that waiting for it can end with ctx.
+	// wlock is the write lock, so that messages are not interleaved. A
+	// channel, so that waiting for it can end with ctx.
 	wlock chan struct{}
+	wbuf  []byte // guarded by wlock
 
-	// Guarded by wlock.
-	announced map[uint32]bool
-	wbuf      []byte
-	segs      []segment
+	// The window: memory this connection's receiver can read and nobody
+	// else can, holding only bytes Sends to that receiver copied there.
+	// Copies into it hold winMu for reading; the reader goroutine unmaps
+	// it, holding winMu, when the connection ends.
+	winMu   sync.RWMutex
+	win     *kvcache.ShmArena // nil once unmapped
+	winMem  []byte
+	slotLen int
 
 	mu       sync.Mutex
 	err      error // why it died; set before dead closes
@@ -47,6 +67,9 @@ type outConn struct {
 	nextOp   uint64
 	credit   int64
 	creditCh chan struct{} // closed when credit is returned; nil: no waiter
+	free     []int         // slots not in use
+	held     []bool        // held[slot]: written, not released yet
+	slotCh   chan struct{} // closed when a slot is freed; nil: no waiter
 }
 
 // pendingOp is an op waiting for its answer.
@@ -54,38 +77,45 @@ type pendingOp struct {
 	id     uint64
 	weight int64
 	res    chan msg // the answer (DONE, ERR or PROBEOK); capacity 1
+	early  msg      // an answer takeSlot took from res
 }
 
-func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader) *outConn {
-	return &outConn{
+func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *kvcache.ShmArena, slotLen int) *outConn {
+	oc := &outConn{
 		t: t, ep: ep, nc: nc, mr: mr,
-		dead:      make(chan struct{}),
-		wlock:     make(chan struct{}, 1),
-		announced: make(map[uint32]bool),
-		pending:   make(map[uint64]*pendingOp),
-		nextOp:    1,
-		credit:    t.credit,
+		dead:    make(chan struct{}),
+		wlock:   make(chan struct{}, 1),
+		win:     win,
+		winMem:  win.Bytes(),
+		slotLen: slotLen,
+		pending: make(map[uint64]*pendingOp),
+		nextOp:  1,
+		credit:  t.credit,
+		held:    make([]bool, windowSlots),
 	}
+	for s := windowSlots - 1; s >= 0; s-- {
+		oc.free = append(oc.free, s)
+	}
+	return oc
 }
 
-// Send has the receiver in desc copy src straight out of this process's
-// memory: every non-empty piece of src must lie in a region registered with
-// RegisterMemory with its memory file (else ErrNotShared). Send announces
-// the regions the receiver has not seen yet (passing their memory files),
-// writes a READ listing the pieces, and waits for the receiver's answer: it
-// returns nil once the receiver has copied every byte (and Send has
-// acknowledged that, which completes the receipt), after which src may be
-// reused. src is only read, and only by the receiver.
+// Send copies src, part by part, into this transport's window on the
+// connection to the receiver in desc, and the receiver copies each part
+// out of it into its receipt. src can be any memory: it is read only by
+// Send itself, and the receiver never sees anything but the parts of its
+// own Sends (see the package documentation). Send returns nil once the
+// receiver has copied every byte and Send has acknowledged that (which
+// completes the receipt). src is not used after Send returns.
 //
 // When ctx ends first, Send tells the receiver to stop (CANCEL; ABORT when
-// its READ had not gone out) and waits for the receiver to confirm that it
-// no longer reads src, for at most a second; the receipt fails with
+// no part had gone out) and waits for the receiver to confirm that it
+// stopped, for at most a second; the receipt fails with
 // transport.ErrAborted, and Send returns an error wrapping ctx.Err() (a
 // *transport.TimeoutError for a deadline), or nil if the receiver had copied
 // everything first. A receiver that does not confirm in time has the
-// connection closed: it may still read src for a moment, but cannot
-// complete its receipt any more, for that needs the ACK. Close of the
-// Transport does the same, and Send returns a *transport.ClosedError.
+// connection closed; it cannot complete its receipt any more, for that
+// needs the ACK. Close of the Transport does the same, and Send returns a
+// *transport.ClosedError.
 //
 // A receiver that refuses or stops the transfer (no armed receipt for the
 // tag, Cancel on its side) fails Send with ErrRefused (and
@@ -121,25 +151,24 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 		t.mu.Unlock()
 		t.sends.Done()
 	}()
-	spans, err := t.resolve(src)
-	if err != nil {
-		return err
-	}
-	return t.send(ctx, sctx, d, spans)
+	return t.send(ctx, sctx, d, src)
 }
 
-// send runs a Send once its source is resolved.
-func (t *Transport) send(ctx, sctx context.Context, d descriptor, spans []span) error {
-	ended := func() error { // ctx ended before the READ went out
+// cursor walks the pieces of a Send's source.
+type cursor struct {
+	src [][]byte
+	i   int // piece
+	off int // offset in it
+}
+
+// send runs a Send once its descriptor is checked.
+func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) error {
+	ended := func() error { // ctx ended before the first READ went out
 		t.abort(d.endpoint, d.tag)
 		return ctxErr(ctx, sctx, d.endpoint)
 	}
 	if sctx.Err() != nil {
 		return ended()
-	}
-	w := opWeight + int64(len(spans))
-	if w > t.credit {
-		return fmt.Errorf("shm: send: %d separate pieces, more than a connection's credit allows (%d)", len(spans), t.credit-opWeight)
 	}
 	oc, err := t.conn(sctx, d.endpoint)
 	if err != nil {
@@ -148,62 +177,95 @@ func (t *Transport) send(ctx, sctx context.Context, d descriptor, spans []span) 
 		}
 		return peerLost("send to", d.endpoint, err)
 	}
-	p, err := oc.acquire(sctx, w)
+	p, err := oc.acquire(sctx, 1)
 	if err != nil {
 		if sctx.Err() != nil {
 			return ended()
 		}
 		return peerLost("send to", d.endpoint, err)
 	}
-	if err := oc.writeRead(sctx, p.id, d.tag, spans); err != nil {
-		if errors.Is(err, errNotWritten) {
+	cur := cursor{src: src}
+	var off int64
+	for off < d.total {
+		slot, err := oc.takeSlot(sctx, p)
+		if errors.Is(err, errAnswered) {
+			oc.endOp(p.id) // so that the receiver forgets the op
+			return oc.answer(p, p.early, false)
+		}
+		if err == nil {
+			k := int(min(int64(oc.slotLen), d.total-off))
+			if !oc.fill(slot, &cur, k) {
+				return peerLost("send to", d.endpoint, oc.deadErr())
+			}
+			m := msg{typ: msgRead, op: p.id, tag: d.tag, total: uint64(d.total), offset: uint64(off), slot: uint32(slot), length: uint32(k), last: off+int64(k) == d.total}
+			if err = oc.writePart(sctx, &m); err == nil {
+				off += int64(k)
+				continue
+			}
+			if errors.Is(err, errNotWritten) {
+				oc.putSlot(slot)
+			}
+		}
+		switch {
+		case sctx.Err() != nil && off == 0:
 			oc.forget(p)
 			return ended()
-		}
-		if sctx.Err() != nil { // the write was cut short, the connection closed
-			return ctxErr(ctx, sctx, d.endpoint)
+		case sctx.Err() != nil:
+			return t.cancelOp(ctx, sctx, oc, p, d.endpoint)
 		}
 		return peerLost("send to", d.endpoint, err)
 	}
 	select {
 	case m := <-p.res:
-		return oc.answer(p, m)
+		return oc.answer(p, m, true)
 	case <-oc.dead:
 		select {
 		case m := <-p.res:
-			return oc.answer(p, m)
+			return oc.answer(p, m, true)
 		default:
 		}
 		return peerLost("send to", d.endpoint, oc.deadErr())
 	case <-sctx.Done():
 	}
+	return t.cancelOp(ctx, sctx, oc, p, d.endpoint)
+}
 
-	// Cancel: the receiver must confirm that it stopped reading src.
+// cancelOp stops an op whose ctx ended after some of its parts went out:
+// the receiver must confirm that it stopped.
+func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingOp, ep string) error {
 	gctx, gcancel := context.WithTimeout(context.Background(), grace)
 	defer gcancel()
 	if err := oc.writeMsg(gctx, &msg{typ: msgCancel, op: p.id}); err != nil {
 		oc.kill(fmt.Errorf("cancel not written within %v: %w", grace, err))
-		return ctxErr(ctx, sctx, d.endpoint)
+		return ctxErr(ctx, sctx, ep)
 	}
 	select {
 	case m := <-p.res:
-		if m.typ == msgDone && oc.answer(p, m) == nil {
+		if m.typ == msgDone && oc.answer(p, m, true) == nil {
 			return nil // every byte was copied before the cancel
 		}
 	case <-oc.dead:
 	case <-gctx.Done():
-		t.log.Warn("shm: receiver did not confirm a cancel; closing the connection", "peer", d.endpoint, "grace", grace)
+		t.log.Warn("shm: receiver did not confirm a cancel; closing the connection", "peer", ep, "grace", grace)
 		oc.kill(fmt.Errorf("the receiver did not confirm a cancel within %v", grace))
 	}
-	return ctxErr(ctx, sctx, d.endpoint)
+	return ctxErr(ctx, sctx, ep)
 }
 
-// answer turns the receiver's answer to a READ into Send's result. DONE is
-// acknowledged first: only the ACK completes the receipt, and it is sent
-// only while src is still untouched.
-func (oc *outConn) answer(p *pendingOp, m msg) error {
-	switch m.typ {
-	case msgDone:
+// endOp writes CANCEL for an op the receiver answered before its last part
+// went out, so that the receiver can forget it.
+func (oc *outConn) endOp(id uint64) {
+	ctx, cancel := context.WithTimeout(context.Background(), grace)
+	defer cancel()
+	oc.writeMsg(ctx, &msg{typ: msgCancel, op: id}) // a failure kills oc
+}
+
+// answer turns the receiver's answer to an op into Send's result. DONE is
+// acknowledged first: only the ACK completes the receipt. DONE is an answer
+// only once every part has gone out (whole).
+func (oc *outConn) answer(p *pendingOp, m msg, whole bool) error {
+	switch {
+	case m.typ == msgDone && whole:
 		ctx, cancel := context.WithTimeout(context.Background(), grace)
 		defer cancel()
 		if err := oc.writeMsg(ctx, &msg{typ: msgAck, op: p.id}); err != nil {
@@ -211,10 +273,13 @@ func (oc *outConn) answer(p *pendingOp, m msg) error {
 			return peerLost("send to", oc.ep, fmt.Errorf("acknowledging: %w", err))
 		}
 		return nil
-	case msgErr:
+	case m.typ == msgErr:
 		return refusal(oc.ep, m.code, m.text)
 	}
-	err := errProto("answer of type %d to a read", m.typ)
+	err := errProto("answer of type %d to an op with parts still to send", m.typ)
+	if whole {
+		err = errProto("answer of type %d to a read", m.typ)
+	}
 	oc.kill(err)
 	return peerLost("send to", oc.ep, err)
 }
@@ -283,15 +348,15 @@ func (t *Transport) conn(ctx context.Context, ep string) (*outConn, error) {
 		ch := make(chan struct{})
 		t.dialing[ep] = ch
 		t.mu.Unlock()
-		nc, mr, err := dialUnix(ctx, ep, helloTimeout)
+		nc, mr, win, err := t.dialWindow(ctx, ep)
 		t.mu.Lock()
 		delete(t.dialing, ep)
 		close(ch)
 		if err != nil {
 			t.mu.Unlock()
-			return nil, explainDial(err)
+			return nil, err
 		}
-		oc := newOutConn(t, ep, nc, mr)
+		oc := newOutConn(t, ep, nc, mr, win, t.slotLen)
 		t.peers[ep] = oc
 		// Safe against Close's Wait: dials happen only inside Sends and
 		// Probes, which Close waits for before it waits for these.
@@ -300,6 +365,42 @@ func (t *Transport) conn(ctx context.Context, ep string) (*outConn, error) {
 		go oc.readLoop()
 		return oc, nil
 	}
+}
+
+// dialWindow dials ep and announces a fresh window to it: a memory file
+// of windowSlots slots that this process maps writable and seals against
+// every other write, so that the receiver can map it read-only and nothing
+// else.
+func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *msgReader, *kvcache.ShmArena, error) {
+	nc, mr, err := dialUnix(ctx, ep, helloTimeout)
+	if err != nil {
+		return nil, nil, nil, explainDial(err)
+	}
+	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-window", PeerReadOnly: true}.Allocate(windowSlots * t.slotLen)
+	if err == nil {
+		win := a.(*kvcache.ShmArena)
+		if err = sendWindow(nc, win, t.slotLen, windowSlots); err == nil {
+			return nc, mr, win, nil
+		}
+		win.Close()
+	}
+	mr.closeFds()
+	nc.Close()
+	return nil, nil, nil, fmt.Errorf("announcing the window: %w", err)
+}
+
+// sendWindow writes a WINDOW message with win's memory file attached.
+func sendWindow(nc *net.UnixConn, win *kvcache.ShmArena, slotLen, slots int) error {
+	rc, err := win.File().SyscallConn()
+	if err != nil {
+		return err
+	}
+	b := appendMsg(nil, &msg{typ: msgWindow, slotLen: uint32(slotLen), slots: uint32(slots)})
+	var werr error
+	if err := rc.Control(func(fd uintptr) { werr = writeFull(nc, b, syscall.UnixRights(int(fd))) }); err != nil {
+		return err
+	}
+	return werr
 }
 
 // explainDial adds what a refused connection to an abstract socket means.
@@ -325,6 +426,8 @@ func (oc *outConn) readLoop() {
 			break
 		}
 		switch m.typ {
+		case msgRelease:
+			err = oc.onRelease(m.slot)
 		case msgDone, msgErr:
 			oc.mu.Lock()
 			p := oc.pending[m.op]
@@ -357,6 +460,98 @@ func (oc *outConn) readLoop() {
 	oc.nc.Close()
 	oc.mr.closeFds()
 	close(oc.dead)
+	oc.winMu.Lock()
+	oc.win.Close()
+	oc.win, oc.winMem = nil, nil
+	oc.winMu.Unlock()
+}
+
+// onRelease frees a slot the receiver has handled.
+func (oc *outConn) onRelease(slot uint32) error {
+	oc.mu.Lock()
+	defer oc.mu.Unlock()
+	if int(slot) >= len(oc.held) || !oc.held[slot] {
+		return errProto("release of slot %d, which holds no part", slot)
+	}
+	oc.putSlotLocked(int(slot))
+	return nil
+}
+
+// takeSlot waits for a free slot of the window, and takes it. It fails
+// with errAnswered (the answer in p.early) when the receiver has answered
+// p meanwhile.
+func (oc *outConn) takeSlot(ctx context.Context, p *pendingOp) (int, error) {
+	for {
+		select {
+		case m := <-p.res:
+			p.early = m
+			return -1, errAnswered
+		default:
+		}
+		oc.mu.Lock()
+		if oc.err != nil {
+			err := oc.err
+			oc.mu.Unlock()
+			return -1, err
+		}
+		if n := len(oc.free); n > 0 {
+			s := oc.free[n-1] // the slot freed last: likely still in cache
+			oc.free = oc.free[:n-1]
+			oc.held[s] = true
+			oc.mu.Unlock()
+			return s, nil
+		}
+		if oc.slotCh == nil {
+			oc.slotCh = make(chan struct{})
+		}
+		ch := oc.slotCh
+		oc.mu.Unlock()
+		select {
+		case <-ch:
+		case m := <-p.res:
+			p.early = m
+			return -1, errAnswered
+		case <-oc.dead:
+		case <-ctx.Done():
+			return -1, context.Cause(ctx)
+		}
+	}
+}
+
+// putSlot frees a slot that was taken but not written.
+func (oc *outConn) putSlot(s int) {
+	oc.mu.Lock()
+	oc.putSlotLocked(s)
+	oc.mu.Unlock()
+}
+
+func (oc *outConn) putSlotLocked(s int) {
+	oc.held[s] = false
+	oc.free = append(oc.free, s)
+	if oc.slotCh != nil {
+		close(oc.slotCh)
+		oc.slotCh = nil
+	}
+}
+
+// fill copies the next k bytes of cur into slot. It reports false when the
+// window is gone (the connection ended).
+func (oc *outConn) fill(slot int, cur *cursor, k int) bool {
+	oc.winMu.RLock()
+	defer oc.winMu.RUnlock()
+	if oc.winMem == nil {
+		return false
+	}
+	dst := oc.winMem[slot*oc.slotLen : slot*oc.slotLen+k]
+	for len(dst) > 0 {
+		for cur.off == len(cur.src[cur.i]) {
+			cur.i, cur.off = cur.i+1, 0
+		}
+		n := copy(dst, cur.src[cur.i][cur.off:])
+		cur.off += n
+		dst = dst[n:]
+	}
+	return true
 }
 
 // kill closes the connection (its reader then ends) and takes it out of
@@ -457,12 +652,11 @@ func (oc *outConn) lock(ctx context.Context) error {
 
 func (oc *outConn) unlock() { <-oc.wlock }
 
-// writeRead writes the REGIONs the receiver has not seen yet and the READ
-// parts of op id. It returns errNotWritten (wrapped) when ctx ended before
-// anything was written. A write in progress when ctx ends gets the grace
-// period; a failed write leaves the stream corrupt, so it kills the
-// connection.
-func (oc *outConn) writeRead(ctx context.Context, id, tag uint64, spans []span) error {
+// writePart writes one READ part. It returns errNotWritten (wrapped) when
+// ctx ended before anything was written. A write in progress when ctx ends
+// gets the grace period; a failed write leaves the stream corrupt, so it
+// kills the connection.
+func (oc *outConn) writePart(ctx context.Context, m *msg) error {
 	if err := oc.lock(ctx); err != nil {
 		if ctx.Err() != nil {
 			return fmt.Errorf("%w: %w", errNotWritten, err)
@@ -484,38 +678,8 @@ func (oc *outConn) writeRead(ctx context.Context, id, tag uint64, spans []span) 
 			oc.nc.SetWriteDeadline(time.Time{})
 		}
 	}()
-
-	for _, s := range spans {
-		r := s.r
-		if oc.announced[r.id] {
-			continue
-		}
-		oc.wbuf = appendMsg(oc.wbuf[:0], &msg{typ: msgRegion, region: r.id, size: uint64(r.size)})
-		if err := writeFull(oc.nc, oc.wbuf, syscall.UnixRights(r.fd)); err != nil {
-			oc.kill(err)
-			return err
-		}
-		oc.announced[r.id] = true
-	}
-	buf := oc.wbuf[:0]
-	var off uint64
-	for i := 0; i < len(spans); i += maxSegsPerMsg {
-		part := spans[i:min(i+maxSegsPerMsg, len(spans))]
-		segs := oc.segs[:0]
-		start := off
-		for _, s := range part {
-			segs = append(segs, segment{region: s.r.id, offset: s.offset, length: s.length})
-			off += s.length
-		}
-		oc.segs = segs
-		buf = appendMsg(buf, &msg{typ: msgRead, op: id, tag: tag, offset: start, last: i+len(part) == len(spans), segs: segs})
-	}
-	if cap(buf) <= 1<<20 {
-		oc.wbuf = buf
-	} else {
-		oc.wbuf = nil // rare: do not keep a large buffer
-	}
-	if _, err := oc.nc.Write(buf); err != nil {
+	oc.wbuf = appendMsg(oc.wbuf[:0], m)
+	if _, err := oc.nc.Write(oc.wbuf); err != nil {
 		oc.kill(err)
 		return err
 	}
@@ -580,24 +744,18 @@ func (t *Transport) Probe(ctx context.Context, endpoint string) error {
 		}
 	}()
 
-	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-probe"}.Allocate(4096)
+	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-probe", PeerReadOnly: true}.Allocate(4096)
 	if err != nil {
 		return fmt.Errorf("shm: probe %s: cannot create shared memory here: %w", endpoint, err)
 	}
 	defer a.Close()
 	nonce := randUint64()
 	binary.BigEndian.PutUint64(a.Bytes(), nonce)
-	fd, err := dupMemFile(a.(*kvcache.ShmArena).File(), 4096)
-	if err != nil {
-		return fmt.Errorf("shm: probe %s: %w", endpoint, err)
-	}
-	defer closeFd(fd)
-	const op, reg = 1, 1
-	b := appendMsg(nil, &msg{typ: msgRegion, region: reg, size: 4096})
-	if err := writeFull(nc, b, syscall.UnixRights(fd)); err != nil {
+	const op = 1
+	if err := sendWindow(nc, a.(*kvcache.ShmArena), 4096, 1); err != nil {
 		return fmt.Errorf("shm: probe %s: sending a memory file: %w", endpoint, err)
 	}
-	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgProbe, op: op, region: reg}), nil); err != nil {
+	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgProbe, op: op}), nil); err != nil {
 		return fmt.Errorf("shm: probe %s: %w", endpoint, err)
 	}
 	m, err := mr.next()

@@ -12,13 +12,9 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"runtime"
-	"slices"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
-	"unsafe"
 
 	"github.com/kvxfer/kvxfer/transport"
 )
@@ -36,30 +32,9 @@ const (
 	probeTimeout = 5 * time.Second
 )
 
-// Limits that bound a receiver's memory per connection; senders keep to
-// them, and a sender that does not breaks the protocol.
-const (
-	// maxRegions bounds the regions a sender announces on one connection
-	// (each is a mapping in the receiver).
-	maxRegions = 4096
-	// maxOpSegs bounds the segments of one Send, after adjacent ones are
-	// merged.
-	maxOpSegs = 1 << 20
-	// opWeight: a sender's ops in flight on one connection weigh opWeight
-	// plus their segments each, at most connCredit in all.
-	opWeight = 64
-)
-
-// connCredit is the credit of a connection (see opWeight); both ends of a
-// connection must agree on it. A variable only so that tests can lower it
-// before they open transports.
-var connCredit int64 = 2 << 20
-
-// Fcntl constants that package syscall does not define.
-const (
-	fGetSeals   = 1024 + 10 // F_GET_SEALS
-	fSealShrink = 0x2       // F_SEAL_SHRINK
-)
+// connCredit bounds the ops a sender keeps open on one connection. A
+// variable only so that tests can lower it before they open transports.
+var connCredit int64 = maxOpenOps
 
 func init() { transport.Register(Backend{}) }
 
@@ -79,19 +54,20 @@ func (Backend) Open(ctx context.Context, opts transport.Options) (transport.Tran
 }
 
 // Transport is the shm data plane of one rank: a listener on an abstract
-// Unix socket whose connections bring READs that it serves by copying out
-// of the sender's regions into armed receipts, and one pooled connection
-// per receiver endpoint that sends. See the package documentation.
+// Unix socket whose connections bring READ parts that it serves by copying
+// them out of the sender's window into armed receipts, and one pooled
+// connection per receiver endpoint that sends through a window of its own.
+// See the package documentation.
 //
-// Lock order: Transport.mu before inConn.mu and outConn.mu; regMu is never
-// held with another lock. The write lock of an outConn (a channel) may be
-// held while taking outConn.mu or Transport.mu, never the other way round.
+// Lock order: Transport.mu before inConn.mu and outConn.mu. The write lock
+// of an outConn (a channel) may be held while taking outConn.mu or
+// Transport.mu, never the other way round; outConn.winMu is taken with no
+// other lock held.
 type Transport struct {
 	log      *slog.Logger
 	ln       *net.UnixListener
 	endpoint string
-	piece    int   // bytes copied between two checks for cancel
-	copiers  int   // goroutines that copy one large op
+	slotLen  int   // bytes of a window slot: the largest part
 	credit   int64 // connCredit when opened
 
 	done      chan struct{} // closed when Close starts
@@ -100,12 +76,7 @@ type Transport struct {
 	sends sync.WaitGroup // in-flight Sends and Probes; Add only under mu while !closed
 	wg    sync.WaitGroup // accept loop, connection readers and workers
 
-	mapped atomic.Int64 // bytes of peers' regions mapped (see maxMapped)
-
-	regMu      sync.RWMutex
-	regions    []*region // sorted by base address, not overlapping
-	nextRegion uint32
-	regClosed  bool
+	mapped atomic.Int64 // bytes of senders' windows mapped (see maxMapped)
 
 	mu       sync.Mutex
 	closed   bool
@@ -122,27 +93,20 @@ var (
 	_ transport.Prober          = (*Transport)(nil)
 )
 
-// region is one registered memory region. Immutable once registered.
-type region struct {
-	id   uint32
-	base uintptr
-	size int
-	mem  []byte // keeps heap memory reachable
-	fd   int    // a duplicate of the memory file's descriptor; -1: none
-}
-
 // Open listens on a fresh abstract Unix socket, "@kvxfer-shm-" and 128
 // random bits in hex, and starts accepting connections. The goroutines it
 // starts stop in Close; ctx bounds only the opening.
 //
-// Of the options, only Logger and FrameBytes (the bytes a receiver copies
-// between two checks for cancel, rounded down to a multiple of 4096; 0 means
-// transport.DefaultFrameBytes) apply: ListenAddr and Streams are TCP's.
+// Of the options, only Logger and FrameBytes apply: a window slot, the
+// largest part a Send copies at once and so what a receiver copies between
+// two checks for cancel, is FrameBytes rounded down to a multiple of 4096,
+// at most 1 MiB (0 means transport.DefaultFrameBytes). ListenAddr and
+// Streams are TCP's.
 func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	opts = opts.WithDefaults()
-	piece := opts.FrameBytes
-	if piece >= 4096 {
-		piece &^= 4095
+	slot := min(opts.FrameBytes, maxSlotLen)
+	if slot >= 4096 {
+		slot &^= 4095
 	}
 	var rnd [16]byte
 	rand.Read(rnd[:]) // never fails (see crypto/rand.Read)
@@ -153,19 +117,17 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		return nil, fmt.Errorf("shm: open: %w", err)
 	}
 	t := &Transport{
-		log:        opts.Logger.With("backend", "shm", "endpoint", ep),
-		ln:         ln.(*net.UnixListener),
-		endpoint:   ep,
-		piece:      piece,
-		copiers:    min(2, runtime.GOMAXPROCS(0)),
-		credit:     connCredit,
-		done:       make(chan struct{}),
-		nextRegion: 1,
-		receipts:   make(map[uint64]*recv),
-		ops:        make(map[*sendOp]context.CancelCauseFunc),
-		inbound:    make(map[*inConn]struct{}),
-		peers:      make(map[string]*outConn),
-		dialing:    make(map[string]chan struct{}),
+		log:      opts.Logger.With("backend", "shm", "endpoint", ep),
+		ln:       ln.(*net.UnixListener),
+		endpoint: ep,
+		slotLen:  slot,
+		credit:   connCredit,
+		done:     make(chan struct{}),
+		receipts: make(map[uint64]*recv),
+		ops:      make(map[*sendOp]context.CancelCauseFunc),
+		inbound:  make(map[*inConn]struct{}),
+		peers:    make(map[string]*outConn),
+		dialing:  make(map[string]chan struct{}),
 	}
 	t.wg.Add(1)
 	go t.accept()
@@ -222,16 +184,6 @@ func (t *Transport) Close() error {
 			oc.kill(&transport.ClosedError{Op: "send"})
 		}
 		t.wg.Wait()
-
-		t.regMu.Lock()
-		for _, r := range t.regions {
-			if r.fd >= 0 {
-				syscall.Close(r.fd)
-			}
-		}
-		t.regions = nil
-		t.regClosed = true
-		t.regMu.Unlock()
 	})
 	return nil
 }
@@ -275,157 +227,21 @@ func (t *Transport) accept() {
 	}
 }
 
-// RegisterMemory declares mem as a region of this transport. A region with
-// a file f (a sealed memfd, such as a kvcache.ShmArena's, mapped from its
-// start as mem) can be a Send source: the transport keeps a duplicate of
-// f's descriptor, which it passes to each receiver the first time a Send
-// to it reads from the region, and closes in Close. A region without a file
-// is accepted for symmetry with other backends but cannot be a source;
-// destinations (Expect) need no registration at all.
-//
-// Registering the same memory again is a no-op, or adds the file to a
-// region registered without one; memory that overlaps a registered region
-// otherwise is an error. mem must stay valid until the transport is closed.
+// RegisterMemory accepts any memory and does nothing with it: a Send copies
+// its source into the window of the connection itself, so sources need no
+// registration, and no memory of this process but a connection's window is
+// ever shared with a peer. It exists for the transport.MemoryRegistrar
+// contract and fails only for empty memory or a closed transport.
 func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
 	if len(mem) == 0 {
 		return errors.New("shm: register memory: empty region")
 	}
-	fd := -1
-	if f != nil {
-		var err error
-		if fd, err = dupMemFile(f, len(mem)); err != nil {
-			return fmt.Errorf("shm: register memory: %w", err)
-		}
-	}
-	base := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
-	t.regMu.Lock()
-	defer t.regMu.Unlock()
-	if t.regClosed {
-		closeFd(fd)
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
 		return &transport.ClosedError{Op: "register memory"}
 	}
-	if t.nextRegion == 0 { // wrapped: ids must stay unique and non-zero
-		closeFd(fd)
-		return errors.New("shm: register memory: too many registrations")
-	}
-	// The first region that ends after base.
-	i, _ := slices.BinarySearchFunc(t.regions, base, func(r *region, b uintptr) int {
-		if r.base+uintptr(r.size) <= b {
-			return -1
-		}
-		return 1
-	})
-	if i < len(t.regions) && t.regions[i].base < base+uintptr(len(mem)) {
-		old := t.regions[i]
-		switch {
-		case old.base != base || old.size != len(mem):
-			closeFd(fd)
-			return fmt.Errorf("shm: register memory: [%#x, +%d) overlaps the registered region [%#x, +%d)", base, len(mem), old.base, old.size)
-		case old.fd >= 0 || fd < 0:
-			closeFd(fd)
-			return nil
-		}
-		// Add the file: a new region with a new id, since regions stay
-		// immutable for the Sends reading them.
-		t.regions[i] = &region{id: t.nextRegion, base: base, size: len(mem), mem: mem, fd: fd}
-		t.nextRegion++
-		return nil
-	}
-	t.regions = slices.Insert(t.regions, i, &region{id: t.nextRegion, base: base, size: len(mem), mem: mem, fd: fd})
-	t.nextRegion++
 	return nil
-}
-
-// dupMemFile checks that f can back a region of size bytes that a peer can
-// map safely (at least size bytes, sealed against shrinking) and returns a
-// close-on-exec duplicate of its descriptor.
-func dupMemFile(f *os.File, size int) (int, error) {
-	rc, err := f.SyscallConn()
-	if err != nil {
-		return -1, err
-	}
-	dup := -1
-	var ferr error
-	err = rc.Control(func(fd uintptr) {
-		var st syscall.Stat_t
-		if ferr = syscall.Fstat(int(fd), &st); ferr != nil {
-			ferr = fmt.Errorf("fstat %s: %w", f.Name(), ferr)
-			return
-		}
-		if st.Size < int64(size) {
-			ferr = fmt.Errorf("file %s is %d bytes, smaller than the region's %d", f.Name(), st.Size, size)
-			return
-		}
-		seals, _, e := syscall.Syscall(syscall.SYS_FCNTL, fd, fGetSeals, 0)
-		if e != 0 || seals&fSealShrink == 0 {
-			ferr = fmt.Errorf("file %s is not a memfd sealed against shrinking (allocate with kvcache.ShmAllocator)", f.Name())
-			return
-		}
-		d, _, e := syscall.Syscall(syscall.SYS_FCNTL, fd, syscall.F_DUPFD_CLOEXEC, 0)
-		if e != 0 {
-			ferr = fmt.Errorf("dup %s: %w", f.Name(), e)
-			return
-		}
-		dup = int(d)
-	})
-	if err != nil {
-		return -1, err
-	}
-	return dup, ferr
-}
-
-func closeFd(fd int) {
-	if fd >= 0 {
-		syscall.Close(fd)
-	}
-}
-
-// span is one merged piece of a Send's source: length bytes at offset of a
-// region.
-type span struct {
-	r      *region
-	offset uint64
-	length uint64
-}
-
-// resolve maps each non-empty piece of src to the registered region that
-// holds it, merging pieces that are adjacent in one region.
-func (t *Transport) resolve(src [][]byte) ([]span, error) {
-	t.regMu.RLock()
-	defer t.regMu.RUnlock()
-	out := make([]span, 0, min(len(src), 1024))
-	for i, p := range src {
-		if len(p) == 0 {
-			continue
-		}
-		a := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
-		j, _ := slices.BinarySearchFunc(t.regions, a, func(r *region, b uintptr) int {
-			if r.base+uintptr(r.size) <= b {
-				return -1
-			}
-			return 1
-		})
-		if j == len(t.regions) || t.regions[j].base > a {
-			return nil, fmt.Errorf("shm: send: piece %d [%#x, +%d): %w", i, a, len(p), ErrNotShared)
-		}
-		r := t.regions[j]
-		off := uint64(a - r.base)
-		if off+uint64(len(p)) > uint64(r.size) {
-			return nil, fmt.Errorf("shm: send: piece %d [%#x, +%d) runs past the end of its region [%#x, +%d): %w", i, a, len(p), r.base, r.size, ErrNotShared)
-		}
-		if r.fd < 0 {
-			return nil, fmt.Errorf("shm: send: piece %d [%#x, +%d) is in a region registered without a file: %w", i, a, len(p), ErrNotShared)
-		}
-		if k := len(out) - 1; k >= 0 && out[k].r == r && out[k].offset+out[k].length == off {
-			out[k].length += uint64(len(p))
-			continue
-		}
-		out = append(out, span{r: r, offset: off, length: uint64(len(p))})
-	}
-	if len(out) > maxOpSegs {
-		return nil, fmt.Errorf("shm: send: %d separate pieces, more than %d", len(out), maxOpSegs)
-	}
-	return out, nil
 }
 
 // randUint64 returns a random non-zero value from crypto/rand.

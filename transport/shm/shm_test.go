@@ -17,7 +17,6 @@ import (
 	"syscall"
 	"testing"
 	"time"
-	"unsafe"
 
 	"go.uber.org/goleak"
 
@@ -187,15 +186,14 @@ func TestConformance(t *testing.T) {
 	}, transporttest.Options{Alloc: shmAlloc})
 }
 
-// TestConformanceSmallPieces runs the suite again with the receivers
-// checking for cancel every 64 KiB, and one copier per op.
+// TestConformanceSmallPieces runs the suite again with 64 KiB window
+// slots: many parts per Send, and cancel checked every 64 KiB.
 func TestConformanceSmallPieces(t *testing.T) {
 	if testing.Short() {
 		t.Skip("skipped in -short mode")
 	}
 	transporttest.RunOptions(t, func(t *testing.T) (a, b transport.Transport) {
 		x, y := open(t, transport.Options{FrameBytes: 64 << 10}), open(t, transport.Options{FrameBytes: 64<<10 + 1})
-		x.copiers, y.copiers = 1, 1
 		return x, y
 	}, transporttest.Options{Alloc: shmAlloc})
 }
@@ -224,98 +222,34 @@ func TestRegistered(t *testing.T) {
 	}
 }
 
-// TestNotShared: a source outside registered shared memory fails Send
-// with ErrNotShared, and nothing else is affected.
-func TestNotShared(t *testing.T) {
+// TestAnySource: a Send's source need not be registered nor shared: heap
+// memory, memory registered without a file, and pieces of several kinds
+// all arrive.
+func TestAnySource(t *testing.T) {
 	a, b := open(t, transport.Options{}), open(t, transport.Options{})
 	mem := shared(t, 8192, a)
-	noFile := make([]byte, 4096)
+	noFile := fill(make([]byte, 4096), 4)
 	if err := a.RegisterMemory(noFile, nil); err != nil {
 		t.Fatalf("RegisterMemory without a file: %v", err)
 	}
-	r, err := b.Expect([][]byte{make([]byte, 4096)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Cancel()
+	fill(mem, 1)
 	for name, src := range map[string][][]byte{
-		"heap":       {make([]byte, 4096)},
+		"heap":       {fill(make([]byte, 4096), 2)},
 		"no file":    {noFile},
-		"one of two": {mem[:2048], make([]byte, 2048)},
-		// Never read: Send refuses it first.
-		"past its end": {unsafe.Slice(&mem[8192-2048], 4096)},
+		"one of two": {mem[:2048], fill(make([]byte, 2048), 3)},
 	} {
-		err := a.Send(context.Background(), r.Descriptor(), src)
-		if !errors.Is(err, ErrNotShared) {
-			t.Errorf("%s: Send = %v, want ErrNotShared", name, err)
-		} else {
-			t.Logf("%s: %v", name, err)
-		}
-	}
-	if err := r.Err(); err != nil {
-		t.Fatalf("receipt failed by the refused Sends: %v", err)
-	}
-	src := fill(mem[:4096], 1)
-	if err := a.Send(context.Background(), r.Descriptor(), [][]byte{src}); err != nil {
-		t.Fatal(err)
-	}
-	<-r.Done()
-	if r.Err() != nil {
-		t.Fatal(r.Err())
+		t.Run(name, func(t *testing.T) { move(t, a, b, src, [][]byte{make([]byte, 1000), make([]byte, 3096)}) })
 	}
 }
 
 func TestRegisterMemory(t *testing.T) {
-	a, b := open(t, transport.Options{}), open(t, transport.Options{})
-	sa, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(16 << 10)
-	if err != nil {
-		t.Fatal(err)
-	}
-	arena := sa.(*kvcache.ShmArena)
-	defer arena.Close()
-	defer a.Close()
-	mem, f := arena.Bytes(), arena.File()
-
-	if err := a.RegisterMemory(nil, f); err == nil {
+	a := open(t, transport.Options{})
+	if err := a.RegisterMemory(nil, nil); err == nil {
 		t.Error("RegisterMemory(empty) = nil")
 	}
-	tmp, err := os.Create(t.TempDir() + "/plain")
-	if err != nil {
-		t.Fatal(err)
+	if err := a.RegisterMemory(make([]byte, 10), nil); err != nil {
+		t.Errorf("RegisterMemory(heap memory) = %v", err)
 	}
-	defer tmp.Close()
-	tmp.Truncate(16 << 10)
-	if err := a.RegisterMemory(make([]byte, 16<<10), tmp); err == nil || !strings.Contains(err.Error(), "sealed") {
-		t.Errorf("RegisterMemory(a plain file) = %v, want an error about seals", err)
-	}
-	if err := a.RegisterMemory(make([]byte, 32<<10), f); err == nil {
-		t.Error("RegisterMemory(more memory than its file) = nil")
-	}
-	// Without the file first, then with it: the region becomes a source.
-	if err := a.RegisterMemory(mem, nil); err != nil {
-		t.Fatal(err)
-	}
-	r, err := b.Expect([][]byte{make([]byte, 100)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := a.Send(context.Background(), r.Descriptor(), [][]byte{mem[:100]}); !errors.Is(err, ErrNotShared) {
-		t.Errorf("Send from a region without a file = %v, want ErrNotShared", err)
-	}
-	r.Cancel()
-	for range 2 {
-		if err := a.RegisterMemory(mem, f); err != nil {
-			t.Fatalf("RegisterMemory again with the file: %v", err)
-		}
-	}
-	if err := a.RegisterMemory(mem[4096:8192], f); err == nil {
-		t.Error("RegisterMemory(part of a region) = nil")
-	}
-	if err := a.RegisterMemory(mem[:4096:4096], nil); err == nil {
-		t.Error("RegisterMemory(start of a region) = nil")
-	}
-	fill(mem, 9)
-	move(t, a, b, [][]byte{mem[:5000], mem[6000:9000]}, [][]byte{make([]byte, 8000)})
 	a.Close()
 	var ce *transport.ClosedError
 	if err := a.RegisterMemory(make([]byte, 1), nil); !errors.As(err, &ce) {
@@ -323,11 +257,11 @@ func TestRegisterMemory(t *testing.T) {
 	}
 }
 
-// TestManySegments: a Send of more separate pieces than one READ message
-// takes, into scattered memory.
+// TestManySegments: a Send of many separate pieces, cut into many parts
+// (4 KiB slots), into scattered memory.
 func TestManySegments(t *testing.T) {
-	a, b := open(t, transport.Options{}), open(t, transport.Options{})
-	const pieces = 3*maxSegsPerMsg + 17
+	a, b := open(t, transport.Options{FrameBytes: 4096}), open(t, transport.Options{})
+	const pieces = 3*4096 + 17
 	mem := fill(shared(t, 4*pieces, a), 5)
 	var src [][]byte
 	n := 0
@@ -340,23 +274,20 @@ func TestManySegments(t *testing.T) {
 	move(t, a, b, src, dst)
 }
 
-// TestCredit: Sends beyond a connection's credit wait for it and all
-// complete; a Send heavier than the whole credit fails at once.
+// TestCredit: Sends beyond a connection's credit (ops open at once) wait
+// for it and all complete, sharing the window's slots.
 func TestCredit(t *testing.T) {
 	old := connCredit
-	connCredit = 3 * (opWeight + 50)
+	connCredit = 3
 	t.Cleanup(func() { connCredit = old })
-	a, b := open(t, transport.Options{}), open(t, transport.Options{})
-	mem := fill(shared(t, 100*20, a), 7)
+	a, b := open(t, transport.Options{FrameBytes: 4096}), open(t, transport.Options{})
+	mem := fill(shared(t, 100<<10, a), 7)
 	var wg sync.WaitGroup
 	errs := make(chan error, 20)
 	for k := range 20 {
-		var src [][]byte
-		for i := range 50 {
-			src = append(src, mem[k*100+2*i:k*100+2*i+1])
-		}
+		src := [][]byte{mem[k*5000 : k*5000+4000], mem[k*5000+4500 : k*5000+4990]}
 		wg.Go(func() {
-			dst := make([]byte, 50)
+			dst := make([]byte, 4490)
 			r, err := b.Expect([][]byte{dst})
 			if err != nil {
 				errs <- err
@@ -381,18 +312,6 @@ func TestCredit(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Error(err)
-	}
-	var src [][]byte
-	for i := range 300 {
-		src = append(src, mem[2*i:2*i+1])
-	}
-	r, err := b.Expect([][]byte{make([]byte, len(src))})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Cancel()
-	if err := a.Send(context.Background(), r.Descriptor(), src); err == nil || !strings.Contains(err.Error(), "credit") {
-		t.Errorf("Send heavier than the credit = %v, want an error about credit", err)
 	}
 }
 
@@ -632,16 +551,31 @@ func rawConn(t *testing.T, tr *Transport) (*net.UnixConn, *msgReader) {
 	return nc, mr
 }
 
-// announce sends a REGION for mem (a ShmArena's) over nc.
-func announce(t *testing.T, nc *net.UnixConn, id uint32, a *kvcache.ShmArena) {
+// announce sends a WINDOW of slots slots of slotLen bytes, backed by a,
+// over nc.
+func announce(t *testing.T, nc *net.UnixConn, a *kvcache.ShmArena, slotLen, slots int) {
 	t.Helper()
-	fd, err := dupMemFile(a.File(), int(a.Size()))
-	if err != nil {
+	if err := sendWindow(nc, a, slotLen, slots); err != nil {
 		t.Fatal(err)
 	}
-	defer closeFd(fd)
-	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgRegion, region: id, size: uint64(a.Size())}), syscall.UnixRights(fd)); err != nil {
-		t.Fatal(err)
+}
+
+// readOf is a READ part of op 1, tag 77, in slot.
+func readOf(slot uint32, off, n, total uint64, last bool) *msg {
+	return &msg{typ: msgRead, op: 1, tag: 77, slot: slot, offset: off, length: uint32(n), total: total, last: last}
+}
+
+// readAnswer reads messages until one that is not a RELEASE, and returns
+// it with the slots released before it.
+func readAnswer(t *testing.T, nc *net.UnixConn, mr *msgReader) (msg, []uint32) {
+	t.Helper()
+	var rel []uint32
+	for {
+		m := readMsg(t, nc, mr)
+		if m.typ != msgRelease {
+			return m, rel
+		}
+		rel = append(rel, m.slot)
 	}
 }
 
@@ -709,9 +643,6 @@ func TestMalformed(t *testing.T) {
 		h := []byte{typ, 0, 0, 0, byte(n >> 24), byte(n >> 16), byte(n >> 8), byte(n)}
 		return append(h, rest...)
 	}
-	readOf := func(region uint32, off, n uint64, last bool) *msg {
-		return &msg{typ: msgRead, op: 1, tag: 77, last: last, segs: []segment{{region: region, offset: off, length: n}}}
-	}
 	cases := []struct {
 		name string
 		send func(t *testing.T, nc *net.UnixConn)
@@ -726,46 +657,66 @@ func TestMalformed(t *testing.T) {
 			writeMsgs(t, nc, &msg{typ: msgHello, version: protoVersion})
 		}},
 		{"receiver's message", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgDone, op: 1}) }},
-		{"region without file", func(t *testing.T, nc *net.UnixConn) {
-			writeMsgs(t, nc, &msg{typ: msgRegion, region: 1, size: 4096})
+		{"window without file", func(t *testing.T, nc *net.UnixConn) {
+			writeMsgs(t, nc, &msg{typ: msgWindow, slotLen: 4096, slots: 1})
 		}},
-		{"region twice", func(t *testing.T, nc *net.UnixConn) {
-			announce(t, nc, 1, reg)
-			announce(t, nc, 1, reg)
+		{"window twice", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 4096, 1)
+			announce(t, nc, reg, 4096, 1)
 		}},
 		{"too many descriptors", func(t *testing.T, nc *net.UnixConn) {
-			fd, _ := dupMemFile(reg.File(), 4096)
-			defer closeFd(fd)
-			writeFull(nc, appendMsg(nil, &msg{typ: msgRegion, region: 1, size: 4096}), syscall.UnixRights(fd, fd, fd, fd, fd, fd))
+			rc, _ := reg.File().SyscallConn()
+			rc.Control(func(fd uintptr) {
+				f := int(fd)
+				writeFull(nc, appendMsg(nil, &msg{typ: msgWindow, slotLen: 4096, slots: 1}), syscall.UnixRights(f, f, f, f, f, f))
+			})
 		}},
-		{"read of an unknown region", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, readOf(5, 0, 10, true)) }},
-		{"read past a region", func(t *testing.T, nc *net.UnixConn) {
-			announce(t, nc, 1, reg)
-			writeMsgs(t, nc, readOf(1, 4000, 200, true))
+		{"read before the window", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, readOf(0, 0, 10, 10, true)) }},
+		{"read of a slot past the window", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			writeMsgs(t, nc, readOf(4, 0, 10, 10, true))
 		}},
-		{"empty segment", func(t *testing.T, nc *net.UnixConn) {
-			announce(t, nc, 1, reg)
-			b := appendMsg(nil, readOf(1, 0, 1, true))
-			b[len(b)-1] = 0 // length 0
+		{"read longer than a slot", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			writeMsgs(t, nc, readOf(0, 0, 1025, 1025, true))
+		}},
+		{"read of a held slot", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			r, err := b.Expect([][]byte{make([]byte, 20)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(r.Cancel)
+			d, _ := decodeDescriptor(r.Descriptor())
+			var once sync.Once // hold the worker on the first part
+			setHook(t, func() { once.Do(func() { time.Sleep(time.Second) }) })
+			m, m2 := readOf(0, 0, 10, 20, false), readOf(0, 10, 10, 20, true)
+			m.tag, m2.tag = d.tag, d.tag
+			writeMsgs(t, nc, m, m2)
+		}},
+		{"empty part", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			b := appendMsg(nil, readOf(0, 0, 1, 1, true))
+			b[hdrLen+39] = 0 // length 0
 			nc.Write(b)
 		}},
 		{"part out of sequence", func(t *testing.T, nc *net.UnixConn) {
-			announce(t, nc, 1, reg)
-			m := readOf(1, 0, 10, true)
-			m.offset = 10
-			writeMsgs(t, nc, m)
+			announce(t, nc, reg, 1024, 4)
+			writeMsgs(t, nc, readOf(0, 0, 10, 30, false), readOf(1, 20, 10, 30, true))
 		}},
 		{"op started twice", func(t *testing.T, nc *net.UnixConn) {
-			announce(t, nc, 1, reg)
-			writeMsgs(t, nc, readOf(1, 0, 10, false), readOf(1, 0, 10, true))
+			announce(t, nc, reg, 1024, 4)
+			writeMsgs(t, nc, readOf(0, 0, 10, 20, false), readOf(1, 0, 10, 10, true))
 		}},
-		{"cancel between parts", func(t *testing.T, nc *net.UnixConn) {
-			announce(t, nc, 1, reg)
-			writeMsgs(t, nc, readOf(1, 0, 10, false), &msg{typ: msgCancel, op: 1})
+		{"last part short of the total", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			b := appendMsg(nil, readOf(0, 0, 10, 20, false))
+			b[hdrLen+43] = flagLast
+			nc.Write(b)
 		}},
 		{"ack of nothing", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAck, op: 3}) }},
-		{"probe of nothing", func(t *testing.T, nc *net.UnixConn) {
-			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1, region: 2})
+		{"probe before the window", func(t *testing.T, nc *net.UnixConn) {
+			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
 		}},
 	}
 	for _, tc := range cases {
@@ -801,67 +752,81 @@ func TestMalformed(t *testing.T) {
 }
 
 // TestReadAnswers: READs for unknown tags, receipts of another length, and
-// regions that cannot be mapped are answered ERR on a connection that
-// stays up; a receipt completes only at the ACK.
+// a window that cannot be mapped are answered ERR on a connection that
+// stays up, each part's slot released first; a receipt completes only at
+// the ACK.
 func TestReadAnswers(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
 	reg := testArena(t, 64<<10)
 	fill(reg.Bytes(), 6)
-	announce(t, nc, 1, reg)
-
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: 12345, last: true, segs: []segment{{1, 0, 100}}})
-	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 1 || m.code != codeUnknown {
-		t.Fatalf("answer to a READ of an unknown tag: %+v", m)
+	announce(t, nc, reg, 16<<10, 4)
+	part := func(op, tag uint64, slot uint32, off, n, total uint64) *msg {
+		return &msg{typ: msgRead, op: op, tag: tag, slot: slot, offset: off, length: uint32(n), total: total, last: off+n == total}
 	}
+	answer := func(what string, op uint64, typ byte, code uint32, released ...uint32) {
+		t.Helper()
+		m, rel := readAnswer(t, nc, mr)
+		if m.typ != typ || m.op != op || m.code != code || !slices.Equal(rel, released) {
+			t.Fatalf("%s: answer %+v after releases %v; want type %d, op %d, code %d after releases %v", what, m, rel, typ, op, code, released)
+		}
+	}
+
+	writeMsgs(t, nc, part(1, 12345, 0, 0, 100, 100))
+	answer("a READ of an unknown tag", 1, msgErr, codeUnknown, 0)
 	r, err := b.Expect([][]byte{make([]byte, 100)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	d, _ := decodeDescriptor(r.Descriptor())
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 2, tag: d.tag, last: true, segs: []segment{{1, 0, 99}}})
-	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 2 || m.code != codeMismatch {
-		t.Fatalf("answer to a READ of the wrong length: %+v", m)
-	}
-	// A region the receiver cannot map: a memfd not sealed... is not to be
-	// had from kvcache; claim a size larger than the file instead.
-	fd, _ := dupMemFile(reg.File(), 4096)
-	writeFull(nc, appendMsg(nil, &msg{typ: msgRegion, region: 2, size: 1 << 30}), syscall.UnixRights(fd))
-	closeFd(fd)
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 3, tag: d.tag, last: true, segs: []segment{{2, 0, 100}}})
-	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 3 || m.code != codeRegion {
-		t.Fatalf("answer to a READ of an unmappable region: %+v", m)
-	}
-	writeMsgs(t, nc, &msg{typ: msgProbe, op: 4, region: 2})
-	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 4 || m.code != codeRegion {
-		t.Fatalf("answer to a PROBE of an unmappable region: %+v", m)
+	writeMsgs(t, nc, part(2, d.tag, 1, 0, 99, 99))
+	answer("a READ of the wrong length", 2, msgErr, codeMismatch, 1)
+	// A refused op's later parts are released and skipped; the CANCEL the
+	// sender writes on seeing the ERR is not answered again.
+	writeMsgs(t, nc, part(3, 999, 0, 0, 10, 30))
+	answer("the first part of an unknown tag", 3, msgErr, codeUnknown, 0)
+	writeMsgs(t, nc, part(3, 999, 2, 10, 10, 30), &msg{typ: msgCancel, op: 3})
+	if m := readMsg(t, nc, mr); m.typ != msgRelease || m.slot != 2 {
+		t.Fatalf("a later part of a refused op: %+v, want its slot released", m)
 	}
 	if r.Err() != nil {
 		t.Fatalf("receipt failed by refused READs: %v", r.Err())
 	}
 
-	// The receipt completes at the ACK, not at DONE.
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, segs: []segment{{1, 0, 60}}},
-		&msg{typ: msgRead, op: 1, tag: d.tag, offset: 60, last: true, segs: []segment{{1, 1000, 40}}})
-	if m := readMsg(t, nc, mr); m.typ != msgDone || m.op != 1 {
-		t.Fatalf("answer to a good READ: %+v", m)
-	}
+	// The receipt completes at the ACK, not at DONE; the parts come out of
+	// their slots.
+	writeMsgs(t, nc, part(1, d.tag, 3, 0, 60, 100), part(1, d.tag, 0, 60, 40, 100))
+	answer("a good READ", 1, msgDone, 0, 3, 0)
 	select {
 	case <-r.Done():
 		t.Fatalf("receipt done before the ACK: %v", r.Err())
 	case <-time.After(20 * time.Millisecond):
 	}
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 2, tag: d.tag, last: true, segs: []segment{{1, 0, 100}}})
-	if m := readMsg(t, nc, mr); m.typ != msgErr || m.op != 2 || m.code != codeBusy {
-		t.Fatalf("answer to a second READ of a receipt: %+v", m)
-	}
+	writeMsgs(t, nc, part(2, d.tag, 1, 0, 100, 100))
+	answer("a second READ of a receipt", 2, msgErr, codeBusy, 1)
 	writeMsgs(t, nc, &msg{typ: msgAck, op: 1})
 	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
 	if r.Err() != nil {
 		t.Fatal(r.Err())
 	}
-	if got := r.(*recv).dst[0]; !bytes.Equal(got, append(slices.Clone(reg.Bytes()[:60]), reg.Bytes()[1000:1040]...)) {
+	win := reg.Bytes()
+	if got := r.(*recv).dst[0]; !bytes.Equal(got, append(slices.Clone(win[3*16<<10:3*16<<10+60]), win[:40]...)) {
 		t.Fatal("bytes differ")
+	}
+
+	// A window that cannot be mapped: claim more than its file holds.
+	nc2, mr2 := rawConn(t, b)
+	announce(t, nc2, reg, 1<<20, 4)
+	r2, _ := b.Expect([][]byte{make([]byte, 100)})
+	defer r2.Cancel()
+	d2, _ := decodeDescriptor(r2.Descriptor())
+	writeMsgs(t, nc2, part(1, d2.tag, 0, 0, 100, 100))
+	if m, _ := readAnswer(t, nc2, mr2); m.typ != msgErr || m.op != 1 || m.code != codeRegion {
+		t.Fatalf("answer to a READ of an unmappable window: %+v", m)
+	}
+	writeMsgs(t, nc2, &msg{typ: msgProbe, op: 4})
+	if m := readMsg(t, nc2, mr2); m.typ != msgErr || m.op != 4 || m.code != codeRegion {
+		t.Fatalf("answer to a PROBE of an unmappable window: %+v", m)
 	}
 
 	// DONE, then the sender goes away without an ACK, or breaks the
@@ -873,9 +838,9 @@ func TestReadAnswers(t *testing.T) {
 		}
 		d, _ := decodeDescriptor(r.Descriptor())
 		nc, mr := rawConn(t, b)
-		announce(t, nc, 1, reg)
-		writeMsgs(t, nc, &msg{typ: msgRead, op: 9, tag: d.tag, last: true, segs: []segment{{1, 0, 100}}})
-		if m := readMsg(t, nc, mr); m.typ != msgDone {
+		announce(t, nc, reg, 16<<10, 4)
+		writeMsgs(t, nc, part(9, d.tag, 0, 0, 100, 100))
+		if m, _ := readAnswer(t, nc, mr); m.typ != msgDone {
 			t.Fatalf("answer to a good READ: %+v", m)
 		}
 		if end == "close" {
@@ -907,11 +872,11 @@ func TestAbortBeforeRead(t *testing.T) {
 	}
 
 	reg := testArena(t, 4096)
-	announce(t, nc, 1, reg)
+	announce(t, nc, reg, 4096, 1)
 	r, _ = b.Expect([][]byte{make([]byte, 10)})
 	d, _ = decodeDescriptor(r.Descriptor())
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, last: true, segs: []segment{{1, 0, 10}}})
-	if m := readMsg(t, nc, mr); m.typ != msgDone {
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, length: 10, total: 10, last: true})
+	if m, _ := readAnswer(t, nc, mr); m.typ != msgDone {
 		t.Fatalf("answer: %+v", m)
 	}
 	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.tag}, &msg{typ: msgAck, op: 1})

@@ -16,32 +16,37 @@ import (
 //
 //	0  1  type
 //	1  3  reserved, zero
-//	4  4  body length (bounded per type; at most maxBody)
+//	4  4  body length (exact per type, or bounded for ERR)
 //
 // Sender → receiver (on a connection the sender dialled):
 //
-//	HELLO   8   magic "KVXS", protocol version (1), 3 reserved (zero); first
+//	HELLO   8   magic "KVXS", protocol version (2), 3 reserved (zero); first
 //	            message of each side (the receiver answers with its own)
-//	REGION  16  region id (4, never 0), reserved (4), size (8); sent with
-//	            exactly one descriptor (SCM_RIGHTS): the region's memfd
-//	READ    32+24n  op id (8), tag (8), offset of this part in the receipt
-//	            (8), n (4, 1..maxSegsPerMsg), flags (4; bit 0: last part),
-//	            then n segments: region id (4), reserved (4), offset in
-//	            the region (8), length (8, > 0)
-//	CANCEL  8   op id: stop the op (the receiver answers DONE or ERR)
+//	WINDOW  8   slot size in bytes (4), number of slots (4); sent once, with
+//	            exactly one descriptor (SCM_RIGHTS): the sender's window, a
+//	            memfd of slots × slot size bytes sealed against shrinking,
+//	            growing and writes (F_SEAL_FUTURE_WRITE)
+//	READ    48  op id (8), tag (8), total length of the op (8), offset of
+//	            this part in the receipt (8), slot (4), length (4, 1..slot
+//	            size), flags (4; bit 0: last part), reserved (4): the part's
+//	            bytes are at the start of the slot
+//	CANCEL  8   op id: stop the op (the receiver answers DONE or ERR); it
+//	            also ends an op whose last part was never sent
 //	ABORT   8   tag: fail that receipt with ErrAborted if no op is filling
-//	            it (a Send that ended before its READ went out)
-//	ACK     8   op id: the sender has seen DONE while still holding src;
-//	            only now does the receipt complete
-//	PROBE   16  op id (8), region id (4), reserved (4)
+//	            it (a Send that ended before its first READ went out)
+//	ACK     8   op id: the sender has seen DONE; only now does the receipt
+//	            complete
+//	PROBE   8   op id: read the first 8 bytes of the window
 //
 // Receiver → sender:
 //
 //	HELLO   8   as above
+//	RELEASE 8   slot (4), reserved (4): the part in the slot was handled;
+//	            the sender may reuse the slot
 //	DONE    8   op id: every byte copied
 //	ERR     16+k  op id (8), code (4), k (4, 0..maxErrText), k bytes of
 //	            reason text
-//	PROBEOK 16  op id (8), the first 8 bytes of the probed region
+//	PROBEOK 16  op id (8), the first 8 bytes of the window
 //
 // Descriptor (what Expect returns, what Send consumes), 63 bytes:
 //
@@ -52,18 +57,16 @@ import (
 //	.  8  tag (never 0)
 //	.  8  total length in bytes (1..MaxInt64)
 const (
-	protoVersion = 1
+	protoVersion = 2
 	helloMagic   = "KVXS"
 	hdrLen       = 8
-	maxBody      = readFixed + maxSegsPerMsg*segLen
-	readFixed    = 32
-	segLen       = 24
-	// maxSegsPerMsg bounds the segments of one READ part (a 96 KiB
-	// message); a Send with more is cut into several parts.
-	maxSegsPerMsg = 4096
-	maxErrText    = 512
-	// maxRegionSize is kvcache's largest arena.
-	maxRegionSize = 1 << 47
+	readLen      = 48
+	maxErrText   = 512
+	maxBody      = 16 + maxErrText
+	// maxSlotBytes and maxSlots bound a window a receiver maps.
+	maxSlotBytes = 64 << 20
+	maxSlots     = 1024
+	maxWindow    = 256 << 20
 
 	descKind       = 's'
 	descVersion    = 1
@@ -75,7 +78,7 @@ const (
 // Message types.
 const (
 	msgHello   = 1
-	msgRegion  = 2
+	msgWindow  = 2
 	msgRead    = 3
 	msgCancel  = 4
 	msgAbort   = 5
@@ -84,6 +87,7 @@ const (
 	msgDone    = 8
 	msgErr     = 9
 	msgProbeOK = 10
+	msgRelease = 11
 )
 
 // READ flags.
@@ -94,33 +98,28 @@ const (
 	codeUnknown  = 1 // no armed receipt under the tag (never armed, or ended)
 	codeBusy     = 2 // another Send is filling the receipt
 	codeMismatch = 3 // the op's length is not the receipt's
-	codeRegion   = 4 // the receiver could not map a region the op reads
+	codeRegion   = 4 // the receiver could not map the sender's window
 	codeCanceled = 5 // the receiver cancelled the receipt
 	codeClosing  = 6 // the receiver's transport is closing
 	codeAborted  = 7 // stopped at the sender's CANCEL
 )
 
-// segment is one piece of a READ: length bytes at offset of a region.
-type segment struct {
-	region uint32
-	offset uint64
-	length uint64
-}
-
 // msg is one decoded message; which fields mean something depends on typ.
 type msg struct {
 	typ     byte
-	version byte      // HELLO
-	op      uint64    // READ CANCEL ACK PROBE DONE ERR PROBEOK
-	tag     uint64    // READ ABORT
-	offset  uint64    // READ: of the part in the receipt
-	last    bool      // READ
-	segs    []segment // READ
-	region  uint32    // REGION PROBE
-	size    uint64    // REGION
-	code    uint32    // ERR
-	text    string    // ERR
-	nonce   uint64    // PROBEOK
+	version byte   // HELLO
+	op      uint64 // READ CANCEL ACK PROBE DONE ERR PROBEOK
+	tag     uint64 // READ ABORT
+	total   uint64 // READ: of the whole op
+	offset  uint64 // READ: of the part in the receipt
+	slot    uint32 // READ RELEASE
+	length  uint32 // READ
+	last    bool   // READ
+	slotLen uint32 // WINDOW
+	slots   uint32 // WINDOW
+	code    uint32 // ERR
+	text    string // ERR
+	nonce   uint64 // PROBEOK
 }
 
 // errProto returns an ErrProtocol error saying what is wrong.
@@ -132,12 +131,12 @@ func errProto(format string, args ...any) error {
 // ok is false for an unknown type.
 func bodyBounds(typ byte) (lo, hi int, ok bool) {
 	switch typ {
-	case msgHello, msgCancel, msgAbort, msgAck, msgDone:
+	case msgHello, msgWindow, msgCancel, msgAbort, msgAck, msgProbe, msgDone, msgRelease:
 		return 8, 8, true
-	case msgRegion, msgProbe, msgProbeOK:
+	case msgProbeOK:
 		return 16, 16, true
 	case msgRead:
-		return readFixed + segLen, maxBody, true
+		return readLen, readLen, true
 	case msgErr:
 		return 16, 16 + maxErrText, true
 	}
@@ -163,10 +162,8 @@ func msgLen(h []byte) (int, error) {
 }
 
 // decodeMsg decodes the message at the start of b. It returns n == 0 and
-// no error when b does not hold a whole message yet. The segments of a READ
-// are appended to segs[:0], so that a reader can reuse one slice; they are
-// valid until the next call with the same slice.
-func decodeMsg(b []byte, segs []segment) (m msg, n int, err error) {
+// no error when b does not hold a whole message yet.
+func decodeMsg(b []byte) (m msg, n int, err error) {
 	if len(b) < hdrLen {
 		return msg{}, 0, nil
 	}
@@ -190,45 +187,37 @@ func decodeMsg(b []byte, segs []segment) (m msg, n int, err error) {
 			return msg{}, 0, errProto("hello with non-zero reserved bytes")
 		}
 		m.version = body[4]
-	case msgRegion:
-		m.region, m.size = u32(0), u64(8)
+	case msgWindow:
+		m.slotLen, m.slots = u32(0), u32(4)
 		switch {
-		case m.region == 0:
-			return msg{}, 0, errProto("region id 0")
-		case u32(4) != 0:
-			return msg{}, 0, errProto("region with non-zero reserved bytes")
-		case m.size == 0 || m.size > maxRegionSize:
-			return msg{}, 0, errProto("region of %d bytes (want 1..%d)", m.size, uint64(maxRegionSize))
+		case m.slotLen == 0 || m.slotLen > maxSlotBytes:
+			return msg{}, 0, errProto("window slots of %d bytes (want 1..%d)", m.slotLen, maxSlotBytes)
+		case m.slots == 0 || m.slots > maxSlots:
+			return msg{}, 0, errProto("window of %d slots (want 1..%d)", m.slots, maxSlots)
+		case uint64(m.slotLen)*uint64(m.slots) > maxWindow:
+			return msg{}, 0, errProto("window of %d x %d bytes, more than %d", m.slots, m.slotLen, maxWindow)
 		}
 	case msgRead:
-		m.op, m.tag, m.offset = u64(0), u64(8), u64(16)
-		cnt, flags := u32(24), u32(28)
+		m.op, m.tag, m.total, m.offset = u64(0), u64(8), u64(16), u64(24)
+		m.slot, m.length = u32(32), u32(36)
+		flags := u32(40)
 		switch {
-		case (len(body)-readFixed)%segLen != 0 || uint32((len(body)-readFixed)/segLen) != cnt:
-			return msg{}, 0, errProto("read of %d bytes with %d segments", len(body), cnt)
 		case m.op == 0 || m.tag == 0:
 			return msg{}, 0, errProto("read with op %d, tag %d (want non-zero)", m.op, m.tag)
 		case flags&^flagLast != 0:
 			return msg{}, 0, errProto("read with unknown flags %#x", flags)
-		case m.offset > math.MaxInt64:
-			return msg{}, 0, errProto("read part at offset %d", m.offset)
+		case u32(44) != 0:
+			return msg{}, 0, errProto("read with non-zero reserved bytes")
+		case m.length == 0:
+			return msg{}, 0, errProto("read part of length 0")
+		case m.total == 0 || m.total > math.MaxInt64 || m.offset >= m.total || uint64(m.length) > m.total-m.offset:
+			return msg{}, 0, errProto("read part [%d, +%d) of an op of %d bytes", m.offset, m.length, m.total)
 		}
 		m.last = flags&flagLast != 0
-		segs = segs[:0]
-		for i := readFixed; i < len(body); i += segLen {
-			s := segment{region: u32(i), offset: u64(i + 8), length: u64(i + 16)}
-			switch {
-			case s.region == 0:
-				return msg{}, 0, errProto("segment in region 0")
-			case u32(i+4) != 0:
-				return msg{}, 0, errProto("segment with non-zero reserved bytes")
-			case s.length == 0 || s.length > maxRegionSize || s.offset > maxRegionSize-s.length:
-				return msg{}, 0, errProto("segment [%d, +%d) out of range", s.offset, s.length)
-			}
-			segs = append(segs, s)
+		if m.last && m.offset+uint64(m.length) != m.total {
+			return msg{}, 0, errProto("last read part [%d, +%d) does not end the op of %d bytes", m.offset, m.length, m.total)
 		}
-		m.segs = segs
-	case msgCancel, msgAck, msgDone:
+	case msgCancel, msgAck, msgDone, msgProbe:
 		m.op = u64(0)
 		if m.op == 0 {
 			return msg{}, 0, errProto("message type %d for op 0", m.typ)
@@ -238,10 +227,10 @@ func decodeMsg(b []byte, segs []segment) (m msg, n int, err error) {
 		if m.tag == 0 {
 			return msg{}, 0, errProto("abort of tag 0")
 		}
-	case msgProbe:
-		m.op, m.region = u64(0), u32(8)
-		if m.op == 0 || m.region == 0 || u32(12) != 0 {
-			return msg{}, 0, errProto("malformed probe")
+	case msgRelease:
+		m.slot = u32(0)
+		if u32(4) != 0 {
+			return msg{}, 0, errProto("release with non-zero reserved bytes")
 		}
 	case msgErr:
 		m.op, m.code = u64(0), u32(8)
@@ -260,8 +249,7 @@ func decodeMsg(b []byte, segs []segment) (m msg, n int, err error) {
 }
 
 // appendMsg appends the encoding of m to b. It is the inverse of decodeMsg
-// for every message decodeMsg accepts; m must be valid (the encoder of a
-// READ does not cut it: callers keep len(m.segs) within maxSegsPerMsg).
+// for every message decodeMsg accepts; m must be valid.
 func appendMsg(b []byte, m *msg) []byte {
 	start := len(b)
 	b = append(b, m.typ, 0, 0, 0, 0, 0, 0, 0)
@@ -270,33 +258,28 @@ func appendMsg(b []byte, m *msg) []byte {
 	case msgHello:
 		b = append(b, helloMagic...)
 		b = append(b, m.version, 0, 0, 0)
-	case msgRegion:
-		b = be.AppendUint32(b, m.region)
-		b = be.AppendUint32(b, 0)
-		b = be.AppendUint64(b, m.size)
+	case msgWindow:
+		b = be.AppendUint32(b, m.slotLen)
+		b = be.AppendUint32(b, m.slots)
 	case msgRead:
 		b = be.AppendUint64(b, m.op)
 		b = be.AppendUint64(b, m.tag)
+		b = be.AppendUint64(b, m.total)
 		b = be.AppendUint64(b, m.offset)
-		b = be.AppendUint32(b, uint32(len(m.segs)))
+		b = be.AppendUint32(b, m.slot)
+		b = be.AppendUint32(b, m.length)
 		var flags uint32
 		if m.last {
 			flags = flagLast
 		}
 		b = be.AppendUint32(b, flags)
-		for _, s := range m.segs {
-			b = be.AppendUint32(b, s.region)
-			b = be.AppendUint32(b, 0)
-			b = be.AppendUint64(b, s.offset)
-			b = be.AppendUint64(b, s.length)
-		}
-	case msgCancel, msgAck, msgDone:
+		b = be.AppendUint32(b, 0)
+	case msgCancel, msgAck, msgDone, msgProbe:
 		b = be.AppendUint64(b, m.op)
 	case msgAbort:
 		b = be.AppendUint64(b, m.tag)
-	case msgProbe:
-		b = be.AppendUint64(b, m.op)
-		b = be.AppendUint32(b, m.region)
+	case msgRelease:
+		b = be.AppendUint32(b, m.slot)
 		b = be.AppendUint32(b, 0)
 	case msgErr:
 		text := m.text

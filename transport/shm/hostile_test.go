@@ -1,0 +1,160 @@
+//go:build linux
+
+package shm
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// TestHostileReceiverGetsOnlyItsBytes is the regression test of the pool
+// grab (issue #10): a receiver that a sender dials (anyone who can hand the
+// sender a descriptor, e.g. a client that poses as a generation rank with
+// the token of its own request) must get the bytes of its own Sends, read
+// only, and nothing else: no descriptor of the sender's pool or staging
+// memory, no way to write into what it is given.
+func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
+	a := open(t, transport.Options{})
+	// The sender's pool: other users' KV cache (the canary byte) around the
+	// attacker's own request. Registered, as the transceiver registers its
+	// pools: registration must not make it reachable.
+	const poolLen = 4 << 20
+	pool := shared(t, poolLen, a)
+	for i := range pool {
+		pool[i] = 0xc5
+	}
+	own := pool[1<<20 : 1<<20+3<<20/2] // 1.5 MiB: two parts and a half
+	for i := range own {
+		own[i] = byte(i % 197) // never 0xc5 (197)
+	}
+
+	type result struct {
+		fds      int
+		size     int64
+		writable []string // the ways of writing that worked
+		window   []byte   // the window's content at the end
+		got      []byte   // the bytes of the parts, in order
+		err      error
+	}
+	res := make(chan result, 1)
+	ep := rawListener(t, func(c net.Conn) {
+		nc := c.(*net.UnixConn)
+		out := result{}
+		defer func() { res <- out }()
+		fail := func(err error) { out.err = err }
+		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		mr := newMsgReader(nc)
+		defer mr.closeFds()
+		if m, err := mr.next(); err != nil || m.typ != msgHello {
+			fail(fmt.Errorf("hello: %+v, %v", m, err))
+			return
+		}
+		writeFull(nc, appendMsg(nil, &msg{typ: msgHello, version: protoVersion}), nil)
+		var win []byte
+		for {
+			m, err := mr.next()
+			if err != nil {
+				fail(err)
+				return
+			}
+			switch m.typ {
+			case msgWindow:
+				out.fds = len(mr.fds)
+				fd, _ := mr.takeFd()
+				f := os.NewFile(uintptr(fd), "window")
+				defer f.Close()
+				st, err := f.Stat()
+				if err != nil {
+					fail(err)
+					return
+				}
+				out.size = st.Size()
+				out.writable = tryWrite(f, int(out.size))
+				if win, err = syscall.Mmap(fd, 0, int(out.size), syscall.PROT_READ, syscall.MAP_SHARED); err != nil {
+					fail(err)
+					return
+				}
+				defer syscall.Munmap(win)
+			case msgRead:
+				at := int(m.slot) * maxSlotLen // the default slot size
+				out.got = append(out.got, win[at:at+int(m.length)]...)
+				writeFull(nc, appendMsg(nil, &msg{typ: msgRelease, slot: m.slot}), nil)
+				if m.last {
+					writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: m.op}), nil)
+				}
+			case msgAck:
+				out.window = bytes.Clone(win)
+				return
+			default:
+				fail(fmt.Errorf("unexpected message %+v", m))
+				return
+			}
+		}
+	})
+	d := descriptor{endpoint: ep, tag: 42, total: int64(len(own))}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := a.Send(ctx, d.encode(), [][]byte{own}); err != nil {
+		t.Fatalf("Send to the hostile receiver: %v", err)
+	}
+	out := <-res
+	if out.err != nil {
+		t.Fatalf("hostile receiver: %v", out.err)
+	}
+	if out.fds != 1 {
+		t.Errorf("the receiver got %d descriptors, want 1 (the window)", out.fds)
+	}
+	if want := int64(windowSlots * maxSlotLen); out.size != want {
+		t.Errorf("the descriptor the receiver got is a file of %d bytes, want the %d-byte window", out.size, want)
+	}
+	if len(out.writable) > 0 {
+		t.Errorf("the receiver could write the sender's window: %v", out.writable)
+	}
+	if !bytes.Equal(out.got, own) {
+		t.Error("the receiver did not get exactly its own bytes")
+	}
+	if i := bytes.IndexByte(out.window, 0xc5); i >= 0 {
+		t.Errorf("the window holds a byte of other requests at %d", i)
+	}
+	healthy(t, a, open(t, transport.Options{}), pool[:1<<20])
+}
+
+// tryWrite tries every way a holder of f could write the memory behind it,
+// and returns those that worked.
+func tryWrite(f *os.File, size int) []string {
+	var ok []string
+	fd := int(f.Fd())
+	if b, err := syscall.Mmap(fd, 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED); err == nil {
+		ok = append(ok, "mmap PROT_WRITE")
+		syscall.Munmap(b)
+	}
+	if _, err := syscall.Pwrite(fd, []byte{1}, 0); err == nil {
+		ok = append(ok, "pwrite")
+	}
+	if err := syscall.Ftruncate(fd, 0); err == nil {
+		ok = append(ok, "ftruncate")
+	}
+	// Reopening through /proc gets a new open file description with write
+	// access: the seal must hold against it too.
+	if g, err := os.OpenFile(fmt.Sprintf("/proc/self/fd/%d", fd), os.O_RDWR, 0); err == nil {
+		if _, err := g.WriteAt([]byte{1}, 0); err == nil {
+			ok = append(ok, "write through /proc/self/fd")
+		}
+		if b, err := syscall.Mmap(int(g.Fd()), 0, size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_SHARED); err == nil {
+			ok = append(ok, "mmap PROT_WRITE through /proc/self/fd")
+			syscall.Munmap(b)
+		}
+		g.Close()
+	}
+	// A private writable mapping writes only the receiver's own copy: it
+	// is not a way to write the sender's memory, and is allowed.
+	return ok
+}
