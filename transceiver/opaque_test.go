@@ -6,6 +6,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 )
@@ -61,6 +62,11 @@ func FuzzDecodeOpaque(f *testing.F) {
 	good, _ := sampleOpaque().MarshalBinary()
 	f.Add(good)
 	f.Add([]byte("KVXO\x01"))
+	signed := sampleOpaque()
+	if err := signed.signWith(macKey(testSecret), time.Date(2100, 1, 1, 0, 0, 0, 0, time.UTC), [16]byte{1}); err != nil {
+		f.Fatal(err)
+	}
+	f.Add(mustMarshal(f, signed))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var o OpaqueState
 		if err := o.UnmarshalBinary(b); err != nil {
@@ -77,7 +83,7 @@ func FuzzDecodeOpaque(f *testing.F) {
 	})
 }
 
-func mustMarshal(t *testing.T, o *OpaqueState) []byte {
+func mustMarshal(t testing.TB, o *OpaqueState) []byte {
 	b, err := o.MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
