@@ -25,7 +25,9 @@
 // already accepted (ErrReplayedOpaqueState). Accepted nonces are kept until
 // their expiry, at most Options.NonceCacheSize of them; when that many are
 // unexpired, new states are refused (ErrReplayCacheFull) rather than old
-// nonces forgotten.
+// nonces forgotten. Expiry compares the generation host's clock with the
+// context host's: a clock skew between them shortens or stretches the
+// window by as much, so keep the clocks of a cluster in sync.
 //
 // Dial targets are checked too (ErrPeerNotAllowed): loopback always; with an
 // allow-list (Options.AllowedPeerHosts) the hosts on it; without a secret

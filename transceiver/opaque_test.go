@@ -2,8 +2,10 @@ package transceiver
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
 	"time"
@@ -89,4 +91,42 @@ func mustMarshal(t testing.TB, o *OpaqueState) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// BenchmarkOpaqueSign is the context side's cost per request: sign and
+// encode a state of two endpoints.
+func BenchmarkOpaqueSign(b *testing.B) {
+	key := macKey(testSecret)
+	op := sampleOpaque()
+	exp := time.Now().Add(time.Minute)
+	for b.Loop() {
+		if err := op.sign(key, exp); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := op.MarshalBinary(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkOpaqueCheck is the generation side's cost per request before it
+// dials: decode, MAC, expiry, allow-list and replay lookup.
+func BenchmarkOpaqueCheck(b *testing.B) {
+	peers, _ := newPeerPolicy(context.Background(), nil, true, nil, slog.New(slog.DiscardHandler))
+	g := newOpaqueGuard(testSecret, peers, time.Now, 0)
+	op := sampleOpaque()
+	if err := op.sign(g.key, time.Now().Add(time.Hour)); err != nil {
+		b.Fatal(err)
+	}
+	enc, _ := op.MarshalBinary()
+	b.SetBytes(int64(len(enc)))
+	for b.Loop() {
+		var o OpaqueState
+		if err := o.UnmarshalBinary(enc); err != nil {
+			b.Fatal(err)
+		}
+		if err := g.check(&o, false); err != nil {
+			b.Fatal(err)
+		}
+	}
 }
