@@ -298,7 +298,7 @@ func TestRoundTrip(t *testing.T) {
 			if err != nil {
 				t.Fatalf("printed config does not load: %v\n%s", err, b.String())
 			}
-			opts := cmp.Options{cmpopts.IgnoreFields(File{}, "Path", "Sources", "Warnings"), cmpopts.EquateEmpty()}
+			opts := cmp.Options{cmpopts.IgnoreFields(File{}, "Path", "Sources", "Warnings"), cmpopts.IgnoreUnexported(Env{}), cmpopts.EquateEmpty()}
 			if diff := cmp.Diff(f1, f2, opts); diff != "" {
 				t.Errorf("round trip changed the config (-first +second):\n%s", diff)
 			}

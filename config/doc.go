@@ -14,6 +14,14 @@
 // transceiver.New; no package below the transceiver (transport, layout,
 // kvcache) imports config, and a test enforces that.
 //
+// Security is kvxfer's own `security:` block (TensorRT-LLM has none), at
+// the top level of either file form: where the cluster secret is (a file or
+// an environment variable; never the secret itself), the peer hosts a worker
+// may dial and accept transfer connections from (merged with TensorRT-LLM's
+// TRTLLM_KV_TRANSFER_ALLOWED_PEER_HOSTS), and the TLS files. The loader checks
+// the block's shape; the secret file is read by Security.LoadSecret and the
+// TLS files where TLS is set up, not at load.
+//
 // config does not know which backends a binary was built with: callers pass
 // that in (see ResolveBackend), so resolution stays a pure function.
 package config

@@ -20,6 +20,7 @@ const (
 	EnvTryZeroCopy       = "TRTLLM_TRY_ZCOPY_FOR_KVCACHE_TRANSFER"
 	EnvTimeOutputPath    = "TRTLLM_KVCACHE_TIME_OUTPUT_PATH"
 	EnvUCXInterface      = "TRTLLM_UCX_INTERFACE"
+	// EnvAllowedPeerHosts and EnvClusterSecret are in security.go.
 )
 
 // Defaults of the environment-derived settings.
@@ -35,17 +36,22 @@ const (
 // count only when their value is exactly "1", as in TRT-LLM.
 type Env struct {
 	// Raw holds every honoured TRTLLM_* variable that was set, and every
-	// UCX_* variable, by name.
+	// UCX_* variable, by name. It never holds a secret: it is printed in
+	// reports.
 	Raw map[string]string
+	// lookup is the lookup the snapshot was taken with: the cluster secret
+	// is read through it when needed (Security.LoadSecret), never copied
+	// into Raw. Nil: no variable beyond Raw is set.
+	lookup func(string) (string, bool)
 }
 
 // LoadEnv reads the environment through lookup (os.LookupEnv in programs,
 // a map in tests) and returns the snapshot. UCX_* variables are found by
 // scanning environ, which may be nil.
 func LoadEnv(lookup func(string) (string, bool), environ []string) Env {
-	e := Env{Raw: map[string]string{}}
+	e := Env{Raw: map[string]string{}, lookup: lookup}
 	for _, k := range []string{EnvUseUCX, EnvUseNIXL, EnvUseMPI, EnvTransferBuffer, EnvSendConcurrency,
-		EnvRequestConcurrent, EnvRecvBufferCount, EnvTryZeroCopy, EnvTimeOutputPath, EnvUCXInterface} {
+		EnvRequestConcurrent, EnvRecvBufferCount, EnvTryZeroCopy, EnvTimeOutputPath, EnvUCXInterface, EnvAllowedPeerHosts} {
 		if v, ok := lookup(k); ok {
 			e.Raw[k] = v
 		}
@@ -66,6 +72,15 @@ func EnvFromMap(m map[string]string) Env {
 		environ = append(environ, k+"="+v)
 	}
 	return LoadEnv(func(k string) (string, bool) { v, ok := m[k]; return v, ok }, environ)
+}
+
+// lookupVar reads a variable that is not part of the snapshot (the cluster
+// secret, or the variable security.secret_env names).
+func (e Env) lookupVar(name string) (string, bool) {
+	if e.lookup == nil {
+		return "", false
+	}
+	return e.lookup(name)
 }
 
 // Flag reports whether the variable is set to exactly "1".

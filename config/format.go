@@ -38,9 +38,10 @@ func (f *File) formatWorker(m *yaml.Node) {
 	f.addKVCache(m, "kv_cache_config", wk.KVCache)
 	if wk.CacheTransceiver == nil {
 		m.Content[0].HeadComment = "cache_transceiver_config: not set (no transceiver: disaggregated requests are refused)"
-		return
+	} else {
+		f.addCT(m, "cache_transceiver_config", wk.CacheTransceiver)
 	}
-	f.addCT(m, "cache_transceiver_config", wk.CacheTransceiver)
+	f.addSecurity(m, "security", &wk.Security)
 }
 
 func (f *File) formatCluster(m *yaml.Node) {
@@ -73,6 +74,7 @@ func (f *File) formatCluster(m *yaml.Node) {
 			f.addCT(gm, join(g.name, "cache_transceiver_config"), g.g.CacheTransceiver)
 		}
 	}
+	f.addSecurity(m, "security", &cl.Security)
 }
 
 func (f *File) addKVCache(m *yaml.Node, path string, kv KVCache) {

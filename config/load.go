@@ -369,11 +369,12 @@ func (l *loader) strList(n *yaml.Node, path string, dst *[]string) {
 // worker loads the worker file form.
 func (l *loader) worker(root *yaml.Node, env Env) *Worker {
 	w := &Worker{TensorParallelSize: 1, PipelineParallelSize: 1, KVCache: defaultKVCache()}
-	var ctNode *yaml.Node
+	var ctNode, secNode *yaml.Node
 	l.fields(root, "", map[string]func(k, v *yaml.Node){
 		"tensor_parallel_size": func(k, v *yaml.Node) {
 			l.integer(k, v, "tensor_parallel_size", &w.TensorParallelSize, 1, MaxParallel)
 		},
+		"security": func(k, v *yaml.Node) { secNode = v },
 		"pipeline_parallel_size": func(k, v *yaml.Node) {
 			l.integer(k, v, "pipeline_parallel_size", &w.PipelineParallelSize, 1, MaxParallel)
 		},
@@ -385,6 +386,7 @@ func (l *loader) worker(root *yaml.Node, env Env) *Worker {
 		// tokens_per_block.
 		w.CacheTransceiver = l.cacheTransceiver(ctNode, "cache_transceiver_config", w.KVCache.TokensPerBlock, env)
 	}
+	w.Security = l.security(secNode, "security", env)
 	return w
 }
 
@@ -482,7 +484,9 @@ func validateCT(ct *CacheTransceiver, tokensPerBlock int, c *collector, path str
 func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
 	cl := &Cluster{Hostname: "localhost", Port: DefaultPort}
 	var seenCtx, seenGen bool
+	var secNode *yaml.Node
 	l.fields(root, "", map[string]func(k, v *yaml.Node){
+		"security": func(k, v *yaml.Node) { secNode = v },
 		"hostname": func(k, v *yaml.Node) {
 			if l.str(v, "hostname", &cl.Hostname) && strings.TrimSpace(cl.Hostname) == "" {
 				l.errAt(v, "hostname", "must not be empty")
@@ -498,6 +502,7 @@ func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
 			l.serverGroup(v, "generation_servers", &cl.Generation, env)
 		},
 	}, clusterIgnored)
+	cl.Security = l.security(secNode, "security", env)
 	for _, g := range []struct {
 		seen bool
 		name string

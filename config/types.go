@@ -123,6 +123,9 @@ type Worker struct {
 	// CacheTransceiver is nil when the file has no cache_transceiver_config
 	// (an aggregated worker).
 	CacheTransceiver *CacheTransceiver
+	// Security is the kvxfer security block with its environment
+	// variables applied (set even when the file has no block).
+	Security Security
 }
 
 // Router policies of a server group.
@@ -152,6 +155,8 @@ type Cluster struct {
 	Port       int    // router port, default 8000
 	Context    ServerGroup
 	Generation ServerGroup
+	// Security applies to the router and to every worker of the cluster.
+	Security Security
 }
 
 // Kind tells the two file forms apart.

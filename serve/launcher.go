@@ -3,7 +3,9 @@ package serve
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
 	_ "embed"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -52,6 +54,11 @@ type LaunchOptions struct {
 	Logger *slog.Logger
 	// Env is added to the workers' environment.
 	Env []string
+	// Secret is the cluster secret handed to every worker; nil means Launch
+	// generates one (32 random bytes) for this cluster. It reaches the
+	// workers only through their environment (KVXFER_CLUSTER_SECRET,
+	// hex), never on a command line or in a file.
+	Secret []byte
 	// Ready bounds the wait for every worker to become healthy.
 	Ready time.Duration
 }
@@ -106,6 +113,13 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 		}
 		cmd = []string{exe}
 	}
+	secret := o.Secret
+	if len(secret) == 0 {
+		secret = make([]byte, 32)
+		rand.Read(secret)
+	}
+	// The variable comes last: it wins over one this process inherited.
+	secretEnv := config.EnvClusterSecret + "=" + hex.EncodeToString(secret)
 	dir, err := os.MkdirTemp("", "kvxfer-up-")
 	if err != nil {
 		return nil, err
@@ -122,7 +136,7 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 		}
 		name := fmt.Sprintf("%s-%d", role, idx)
 		cfgPath := filepath.Join(dir, name+".yaml")
-		if err := os.WriteFile(cfgPath, workerYAML(g, tp, pp), 0o600); err != nil {
+		if err := os.WriteFile(cfgPath, workerYAML(g, &cl.Security, tp, pp), 0o600); err != nil {
 			return "", err
 		}
 		host, port, _ := net.SplitHostPort(addr)
@@ -130,7 +144,7 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 			"--model", o.Model, "--host", host, "--port", port)
 		w := &worker{name: name, url: "http://" + addr, done: make(chan error, 1)}
 		w.cmd = exec.Command(cmd[0], args...)
-		w.cmd.Env = append(os.Environ(), o.Env...)
+		w.cmd.Env = append(append(os.Environ(), o.Env...), secretEnv)
 		out := o.Output
 		if out == nil {
 			out = io.Discard
@@ -225,8 +239,10 @@ func groupAddr(g *config.ServerGroup, idx int) (string, error) {
 	return ln.Addr().String(), nil
 }
 
-// workerYAML writes the worker file of one server group.
-func workerYAML(g *config.ServerGroup, tp, pp int) []byte {
+// workerYAML writes the worker file of one server group, with the cluster's
+// security block less where the secret is (the launcher hands the secret
+// over in the environment).
+func workerYAML(g *config.ServerGroup, sec *config.Security, tp, pp int) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "tensor_parallel_size: %d\npipeline_parallel_size: %d\n", tp, pp)
 	fmt.Fprintf(&b, "kv_cache_config:\n  tokens_per_block: %d\n  max_tokens: %d\n", g.KVCache.TokensPerBlock, g.KVCache.MaxTokens)
@@ -236,7 +252,31 @@ func workerYAML(g *config.ServerGroup, tp, pp int) []byte {
 			fmt.Fprintf(&b, "  max_tokens_in_buffer: %d\n", ct.MaxTokensInBuffer)
 		}
 	}
+	if len(sec.AllowedPeerHosts) > 0 || sec.TLS != (config.TLSFiles{}) {
+		b.WriteString("security:\n")
+		if len(sec.AllowedPeerHosts) > 0 {
+			fmt.Fprintf(&b, "  allowed_peer_hosts: %s\n", yamlFlowList(sec.AllowedPeerHosts))
+		}
+		if t := sec.TLS; t != (config.TLSFiles{}) {
+			b.WriteString("  tls:\n")
+			for _, kv := range [][2]string{{"cert_file", t.CertFile}, {"key_file", t.KeyFile}, {"ca_file", t.CAFile}} {
+				if kv[1] != "" {
+					fmt.Fprintf(&b, "    %s: %s\n", kv[0], strconv.Quote(kv[1]))
+				}
+			}
+		}
+	}
 	return b.Bytes()
+}
+
+// yamlFlowList writes strings as a YAML flow list of double-quoted strings
+// (a JSON string is a valid YAML double-quoted scalar).
+func yamlFlowList(ss []string) string {
+	q := make([]string, len(ss))
+	for i, s := range ss {
+		q[i] = strconv.Quote(s)
+	}
+	return "[" + strings.Join(q, ", ") + "]"
 }
 
 func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error {

@@ -46,7 +46,15 @@ type WorkerOptions struct {
 	// TransceiverHost is the address the transceiver listens on (its
 	// control and data planes); "" means 127.0.0.1.
 	TransceiverHost string
-	Logger          *slog.Logger
+	// Secret is the cluster secret: with it the transceiver signs the
+	// opaque states it hands out and refuses unsigned, forged, expired and
+	// replayed ones; nil runs unauthenticated (see transceiver.Options).
+	Secret []byte
+	// AllowedPeerHosts are the hosts the transceiver may dial and accept
+	// transfer connections from, beyond loopback (security.allowed_peer_hosts
+	// and TRTLLM_KV_TRANSFER_ALLOWED_PEER_HOSTS).
+	AllowedPeerHosts []string
+	Logger           *slog.Logger
 }
 
 // Worker is an OpenAI-compatible HTTP worker around one engine instance.
@@ -109,7 +117,8 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 	var tr *transceiver.Transceiver
 	if ct := wc.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
 		tr, err = transceiver.New(ctx, ct, transceiver.Options{State: inst.State(), Pools: inst.Pools(),
-			ListenHost: o.TransceiverHost, Logger: log, Observer: observer{w.m}})
+			ListenHost: o.TransceiverHost, Logger: log, Observer: observer{w.m},
+			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts})
 		if err != nil {
 			inst.Close()
 			return nil, err
@@ -317,9 +326,12 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 		if err != nil {
 			return nil, er, badRequest("disaggregated_params.encoded_opaque_state is not base64: %v", err)
 		}
-		var op transceiver.OpaqueState
-		if err := op.UnmarshalBinary(opaque); err != nil {
-			return nil, er, badRequest("disaggregated_params.encoded_opaque_state: %v", err)
+		// Signature, expiry, replay and allowed peers are checked here,
+		// before the request is queued and blocks are taken for it, and
+		// again (with the nonce recorded) when the transfer starts.
+		if _, err := w.tr.CheckOpaque(opaque); err != nil {
+			code, typ := statusOf(err)
+			return nil, er, &httpError{code, typ, fmt.Sprintf("disaggregated_params.encoded_opaque_state: %v", err)}
 		}
 		er.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: *cr.Disagg.CtxRequestID,
 			FirstGenTokens: cr.Disagg.FirstGenTokens, DraftTokens: cr.Disagg.DraftTokens, OpaqueState: opaque}
@@ -384,9 +396,27 @@ func chatTemplate(msgs []chatMessage) string {
 }
 
 // statusOf maps an engine or transfer error to an HTTP status.
+//
+// Opaque states refused by the transceiver's checks: 403 for an unsigned,
+// forged or replayed state and for an endpoint on a host this worker may not
+// dial (retrying cannot help); 410 Gone for an expired one (the context
+// worker has released its KV cache: run the context phase again); 503 when
+// the worker remembers as many unexpired states as it may (retry later).
 func statusOf(err error) (int, string) {
 	var tl *engine.TooLongError
 	switch {
+	case errors.Is(err, transceiver.ErrUnsignedOpaqueState):
+		return http.StatusForbidden, "opaque_state_unsigned"
+	case errors.Is(err, transceiver.ErrForgedOpaqueState):
+		return http.StatusForbidden, "opaque_state_forged"
+	case errors.Is(err, transceiver.ErrReplayedOpaqueState):
+		return http.StatusForbidden, "opaque_state_replayed"
+	case errors.Is(err, transceiver.ErrPeerNotAllowed):
+		return http.StatusForbidden, "peer_not_allowed"
+	case errors.Is(err, transceiver.ErrExpiredOpaqueState):
+		return http.StatusGone, "opaque_state_expired"
+	case errors.Is(err, transceiver.ErrReplayCacheFull):
+		return http.StatusServiceUnavailable, "replay_cache_full"
 	case errors.As(err, &tl):
 		return http.StatusBadRequest, "context_length_exceeded"
 	case errors.Is(err, engine.ErrBadRequest), errors.Is(err, transceiver.ErrBadOpaqueState), errors.Is(err, transceiver.ErrPromptMismatch):

@@ -32,7 +32,15 @@ func newTestWorker(t *testing.T, role, model string, tp, pp int, mod ...func(*co
 		m(ct)
 	}
 	wc.CacheTransceiver = ct
-	w, err := NewWorker(context.Background(), WorkerOptions{Role: role, Model: model, Config: wc})
+	return startTestWorker(t, WorkerOptions{Role: role, Model: model, Config: wc})
+}
+
+// startTestWorker builds a worker from o and serves it on a test server
+// until the test ends.
+func startTestWorker(t *testing.T, o WorkerOptions) *testWorker {
+	t.Helper()
+	role := o.Role
+	w, err := NewWorker(context.Background(), o)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,4 +26,28 @@ var (
 	ErrPromptMismatch = errors.New("transceiver: prompt does not match the context request")
 	// ErrPeerLost: the control connection to the peer broke.
 	ErrPeerLost = errors.New("transceiver: peer lost")
+
+	// Refusals of an opaque state by a generation instance, before it dials
+	// anything (see CheckOpaque).
+
+	// ErrUnsignedOpaqueState: the instance has a cluster secret and the
+	// state is not signed.
+	ErrUnsignedOpaqueState = errors.New("transceiver: unsigned opaque state")
+	// ErrForgedOpaqueState: the state's MAC does not match its content
+	// under this instance's cluster secret (a field was changed, or the
+	// context instance has another secret).
+	ErrForgedOpaqueState = errors.New("transceiver: forged opaque state")
+	// ErrExpiredOpaqueState: the state's expiry has passed; the context
+	// instance has released the request's blocks.
+	ErrExpiredOpaqueState = errors.New("transceiver: expired opaque state")
+	// ErrReplayedOpaqueState: this instance has already accepted a state
+	// with the same nonce.
+	ErrReplayedOpaqueState = errors.New("transceiver: replayed opaque state")
+	// ErrReplayCacheFull: the instance holds as many unexpired nonces as
+	// Options.NonceCacheSize allows; new signed states are refused until
+	// some expire.
+	ErrReplayCacheFull = errors.New("transceiver: too many opaque states in flight (nonce cache full)")
+	// ErrPeerNotAllowed: a peer host is neither loopback nor on the
+	// allow-list (or, without a secret, not loopback and not allowed).
+	ErrPeerNotAllowed = errors.New("transceiver: peer not allowed")
 )

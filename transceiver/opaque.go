@@ -1,9 +1,15 @@
 package transceiver
 
 import (
+	"crypto/hkdf"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/binary"
 	"fmt"
+	"math"
+	"time"
 
 	"github.com/kvxfer/kvxfer/layout"
 )
@@ -12,7 +18,9 @@ import (
 // the context instance: the context CacheState (for this request, DP rank
 // included), the CommState (the control endpoint of every context rank in
 // rank order) and the request's transfer token. It rides inside
-// disaggregated_params as encoded_opaque_state.
+// disaggregated_params as encoded_opaque_state, through the client-facing
+// router, so a context instance with a cluster secret signs it (see Sign
+// and the package docs on signed opaque states).
 type OpaqueState struct {
 	RequestID uint64
 	Token     [16]byte
@@ -23,19 +31,56 @@ type OpaqueState struct {
 	// Endpoints holds the control endpoint (host:port) of every context
 	// rank, in rank order.
 	Endpoints []string
+
+	// Signed says whether the state has the signed form (version 2):
+	// Expiry, Nonce and MAC are then part of it. A version 1 state is
+	// unsigned.
+	Signed bool
+	// Expiry is when the context instance releases the request's blocks
+	// whether or not they were pulled (issue time + kv_transfer_timeout_ms),
+	// to the millisecond.
+	Expiry time.Time
+	// Nonce makes each signed state unique: a generation instance accepts
+	// a nonce once.
+	Nonce [16]byte
+	// MAC is HMAC-SHA256, under a key derived from the cluster secret, of
+	// every byte of the encoding before it.
+	MAC [32]byte
+
+	// covered is the encoding the MAC covers, as decoded (nil when the
+	// state was built in memory): the MAC is checked against the bytes
+	// received, not against a re-encoding.
+	covered []byte
 }
 
 const (
-	opaqueMagic   = "KVXO"
-	opaqueVersion = 1
-	maxEndpoints  = 4096
-	maxEndpoint   = 256
-	maxOpaque     = 64 << 10
+	opaqueMagic    = "KVXO"
+	opaqueUnsigned = 1 // version byte of the unsigned form
+	opaqueSigned   = 2 // version byte of the signed form
+	maxEndpoints   = 4096
+	maxEndpoint    = 256
+	maxOpaque      = 64 << 10
+	macSize        = sha256.Size
+	// signedTail is what the signed form adds after the endpoints:
+	// expiry (unix milliseconds, big endian), nonce, MAC.
+	signedTail = 8 + 16 + macSize
 )
 
-// MarshalBinary encodes s: magic, version, request id, token, CacheState,
-// endpoints.
+// MarshalBinary encodes s: magic, version, request id, token, tokens,
+// CacheState, endpoints and, in the signed form, expiry, nonce and MAC.
 func (s *OpaqueState) MarshalBinary() ([]byte, error) {
+	b, err := s.appendBody(nil)
+	if err != nil {
+		return nil, err
+	}
+	if s.Signed {
+		b = append(b, s.MAC[:]...)
+	}
+	return b, nil
+}
+
+// appendBody encodes everything but the MAC.
+func (s *OpaqueState) appendBody(b []byte) ([]byte, error) {
 	st, err := s.State.MarshalBinary()
 	if err != nil {
 		return nil, fmt.Errorf("transceiver: encode opaque state: %w", err)
@@ -43,7 +88,11 @@ func (s *OpaqueState) MarshalBinary() ([]byte, error) {
 	if len(s.Endpoints) == 0 || len(s.Endpoints) > maxEndpoints {
 		return nil, fmt.Errorf("transceiver: encode opaque state: %d endpoints, want 1..%d", len(s.Endpoints), maxEndpoints)
 	}
-	b := append([]byte(opaqueMagic), opaqueVersion)
+	version := byte(opaqueUnsigned)
+	if s.Signed {
+		version = opaqueSigned
+	}
+	b = append(append(b, opaqueMagic...), version)
 	b = binary.AppendUvarint(b, s.RequestID)
 	b = append(b, s.Token[:]...)
 	b = binary.AppendUvarint(b, s.Tokens)
@@ -57,11 +106,16 @@ func (s *OpaqueState) MarshalBinary() ([]byte, error) {
 		b = binary.AppendUvarint(b, uint64(len(e)))
 		b = append(b, e...)
 	}
+	if s.Signed {
+		b = binary.BigEndian.AppendUint64(b, uint64(s.Expiry.UnixMilli()))
+		b = append(b, s.Nonce[:]...)
+	}
 	return b, nil
 }
 
-// UnmarshalBinary decodes an opaque state, checking every length before
-// using it. Errors wrap ErrBadOpaqueState and name the field and offset.
+// UnmarshalBinary decodes an opaque state of either form, checking every
+// length before using it. Errors wrap ErrBadOpaqueState and name the field
+// and offset. It does not check the MAC: see Transceiver.CheckOpaque.
 func (s *OpaqueState) UnmarshalBinary(b []byte) error {
 	off := 0
 	fail := func(field, why string) error {
@@ -74,8 +128,13 @@ func (s *OpaqueState) UnmarshalBinary(b []byte) error {
 		return fail("magic", "not a kvxfer opaque state")
 	}
 	off = len(opaqueMagic)
-	if b[off] != opaqueVersion {
-		return fail("version", fmt.Sprintf("version %d, this build reads %d", b[off], opaqueVersion))
+	var out OpaqueState
+	switch b[off] {
+	case opaqueUnsigned:
+	case opaqueSigned:
+		out.Signed = true
+	default:
+		return fail("version", fmt.Sprintf("version %d, this build reads %d (unsigned) and %d (signed)", b[off], opaqueUnsigned, opaqueSigned))
 	}
 	off++
 	uv := func(field string, max uint64) (uint64, error) {
@@ -89,7 +148,6 @@ func (s *OpaqueState) UnmarshalBinary(b []byte) error {
 		off += n
 		return v, nil
 	}
-	var out OpaqueState
 	var err error
 	if out.RequestID, err = uv("request_id", 1<<64-1); err != nil {
 		return err
@@ -135,11 +193,79 @@ func (s *OpaqueState) UnmarshalBinary(b []byte) error {
 		out.Endpoints = append(out.Endpoints, string(b[off:off+int(l)]))
 		off += int(l)
 	}
+	if out.Signed {
+		if len(b)-off < signedTail {
+			return fail("signature", fmt.Sprintf("%d bytes left, the signed form ends with %d (expiry, nonce, MAC)", len(b)-off, signedTail))
+		}
+		ms := binary.BigEndian.Uint64(b[off:])
+		if ms > math.MaxInt64 {
+			return fail("expiry", "out of range")
+		}
+		out.Expiry = time.UnixMilli(int64(ms))
+		off += 8
+		copy(out.Nonce[:], b[off:])
+		off += 16
+		out.covered = b[:off:off]
+		copy(out.MAC[:], b[off:])
+		off += macSize
+	}
 	if off != len(b) {
 		return fail("end", fmt.Sprintf("%d trailing bytes", len(b)-off))
 	}
 	*s = out
 	return nil
+}
+
+// macKey derives the key that signs opaque states from the cluster secret,
+// so that the secret itself signs nothing and other uses of it (say, router
+// authentication) get keys of their own.
+func macKey(secret []byte) []byte {
+	k, err := hkdf.Key(sha256.New, secret, nil, "kvxfer opaque state v2", sha256.Size)
+	if err != nil {
+		panic(fmt.Sprintf("transceiver: derive the opaque-state key: %v", err)) // only for absurd lengths
+	}
+	return k
+}
+
+// sign turns s into the signed form, with expiry exp (to the millisecond), a
+// fresh random nonce and the MAC under key (see macKey).
+func (s *OpaqueState) sign(key []byte, exp time.Time) error {
+	var nonce [16]byte
+	rand.Read(nonce[:])
+	return s.signWith(key, exp, nonce)
+}
+
+// signWith is sign with a given nonce (tests and fuzz seeds need fixed
+// ones).
+func (s *OpaqueState) signWith(key []byte, exp time.Time, nonce [16]byte) error {
+	s.Signed, s.Expiry, s.Nonce = true, time.UnixMilli(exp.UnixMilli()), nonce
+	body, err := s.appendBody(nil)
+	if err != nil {
+		return err
+	}
+	m := hmac.New(sha256.New, key)
+	m.Write(body)
+	copy(s.MAC[:], m.Sum(nil))
+	s.covered = body
+	return nil
+}
+
+// validMAC reports, in constant time, whether the MAC of a signed s is
+// right under key.
+func (s *OpaqueState) validMAC(key []byte) bool {
+	if !s.Signed {
+		return false
+	}
+	body := s.covered
+	if body == nil {
+		var err error
+		if body, err = s.appendBody(nil); err != nil {
+			return false
+		}
+	}
+	m := hmac.New(sha256.New, key)
+	m.Write(body)
+	return hmac.Equal(m.Sum(nil), s.MAC[:])
 }
 
 // EncodeOpaque returns the base64 form used over HTTP (encoded_opaque_state).

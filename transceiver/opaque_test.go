@@ -2,10 +2,13 @@ package transceiver
 
 import (
 	"bytes"
+	"context"
 	"encoding/base64"
 	"errors"
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 )
@@ -61,6 +64,11 @@ func FuzzDecodeOpaque(f *testing.F) {
 	good, _ := sampleOpaque().MarshalBinary()
 	f.Add(good)
 	f.Add([]byte("KVXO\x01"))
+	signed := sampleOpaque()
+	if err := signed.signWith(macKey(testSecret), time.Date(2100, 1, 1, 0, 0, 0, 0, time.UTC), [16]byte{1}); err != nil {
+		f.Fatal(err)
+	}
+	f.Add(mustMarshal(f, signed))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var o OpaqueState
 		if err := o.UnmarshalBinary(b); err != nil {
@@ -77,10 +85,48 @@ func FuzzDecodeOpaque(f *testing.F) {
 	})
 }
 
-func mustMarshal(t *testing.T, o *OpaqueState) []byte {
+func mustMarshal(t testing.TB, o *OpaqueState) []byte {
 	b, err := o.MarshalBinary()
 	if err != nil {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// BenchmarkOpaqueSign is the context side's cost per request: sign and
+// encode a state of two endpoints.
+func BenchmarkOpaqueSign(b *testing.B) {
+	key := macKey(testSecret)
+	op := sampleOpaque()
+	exp := time.Now().Add(time.Minute)
+	for b.Loop() {
+		if err := op.sign(key, exp); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := op.MarshalBinary(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkOpaqueCheck is the generation side's cost per request before it
+// dials: decode, MAC, expiry, allow-list and replay lookup.
+func BenchmarkOpaqueCheck(b *testing.B) {
+	peers, _ := newPeerPolicy(context.Background(), nil, true, nil, slog.New(slog.DiscardHandler))
+	g := newOpaqueGuard(testSecret, peers, time.Now, 0)
+	op := sampleOpaque()
+	if err := op.sign(g.key, time.Now().Add(time.Hour)); err != nil {
+		b.Fatal(err)
+	}
+	enc, _ := op.MarshalBinary()
+	b.SetBytes(int64(len(enc)))
+	for b.Loop() {
+		var o OpaqueState
+		if err := o.UnmarshalBinary(enc); err != nil {
+			b.Fatal(err)
+		}
+		if err := g.check(&o, false); err != nil {
+			b.Fatal(err)
+		}
+	}
 }

@@ -31,6 +31,7 @@ type rankSettings struct {
 	host        string
 	logger      *slog.Logger
 	now         func() time.Time
+	peers       *peerPolicy // hosts this rank may dial and accept
 }
 
 // rankDone is how a rank reports that its part of a request ended.
@@ -231,6 +232,11 @@ func (r *rank) acceptLoop() {
 		c, err := r.ln.Accept()
 		if err != nil {
 			return // listener closed
+		}
+		if !r.set.peers.acceptOK(c.RemoteAddr()) {
+			r.set.peers.logRefusal(r.log, c.RemoteAddr())
+			c.Close()
+			continue
 		}
 		if tc, ok := c.(*net.TCPConn); ok {
 			tc.SetNoDelay(true)

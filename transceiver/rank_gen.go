@@ -360,6 +360,15 @@ func (r *rank) recvPair(gr *genReq, s *genSrc) (int64, int, error) {
 // connecting and shaking hands on first use. Concurrent callers for one
 // endpoint share one attempt.
 func (r *rank) dial(ctx context.Context, endpoint string) (*ctrlConn, error) {
+	// RequestAndReceiveAsync has checked every endpoint already; this is
+	// the one place that dials, so the rule is enforced here too.
+	host, _, err := net.SplitHostPort(endpoint)
+	if err != nil {
+		return nil, fmt.Errorf("%w: endpoint %q is not host:port", ErrBadOpaqueState, endpoint)
+	}
+	if err := r.set.peers.dialCheck(host); err != nil {
+		return nil, err
+	}
 	r.mu.Lock()
 	if r.closed {
 		r.mu.Unlock()

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/netip"
 	"os"
 	"strings"
 	"sync"
@@ -37,10 +38,34 @@ type Options struct {
 	Host string
 	// Logger receives the transceiver's logs; nil discards them.
 	Logger *slog.Logger
-	// Now is the clock for statistics; nil means time.Now.
+	// Now is the clock for statistics and for the expiry of opaque states;
+	// nil means time.Now.
 	Now func() time.Time
 	// Observer receives transfer events (metrics); nil means none.
 	Observer Observer
+
+	// Secret is the cluster secret (at least config.MinSecretBytes). With
+	// one, the context side signs every opaque state it hands out (expiry
+	// and nonce included) and the generation side refuses, before dialling
+	// anything, states that are unsigned, forged, expired or replayed.
+	// Without one the instance is unauthenticated: it says so once, loudly,
+	// and dials only loopback and AllowedPeerHosts.
+	Secret []byte
+	// AllowedPeerHosts are the hosts (IP addresses, CIDR prefixes, host
+	// names; see config.ParsePeerHost) this instance may dial for a
+	// transfer and accept control connections from; loopback always. Empty
+	// means: dial loopback only without a Secret, anything with one; accept
+	// anyone.
+	AllowedPeerHosts []string
+	// NonceCacheSize bounds the nonces of accepted signed states remembered
+	// until their expiry, to refuse replays; 0 means DefaultNonceCacheSize.
+	// When it is full, new signed states are refused (ErrReplayCacheFull)
+	// until the oldest expire: memory stays bounded and no replay window
+	// opens.
+	NonceCacheSize int
+	// LookupHost resolves the host names of AllowedPeerHosts, once, in
+	// New; nil means the system resolver.
+	LookupHost func(ctx context.Context, host string) ([]netip.Addr, error)
 }
 
 // Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
@@ -57,6 +82,8 @@ type Transceiver struct {
 	log        *slog.Logger
 	now        func() time.Time
 	csv        *timingCSV
+	timeout    time.Duration // kv_transfer_timeout: the expiry of a signed opaque state
+	guard      *opaqueGuard
 
 	mu      sync.Mutex
 	closed  bool
@@ -132,7 +159,22 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	if now == nil {
 		now = time.Now
 	}
-	t := &Transceiver{state: opts.State, resolution: res, log: log, now: now,
+	if n := len(opts.Secret); n > 0 && n < config.MinSecretBytes {
+		return nil, fmt.Errorf("transceiver: the cluster secret is %d bytes, at least %d are needed", n, config.MinSecretBytes)
+	}
+	peers, err := newPeerPolicy(ctx, opts.AllowedPeerHosts, len(opts.Secret) > 0, opts.LookupHost, log)
+	if err != nil {
+		return nil, err
+	}
+	if len(opts.Secret) == 0 {
+		log.Warn("UNAUTHENTICATED: no cluster secret: opaque states are neither signed nor checked, and this instance dials only loopback and allowed peer hosts; "+
+			"set security.secret_file or "+config.EnvClusterSecret+" on every worker of the cluster (kvxfer up does it itself)",
+			"allowed_peer_hosts", peers.list)
+	} else {
+		log.Info("opaque states are signed and checked with the cluster secret", "allowed_peer_hosts", peers.list)
+	}
+	t := &Transceiver{state: opts.State, resolution: res, log: log, now: now, timeout: cfg.Timeout(),
+		guard:   newOpaqueGuard(opts.Secret, peers, now, opts.NonceCacheSize),
 		pending: map[pendingKey]*pending{}, wake: make(chan struct{})}
 	if cfg.TimeOutputPath != "" {
 		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
@@ -147,7 +189,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		set := rankSettings{
 			timeout: cfg.Timeout(), backend: strings.ToLower(string(res.Backend)), bufferBytes: bufBytes,
 			sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, zeroCopy: cfg.ZeroCopy,
-			host: hostID, logger: log, now: now,
+			host: hostID, logger: log, now: now, peers: peers,
 		}
 		if set.sendBuffers <= 0 {
 			set.sendBuffers = config.DefaultSendBuffers
@@ -315,6 +357,13 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	rand.Read(token[:])
 	state := t.requestState(req.DPRank)
 	op := &OpaqueState{RequestID: req.ID, Token: token, Tokens: uint64(max(0, req.NumTokens)), State: state, Endpoints: t.Endpoints()}
+	if t.guard.key != nil {
+		// The ranks release the blocks timeout after they take them
+		// (below): the state is good until then and not after.
+		if err := op.sign(t.guard.key, t.now().Add(t.timeout)); err != nil {
+			return err
+		}
+	}
 	enc, err := op.MarshalBinary()
 	if err != nil {
 		return err
@@ -351,6 +400,11 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if err := op.UnmarshalBinary(req.ContextPhase.OpaqueState); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
+	// Before anything is dialled: signature, expiry, allowed peers, and
+	// the nonce, recorded so that the state is not accepted again.
+	if err := t.guard.check(&op, true); err != nil {
+		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
+	}
 	ranks, err := t.participants(req.DPRank)
 	if err != nil {
 		return err
@@ -377,6 +431,25 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 		}
 	}
 	return nil
+}
+
+// CheckOpaque decodes an opaque state and checks it as
+// RequestAndReceiveAsync does before it dials anything: with a cluster
+// secret it must be signed (ErrUnsignedOpaqueState) with this secret
+// (ErrForgedOpaqueState) and its nonce not yet accepted
+// (ErrReplayedOpaqueState); a signed state must not have expired
+// (ErrExpiredOpaqueState); every endpoint's host must be allowed
+// (ErrPeerNotAllowed). It records nothing: a server calls it to refuse a
+// bad state before it queues the request and allocates blocks for it.
+func (t *Transceiver) CheckOpaque(b []byte) (*OpaqueState, error) {
+	var op OpaqueState
+	if err := op.UnmarshalBinary(b); err != nil {
+		return nil, err
+	}
+	if err := t.guard.check(&op, false); err != nil {
+		return nil, err
+	}
+	return &op, nil
 }
 
 // RequestAndReceiveSync is RequestAndReceiveAsync followed by a wait for

@@ -74,6 +74,21 @@ func checkOne(out, errw io.Writer, path string, env config.Env) bool {
 			fmt.Fprintf(out, "#   note: in this binary: %v\n", r.Err)
 		}
 	}
+	var sec *config.Security
+	if f.Kind == config.KindWorker {
+		sec = &f.Worker.Security
+	} else {
+		sec = &f.Cluster.Security
+	}
+	// Where the secret is and how long it is; never the secret.
+	switch secret, src, serr := sec.LoadSecret(env); {
+	case serr != nil:
+		fmt.Fprintf(out, "# security: note: the cluster secret cannot be loaded here: %v\n", serr)
+	case secret == nil:
+		fmt.Fprintf(out, "# security: no cluster secret (%s is unset): unauthenticated, peers limited to loopback and allowed_peer_hosts (kvxfer up generates one)\n", config.EnvClusterSecret)
+	default:
+		fmt.Fprintf(out, "# security: cluster secret from %s (%d bytes)\n", src, len(secret))
+	}
 	if f.Kind == config.KindWorker && f.Worker.CacheTransceiver == nil {
 		fmt.Fprintf(out, "# no cache_transceiver_config: this worker cannot serve disaggregated requests\n")
 	}

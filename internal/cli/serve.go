@@ -131,6 +131,9 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 			} else {
 				wc = &config.Worker{TensorParallelSize: 1, PipelineParallelSize: 1,
 					KVCache: config.KVCache{TokensPerBlock: config.DefaultTokensPerBlock, MaxTokens: config.DefaultPoolTokens}}
+				if wc.Security, err = config.SecurityFromEnv(envSnap); err != nil {
+					return err
+				}
 				if role != serve.RoleBoth {
 					ct, err := config.NewCacheTransceiver("DEFAULT", wc.KVCache.TokensPerBlock, envSnap)
 					if err != nil {
@@ -149,8 +152,12 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 			if err != nil {
 				return err
 			}
+			secret, err := loadSecret(&wc.Security, envSnap, log)
+			if err != nil {
+				return err
+			}
 			w, err := serve.NewWorker(cmd.Context(), serve.WorkerOptions{Role: role, Model: model, Config: wc, DType: dt,
-				TransceiverHost: txHost, Logger: log})
+				TransceiverHost: txHost, Logger: log, Secret: secret, AllowedPeerHosts: wc.Security.AllowedPeerHosts})
 			if err != nil {
 				return err
 			}
@@ -182,6 +189,19 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 	lf.add(cmd)
 	admin.add(cmd)
 	return cmd
+}
+
+// loadSecret reads the cluster secret the security block points at and logs
+// where it came from and its length (never the secret).
+func loadSecret(sec *config.Security, env config.Env, log *slog.Logger) ([]byte, error) {
+	secret, src, err := sec.LoadSecret(env)
+	if err != nil {
+		return nil, err
+	}
+	if secret != nil {
+		log.Info("cluster secret loaded", "from", src, "bytes", len(secret))
+	}
+	return secret, nil
 }
 
 func loadCluster(path string, e env) (*config.Cluster, error) {
@@ -299,8 +319,17 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 			if host != "" {
 				cl.Hostname = host
 			}
+			// The cluster's own secret when it names one (or
+			// KVXFER_CLUSTER_SECRET is set); else Launch makes one.
+			secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
+			if err != nil {
+				return err
+			}
+			if secret == nil {
+				log.Info("cluster secret: generated for this cluster, handed to the workers in their environment")
+			}
 			l, err := serve.Launch(cmd.Context(), serve.LaunchOptions{Cluster: cl, Model: model, Aggregated: smoke > 0,
-				Output: out, Logger: log})
+				Output: out, Logger: log, Secret: secret})
 			if err != nil {
 				return err
 			}
