@@ -3,6 +3,7 @@ package transceiver
 import (
 	"context"
 	"crypto/subtle"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -31,6 +32,7 @@ type rankSettings struct {
 	host        string
 	logger      *slog.Logger
 	now         func() time.Time
+	tls         *tls.Config // client side of the control plane's mutual TLS; nil: plain TCP
 }
 
 // rankDone is how a rank reports that its part of a request ended.
