@@ -35,6 +35,8 @@ type outConn struct {
 	// tls: nc is a TLS connection, whose writes cannot resume after an
 	// error (crypto/tls makes every write error permanent).
 	tls bool
+	// batch gathers the TLS records of a frame; nil without TLS.
+	batch *batchConn
 	// lock is the write lock, held for one whole frame so that frames of
 	// concurrent Sends interleave only at frame boundaries. A channel, so
 	// that waiting for it can end with ctx.
@@ -291,7 +293,8 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 		raw.SetDeadline(dl)
 	}
 	if p.tls != nil {
-		tc := tls.Client(raw, p.tls)
+		oc.batch = newBatchConn(raw)
+		tc := tls.Client(oc.batch, p.tls)
 		if err := tc.HandshakeContext(ctx); err != nil {
 			raw.Close()
 			return nil, fmt.Errorf("TLS handshake with %s: %w", p.addr, err)
@@ -391,10 +394,19 @@ func (oc *outConn) writeFrame(op *sendOp, k int64) error {
 		oc.vec = append(oc.vec, zeros[:pad])
 	}
 	oc.bufs = oc.vec
-	// One writev on a TCP connection; over TLS, net.Buffers falls back to
+	// One writev on a TCP connection. Over TLS, net.Buffers falls back to
 	// a Write per piece (crypto/tls has no vectored write), each sealed
-	// into records of at most 16 KiB.
+	// into records of at most 16 KiB, which batch gathers into larger
+	// writes.
+	if oc.batch != nil {
+		oc.batch.begin()
+	}
 	w, err := oc.bufs.WriteTo(oc.nc)
+	if oc.batch != nil {
+		if ferr := oc.batch.end(); err == nil {
+			err = ferr
+		}
+	}
 	clear(oc.vec) // do not keep src reachable
 	if err != nil && (w > 0 || oc.tls || !errors.Is(err, os.ErrDeadlineExceeded)) {
 		oc.p.drop(oc) // a partial frame: the stream is corrupt

@@ -214,3 +214,59 @@ func TestTLSOptions(t *testing.T) {
 		}
 	}
 }
+
+// recordConn records the writes made to it.
+type recordConn struct {
+	net.Conn
+	writes [][]byte
+	err    error
+}
+
+func (r *recordConn) Write(p []byte) (int, error) {
+	if r.err != nil {
+		return 0, r.err
+	}
+	r.writes = append(r.writes, bytes.Clone(p))
+	return len(p), nil
+}
+
+// TestBatchConn: outside a frame every write goes through at once (the
+// handshake must not wait in a buffer); inside one, writes are gathered up
+// to batchBytes and flushed by end, in order; a failed flush is reported.
+func TestBatchConn(t *testing.T) {
+	rc := &recordConn{}
+	b := newBatchConn(rc)
+	b.Write([]byte("hello"))
+	if len(rc.writes) != 1 {
+		t.Fatalf("outside a frame: %d writes, want 1", len(rc.writes))
+	}
+	b.begin()
+	b.Write([]byte("ab"))
+	b.Write([]byte("cd"))
+	if len(rc.writes) != 1 {
+		t.Fatalf("inside a frame: %d writes before end, want 1", len(rc.writes))
+	}
+	big := bytes.Repeat([]byte{7}, batchBytes-3)
+	b.Write(big) // does not fit behind "abcd": flushes it first
+	b.Write([]byte("e"))
+	huge := bytes.Repeat([]byte{9}, batchBytes)
+	b.Write(huge) // larger than the buffer: flush, then straight through
+	if err := b.end(); err != nil {
+		t.Fatal(err)
+	}
+	want := [][]byte{[]byte("hello"), []byte("abcd"), append(bytes.Clone(big), 'e'), huge}
+	if len(rc.writes) != len(want) {
+		t.Fatalf("%d writes, want %d", len(rc.writes), len(want))
+	}
+	for i := range want {
+		if !bytes.Equal(rc.writes[i], want[i]) {
+			t.Errorf("write %d: %d bytes, want %d", i, len(rc.writes[i]), len(want[i]))
+		}
+	}
+	rc.err = errors.New("broken")
+	b.begin()
+	b.Write([]byte("x"))
+	if err := b.end(); err == nil {
+		t.Error("end after a failed flush: no error")
+	}
+}
