@@ -22,6 +22,7 @@ const (
 	BaselineRawTCP      = "raw_tcp"
 	BaselineIperf3      = "iperf3"
 	BaselineUCXPerftest = "ucx_perftest"
+	BaselineOpenSSL     = "openssl_aes_128_gcm"
 )
 
 // Baseline is one of the machine's own limits, measured in the same run as
@@ -29,7 +30,7 @@ const (
 // machine. A baseline that could not be measured has GBps 0 and says why
 // in Skipped (the tool is not installed) or Error (it failed).
 type Baseline struct {
-	Name        string  `json:"name"` // BaselineCopy, BaselineRawTCP, BaselineIperf3 or BaselineUCXPerftest
+	Name        string  `json:"name"` // BaselineCopy, BaselineRawTCP, BaselineIperf3, BaselineUCXPerftest or BaselineOpenSSL
 	Description string  `json:"description"`
 	GBps        float64 `json:"gbps"`  // 1e9 bytes per second
 	Bytes       int64   `json:"bytes"` // moved per measurement
@@ -47,17 +48,19 @@ type Ratio struct {
 	Ratio    float64 `json:"ratio"`
 }
 
-// baselineBackends maps a backend that carried data (its name before any
-// "(detail)") to the baselines it is compared with.
+// baselineBackends maps a backend that carried data (its name, or its name
+// before any "(detail)") to the baselines it is compared with. tcp over TLS
+// is also compared with the cipher's limit on one core.
 var baselineBackends = map[string][]string{
-	"tcp": {BaselineRawTCP, BaselineIperf3},
-	"shm": {BaselineCopy},
-	"ucx": {BaselineUCXPerftest},
+	"tcp":      {BaselineRawTCP, BaselineIperf3},
+	"tcp(tls)": {BaselineRawTCP, BaselineIperf3, BaselineOpenSSL},
+	"shm":      {BaselineCopy},
+	"ucx":      {BaselineUCXPerftest},
 }
 
 func backendsOf(baseline string) []string {
 	var out []string
-	for _, b := range []string{"tcp", "shm", "ucx"} {
+	for _, b := range []string{"tcp", "tcp(tls)", "shm", "ucx"} {
 		for _, n := range baselineBackends[b] {
 			if n == baseline {
 				out = append(out, b)
@@ -73,9 +76,13 @@ func ratios(r *Result, bs []Baseline) []Ratio {
 	if r.GBps <= 0 || r.Backend == "" || strings.Contains(r.Backend, "+") {
 		return nil
 	}
-	kind, _, _ := strings.Cut(r.Backend, "(")
+	names, ok := baselineBackends[r.Backend]
+	if !ok {
+		kind, _, _ := strings.Cut(r.Backend, "(")
+		names = baselineBackends[kind]
+	}
 	var out []Ratio
-	for _, name := range baselineBackends[kind] {
+	for _, name := range names {
 		for _, b := range bs {
 			if b.Name == name && b.GBps > 0 {
 				out = append(out, Ratio{Baseline: name, Ratio: r.GBps / b.GBps})
@@ -92,6 +99,7 @@ type baselineRunner struct {
 	lookPath func(string) (string, error)
 	timeout  time.Duration // per external tool
 	report   func(Baseline)
+	tls      bool // some runs use TLS: measure the cipher's limit too
 }
 
 func (br *baselineRunner) run(ctx context.Context) []Baseline {
@@ -113,7 +121,105 @@ func (br *baselineRunner) run(ctx context.Context) []Baseline {
 	add(raw)
 	add(br.iperf3(ctx))
 	add(br.ucxPerftest(ctx))
+	if br.tls {
+		add(br.openssl(ctx))
+	}
 	return out
+}
+
+// runOnly measures the baselines of the functions given, and no other.
+func (br *baselineRunner) runOnly(ctx context.Context, fns ...func(context.Context) Baseline) []Baseline {
+	var out []Baseline
+	for _, f := range fns {
+		b := f(ctx)
+		b.Backends = backendsOf(b.Name)
+		out = append(out, b)
+		br.report(b)
+	}
+	return out
+}
+
+// opensslArgs is the openssl command of the cipher baseline: AES-128-GCM
+// through the EVP interface (AES-NI and carry-less multiply when the CPU
+// has them), on 16 KiB blocks, the size of a full TLS record, for one
+// second, on one core.
+var opensslArgs = []string{"speed", "-evp", "aes-128-gcm", "-seconds", "1", "-bytes", "16384"}
+
+// openssl runs `openssl speed -evp aes-128-gcm`, the per-core limit of the
+// cipher a TLS 1.3 connection between two Go processes uses on CPUs with AES
+// instructions. Each TLS stream encrypts on one core and decrypts on
+// another, so one stream cannot beat it.
+func (br *baselineRunner) openssl(ctx context.Context) Baseline {
+	b := Baseline{Name: BaselineOpenSSL, Description: "openssl speed, AES-128-GCM (the TLS 1.3 cipher) on 16 KiB blocks, one core"}
+	exe, err := br.lookPath("openssl")
+	if err != nil {
+		b.Skipped = "openssl is not installed (Debian package openssl)"
+		return b
+	}
+	ctx, cancel := context.WithTimeout(ctx, br.timeout)
+	defer cancel()
+	args := opensslArgs
+	out, err := exec.CommandContext(ctx, exe, args...).Output()
+	if err != nil && ctx.Err() == nil {
+		// An openssl without -bytes (LibreSSL): every block size, the
+		// largest last.
+		args = args[:len(args)-2]
+		out, err = exec.CommandContext(ctx, exe, args...).Output()
+	}
+	b.Command = "openssl " + strings.Join(args, " ")
+	if err != nil {
+		b.Error = fmt.Sprintf("%v: %s", err, tail(out))
+		return b
+	}
+	block, gbps, err := parseOpenSSLSpeed(out)
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	b.GBps = gbps
+	b.Bytes = int64(gbps * 1e9) // in its one second
+	if block != 16384 {
+		b.Description = fmt.Sprintf("openssl speed, AES-128-GCM (the TLS 1.3 cipher) on %d-byte blocks, one core", block)
+	}
+	return b
+}
+
+// parseOpenSSLSpeed reads the figure of the largest block size from the
+// table of `openssl speed -evp aes-128-gcm`: a header line "type 16 bytes
+// 64 bytes ..." and a line "AES-128-GCM 44321.22k ...", in 1000s of bytes
+// per second.
+func parseOpenSSLSpeed(out []byte) (block int, gbps float64, err error) {
+	var sizes []int
+	var rates []string
+	sc := bufio.NewScanner(bytes.NewReader(out))
+	for sc.Scan() {
+		f := strings.Fields(sc.Text())
+		switch {
+		case len(f) >= 3 && f[0] == "type":
+			sizes = sizes[:0]
+			for i := 1; i+1 < len(f); i += 2 {
+				n, err := strconv.Atoi(f[i])
+				if err != nil || f[i+1] != "bytes" {
+					break
+				}
+				sizes = append(sizes, n)
+			}
+		case len(f) >= 2 && strings.EqualFold(f[0], "aes-128-gcm"):
+			rates = f[1:]
+		}
+	}
+	if len(rates) == 0 || len(sizes) == 0 {
+		return 0, 0, fmt.Errorf("openssl speed output has no AES-128-GCM table: %s", tail(out))
+	}
+	if len(rates) != len(sizes) {
+		return 0, 0, fmt.Errorf("openssl speed output: %d block sizes but %d figures", len(sizes), len(rates))
+	}
+	last := rates[len(rates)-1]
+	v, err := strconv.ParseFloat(strings.TrimSuffix(last, "k"), 64)
+	if err != nil || v <= 0 {
+		return 0, 0, fmt.Errorf("openssl speed output: figure %q", last)
+	}
+	return sizes[len(sizes)-1], v * 1000 / 1e9, nil
 }
 
 func (br *baselineRunner) rawTCP(ctx context.Context) (float64, error) {

@@ -13,6 +13,7 @@ import (
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver"
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // Config is one benchmark run.
@@ -41,6 +42,12 @@ type Config struct {
 	// PeerMain. Nil means this executable with the argument "bench-peer".
 	Peer    []string
 	PeerEnv []string // extra environment of the peer
+	// TLS turns on mutual TLS on both sides' transfer planes (the control
+	// connections and the tcp data plane; shm and ucx data are not
+	// covered): the run makes a CA and a certificate per side in a private
+	// temporary directory, hands the context process its files, and
+	// removes them at the end.
+	TLS bool
 	// Progress is told after every batch of requests; nil discards.
 	Progress func(Event)
 	Logger   *slog.Logger
@@ -66,6 +73,7 @@ type Result struct {
 	Ctx              Par    `json:"ctx"`
 	Gen              Par    `json:"gen"`
 	MLA              bool   `json:"mla"`
+	TLS              bool   `json:"tls"` // mutual TLS on the transfer planes
 
 	// What it measured. Backend is what actually carried the data ("tcp",
 	// "shm", "ucx(cma)"; several joined by "+" when AUTO chose differently
@@ -106,7 +114,16 @@ func (r *Result) OK() bool { return r.Errors == 0 && r.Error == "" && r.Verifica
 
 // Label names the run in progress lines and charts.
 func (r *Result) Label() string {
-	return fmt.Sprintf("%s isl=%d c=%d %s", r.RequestedBackend, r.ISL, r.Concurrency, r.DType)
+	return fmt.Sprintf("%s isl=%d c=%d %s", r.BackendLabel(), r.ISL, r.Concurrency, r.DType)
+}
+
+// BackendLabel is the requested backend, with "+tls" when the run used
+// mutual TLS.
+func (r *Result) BackendLabel() string {
+	if r.TLS {
+		return r.RequestedBackend + "+tls"
+	}
+	return r.RequestedBackend
 }
 
 func (r *Result) fail(err error) {
@@ -190,7 +207,7 @@ func (c *Config) states() (m Model, cs, gs layout.CacheState, err error) {
 func (c *Config) newResult() *Result {
 	res := &Result{RequestedBackend: strings.ToLower(c.Backend), Model: strings.ToLower(c.Model), ISL: c.ISL,
 		DType: strings.ToLower(c.DType), Concurrency: c.Concurrency, Ctx: Par{c.CtxTP, c.CtxPP}, Gen: Par{c.GenTP, c.GenPP},
-		MLA: c.MLA, Verification: VerifyOff}
+		MLA: c.MLA, TLS: c.TLS, Verification: VerifyOff}
 	if m, err := LookupModel(c.Model); err == nil {
 		res.Model, res.MLA = m.Name, m.MLA || c.MLA
 	}
@@ -239,8 +256,17 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 		return nil, err
 	}
 
-	peer, err := startPeer(ctx, c, peerSetup{Backend: c.Backend, PoolBlocks: poolBlocks, ReferenceFill: verifyOn,
-		MaxTokensInBuf: c.MaxTokensInBuffer}, &cs)
+	setup := peerSetup{Backend: c.Backend, PoolBlocks: poolBlocks, ReferenceFill: verifyOn, MaxTokensInBuf: c.MaxTokensInBuffer}
+	var genTLS *transport.TLSConfig
+	if c.TLS {
+		ctxFiles, gen, cleanup, err := benchTLS()
+		if err != nil {
+			return nil, err
+		}
+		defer cleanup()
+		setup.TLS, genTLS = &ctxFiles, gen
+	}
+	peer, err := startPeer(ctx, c, setup, &cs)
 	if err != nil {
 		return nil, err
 	}
@@ -251,7 +277,7 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 		return nil, err
 	}
 	defer closePools(pools)
-	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: gs, Pools: pools, Logger: c.Logger})
+	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: gs, Pools: pools, Logger: c.Logger, TLS: genTLS})
 	if err != nil {
 		return nil, err
 	}

@@ -9,11 +9,15 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver"
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // The parent (generation side) and the child (context side) speak JSON
@@ -29,6 +33,8 @@ type peerSetup struct {
 	// BaselineOnly asks for a process that builds no instance and only
 	// serves rawtcp (the baselines' raw TCP stream) until quit.
 	BaselineOnly bool `json:"baseline_only,omitempty"`
+	// TLS names the context side's files for mutual TLS; nil: none.
+	TLS *tlsconf.Files `json:"tls,omitempty"`
 }
 
 // peerMsg is every later message, both ways.
@@ -79,7 +85,16 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 		return err
 	}
 	defer closePools(pools)
-	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: st, Pools: pools, Logger: log})
+	var tc *transport.TLSConfig
+	if setup.TLS != nil {
+		c, err := tlsconf.Load(*setup.TLS)
+		if err != nil {
+			enc.Encode(peerMsg{Op: "error", Error: err.Error()})
+			return err
+		}
+		tc = &transport.TLSConfig{Server: c.Server, Client: c.Client}
+	}
+	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: st, Pools: pools, Logger: log, TLS: tc})
 	if err != nil {
 		enc.Encode(peerMsg{Op: "error", Error: err.Error()})
 		return err
@@ -255,4 +270,26 @@ func quickFill(b []byte, seed uint64) {
 	for i := range b {
 		b[i] = byte(x >> (8 * i))
 	}
+}
+
+// benchTLS makes a CA and a certificate for each side of a run in a new
+// private temporary directory: the context process's files, the generation
+// side's configs, and a function that removes the directory.
+func benchTLS() (ctxFiles tlsconf.Files, gen *transport.TLSConfig, cleanup func(), err error) {
+	dir, err := os.MkdirTemp("", "kvxfer-bench-tls-")
+	if err != nil {
+		return tlsconf.Files{}, nil, nil, fmt.Errorf("bench: TLS: %w", err)
+	}
+	cleanup = func() { os.RemoveAll(dir) }
+	fs, err := tlsconf.WriteCluster(dir, []string{"context", "generation"}, nil, 24*time.Hour, false)
+	if err != nil {
+		cleanup()
+		return tlsconf.Files{}, nil, nil, fmt.Errorf("bench: TLS: %w", err)
+	}
+	c, err := tlsconf.Load(fs[1])
+	if err != nil {
+		cleanup()
+		return tlsconf.Files{}, nil, nil, fmt.Errorf("bench: TLS: %w", err)
+	}
+	return fs[0], &transport.TLSConfig{Server: c.Server, Client: c.Client}, cleanup, nil
 }

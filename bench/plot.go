@@ -23,6 +23,7 @@ var (
 	seriesColors   = []color.Color{rgb(0x0072B2), rgb(0xD55E00), rgb(0x009E73), rgb(0x882255), rgb(0x44AA99), rgb(0x332288)}
 	baselineColors = map[string]color.Color{
 		BaselineCopy: rgb(0x000000), BaselineRawTCP: rgb(0xE69F00), BaselineIperf3: rgb(0x56B4E9), BaselineUCXPerftest: rgb(0xCC79A7),
+		BaselineOpenSSL: rgb(0x999933),
 	}
 	seriesGlyphs = []draw.GlyphDrawer{draw.CircleGlyph{}, draw.BoxGlyph{}, draw.PyramidGlyph{}, draw.RingGlyph{}, draw.SquareGlyph{}, draw.TriangleGlyph{}}
 )
@@ -52,7 +53,7 @@ func (r *Report) chartSeries() []series {
 	var out []series
 	used := map[string][]string{}
 	for _, run := range r.Runs {
-		name := run.RequestedBackend
+		name := run.BackendLabel()
 		if multiD {
 			name += " " + run.DType
 		}
@@ -74,7 +75,7 @@ func (r *Report) chartSeries() []series {
 	for i, s := range out {
 		// "auto (shm)": say what carried the data when it was not what
 		// was asked for.
-		if u := used[s.name]; len(u) == 1 && !strings.HasPrefix(s.name, u[0]) {
+		if u := used[s.name]; len(u) == 1 && !strings.HasPrefix(s.name, strings.TrimSuffix(u[0], "(tls)")) {
 			out[i].name += " (" + u[0] + ")"
 		}
 		slices.SortFunc(out[i].xy, func(a, b plotter.XY) int { return int(a.X - b.X) })

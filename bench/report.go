@@ -45,7 +45,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 		for i, ra := range run.Ratios {
 			ratios[i] = fmt.Sprintf("%.2fx %s", ra.Ratio, ra.Baseline)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", run.RequestedBackend, c.used, run.ISL,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", run.BackendLabel(), c.used, run.ISL,
 			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99, orDash(strings.Join(ratios, ", ")),
 			verifiedCell(run), run.Errors)
 	}
@@ -135,7 +135,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	b.WriteString("---|--:|\n")
 	for _, run := range r.Runs {
 		c := runCells(run)
-		fmt.Fprintf(&b, "| %s | %s | %d | %d | %s | %s | %s | %s | %s | %s |", run.RequestedBackend, c.used, run.ISL,
+		fmt.Fprintf(&b, "| %s | %s | %d | %d | %s | %s | %s | %s | %s | %s |", run.BackendLabel(), c.used, run.ISL,
 			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99)
 		for _, m := range measured {
 			cell := "–"
@@ -169,6 +169,9 @@ func (r *Report) setupLine() string {
 	s += fmt.Sprintf(", %d tokens per block; per run %d measured requests after %d warm-up", c.TokensPerBlock, c.Requests, c.Warmup)
 	if c.Verify {
 		s += "; every byte verified against the naive reference where a request fits it (up to 1 GiB)"
+	}
+	if slices.Contains(c.TLS, true) {
+		s += "; +tls: mutual TLS 1.3 on the control and tcp data connections (not on shm or ucx data)"
 	}
 	return s + "."
 }

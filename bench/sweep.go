@@ -23,7 +23,7 @@ import (
 const ReportVersion = 1
 
 // Sweep is a set of benchmark runs: every combination of its lists, in the
-// order backend, dtype, concurrency, ISL, each run with its own context
+// order backend, dtype, concurrency, ISL, TLS, each run with its own context
 // process and warm-up, one after the other so that memory stays bounded by
 // the largest run. With Baseline the machine's limits are measured first,
 // in the same process.
@@ -35,6 +35,12 @@ type Sweep struct {
 	ISLs        []int
 	Concurrency []int
 	DTypes      []string
+	// TLS lists the TLS modes each run is made in (Config.TLS); empty
+	// means Base.TLS alone. {false, true} puts every run with mutual TLS
+	// next to the same run without, and with any run in TLS the sweep also
+	// measures the cipher's limit (openssl speed), with or without
+	// Baseline.
+	TLS []bool
 	// Baseline measures the machine's limits (see Baseline) and every
 	// run's ratio to those that apply to its backend.
 	Baseline bool
@@ -73,6 +79,7 @@ type SweepConfig struct {
 	ISLs              []int             `json:"isls"`
 	Concurrency       []int             `json:"concurrency"`
 	DTypes            []string          `json:"dtypes"`
+	TLS               []bool            `json:"tls,omitempty"`
 	Requests          int               `json:"requests"`
 	Warmup            int               `json:"warmup"`
 	Ctx               Par               `json:"ctx"`
@@ -122,6 +129,9 @@ func (s *Sweep) fill() (SweepConfig, error) {
 	}
 	if len(s.DTypes) == 0 {
 		s.DTypes = []string{base.DType}
+	}
+	if len(s.TLS) == 0 {
+		s.TLS = []bool{base.TLS}
 	}
 	base.defaults()
 	if s.lookPath == nil {
@@ -187,7 +197,7 @@ func (s *Sweep) fill() (SweepConfig, error) {
 		s.BaselineBytes = min(max(largest, 64<<20), 1<<30)
 	}
 	m, _ := LookupModel(base.Model)
-	return SweepConfig{Model: m.Name, Backends: s.Backends, ISLs: s.ISLs, Concurrency: s.Concurrency, DTypes: s.DTypes,
+	return SweepConfig{Model: m.Name, Backends: s.Backends, ISLs: s.ISLs, Concurrency: s.Concurrency, DTypes: s.DTypes, TLS: s.TLS,
 		Requests: base.Requests, Warmup: base.Warmup, Ctx: Par{base.CtxTP, base.CtxPP}, Gen: Par{base.GenTP, base.GenPP},
 		MLA: base.MLA || m.MLA, TokensPerBlock: base.TokensPerBlock, MaxTokensInBuffer: base.MaxTokensInBuffer,
 		Verify: base.Verify, Baseline: s.Baseline, BaselineBytes: s.BaselineBytes, Env: envVars(base.Env)}, nil
@@ -216,10 +226,15 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 	if rep.Command == nil {
 		rep.Command = []string{}
 	}
-	if s.Baseline {
+	tlsOn := slices.Contains(s.TLS, true)
+	if s.Baseline || tlsOn {
 		br := &baselineRunner{cfg: s.Base, bytes: s.BaselineBytes, lookPath: s.lookPath, timeout: 2 * time.Minute,
-			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }}
-		rep.Baselines = br.run(ctx)
+			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }, tls: tlsOn}
+		if s.Baseline {
+			rep.Baselines = br.run(ctx)
+		} else {
+			rep.Baselines = br.runOnly(ctx, br.openssl)
+		}
 		freeMemory()
 	}
 	var runs []Config
@@ -227,9 +242,11 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 		for _, d := range s.DTypes {
 			for _, c := range s.Concurrency {
 				for _, isl := range s.ISLs {
-					rc := s.Base
-					rc.Backend, rc.DType, rc.Concurrency, rc.ISL = b, d, c, isl
-					runs = append(runs, rc)
+					for _, tl := range s.TLS {
+						rc := s.Base
+						rc.Backend, rc.DType, rc.Concurrency, rc.ISL, rc.TLS = b, d, c, isl, tl
+						runs = append(runs, rc)
+					}
 				}
 			}
 		}

@@ -7,4 +7,12 @@
 // events), policies, retries, health and metrics (on a registry of its
 // own). The model and the executor are package engine's; the KV movement is
 // package transceiver's.
+//
+// Mutual TLS (optional; internal/tlsconf builds the configs): a worker
+// with WorkerOptions.TLS has its transceiver's control and tcp data
+// connections in TLS, and kvxfer serve serves its HTTP API over TLS that
+// requires a client certificate of the cluster CA. The router
+// (RouterOptions.TLS) dials the workers with its own certificate; its
+// client-facing listener stays plain HTTP. Launch with GenerateTLS makes a
+// CA and a certificate per process for the cluster it starts.
 package serve

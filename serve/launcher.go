@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	_ "embed"
 	"encoding/hex"
 	"errors"
@@ -22,6 +23,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 )
 
 // DefaultCluster is the cluster `kvxfer up` starts without -f: one context
@@ -61,6 +63,14 @@ type LaunchOptions struct {
 	Secret []byte
 	// Ready bounds the wait for every worker to become healthy.
 	Ready time.Duration
+	// TLS, when it names files, turns on mutual TLS between the router and
+	// the workers and on the workers' transfer planes, with the same
+	// certificate for every worker and the router.
+	TLS tlsconf.Files
+	// GenerateTLS turns on mutual TLS with a CA and one certificate per
+	// worker and for the router, made for this cluster into the launcher's
+	// private directory and removed by Stop. It wins over TLS.
+	GenerateTLS bool
 }
 
 // Launched is a running cluster: worker processes and the router.
@@ -71,6 +81,7 @@ type Launched struct {
 	AggregatedURL string // "" unless LaunchOptions.Aggregated
 
 	router  *Router
+	client  *http.Client // to the workers (mutual TLS when on)
 	server  *http.Server
 	ln      net.Listener
 	workers []*worker
@@ -129,6 +140,21 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 		l.Stop()
 		return nil, err
 	}
+	tlsFiles, err := l.setupTLS(o)
+	if err != nil {
+		return fail(err)
+	}
+	var routerTLS *tlsconf.Config
+	if rf, ok := tlsFiles["router"]; ok {
+		if routerTLS, err = tlsconf.Load(rf); err != nil {
+			return fail(err)
+		}
+	}
+	l.client = NewHTTPClient(nil)
+	scheme := "http://"
+	if routerTLS != nil {
+		l.client, scheme = NewHTTPClient(routerTLS.Client), "https://"
+	}
 	start := func(role string, idx int, g *config.ServerGroup, tp, pp int) (string, error) {
 		addr, err := groupAddr(g, idx)
 		if err != nil {
@@ -142,7 +168,10 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 		host, port, _ := net.SplitHostPort(addr)
 		args := append(append([]string{}, cmd[1:]...), "serve", "--role", role, "--config", cfgPath,
 			"--model", o.Model, "--host", host, "--port", port)
-		w := &worker{name: name, url: "http://" + addr, done: make(chan error, 1)}
+		if f, ok := tlsFiles[name]; ok {
+			args = append(args, "--tls-cert", f.CertFile, "--tls-key", f.KeyFile, "--tls-ca", f.CAFile)
+		}
+		w := &worker{name: name, url: scheme + addr, done: make(chan error, 1)}
 		w.cmd = exec.Command(cmd[0], args...)
 		w.cmd.Env = append(append(os.Environ(), o.Env...), secretEnv)
 		out := o.Output
@@ -193,7 +222,8 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 		return fail(err)
 	}
 	r, err := NewRouter(RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
-		ContextPolicy: Policy(cl.Context.Router), GenerationPolicy: Policy(cl.Generation.Router), Logger: log})
+		ContextPolicy: Policy(cl.Context.Router), GenerationPolicy: Policy(cl.Generation.Router), Logger: log,
+		Client: l.client, TLS: tlsClient(routerTLS)})
 	if err != nil {
 		return fail(err)
 	}
@@ -279,10 +309,66 @@ func yamlFlowList(ss []string) string {
 	return "[" + strings.Join(q, ", ") + "]"
 }
 
+// setupTLS returns the TLS files of every worker (by name) and of the
+// router ("router"), or none when TLS is off.
+func (l *Launched) setupTLS(o LaunchOptions) (map[string]tlsconf.Files, error) {
+	cl := o.Cluster
+	names := []string{"router"}
+	for i := range cl.Context.NumInstances {
+		names = append(names, fmt.Sprintf("context-%d", i))
+	}
+	for i := range cl.Generation.NumInstances {
+		names = append(names, fmt.Sprintf("generation-%d", i))
+	}
+	if o.Aggregated {
+		names = append(names, "both-0")
+	}
+	out := map[string]tlsconf.Files{}
+	switch {
+	case o.GenerateTLS:
+		// Certificates for loopback and the hosts the workers listen on.
+		var hosts []string
+		for _, g := range []*config.ServerGroup{&cl.Context, &cl.Generation} {
+			for _, u := range g.URLs {
+				u = strings.TrimPrefix(strings.TrimPrefix(u, "http://"), "https://")
+				if h, _, err := net.SplitHostPort(u); err == nil {
+					hosts = append(hosts, h)
+				}
+			}
+		}
+		fs, err := tlsconf.WriteCluster(filepath.Join(l.dir, "tls"), names, hosts, 7*24*time.Hour, false)
+		if err != nil {
+			return nil, err
+		}
+		for i, n := range names {
+			out[n] = fs[i]
+		}
+		l.log.Info("mutual TLS between the router and the workers, certificates made for this cluster", "dir", filepath.Join(l.dir, "tls"))
+	case o.TLS.Enabled():
+		if _, err := tlsconf.Load(o.TLS); err != nil {
+			return nil, err
+		}
+		for _, n := range names {
+			out[n] = o.TLS
+		}
+	}
+	return out, nil
+}
+
+func tlsClient(c *tlsconf.Config) *tls.Config {
+	if c == nil {
+		return nil
+	}
+	return c.Client
+}
+
+// Client returns an HTTP client for the workers: with the router's
+// certificate when TLS is on.
+func (l *Launched) Client() *http.Client { return l.client }
+
 func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error {
 	deadline := time.Now().Add(within)
-	client := &http.Client{Timeout: time.Second}
-	defer client.CloseIdleConnections()
+	client := &http.Client{Timeout: time.Second, Transport: l.client.Transport}
 	for _, w := range l.workers {
 		for {
 			select {
@@ -322,6 +408,9 @@ func (l *Launched) Stop() {
 		}
 		if l.router != nil {
 			l.router.Close()
+		}
+		if l.client != nil {
+			l.client.CloseIdleConnections()
 		}
 		for _, w := range l.workers {
 			w.cmd.Process.Signal(syscall.SIGTERM)

@@ -3,6 +3,7 @@ package serve
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -10,7 +11,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -82,8 +82,14 @@ type RouterOptions struct {
 	ContextPolicy, GenerationPolicy Policy
 	Logger                          *slog.Logger
 	// Client is used for upstream requests; nil means a default with
-	// timeouts suited to streaming.
+	// timeouts suited to streaming (NewHTTPClient(TLS)).
 	Client *http.Client
+	// TLS, when non-nil, is the router's client side of mutual TLS with
+	// the workers (tlsconf.Config.Client): worker URLs without a scheme
+	// get https://, http:// ones are refused, and the default client
+	// presents the router's certificate and verifies the workers' against
+	// the cluster CA. The router's own listener is not affected.
+	TLS *tls.Config
 }
 
 // Router is the disaggregated router: it sends each request to a context
@@ -114,7 +120,11 @@ func NewRouter(o RouterOptions) (*Router, error) {
 		}
 		g := &group{name: name, policy: p}
 		for _, u := range urls {
-			g.servers = append(g.servers, &upstream{url: normalizeURL(u)})
+			nu, err := upstreamURL(u, o.TLS != nil)
+			if err != nil {
+				return nil, err
+			}
+			g.servers = append(g.servers, &upstream{url: nu})
 		}
 		return g, nil
 	}
@@ -132,11 +142,7 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	}
 	client := o.Client
 	if client == nil {
-		client = &http.Client{Transport: &http.Transport{
-			DialContext:           (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
-			MaxIdleConnsPerHost:   64,
-			ResponseHeaderTimeout: 10 * time.Minute,
-		}}
+		client = NewHTTPClient(o.TLS)
 	}
 	r := &Router{ctx: cg, gen: gg, client: client, log: log, reg: prometheus.NewRegistry()}
 	r.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_http_requests_total",
@@ -149,11 +155,16 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	return r, nil
 }
 
-func normalizeURL(u string) string {
-	if !strings.HasPrefix(u, "http://") && !strings.HasPrefix(u, "https://") {
-		u = "http://" + u
+// newUpstreamTransport is the transport of the router's default client;
+// tc, when set, is its client side of mutual TLS.
+func newUpstreamTransport(tc *tls.Config) *http.Transport {
+	return &http.Transport{
+		DialContext:           (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
+		MaxIdleConnsPerHost:   64,
+		ResponseHeaderTimeout: 10 * time.Minute,
+		TLSClientConfig:       tc,
+		TLSHandshakeTimeout:   10 * time.Second,
 	}
-	return strings.TrimRight(u, "/")
 }
 
 // Handler returns the router's HTTP handler.

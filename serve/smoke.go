@@ -50,11 +50,20 @@ var SmokePrompts = []string{
 // worker with the same seed and compares the answers; concurrency prompts
 // run at a time.
 func Smoke(ctx context.Context, routerURL, aggregatedURL string, n, concurrency int) *SmokeResult {
+	return SmokeWith(ctx, nil, routerURL, aggregatedURL, n, concurrency)
+}
+
+// SmokeWith is Smoke with the transport of base (nil: the default), such as
+// Launched.Client's for an aggregated worker that requires mutual TLS.
+func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL string, n, concurrency int) *SmokeResult {
 	res := &SmokeResult{Prompts: n}
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, max(1, concurrency))
 	client := &http.Client{Timeout: 2 * time.Minute}
+	if base != nil {
+		client.Transport = base.Transport
+	}
 	defer client.CloseIdleConnections()
 	for i := range n {
 		wg.Add(1)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/engine"
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/kvxfer/kvxfer/transceiver"
@@ -55,6 +56,10 @@ type WorkerOptions struct {
 	// and TRTLLM_KV_TRANSFER_ALLOWED_PEER_HOSTS).
 	AllowedPeerHosts []string
 	Logger           *slog.Logger
+	// TLS, when non-nil, makes the transceiver's control connections and
+	// tcp data plane mutual TLS (shm and ucx are not covered). The HTTP
+	// listener is the caller's: kvxfer serve wraps it with TLS.Server.
+	TLS *tlsconf.Config
 }
 
 // Worker is an OpenAI-compatible HTTP worker around one engine instance.
@@ -118,7 +123,7 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 	if ct := wc.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
 		tr, err = transceiver.New(ctx, ct, transceiver.Options{State: inst.State(), Pools: inst.Pools(),
 			ListenHost: o.TransceiverHost, Logger: log, Observer: observer{w.m},
-			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts})
+			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts, TLS: transportTLS(o.TLS)})
 		if err != nil {
 			inst.Close()
 			return nil, err

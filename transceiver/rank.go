@@ -3,6 +3,7 @@ package transceiver
 import (
 	"context"
 	"crypto/subtle"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -32,6 +33,7 @@ type rankSettings struct {
 	logger      *slog.Logger
 	now         func() time.Time
 	peers       *peerPolicy // hosts this rank may dial and accept
+	tls         *tls.Config // client side of the control plane's mutual TLS; nil: plain TCP
 }
 
 // rankDone is how a rank reports that its part of a request ended.

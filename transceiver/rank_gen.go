@@ -410,10 +410,19 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 		return nil, fmt.Errorf("%w: dial context rank at %s: %v", ErrPeerLost, endpoint, err)
 	}
 	// Closing the rank interrupts a handshake in progress.
-	stop := context.AfterFunc(r.life, func() { c.SetDeadline(time.Now()) })
+	raw := c
+	stop := context.AfterFunc(r.life, func() { raw.SetDeadline(time.Now()) })
 	defer stop()
 	if tc, ok := c.(*net.TCPConn); ok {
 		tc.SetNoDelay(true)
+	}
+	if r.set.tls != nil {
+		hctx, cancel := context.WithTimeout(r.life, writeTimeout)
+		c, err = dialTLS(hctx, c, r.set.tls, endpoint)
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("%w: TLS handshake with context rank at %s: %v", ErrPeerLost, endpoint, err)
+		}
 	}
 	cc := newCtrlConn(c)
 	cc.peer.endpoint = endpoint

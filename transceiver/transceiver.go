@@ -66,6 +66,11 @@ type Options struct {
 	// LookupHost resolves the host names of AllowedPeerHosts, once, in
 	// New; nil means the system resolver.
 	LookupHost func(ctx context.Context, host string) ([]netip.Addr, error)
+	// TLS, when non-nil, makes the control connections and the tcp data
+	// plane mutual TLS (both configs required; see transport.TLSConfig).
+	// It covers TCP only: the shm data plane stays within one host and the
+	// ucx one has no TLS.
+	TLS *transport.TLSConfig
 }
 
 // Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
@@ -117,6 +122,9 @@ type pending struct {
 func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Transceiver, error) {
 	if cfg == nil || cfg.Backend == config.BackendUnset {
 		return nil, fmt.Errorf("%w: %w", ErrNoTransceiver, config.ErrNoTransceiver)
+	}
+	if opts.TLS != nil && (opts.TLS.Server == nil || opts.TLS.Client == nil) {
+		return nil, errors.New("transceiver: Options.TLS needs both a Server and a Client config")
 	}
 	if err := opts.State.Validate(); err != nil {
 		return nil, fmt.Errorf("transceiver: instance state: %w", err)
@@ -191,6 +199,9 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 			sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, zeroCopy: cfg.ZeroCopy,
 			host: hostID, logger: log, now: now, peers: peers,
 		}
+		if opts.TLS != nil {
+			set.tls = opts.TLS.Client
+		}
 		if set.sendBuffers <= 0 {
 			set.sendBuffers = config.DefaultSendBuffers
 		}
@@ -200,7 +211,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		trs := map[string]transport.Transport{}
 		var openErr error
 		for _, name := range names {
-			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log})
+			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log, TLS: opts.TLS})
 			if err != nil {
 				openErr = fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
 				break
@@ -211,6 +222,9 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		if openErr == nil {
 			var lc net.ListenConfig
 			ln, openErr = lc.Listen(ctx, "tcp", net.JoinHostPort(host, "0"))
+			if openErr == nil && opts.TLS != nil {
+				ln = &tlsListener{Listener: ln, cfg: opts.TLS.Server, log: log}
+			}
 		}
 		if openErr != nil {
 			for _, tr := range trs {

@@ -2,6 +2,7 @@ package transport
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -35,6 +36,22 @@ type Options struct {
 	FrameBytes int
 	// Logger receives the backend's logs; nil discards them.
 	Logger *slog.Logger
+	// TLS, when non-nil, makes the data connections of the tcp backend
+	// mutual TLS: its listener accepts only TLS clients whose certificate
+	// TLS.Server verifies, and its dials use TLS.Client (which must verify
+	// the receiver's certificate). The shm and ucx backends ignore it: shm
+	// moves data between processes of one host through shared memory, and
+	// UCX has no TLS here.
+	TLS *TLSConfig
+}
+
+// TLSConfig is the mutual TLS of a data plane: Server for the connections
+// it accepts, Client for those it dials. Both must be set; the backend
+// clones them and does not change them. crypto/tls takes the server name
+// from the endpoint dialled when Client.ServerName is empty.
+type TLSConfig struct {
+	Server *tls.Config
+	Client *tls.Config
 }
 
 // Defaults of Options.

@@ -18,7 +18,7 @@ func newBenchCmd(e env) *cobra.Command {
 	var s bench.Sweep
 	c := &s.Base
 	var jsonPath, mdPath, pngPath string
-	var verbose, printSchema bool
+	var verbose, printSchema, withTLS bool
 	cmd := &cobra.Command{
 		Use:   "bench",
 		Short: "Measure KV-cache transfers between a context and a generation process",
@@ -34,7 +34,11 @@ a stop. With --verify every generation byte is checked against the naive referen
 sharding (requests over 1 GiB are reported as "skipped (too large for the naive
 reference)"). With --baseline the machine's own limits are measured in the same run
 (single-thread copy, one raw TCP stream over loopback, iperf3 and ucx_perftest when
-installed) and every run is compared with those that apply to its backend.
+installed) and every run is compared with those that apply to its backend. With --tls
+every run is made twice, without and with mutual TLS (TLS 1.3 on the control and tcp data
+connections, certificates made for the run), and the cipher's limit on one core (openssl
+speed -evp aes-128-gcm, 16 KiB blocks) is measured in the same run and compared with the
+runs that tcp carried over TLS.
 
 The table goes to stdout; --json, --md and --png write the report, a Markdown document
 and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`,
@@ -49,6 +53,9 @@ and a chart. Exit status 1 when a run fails, a transfer fails or verification fa
 			c.Env = config.LoadEnv(e.lookup, e.environ)
 			if verbose {
 				c.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), nil))
+			}
+			if withTLS {
+				s.TLS = []bool{false, true}
 			}
 			s.Command = commandLine(cmd)
 			s.Progress = bench.NewProgress(cmd.ErrOrStderr(), isTerminal(cmd.ErrOrStderr()))
@@ -103,6 +110,7 @@ and a chart. Exit status 1 when a run fails, a transfer fails or verification fa
 	f.StringVar(&mdPath, "md", "", "write the report as Markdown to this file")
 	f.StringVar(&pngPath, "png", "", "write a chart of GB/s against ISL per backend, with the baselines, to this PNG file")
 	f.BoolVar(&printSchema, "print-schema", false, "print the JSON Schema of the --json report and exit")
+	f.BoolVar(&withTLS, "tls", false, "also make every run with mutual TLS on the transfer planes (tcp data and control), next to the same run without, and measure the cipher's limit (openssl speed -evp aes-128-gcm)")
 	f.BoolVar(&verbose, "verbose", false, "log the transceivers")
 	return cmd
 }

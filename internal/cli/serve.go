@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -100,6 +101,7 @@ func newServeCmd(e env) *cobra.Command {
 		port, tp, pp                              int
 		lf                                        logFlags
 		admin                                     adminFlag
+		tf                                        tlsFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -156,8 +158,12 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 			if err != nil {
 				return err
 			}
+			tc, err := tf.loadOr(wc.Security.TLS)
+			if err != nil {
+				return err
+			}
 			w, err := serve.NewWorker(cmd.Context(), serve.WorkerOptions{Role: role, Model: model, Config: wc, DType: dt,
-				TransceiverHost: txHost, Logger: log, Secret: secret, AllowedPeerHosts: wc.Security.AllowedPeerHosts})
+				TransceiverHost: txHost, Logger: log, Secret: secret, AllowedPeerHosts: wc.Security.AllowedPeerHosts, TLS: tc})
 			if err != nil {
 				return err
 			}
@@ -166,8 +172,12 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 			if err != nil {
 				return err
 			}
-			log.Info("worker listening", "role", role, "model", model, "url", "http://"+ln.Addr().String(),
-				"tp", wc.TensorParallelSize, "pp", wc.PipelineParallelSize)
+			scheme := "http://"
+			if tc != nil {
+				ln, scheme = tls.NewListener(ln, tc.Server), "https://"
+			}
+			log.Info("worker listening", "role", role, "model", model, "url", scheme+ln.Addr().String(),
+				"tp", wc.TensorParallelSize, "pp", wc.PipelineParallelSize, "mutual_tls", tc != nil)
 			wait, err := admin.start(cmd.Context(), log)
 			if err != nil {
 				return err
@@ -186,6 +196,7 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 	f.IntVar(&pp, "pp", 1, "pipeline parallel size (overrides the file)")
 	f.StringVar(&dtype, "dtype", "bf16", "KV cache dtype: fp32, fp16, bf16, fp8")
 	f.StringVar(&txHost, "transceiver-host", "127.0.0.1", "address the transceiver's control and data listeners bind to")
+	tf.add(cmd, "on the HTTP API (clients need a certificate of the CA) and the transceiver's control and tcp data connections")
 	lf.add(cmd)
 	admin.add(cmd)
 	return cmd
@@ -228,6 +239,7 @@ func newRouterCmd(e env) *cobra.Command {
 		port          int
 		lf            logFlags
 		admin         adminFlag
+		tf            tlsFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "router",
@@ -248,8 +260,16 @@ func newRouterCmd(e env) *cobra.Command {
 			if len(cl.Context.URLs) == 0 || len(cl.Generation.URLs) == 0 {
 				return fmt.Errorf("%s: the router needs context_servers.urls and generation_servers.urls (kvxfer up starts workers and picks ports itself)", cfgPath)
 			}
-			r, err := serve.NewRouter(serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
-				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log})
+			tc, err := tf.loadOr(cl.Security.TLS)
+			if err != nil {
+				return err
+			}
+			ro := serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
+				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log}
+			if tc != nil {
+				ro.TLS = tc.Client
+			}
+			r, err := serve.NewRouter(ro)
 			if err != nil {
 				return err
 			}
@@ -276,6 +296,7 @@ func newRouterCmd(e env) *cobra.Command {
 	cmd.Flags().StringVar(&cfgPath, "config", "", "cluster file (disagg_config.yaml)")
 	cmd.Flags().StringVar(&host, "host", "", "listen host (default: the file's hostname)")
 	cmd.Flags().IntVar(&port, "port", 8000, "listen port (default: the file's port)")
+	tf.add(cmd, "to the workers (the router's own listener stays plain HTTP)")
 	lf.add(cmd)
 	admin.add(cmd)
 	return cmd
@@ -285,8 +306,9 @@ func newUpCmd(e env) *cobra.Command {
 	var (
 		file, model, host string
 		port, smoke       int
-		quiet             bool
+		quiet, genTLS     bool
 		lf                logFlags
+		tf                tlsFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "up",
@@ -319,6 +341,9 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 			if host != "" {
 				cl.Hostname = host
 			}
+			if genTLS && tf.or(cl.Security.TLS).Enabled() {
+				return fmt.Errorf("--tls makes the cluster's certificates; it does not go with --tls-cert/--tls-key/--tls-ca or security.tls")
+			}
 			// The cluster's own secret when it names one (or
 			// KVXFER_CLUSTER_SECRET is set); else Launch makes one.
 			secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
@@ -329,7 +354,7 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 				log.Info("cluster secret: generated for this cluster, handed to the workers in their environment")
 			}
 			l, err := serve.Launch(cmd.Context(), serve.LaunchOptions{Cluster: cl, Model: model, Aggregated: smoke > 0,
-				Output: out, Logger: log, Secret: secret})
+				Output: out, Logger: log, Secret: secret, TLS: tf.or(cl.Security.TLS), GenerateTLS: genTLS})
 			if err != nil {
 				return err
 			}
@@ -341,7 +366,7 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 			}
 			fmt.Fprintf(w, "  context:    %s\n  generation: %s\n  router:     %s\n", strings.Join(l.ContextURLs, " "), strings.Join(l.GenerationURL, " "), l.RouterURL)
 			if smoke > 0 {
-				res := serve.Smoke(cmd.Context(), l.RouterURL, l.AggregatedURL, smoke, 4)
+				res := serve.SmokeWith(cmd.Context(), l.Client(), l.RouterURL, l.AggregatedURL, smoke, 4)
 				printSmoke(w, res)
 				if !res.OK() {
 					return exitError{1}
@@ -361,6 +386,8 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 	f.IntVar(&port, "port", 8000, "router port (default: the file's port)")
 	f.IntVar(&smoke, "smoke", 0, "send N prompts through the router and to an aggregated worker, compare, exit 0 or 1")
 	f.BoolVar(&quiet, "quiet", false, "do not show the workers' logs")
+	f.BoolVar(&genTLS, "tls", false, "mutual TLS between the router and the workers and on their tcp transfer planes, with certificates made for this cluster")
+	tf.add(cmd, "between the router and the workers and on their transfer planes, one certificate for all")
 	lf.add(cmd)
 	return cmd
 }

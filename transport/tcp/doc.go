@@ -2,9 +2,34 @@
 // transport backend "tcp" by its init function (import it for that effect).
 //
 // It owns moving bytes between a Send and the memory of an armed receipt
-// over TCP connections; it knows nothing of requests, layouts or config, and
-// it does not authenticate peers beyond the unguessable tag in a descriptor:
-// whoever holds a descriptor can fill, or abort, that receipt.
+// over TCP connections; it knows nothing of requests, layouts or config.
+// Without TLS it does not authenticate peers beyond the unguessable tag in a
+// descriptor: whoever holds a descriptor can fill, or abort, that receipt.
+//
+// # TLS
+//
+// With transport.Options.TLS every data connection is mutual TLS (the
+// configs come from the caller; internal/tlsconf builds them: TLS 1.3,
+// client certificates required and verified against the cluster CA). The
+// receiver runs the handshake in the connection's reader, within the
+// preface timeout, and refuses a client without a valid certificate, or a
+// plain TCP one, with a log line; the listener keeps serving. The sender
+// checks the receiver's certificate against the host of the descriptor's
+// endpoint; a failed handshake fails that stream's dial, and Send fails
+// with transport.ErrPeerLost naming the handshake when no stream can dial.
+// Under TLS 1.3 a sender learns that the receiver refused its certificate
+// only on its next read: its watcher logs the alert and drops the
+// connection, and the receipt sees nothing of it. Name reports "tcp(tls)".
+//
+// The wire format inside TLS is unchanged. crypto/tls has no vectored
+// write, so a frame is written a piece at a time (header, payload pieces,
+// padding), each sealed into records of at most 16 KiB, which are gathered
+// into writes of up to 256 KiB (a system call per record cost a third more
+// system time); every write error
+// on a TLS connection drops it (crypto/tls cannot resume after one).
+// Connections are closed at the TCP level, without a close_notify alert,
+// which crypto/tls would wait for a stalled peer to take for up to 5 s; a
+// receiver sees such an end at a record boundary as the clean end it is.
 //
 // # Receipts, tags and descriptors
 //

@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -58,7 +59,8 @@ type session struct {
 
 // inConn is an accepted data connection and its reader's state.
 type inConn struct {
-	nc      net.Conn
+	nc      net.Conn // what the reader reads: raw, or a *tls.Conn over it
+	raw     net.Conn // the TCP connection; closing it ends nc at once
 	remote  string
 	sess    *session
 	cur     *recv // receipt a frame is being read into; guarded by t.mu
@@ -143,7 +145,7 @@ func (r *recv) Cancel() {
 	t.mu.Unlock()
 	for _, c := range stuck {
 		t.log.Warn("tcp: closing a connection whose reader did not let go of a cancelled receipt", "remote", c.remote)
-		c.nc.Close()
+		c.raw.Close()
 	}
 	<-r.done
 }
@@ -186,7 +188,10 @@ func (t *Transport) serve(c *inConn) {
 	defer t.wg.Done()
 	err := t.readLoop(c)
 	clean := errors.Is(err, io.EOF) // at a frame boundary (else ErrUnexpectedEOF)
+	var herr *handshakeError
 	switch {
+	case errors.As(err, &herr) && !errors.Is(err, net.ErrClosed):
+		t.log.Warn("tcp: refused a data connection: TLS handshake failed", "remote", c.remote, "err", herr.err)
 	case errors.Is(err, transport.ErrProtocol):
 		t.log.Warn("tcp: closing data connection", "remote", c.remote, "err", err)
 	case !clean && !errors.Is(err, net.ErrClosed):
@@ -212,20 +217,32 @@ func (t *Transport) serve(c *inConn) {
 		}
 	}
 	t.mu.Unlock()
-	c.nc.Close()
+	c.raw.Close()
 }
+
+// handshakeError is a failed TLS handshake of an accepted connection.
+type handshakeError struct{ err error }
+
+func (e *handshakeError) Error() string { return "tcp: TLS handshake: " + e.err.Error() }
+func (e *handshakeError) Unwrap() error { return e.err }
 
 // readLoop reads the preface and then frames until the connection ends or
 // breaks the protocol; it returns why.
 func (t *Transport) readLoop(c *inConn) error {
 	// Nobody can interrupt this read (no receipt uses the connection yet),
-	// so a plain deadline bounds how long a silent connection is kept.
+	// so a plain deadline bounds how long a silent connection is kept,
+	// TLS handshake included.
 	var pre [prefaceLen]byte
-	c.nc.SetReadDeadline(time.Now().Add(prefaceTimeout))
+	c.raw.SetDeadline(time.Now().Add(prefaceTimeout))
+	if tc, ok := c.nc.(*tls.Conn); ok {
+		if err := tc.Handshake(); err != nil {
+			return &handshakeError{err}
+		}
+	}
 	if _, err := io.ReadFull(c.nc, pre[:]); err != nil {
 		return err
 	}
-	c.nc.SetReadDeadline(time.Time{})
+	c.raw.SetDeadline(time.Time{})
 	id, err := decodePreface(pre[:])
 	if err != nil {
 		return err

@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -19,6 +20,7 @@ import (
 type peer struct {
 	t    *Transport
 	addr string
+	tls  *tls.Config // Transport.cliTLS with the server name of addr; nil without TLS
 
 	mu    sync.Mutex
 	slots []*outConn // nil: not dialled, or dropped
@@ -28,7 +30,13 @@ type peer struct {
 type outConn struct {
 	p    *peer
 	slot int
-	nc   *net.TCPConn
+	nc   net.Conn // what frames are written to: raw, or a *tls.Conn over it
+	raw  net.Conn // the TCP connection; closing it ends nc at once
+	// tls: nc is a TLS connection, whose writes cannot resume after an
+	// error (crypto/tls makes every write error permanent).
+	tls bool
+	// batch gathers the TLS records of a frame; nil without TLS.
+	batch *batchConn
 	// lock is the write lock, held for one whole frame so that frames of
 	// concurrent Sends interleave only at frame boundaries. A channel, so
 	// that waiting for it can end with ctx.
@@ -107,6 +115,15 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 	p := t.peers[d.endpoint]
 	if p == nil {
 		p = &peer{t: t, addr: d.endpoint, slots: make([]*outConn, t.opts.Streams)}
+		if t.cliTLS != nil {
+			p.tls = t.cliTLS
+			if p.tls.ServerName == "" {
+				// Verify the receiver's certificate against the host
+				// of its endpoint (an IP address or a name).
+				p.tls = p.tls.Clone()
+				p.tls.ServerName, _, _ = net.SplitHostPort(d.endpoint)
+			}
+		}
 		t.peers[d.endpoint] = p
 	}
 	op.p = p
@@ -266,27 +283,35 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 		return oc, nil
 	}
 	var d net.Dialer
-	nc, err := d.DialContext(ctx, "tcp", p.addr)
+	raw, err := d.DialContext(ctx, "tcp", p.addr)
 	if err != nil {
 		return nil, err
 	}
-	tc := nc.(*net.TCPConn)
-	tc.SetNoDelay(true)
+	raw.(*net.TCPConn).SetNoDelay(true)
+	oc = &outConn{p: p, slot: i, nc: raw, raw: raw, lock: make(chan struct{}, 1)}
+	if dl, ok := ctx.Deadline(); ok {
+		raw.SetDeadline(dl)
+	}
+	if p.tls != nil {
+		oc.batch = newBatchConn(raw)
+		tc := tls.Client(oc.batch, p.tls)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			raw.Close()
+			return nil, fmt.Errorf("TLS handshake with %s: %w", p.addr, err)
+		}
+		oc.nc, oc.tls = tc, true
+	}
 	var pre [prefaceLen]byte
 	putPreface(pre[:], p.t.session)
-	if dl, ok := ctx.Deadline(); ok {
-		tc.SetWriteDeadline(dl)
-	}
-	if _, err := tc.Write(pre[:]); err != nil {
-		tc.Close()
+	if _, err := oc.nc.Write(pre[:]); err != nil {
+		raw.Close()
 		return nil, err
 	}
-	tc.SetWriteDeadline(time.Time{})
-	oc = &outConn{p: p, slot: i, nc: tc, lock: make(chan struct{}, 1)}
+	raw.SetDeadline(time.Time{})
 	p.mu.Lock()
 	if cur := p.slots[i]; cur != nil { // a concurrent Send dialled it first
 		p.mu.Unlock()
-		tc.Close()
+		raw.Close()
 		return cur, nil
 	}
 	p.slots[i] = oc
@@ -308,7 +333,13 @@ func (oc *outConn) watch() {
 	if err == nil {
 		err = fmt.Errorf("%w: receiver wrote on a data connection", transport.ErrProtocol)
 	}
-	if !errors.Is(err, net.ErrClosed) {
+	var oe *net.OpError
+	switch {
+	case errors.Is(err, net.ErrClosed):
+	case errors.As(err, &oe) && oe.Op == "remote error":
+		// A TLS alert: the receiver refused this side's certificate.
+		oc.p.t.log.Warn("tcp: the receiver refused the TLS data connection", "peer", oc.p.addr, "err", err)
+	default:
 		oc.p.t.log.Debug("tcp: outbound data connection ended", "peer", oc.p.addr, "err", err)
 	}
 	oc.p.drop(oc)
@@ -321,7 +352,7 @@ func (p *peer) drop(oc *outConn) {
 		p.slots[oc.slot] = nil
 	}
 	p.mu.Unlock()
-	oc.nc.Close()
+	oc.raw.Close()
 }
 
 // closeAll closes every pooled connection.
@@ -336,7 +367,7 @@ func (p *peer) closeAll() {
 	}
 	p.mu.Unlock()
 	for _, oc := range conns {
-		oc.nc.Close()
+		oc.raw.Close()
 	}
 }
 
@@ -363,9 +394,21 @@ func (oc *outConn) writeFrame(op *sendOp, k int64) error {
 		oc.vec = append(oc.vec, zeros[:pad])
 	}
 	oc.bufs = oc.vec
+	// One writev on a TCP connection. Over TLS, net.Buffers falls back to
+	// a Write per piece (crypto/tls has no vectored write), each sealed
+	// into records of at most 16 KiB, which batch gathers into larger
+	// writes.
+	if oc.batch != nil {
+		oc.batch.begin()
+	}
 	w, err := oc.bufs.WriteTo(oc.nc)
+	if oc.batch != nil {
+		if ferr := oc.batch.end(); err == nil {
+			err = ferr
+		}
+	}
 	clear(oc.vec) // do not keep src reachable
-	if err != nil && (w > 0 || !errors.Is(err, os.ErrDeadlineExceeded)) {
+	if err != nil && (w > 0 || oc.tls || !errors.Is(err, os.ErrDeadlineExceeded)) {
 		oc.p.drop(oc) // a partial frame: the stream is corrupt
 	}
 	oc.unlock()
@@ -387,7 +430,7 @@ func (oc *outConn) writeAbort(ctx context.Context, tag uint64) error {
 	}
 	putHeader(oc.hdr[:], frameHeader{typ: frameAbort, tag: tag})
 	w, err := oc.nc.Write(oc.hdr[:])
-	if err != nil && (w > 0 || !errors.Is(err, os.ErrDeadlineExceeded)) {
+	if err != nil && (w > 0 || oc.tls || !errors.Is(err, os.ErrDeadlineExceeded)) {
 		oc.p.drop(oc)
 	}
 	oc.unlock()

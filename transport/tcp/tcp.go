@@ -3,6 +3,7 @@ package tcp
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -53,6 +54,8 @@ type Transport struct {
 	ln       net.Listener
 	endpoint string
 	session  uint64 // our sender session, sent in every connection preface
+	// srvTLS and cliTLS are clones of Options.TLS; nil without TLS.
+	srvTLS, cliTLS *tls.Config
 
 	done      chan struct{} // closed when Close starts
 	closeOnce sync.Once
@@ -81,6 +84,15 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	if opts.FrameBytes >= frameAlign {
 		opts.FrameBytes &^= frameAlign - 1
 	}
+	var srvTLS, cliTLS *tls.Config
+	if opts.TLS != nil {
+		if opts.TLS.Server == nil || opts.TLS.Client == nil {
+			return nil, errors.New("tcp: open: Options.TLS needs both a Server and a Client config")
+		}
+		srvTLS, cliTLS = opts.TLS.Server.Clone(), opts.TLS.Client.Clone()
+		// Bulk data: full-size records from the first byte.
+		cliTLS.DynamicRecordSizingDisabled = true
+	}
 	var lc net.ListenConfig
 	ln, err := lc.Listen(ctx, "tcp", opts.ListenAddr)
 	if err != nil {
@@ -97,6 +109,8 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		ln:       ln,
 		endpoint: ep,
 		session:  randUint64(),
+		srvTLS:   srvTLS,
+		cliTLS:   cliTLS,
 		done:     make(chan struct{}),
 		receipts: make(map[uint64]*recv),
 		ops:      make(map[*sendOp]struct{}),
@@ -109,8 +123,13 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	return t, nil
 }
 
-// Name returns "tcp".
-func (t *Transport) Name() string { return "tcp" }
+// Name returns "tcp", or "tcp(tls)" when the data connections are TLS.
+func (t *Transport) Name() string {
+	if t.srvTLS != nil {
+		return "tcp(tls)"
+	}
+	return "tcp"
+}
 
 // Endpoint returns the listener's address, host:port.
 func (t *Transport) Endpoint() string { return t.endpoint }
@@ -151,7 +170,7 @@ func (t *Transport) Close() error {
 		}
 		t.mu.Unlock()
 		for _, c := range conns {
-			c.nc.Close()
+			c.raw.Close()
 		}
 		for _, p := range peers {
 			p.closeAll()
@@ -185,7 +204,13 @@ func (t *Transport) accept() {
 			continue
 		}
 		delay = 0
-		c := &inConn{nc: nc, remote: nc.RemoteAddr().String()}
+		c := &inConn{nc: nc, raw: nc, remote: nc.RemoteAddr().String()}
+		if t.srvTLS != nil {
+			// The handshake runs in the connection's reader (readLoop),
+			// bounded by prefaceTimeout, so that a slow or hostile client
+			// does not hold up the accept loop.
+			c.nc = tls.Server(nc, t.srvTLS)
+		}
 		t.mu.Lock()
 		if t.closed {
 			t.mu.Unlock()
