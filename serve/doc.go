@@ -7,4 +7,9 @@
 // events), policies, retries, health and metrics (on a registry of its
 // own). The model and the executor are package engine's; the KV movement is
 // package transceiver's.
+//
+// HTTP servers (worker, router) run within HTTPLimits: a total and a
+// per-client-host cap on open connections (the excess is refused at once),
+// a keep-alive idle timeout and a header timeout; kvxfer_connections_*
+// count them.
 package serve

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/metrics"
 )
 
 // DefaultCluster is the cluster `kvxfer up` starts without -f: one context
@@ -54,6 +55,8 @@ type LaunchOptions struct {
 	Env []string
 	// Ready bounds the wait for every worker to become healthy.
 	Ready time.Duration
+	// HTTP bounds the router's connections; zero fields take the defaults.
+	HTTP HTTPLimits
 }
 
 // Launched is a running cluster: worker processes and the router.
@@ -199,13 +202,14 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 	if err != nil {
 		return fail(fmt.Errorf("serve: router listen: %w", err))
 	}
-	l.ln = ln
+	log.Info("listening", "plane", "router http", "addr", ln.Addr().String())
+	l.ln = LimitListener(ln, "router http", o.HTTP, log, metrics.NewConns(r.Registry()))
 	l.RouterURL = "http://" + ln.Addr().String()
-	l.server = &http.Server{Handler: r.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	l.server = NewHTTPServer(r.Handler(), o.HTTP)
 	l.wg.Add(1)
 	go func() {
 		defer l.wg.Done()
-		l.server.Serve(ln)
+		l.server.Serve(l.ln)
 	}()
 	return l, nil
 }

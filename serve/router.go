@@ -136,6 +136,10 @@ func NewRouter(o RouterOptions) (*Router, error) {
 			DialContext:           (&net.Dialer{Timeout: 5 * time.Second}).DialContext,
 			MaxIdleConnsPerHost:   64,
 			ResponseHeaderTimeout: 10 * time.Minute,
+			// Below a worker's HTTP idle timeout (DefaultHTTPIdleTimeout),
+			// so that the router drops an idle connection before the worker
+			// closes it under a request (a POST is not retried).
+			IdleConnTimeout: 90 * time.Second,
 		}}
 	}
 	r := &Router{ctx: cg, gen: gg, client: client, log: log, reg: prometheus.NewRegistry()}

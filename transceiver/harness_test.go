@@ -40,10 +40,10 @@ func testLogger(t *testing.T) *slog.Logger {
 	return nil
 }
 
-// newInst builds an instance with blocksPerRank blocks per pool. It closes
-// the instance and checks that every pool is back at its free count when
-// the test ends.
-func newInst(t *testing.T, state layout.CacheState, cfg *config.CacheTransceiver, blocksPerRank int) *inst {
+// newInst builds an instance with blocksPerRank blocks per pool (mods
+// adjust its Options). It closes the instance and checks that every pool is
+// back at its free count when the test ends.
+func newInst(t *testing.T, state layout.CacheState, cfg *config.CacheTransceiver, blocksPerRank int, mods ...func(*Options)) *inst {
 	t.Helper()
 	n := state.Parallel.NumRanks()
 	in := &inst{state: state}
@@ -55,7 +55,11 @@ func newInst(t *testing.T, state layout.CacheState, cfg *config.CacheTransceiver
 		in.pools = append(in.pools, p)
 		in.free = append(in.free, p.FreeBlocks())
 	}
-	tr, err := New(context.Background(), cfg, Options{State: state, Pools: in.pools, Logger: testLogger(t)})
+	opts := Options{State: state, Pools: in.pools, Logger: testLogger(t)}
+	for _, m := range mods {
+		m(&opts)
+	}
+	tr, err := New(context.Background(), cfg, opts)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}

@@ -40,8 +40,12 @@ type Options struct {
 	Logger *slog.Logger
 	// Now is the clock for statistics; nil means time.Now.
 	Now func() time.Time
-	// Observer receives transfer events (metrics); nil means none.
+	// Observer receives transfer events (metrics); nil means none. One
+	// that is also a ConnObserver receives the control connections' events.
 	Observer Observer
+	// Limits bound the connections each rank accepts (control and data);
+	// zero fields take the defaults (see ConnLimits).
+	Limits ConnLimits
 }
 
 // Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
@@ -142,6 +146,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	if now == nil {
 		now = time.Now
 	}
+	lim := opts.Limits.withDefaults()
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: now,
 		pending: map[pendingKey]*pending{}, wake: make(chan struct{})}
 	if cfg.TimeOutputPath != "" {
@@ -157,7 +162,10 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		set := rankSettings{
 			timeout: cfg.Timeout(), backend: strings.ToLower(string(res.Backend)), bufferBytes: bufBytes,
 			sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, zeroCopy: cfg.ZeroCopy,
-			host: hostID, logger: log, now: now,
+			host: hostID, logger: log, now: now, limits: lim,
+		}
+		if co, ok := opts.Observer.(ConnObserver); ok {
+			set.conns = connObs{co}
 		}
 		if set.sendBuffers <= 0 {
 			set.sendBuffers = config.DefaultSendBuffers
@@ -168,7 +176,8 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		trs := map[string]transport.Transport{}
 		var openErr error
 		for _, name := range names {
-			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log})
+			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log,
+				MaxConns: lim.MaxDataConns, MaxConnsPerHost: lim.MaxDataConnsPerHost})
 			if err != nil {
 				openErr = fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
 				break
