@@ -12,7 +12,7 @@ FUZZTIME  ?= 5s
 # The UCX backend is cgo on libucx; make deps installs libucx-dev, so builds include it.
 TAGS      := ucx
 
-.PHONY: help run test bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: help run test hostile bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -41,6 +41,9 @@ staticcheck: ## staticcheck, pinned by the tool directive in go.mod
 
 unit: ## go test -race -shuffle=on
 	KVXFER_REQUIRE_NODE=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
+
+hostile: ## only the hostile-client suite (README, Security); make test runs it too
+	$(GO) test -race -count=1 -run 'Hostile|PeerAllowList|FloodAfterHello|ControlHandshakeTimeout|KeepAliveFlood|ConnectionCaps?$$|TLSRefus|WorkerTLS|ServeBindsOnlyTheConfiguredHost' ./...
 
 ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx
 	$(GO) vet -tags ucx ./transport/... ./internal/cli/

@@ -16,6 +16,7 @@ type Set struct {
 	TTFT             prometheus.Histogram     // kvxfer_time_to_first_token_seconds
 	TPOT             prometheus.Histogram     // kvxfer_time_per_output_token_seconds
 	HTTPRequests     *prometheus.CounterVec   // kvxfer_http_requests_total{route,code}
+	Conns            *Conns                   // kvxfer_connections_*{listener}
 	reg              prometheus.Registerer
 }
 
@@ -41,8 +42,65 @@ func New(reg prometheus.Registerer) *Set {
 	s.HTTPRequests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_http_requests_total",
 		Help: "HTTP requests served, by route and status code."}, []string{"route", "code"})
 	reg.MustRegister(s.TransferBytes, s.TransferDuration, s.TransferDelay, s.Transfers, s.InFlight, s.TTFT, s.TPOT, s.HTTPRequests)
+	s.Conns = NewConns(reg)
 	return s
 }
+
+// Listeners, as the connection metrics label them.
+const (
+	ListenerHTTP    = "http"    // a worker's or router's HTTP API
+	ListenerControl = "control" // the transceiver's control listeners (inbound)
+)
+
+// Conns are the connection metrics of a process's listeners. Every method
+// is safe for concurrent use.
+type Conns struct {
+	Open       *prometheus.GaugeVec   // kvxfer_connections_open{listener}
+	Refused    *prometheus.CounterVec // kvxfer_connections_refused_total{listener,reason}
+	IdleClosed *prometheus.CounterVec // kvxfer_connections_idle_closed_total{listener}
+}
+
+// NewConns creates the connection metrics and registers them on reg (New
+// does for a worker; a router, which has no Set, calls it itself).
+func NewConns(reg prometheus.Registerer) *Conns {
+	c := &Conns{
+		Open: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvxfer_connections_open",
+			Help: "Open inbound connections, by listener (http, control), handshaking or not."}, []string{"listener"}),
+		Refused: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_connections_refused_total",
+			Help: "Inbound connections refused or dropped before their handshake, by listener and reason (max_conns, max_conns_per_host, handshake_timeout)."},
+			[]string{"listener", "reason"}),
+		IdleClosed: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_connections_idle_closed_total",
+			Help: "Inbound connections closed after their idle timeout, by listener."}, []string{"listener"}),
+	}
+	reg.MustRegister(c.Open, c.Refused, c.IdleClosed)
+	return c
+}
+
+// Listener returns the observer of one listener's connections: it feeds
+// Open and Refused (the methods of netlimit's and transceiver's observers).
+func (c *Conns) Listener(name string) ConnObserver {
+	return ConnObserver{open: c.Open.WithLabelValues(name), refused: c.Refused.MustCurryWith(prometheus.Labels{"listener": name}),
+		idle: c.IdleClosed.WithLabelValues(name)}
+}
+
+// ConnObserver counts the connections of one listener.
+type ConnObserver struct {
+	open    prometheus.Gauge
+	refused *prometheus.CounterVec
+	idle    prometheus.Counter
+}
+
+// Opened counts an accepted connection.
+func (o ConnObserver) Opened() { o.open.Inc() }
+
+// Closed counts an accepted connection that was closed.
+func (o ConnObserver) Closed() { o.open.Dec() }
+
+// Refused counts a refused or dropped connection.
+func (o ConnObserver) Refused(reason string) { o.refused.WithLabelValues(reason).Inc() }
+
+// IdleClosed counts a connection closed for idleness.
+func (o ConnObserver) IdleClosed() { o.idle.Inc() }
 
 // PoolStats is what a pool gauge reads.
 type PoolStats struct{ Free, Cached, Pinned int }

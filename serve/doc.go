@@ -15,4 +15,9 @@
 // (RouterOptions.TLS) dials the workers with its own certificate; its
 // client-facing listener stays plain HTTP. Launch with GenerateTLS makes a
 // CA and a certificate per process for the cluster it starts.
+//
+// HTTP servers (worker, router) run within HTTPLimits: a total and a
+// per-client-host cap on open connections (the excess is refused at once),
+// a keep-alive idle timeout and a header timeout; kvxfer_connections_*
+// count them.
 package serve

@@ -24,6 +24,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
+	"github.com/kvxfer/kvxfer/metrics"
 )
 
 // DefaultCluster is the cluster `kvxfer up` starts without -f: one context
@@ -71,6 +72,8 @@ type LaunchOptions struct {
 	// worker and for the router, made for this cluster into the launcher's
 	// private directory and removed by Stop. It wins over TLS.
 	GenerateTLS bool
+	// HTTP bounds the router's connections; zero fields take the defaults.
+	HTTP HTTPLimits
 }
 
 // Launched is a running cluster: worker processes and the router.
@@ -243,13 +246,14 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 	if err != nil {
 		return fail(fmt.Errorf("serve: router listen: %w", err))
 	}
-	l.ln = ln
+	log.Info("listening", "plane", "router http", "addr", ln.Addr().String())
+	l.ln = LimitListener(ln, "router http", o.HTTP, log, metrics.NewConns(r.Registry()))
 	l.RouterURL = "http://" + ln.Addr().String()
-	l.server = &http.Server{Handler: r.Handler(), ReadHeaderTimeout: 10 * time.Second}
+	l.server = NewHTTPServer(r.Handler(), o.HTTP)
 	l.wg.Add(1)
 	go func() {
 		defer l.wg.Done()
-		l.server.Serve(ln)
+		l.server.Serve(l.ln)
 	}()
 	return l, nil
 }

@@ -164,6 +164,10 @@ func newUpstreamTransport(tc *tls.Config) *http.Transport {
 		ResponseHeaderTimeout: 10 * time.Minute,
 		TLSClientConfig:       tc,
 		TLSHandshakeTimeout:   10 * time.Second,
+		// Below a worker's HTTP idle timeout (DefaultHTTPIdleTimeout), so
+		// that the router drops an idle connection before the worker closes
+		// it under a request (a POST is not retried).
+		IdleConnTimeout: 90 * time.Second,
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
@@ -25,6 +26,9 @@ type ctrlConn struct {
 	closeOnce sync.Once
 	dead      chan struct{} // closed when the connection is closed
 	err       error         // why it died; set before dead is closed
+
+	used  atomic.Int64 // unix nanoseconds of the last frame or request ended (see touch)
+	users int          // dialled connections: askers between dial and recording it (guarded by rank.mu)
 }
 
 // peerInfo is what a Hello tells about the other side.
@@ -63,6 +67,22 @@ func (cc *ctrlConn) send(f wire.Frame) error {
 		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.peer.endpoint, err)
 	}
 	return nil
+}
+
+// touch records that cc is in use now: its idle time starts again.
+func (cc *ctrlConn) touch() { cc.used.Store(time.Now().UnixNano()) }
+
+// lastUse returns when cc was last used (see touch).
+func (cc *ctrlConn) lastUse() time.Time { return time.Unix(0, cc.used.Load()) }
+
+// isDead reports whether cc has been closed.
+func (cc *ctrlConn) isDead() bool {
+	select {
+	case <-cc.dead:
+		return true
+	default:
+		return false
+	}
 }
 
 // close closes the connection once, recording why.

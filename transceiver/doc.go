@@ -35,4 +35,14 @@
 // unauthenticated); with a secret and no allow-list any host, since the
 // signature vouches for the endpoints. With an allow-list, the control
 // listener serves connections from loopback and the listed hosts only.
+//
+// Every listener binds Options.ListenHost (the data backends get it as
+// transport.Options.ListenAddr; Listeners reports them all). Inbound
+// connections are bounded before and after their handshake (ConnLimits):
+// a total and a per-host cap on each rank's control connections (the
+// excess is closed at once, logged at most once a second per reason), a
+// handshake timeout, and an idle timeout after which a control connection
+// with no request in flight is closed; the dialling side closes its own a
+// little earlier and redials when it next needs one. An Observer that is
+// also a ConnObserver counts them.
 package transceiver

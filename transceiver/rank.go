@@ -14,6 +14,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
@@ -34,6 +35,8 @@ type rankSettings struct {
 	now         func() time.Time
 	peers       *peerPolicy // hosts this rank may dial and accept
 	tls         *tls.Config // client side of the control plane's mutual TLS; nil: plain TCP
+	limits      ConnLimits  // with defaults
+	conns       connObs     // the Observer's ConnObserver, if any
 }
 
 // rankDone is how a rank reports that its part of a request ended.
@@ -60,7 +63,8 @@ type rank struct {
 	pool       *kvcache.Pool
 	set        rankSettings
 	transports map[string]transport.Transport
-	ln         net.Listener
+	ln         *netlimit.Listener // the control listener, within set.limits
+	refusals   *netlimit.RateLog  // connections dropped at their handshake
 	sendBufs   *bufPool
 	recvBufs   *bufPool
 	done       rankDone
@@ -162,7 +166,10 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 	life, stop := context.WithCancel(context.Background())
 	return &rank{
 		life: life, stop: stop,
-		idx: idx, state: state, pool: pool, set: set, transports: trs, ln: ln, done: done,
+		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done,
+		ln: netlimit.NewListener(ln, fmt.Sprintf("control rank %d", idx), netlimit.Limits{
+			MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost}, set.logger, set.conns),
+		refusals: netlimit.NewRateLog(set.logger, time.Second),
 		sendBufs: newBufPool(set.sendBuffers, int(bb)),
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
@@ -228,23 +235,42 @@ func (r *rank) start() {
 	go r.acceptLoop()
 }
 
+// acceptLoop accepts control connections within the rank's limits (the
+// listener closes the others at once) until the listener closes.
 func (r *rank) acceptLoop() {
 	defer r.wg.Done()
+	var delay time.Duration
 	for {
 		c, err := r.ln.Accept()
-		if err != nil {
-			return // listener closed
+		if errors.Is(err, net.ErrClosed) {
+			return
 		}
+		if err != nil {
+			// Out of file descriptors and the like: back off as net/http
+			// does instead of spinning, or ending the control plane.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			r.log.Warn("control listener: accept failed; retrying", "err", err, "delay", delay)
+			t := time.NewTimer(delay)
+			select {
+			case <-t.C:
+			case <-r.life.Done():
+				t.Stop()
+				return
+			}
+			continue
+		}
+		delay = 0
 		if !r.set.peers.acceptOK(c.RemoteAddr()) {
 			r.set.peers.logRefusal(r.log, c.RemoteAddr())
 			c.Close()
 			continue
 		}
-		if tc, ok := c.(*net.TCPConn); ok {
+		if tc, ok := netlimit.Unwrap(c).(*net.TCPConn); ok {
 			tc.SetNoDelay(true)
 		}
 		cc := newCtrlConn(c)
 		cc.peer.endpoint = c.RemoteAddr().String()
+		cc.touch()
 		if !r.track(cc) {
 			c.Close()
 			return
@@ -354,6 +380,9 @@ func (r *rank) execCtx(cr *ctxReq, effs []effect) {
 			cr.timer.Stop()
 			r.mu.Lock()
 			delete(r.ctxReqs, cr.id)
+			for _, p := range cr.peers {
+				p.conn.touch() // idle from now on, if nothing else uses it
+			}
 			r.mu.Unlock()
 			err := e.err
 			r.wg.Add(1)
@@ -376,13 +405,23 @@ func (r *rank) execCtx(cr *ctxReq, effs []effect) {
 	}
 }
 
-// serveCtx reads the frames of one accepted control connection.
+// serveCtx reads the frames of one accepted control connection, until it
+// breaks, closes, or stays idle for the idle timeout.
 func (r *rank) serveCtx(cc *ctrlConn) {
 	defer r.wg.Done()
 	err := r.handshakeCtx(cc)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		r.set.conns.Refused(RefusedHandshakeTimeout)
+		r.refusals.Warn(RefusedHandshakeTimeout, "control connection closed: no hello in time", "rank", r.idx,
+			"remote", cc.peer.endpoint, "timeout", r.set.limits.HandshakeTimeout)
+	}
 	for err == nil {
 		var f wire.Frame
-		f, err = wire.Read(cc.br)
+		f, err = r.nextFrame(cc, r.set.limits.IdleTimeout, r.ctxIdleLeft)
+		if errors.Is(err, errIdle) {
+			r.set.conns.idleClosed()
+			r.log.Debug("control connection closed: idle", "remote", cc.peer.endpoint, "idle_timeout", r.set.limits.IdleTimeout)
+		}
 		if err != nil {
 			break
 		}
@@ -405,7 +444,9 @@ func (r *rank) serveCtx(cc *ctrlConn) {
 }
 
 func (r *rank) handshakeCtx(cc *ctrlConn) error {
-	cc.c.SetReadDeadline(time.Now().Add(writeTimeout))
+	if d := r.set.limits.HandshakeTimeout; d > 0 {
+		cc.c.SetReadDeadline(time.Now().Add(d))
+	}
 	f, err := wire.Read(cc.br)
 	cc.c.SetReadDeadline(time.Time{})
 	if err != nil {
@@ -422,7 +463,60 @@ func (r *rank) handshakeCtx(cc *ctrlConn) error {
 	}
 	cc.peer.rank, cc.peer.state, cc.peer.host, cc.peer.backends, cc.peer.endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
 	st, _ := r.state.MarshalBinary()
+	cc.touch()
 	return cc.send(&wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames(), Endpoints: r.backendEndpoints()})
+}
+
+// errIdle ends a control connection closed for idleness.
+var errIdle = errors.New("transceiver: control connection idle")
+
+// frameTimeout bounds the arrival of a frame once its first byte has: a
+// peer that starts a frame and stalls is gone (or hostile).
+const frameTimeout = writeTimeout
+
+// nextFrame reads cc's next frame. Between frames it waits for the first
+// byte at most idle (no bound when idle <= 0); when that passes, idleLeft
+// says how much longer cc must stay unused to be idle: 0 ends the wait
+// with errIdle (idleLeft has then made sure nobody takes cc any more).
+func (r *rank) nextFrame(cc *ctrlConn, idle time.Duration, idleLeft func(*ctrlConn, time.Duration) time.Duration) (wire.Frame, error) {
+	wait := idle
+	for {
+		if idle > 0 {
+			cc.c.SetReadDeadline(time.Now().Add(wait))
+		} else {
+			cc.c.SetReadDeadline(time.Time{})
+		}
+		_, err := cc.br.Peek(1)
+		if err == nil {
+			break
+		}
+		if idle <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
+			return nil, err
+		}
+		if wait = idleLeft(cc, idle); wait <= 0 {
+			return nil, errIdle
+		}
+	}
+	cc.c.SetReadDeadline(time.Now().Add(frameTimeout))
+	f, err := wire.Read(cc.br)
+	cc.touch()
+	return f, err
+}
+
+// ctxIdleLeft returns how much longer accepted connection cc must stay
+// unused to have been idle for d: d while a context request has a peer on
+// it, 0 when it is idle.
+func (r *rank) ctxIdleLeft(cc *ctrlConn, d time.Duration) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, cr := range r.ctxReqs {
+		for _, p := range cr.peers {
+			if p.conn == cc {
+				return d
+			}
+		}
+	}
+	return max(0, d-time.Since(cc.lastUse()))
 }
 
 func (r *rank) refuse(cc *ctrlConn, ri *wire.RequestInfo, code uint8, format string, args ...any) {

@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
@@ -131,6 +133,11 @@ func (r *rank) execGen(gr *genReq, effs []effect) {
 			gr.timer.Stop()
 			r.mu.Lock()
 			delete(r.genReqs, gr.id)
+			for _, s := range gr.srcs {
+				if s.conn != nil {
+					s.conn.touch() // idle from now on, if nothing else uses it
+				}
+			}
 			r.mu.Unlock()
 			err := e.err
 			r.wg.Add(1)
@@ -167,6 +174,7 @@ func (r *rank) ask(gr *genReq, s *genSrc) error {
 	if err != nil {
 		return err
 	}
+	defer r.undial(cc)
 	backend, err := r.chooseBackend(cc)
 	if err != nil {
 		return err
@@ -358,7 +366,9 @@ func (r *rank) recvPair(gr *genReq, s *genSrc) (int64, int, error) {
 
 // dial returns the control connection to a context rank's endpoint,
 // connecting and shaking hands on first use. Concurrent callers for one
-// endpoint share one attempt.
+// endpoint share one attempt. The connection is the caller's to use until it
+// calls undial: meanwhile it is not closed as idle. A cached connection that
+// was closed (idle, lost) is replaced by a new one.
 func (r *rank) dial(ctx context.Context, endpoint string) (*ctrlConn, error) {
 	// RequestAndReceiveAsync has checked every endpoint already; this is
 	// the one place that dials, so the rule is enforced here too.
@@ -369,10 +379,76 @@ func (r *rank) dial(ctx context.Context, endpoint string) (*ctrlConn, error) {
 	if err := r.set.peers.dialCheck(host); err != nil {
 		return nil, err
 	}
-	r.mu.Lock()
-	if r.closed {
+	for {
+		d, err := r.dialEntry(ctx, endpoint)
+		if err != nil {
+			return nil, err
+		}
+		select {
+		case <-d.ready:
+		case <-ctx.Done():
+			return nil, context.Cause(ctx)
+		}
+		if d.err != nil {
+			return nil, d.err
+		}
+		r.mu.Lock()
+		if r.dialed[endpoint] == d {
+			if !d.conn.isDead() {
+				d.conn.users++
+				r.mu.Unlock()
+				return d.conn, nil
+			}
+			delete(r.dialed, endpoint) // before connLost gets to it
+		}
 		r.mu.Unlock()
+	}
+}
+
+// undial ends a use of cc that dial started.
+func (r *rank) undial(cc *ctrlConn) {
+	r.mu.Lock()
+	cc.users--
+	cc.touch()
+	r.mu.Unlock()
+}
+
+// genIdleLeft returns how much longer dialled connection cc must stay
+// unused to have been idle for d: d while a caller of dial holds it or a
+// generation request pulls through it. At 0 it is removed from the dial
+// cache, so that nobody takes it any more.
+func (r *rank) genIdleLeft(cc *ctrlConn, d time.Duration) time.Duration {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if cc.users > 0 {
+		return d
+	}
+	for _, gr := range r.genReqs {
+		for _, s := range gr.srcs {
+			if s.conn == cc {
+				return d
+			}
+		}
+	}
+	if left := d - time.Since(cc.lastUse()); left > 0 {
+		return left
+	}
+	if de := r.dialed[cc.peer.endpoint]; de != nil && de.conn == cc {
+		delete(r.dialed, cc.peer.endpoint)
+	}
+	return 0
+}
+
+// dialEntry returns the dial cache's entry for endpoint, starting a
+// connection attempt when there is none.
+func (r *rank) dialEntry(ctx context.Context, endpoint string) (*dialEntry, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
 		return nil, ErrClosed
+	}
+	if err := context.Cause(ctx); err != nil {
+		return nil, err
 	}
 	d, ok := r.dialed[endpoint]
 	if !ok {
@@ -392,13 +468,7 @@ func (r *rank) dial(ctx context.Context, endpoint string) (*ctrlConn, error) {
 			close(d.ready)
 		}()
 	}
-	r.mu.Unlock()
-	select {
-	case <-d.ready:
-		return d.conn, d.err
-	case <-ctx.Done():
-		return nil, context.Cause(ctx)
-	}
+	return d, nil
 }
 
 // connect dials and shakes hands. It is bounded by writeTimeout so that a
@@ -436,6 +506,9 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 	c.SetReadDeadline(time.Time{})
 	if err != nil {
 		c.Close()
+		if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
+			return nil, fmt.Errorf("%w: handshake with %s: %v (closed before its hello: refused by the peer's connection limits, or gone)", ErrPeerLost, endpoint, err)
+		}
 		return nil, fmt.Errorf("%w: handshake with %s: %v", ErrPeerLost, endpoint, err)
 	}
 	switch h := f.(type) {
@@ -448,6 +521,7 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 		c.Close()
 		return nil, fmt.Errorf("%w: handshake with %s: got %s", wire.ErrMalformed, endpoint, f.Type())
 	}
+	cc.touch()
 	if !r.track(cc) {
 		c.Close()
 		return nil, ErrClosed
@@ -457,13 +531,18 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 	return cc, nil
 }
 
-// serveGen reads the frames a context rank sends on a dialled connection.
+// serveGen reads the frames a context rank sends on a dialled connection,
+// until it breaks, closes, or stays unused for 3/4 of the idle timeout
+// (before the context rank's own idle timeout closes it: see ConnLimits).
 func (r *rank) serveGen(cc *ctrlConn) {
 	defer r.wg.Done()
 	var err error
 	for err == nil {
 		var f wire.Frame
-		f, err = wire.Read(cc.br)
+		f, err = r.nextFrame(cc, r.set.limits.dialIdle(), r.genIdleLeft)
+		if errors.Is(err, errIdle) {
+			r.log.Debug("dialled control connection closed: idle", "endpoint", cc.peer.endpoint)
+		}
 		if err != nil {
 			break
 		}

@@ -41,7 +41,8 @@ type Options struct {
 	// Now is the clock for statistics and for the expiry of opaque states;
 	// nil means time.Now.
 	Now func() time.Time
-	// Observer receives transfer events (metrics); nil means none.
+	// Observer receives transfer events (metrics); nil means none. One
+	// that is also a ConnObserver receives the control connections' events.
 	Observer Observer
 
 	// Secret is the cluster secret (at least config.MinSecretBytes). With
@@ -71,6 +72,9 @@ type Options struct {
 	// It covers TCP only: the shm data plane stays within one host and the
 	// ucx one has no TLS.
 	TLS *transport.TLSConfig
+	// Limits bound the connections each rank accepts (control and data);
+	// zero fields take the defaults (see ConnLimits).
+	Limits ConnLimits
 }
 
 // Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
@@ -181,6 +185,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	} else {
 		log.Info("opaque states are signed and checked with the cluster secret", "allowed_peer_hosts", peers.list)
 	}
+	lim := opts.Limits.withDefaults()
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: now, timeout: cfg.Timeout(),
 		guard:   newOpaqueGuard(opts.Secret, peers, now, opts.NonceCacheSize),
 		pending: map[pendingKey]*pending{}, wake: make(chan struct{})}
@@ -197,10 +202,13 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		set := rankSettings{
 			timeout: cfg.Timeout(), backend: strings.ToLower(string(res.Backend)), bufferBytes: bufBytes,
 			sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, zeroCopy: cfg.ZeroCopy,
-			host: hostID, logger: log, now: now, peers: peers,
+			host: hostID, logger: log, now: now, peers: peers, limits: lim,
 		}
 		if opts.TLS != nil {
 			set.tls = opts.TLS.Client
+		}
+		if co, ok := opts.Observer.(ConnObserver); ok {
+			set.conns = connObs{co}
 		}
 		if set.sendBuffers <= 0 {
 			set.sendBuffers = config.DefaultSendBuffers
@@ -211,7 +219,8 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		trs := map[string]transport.Transport{}
 		var openErr error
 		for _, name := range names {
-			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log, TLS: opts.TLS})
+			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log, TLS: opts.TLS,
+				MaxConns: lim.MaxDataConns, MaxConnsPerHost: lim.MaxDataConnsPerHost})
 			if err != nil {
 				openErr = fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
 				break

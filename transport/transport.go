@@ -43,6 +43,13 @@ type Options struct {
 	// moves data between processes of one host through shared memory, and
 	// UCX has no TLS here.
 	TLS *TLSConfig
+	// MaxConns bounds the inbound data connections a backend keeps open
+	// (tcp, shm); one more is closed at once. 0 means DefaultMaxConns; a
+	// negative value, no bound.
+	MaxConns int
+	// MaxConnsPerHost bounds those from one remote IP address (tcp). 0
+	// means DefaultMaxConnsPerHost; a negative value, no bound.
+	MaxConnsPerHost int
 }
 
 // TLSConfig is the mutual TLS of a data plane: Server for the connections
@@ -62,6 +69,12 @@ const (
 	MaxStreams        = 64
 	// MaxDescriptorBytes bounds a Descriptor on the wire.
 	MaxDescriptorBytes = 4096
+	// DefaultMaxConns and DefaultMaxConnsPerHost bound a backend's inbound
+	// data connections: a sending rank opens Streams (up to MaxStreams) of
+	// them, so a host running 16 sending ranks at 64 streams stays within
+	// the per-host bound.
+	DefaultMaxConns        = 2048
+	DefaultMaxConnsPerHost = 1024
 )
 
 // WithDefaults returns o with zero fields set to their defaults.
@@ -83,6 +96,12 @@ func (o Options) WithDefaults() Options {
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if o.MaxConns == 0 {
+		o.MaxConns = DefaultMaxConns
+	}
+	if o.MaxConnsPerHost == 0 {
+		o.MaxConnsPerHost = DefaultMaxConnsPerHost
 	}
 	return o
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/kvxfer/kvxfer/serve"
 	"github.com/spf13/cobra"
 )
@@ -68,18 +69,18 @@ func (a *adminFlag) start(ctx context.Context, log *slog.Logger) (stop func(), e
 	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
 	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
 	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	log.Info("admin listener", "pprof", "http://"+ln.Addr().String()+"/debug/pprof/")
+	log.Info("listening", "plane", "admin", "addr", ln.Addr().String(), "pprof", "http://"+ln.Addr().String()+"/debug/pprof/")
+	ln = serve.LimitListener(ln, "admin", serve.HTTPLimits{}, log, nil)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		serveHTTP(ctx, ln, mux, slog.New(slog.DiscardHandler))
+		serveHTTP(ctx, ln, serve.NewHTTPServer(mux, serve.HTTPLimits{}), slog.New(slog.DiscardHandler))
 	}()
 	return func() { cancel(); <-done }, nil
 }
 
-// serveHTTP runs h on ln until ctx ends, then shuts down gracefully.
-func serveHTTP(ctx context.Context, ln net.Listener, h http.Handler, log *slog.Logger) error {
-	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
+// serveHTTP runs srv on ln until ctx ends, then shuts down gracefully.
+func serveHTTP(ctx context.Context, ln net.Listener, srv *http.Server, log *slog.Logger) error {
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -102,6 +103,7 @@ func newServeCmd(e env) *cobra.Command {
 		lf                                        logFlags
 		admin                                     adminFlag
 		tf                                        tlsFlags
+		hf                                        httpFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "serve",
@@ -168,22 +170,30 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 				return err
 			}
 			defer w.Close()
+			if tr := w.Transceiver(); tr != nil {
+				for _, l := range tr.Listeners() {
+					log.Info("listening", "plane", l.Plane, "rank", l.Rank, "addr", l.Addr)
+				}
+				log.Info("transceiver connection limits", "limits", tr.Limits().String())
+			}
 			ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
 			if err != nil {
 				return err
 			}
+			log.Info("listening", "plane", "http", "addr", ln.Addr().String(), "limits", hf.lim.WithDefaults())
+			ln = serve.LimitListener(ln, "worker http", hf.lim, log, w.Metrics().Conns)
 			scheme := "http://"
 			if tc != nil {
 				ln, scheme = tls.NewListener(ln, tc.Server), "https://"
 			}
-			log.Info("worker listening", "role", role, "model", model, "url", scheme+ln.Addr().String(),
-				"tp", wc.TensorParallelSize, "pp", wc.PipelineParallelSize, "mutual_tls", tc != nil)
 			wait, err := admin.start(cmd.Context(), log)
 			if err != nil {
 				return err
 			}
 			defer wait()
-			return serveHTTP(cmd.Context(), ln, w.Handler(), log)
+			log.Info("worker listening", "role", role, "model", model, "url", scheme+ln.Addr().String(),
+				"tp", wc.TensorParallelSize, "pp", wc.PipelineParallelSize, "mutual_tls", tc != nil)
+			return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(w.Handler(), hf.lim), log)
 		},
 	}
 	f := cmd.Flags()
@@ -199,6 +209,7 @@ OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /
 	tf.add(cmd, "on the HTTP API (clients need a certificate of the CA) and the transceiver's control and tcp data connections")
 	lf.add(cmd)
 	admin.add(cmd)
+	hf.add(cmd)
 	return cmd
 }
 
@@ -240,6 +251,7 @@ func newRouterCmd(e env) *cobra.Command {
 		lf            logFlags
 		admin         adminFlag
 		tf            tlsFlags
+		hf            httpFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "router",
@@ -284,13 +296,15 @@ func newRouterCmd(e env) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs)
+			log.Info("listening", "plane", "http", "addr", ln.Addr().String(), "limits", hf.lim.WithDefaults())
+			ln = serve.LimitListener(ln, "router http", hf.lim, log, metrics.NewConns(r.Registry()))
 			wait, err := admin.start(cmd.Context(), log)
 			if err != nil {
 				return err
 			}
 			defer wait()
-			return serveHTTP(cmd.Context(), ln, r.Handler(), log)
+			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs)
+			return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), hf.lim), log)
 		},
 	}
 	cmd.Flags().StringVar(&cfgPath, "config", "", "cluster file (disagg_config.yaml)")
@@ -299,6 +313,7 @@ func newRouterCmd(e env) *cobra.Command {
 	tf.add(cmd, "to the workers (the router's own listener stays plain HTTP)")
 	lf.add(cmd)
 	admin.add(cmd)
+	hf.add(cmd)
 	return cmd
 }
 

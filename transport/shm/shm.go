@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -85,6 +86,9 @@ type Transport struct {
 	inbound  map[*inConn]struct{}
 	peers    map[string]*outConn      // outbound connections by endpoint
 	dialing  map[string]chan struct{} // closed when a dial ends
+
+	maxConns int               // inbound connections kept at most (<= 0: no bound)
+	refusals *netlimit.RateLog // logs refused connections
 }
 
 var (
@@ -97,11 +101,15 @@ var (
 // random bits in hex, and starts accepting connections. The goroutines it
 // starts stop in Close; ctx bounds only the opening.
 //
-// Of the options, only Logger and FrameBytes apply: a window slot, the
-// largest part a Send copies at once and so what a receiver copies between
-// two checks for cancel, is FrameBytes rounded down to a multiple of 4096,
-// at most 1 MiB (0 means transport.DefaultFrameBytes). ListenAddr and
-// Streams are TCP's.
+// Of the options, only Logger, MaxConns and FrameBytes apply: a window
+// slot, the largest part a Send copies at once and so what a receiver
+// copies between two checks for cancel, is FrameBytes rounded down to a
+// multiple of 4096, at most 1 MiB (0 means transport.DefaultFrameBytes).
+// ListenAddr, Streams and MaxConnsPerHost are TCP's. The socket has no TCP
+// port, but every process of the host in the same network namespace can
+// connect to it (its name is random, not secret: /proc/net/unix lists it),
+// so at most MaxConns inbound connections are kept and a silent one is
+// closed at its hello deadline.
 func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	opts = opts.WithDefaults()
 	slot := min(opts.FrameBytes, maxSlotLen)
@@ -128,6 +136,8 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		inbound:  make(map[*inConn]struct{}),
 		peers:    make(map[string]*outConn),
 		dialing:  make(map[string]chan struct{}),
+		maxConns: opts.MaxConns,
+		refusals: netlimit.NewRateLog(opts.Logger, time.Second),
 	}
 	t.wg.Add(1)
 	go t.accept()
@@ -217,6 +227,16 @@ func (t *Transport) accept() {
 		if t.closed {
 			t.mu.Unlock()
 			nc.Close()
+			continue
+		}
+		// Any process of this host (and network namespace) can connect to
+		// the abstract socket: bound what they hold. A silent connection
+		// within the bound is closed at its hello deadline.
+		if t.maxConns > 0 && len(t.inbound) >= t.maxConns {
+			t.mu.Unlock()
+			nc.Close()
+			t.refusals.Warn(netlimit.ReasonMaxConns, "connection refused", "listener", "shm data "+t.endpoint,
+				"reason", netlimit.ReasonMaxConns, "limit", t.maxConns)
 			continue
 		}
 		t.inbound[c] = struct{}{}

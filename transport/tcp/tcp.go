@@ -12,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -180,12 +181,16 @@ func (t *Transport) Close() error {
 	return nil
 }
 
-// accept runs until the listener closes.
+// accept runs until the listener closes. Inbound connections beyond
+// opts.MaxConns, or MaxConnsPerHost from one host, are closed at once (a
+// silent one that is within them is closed at its preface deadline).
 func (t *Transport) accept() {
 	defer t.wg.Done()
+	ln := netlimit.NewListener(t.ln, "tcp data "+t.endpoint,
+		netlimit.Limits{MaxConns: t.opts.MaxConns, MaxConnsPerHost: t.opts.MaxConnsPerHost}, t.opts.Logger, nil)
 	var delay time.Duration
 	for {
-		nc, err := t.ln.Accept()
+		nc, err := ln.Accept()
 		if err != nil {
 			if errors.Is(err, net.ErrClosed) {
 				return

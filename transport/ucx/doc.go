@@ -150,16 +150,37 @@
 // silently talks tcp over loopback at half the speed, or less. The backend
 // therefore sets, through ucp_config_modify, MM_ERROR_HANDLING=y and
 // MEMORY_INVALIDATE=y (and KEEPALIVE_INTERVAL=1s), each only when none of
-// the environment variables that set it is present; everything else (UCX_TLS,
-// UCX_NET_DEVICES, thresholds, ...) is read by UCX itself from the
-// environment (ucp_config_read) and never overridden. What the knobs give up:
+// the environment variables that set it is present, and NET_DEVICES from
+// the listen host unless UCX_NET_DEVICES is set (see Listening); everything
+// else (UCX_TLS, thresholds, ...) is read by UCX itself from the environment
+// (ucp_config_read) and never overridden. What the knobs give up:
 // with cma, after a failed rendezvous the peer could still read (never
 // write) the source memory; the cma "invalidate" is declared, not done. The
 // receiver reads with cma itself, so no peer writes into a receiver's
 // memory.
 //
-// Options.ListenAddr, Streams and FrameBytes do not apply: UCX chooses
-// devices itself. The backend implements neither transport.MemoryRegistrar
+// # Listening
+//
+// UCX's tcp transport listens on the address of every network device the
+// context uses (ports of its choosing), so a backend left alone listens on
+// every interface of the machine whatever address it was asked for. The
+// host of Options.ListenAddr therefore chooses the devices, given to UCX as
+// NET_DEVICES: a loopback host (127.0.0.1, localhost) gives only the
+// loopback device (peers on the same host still use shared memory; nothing
+// listens where another machine can reach it); another host gives the
+// devices that hold that address, plus the machine's RDMA ports (from
+// /sys/class/infiniband), which open no socket; an IPv6 host also sets
+// tcp's AF_PRIO to inet6, since UCX binds a device's IPv4 address when it
+// has one. 0.0.0.0, :: or an empty host leave every device. A host that is
+// no interface's address fails Open. UCX binds a device's first address of
+// the family: a host that is a device's secondary address is not bound as
+// such. UCX_NET_DEVICES in the environment wins (the backend logs a warning
+// when it overrides a specific host). ListenAddrs reports the host and
+// devices ("127.0.0.1 (lo)"); UCX does not report its ports. The
+// shared-memory transports (sysv, posix, cma) open no socket; a peer on the
+// same host reaches them through the worker address in a descriptor.
+//
+// The port of ListenAddr, Streams and FrameBytes do not apply. The backend implements neither transport.MemoryRegistrar
 // (tagged operations need no registration; UCX's registration cache covers
 // RDMA) nor transport.Prober (UCX reaches any host it has a device for).
 //

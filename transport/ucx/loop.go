@@ -99,7 +99,7 @@ func (t *Transport) run(ready chan<- error) {
 		sends:      map[uint64]*send{},
 		recent:     newRecentSet(4096),
 	}
-	defs := defaultsFromEnv()
+	defs := defaultsFromEnv(t.bind)
 	cdefs := C.CString(defs)
 	st := C.kx_open(w, cdefs, C.size_t(len(defs)))
 	C.free(unsafe.Pointer(cdefs))

@@ -87,6 +87,7 @@ type Transport struct {
 	inst        uint64 // random id of this transport, inside its endpoint
 	endpointRaw []byte
 	endpoint    string
+	bind        binding // the network devices UCX listens on
 	name        atomic.Pointer[string]
 	closed      atomic.Bool // Close called: new operations fail
 
@@ -106,10 +107,20 @@ var _ transport.Transport = (*Transport)(nil)
 
 // Open creates a UCP context and worker (reading UCX_* from the
 // environment, as UCX does) and starts the progress goroutine. ctx bounds
-// only the opening. opts.ListenAddr, Streams and FrameBytes do not apply:
-// UCX chooses devices itself (UCX_TLS, UCX_NET_DEVICES).
+// only the opening. The host of opts.ListenAddr chooses the network devices
+// UCX may use (UCX_NET_DEVICES, unless the environment sets it): see
+// "Listening" in the package documentation. Its port, Streams and
+// FrameBytes do not apply.
 func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	opts = opts.WithDefaults()
+	bind, err := resolveBinding(ctx, opts.ListenAddr)
+	if err != nil {
+		return nil, fmt.Errorf("ucx: open: %w", err)
+	}
+	if devs, set := envNetDevices(); set && bind.host.IsValid() {
+		opts.Logger.Warn("ucx: UCX_NET_DEVICES is set: UCX listens on the devices it names, not only on the listen host",
+			"UCX_NET_DEVICES", devs, "listen_host", bind.host.String())
+	}
 	var b [8]byte
 	if _, err := rand.Read(b[:]); err != nil {
 		return nil, fmt.Errorf("ucx: open: %w", err)
@@ -117,6 +128,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	t := &Transport{
 		log:     opts.Logger,
 		inst:    binary.LittleEndian.Uint64(b[:]),
+		bind:    bind,
 		done:    make(chan struct{}),
 		pending: map[uint64]struct{}{},
 	}
@@ -141,9 +153,18 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	return t, nil
 }
 
-func defaultsFromEnv() string {
+// defaultsFromEnv returns the settings the backend gives UCX: configDefaults
+// and the devices of bind, each only when the environment does not set it.
+func defaultsFromEnv(bind binding) string {
 	var b strings.Builder
 	tls, tlsSet := os.LookupEnv("UCX_TLS")
+	if _, set := envNetDevices(); !set && len(bind.devices) > 0 {
+		b.WriteString("NET_DEVICES=" + strings.Join(bind.devices, ",") + "\x00")
+		// UCX's tcp binds a device's IPv4 address when it has one.
+		if _, set := os.LookupEnv("UCX_TCP_AF_PRIO"); bind.ipv6 && !set && tlsAllows(tls, tlsSet, []string{"tcp"}) {
+			b.WriteString("AF_PRIO=inet6\x00")
+		}
+	}
 next:
 	for _, d := range configDefaults {
 		if !tlsAllows(tls, tlsSet, d.tls) {
@@ -167,6 +188,12 @@ func (t *Transport) Name() string { return *t.name.Load() }
 // Endpoint is the base64 encoding of version, instance id and UCP worker
 // address.
 func (t *Transport) Endpoint() string { return t.endpoint }
+
+// ListenAddrs describes where UCX listens: the listen host and the network
+// devices that hold it ("127.0.0.1 (lo)"), or "every device"; UCX picks the
+// ports itself and does not report them. Shared-memory transports listen
+// on no socket.
+func (t *Transport) ListenAddrs() []string { return []string{t.bind.String()} }
 
 // PeerTransports reports the UCX transports of the endpoint to the peer
 // whose Endpoint is endpoint, in lane order (active messages first), or nil

@@ -1,0 +1,19 @@
+package cli
+
+import (
+	"github.com/kvxfer/kvxfer/serve"
+	"github.com/spf13/cobra"
+)
+
+// httpFlags bound the connections of a verb's HTTP server.
+type httpFlags struct{ lim serve.HTTPLimits }
+
+func (h *httpFlags) add(cmd *cobra.Command) {
+	f := cmd.Flags()
+	f.IntVar(&h.lim.MaxConns, "http-max-conns", serve.DefaultHTTPMaxConns,
+		"HTTP connections kept open at most (active or idle); more are refused at once (-1: no bound)")
+	f.IntVar(&h.lim.MaxConnsPerHost, "http-max-conns-per-host", serve.DefaultHTTPMaxConnsPerHost,
+		"HTTP connections from one client IP kept open at most (-1: no bound)")
+	f.DurationVar(&h.lim.IdleTimeout, "http-idle-timeout", serve.DefaultHTTPIdleTimeout,
+		"close a keep-alive HTTP connection idle this long")
+}

@@ -1,0 +1,194 @@
+package serve
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/metrics"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// metricValue returns the value of the gauge or counter name whose labels
+// include want, as reg reports it (0 when there is none).
+func metricValue(t *testing.T, reg prometheus.Gatherer, name string, want map[string]string) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != name {
+			continue
+		}
+	next:
+		for _, m := range mf.GetMetric() {
+			n := 0
+			for _, l := range m.GetLabel() {
+				if v, ok := want[l.GetName()]; ok {
+					if v != l.GetValue() {
+						continue next
+					}
+					n++
+				}
+			}
+			if n == len(want) {
+				return m.GetGauge().GetValue() + m.GetCounter().GetValue()
+			}
+		}
+	}
+	return 0
+}
+
+// keepAlive connects from address from, gets /health once (HTTP/1.1, so
+// the connection stays open afterwards) and returns the idle connection,
+// or nil when the server refused it.
+func keepAlive(t *testing.T, addr, from string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}, Timeout: 5 * time.Second}
+	c, err := d.Dial("tcp", addr)
+	if errors.Is(err, syscall.ECONNRESET) {
+		return nil
+	}
+	if err != nil {
+		t.Error(err)
+		return nil
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(c, "GET /health HTTP/1.1\r\nHost: worker\r\n\r\n"); err != nil {
+		c.Close()
+		return nil
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		c.Close()
+		return nil
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	c.SetDeadline(time.Time{})
+	if resp.StatusCode != http.StatusOK || resp.Close {
+		t.Errorf("/health: %s (close %v)", resp.Status, resp.Close)
+	}
+	return c
+}
+
+// TestHTTPKeepAliveFlood is issue #10's HTTP flood: 500 keep-alive
+// connections left idle against a worker. The per-host cap refuses the
+// excess, the idle timeout closes the rest, a legitimate client is served
+// meanwhile, the metrics say so, and the goroutines go back to where they
+// were.
+func TestHTTPKeepAliveFlood(t *testing.T) {
+	const (
+		flood   = 500
+		perHost = 200
+		idle    = 500 * time.Millisecond
+	)
+	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := HTTPLimits{MaxConnsPerHost: perHost, IdleTimeout: idle}
+	conns := w.Metrics().Conns
+	srv := NewHTTPServer(w.Handler(), lim)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(LimitListener(ln, "worker http", lim, nil, conns)) }()
+	defer func() {
+		srv.Close()
+		<-served
+	}()
+	addr := ln.Addr().String()
+	base := runtime.NumGoroutine()
+
+	var (
+		mu   sync.Mutex
+		held []net.Conn
+		wg   sync.WaitGroup
+		jobs = make(chan struct{}, flood)
+	)
+	for range flood {
+		jobs <- struct{}{}
+	}
+	close(jobs)
+	for range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for range jobs {
+				if c := keepAlive(t, addr, "127.0.0.2"); c != nil {
+					mu.Lock()
+					held = append(held, c)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	open := func() float64 {
+		return metricValue(t, w.Registry(), "kvxfer_connections_open", map[string]string{"listener": metrics.ListenerHTTP})
+	}
+	refused := metricValue(t, w.Registry(), "kvxfer_connections_refused_total",
+		map[string]string{"listener": metrics.ListenerHTTP, "reason": "max_conns_per_host"})
+	if len(held) > perHost || int(refused)+len(held) != flood || refused == 0 {
+		t.Errorf("%d keep-alive connections kept and %v refused, want at most %d kept and %d in all", len(held), refused, perHost, flood)
+	}
+
+	// A client of another host is served during the flood.
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+	resp, err := client.Get("http://" + addr + "/v1/models")
+	if err != nil {
+		t.Fatalf("a legitimate request during the flood: %v", err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("a legitimate request during the flood: %s", resp.Status)
+	}
+
+	// The idle timeout closes every kept connection.
+	for _, c := range held {
+		c.SetReadDeadline(time.Now().Add(5 * idle))
+		if _, err := c.Read(make([]byte, 1)); errors.Is(err, os.ErrDeadlineExceeded) {
+			t.Fatal("an idle keep-alive connection was still open after the idle timeout")
+		}
+	}
+	client.CloseIdleConnections()
+	deadline := time.Now().Add(5 * time.Second)
+	for open() != 0 || runtime.NumGoroutine() > base+2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%v HTTP connections open and %d goroutines (%d before the flood) after the idle timeout", open(), runtime.NumGoroutine(), base)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+func TestHTTPLimitsDefaults(t *testing.T) {
+	got := HTTPLimits{MaxConnsPerHost: -1}.WithDefaults()
+	want := HTTPLimits{MaxConns: DefaultHTTPMaxConns, MaxConnsPerHost: -1, IdleTimeout: DefaultHTTPIdleTimeout, ReadHeaderTimeout: DefaultHTTPReadHeaderTimeout}
+	if got != want {
+		t.Errorf("WithDefaults = %+v, want %+v", got, want)
+	}
+	srv := NewHTTPServer(http.NotFoundHandler(), HTTPLimits{IdleTimeout: -1})
+	if srv.IdleTimeout != 0 || srv.ReadHeaderTimeout != DefaultHTTPReadHeaderTimeout {
+		t.Errorf("server timeouts: idle %v, read header %v", srv.IdleTimeout, srv.ReadHeaderTimeout)
+	}
+}

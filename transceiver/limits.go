@@ -1,0 +1,130 @@
+package transceiver
+
+import (
+	"time"
+
+	"github.com/kvxfer/kvxfer/internal/netlimit"
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// Defaults of ConnLimits: generous for a cluster (a context rank gets one
+// control connection per generation rank that pulls from it), small enough
+// that a flood costs bounded memory and goroutines.
+const (
+	DefaultMaxControlConns        = 1024
+	DefaultMaxControlConnsPerHost = 256
+	DefaultHandshakeTimeout       = 10 * time.Second
+	DefaultIdleTimeout            = 5 * time.Minute
+)
+
+// ConnLimits bound the connections each rank accepts, before and after
+// their handshake. A zero field takes its default; a negative one removes
+// the bound (a negative timeout: none).
+type ConnLimits struct {
+	// MaxControlConns bounds one rank's inbound control connections,
+	// shaking hands or not (default DefaultMaxControlConns). One more is
+	// closed at once.
+	MaxControlConns int
+	// MaxControlConnsPerHost bounds those from one remote IP address
+	// (default DefaultMaxControlConnsPerHost).
+	MaxControlConnsPerHost int
+	// HandshakeTimeout is how long an inbound control connection may take
+	// to send its hello (default DefaultHandshakeTimeout).
+	HandshakeTimeout time.Duration
+	// IdleTimeout closes an inbound control connection that has had no
+	// request in flight and no frame for this long (default
+	// DefaultIdleTimeout). A rank closes the control connections it dialled
+	// after 3/4 of its own IdleTimeout, and dials again when it next needs
+	// one, so that with one setting across the cluster a dialler never
+	// sends on a connection its peer is closing.
+	IdleTimeout time.Duration
+	// MaxDataConns and MaxDataConnsPerHost bound each rank's inbound data
+	// connections of the tcp backend (MaxDataConns also shm's); 0 means
+	// transport.DefaultMaxConns and transport.DefaultMaxConnsPerHost.
+	MaxDataConns, MaxDataConnsPerHost int
+}
+
+// withDefaults returns l with zero fields set to their defaults.
+func (l ConnLimits) withDefaults() ConnLimits {
+	def := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	defDur := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&l.MaxControlConns, DefaultMaxControlConns)
+	def(&l.MaxControlConnsPerHost, DefaultMaxControlConnsPerHost)
+	def(&l.MaxDataConns, transport.DefaultMaxConns)
+	def(&l.MaxDataConnsPerHost, transport.DefaultMaxConnsPerHost)
+	defDur(&l.HandshakeTimeout, DefaultHandshakeTimeout)
+	defDur(&l.IdleTimeout, DefaultIdleTimeout)
+	return l
+}
+
+// String describes l for logs.
+func (l ConnLimits) String() string {
+	return "control: " + netlimit.Limits{MaxConns: l.MaxControlConns, MaxConnsPerHost: l.MaxControlConnsPerHost}.String() +
+		", handshake timeout " + l.HandshakeTimeout.String() + ", idle timeout " + l.IdleTimeout.String() +
+		"; data: " + netlimit.Limits{MaxConns: l.MaxDataConns, MaxConnsPerHost: l.MaxDataConnsPerHost}.String()
+}
+
+// dialIdle is how long a rank keeps a control connection it dialled
+// unused: 3/4 of the idle timeout (see ConnLimits.IdleTimeout).
+func (l ConnLimits) dialIdle() time.Duration { return l.IdleTimeout * 3 / 4 }
+
+// ConnObserver is an optional interface of an Observer: it is told about
+// the inbound control connections of every rank, for metrics. Its methods
+// are called concurrently and must not block.
+type ConnObserver interface {
+	// ControlConnOpened: a control connection was accepted.
+	ControlConnOpened()
+	// ControlConnClosed: an accepted control connection closed (once per
+	// ControlConnOpened).
+	ControlConnClosed()
+	// ControlConnRefused: a control connection was refused at accept
+	// ("max_conns", "max_conns_per_host") or closed because it sent no
+	// hello in time ("handshake_timeout").
+	ControlConnRefused(reason string)
+	// ControlConnIdleClosed: an accepted control connection was closed
+	// after its idle timeout.
+	ControlConnIdleClosed()
+}
+
+// Reasons of ControlConnRefused.
+const (
+	RefusedMaxConns         = netlimit.ReasonMaxConns
+	RefusedMaxConnsPerHost  = netlimit.ReasonMaxConnsPerHost
+	RefusedHandshakeTimeout = netlimit.ReasonHandshakeTimeout
+)
+
+// connObs adapts a ConnObserver to netlimit.Observer; nil methods do
+// nothing.
+type connObs struct{ o ConnObserver }
+
+func (c connObs) Opened() {
+	if c.o != nil {
+		c.o.ControlConnOpened()
+	}
+}
+
+func (c connObs) Closed() {
+	if c.o != nil {
+		c.o.ControlConnClosed()
+	}
+}
+
+func (c connObs) Refused(reason string) {
+	if c.o != nil {
+		c.o.ControlConnRefused(reason)
+	}
+}
+
+func (c connObs) idleClosed() {
+	if c.o != nil {
+		c.o.ControlConnIdleClosed()
+	}
+}

@@ -1,0 +1,335 @@
+package transceiver
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"log/slog"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
+)
+
+// connCounter is an Observer and ConnObserver that counts control
+// connections and remembers the most open at once.
+type connCounter struct {
+	open, peak, idle        atomic.Int64
+	maxConns, perHost, hsTO atomic.Int64
+}
+
+func (c *connCounter) TransferStarted(string) {}
+func (c *connCounter) TransferEnded(Record)   {}
+func (c *connCounter) ControlConnOpened() {
+	n := c.open.Add(1)
+	for p := c.peak.Load(); n > p && !c.peak.CompareAndSwap(p, n); p = c.peak.Load() {
+	}
+}
+func (c *connCounter) ControlConnClosed()     { c.open.Add(-1) }
+func (c *connCounter) ControlConnIdleClosed() { c.idle.Add(1) }
+func (c *connCounter) ControlConnRefused(reason string) {
+	switch reason {
+	case RefusedMaxConns:
+		c.maxConns.Add(1)
+	case RefusedMaxConnsPerHost:
+		c.perHost.Add(1)
+	case RefusedHandshakeTimeout:
+		c.hsTO.Add(1)
+	}
+}
+
+type lockedBuf struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuf) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+func (l *lockedBuf) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
+
+// withLimits sets the instance's connection limits, observer and logger.
+func withLimits(lim ConnLimits, obs Observer, log *slog.Logger) func(*Options) {
+	return func(o *Options) {
+		o.Limits, o.Observer = lim, obs
+		if log != nil {
+			o.Logger = log
+		}
+	}
+}
+
+// hostileHello connects to a control endpoint from local address from and
+// completes the handshake as a generation rank would. It returns the
+// connection, or nil when the rank refused it (closed before its hello).
+func hostileHello(t *testing.T, endpoint, from string, st []byte) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(from)}, Timeout: 5 * time.Second}
+	c, err := d.Dial("tcp", endpoint)
+	if errors.Is(err, syscall.ECONNRESET) {
+		return nil // refused before Dial returned
+	}
+	if err != nil {
+		t.Error(err)
+		return nil
+	}
+	b, _ := wire.Append(nil, &wire.Hello{Version: wire.Version, State: st, Host: "hostile", Backends: []string{"tcp"}, Endpoints: []string{"127.0.0.1:1"}})
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if _, err := c.Write(b); err != nil {
+		c.Close()
+		return nil
+	}
+	f, err := wire.Read(bufio.NewReader(c))
+	c.SetDeadline(time.Time{})
+	if err != nil {
+		c.Close()
+		return nil
+	}
+	if _, ok := f.(*wire.Hello); !ok {
+		t.Errorf("hostile hello answered with %s", f.Type())
+		c.Close()
+		return nil
+	}
+	return c
+}
+
+// closedWithin reports whether the peer closed c within d.
+func closedWithin(c net.Conn, d time.Duration) bool {
+	c.SetReadDeadline(time.Now().Add(d))
+	_, err := c.Read(make([]byte, 1))
+	return err != nil && !errors.Is(err, os.ErrDeadlineExceeded)
+}
+
+// waitFor polls cond for up to d.
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not true after %v", what, d)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestControlFloodAfterHello is issue #10's flood: 1,000 control
+// connections that complete their hello and then sit idle. The per-host cap
+// refuses the excess, the idle timeout closes the rest, the goroutines go
+// back to where they were, and transfers work before, during and after.
+func TestControlFloodAfterHello(t *testing.T) {
+	const (
+		flood   = 1000
+		perHost = 200
+		idle    = time.Second
+	)
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	cfg := testCfg()
+	obs := &connCounter{}
+	var logs lockedBuf
+	lim := ConnLimits{MaxControlConns: 1000, MaxControlConnsPerHost: perHost, IdleTimeout: idle, HandshakeTimeout: 5 * time.Second}
+	ctx := newInst(t, cs, cfg, 64, withLimits(lim, obs, slog.New(slog.NewTextHandler(&logs, nil))))
+	gen := newInst(t, cs, cfg, 64, withLimits(ConnLimits{IdleTimeout: idle}, nil, nil))
+	base := runtime.NumGoroutine()
+
+	transfer(t, ctx, gen, 1, 40, 1, 0, 0)
+	st, _ := cs.MarshalBinary()
+	ep := ctx.t.Endpoints()[0]
+	var (
+		mu   sync.Mutex
+		held []net.Conn
+		wg   sync.WaitGroup
+		next atomic.Int64
+	)
+	for range 32 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= flood {
+				if c := hostileHello(t, ep, "127.0.0.2", st); c != nil {
+					mu.Lock()
+					held = append(held, c)
+					mu.Unlock()
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	t.Cleanup(func() {
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	// During the flood (its connections held open), from another host.
+	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
+
+	if got := obs.peak.Load(); got > perHost+1 { // +1: the generation rank's own
+		t.Errorf("%d control connections open at once, per-host cap %d", got, perHost)
+	}
+	if obs.perHost.Load() == 0 || int(obs.perHost.Load())+len(held) != flood {
+		t.Errorf("%d hellos answered and %d refused (per host), want %d in all with some refused", len(held), obs.perHost.Load(), flood)
+	}
+	// The idle timeout closes every connection that stayed.
+	for _, c := range held {
+		if !closedWithin(c, 3*idle) {
+			t.Fatal("a hostile connection was still open after its idle timeout")
+		}
+	}
+	waitFor(t, 5*time.Second, "goroutines back to where they were", func() bool { return runtime.NumGoroutine() <= base+2 })
+	if obs.idle.Load() < int64(len(held)) {
+		t.Errorf("%d idle closes counted, %d hostile connections closed", obs.idle.Load(), len(held))
+	}
+	if !strings.Contains(logs.String(), "reason=max_conns_per_host") {
+		t.Errorf("no refusal logged:\n%s", logs.String())
+	}
+	if n := strings.Count(logs.String(), "connection refused"); n > 5 {
+		t.Errorf("%d refusal lines in a burst of %d refusals: not rate-limited", n, obs.perHost.Load())
+	}
+	// After: the generation rank closed its own idle connection before the
+	// context rank did, and dials again.
+	transfer(t, ctx, gen, 3, 40, 3, 0, 0)
+}
+
+// TestControlConnCaps: the total and per-host caps, their reasons, and a
+// freed place, with deterministic counts (no idle timeout).
+func TestControlConnCaps(t *testing.T) {
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	obs := &connCounter{}
+	ctx := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{MaxControlConns: 4, MaxControlConnsPerHost: 2, IdleTimeout: -1}, obs, nil))
+	st, _ := cs.MarshalBinary()
+	ep := ctx.t.Endpoints()[0]
+	var held []net.Conn
+	t.Cleanup(func() {
+		for _, c := range held {
+			c.Close()
+		}
+	})
+	for _, tc := range []struct {
+		from string
+		ok   bool
+	}{
+		{"127.0.0.2", true}, {"127.0.0.2", true}, {"127.0.0.2", false}, // per host
+		{"127.0.0.3", true}, {"127.0.0.3", true}, {"127.0.0.4", false}, // total
+	} {
+		c := hostileHello(t, ep, tc.from, st)
+		if (c != nil) != tc.ok {
+			t.Fatalf("connection from %s served: %v, want %v", tc.from, c != nil, tc.ok)
+		}
+		if c != nil {
+			held = append(held, c)
+		}
+	}
+	if obs.perHost.Load() != 1 || obs.maxConns.Load() != 1 {
+		t.Errorf("refused %d per host and %d in all, want 1 and 1", obs.perHost.Load(), obs.maxConns.Load())
+	}
+	if got := obs.open.Load(); got != 4 {
+		t.Errorf("%d open, want 4", got)
+	}
+	held[0].Close()
+	waitFor(t, 5*time.Second, "a closed connection's place freed", func() bool { return obs.open.Load() == 3 })
+	if c := hostileHello(t, ep, "127.0.0.4", st); c == nil {
+		t.Fatal("refused after a place was freed")
+	} else {
+		held = append(held, c)
+	}
+	// Without an idle timeout, nothing closes them.
+	if closedWithin(held[1], 100*time.Millisecond) {
+		t.Fatal("a connection was closed without an idle timeout")
+	}
+}
+
+// TestControlHandshakeTimeout: a connection that never completes its hello
+// (silent, or a few bytes of it) is closed at the handshake timeout and
+// counted; one within the timeout is served.
+func TestControlHandshakeTimeout(t *testing.T) {
+	const hs = 200 * time.Millisecond
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	obs := &connCounter{}
+	ctx := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil))
+	ep := ctx.t.Endpoints()[0]
+	for _, prefix := range [][]byte{nil, {0x40, 0, 0}} {
+		c, err := net.Dial("tcp", ep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		start := time.Now()
+		c.Write(prefix)
+		if !closedWithin(c, 5*time.Second) {
+			t.Fatal("a connection without hello was kept")
+		}
+		if el := time.Since(start); el < hs/2 {
+			t.Errorf("closed after %v, before the handshake timeout %v", el, hs)
+		}
+	}
+	waitFor(t, 5*time.Second, "handshake timeouts counted", func() bool { return obs.hsTO.Load() == 2 })
+	st, _ := cs.MarshalBinary()
+	if c := hostileHello(t, ep, "127.0.0.1", st); c == nil {
+		t.Fatal("a prompt hello was refused")
+	} else {
+		c.Close()
+	}
+	waitFor(t, 5*time.Second, "every connection closed", func() bool { return obs.open.Load() == 0 })
+}
+
+// TestDialledConnIdle: the generation side closes its idle dialled
+// connection before the context side would, and a later request dials a
+// new one; requests keep working across it.
+func TestDialledConnIdle(t *testing.T) {
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	lim := ConnLimits{IdleTimeout: 400 * time.Millisecond}
+	ctxObs := &connCounter{}
+	ctx := newInst(t, cs, testCfg(), 64, withLimits(lim, ctxObs, nil))
+	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil))
+	transfer(t, ctx, gen, 1, 40, 1, 0, 0)
+	r := gen.t.ranks[0]
+	dialled := func() int {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return len(r.dialed)
+	}
+	if dialled() != 1 {
+		t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
+	}
+	waitFor(t, 5*time.Second, "the dialled connection closed as idle", func() bool { return dialled() == 0 })
+	waitFor(t, 5*time.Second, "the context side saw it close", func() bool { return ctxObs.open.Load() == 0 })
+	if ctxObs.idle.Load() != 0 {
+		t.Errorf("the context side closed %d connections as idle: the dialler should have first", ctxObs.idle.Load())
+	}
+	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
+	if ctxObs.peak.Load() != 1 {
+		t.Errorf("peak %d open control connections, want 1", ctxObs.peak.Load())
+	}
+}
+
+// TestPeerClosedIdleConn: a context rank with a shorter idle timeout than
+// its dialler closes the cached connection first; the dialler drops it
+// from its cache when it sees the close, and the next request dials anew.
+func TestPeerClosedIdleConn(t *testing.T) {
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	ctxObs := &connCounter{}
+	ctx := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, ctxObs, nil))
+	gen := newInst(t, cs, testCfg(), 64)
+	transfer(t, ctx, gen, 1, 40, 1, 0, 0)
+	r := gen.t.ranks[0]
+	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return len(r.dialed) == 0
+	})
+	if ctxObs.idle.Load() != 1 {
+		t.Errorf("%d idle closes on the context side, want 1", ctxObs.idle.Load())
+	}
+	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
+	if ctxObs.peak.Load() != 1 || ctxObs.open.Load() != 1 {
+		t.Errorf("peak %d, open %d control connections, want 1 and 1", ctxObs.peak.Load(), ctxObs.open.Load())
+	}
+}

@@ -1,0 +1,55 @@
+package ucx
+
+import (
+	"context"
+	"net/netip"
+	"slices"
+	"strings"
+	"testing"
+)
+
+func TestBindDevices(t *testing.T) {
+	ifs := []netIface{
+		{"lo", []netip.Addr{netip.MustParseAddr("127.0.0.1"), netip.MustParseAddr("::1")}},
+		{"eth0", []netip.Addr{netip.MustParseAddr("192.0.2.2"), netip.MustParseAddr("fd00::2")}},
+		{"eth1", []netip.Addr{netip.MustParseAddr("198.51.100.7")}},
+	}
+	rdma := []string{"mlx5_0:1"}
+	for _, tc := range []struct {
+		addr    string
+		devices []string // nil: every device
+		ipv6    bool
+		err     string
+	}{
+		{addr: "127.0.0.1:0", devices: []string{"lo"}},
+		{addr: "[::1]:0", devices: []string{"lo"}, ipv6: true},
+		{addr: "192.0.2.2:0", devices: []string{"eth0", "mlx5_0:1"}},
+		{addr: "[fd00::2]:0", devices: []string{"eth0", "mlx5_0:1"}, ipv6: true},
+		{addr: "198.51.100.7:9", devices: []string{"eth1", "mlx5_0:1"}},
+		{addr: ":0"},
+		{addr: "0.0.0.0:0"},
+		{addr: "[::]:0"},
+		{addr: "10.9.9.9:0", err: "not the address of any network interface"},
+		{addr: "127.0.0.2:0", err: "not the address of any network interface"},
+		{addr: "127.0.0.1", err: "missing port"},
+	} {
+		t.Run(tc.addr, func(t *testing.T) {
+			b, err := bindDevices(context.Background(), tc.addr, ifs, rdma)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err = %v, want one containing %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(b.devices, tc.devices) || b.ipv6 != tc.ipv6 {
+				t.Errorf("devices %v ipv6 %v, want %v %v", b.devices, b.ipv6, tc.devices, tc.ipv6)
+			}
+			if (tc.devices == nil) != (b.String() == "every device") {
+				t.Errorf("String() = %q", b.String())
+			}
+		})
+	}
+}
