@@ -21,16 +21,6 @@ func (t *tlsFlags) add(cmd *cobra.Command, what string) {
 	f.StringVar(&t.files.CAFile, "tls-ca", "", "PEM certificate of the cluster CA: peers must present a certificate it signed")
 }
 
-// load returns the configs, nil when no flag is set, or an error naming
-// the flag and file at fault.
-func (t *tlsFlags) load() (*tlsconf.Config, error) {
-	c, err := tlsconf.Load(t.files)
-	if err != nil {
-		return nil, fmt.Errorf("--tls-cert/--tls-key/--tls-ca: %w", err)
-	}
-	return c, nil
-}
-
 // or returns the flags' files when any flag is set, else the files of a
 // config file's security.tls block.
 func (t *tlsFlags) or(c config.TLSFiles) tlsconf.Files {

@@ -28,11 +28,16 @@ func BenchmarkSend(b *testing.B) {
 		}
 	})
 	for _, sub := range []struct {
-		name  string
-		frame int
-	}{{"shm", 0}, {"shm-256KiB-slots", 256 << 10}} {
+		name        string
+		slot, slots int
+	}{{"shm", 0, 0}, {"shm-256K-x8", 256 << 10, 8}, {"shm-1M-x4", 1 << 20, 4}, {"shm-2M-x4", 2 << 20, 4}, {"shm-4M-x4", 4 << 20, 4}, {"shm-4M-x2", 4 << 20, 2}, {"shm-8M-x2", 8 << 20, 2}} {
 		b.Run(sub.name, func(b *testing.B) {
-			tx, rx := open(b, transport.Options{FrameBytes: sub.frame}), open(b, transport.Options{})
+			if sub.slot > 0 {
+				oldLen, oldSlots := maxSlotLen, windowSlots
+				maxSlotLen, windowSlots = sub.slot, sub.slots
+				defer func() { maxSlotLen, windowSlots = oldLen, oldSlots }()
+			}
+			tx, rx := open(b, transport.Options{FrameBytes: 64 << 20}), open(b, transport.Options{})
 			ctx := context.Background()
 			move := func() {
 				r, err := rx.Expect([][]byte{dst.Bytes()})

@@ -27,12 +27,12 @@ var errAnswered = errors.New("shm: send: answered early")
 // Window geometry: a sender copies each part of a Send into one slot of
 // its window on the connection, which the receiver maps read-only.
 const (
-	// maxSlotLen caps a slot; smaller Options.FrameBytes make smaller
+	// defaultMaxSlotLen caps a slot; smaller Options.FrameBytes make smaller
 	// slots.
-	maxSlotLen = 1 << 20
-	// windowSlots is the number of slots of a window: parts in flight on a
+	defaultMaxSlotLen = 1 << 20
+	// defaultWindowSlots is the number of slots of a window: parts in flight on a
 	// connection. 8 slots of 1 MiB keep the window in a shared cache.
-	windowSlots = 8
+	defaultWindowSlots = 8
 )
 
 // sendOp is one Send in flight, for Close to cancel.
@@ -773,3 +773,10 @@ func (t *Transport) Probe(ctx context.Context, endpoint string) error {
 	}
 	return nil
 }
+
+// The window geometry in use; variables only so that benchmarks can try
+// others.
+var (
+	maxSlotLen  = defaultMaxSlotLen
+	windowSlots = defaultWindowSlots
+)
