@@ -4,7 +4,14 @@ package shm
 
 import (
 	"context"
+	"os"
+	"runtime"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
@@ -72,4 +79,79 @@ func benchArena(b *testing.B, n int) *kvcache.ShmArena {
 	sa := a.(*kvcache.ShmArena)
 	b.Cleanup(func() { sa.Close() })
 	return sa
+}
+
+// BenchmarkCeiling measures, next to a plain copy, what the mechanisms that
+// keep a peer to its own bytes can reach on this machine at best, without
+// any protocol: "two-copy-pipe" copies 512 MiB through a 4 MiB window with
+// a second goroutine copying out of it, handing slots over through atomics
+// (the window design with free signalling); "process_vm_readv-1" and "-2"
+// read it with the kernel's cross-memory copy (from this process itself),
+// on one and two goroutines. The shm backend's own figure (BenchmarkSend)
+// is to be read against these.
+func BenchmarkCeiling(b *testing.B) {
+	const n = 512 << 20
+	src, dst := make([]byte, n), make([]byte, n)
+	fill(src, 1)
+	copy(dst, src) // fault the pages in
+	b.Run("copy", func(b *testing.B) {
+		b.SetBytes(n)
+		for b.Loop() {
+			copy(dst, src)
+		}
+	})
+	b.Run("two-copy-pipe", func(b *testing.B) {
+		const slot, slots = 1 << 20, 4
+		win := make([]byte, slot*slots)
+		b.SetBytes(n)
+		for b.Loop() {
+			var full [slots]atomic.Bool
+			var wg sync.WaitGroup
+			wg.Go(func() {
+				for k, off := 0, 0; off < n; k, off = k+1, off+slot {
+					s := k % slots
+					for !full[s].Load() {
+						runtime.Gosched()
+					}
+					copy(dst[off:off+slot], win[s*slot:(s+1)*slot])
+					full[s].Store(false)
+				}
+			})
+			for k, off := 0, 0; off < n; k, off = k+1, off+slot {
+				s := k % slots
+				for full[s].Load() {
+					runtime.Gosched()
+				}
+				copy(win[s*slot:(s+1)*slot], src[off:off+slot])
+				full[s].Store(true)
+			}
+			wg.Wait()
+		}
+	})
+	vmRead := func(b *testing.B, dst, src []byte) {
+		const chunk = 4 << 20
+		for off := 0; off < len(dst); off += chunk {
+			e := min(off+chunk, len(dst))
+			l := []unix.Iovec{{Base: &dst[off], Len: uint64(e - off)}}
+			r := []unix.RemoteIovec{{Base: uintptr(unsafe.Pointer(&src[off])), Len: e - off}}
+			if _, err := unix.ProcessVMReadv(os.Getpid(), l, r, 0); err != nil {
+				b.Skipf("process_vm_readv: %v", err)
+			}
+		}
+	}
+	b.Run("process_vm_readv-1", func(b *testing.B) {
+		b.SetBytes(n)
+		for b.Loop() {
+			vmRead(b, dst, src)
+		}
+	})
+	b.Run("process_vm_readv-2", func(b *testing.B) {
+		b.SetBytes(n)
+		for b.Loop() {
+			var wg sync.WaitGroup
+			wg.Go(func() { vmRead(b, dst[n/2:], src[n/2:]) })
+			vmRead(b, dst[:n/2], src[:n/2])
+			wg.Wait()
+		}
+	})
 }
