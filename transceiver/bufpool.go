@@ -13,9 +13,6 @@ type bufPool struct {
 	size  int
 	slots chan []byte // a nil entry is a buffer not yet allocated
 	inUse atomic.Int64
-	// alloc, when set, allocates a buffer (in shared memory, registered
-	// with the transports that need it); nil means the Go heap.
-	alloc func(size int) ([]byte, error)
 }
 
 func newBufPool(count, size int) *bufPool {
@@ -49,15 +46,7 @@ func (p *bufPool) tryGet() ([]byte, bool) {
 
 func (p *bufPool) fill(b []byte) ([]byte, error) {
 	if b == nil {
-		if p.alloc == nil {
-			b = make([]byte, p.size)
-		} else {
-			var err error
-			if b, err = p.alloc(p.size); err != nil {
-				p.slots <- nil // the slot stays free for a later try
-				return nil, err
-			}
-		}
+		b = make([]byte, p.size)
 	}
 	p.inUse.Add(1)
 	return b, nil

@@ -70,12 +70,11 @@ type rank struct {
 	done       rankDone
 	log        *slog.Logger
 
-	wg     sync.WaitGroup  // every goroutine of this rank
-	arenas []kvcache.Arena // shared-memory staging buffers, closed after the transports
-	life   context.Context // ends when the rank closes: bounds dials and handshakes
-	obs    Observer        // nil: none
-	csv    *timingCSV      // nil: none
-	stop   context.CancelFunc
+	wg   sync.WaitGroup  // every goroutine of this rank
+	life context.Context // ends when the rank closes: bounds dials and handshakes
+	obs  Observer        // nil: none
+	csv  *timingCSV      // nil: none
+	stop context.CancelFunc
 
 	mu      sync.Mutex
 	closed  bool

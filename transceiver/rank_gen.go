@@ -662,13 +662,5 @@ func (r *rank) close() error {
 			err = cerr
 		}
 	}
-	// Registered staging memory outlives the transports that used it.
-	r.mu.Lock()
-	arenas := r.arenas
-	r.arenas = nil
-	r.mu.Unlock()
-	for _, a := range arenas {
-		a.Close()
-	}
 	return err
 }
