@@ -174,6 +174,10 @@ func TestControlFloodAfterHello(t *testing.T) {
 	if got := obs.peak.Load(); got > perHost+1 { // +1: the generation rank's own
 		t.Errorf("%d control connections open at once, per-host cap %d", got, perHost)
 	}
+	// A refused client can see its reset before the refusal is counted.
+	waitFor(t, 5*time.Second, "every flood connection answered or counted as refused", func() bool {
+		return int(obs.perHost.Load())+len(held) >= flood
+	})
 	if obs.perHost.Load() == 0 || int(obs.perHost.Load())+len(held) != flood {
 		t.Errorf("%d hellos answered and %d refused (per host), want %d in all with some refused", len(held), obs.perHost.Load(), flood)
 	}
