@@ -223,3 +223,40 @@ func TestMapSharedErrors(t *testing.T) {
 		})
 	}
 }
+
+// TestPeerReadOnly: a PeerReadOnly arena stays writable through its own
+// mapping, a peer maps it read-only and sees the writes, and nobody can map
+// it writable; MapSharedReadOnly refuses a file without a write seal.
+func TestPeerReadOnly(t *testing.T) {
+	a, err := ShmAllocator{Name: "kvxfer-test-ro", PeerReadOnly: true}.Allocate(8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	sa := a.(*ShmArena)
+	sa.Bytes()[100] = 42
+	if _, err := MapShared(sa.File(), sa.Size()); err == nil {
+		t.Error("MapShared (writable) of a PeerReadOnly file succeeded")
+	}
+	peer, err := MapSharedReadOnly(sa.File(), sa.Size())
+	if err != nil {
+		t.Fatalf("MapSharedReadOnly: %v", err)
+	}
+	defer peer.Close()
+	if got := peer.Bytes()[100]; got != 42 {
+		t.Errorf("peer reads %d, want 42", got)
+	}
+	sa.Bytes()[101] = 7
+	if got := peer.Bytes()[101]; got != 7 {
+		t.Errorf("peer reads %d after a later write, want 7", got)
+	}
+
+	plain, err := ShmAllocator{Name: "kvxfer-test-rw"}.Allocate(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	if _, err := MapSharedReadOnly(plain.(*ShmArena).File(), 4096); err == nil || !strings.Contains(err.Error(), "sealed against writes") {
+		t.Errorf("MapSharedReadOnly of a file without a write seal = %v, want an error about it", err)
+	}
+}

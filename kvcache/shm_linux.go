@@ -20,7 +20,9 @@ const (
 	fSealSeal       = 0x1       // F_SEAL_SEAL
 	fSealShrink     = 0x2       // F_SEAL_SHRINK
 	fSealGrow       = 0x4       // F_SEAL_GROW
+	fSealWrite      = 0x8       // F_SEAL_WRITE
 	fSealFutureW    = 0x10      // F_SEAL_FUTURE_WRITE (Linux 5.1)
+	tmpfsMagic      = 0x01021994
 
 	mapPopulate = syscall.MAP_POPULATE
 )
@@ -112,7 +114,11 @@ func MapShared(f *os.File, size int64) (Arena, error) {
 
 // MapSharedReadOnly is MapShared for reading only: the mapping cannot be
 // written, and it works on files sealed against writes (ShmAllocator with
-// PeerReadOnly), which MapShared cannot map.
+// PeerReadOnly), which MapShared cannot map. The file must be sealed
+// against writes (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE) and be the kernel's
+// ordinary shared memory (tmpfs; not hugetlbfs, whose pages a peer could
+// release under the mapping): then no peer can make a read of the mapping
+// fault.
 func MapSharedReadOnly(f *os.File, size int64) (Arena, error) {
 	return mapPeer(f, size, syscall.PROT_READ)
 }
@@ -139,6 +145,15 @@ func mapPeer(f *os.File, size int64, prot int) (Arena, error) {
 		}
 		if seals&fSealShrink == 0 {
 			return errors.New("kvcache: map shared memory: file is not sealed against shrinking")
+		}
+		if prot&syscall.PROT_WRITE == 0 {
+			if seals&(fSealWrite|fSealFutureW) == 0 {
+				return errors.New("kvcache: map shared memory: file is not sealed against writes")
+			}
+			var fs syscall.Statfs_t
+			if err := syscall.Fstatfs(fd, &fs); err != nil || fs.Type != tmpfsMagic {
+				return errors.New("kvcache: map shared memory: file is not in the kernel's shared memory (tmpfs)")
+			}
 		}
 		m, err := syscall.Mmap(fd, 0, int(size), prot, syscall.MAP_SHARED)
 		if err != nil {

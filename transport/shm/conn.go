@@ -11,6 +11,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 const (
@@ -151,9 +153,37 @@ func (mr *msgReader) takeFd() (int, bool) {
 // closeFds closes every descriptor received and not claimed.
 func (mr *msgReader) closeFds() {
 	for _, fd := range mr.fds {
-		syscall.Close(fd)
+		closeReceived(fd)
 	}
 	mr.fds = nil
+}
+
+// closeReceived closes a descriptor a peer sent, without letting the peer
+// make the close block: close(2) of a socket with SO_LINGER and unsent data
+// waits for the linger time, so a socket's linger is cut to zero first; a
+// file that is neither shared memory nor a socket (a FUSE file can block
+// in its flush) is closed on a goroutine of its own, which nothing waits
+// for.
+func closeReceived(fd int) {
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
+		unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
+		unix.Close(fd)
+		return
+	}
+	if isShmem(fd) {
+		unix.Close(fd)
+		return
+	}
+	go unix.Close(fd)
+}
+
+// isShmem reports whether fd is a file of the kernel's shared memory
+// (tmpfs: memfd_create's files; not hugetlbfs, whose reservations a peer can
+// release under a mapping).
+func isShmem(fd int) bool {
+	var fs unix.Statfs_t
+	return unix.Fstatfs(fd, &fs) == nil && fs.Type == unix.TMPFS_MAGIC
 }
 
 // writeFull writes b, and oob with its first byte. A stream sendmsg may

@@ -82,6 +82,14 @@
 // had been answered DONE). A READ for an unknown or ended tag is answered
 // ERR and the connection stays up.
 //
+// A sender must announce its window right after the HELLOs, within the
+// hello deadline; the window's descriptor must be a memfd sealed against
+// writes on tmpfs (not hugetlbfs, whose pages a sender could release under
+// the mapping). A descriptor that is not is closed without letting its
+// sender make the close block (a socket's linger is cut to zero first).
+// A receiver's writes have a deadline, so a sender that stops reading
+// cannot hold its worker; a CANCEL is taken once per op.
+//
 // A malformed message, a part outside the window, a slot reused before its
 // release, or too many open ops close that connection only
 // (transport.ErrProtocol, logged). A connection that ends fails every

@@ -272,10 +272,21 @@ func (c *inConn) readLoop() error {
 	if err := checkHello(m); err != nil {
 		return err
 	}
-	c.nc.SetReadDeadline(time.Time{})
 	if err := c.write(&msg{typ: msgHello, version: protoVersion}); err != nil {
 		return err
 	}
+	// Every sender announces its window at once (a probe too): a
+	// connection that does not is not kept.
+	if m, err = c.mr.next(); err != nil {
+		return err
+	}
+	if m.typ != msgWindow {
+		return errProto("message type %d before the window", m.typ)
+	}
+	if err := c.onWindow(m); err != nil {
+		return err
+	}
+	c.nc.SetReadDeadline(time.Time{})
 	for {
 		m, err := c.mr.next()
 		if err != nil {
@@ -287,7 +298,7 @@ func (c *inConn) readLoop() error {
 		case msgRead:
 			err = c.onRead(m)
 		case msgCancel:
-			c.onCancel(m)
+			err = c.onCancel(m)
 		case msgAbort:
 			c.onAbort(m)
 		case msgAck:
@@ -309,6 +320,10 @@ func (c *inConn) onWindow(m msg) error {
 	fd, ok := c.mr.takeFd()
 	if !ok {
 		return errProto("window announced without its memory file")
+	}
+	if !isShmem(fd) {
+		closeReceived(fd)
+		return errProto("window announced with a descriptor that is not shared memory (memfd)")
 	}
 	f := fdFile(fd, "shm sender window")
 	defer f.Close() // the mapping does not need it
@@ -412,16 +427,20 @@ func (c *inConn) push(it item) {
 // onCancel marks an op cancelled and queues the cancel for the worker,
 // which answers ERR unless the op was answered already. A CANCEL for an op
 // that is answered and forgotten crossed the answer: nothing to do.
-func (c *inConn) onCancel(m msg) {
+func (c *inConn) onCancel(m msg) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	op := c.ops[m.op]
 	if op == nil {
-		return
+		return nil
+	}
+	if op.cancelled.Load() {
+		return errProto("op %d cancelled twice", m.op)
 	}
 	op.cancelled.Store(true)
 	op.wireEnded = true
 	c.push(item{op: op, cancel: true})
+	return nil
 }
 
 // onAbort fails the receipt of a Send that ended before it sent its READ,
@@ -471,6 +490,9 @@ func (c *inConn) write(m *msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	c.wbuf = appendMsg(c.wbuf[:0], m)
+	// A sender that stops reading must not hold the worker (and with it
+	// the queue) forever.
+	c.nc.SetWriteDeadline(time.Now().Add(helloTimeout))
 	_, err := c.nc.Write(c.wbuf)
 	if err != nil {
 		c.nc.Close()

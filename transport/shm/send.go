@@ -68,7 +68,7 @@ type outConn struct {
 	credit   int64
 	creditCh chan struct{} // closed when credit is returned; nil: no waiter
 	free     []int         // slots not in use
-	held     []bool        // held[slot]: written, not released yet
+	slotSt   []byte        // slotFree, slotTaken or slotSent
 	slotCh   chan struct{} // closed when a slot is freed; nil: no waiter
 }
 
@@ -91,7 +91,7 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *k
 		pending: make(map[uint64]*pendingOp),
 		nextOp:  1,
 		credit:  t.credit,
-		held:    make([]bool, windowSlots),
+		slotSt:  make([]byte, windowSlots),
 	}
 	for s := windowSlots - 1; s >= 0; s-- {
 		oc.free = append(oc.free, s)
@@ -211,7 +211,7 @@ func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) 
 			oc.forget(p)
 			return ended()
 		case sctx.Err() != nil:
-			return t.cancelOp(ctx, sctx, oc, p, d.endpoint)
+			return t.cancelOp(ctx, sctx, oc, p, d.endpoint, false)
 		}
 		return peerLost("send to", d.endpoint, err)
 	}
@@ -227,12 +227,12 @@ func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) 
 		return peerLost("send to", d.endpoint, oc.deadErr())
 	case <-sctx.Done():
 	}
-	return t.cancelOp(ctx, sctx, oc, p, d.endpoint)
+	return t.cancelOp(ctx, sctx, oc, p, d.endpoint, true)
 }
 
 // cancelOp stops an op whose ctx ended after some of its parts went out:
 // the receiver must confirm that it stopped.
-func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingOp, ep string) error {
+func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingOp, ep string, whole bool) error {
 	gctx, gcancel := context.WithTimeout(context.Background(), grace)
 	defer gcancel()
 	if err := oc.writeMsg(gctx, &msg{typ: msgCancel, op: p.id}); err != nil {
@@ -241,7 +241,7 @@ func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingO
 	}
 	select {
 	case m := <-p.res:
-		if m.typ == msgDone && oc.answer(p, m, true) == nil {
+		if m.typ == msgDone && oc.answer(p, m, whole) == nil {
 			return nil // every byte was copied before the cancel
 		}
 	case <-oc.dead:
@@ -257,7 +257,9 @@ func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingO
 func (oc *outConn) endOp(id uint64) {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
-	oc.writeMsg(ctx, &msg{typ: msgCancel, op: id}) // a failure kills oc
+	if err := oc.writeMsg(ctx, &msg{typ: msgCancel, op: id}); err != nil {
+		oc.kill(fmt.Errorf("cancel not written within %v: %w", grace, err))
+	}
 }
 
 // answer turns the receiver's answer to an op into Send's result. DONE is
@@ -324,7 +326,9 @@ func (t *Transport) abort(ep string, tag uint64) {
 	if err != nil {
 		return
 	}
-	oc.writeMsg(ctx, &msg{typ: msgAbort, tag: tag}) // a failure kills oc
+	if err := oc.writeMsg(ctx, &msg{typ: msgAbort, tag: tag}); err != nil {
+		oc.kill(fmt.Errorf("abort not written within %v: %w", grace, err))
+	}
 }
 
 // conn returns the pooled connection to ep, dialling it when there is
@@ -466,15 +470,31 @@ func (oc *outConn) readLoop() {
 	oc.winMu.Unlock()
 }
 
-// onRelease frees a slot the receiver has handled.
+// States of a window slot on the sending side.
+const (
+	slotFree  = iota
+	slotTaken // a Send fills it; its READ has not gone out
+	slotSent  // its READ went out; the receiver releases it
+)
+
+// onRelease frees a slot the receiver has handled. Only a slot whose READ
+// went out can be released: a receiver cannot have a slot refilled while a
+// Send still fills it.
 func (oc *outConn) onRelease(slot uint32) error {
 	oc.mu.Lock()
 	defer oc.mu.Unlock()
-	if int(slot) >= len(oc.held) || !oc.held[slot] {
+	if int(slot) >= len(oc.slotSt) || oc.slotSt[slot] != slotSent {
 		return errProto("release of slot %d, which holds no part", slot)
 	}
 	oc.putSlotLocked(int(slot))
 	return nil
+}
+
+// sent marks a slot whose READ went out.
+func (oc *outConn) sent(s int) {
+	oc.mu.Lock()
+	oc.slotSt[s] = slotSent
+	oc.mu.Unlock()
 }
 
 // takeSlot waits for a free slot of the window, and takes it. It fails
@@ -497,7 +517,7 @@ func (oc *outConn) takeSlot(ctx context.Context, p *pendingOp) (int, error) {
 		if n := len(oc.free); n > 0 {
 			s := oc.free[n-1] // the slot freed last: likely still in cache
 			oc.free = oc.free[:n-1]
-			oc.held[s] = true
+			oc.slotSt[s] = slotTaken
 			oc.mu.Unlock()
 			return s, nil
 		}
@@ -526,7 +546,7 @@ func (oc *outConn) putSlot(s int) {
 }
 
 func (oc *outConn) putSlotLocked(s int) {
-	oc.held[s] = false
+	oc.slotSt[s] = slotFree
 	oc.free = append(oc.free, s)
 	if oc.slotCh != nil {
 		close(oc.slotCh)
@@ -678,6 +698,9 @@ func (oc *outConn) writePart(ctx context.Context, m *msg) error {
 			oc.nc.SetWriteDeadline(time.Time{})
 		}
 	}()
+	// Before the write: the receiver may release the slot as soon as the
+	// READ is out. A failed write kills the connection, slots and all.
+	oc.sent(int(m.slot))
 	oc.wbuf = appendMsg(oc.wbuf[:0], m)
 	if _, err := oc.nc.Write(oc.wbuf); err != nil {
 		oc.kill(err)

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
@@ -619,9 +620,10 @@ func expectClosed(t *testing.T, nc *net.UnixConn) {
 	}
 }
 
+// testArena allocates n bytes of shared memory a peer can map as a window.
 func testArena(t *testing.T, n int) *kvcache.ShmArena {
 	t.Helper()
-	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	a, err := kvcache.ShmAllocator{Name: memfdName, PeerReadOnly: true}.Allocate(n)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -654,9 +656,49 @@ func TestMalformed(t *testing.T) {
 		{"huge body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgRead, 1<<30)) }},
 		{"short body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgCancel, 4, 0, 0, 0, 1)) }},
 		{"second hello", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 4096, 1)
 			writeMsgs(t, nc, &msg{typ: msgHello, version: protoVersion})
 		}},
-		{"receiver's message", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgDone, op: 1}) }},
+		{"receiver's message", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 4096, 1)
+			writeMsgs(t, nc, &msg{typ: msgDone, op: 1})
+		}},
+		{"window not announced first", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAbort, tag: 5}) }},
+		{"window without a write seal", func(t *testing.T, nc *net.UnixConn) {
+			plain, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer plain.Close()
+			announce(t, nc, plain.(*kvcache.ShmArena), 4096, 1)
+			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
+			// Mapping it is refused: the probe is answered ERR, and the
+			// connection is closed by the next bad message.
+			writeMsgs(t, nc, &msg{typ: msgAck, op: 3})
+		}},
+		{"window of a lingering socket", func(t *testing.T, nc *net.UnixConn) {
+			// close(2) of a socket with SO_LINGER and unsent data waits for
+			// the linger time: the receiver must not.
+			ln, err := net.Listen("tcp", "127.0.0.1:0")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			c, err := net.Dial("tcp", ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			tc := c.(*net.TCPConn)
+			tc.SetLinger(30)
+			f, err := tc.File()
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			unix.Write(int(f.Fd()), make([]byte, 1<<20)) // unsent: nobody accepts
+			writeFull(nc, appendMsg(nil, &msg{typ: msgWindow, slotLen: 4096, slots: 1}), syscall.UnixRights(int(f.Fd())))
+		}},
 		{"window without file", func(t *testing.T, nc *net.UnixConn) {
 			writeMsgs(t, nc, &msg{typ: msgWindow, slotLen: 4096, slots: 1})
 		}},
@@ -714,7 +756,14 @@ func TestMalformed(t *testing.T) {
 			b[hdrLen+43] = flagLast
 			nc.Write(b)
 		}},
-		{"ack of nothing", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAck, op: 3}) }},
+		{"ack of nothing", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 4096, 1)
+			writeMsgs(t, nc, &msg{typ: msgAck, op: 3})
+		}},
+		{"cancel twice", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			writeMsgs(t, nc, readOf(0, 0, 10, 20, false), &msg{typ: msgCancel, op: 1}, &msg{typ: msgCancel, op: 1})
+		}},
 		{"probe before the window", func(t *testing.T, nc *net.UnixConn) {
 			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
 		}},
@@ -863,6 +912,8 @@ func TestReadAnswers(t *testing.T) {
 func TestAbortBeforeRead(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
+	reg := testArena(t, 4096)
+	announce(t, nc, reg, 4096, 1)
 	r, _ := b.Expect([][]byte{make([]byte, 10)})
 	d, _ := decodeDescriptor(r.Descriptor())
 	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.tag})
@@ -871,8 +922,6 @@ func TestAbortBeforeRead(t *testing.T) {
 		t.Errorf("Recv.Err = %v, want ErrAborted", r.Err())
 	}
 
-	reg := testArena(t, 4096)
-	announce(t, nc, reg, 4096, 1)
 	r, _ = b.Expect([][]byte{make([]byte, 10)})
 	d, _ = decodeDescriptor(r.Descriptor())
 	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, length: 10, total: 10, last: true})
