@@ -1,7 +1,6 @@
 package serve
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"io"
@@ -9,31 +8,13 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 )
-
-// lockedBuffer is an error log sink safe for concurrent writers.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // newTLSWorker starts a worker whose HTTP API and transceiver use mutual
 // TLS with party c, as kvxfer serve --tls-* does; the server's TLS
@@ -84,7 +65,7 @@ func TestWorkerTLS(t *testing.T) {
 		}
 		return c
 	}
-	var errs lockedBuffer
+	var errs syncbuf.Buffer
 	ctxSrv := newTLSWorker(t, RoleContext, party(ca, "ctx"), &errs)
 	genSrv := newTLSWorker(t, RoleGeneration, party(ca, "gen"), io.Discard)
 	if !strings.HasPrefix(ctxSrv.URL, "https://") {

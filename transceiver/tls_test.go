@@ -1,17 +1,16 @@
 package transceiver
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
@@ -56,24 +55,6 @@ func tlsParty(t *testing.T, ca *tlsconf.Authority, name string) *transport.TLSCo
 	return &transport.TLSConfig{Server: c.Server, Client: c.Client}
 }
 
-// syncBuffer is a log sink safe for concurrent writers.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // TestTLSTransfer: with mutual TLS on both sides, a heterogeneous transfer
 // (TP2 -> TP1, chunked) is bit-exact and carried by tcp over TLS.
 func TestTLSTransfer(t *testing.T) {
@@ -105,7 +86,7 @@ func TestTLSRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := state(2, 4, 16, 8, kvcache.BF16, 1, 1, false)
-	var logs syncBuffer
+	var logs syncbuf.Buffer
 	ctx := newInstTLS(t, st, testCfg(), 16, tlsParty(t, ca, "ctx"), slog.New(slog.NewTextHandler(&logs, nil)))
 
 	l, err := layout.NewLogical(st.Shape, 64)

@@ -1,18 +1,17 @@
 package netlimit
 
 import (
-	"bytes"
 	"errors"
 	"io"
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"go.uber.org/goleak"
 )
 
@@ -30,14 +29,6 @@ func (o *countObs) Refused(reason string) {
 		o.refusedHost.Add(1)
 	}
 }
-
-type syncBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuf) Write(p []byte) (int, error) { s.mu.Lock(); defer s.mu.Unlock(); return s.b.Write(p) }
-func (s *syncBuf) String() string              { s.mu.Lock(); defer s.mu.Unlock(); return s.b.String() }
 
 // server accepts on a limited listener and hands the accepted connections
 // to the test.
@@ -112,7 +103,7 @@ func refused(t *testing.T, c net.Conn) bool {
 
 func TestListenerCaps(t *testing.T) {
 	obs := &countObs{}
-	var logs syncBuf
+	var logs syncbuf.Buffer
 	s := newServer(t, Limits{MaxConns: 3, MaxConnsPerHost: 2}, slog.New(slog.NewTextHandler(&logs, nil)), obs)
 	var accepted []net.Conn
 	accept := func() net.Conn {
@@ -180,7 +171,7 @@ func TestListenerUnbounded(t *testing.T) {
 }
 
 func TestRateLog(t *testing.T) {
-	var logs syncBuf
+	var logs syncbuf.Buffer
 	rl := NewRateLog(slog.New(slog.NewTextHandler(&logs, nil)), time.Second)
 	now := time.Unix(1000, 0)
 	rl.now = func() time.Time { return now }

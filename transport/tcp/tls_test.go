@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/transporttest"
@@ -43,26 +44,8 @@ func TestConformanceTLS(t *testing.T) {
 	})
 }
 
-// logBuffer collects a Transport's log lines.
-type logBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *logBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *logBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // waitLog waits until the log holds s.
-func waitLog(t *testing.T, l *logBuffer, s string) {
+func waitLog(t *testing.T, l *syncbuf.Buffer, s string) {
 	t.Helper()
 	deadline := time.Now().Add(5 * time.Second)
 	for !strings.Contains(l.String(), s) {
@@ -105,7 +88,7 @@ func TestTLSRefusals(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var logs logBuffer
+	var logs syncbuf.Buffer
 	rxTLS := party(t, ca, "rx")
 	rx := open(t, transport.Options{TLS: rxTLS, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 	member := open(t, transport.Options{TLS: party(t, ca, "tx")})
