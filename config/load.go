@@ -342,20 +342,30 @@ func (l *loader) str(n *yaml.Node, path string, dst *string) bool {
 	return true
 }
 
-func (l *loader) strList(n *yaml.Node, path string, dst *[]string) {
+// list returns the entries of a list of at most max of what (null: none),
+// or reports why n is not one and returns ok false.
+func (l *loader) list(n *yaml.Node, path, what string, max int) (entries []*yaml.Node, ok bool) {
 	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
-		return
+		return nil, false
 	}
 	if n.Kind != yaml.SequenceNode {
-		l.errAt(n, path, "want a list of strings, got %s", describeNode(n))
+		l.errAt(n, path, "want a list of %s, got %s", what, describeNode(n))
+		return nil, false
+	}
+	if len(n.Content) > max {
+		l.errAt(n, path, "list has %d entries, at most %d allowed", len(n.Content), max)
+		return nil, false
+	}
+	return n.Content, true
+}
+
+func (l *loader) strList(n *yaml.Node, path string, dst *[]string) {
+	entries, ok := l.list(n, path, "strings", MaxParallel)
+	if !ok {
 		return
 	}
-	if len(n.Content) > MaxParallel {
-		l.errAt(n, path, "list has %d entries, at most %d allowed", len(n.Content), MaxParallel)
-		return
-	}
-	out := make([]string, 0, len(n.Content))
-	for i, e := range n.Content {
+	out := make([]string, 0, len(entries))
+	for i, e := range entries {
 		e = deref(e)
 		var s string
 		if l.str(e, fmt.Sprintf("%s[%d]", path, i), &s) {

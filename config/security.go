@@ -231,19 +231,12 @@ func (l *loader) security(n *yaml.Node, path string, env Env) Security {
 }
 
 func (l *loader) peerHosts(n *yaml.Node, path string, s *Security) {
-	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
-		return
-	}
-	if n.Kind != yaml.SequenceNode {
-		l.errAt(n, path, "want a list of hosts, got %s", describeNode(n))
-		return
-	}
-	if len(n.Content) > maxPeerHosts {
-		l.errAt(n, path, "list has %d entries, at most %d allowed", len(n.Content), maxPeerHosts)
+	entries, ok := l.list(n, path, "hosts", maxPeerHosts)
+	if !ok {
 		return
 	}
 	l.mark(n, path)
-	for i, e := range n.Content {
+	for i, e := range entries {
 		e = deref(e)
 		ep := fmt.Sprintf("%s[%d]", path, i)
 		if e.Kind != yaml.ScalarNode || e.Tag != "!!str" {
