@@ -2,7 +2,6 @@ package transceiver
 
 import (
 	"bufio"
-	"bytes"
 	"errors"
 	"log/slog"
 	"net"
@@ -15,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 )
@@ -45,18 +45,6 @@ func (c *connCounter) ControlConnRefused(reason string) {
 		c.hsTO.Add(1)
 	}
 }
-
-type lockedBuf struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuf) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-func (l *lockedBuf) String() string { l.mu.Lock(); defer l.mu.Unlock(); return l.b.String() }
 
 // withLimits sets the instance's connection limits, observer and logger.
 func withLimits(lim ConnLimits, obs Observer, log *slog.Logger) func(*Options) {
@@ -134,7 +122,7 @@ func TestControlFloodAfterHello(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	cfg := testCfg()
 	obs := &connCounter{}
-	var logs lockedBuf
+	var logs syncbuf.Buffer
 	lim := ConnLimits{MaxControlConns: 1000, MaxControlConnsPerHost: perHost, IdleTimeout: idle, HandshakeTimeout: 5 * time.Second}
 	ctx := newInst(t, cs, cfg, 64, withLimits(lim, obs, slog.New(slog.NewTextHandler(&logs, nil))))
 	gen := newInst(t, cs, cfg, 64, withLimits(ConnLimits{IdleTimeout: idle}, nil, nil))
@@ -174,7 +162,8 @@ func TestControlFloodAfterHello(t *testing.T) {
 	if got := obs.peak.Load(); got > perHost+1 { // +1: the generation rank's own
 		t.Errorf("%d control connections open at once, per-host cap %d", got, perHost)
 	}
-	// A refused client can see its reset before the refusal is counted.
+	// The refusal is counted before the refused connection is closed; the
+	// wait only bounds a slow machine.
 	waitFor(t, 5*time.Second, "every flood connection answered or counted as refused", func() bool {
 		return int(obs.perHost.Load())+len(held) >= flood
 	})

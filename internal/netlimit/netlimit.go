@@ -75,10 +75,12 @@ func (l *Listener) Accept() (net.Conn, error) {
 		}
 		host := HostOf(c.RemoteAddr())
 		if reason := l.admit(host); reason != "" {
-			refuse(c)
+			// Counted before the close, so that whoever sees the refused
+			// connection end also sees it counted.
 			if l.obs != nil {
 				l.obs.Refused(reason)
 			}
+			refuse(c)
 			l.rl.Warn(reason, "connection refused", "listener", l.name, "reason", reason,
 				"remote", c.RemoteAddr().String(), "limit", l.limitOf(reason))
 			continue
