@@ -5,13 +5,16 @@ package shm
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -157,4 +160,81 @@ func tryWrite(f *os.File, size int) []string {
 	// A private writable mapping writes only the receiver's own copy: it
 	// is not a way to write the sender's memory, and is allowed.
 	return ok
+}
+
+// TestWindowMustBeSealed: a window that its sender could still write
+// through another descriptor is not mapped; the receiver says why.
+func TestWindowMustBeSealed(t *testing.T) {
+	b := open(t, transport.Options{})
+	nc, mr := rawConn(t, b)
+	plain, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	announce(t, nc, plain.(*kvcache.ShmArena), 4096, 1)
+	writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
+	if m := readMsg(t, nc, mr); m.typ != msgErr || m.code != codeRegion || !strings.Contains(m.text, "sealed against writes") {
+		t.Fatalf("answer to a probe of an unsealed window: %+v", m)
+	}
+}
+
+// TestHostileReceiverAnswers: a receiver that breaks the protocol (releases
+// a slot it was never sent, answers DONE before the last part) or stalls
+// (never releases a slot) fails that Send within its ctx and the grace
+// period, and the sender goes on serving others.
+func TestHostileReceiverAnswers(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	// Slots are taken last-freed first, from slot 0: three parts fill slots
+	// 0..2, and twelve cannot all go out while nothing is released.
+	for _, tc := range []struct {
+		name  string
+		parts int
+		after func(nc *net.UnixConn, first msg) // run at the first READ
+		want  error
+	}{
+		{"release of a slot never sent", 3, func(nc *net.UnixConn, first msg) {
+			writeFull(nc, appendMsg(nil, &msg{typ: msgRelease, slot: first.slot + 5}), nil)
+		}, transport.ErrProtocol},
+		{"done before the last part", 12, func(nc *net.UnixConn, first msg) {
+			writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: first.op}), nil)
+		}, transport.ErrProtocol},
+		{"never releases", 12, func(*net.UnixConn, msg) {}, context.DeadlineExceeded},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			src := fill(make([]byte, tc.parts*maxSlotLen), 8)
+			ep := rawListener(t, func(c net.Conn) {
+				nc := c.(*net.UnixConn)
+				nc.SetDeadline(time.Now().Add(10 * time.Second))
+				mr := newMsgReader(nc)
+				defer mr.closeFds()
+				if _, err := mr.next(); err != nil {
+					return
+				}
+				writeFull(nc, appendMsg(nil, &msg{typ: msgHello, version: protoVersion}), nil)
+				for first := true; ; {
+					m, err := mr.next()
+					if err != nil {
+						return
+					}
+					if m.typ == msgRead && first {
+						first = false
+						tc.after(nc, m)
+					}
+				}
+			})
+			d := descriptor{endpoint: ep, tag: 9, total: int64(len(src))}
+			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+			defer cancel()
+			start := time.Now()
+			err := a.Send(ctx, d.encode(), [][]byte{src})
+			if !errors.Is(err, tc.want) {
+				t.Errorf("Send = %v, want %v", err, tc.want)
+			}
+			if took := time.Since(start); took > 300*time.Millisecond+2*grace {
+				t.Errorf("Send returned after %v", took)
+			}
+			move(t, a, b, [][]byte{src}, [][]byte{make([]byte, len(src))})
+		})
+	}
 }

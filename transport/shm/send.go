@@ -213,7 +213,9 @@ func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) 
 		case sctx.Err() != nil:
 			return t.cancelOp(ctx, sctx, oc, p, d.endpoint, false)
 		}
-		return peerLost("send to", d.endpoint, err)
+		// A write fails because the connection died: say why it died (a
+		// protocol error of the receiver's, say), not only that it is closed.
+		return peerLost("send to", d.endpoint, oc.deadErr())
 	}
 	select {
 	case m := <-p.res:
