@@ -21,10 +21,24 @@ const (
 	BackendTCP     Backend = "TCP"
 	BackendSHM     Backend = "SHM"
 	// BackendAuto picks, per peer, the fastest backend that works between
-	// the two ranks: SHM on the same host, else UCX when built in, else TCP.
-	// It is what DEFAULT resolves to when no environment variable decides.
+	// the two ranks, in the order of AutoPreference (AutoRule). It is what
+	// DEFAULT resolves to when no environment variable decides.
 	BackendAuto Backend = "AUTO"
 )
+
+// AutoPreference is the order in which AUTO picks a data plane for each
+// peer, fastest first: SHM when the peer is on the same host and its memory
+// can be reached, else the first of the others that both ranks have open.
+// It is the one list of that order; the transceiver applies it.
+var AutoPreference = []Backend{BackendSHM, BackendUCX, BackendTCP}
+
+// AutoRule says in one phrase how AUTO chooses (AutoPreference), for
+// messages and listings.
+const AutoRule = "SHM on the same host, else UCX when built in, else TCP"
+
+// Lower returns b in lower case, as kvxfer's flags, its bench reports and
+// the transport registry spell backend names ("tcp", "auto").
+func (b Backend) Lower() string { return strings.ToLower(string(b)) }
 
 // ValidBackends lists every name ParseBackend accepts, in the order they
 // are shown to users.

@@ -23,13 +23,8 @@ const (
 	// EnvAllowedPeerHosts and EnvClusterSecret are in security.go.
 )
 
-// Defaults of the environment-derived settings.
-const (
-	DefaultTransferBufferSize = 512 << 20 // bytes, TRT-LLM's default
-	DefaultSendBuffers        = 2
-	DefaultConcurrentRecv     = 2 // receive buffers when TRTLLM_REQUEST_KV_CACHE_CONCURRENT=1
-	maxBufferCount            = 64
-)
+// maxBufferCount bounds the buffer counts set by environment variables.
+const maxBufferCount = 64
 
 // Env is a snapshot of the environment variables that matter to the KV-cache
 // transfer path, read once (LoadEnv) and passed around by value. Flags

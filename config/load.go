@@ -378,7 +378,7 @@ func (l *loader) strList(n *yaml.Node, path string, dst *[]string) {
 
 // worker loads the worker file form.
 func (l *loader) worker(root *yaml.Node, env Env) *Worker {
-	w := &Worker{TensorParallelSize: 1, PipelineParallelSize: 1, KVCache: defaultKVCache()}
+	w := DefaultWorker()
 	var ctNode, secNode *yaml.Node
 	l.fields(root, "", map[string]func(k, v *yaml.Node){
 		"tensor_parallel_size": func(k, v *yaml.Node) {
@@ -398,10 +398,6 @@ func (l *loader) worker(root *yaml.Node, env Env) *Worker {
 	}
 	w.Security = l.security(secNode, "security", env)
 	return w
-}
-
-func defaultKVCache() KVCache {
-	return KVCache{TokensPerBlock: DefaultTokensPerBlock, MaxTokens: DefaultPoolTokens}
 }
 
 func (l *loader) kvCache(n *yaml.Node, path string, kv *KVCache) {
@@ -424,7 +420,7 @@ func (l *loader) kvCache(n *yaml.Node, path string, kv *KVCache) {
 // cacheTransceiver loads a cache_transceiver_config mapping. Unknown keys are
 // errors here (TRT-LLM's model is strict); there are no ignored keys.
 func (l *loader) cacheTransceiver(n *yaml.Node, path string, tokensPerBlock int, env Env) *CacheTransceiver {
-	ct := &CacheTransceiver{KVTransferTimeoutMs: DefaultKVTransferTimeoutMs}
+	ct := defaultCacheTransceiver(BackendUnset)
 	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
 		l.c.add(SevWarning, n.Line, n.Column, path, "empty: no transceiver is configured (set backend: DEFAULT to enable one)")
 		return nil
@@ -492,7 +488,7 @@ func validateCT(ct *CacheTransceiver, tokensPerBlock int, c *collector, path str
 
 // cluster loads the cluster file form.
 func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
-	cl := &Cluster{Hostname: "localhost", Port: DefaultPort}
+	cl := defaultCluster()
 	var seenCtx, seenGen bool
 	var secNode *yaml.Node
 	l.fields(root, "", map[string]func(k, v *yaml.Node){
@@ -525,7 +521,7 @@ func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
 }
 
 func (l *loader) serverGroup(n *yaml.Node, path string, g *ServerGroup, env Env) {
-	*g = ServerGroup{NumInstances: 1, TensorParallelSize: 1, PipelineParallelSize: 1, Router: RouterRoundRobin, KVCache: defaultKVCache()}
+	*g = defaultServerGroup()
 	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
 		l.errAt(n, path, "empty: want a mapping with at least cache_transceiver_config")
 		return

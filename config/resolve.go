@@ -76,7 +76,7 @@ func ResolveBackend(configured Backend, env Env, available func(Backend) error) 
 		if decided == "" {
 			r.Backend = BackendAuto
 			r.Reason = "backend DEFAULT resolved to AUTO, kvxfer's built-in default, because no TRTLLM_USE_*_KVCACHE=1 is set " +
-				"(AUTO picks per peer: SHM on the same host, else UCX when built in, else TCP; TRT-LLM's own built-in default has changed between releases)"
+				"(AUTO picks per peer: " + AutoRule + "; TRT-LLM's own built-in default has changed between releases)"
 		}
 	default:
 		r.Reason = fmt.Sprintf("backend %s set explicitly", configured)

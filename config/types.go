@@ -5,29 +5,18 @@ import (
 	"time"
 )
 
-// Limits and defaults of the file fields.
+// Limits of the file fields. Their defaults are in defaults.go.
 const (
-	// DefaultKVTransferTimeoutMs applies when kv_transfer_timeout_ms is
-	// unset. TRT-LLM then has no timeout; kvxfer applies one so that blocks
-	// held for a generation instance that never comes are always released.
-	DefaultKVTransferTimeoutMs = 60_000
 	// MaxKVTransferTimeoutMs is one day.
 	MaxKVTransferTimeoutMs = 24 * 60 * 60 * 1000
 	// MaxTokensInBufferLimit bounds max_tokens_in_buffer (16 Mi tokens).
 	MaxTokensInBufferLimit = 1 << 24
-	// DefaultTokensPerBlock is TRT-LLM's default block size in tokens.
-	DefaultTokensPerBlock = 32
 	// MaxTokensPerBlock bounds kv_cache_config.tokens_per_block.
 	MaxTokensPerBlock = 1 << 16
-	// DefaultPoolTokens is the default kv_cache_config.max_tokens: the KV
-	// pool of each rank holds this many tokens.
-	DefaultPoolTokens = 16384
 	// MaxPoolTokens bounds kv_cache_config.max_tokens.
 	MaxPoolTokens = 1 << 26
 	// MaxParallel bounds tensor/pipeline parallel sizes and instance counts.
 	MaxParallel = 1024
-	// DefaultPort is the router port of a cluster file.
-	DefaultPort = 8000
 )
 
 // CacheTransceiver is TensorRT-LLM's cache_transceiver_config, typed and
@@ -151,8 +140,8 @@ type ServerGroup struct {
 // Cluster is the cluster file form (TRT-LLM's disagg_config.yaml), read by
 // the router and the launcher.
 type Cluster struct {
-	Hostname   string // router host, default localhost
-	Port       int    // router port, default 8000
+	Hostname   string // router host, default DefaultHostname (localhost)
+	Port       int    // router port, default DefaultPort (8000)
 	Context    ServerGroup
 	Generation ServerGroup
 	// Security applies to the router and to every worker of the cluster.
@@ -267,7 +256,7 @@ func NewCacheTransceiver(b string, tokensPerBlock int, env Env) (*CacheTransceiv
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err)
 	}
-	ct := &CacheTransceiver{Backend: backend, KVTransferTimeoutMs: DefaultKVTransferTimeoutMs}
+	ct := defaultCacheTransceiver(backend)
 	c := &collector{}
 	applyEnv(ct, env, c, map[string]Source{}, "")
 	validateCT(ct, tokensPerBlock, c, "cache_transceiver_config", nil)

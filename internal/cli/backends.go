@@ -30,7 +30,7 @@ func newBackendsCmd() *cobra.Command {
 				fmt.Fprintf(tw, "%s\tno\t%s\n", b, strings.TrimPrefix(r.Err.Error(), config.ErrBackendUnavailable.Error()+": "))
 			}
 			fmt.Fprintln(tw, "DEFAULT\t-\tresolved from TRTLLM_USE_{UCX,NIXL,MPI}_KVCACHE=1, else AUTO")
-			fmt.Fprintln(tw, "AUTO\t-\tper peer: SHM on the same host, else UCX when built in, else TCP")
+			fmt.Fprintln(tw, "AUTO\t-\tper peer: "+config.AutoRule)
 			return tw.Flush()
 		},
 	}
