@@ -92,7 +92,7 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 			enc.Encode(peerMsg{Op: "error", Error: err.Error()})
 			return err
 		}
-		tc = &transport.TLSConfig{Server: c.Server, Client: c.Client}
+		tc = c.Transport()
 	}
 	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: st, Pools: pools, Logger: log, TLS: tc})
 	if err != nil {
@@ -291,5 +291,5 @@ func benchTLS() (ctxFiles tlsconf.Files, gen *transport.TLSConfig, cleanup func(
 		cleanup()
 		return tlsconf.Files{}, nil, nil, fmt.Errorf("bench: TLS: %w", err)
 	}
-	return fs[0], &transport.TLSConfig{Server: c.Server, Client: c.Client}, cleanup, nil
+	return fs[0], c.Transport(), cleanup, nil
 }

@@ -15,6 +15,11 @@ const (
 	DefaultPoolTokens     = 16384
 )
 
+// DType is the element type of an instance's KV cache (kvcache's): the
+// type of InstanceConfig.DType, named here so that callers that configure
+// an engine need not reach below it.
+type DType = kvcache.DType
+
 // InstanceConfig says how an Instance is sharded and how large its KV cache
 // is.
 type InstanceConfig struct {

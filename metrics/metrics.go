@@ -124,3 +124,18 @@ func (s *Set) AddPool(rank int, stats func() PoolStats) {
 func (s *Set) AddGauge(name, help string, labels prometheus.Labels, get func() float64) {
 	s.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: name, Help: help, ConstLabels: labels}, get))
 }
+
+// AddTransceiver registers the gauges of a worker's transceiver, read at
+// scrape time: kvxfer_staging_buffer_bytes_in_use{role} from staging (the
+// bytes of the send and receive staging buffers taken by transfers) and
+// kvxfer_peer_connections{backend="control"} from control (open control
+// connections to peer ranks).
+func (s *Set) AddTransceiver(staging func() (send, recv int64), control func() int) {
+	const stagingHelp = "Staging buffer bytes taken by transfers, by role (send, recv)."
+	s.AddGauge("kvxfer_staging_buffer_bytes_in_use", stagingHelp,
+		prometheus.Labels{"role": "send"}, func() float64 { send, _ := staging(); return float64(send) })
+	s.AddGauge("kvxfer_staging_buffer_bytes_in_use", stagingHelp,
+		prometheus.Labels{"role": "recv"}, func() float64 { _, recv := staging(); return float64(recv) })
+	s.AddGauge("kvxfer_peer_connections", "Open control connections to peer ranks.",
+		prometheus.Labels{"backend": "control"}, func() float64 { return float64(control()) })
+}

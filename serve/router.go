@@ -15,9 +15,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 // MaxBody bounds a request body accepted by the router and the workers.
@@ -101,9 +100,7 @@ type Router struct {
 	client   *http.Client
 	log      *slog.Logger
 	reg      *prometheus.Registry
-	requests *prometheus.CounterVec
-	upstream *prometheus.CounterVec
-	latency  *prometheus.HistogramVec
+	m        *metrics.Router
 }
 
 // NewRouter builds a router. It starts no goroutines.
@@ -144,14 +141,8 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if client == nil {
 		client = NewHTTPClient(o.TLS)
 	}
-	r := &Router{ctx: cg, gen: gg, client: client, log: log, reg: prometheus.NewRegistry()}
-	r.requests = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_http_requests_total",
-		Help: "HTTP requests served by the router, by route and status code."}, []string{"route", "code"})
-	r.upstream = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_router_upstream_requests_total",
-		Help: "Requests the router sent to workers, by server role and result (ok, http_error, connect_error, error)."}, []string{"role", "result"})
-	r.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvxfer_router_request_duration_seconds",
-		Help: "Duration of routed requests until the answer (or its stream) ended.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, []string{"route"})
-	r.reg.MustRegister(r.requests, r.upstream, r.latency, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	r := &Router{ctx: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry()}
+	r.m = metrics.NewRouter(r.reg)
 	return r, nil
 }
 
@@ -178,11 +169,11 @@ func (r *Router) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, req *http.Request) { r.route(w, req, "/v1/chat/completions") })
 	mux.HandleFunc("GET /v1/models", r.models)
 	mux.HandleFunc("GET /health", r.health)
-	mux.Handle("GET /metrics", promhttp.HandlerFor(r.reg, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", metrics.Handler(r.reg))
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
 		writeError(w, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s (routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)", req.Method, req.URL.Path))
 	})
-	return countCodes(mux, r.requests)
+	return countCodes(mux, r.m.HTTPRequests)
 }
 
 // Close closes the idle upstream connections. Requests in flight finish.
@@ -195,7 +186,7 @@ func (r *Router) Registry() *prometheus.Registry { return r.reg }
 // route runs the disaggregated flow of one completion request.
 func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	start := time.Now()
-	defer func() { r.latency.WithLabelValues(path).Observe(time.Since(start).Seconds()) }()
+	defer func() { r.m.Latency.WithLabelValues(path).Observe(time.Since(start).Seconds()) }()
 	body, err := readBody(req)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
@@ -350,19 +341,19 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 			s.inflight.Add(-1)
 			var op *net.OpError
 			if errors.As(err, &op) && op.Op == "dial" {
-				r.upstream.WithLabelValues(g.name, "connect_error").Inc()
+				r.m.Upstream.WithLabelValues(g.name, "connect_error").Inc()
 				r.log.Warn("worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
 				errs = append(errs, fmt.Errorf("%s: %v", s.url, err))
 				continue
 			}
-			r.upstream.WithLabelValues(g.name, "error").Inc()
+			r.m.Upstream.WithLabelValues(g.name, "error").Inc()
 			return nil, fmt.Errorf("%s server %s: %w", g.name, s.url, err)
 		}
 		result := "ok"
 		if resp.StatusCode != http.StatusOK {
 			result = "http_error"
 		}
-		r.upstream.WithLabelValues(g.name, result).Inc()
+		r.m.Upstream.WithLabelValues(g.name, result).Inc()
 		resp.Body = &doneBody{ReadCloser: resp.Body, done: func() { s.inflight.Add(-1) }}
 		return resp, nil
 	}

@@ -5,9 +5,6 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
-
-	"github.com/kvxfer/kvxfer/internal/tlsconf"
-	"github.com/kvxfer/kvxfer/transport"
 )
 
 // Mutual TLS between the router and the workers (see the package
@@ -17,14 +14,6 @@ import (
 // their own certificate of that CA. The router's client-facing listener
 // stays plain HTTP: its clients hold no cluster certificate (put a
 // TLS-terminating proxy in front of it for a public endpoint).
-
-// transportTLS is c as the transceiver's option; nil stays nil.
-func transportTLS(c *tlsconf.Config) *transport.TLSConfig {
-	if c == nil {
-		return nil
-	}
-	return &transport.TLSConfig{Server: c.Server, Client: c.Client}
-}
 
 // upstreamURL normalizes a worker URL: without a scheme it gets https://
 // when the router talks TLS to the workers and http:// otherwise. An http://

@@ -16,12 +16,9 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/engine"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
-	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/kvxfer/kvxfer/transceiver"
 	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 // Worker roles.
@@ -30,6 +27,10 @@ const (
 	RoleGeneration = "generation"
 	RoleBoth       = "both"
 )
+
+// DefaultModel is the engine preset a worker serves when its command line
+// names none (kvxfer serve, kvxfer up).
+const DefaultModel = "tiny-gqa"
 
 // WorkerOptions configure a Worker.
 type WorkerOptions struct {
@@ -43,7 +44,7 @@ type WorkerOptions struct {
 	// cache_transceiver_config).
 	Config *config.Worker
 	// DType is the KV cache dtype; zero means bf16.
-	DType kvcache.DType
+	DType engine.DType
 	// TransceiverHost is the address the transceiver listens on (its
 	// control and data planes); "" means 127.0.0.1.
 	TransceiverHost string
@@ -88,8 +89,7 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 	}
 	wc := o.Config
 	if wc == nil {
-		wc = &config.Worker{TensorParallelSize: 1, PipelineParallelSize: 1,
-			KVCache: config.KVCache{TokensPerBlock: config.DefaultTokensPerBlock, MaxTokens: config.DefaultPoolTokens}}
+		wc = config.DefaultWorker()
 	}
 	if o.Role != RoleBoth && (wc.CacheTransceiver == nil || wc.CacheTransceiver.Backend == config.BackendUnset) {
 		return nil, fmt.Errorf("serve: a %s worker needs a cache_transceiver_config with a backend (e.g. backend: DEFAULT)", o.Role)
@@ -106,36 +106,26 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	dt := o.DType
-	if dt == 0 {
-		dt = kvcache.BF16
-	}
 	inst, err := engine.NewInstance(model, engine.InstanceConfig{TP: wc.TensorParallelSize, PP: wc.PipelineParallelSize,
-		TokensPerBlock: wc.KVCache.TokensPerBlock, DType: dt, PoolTokens: wc.KVCache.MaxTokens,
+		TokensPerBlock: wc.KVCache.TokensPerBlock, DType: o.DType, PoolTokens: wc.KVCache.MaxTokens,
 		Allocator: transceiver.PoolAllocator(wc.CacheTransceiver)})
 	if err != nil {
 		return nil, err
 	}
-	w := &Worker{role: o.Role, model: o.Model, log: log, reg: prometheus.NewRegistry(), created: time.Now().Unix()}
+	w := &Worker{role: o.Role, model: o.Model, log: log, reg: metrics.NewRegistry(), created: time.Now().Unix()}
 	w.m = metrics.New(w.reg)
-	w.reg.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	var tr *transceiver.Transceiver
 	if ct := wc.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
 		tr, err = transceiver.New(ctx, ct, transceiver.Options{State: inst.State(), Pools: inst.Pools(),
 			ListenHost: o.TransceiverHost, Logger: log, Observer: observer{w.m},
-			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts, TLS: transportTLS(o.TLS)})
+			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts, TLS: o.TLS.Transport()})
 		if err != nil {
 			inst.Close()
 			return nil, err
 		}
 		res := tr.Resolution()
 		log.Info("transceiver ready", "backend", string(res.Backend), "reason", res.Reason, "endpoints", tr.Endpoints())
-		w.m.AddGauge("kvxfer_staging_buffer_bytes_in_use", "Staging buffer bytes taken by transfers, by role (send, recv).",
-			prometheus.Labels{"role": "send"}, func() float64 { s, _ := tr.StagingBytesInUse(); return float64(s) })
-		w.m.AddGauge("kvxfer_staging_buffer_bytes_in_use", "Staging buffer bytes taken by transfers, by role (send, recv).",
-			prometheus.Labels{"role": "recv"}, func() float64 { _, r := tr.StagingBytesInUse(); return float64(r) })
-		w.m.AddGauge("kvxfer_peer_connections", "Open control connections to peer ranks.",
-			prometheus.Labels{"backend": "control"}, func() float64 { return float64(tr.ControlConnections()) })
+		w.m.AddTransceiver(tr.StagingBytesInUse, tr.ControlConnections)
 	}
 	for i, p := range inst.Pools() {
 		w.m.AddPool(i, func() metrics.PoolStats {
@@ -192,7 +182,7 @@ func (w *Worker) Handler() http.Handler {
 			"waiting": st.Waiting, "running": st.Running, "transferring": st.Transferring,
 			"free_blocks": w.eng.Instance().FreeBlocks(), "total_blocks": w.eng.Instance().NumBlocks()})
 	})
-	mux.Handle("GET /metrics", promhttp.HandlerFor(w.reg, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", metrics.Handler(w.reg))
 	mux.HandleFunc("/", func(rw http.ResponseWriter, r *http.Request) {
 		writeError(rw, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s", r.Method, r.URL.Path))
 	})

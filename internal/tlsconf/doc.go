@@ -8,7 +8,8 @@
 // dialled), with errors that name the file and what is wrong with it; and
 // NewAuthority / WriteCluster, which make a self-signed CA and per-party
 // certificates (ECDSA P-256, short validity) for `kvxfer certs` and
-// `kvxfer up --tls`.
+// `kvxfer up --tls`. Config.Transport hands a party's configs to the
+// transfer planes in package transport's form.
 //
 // Trust is the CA: any certificate it signed is a member of the cluster.
 // Names inside certificates are used only to check that a client reached

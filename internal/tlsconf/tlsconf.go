@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"os"
 	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // ErrIncomplete is returned by Files.Load when some of the three files are
@@ -37,6 +39,15 @@ type Config struct {
 	Client *tls.Config
 	// Leaf is the party's certificate, parsed.
 	Leaf *x509.Certificate
+}
+
+// Transport returns c as the transfer planes take it (the transceiver's
+// control connections and the tcp data plane); nil when c is nil.
+func (c *Config) Transport() *transport.TLSConfig {
+	if c == nil {
+		return nil
+	}
+	return &transport.TLSConfig{Server: c.Server, Client: c.Client}
 }
 
 // Load reads the files and returns the party's mutual-TLS configs. It
