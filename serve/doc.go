@@ -1,20 +1,24 @@
 // Package serve is kvxfer's serving layer: the OpenAI-compatible worker
 // (context, generation or both) with TensorRT-LLM's disaggregated_params,
-// the router that runs the disaggregated flow across context and generation
-// workers, and the launcher behind `kvxfer up`.
+// and the router that runs the disaggregated flow across context and
+// generation workers. The launcher behind `kvxfer up`, which starts them as
+// processes, is internal/launch.
 //
 // It owns HTTP: request parsing and validation, streaming (server-sent
-// events), policies, retries, health and metrics (on a registry of its
-// own). The model and the executor are package engine's; the KV movement is
-// package transceiver's.
+// events, and StreamCompletion to read them), policies, retries, health and
+// the /metrics route (on a registry of its own; the collectors are package
+// metrics'). The model and the executor are package engine's; the KV
+// movement is package transceiver's, and serve never reaches below it to
+// package transport.
 //
 // Mutual TLS (optional; internal/tlsconf builds the configs): a worker
 // with WorkerOptions.TLS has its transceiver's control and tcp data
 // connections in TLS, and kvxfer serve serves its HTTP API over TLS that
 // requires a client certificate of the cluster CA. The router
 // (RouterOptions.TLS) dials the workers with its own certificate; its
-// client-facing listener stays plain HTTP. Launch with GenerateTLS makes a
-// CA and a certificate per process for the cluster it starts.
+// client-facing listener stays plain HTTP. internal/launch (kvxfer up
+// --tls) makes a CA and a certificate per process for the cluster it
+// starts.
 //
 // HTTP servers (worker, router) run within HTTPLimits: a total and a
 // per-client-host cap on open connections (the excess is refused at once),

@@ -144,7 +144,7 @@ func TestDisaggregatedEqualsAggregated(t *testing.T) {
 					if code != 200 || len(got.Choices) == 0 || got.Choices[0].Text != want.Choices[0].Text {
 						t.Fatalf("prompt %d temp %v: router %d %s, aggregated %q", i, temp, code, raw, want.Choices[0].Text)
 					}
-					text, _, err := streamCompletion(context.Background(), http.DefaultClient, rs.URL, map[string]any{
+					text, _, err := StreamCompletion(context.Background(), http.DefaultClient, rs.URL, map[string]any{
 						"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i, "stream": true})
 					if err != nil || text != want.Choices[0].Text {
 						t.Fatalf("prompt %d temp %v streamed: %q %v, want %q", i, temp, text, err, want.Choices[0].Text)
@@ -178,7 +178,7 @@ func TestManyClients(t *testing.T) {
 			defer func() { <-sem }()
 			body := map[string]any{"prompt": fmt.Sprintf("client %d says", i), "max_tokens": 8, "stream": i%2 == 0}
 			if i%2 == 0 {
-				if _, _, err := streamCompletion(context.Background(), client, rs.URL, body); err != nil {
+				if _, _, err := StreamCompletion(context.Background(), client, rs.URL, body); err != nil {
 					errs <- err.Error()
 				}
 				return

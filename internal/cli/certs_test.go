@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/launch"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
-	"github.com/kvxfer/kvxfer/serve"
 )
 
 // TestCerts: kvxfer certs writes files that load and verify, keys 0600,
@@ -78,7 +78,7 @@ func TestUpTLSSmoke(t *testing.T) {
 	}
 	f.Cluster.Port = -1
 	logs := &syncWriter{w: &bytes.Buffer{}}
-	l, err := serve.Launch(context.Background(), serve.LaunchOptions{Cluster: f.Cluster, Aggregated: true, GenerateTLS: true,
+	l, err := launch.Start(context.Background(), launch.Options{Cluster: f.Cluster, Aggregated: true, GenerateTLS: true,
 		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: logs, Ready: 60 * time.Second})
 	if err != nil {
 		t.Fatalf("launch: %v\n%s", err, logs.String())
@@ -94,7 +94,7 @@ func TestUpTLSSmoke(t *testing.T) {
 			t.Errorf("worker URL %s, want https", u)
 		}
 	}
-	res := serve.SmokeWith(context.Background(), l.Client(), l.RouterURL, l.AggregatedURL, 4, 2)
+	res := launch.SmokeWith(context.Background(), l.Client(), l.RouterURL, l.AggregatedURL, 4, 2)
 	if !res.OK() {
 		t.Fatalf("smoke: %d/%d matched: %v", res.Matched, res.Prompts, res.Failures)
 	}

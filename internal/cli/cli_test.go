@@ -14,7 +14,7 @@ import (
 )
 
 // The test binary doubles as the kvxfer binary for the workers that
-// serve.Launch starts: with KVXFER_CLI_CHILD=1 it runs the command line.
+// launch.Start starts: with KVXFER_CLI_CHILD=1 it runs the command line.
 func TestMain(m *testing.M) {
 	if os.Getenv("KVXFER_CLI_CHILD") == "1" {
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)

@@ -68,7 +68,7 @@ func TestConfigCheckSecurity(t *testing.T) {
 // in its environment only (not on its command line, not in its worker
 // file), and the cluster then signs and checks its opaque states.
 func TestUpHandsOutSecret(t *testing.T) {
-	l := launch(t, smallCluster, false)
+	l := launchCluster(t, smallCluster, false)
 	var secret string
 	for name, pid := range l.Workers() {
 		environ, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")

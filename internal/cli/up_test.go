@@ -17,12 +17,13 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/launch"
 	"github.com/kvxfer/kvxfer/serve"
 )
 
-// launch starts a cluster whose workers are this test binary running the
+// launchCluster starts a cluster whose workers are this test binary running the
 // CLI (see TestMain).
-func launch(t *testing.T, clusterYAML string, aggregated bool) *serve.Launched {
+func launchCluster(t *testing.T, clusterYAML string, aggregated bool) *launch.Launched {
 	t.Helper()
 	f, err := config.LoadBytes("cluster.yaml", []byte(clusterYAML), config.Env{})
 	if err != nil {
@@ -30,7 +31,7 @@ func launch(t *testing.T, clusterYAML string, aggregated bool) *serve.Launched {
 	}
 	f.Cluster.Port = -1
 	logs := &syncWriter{w: &bytes.Buffer{}}
-	l, err := serve.Launch(context.Background(), serve.LaunchOptions{Cluster: f.Cluster, Aggregated: aggregated,
+	l, err := launch.Start(context.Background(), launch.Options{Cluster: f.Cluster, Aggregated: aggregated,
 		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: logs, Ready: 60 * time.Second})
 	if err != nil {
 		t.Fatalf("launch: %v\n%s", err, logs.String())
@@ -74,8 +75,8 @@ generation_servers:
 // TestUpSmoke is `kvxfer up --smoke` on the embedded default cluster: every
 // answer through the router equals the aggregated worker's.
 func TestUpSmoke(t *testing.T) {
-	l := launch(t, string(serve.DefaultCluster), true)
-	res := serve.Smoke(context.Background(), l.RouterURL, l.AggregatedURL, 8, 4)
+	l := launchCluster(t, string(launch.DefaultCluster), true)
+	res := launch.Smoke(context.Background(), l.RouterURL, l.AggregatedURL, 8, 4)
 	if !res.OK() {
 		t.Fatalf("smoke: %d/%d matched: %v", res.Matched, res.Prompts, res.Failures)
 	}
@@ -98,7 +99,7 @@ func freeBlocks(t *testing.T, url string) (int, int) {
 // TestGenerationWorkerKilledMidStream: the client's stream ends with an
 // error (no [DONE]) and the context worker's pool returns to its free count.
 func TestGenerationWorkerKilledMidStream(t *testing.T) {
-	l := launch(t, smallCluster, false)
+	l := launchCluster(t, smallCluster, false)
 	body := `{"prompt":"a prompt for a long answer","max_tokens":3000,"ignore_eos":true,"stream":true}`
 	resp, err := http.Post(l.RouterURL+"/v1/completions", "application/json", strings.NewReader(body))
 	if err != nil {
@@ -148,7 +149,7 @@ func TestGenerationWorkerKilledMidStream(t *testing.T) {
 // TestContextWorkerKilledBeforePull: the generation request fails within
 // the transfer timeout with an error that says what happened.
 func TestContextWorkerKilledBeforePull(t *testing.T) {
-	l := launch(t, smallCluster, false)
+	l := launchCluster(t, smallCluster, false)
 	post := func(url, body string) (int, string) {
 		resp, err := http.Post(url+"/v1/completions", "application/json", strings.NewReader(body))
 		if err != nil {
@@ -201,7 +202,7 @@ func TestOpenAINodeClient(t *testing.T) {
 	if err != nil {
 		t.Skip("node not found")
 	}
-	l := launch(t, smallCluster, false)
+	l := launchCluster(t, smallCluster, false)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
 	out, err := exec.CommandContext(ctx, node, filepath.Join(dir, "client.mjs"), l.RouterURL+"/v1").CombinedOutput()

@@ -1,17 +1,14 @@
-package serve
+package launch
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
 	"net/http"
 	"slices"
-	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvxfer/kvxfer/serve"
 )
 
 // SmokeResult is the outcome of Smoke.
@@ -76,8 +73,8 @@ func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL 
 			if i%3 == 1 {
 				body["temperature"] = 0.8 // seeded sampling must match too
 			}
-			dText, dTTFT, derr := streamCompletion(ctx, client, routerURL, body)
-			aText, aTTFT, aerr := streamCompletion(ctx, client, aggregatedURL, body)
+			dText, dTTFT, derr := serve.StreamCompletion(ctx, client, routerURL, body)
+			aText, aTTFT, aerr := serve.StreamCompletion(ctx, client, aggregatedURL, body)
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
@@ -96,65 +93,4 @@ func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL 
 	}
 	wg.Wait()
 	return res
-}
-
-// streamCompletion posts a streaming completion and returns its text and
-// the time to the first text.
-func streamCompletion(ctx context.Context, c *http.Client, base string, body map[string]any) (string, time.Duration, error) {
-	b, _ := json.Marshal(body)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
-	if err != nil {
-		return "", 0, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	start := time.Now()
-	resp, err := c.Do(req)
-	if err != nil {
-		return "", 0, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return "", 0, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
-	}
-	var text strings.Builder
-	var ttft time.Duration
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	done := false
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, "data: ") {
-			continue
-		}
-		data := strings.TrimPrefix(line, "data: ")
-		if data == "[DONE]" {
-			done = true
-			break
-		}
-		var ch struct {
-			Choices []struct {
-				Text string `json:"text"`
-			} `json:"choices"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(data), &ch); err != nil {
-			return "", 0, fmt.Errorf("bad event %q: %v", data, err)
-		}
-		if ch.Error != nil {
-			return "", 0, fmt.Errorf("error event: %s", ch.Error.Message)
-		}
-		for _, c := range ch.Choices {
-			if c.Text != "" && ttft == 0 {
-				ttft = time.Since(start)
-			}
-			text.WriteString(c.Text)
-		}
-	}
-	if !done {
-		return "", 0, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
-	}
-	return text.String(), ttft, nil
 }

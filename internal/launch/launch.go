@@ -1,4 +1,4 @@
-package serve
+package launch
 
 import (
 	"bytes"
@@ -25,6 +25,7 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/metrics"
+	"github.com/kvxfer/kvxfer/serve"
 )
 
 // DefaultCluster is the cluster `kvxfer up` starts without -f: one context
@@ -34,15 +35,16 @@ import (
 //go:embed default_cluster.yaml
 var DefaultCluster []byte
 
-// LaunchOptions configure Launch.
-type LaunchOptions struct {
+// Options configure Start.
+type Options struct {
 	// Cluster is the loaded cluster file.
 	Cluster *config.Cluster
 	// Command starts a worker: it is run with the worker's arguments
 	// appended (serve --role ... --config ... --port ...). Nil means this
 	// executable.
 	Command []string
-	// Model is the engine preset every worker serves.
+	// Model is the engine preset every worker serves; "" means
+	// serve.DefaultModel.
 	Model string
 	// Aggregated also starts one worker with role both (TP1), for
 	// comparisons (up --smoke).
@@ -57,12 +59,13 @@ type LaunchOptions struct {
 	Logger *slog.Logger
 	// Env is added to the workers' environment.
 	Env []string
-	// Secret is the cluster secret handed to every worker; nil means Launch
+	// Secret is the cluster secret handed to every worker; nil means Start
 	// generates one (32 random bytes) for this cluster. It reaches the
 	// workers only through their environment (KVXFER_CLUSTER_SECRET,
 	// hex), never on a command line or in a file.
 	Secret []byte
-	// Ready bounds the wait for every worker to become healthy.
+	// Ready bounds the wait for every worker to become healthy; 0 means
+	// DefaultReady.
 	Ready time.Duration
 	// TLS, when it names files, turns on mutual TLS between the router and
 	// the workers and on the workers' transfer planes, with the same
@@ -73,18 +76,27 @@ type LaunchOptions struct {
 	// private directory and removed by Stop. It wins over TLS.
 	GenerateTLS bool
 	// HTTP bounds the router's connections; zero fields take the defaults.
-	HTTP HTTPLimits
+	HTTP serve.HTTPLimits
 }
+
+// DefaultReady is how long Start waits for the workers to become healthy
+// unless Options.Ready says otherwise.
+const DefaultReady = 60 * time.Second
+
+// stopGrace is how long Stop waits after SIGTERM before it kills the
+// workers still running.
+const stopGrace = 10 * time.Second
 
 // Launched is a running cluster: worker processes and the router.
 type Launched struct {
 	RouterURL     string
 	ContextURLs   []string
 	GenerationURL []string
-	AggregatedURL string // "" unless LaunchOptions.Aggregated
+	AggregatedURL string // "" unless Options.Aggregated
 
-	router  *Router
+	router  *serve.Router
 	client  *http.Client // to the workers (mutual TLS when on)
+	scheme  string       // of the workers' URLs: "http://" or "https://"
 	server  *http.Server
 	ln      net.Listener
 	workers []*worker
@@ -101,134 +113,161 @@ type worker struct {
 	done chan error
 }
 
-// Launch starts every worker of the cluster as its own process, waits until
+// Start starts every worker of the cluster as its own process, waits until
 // each answers /health, and starts the router in this process. On error,
 // whatever was started is stopped.
-func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
+func Start(ctx context.Context, o Options) (*Launched, error) {
 	if o.Cluster == nil {
-		return nil, errors.New("serve: launch: no cluster")
+		return nil, errors.New("launch: no cluster")
 	}
-	cl := o.Cluster
-	if o.Model == "" {
-		o.Model = "tiny-gqa"
+	if err := o.defaults(); err != nil {
+		return nil, err
 	}
-	if o.Ready == 0 {
-		o.Ready = 60 * time.Second
-	}
-	log := o.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	cmd := o.Command
-	if len(cmd) == 0 {
-		exe, err := os.Executable()
-		if err != nil {
-			return nil, err
-		}
-		cmd = []string{exe}
-	}
-	secret := o.Secret
-	if len(secret) == 0 {
-		secret = make([]byte, 32)
-		rand.Read(secret)
-	}
-	// The variable comes last: it wins over one this process inherited.
-	secretEnv := config.EnvClusterSecret + "=" + hex.EncodeToString(secret)
 	dir, err := os.MkdirTemp("", "kvxfer-up-")
 	if err != nil {
 		return nil, err
 	}
-	l := &Launched{dir: dir, log: log}
-	fail := func(err error) (*Launched, error) {
+	l := &Launched{dir: dir, log: o.Logger}
+	if err := l.start(ctx, o); err != nil {
 		l.Stop()
 		return nil, err
 	}
+	return l, nil
+}
+
+// defaults fills the unset options.
+func (o *Options) defaults() error {
+	if o.Model == "" {
+		o.Model = serve.DefaultModel
+	}
+	if o.Ready == 0 {
+		o.Ready = DefaultReady
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	if len(o.Command) == 0 {
+		exe, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		o.Command = []string{exe}
+	}
+	if len(o.Secret) == 0 {
+		o.Secret = make([]byte, 32)
+		rand.Read(o.Secret)
+	}
+	return nil
+}
+
+// start runs the phases of Start: TLS, workers, health, router.
+func (l *Launched) start(ctx context.Context, o Options) error {
 	tlsFiles, err := l.setupTLS(o)
 	if err != nil {
-		return fail(err)
+		return err
 	}
 	var routerTLS *tlsconf.Config
 	if rf, ok := tlsFiles["router"]; ok {
 		if routerTLS, err = tlsconf.Load(rf); err != nil {
-			return fail(err)
+			return err
 		}
 	}
-	l.client = NewHTTPClient(nil)
-	scheme := "http://"
+	l.client, l.scheme = serve.NewHTTPClient(nil), "http://"
 	if routerTLS != nil {
-		l.client, scheme = NewHTTPClient(routerTLS.Client), "https://"
+		l.client, l.scheme = serve.NewHTTPClient(routerTLS.Client), "https://"
 	}
-	start := func(role string, idx int, g *config.ServerGroup, tp, pp int) (string, error) {
-		addr, err := groupAddr(g, idx)
-		if err != nil {
-			return "", err
-		}
-		name := fmt.Sprintf("%s-%d", role, idx)
-		cfgPath := filepath.Join(dir, name+".yaml")
-		if err := os.WriteFile(cfgPath, workerYAML(g, &cl.Security, tp, pp), 0o600); err != nil {
-			return "", err
-		}
-		host, port, _ := net.SplitHostPort(addr)
-		args := append(append([]string{}, cmd[1:]...), "serve", "--role", role, "--config", cfgPath,
-			"--model", o.Model, "--host", host, "--port", port)
-		if f, ok := tlsFiles[name]; ok {
-			args = append(args, "--tls-cert", f.CertFile, "--tls-key", f.KeyFile, "--tls-ca", f.CAFile)
-		}
-		w := &worker{name: name, url: scheme + addr, done: make(chan error, 1)}
-		w.cmd = exec.Command(cmd[0], args...)
-		w.cmd.Env = append(append(os.Environ(), o.Env...), secretEnv)
-		out := o.Output
-		if out == nil {
-			out = io.Discard
-		}
-		pw := &prefixWriter{w: out, prefix: "[" + name + "] "}
-		w.cmd.Stdout, w.cmd.Stderr = pw, pw
-		// Children die with the launcher even if it is killed.
-		w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-		if err := w.cmd.Start(); err != nil {
-			return "", fmt.Errorf("serve: start %s: %w", name, err)
-		}
-		l.workers = append(l.workers, w)
-		l.wg.Add(1)
-		go func() {
-			defer l.wg.Done()
-			w.done <- w.cmd.Wait()
-			close(w.done)
-		}()
-		log.Info("worker started", "name", name, "pid", w.cmd.Process.Pid, "url", w.url)
-		return w.url, nil
+	if err := l.startWorkers(o, tlsFiles); err != nil {
+		return err
 	}
-	for i := range cl.Context.NumInstances {
-		u, err := start("context", i, &cl.Context, cl.Context.TensorParallelSize, cl.Context.PipelineParallelSize)
-		if err != nil {
-			return fail(err)
-		}
-		l.ContextURLs = append(l.ContextURLs, u)
+	if err := l.waitHealthy(ctx, o.Ready); err != nil {
+		return err
 	}
-	for i := range cl.Generation.NumInstances {
-		u, err := start("generation", i, &cl.Generation, cl.Generation.TensorParallelSize, cl.Generation.PipelineParallelSize)
-		if err != nil {
-			return fail(err)
+	return l.startRouter(o, routerTLS)
+}
+
+// startWorkers starts the processes of every server group (and the
+// aggregated worker when asked).
+func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) error {
+	cl := o.Cluster
+	for _, g := range []struct {
+		role string
+		sg   *config.ServerGroup
+		urls *[]string
+	}{{serve.RoleContext, &cl.Context, &l.ContextURLs}, {serve.RoleGeneration, &cl.Generation, &l.GenerationURL}} {
+		for i := range g.sg.NumInstances {
+			u, err := l.startWorker(o, tlsFiles, g.role, i, g.sg, g.sg.TensorParallelSize, g.sg.PipelineParallelSize)
+			if err != nil {
+				return err
+			}
+			*g.urls = append(*g.urls, u)
 		}
-		l.GenerationURL = append(l.GenerationURL, u)
 	}
 	if o.Aggregated {
 		agg := cl.Generation
 		agg.URLs = nil
-		u, err := start("both", 0, &agg, 1, 1)
+		u, err := l.startWorker(o, tlsFiles, serve.RoleBoth, 0, &agg, 1, 1)
 		if err != nil {
-			return fail(err)
+			return err
 		}
 		l.AggregatedURL = u
 	}
-	if err := l.waitHealthy(ctx, o.Ready); err != nil {
-		return fail(err)
+	return nil
+}
+
+// startWorker starts instance idx of a server group with role, TP tp and
+// PP pp, and returns its URL.
+func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, role string, idx int, g *config.ServerGroup, tp, pp int) (string, error) {
+	addr, err := groupAddr(g, idx)
+	if err != nil {
+		return "", err
 	}
-	r, err := NewRouter(RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
-		ContextPolicy: Policy(cl.Context.Router), GenerationPolicy: Policy(cl.Generation.Router), Logger: log,
+	name := fmt.Sprintf("%s-%d", role, idx)
+	cfgPath := filepath.Join(l.dir, name+".yaml")
+	if err := os.WriteFile(cfgPath, workerYAML(g, &o.Cluster.Security, tp, pp), 0o600); err != nil {
+		return "", err
+	}
+	host, port, _ := net.SplitHostPort(addr)
+	args := append(append([]string{}, o.Command[1:]...), "serve", "--role", role, "--config", cfgPath,
+		"--model", o.Model, "--host", host, "--port", port)
+	if f, ok := tlsFiles[name]; ok {
+		args = append(args, "--tls-cert", f.CertFile, "--tls-key", f.KeyFile, "--tls-ca", f.CAFile)
+	}
+	w := &worker{name: name, url: l.scheme + addr, done: make(chan error, 1)}
+	w.cmd = exec.Command(o.Command[0], args...)
+	// The secret's variable comes last: it wins over one this process
+	// inherited.
+	w.cmd.Env = append(append(os.Environ(), o.Env...), config.EnvClusterSecret+"="+hex.EncodeToString(o.Secret))
+	out := o.Output
+	if out == nil {
+		out = io.Discard
+	}
+	pw := &prefixWriter{w: out, prefix: "[" + name + "] "}
+	w.cmd.Stdout, w.cmd.Stderr = pw, pw
+	// Children die with the launcher even if it is killed.
+	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if err := w.cmd.Start(); err != nil {
+		return "", fmt.Errorf("launch: start %s: %w", name, err)
+	}
+	l.workers = append(l.workers, w)
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		w.done <- w.cmd.Wait()
+		close(w.done)
+	}()
+	l.log.Info("worker started", "name", name, "pid", w.cmd.Process.Pid, "url", w.url)
+	return w.url, nil
+}
+
+// startRouter starts the router in front of the workers and serves it on
+// the cluster's (or the options') host and port.
+func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
+	cl := o.Cluster
+	r, err := serve.NewRouter(serve.RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
+		ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: l.log,
 		Client: l.client, TLS: tlsClient(routerTLS)})
 	if err != nil {
-		return fail(err)
+		return err
 	}
 	l.router = r
 	host := o.Host
@@ -239,23 +278,20 @@ func Launch(ctx context.Context, o LaunchOptions) (*Launched, error) {
 	if port == 0 {
 		port = cl.Port
 	}
-	if port < 0 {
-		port = 0
-	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(max(port, 0))))
 	if err != nil {
-		return fail(fmt.Errorf("serve: router listen: %w", err))
+		return fmt.Errorf("launch: router listen: %w", err)
 	}
-	log.Info("listening", "plane", "router http", "addr", ln.Addr().String())
-	l.ln = LimitListener(ln, "router http", o.HTTP, log, metrics.NewConns(r.Registry()))
+	l.log.Info("listening", "plane", "router http", "addr", ln.Addr().String())
+	l.ln = serve.LimitListener(ln, "router http", o.HTTP, l.log, metrics.NewConns(r.Registry()))
 	l.RouterURL = "http://" + ln.Addr().String()
-	l.server = NewHTTPServer(r.Handler(), o.HTTP)
+	l.server = serve.NewHTTPServer(r.Handler(), o.HTTP)
 	l.wg.Add(1)
 	go func() {
 		defer l.wg.Done()
 		l.server.Serve(l.ln)
 	}()
-	return l, nil
+	return nil
 }
 
 // groupAddr returns the host:port of instance idx of a group: its URL, or a
@@ -315,7 +351,7 @@ func yamlFlowList(ss []string) string {
 
 // setupTLS returns the TLS files of every worker (by name) and of the
 // router ("router"), or none when TLS is off.
-func (l *Launched) setupTLS(o LaunchOptions) (map[string]tlsconf.Files, error) {
+func (l *Launched) setupTLS(o Options) (map[string]tlsconf.Files, error) {
 	cl := o.Cluster
 	names := []string{"router"}
 	for i := range cl.Context.NumInstances {
@@ -373,35 +409,41 @@ func (l *Launched) Client() *http.Client { return l.client }
 func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error {
 	deadline := time.Now().Add(within)
 	client := &http.Client{Timeout: time.Second, Transport: l.client.Transport}
+	retry := time.NewTimer(0)
+	defer retry.Stop()
 	for _, w := range l.workers {
-		for {
+		for !l.healthy(client, w) {
 			select {
 			case err := <-w.done:
-				return fmt.Errorf("serve: worker %s exited before it was healthy: %v", w.name, err)
+				return fmt.Errorf("launch: worker %s exited before it was healthy: %v", w.name, err)
 			default:
 			}
-			resp, err := client.Get(w.url + "/health")
-			if err == nil {
-				resp.Body.Close()
-				if resp.StatusCode == http.StatusOK {
-					break
-				}
-			}
 			if time.Now().After(deadline) {
-				return fmt.Errorf("serve: worker %s not healthy within %v", w.name, within)
+				return fmt.Errorf("launch: worker %s not healthy within %v", w.name, within)
 			}
+			retry.Reset(100 * time.Millisecond)
 			select {
 			case <-ctx.Done():
 				return context.Cause(ctx)
-			case <-time.After(100 * time.Millisecond):
+			case <-retry.C:
 			}
 		}
 	}
 	return nil
 }
 
+// healthy reports whether w answers its /health with 200.
+func (l *Launched) healthy(client *http.Client, w *worker) bool {
+	resp, err := client.Get(w.url + "/health")
+	if err != nil {
+		return false
+	}
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
+}
+
 // Stop stops the router, then every worker: SIGTERM, and SIGKILL for those
-// still running after 10 s. It removes the generated worker files.
+// still running 10 s later. It removes the generated worker files.
 // Idempotent.
 func (l *Launched) Stop() {
 	l.stopped.Do(func() {
@@ -419,10 +461,12 @@ func (l *Launched) Stop() {
 		for _, w := range l.workers {
 			w.cmd.Process.Signal(syscall.SIGTERM)
 		}
+		grace, cancel := context.WithTimeout(context.Background(), stopGrace)
+		defer cancel()
 		for _, w := range l.workers {
 			select {
 			case <-w.done:
-			case <-time.After(10 * time.Second):
+			case <-grace.Done():
 				l.log.Warn("worker did not stop, killing it", "name", w.name)
 				w.cmd.Process.Kill()
 				<-w.done

@@ -1,0 +1,86 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/metrics"
+	"github.com/kvxfer/kvxfer/serve"
+	"github.com/spf13/cobra"
+)
+
+func newRouterCmd(e env) *cobra.Command {
+	var (
+		cfgPath, host string
+		port          int
+		lf            logFlags
+		admin         adminFlag
+		tf            tlsFlags
+		hf            httpFlags
+	)
+	cmd := &cobra.Command{
+		Use:   "router",
+		Short: "Run the disaggregated router in front of running workers (cluster file with urls)",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			log, err := lf.logger(cmd)
+			if err != nil {
+				return err
+			}
+			if cfgPath == "" {
+				return errors.New("--config: a cluster file with context_servers.urls and generation_servers.urls is required")
+			}
+			cl, err := loadCluster(cfgPath, e)
+			if err != nil {
+				return err
+			}
+			if len(cl.Context.URLs) == 0 || len(cl.Generation.URLs) == 0 {
+				return fmt.Errorf("%s: the router needs context_servers.urls and generation_servers.urls (kvxfer up starts workers and picks ports itself)", cfgPath)
+			}
+			tc, err := tf.loadOr(cl.Security.TLS)
+			if err != nil {
+				return err
+			}
+			ro := serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
+				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log}
+			if tc != nil {
+				ro.TLS = tc.Client
+			}
+			r, err := serve.NewRouter(ro)
+			if err != nil {
+				return err
+			}
+			defer r.Close()
+			if host == "" {
+				host = cl.Hostname
+			}
+			if !cmd.Flags().Changed("port") {
+				port = cl.Port
+			}
+			ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
+			if err != nil {
+				return err
+			}
+			log.Info("listening", "plane", "http", "addr", ln.Addr().String(), "limits", hf.lim.WithDefaults())
+			ln = serve.LimitListener(ln, "router http", hf.lim, log, metrics.NewConns(r.Registry()))
+			wait, err := admin.start(cmd.Context(), log)
+			if err != nil {
+				return err
+			}
+			defer wait()
+			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs)
+			return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), hf.lim), log)
+		},
+	}
+	cmd.Flags().StringVar(&cfgPath, "config", "", "cluster file (disagg_config.yaml)")
+	cmd.Flags().StringVar(&host, "host", "", "listen host (default: the file's hostname)")
+	cmd.Flags().IntVar(&port, "port", config.DefaultPort, "listen port (default: the file's port)")
+	tf.add(cmd, "to the workers (the router's own listener stays plain HTTP)")
+	lf.add(cmd)
+	admin.add(cmd)
+	hf.add(cmd)
+	return cmd
+}
