@@ -146,42 +146,51 @@ func (r *Result) addError(msg string) {
 	}
 }
 
+// DefaultConfig returns a run with every setting at its default: the run
+// of `kvxfer bench` without flags. A zero field of a Config passed to Run
+// takes the value from here, except Warmup (0 is a choice: no warm-up) and
+// the booleans.
+func DefaultConfig() Config {
+	return Config{Backend: config.BackendTCP.Lower(), Model: "tiny", ISL: 4096, Requests: 8, Warmup: 1, Concurrency: 1,
+		CtxTP: 1, CtxPP: 1, GenTP: 1, GenPP: 1, DType: "bf16", TokensPerBlock: config.DefaultTokensPerBlock}
+}
+
 func (c *Config) defaults() {
+	d := DefaultConfig()
 	if c.Backend == "" {
-		c.Backend = "tcp"
+		c.Backend = d.Backend
 	}
+	c.Backend, _ = backendName(c.Backend)
 	if c.Model == "" {
-		c.Model = "tiny"
-	}
-	if c.ISL <= 0 {
-		c.ISL = 4096
-	}
-	if c.Requests <= 0 {
-		c.Requests = 8
-	}
-	if c.Warmup < 0 {
-		c.Warmup = 0
-	}
-	if c.Concurrency <= 0 {
-		c.Concurrency = 1
-	}
-	for _, p := range []*int{&c.CtxTP, &c.CtxPP, &c.GenTP, &c.GenPP} {
-		if *p <= 0 {
-			*p = 1
-		}
+		c.Model = d.Model
 	}
 	if c.DType == "" {
-		c.DType = "bf16"
+		c.DType = d.DType
 	}
-	if c.TokensPerBlock <= 0 {
-		c.TokensPerBlock = 32
+	for _, f := range []struct{ p, d *int }{{&c.ISL, &d.ISL}, {&c.Requests, &d.Requests}, {&c.Concurrency, &d.Concurrency},
+		{&c.CtxTP, &d.CtxTP}, {&c.CtxPP, &d.CtxPP}, {&c.GenTP, &d.GenTP}, {&c.GenPP, &d.GenPP}, {&c.TokensPerBlock, &d.TokensPerBlock}} {
+		if *f.p <= 0 {
+			*f.p = *f.d
+		}
 	}
+	c.Warmup = max(c.Warmup, 0)
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	if c.Progress == nil {
 		c.Progress = func(Event) {}
 	}
+}
+
+// backendName is a backend as bench's flags and reports spell it: the
+// config's name, parsed once, in lower case ("tcp", "auto"). A name that
+// does not parse is returned as given, with the error.
+func backendName(s string) (string, error) {
+	b, err := config.ParseBackend(s)
+	if err != nil {
+		return s, err
+	}
+	return b.Lower(), nil
 }
 
 // states returns the context and generation instance states of c.
@@ -205,7 +214,7 @@ func (c *Config) states() (m Model, cs, gs layout.CacheState, err error) {
 
 // newResult is the row of c before anything ran.
 func (c *Config) newResult() *Result {
-	res := &Result{RequestedBackend: strings.ToLower(c.Backend), Model: strings.ToLower(c.Model), ISL: c.ISL,
+	res := &Result{RequestedBackend: c.Backend, Model: strings.ToLower(c.Model), ISL: c.ISL,
 		DType: strings.ToLower(c.DType), Concurrency: c.Concurrency, Ctx: Par{c.CtxTP, c.CtxPP}, Gen: Par{c.GenTP, c.GenPP},
 		MLA: c.MLA, TLS: c.TLS, Verification: VerifyOff}
 	if m, err := LookupModel(c.Model); err == nil {
@@ -237,6 +246,50 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	ct, err := c.cacheTransceiver()
+	if err != nil {
+		return nil, err
+	}
+	r := &transferRun{c: &c, gs: gs, nb: layout.NumBlocks(c.ISL, c.TokensPerBlock), verifyOn: c.Verify && verifiable(cs, c.ISL), nextID: 1}
+	poolBlocks := r.nb * c.Concurrency
+	if err := checkMemory(cs, gs, poolBlocks, c.ISL, r.verifyOn); err != nil {
+		return nil, err
+	}
+	defer r.close()
+	if err := r.start(ctx, ct, &cs, poolBlocks); err != nil {
+		return nil, err
+	}
+
+	r.res = c.newResult()
+	r.res.Model, r.res.MLA = m.Name, cs.Attention == layout.AttentionMLA
+	switch {
+	case r.verifyOn:
+		r.res.Verification, r.res.Verified = VerifyPassed, true
+	case c.Verify:
+		r.res.Verification = VerifySkipped
+	}
+	total := c.Warmup + c.Requests
+	for done := 0; done < total; {
+		n := min(c.Concurrency, total-done)
+		warm := done < c.Warmup
+		phase := PhaseMeasure
+		if warm {
+			n, phase = min(n, c.Warmup-done), PhaseWarmup
+		}
+		if !r.batch(ctx, n, warm) {
+			return r.res, nil
+		}
+		done += n
+		c.Progress(Event{Phase: phase, Done: done, Total: total})
+	}
+	r.finish()
+	return r.res, nil
+}
+
+// cacheTransceiver is the generation side's config of c, checked against
+// this binary's backends before the context process starts (whose own
+// failure would say less).
+func (c *Config) cacheTransceiver() (*config.CacheTransceiver, error) {
 	ct, err := config.NewCacheTransceiver(c.Backend, c.TokensPerBlock, c.Env)
 	if err != nil {
 		return nil, err
@@ -244,137 +297,161 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	if c.MaxTokensInBuffer > 0 {
 		ct.MaxTokensInBuffer = c.MaxTokensInBuffer
 	}
-	// Ask before starting the context process, whose own failure would
-	// say less.
 	if r := ct.Resolve(transceiver.Availability); r.Err != nil {
-		return nil, fmt.Errorf("bench: backend %s: %w", strings.ToLower(c.Backend), r.Err)
+		return nil, fmt.Errorf("bench: backend %s: %w", c.Backend, r.Err)
 	}
-	nb := layout.NumBlocks(c.ISL, c.TokensPerBlock)
-	poolBlocks := nb * c.Concurrency
-	verifyOn := c.Verify && verifiable(cs, c.ISL)
-	if err := checkMemory(cs, gs, poolBlocks, c.ISL, verifyOn); err != nil {
-		return nil, err
-	}
+	return ct, nil
+}
 
-	setup := peerSetup{Backend: c.Backend, PoolBlocks: poolBlocks, ReferenceFill: verifyOn, MaxTokensInBuf: c.MaxTokensInBuffer}
+// transferRun is one benchmark run under way: the context process, the generation
+// side in this process, and what has been measured so far.
+type transferRun struct {
+	c        *Config
+	gs       layout.CacheState
+	nb       int // blocks of one request
+	verifyOn bool
+	peer     *peerProc
+	pools    []*kvcache.Pool
+	tr       *transceiver.Transceiver
+	undo     []func() // what start set up, in order
+	nextID   uint64
+
+	res      *Result
+	lat      []float64 // measured requests' latencies, ms
+	backends []string  // what carried the data, each once
+	measured time.Duration
+}
+
+// start starts the context process (with TLS files made for the run when
+// asked) and builds the generation side's pools and transceiver. close
+// undoes whatever it did, also after an error.
+func (r *transferRun) start(ctx context.Context, ct *config.CacheTransceiver, cs *layout.CacheState, poolBlocks int) error {
+	setup := peerSetup{Backend: r.c.Backend, PoolBlocks: poolBlocks, ReferenceFill: r.verifyOn, MaxTokensInBuf: r.c.MaxTokensInBuffer}
 	var genTLS *transport.TLSConfig
-	if c.TLS {
+	if r.c.TLS {
 		ctxFiles, gen, cleanup, err := benchTLS()
 		if err != nil {
-			return nil, err
+			return err
 		}
-		defer cleanup()
+		r.undo = append(r.undo, cleanup)
 		setup.TLS, genTLS = &ctxFiles, gen
 	}
-	peer, err := startPeer(ctx, c, setup, &cs)
+	peer, err := startPeer(ctx, *r.c, setup, cs)
 	if err != nil {
-		return nil, err
+		return err
 	}
-	defer peer.stop()
+	r.peer, r.undo = peer, append(r.undo, peer.stop)
+	pools, err := newPools(r.gs, poolBlocks, transceiver.PoolAllocator(ct))
+	if err != nil {
+		return err
+	}
+	r.pools, r.undo = pools, append(r.undo, func() { closePools(pools) })
+	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: r.gs, Pools: pools, Logger: r.c.Logger, TLS: genTLS})
+	if err != nil {
+		return err
+	}
+	r.tr, r.undo = tr, append(r.undo, func() { tr.Close() })
+	return nil
+}
 
-	pools, err := newPools(gs, poolBlocks, transceiver.PoolAllocator(ct))
-	if err != nil {
-		return nil, err
+// close undoes start, last step first.
+func (r *transferRun) close() {
+	for i := len(r.undo) - 1; i >= 0; i-- {
+		r.undo[i]()
 	}
-	defer closePools(pools)
-	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: gs, Pools: pools, Logger: c.Logger, TLS: genTLS})
-	if err != nil {
-		return nil, err
-	}
-	defer tr.Close()
+}
 
-	res := c.newResult()
-	res.Model, res.MLA = m.Name, cs.Attention == layout.AttentionMLA
-	switch {
-	case verifyOn:
-		res.Verification, res.Verified = VerifyPassed, true
-	case c.Verify:
-		res.Verification = VerifySkipped
+// batch moves n requests at once and accounts for them (in the figures
+// unless warm). It returns false when the run cannot go on; res says why.
+func (r *transferRun) batch(ctx context.Context, n int, warm bool) bool {
+	reqs, seeds, err := r.prepare(n)
+	if err != nil {
+		r.res.fail(err)
+		return false
 	}
-	var lat []float64
-	var backends []string
-	var measured time.Duration
-	total := c.Warmup + c.Requests
-	id := uint64(1)
-	for done := 0; done < total; {
-		n := min(c.Concurrency, total-done)
-		warm := done < c.Warmup
-		if warm {
-			n = min(n, c.Warmup-done)
+	t0 := time.Now()
+	for _, q := range reqs {
+		if err := r.tr.RequestAndReceiveAsync(q); err != nil {
+			r.res.addError(err.Error())
 		}
-		reqs := make([]*transceiver.Request, n)
-		seeds := make([]uint64, n)
-		for i := range n {
-			seeds[i] = id*7919 + 17
-			opaque, err := peer.prepare(id, c.ISL, seeds[i])
-			if err != nil {
-				res.fail(fmt.Errorf("bench: context side: %w", err))
-				return res, nil
-			}
-			blocks := make([][]kvcache.BlockID, len(pools))
-			for r, p := range pools {
-				if blocks[r], err = p.Allocate(nb); err != nil {
-					res.fail(err)
-					return res, nil
-				}
-			}
-			reqs[i] = &transceiver.Request{ID: id, Type: transceiver.GenerationOnly, Blocks: blocks,
-				ContextPhase: &transceiver.ContextPhaseParams{CtxRequestID: id, OpaqueState: opaque}}
-			id++
+	}
+	if _, err := r.tr.CheckGenTransferStatus(ctx, -1); err != nil {
+		r.res.fail(err)
+		return false
+	}
+	elapsed := time.Since(t0)
+	for i, q := range reqs {
+		r.account(q, seeds[i], warm)
+	}
+	if !warm {
+		r.measured += elapsed
+	}
+	return true
+}
+
+// prepare has the context process prefill n requests and allocates their
+// blocks on this side.
+func (r *transferRun) prepare(n int) ([]*transceiver.Request, []uint64, error) {
+	reqs := make([]*transceiver.Request, n)
+	seeds := make([]uint64, n)
+	for i := range n {
+		id := r.nextID
+		seeds[i] = id*7919 + 17
+		opaque, err := r.peer.prepare(id, r.c.ISL, seeds[i])
+		if err != nil {
+			return nil, nil, fmt.Errorf("bench: context side: %w", err)
 		}
-		t0 := time.Now()
-		for _, r := range reqs {
-			if err := tr.RequestAndReceiveAsync(r); err != nil {
-				res.addError(err.Error())
+		blocks := make([][]kvcache.BlockID, len(r.pools))
+		for rk, p := range r.pools {
+			if blocks[rk], err = p.Allocate(r.nb); err != nil {
+				return nil, nil, err
 			}
 		}
-		if _, err := tr.CheckGenTransferStatus(ctx, -1); err != nil {
-			res.fail(err)
-			return res, nil
-		}
-		elapsed := time.Since(t0)
-		for i, r := range reqs {
-			if r.State() == transceiver.DisaggTransError {
-				res.addError(r.Err().Error())
-			} else {
-				st := r.Stats()
-				if st.Backend != "" && !slices.Contains(backends, st.Backend) {
-					backends = append(backends, st.Backend)
-				}
-				if !warm {
-					res.Bytes += st.Bytes
-					res.BytesPerReq = st.Bytes
-					lat = append(lat, float64(st.Duration)/float64(time.Millisecond))
-				}
-			}
-			if verifyOn && r.State() == transceiver.DisaggGenerationTransComplete {
-				if err := verify(gs, pools, r.Blocks, c.ISL, seeds[i]); err != nil {
-					res.addError(fmt.Sprintf("request %d: %v", r.ID, err))
-				}
-			}
-			for rk, b := range r.Blocks {
-				pools[rk].Release(b...)
-			}
+		reqs[i] = &transceiver.Request{ID: id, Type: transceiver.GenerationOnly, Blocks: blocks,
+			ContextPhase: &transceiver.ContextPhaseParams{CtxRequestID: id, OpaqueState: opaque}}
+		r.nextID++
+	}
+	return reqs, seeds, nil
+}
+
+// account records one finished request, checks its bytes when verifying,
+// and releases its blocks.
+func (r *transferRun) account(q *transceiver.Request, seed uint64, warm bool) {
+	if q.State() == transceiver.DisaggTransError {
+		r.res.addError(q.Err().Error())
+	} else {
+		st := q.Stats()
+		if st.Backend != "" && !slices.Contains(r.backends, st.Backend) {
+			r.backends = append(r.backends, st.Backend)
 		}
 		if !warm {
-			measured += elapsed
+			r.res.Bytes += st.Bytes
+			r.res.BytesPerReq = st.Bytes
+			r.lat = append(r.lat, float64(st.Duration)/float64(time.Millisecond))
 		}
-		done += n
-		phase := PhaseMeasure
-		if warm {
-			phase = PhaseWarmup
+	}
+	if r.verifyOn && q.State() == transceiver.DisaggGenerationTransComplete {
+		if err := verify(r.gs, r.pools, q.Blocks, r.c.ISL, seed); err != nil {
+			r.res.addError(fmt.Sprintf("request %d: %v", q.ID, err))
 		}
-		c.Progress(Event{Phase: phase, Done: done, Total: total})
 	}
-	res.Backend = strings.Join(backends, "+")
-	res.Requests = len(lat)
-	res.MeasuredS = measured.Seconds()
-	if measured > 0 {
-		res.GBps = float64(res.Bytes) / measured.Seconds() / 1e9
-		res.TransfersPerS = float64(res.Requests) / measured.Seconds()
+	for rk, b := range q.Blocks {
+		r.pools[rk].Release(b...)
 	}
-	res.P50Ms, res.P99Ms = percentile(lat, 50), percentile(lat, 99)
-	bye, err := peer.quit()
+}
+
+// finish computes the figures and collects the context process's counts.
+func (r *transferRun) finish() {
+	res := r.res
+	res.Backend = strings.Join(r.backends, "+")
+	res.Requests = len(r.lat)
+	res.MeasuredS = r.measured.Seconds()
+	if r.measured > 0 {
+		res.GBps = float64(res.Bytes) / r.measured.Seconds() / 1e9
+		res.TransfersPerS = float64(res.Requests) / r.measured.Seconds()
+	}
+	res.P50Ms, res.P99Ms = percentile(r.lat, 50), percentile(r.lat, 99)
+	bye, err := r.peer.quit()
 	if err != nil {
 		res.addError(err.Error())
 	} else {
@@ -383,10 +460,9 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 			res.addError(fmt.Sprintf("context side: %d blocks still held at the end", bye.Leaked))
 		}
 	}
-	if res.Errors > 0 && verifyOn {
+	if res.Errors > 0 && r.verifyOn {
 		res.Verified, res.Verification = false, VerifyFailed
 	}
-	return res, nil
 }
 
 // verifiable reports whether a request of tokens tokens fits the naive

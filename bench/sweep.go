@@ -118,6 +118,35 @@ func (r *Report) Failed() bool {
 // or every problem with it at once.
 func (s *Sweep) fill() (SweepConfig, error) {
 	base := &s.Base
+	s.listsFromBase()
+	base.defaults()
+	if s.lookPath == nil {
+		s.lookPath = exec.LookPath
+	}
+	if s.Progress == nil {
+		s.Progress = func(Event) {}
+	}
+	if err := s.normalizeLists(); err != nil {
+		return SweepConfig{}, err
+	}
+	largest, err := s.largestRequest()
+	if err != nil {
+		return SweepConfig{}, err
+	}
+	if s.BaselineBytes <= 0 {
+		s.BaselineBytes = min(max(largest, 64<<20), 1<<30)
+	}
+	m, _ := LookupModel(base.Model)
+	return SweepConfig{Model: m.Name, Backends: s.Backends, ISLs: s.ISLs, Concurrency: s.Concurrency, DTypes: s.DTypes, TLS: s.TLS,
+		Requests: base.Requests, Warmup: base.Warmup, Ctx: Par{base.CtxTP, base.CtxPP}, Gen: Par{base.GenTP, base.GenPP},
+		MLA: base.MLA || m.MLA, TokensPerBlock: base.TokensPerBlock, MaxTokensInBuffer: base.MaxTokensInBuffer,
+		Verify: base.Verify, Baseline: s.Baseline, BaselineBytes: s.BaselineBytes, Env: envVars(base.Env)}, nil
+}
+
+// listsFromBase makes an empty list the one value of Base (before Base's
+// own defaults, which normalizeLists applies to each entry).
+func (s *Sweep) listsFromBase() {
+	base := &s.Base
 	if len(s.Backends) == 0 {
 		s.Backends = []string{base.Backend}
 	}
@@ -133,55 +162,57 @@ func (s *Sweep) fill() (SweepConfig, error) {
 	if len(s.TLS) == 0 {
 		s.TLS = []bool{base.TLS}
 	}
-	base.defaults()
-	if s.lookPath == nil {
-		s.lookPath = exec.LookPath
-	}
-	if s.Progress == nil {
-		s.Progress = func(Event) {}
-	}
+}
+
+// normalizeLists gives every unset entry of the lists its default and
+// spells every backend and dtype one way; it reports every unknown name.
+func (s *Sweep) normalizeLists() error {
+	d := DefaultConfig()
 	var errs []error
 	for i, b := range s.Backends {
 		if b == "" {
-			b = "tcp"
+			b = d.Backend
 		}
-		if _, err := config.ParseBackend(b); err != nil {
+		n, err := backendName(b)
+		if err != nil {
 			errs = append(errs, fmt.Errorf("--backend: %w", err))
 		}
-		s.Backends[i] = strings.ToLower(b)
+		s.Backends[i] = n
 	}
 	for i, isl := range s.ISLs {
 		if isl <= 0 {
-			isl = 4096
-			s.ISLs[i] = isl
+			s.ISLs[i] = d.ISL
 		}
 	}
 	for i, c := range s.Concurrency {
 		if c <= 0 {
-			s.Concurrency[i] = 1
+			s.Concurrency[i] = d.Concurrency
 		}
 	}
-	for i, d := range s.DTypes {
-		if d == "" {
-			d = "bf16"
+	for i, dt := range s.DTypes {
+		if dt == "" {
+			dt = d.DType
 		}
-		dt, err := kvcache.ParseDType(d)
+		parsed, err := kvcache.ParseDType(dt)
 		if err != nil {
 			errs = append(errs, fmt.Errorf("--dtype: %w", err))
 			continue
 		}
-		s.DTypes[i] = dt.String()
+		s.DTypes[i] = parsed.String()
 	}
-	if _, err := LookupModel(base.Model); err != nil {
+	if _, err := LookupModel(s.Base.Model); err != nil {
 		errs = append(errs, err)
 	}
-	if err := errors.Join(errs...); err != nil {
-		return SweepConfig{}, err
-	}
-	// Every shape must be valid before anything runs.
+	return errors.Join(errs...)
+}
+
+// largestRequest checks every shape of the sweep before anything runs and
+// returns the bytes of its largest request.
+func (s *Sweep) largestRequest() (int64, error) {
 	var largest int64
+	var errs []error
 	for _, d := range s.DTypes {
-		c := *base
+		c := s.Base
 		c.DType = d
 		_, cs, _, err := c.states()
 		if err != nil {
@@ -190,17 +221,7 @@ func (s *Sweep) fill() (SweepConfig, error) {
 		}
 		largest = max(largest, cs.Shape.BytesPerToken()*int64(slices.Max(s.ISLs)))
 	}
-	if err := errors.Join(errs...); err != nil {
-		return SweepConfig{}, err
-	}
-	if s.BaselineBytes <= 0 {
-		s.BaselineBytes = min(max(largest, 64<<20), 1<<30)
-	}
-	m, _ := LookupModel(base.Model)
-	return SweepConfig{Model: m.Name, Backends: s.Backends, ISLs: s.ISLs, Concurrency: s.Concurrency, DTypes: s.DTypes, TLS: s.TLS,
-		Requests: base.Requests, Warmup: base.Warmup, Ctx: Par{base.CtxTP, base.CtxPP}, Gen: Par{base.GenTP, base.GenPP},
-		MLA: base.MLA || m.MLA, TokensPerBlock: base.TokensPerBlock, MaxTokensInBuffer: base.MaxTokensInBuffer,
-		Verify: base.Verify, Baseline: s.Baseline, BaselineBytes: s.BaselineBytes, Env: envVars(base.Env)}, nil
+	return largest, errors.Join(errs...)
 }
 
 func envVars(e config.Env) map[string]string {

@@ -14,15 +14,8 @@ import (
 	"github.com/spf13/pflag"
 )
 
-func newBenchCmd(e env) *cobra.Command {
-	var s bench.Sweep
-	c := &s.Base
-	var jsonPath, mdPath, pngPath string
-	var verbose, printSchema, withTLS bool
-	cmd := &cobra.Command{
-		Use:   "bench",
-		Short: "Measure KV-cache transfers between a context and a generation process",
-		Long: `bench starts a context instance as a child process, has it prefill requests with
+// benchLong is the help text of kvxfer bench.
+const benchLong = `bench starts a context instance as a child process, has it prefill requests with
 known contents, pulls them into a generation instance in this process over the chosen
 backend, and reports bytes, GB/s (1e9 bytes/s over the measured phase, after a warm-up),
 transfers/s, p50/p99 latency per request and the backend that carried the data.
@@ -41,78 +34,102 @@ speed -evp aes-128-gcm, 16 KiB blocks) is measured in the same run and compared 
 runs that tcp carried over TLS.
 
 The table goes to stdout; --json, --md and --png write the report, a Markdown document
-and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`,
+and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`
+
+// benchFlags are kvxfer bench's flags that are not settings of the sweep.
+type benchFlags struct {
+	jsonPath, mdPath, pngPath     string
+	verbose, printSchema, withTLS bool
+}
+
+func newBenchCmd(e env) *cobra.Command {
+	var s bench.Sweep
+	var bf benchFlags
+	cmd := &cobra.Command{
+		Use:   "bench",
+		Short: "Measure KV-cache transfers between a context and a generation process",
+		Long:  benchLong,
 		Example: `  kvxfer bench --model llama-3.1-8b --isl 1024,4096,16384 --backend tcp,auto --baseline \
       --json r.json --md r.md --png r.png`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			if printSchema {
-				_, err := io.WriteString(cmd.OutOrStdout(), bench.ReportSchema())
-				return err
-			}
-			c.Env = config.LoadEnv(e.lookup, e.environ)
-			if verbose {
-				c.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), nil))
-			}
-			if withTLS {
-				s.TLS = []bool{false, true}
-			}
-			s.Command = commandLine(cmd)
-			s.Progress = bench.NewProgress(cmd.ErrOrStderr(), isTerminal(cmd.ErrOrStderr()))
-			rep, err := bench.RunSweep(cmd.Context(), s)
-			if rep == nil {
-				return err
-			}
-			fmt.Fprintln(cmd.OutOrStdout())
-			if werr := rep.WriteTable(cmd.OutOrStdout()); werr != nil {
-				return werr
-			}
-			rep.WriteErrors(cmd.ErrOrStderr())
-			for _, out := range []struct {
-				path  string
-				write func(io.Writer) error
-			}{{jsonPath, rep.WriteJSON}, {mdPath, rep.WriteMarkdown}, {pngPath, rep.WritePNG}} {
-				if out.path == "" {
-					continue
-				}
-				if werr := writeFile(out.path, out.write); werr != nil {
-					return werr
-				}
-			}
-			if err != nil {
-				return err
-			}
-			if rep.Failed() {
-				return exitError{1}
-			}
-			return nil
-		},
+		RunE: func(cmd *cobra.Command, _ []string) error { return runBench(cmd, e, &s, &bf) },
 	}
-	f := cmd.Flags()
-	f.StringSliceVar(&s.Backends, "backend", []string{"tcp"}, "backends, comma-separated: tcp, shm, ucx, auto or default (as cache_transceiver_config.backend)")
-	f.StringVar(&c.Model, "model", "tiny", "model preset: tiny, llama-3.1-8b, llama-3.1-70b, qwen3-32b, deepseek-v3")
-	f.IntSliceVar(&s.ISLs, "isl", []int{4096}, "tokens per request, comma-separated")
-	f.IntVar(&c.Requests, "requests", 8, "measured requests per run")
-	f.IntVar(&c.Warmup, "warmup", 1, "requests before measuring, per run")
-	f.IntSliceVar(&s.Concurrency, "concurrency", []int{1}, "requests in flight at once, comma-separated")
-	f.IntVar(&c.CtxTP, "ctx-tp", 1, "context tensor parallel size")
-	f.IntVar(&c.CtxPP, "ctx-pp", 1, "context pipeline parallel size")
-	f.IntVar(&c.GenTP, "gen-tp", 1, "generation tensor parallel size")
-	f.IntVar(&c.GenPP, "gen-pp", 1, "generation pipeline parallel size")
+	addBenchFlags(cmd.Flags(), &s, &bf)
+	return cmd
+}
+
+// runBench runs the sweep of the flags and writes its table and reports.
+func runBench(cmd *cobra.Command, e env, s *bench.Sweep, bf *benchFlags) error {
+	if bf.printSchema {
+		_, err := io.WriteString(cmd.OutOrStdout(), bench.ReportSchema())
+		return err
+	}
+	c := &s.Base
+	c.Env = config.LoadEnv(e.lookup, e.environ)
+	if bf.verbose {
+		c.Logger = slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), nil))
+	}
+	if bf.withTLS {
+		s.TLS = []bool{false, true}
+	}
+	s.Command = commandLine(cmd)
+	s.Progress = bench.NewProgress(cmd.ErrOrStderr(), isTerminal(cmd.ErrOrStderr()))
+	rep, err := bench.RunSweep(cmd.Context(), *s)
+	if rep == nil {
+		return err
+	}
+	fmt.Fprintln(cmd.OutOrStdout())
+	if werr := rep.WriteTable(cmd.OutOrStdout()); werr != nil {
+		return werr
+	}
+	rep.WriteErrors(cmd.ErrOrStderr())
+	for _, out := range []struct {
+		path  string
+		write func(io.Writer) error
+	}{{bf.jsonPath, rep.WriteJSON}, {bf.mdPath, rep.WriteMarkdown}, {bf.pngPath, rep.WritePNG}} {
+		if out.path == "" {
+			continue
+		}
+		if werr := writeFile(out.path, out.write); werr != nil {
+			return werr
+		}
+	}
+	if err != nil {
+		return err
+	}
+	if rep.Failed() {
+		return exitError{1}
+	}
+	return nil
+}
+
+// addBenchFlags defines kvxfer bench's flags on f, each defaulting to
+// bench.DefaultConfig's value.
+func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
+	c, d := &s.Base, bench.DefaultConfig()
+	f.StringSliceVar(&s.Backends, "backend", []string{d.Backend}, "backends, comma-separated: tcp, shm, ucx, auto or default (as cache_transceiver_config.backend)")
+	f.StringVar(&c.Model, "model", d.Model, "model preset: tiny, llama-3.1-8b, llama-3.1-70b, qwen3-32b, deepseek-v3")
+	f.IntSliceVar(&s.ISLs, "isl", []int{d.ISL}, "tokens per request, comma-separated")
+	f.IntVar(&c.Requests, "requests", d.Requests, "measured requests per run")
+	f.IntVar(&c.Warmup, "warmup", d.Warmup, "requests before measuring, per run")
+	f.IntSliceVar(&s.Concurrency, "concurrency", []int{d.Concurrency}, "requests in flight at once, comma-separated")
+	f.IntVar(&c.CtxTP, "ctx-tp", d.CtxTP, "context tensor parallel size")
+	f.IntVar(&c.CtxPP, "ctx-pp", d.CtxPP, "context pipeline parallel size")
+	f.IntVar(&c.GenTP, "gen-tp", d.GenTP, "generation tensor parallel size")
+	f.IntVar(&c.GenPP, "gen-pp", d.GenPP, "generation pipeline parallel size")
 	f.BoolVar(&c.MLA, "mla", false, "MLA attention (one 576-wide latent head, K only)")
-	f.StringSliceVar(&s.DTypes, "dtype", []string{"bf16"}, "KV dtypes, comma-separated: fp32, fp16, bf16, fp8, int8")
-	f.IntVar(&c.TokensPerBlock, "tokens-per-block", 32, "tokens per KV block")
+	f.StringSliceVar(&s.DTypes, "dtype", []string{d.DType}, "KV dtypes, comma-separated: fp32, fp16, bf16, fp8, int8")
+	f.IntVar(&c.TokensPerBlock, "tokens-per-block", d.TokensPerBlock, "tokens per KV block")
 	f.IntVar(&c.MaxTokensInBuffer, "max-tokens-in-buffer", 0, "staging buffer size in tokens (0: TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE)")
 	f.BoolVar(&c.Verify, "verify", false, "check every received byte against the reference (requests up to 1 GiB)")
 	f.BoolVar(&s.Baseline, "baseline", false, "also measure the machine's limits (copy, raw TCP, iperf3, ucx_perftest) and report kvxfer's ratio to them")
 	f.Int64Var(&s.BaselineBytes, "baseline-bytes", 0, "bytes each baseline moves (0: the largest request, clamped to 64 MiB..1 GiB)")
-	f.StringVar(&jsonPath, "json", "", "write the report as JSON to this file (schema: --print-schema)")
-	f.StringVar(&mdPath, "md", "", "write the report as Markdown to this file")
-	f.StringVar(&pngPath, "png", "", "write a chart of GB/s against ISL per backend, with the baselines, to this PNG file")
-	f.BoolVar(&printSchema, "print-schema", false, "print the JSON Schema of the --json report and exit")
-	f.BoolVar(&withTLS, "tls", false, "also make every run with mutual TLS on the transfer planes (tcp data and control), next to the same run without, and measure the cipher's limit (openssl speed -evp aes-128-gcm)")
-	f.BoolVar(&verbose, "verbose", false, "log the transceivers")
-	return cmd
+	f.StringVar(&bf.jsonPath, "json", "", "write the report as JSON to this file (schema: --print-schema)")
+	f.StringVar(&bf.mdPath, "md", "", "write the report as Markdown to this file")
+	f.StringVar(&bf.pngPath, "png", "", "write a chart of GB/s against ISL per backend, with the baselines, to this PNG file")
+	f.BoolVar(&bf.printSchema, "print-schema", false, "print the JSON Schema of the --json report and exit")
+	f.BoolVar(&bf.withTLS, "tls", false, "also make every run with mutual TLS on the transfer planes (tcp data and control), next to the same run without, and measure the cipher's limit (openssl speed -evp aes-128-gcm)")
+	f.BoolVar(&bf.verbose, "verbose", false, "log the transceivers")
 }
 
 // commandLine rebuilds the command from the flags that were set, for the

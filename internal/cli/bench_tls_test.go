@@ -1,4 +1,4 @@
-package bench_test
+package cli
 
 import (
 	"bytes"
@@ -10,17 +10,17 @@ import (
 	"testing"
 
 	"github.com/kvxfer/kvxfer/bench"
-	"github.com/kvxfer/kvxfer/internal/cli"
+	"github.com/kvxfer/kvxfer/bench/benchtest"
 )
 
 // TestBenchCommandTLS runs `kvxfer bench --backend tcp --tls` as a user
 // would: a plain and a TLS run, the cipher's limit measured by the
 // installed openssl (or skipped with a note), a report that validates.
 func TestBenchCommandTLS(t *testing.T) {
-	t.Setenv("KVXFER_BENCH_PEER", "1") // bench starts this test binary as its context process
+	t.Setenv("KVXFER_CLI_CHILD", "1") // bench starts this test binary as its context process (see TestMain)
 	jsonPath := filepath.Join(t.TempDir(), "r.json")
 	var stdout, stderr bytes.Buffer
-	code := cli.Run(context.Background(), []string{"bench", "--model", "tiny", "--isl", "256", "--backend", "tcp",
+	code := Run(context.Background(), []string{"bench", "--model", "tiny", "--isl", "256", "--backend", "tcp",
 		"--requests", "2", "--warmup", "1", "--verify", "--tls", "--json", jsonPath}, &stdout, &stderr)
 	if code != 0 {
 		t.Fatalf("exit status %d\n%s\n%s", code, stdout.String(), stderr.String())
@@ -34,7 +34,7 @@ func TestBenchCommandTLS(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := validate(compileSchema(t), data); err != nil {
+	if err := benchtest.Validate(benchtest.Schema(t), data); err != nil {
 		t.Fatalf("the report does not validate: %v", err)
 	}
 	var rep bench.Report

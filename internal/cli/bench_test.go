@@ -1,4 +1,4 @@
-package bench_test
+package cli
 
 import (
 	"bytes"
@@ -12,40 +12,9 @@ import (
 	"testing"
 
 	"github.com/kvxfer/kvxfer/bench"
-	"github.com/kvxfer/kvxfer/internal/cli"
+	"github.com/kvxfer/kvxfer/bench/benchtest"
 	"github.com/kvxfer/kvxfer/transport"
-	"github.com/santhosh-tekuri/jsonschema/v6"
 )
-
-// The report schema is checked with santhosh-tekuri/jsonschema, a complete
-// draft 2020-12 implementation: it also checks the schema itself against
-// the meta-schema, which a validator of our own would not.
-func compileSchema(t *testing.T) *jsonschema.Schema {
-	t.Helper()
-	doc, err := jsonschema.UnmarshalJSON(strings.NewReader(bench.ReportSchema()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	const id = "https://github.com/kvxfer/kvxfer/bench/report.schema.json"
-	c := jsonschema.NewCompiler()
-	c.AssertFormat()
-	if err := c.AddResource(id, doc); err != nil {
-		t.Fatal(err)
-	}
-	sch, err := c.Compile(id)
-	if err != nil {
-		t.Fatalf("the schema does not compile: %v", err)
-	}
-	return sch
-}
-
-func validate(sch *jsonschema.Schema, data []byte) error {
-	v, err := jsonschema.UnmarshalJSON(bytes.NewReader(data))
-	if err != nil {
-		return err
-	}
-	return sch.Validate(v)
-}
 
 // TestBenchCommand runs `kvxfer bench` as a user would, with a sweep over
 // two ISLs and three backends, one of which (ucx) this binary lacks, and
@@ -55,12 +24,13 @@ func TestBenchCommand(t *testing.T) {
 	if s, err := transport.Lookup("ucx"); err == nil && s.Available() {
 		t.Skip("ucx is built in: no unavailable backend to test")
 	}
-	// bench starts this test binary as its context process (see TestMain).
-	t.Setenv("KVXFER_BENCH_PEER", "1")
+	// bench starts this test binary as its context process: with
+	// KVXFER_CLI_CHILD=1 it runs `bench-peer` (see TestMain).
+	t.Setenv("KVXFER_CLI_CHILD", "1")
 	dir := t.TempDir()
 	jsonPath, mdPath, pngPath := filepath.Join(dir, "r.json"), filepath.Join(dir, "r.md"), filepath.Join(dir, "r.png")
 	var stdout, stderr bytes.Buffer
-	code := cli.Run(context.Background(), []string{"bench", "--model", "tiny", "--isl", "64,256", "--backend", "tcp,ucx,auto",
+	code := Run(context.Background(), []string{"bench", "--model", "tiny", "--isl", "64,256", "--backend", "tcp,ucx,auto",
 		"--requests", "2", "--warmup", "1", "--verify", "--baseline", "--baseline-bytes", "4194304",
 		"--json", jsonPath, "--md", mdPath, "--png", pngPath}, &stdout, &stderr)
 
@@ -86,8 +56,7 @@ func TestBenchCommand(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sch := compileSchema(t)
-	if err := validate(sch, data); err != nil {
+	if err := benchtest.Validate(benchtest.Schema(t), data); err != nil {
 		t.Fatalf("the report does not validate: %v", err)
 	}
 	var rep bench.Report
@@ -158,57 +127,9 @@ func distinctColors(img image.Image) int {
 	return len(seen)
 }
 
-// TestReportSchemaRejects: the schema is strict enough to catch a report
-// that lost a field, carries an unknown one or has a wrong value.
-func TestReportSchemaRejects(t *testing.T) {
-	sch := compileSchema(t)
-	rep := &bench.Report{Version: bench.ReportVersion, Command: []string{"kvxfer", "bench"}, Baselines: []bench.Baseline{},
-		Config: bench.SweepConfig{Model: "tiny", Backends: []string{"tcp"}, ISLs: []int{64}, Concurrency: []int{1},
-			DTypes: []string{"bf16"}, Requests: 1, Ctx: bench.Par{TP: 1, PP: 1}, Gen: bench.Par{TP: 1, PP: 1},
-			TokensPerBlock: 32, BaselineBytes: 1, Env: map[string]string{}},
-		Machine: bench.Machine{CPUs: 1, GOOS: "linux", GOARCH: "amd64", GoVersion: "go1.26"},
-		Runs: []*bench.Result{{RequestedBackend: "tcp", Model: "tiny", ISL: 64, DType: "bf16", Concurrency: 1,
-			Ctx: bench.Par{TP: 1, PP: 1}, Gen: bench.Par{TP: 1, PP: 1}, Backend: "tcp", Verification: bench.VerifyOff}}}
-	rep.Build.Module, rep.Build.GoVersion = "github.com/kvxfer/kvxfer", "go1.26"
-	var buf bytes.Buffer
-	if err := rep.WriteJSON(&buf); err != nil {
-		t.Fatal(err)
-	}
-	if err := validate(sch, buf.Bytes()); err != nil {
-		t.Fatalf("a minimal report does not validate: %v", err)
-	}
-	for _, tc := range []struct {
-		name   string
-		mutate func(m map[string]any)
-	}{
-		{"no runs", func(m map[string]any) { delete(m, "runs") }},
-		{"unknown field", func(m map[string]any) { m["speed"] = "fast" }},
-		{"negative GB/s", func(m map[string]any) { run(m)["gbps"] = -1.0 }},
-		{"unknown verification", func(m map[string]any) { run(m)["verification"] = "maybe" }},
-		{"ISL zero", func(m map[string]any) { run(m)["isl"] = 0 }},
-		{"unknown baseline in a ratio", func(m map[string]any) {
-			run(m)["ratios"] = []any{map[string]any{"baseline": "netcat", "ratio": 1.0}}
-		}},
-		{"started not a date", func(m map[string]any) { m["started"] = "yesterday" }},
-		{"report version 2", func(m map[string]any) { m["report_version"] = 2 }},
-	} {
-		var m map[string]any
-		if err := json.Unmarshal(buf.Bytes(), &m); err != nil {
-			t.Fatal(err)
-		}
-		tc.mutate(m)
-		b, _ := json.Marshal(m)
-		if err := validate(sch, b); err == nil {
-			t.Errorf("%s: accepted", tc.name)
-		}
-	}
-}
-
-func run(m map[string]any) map[string]any { return m["runs"].([]any)[0].(map[string]any) }
-
 func TestPrintSchema(t *testing.T) {
 	var stdout, stderr bytes.Buffer
-	if code := cli.Run(context.Background(), []string{"bench", "--print-schema"}, &stdout, &stderr); code != 0 {
+	if code := Run(context.Background(), []string{"bench", "--print-schema"}, &stdout, &stderr); code != 0 {
 		t.Fatalf("exit %d: %s", code, stderr.String())
 	}
 	if stdout.String() != bench.ReportSchema() || !json.Valid(stdout.Bytes()) {

@@ -1,0 +1,42 @@
+package benchtest
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+
+	"github.com/kvxfer/kvxfer/bench"
+	"github.com/santhosh-tekuri/jsonschema/v6"
+)
+
+// schemaID names the report's schema inside the compiler.
+const schemaID = "https://github.com/kvxfer/kvxfer/bench/report.schema.json"
+
+// Schema compiles the report's JSON Schema; a schema that does not compile
+// fails the test.
+func Schema(t testing.TB) *jsonschema.Schema {
+	t.Helper()
+	doc, err := jsonschema.UnmarshalJSON(strings.NewReader(bench.ReportSchema()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := jsonschema.NewCompiler()
+	c.AssertFormat()
+	if err := c.AddResource(schemaID, doc); err != nil {
+		t.Fatal(err)
+	}
+	sch, err := c.Compile(schemaID)
+	if err != nil {
+		t.Fatalf("the schema does not compile: %v", err)
+	}
+	return sch
+}
+
+// Validate checks a JSON report against sch.
+func Validate(sch *jsonschema.Schema, data []byte) error {
+	v, err := jsonschema.UnmarshalJSON(bytes.NewReader(data))
+	if err != nil {
+		return err
+	}
+	return sch.Validate(v)
+}
