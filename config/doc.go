@@ -4,15 +4,16 @@
 // cluster's disagg_config.yaml), the TRT-LLM environment variables of the
 // KV-cache transfer path, and the DEFAULT backend resolution.
 //
-// Loading always runs in one order: defaults → strict YAML → environment →
-// Validate. Every problem found on the way is collected, with its field path
+// Loading always runs in one order: defaults (defaults.go, the one place
+// they are set; DefaultWorker) → strict YAML → environment → Validate. Every problem found on the way is collected, with its field path
 // and file:line:column, and reported at once as a Problems error; nothing is
 // reported one error at a time.
 //
 // The typed CacheTransceiver is the only configuration that travels through
 // the program. It is turned into transport options at exactly one place,
 // transceiver.New; no package below the transceiver (transport, layout,
-// kvcache) imports config, and a test enforces that.
+// kvcache) imports config, and internal/repotest's boundary table enforces
+// that.
 //
 // Security is kvxfer's own `security:` block (TensorRT-LLM has none), at
 // the top level of either file form: where the cluster secret is (a file or

@@ -1,0 +1,239 @@
+package repotest
+
+import (
+	"go/parser"
+	"go/token"
+	"io/fs"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// module is this module's path; imports below it are checked against the
+// table, as paths relative to it.
+const module = "github.com/kvxfer/kvxfer"
+
+// A rule says what the Go files of a package may import: the rows of
+// DESIGN.md's package table, plus the internal/ helpers. A path ending in
+// "/..." stands for the package and every package below it. A package may
+// always import the packages in the directories below its own
+// (transceiver/internal/wire, bench/benchtest) and the standard library.
+type rule struct {
+	pkg   string   // the package (or, with "/...", the tree) the row is about
+	may   []string // module packages its files may import; "*" is any but cmd/...
+	tests []string // more module packages its _test.go files may import
+	ext   []string // packages outside the module and the standard library its files may import
+}
+
+// testExt may be imported by every test, beyond a row's ext.
+var testExt = []string{"go.uber.org/goleak", "github.com/google/go-cmp/..."}
+
+// boundaries is the table. Every package of the module has one row (the
+// most specific that names it); a row that names no package fails too.
+var boundaries = []rule{
+	{pkg: "cmd/kvxfer", may: []string{"internal/cli"}},
+	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
+	// The launcher behind `kvxfer up`: worker processes and the router.
+	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf"}},
+	// serve names prometheus.Registry (Worker.Registry, Router.Registry);
+	// the collectors themselves are package metrics'. Its tests register
+	// the tcp data plane that their workers use, as kvxfer's main does.
+	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf"},
+		tests: []string{"transport/tcp", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
+	// engine's tests wire real transceivers between instances, as serve
+	// does: they build the config and register the tcp data plane.
+	{pkg: "engine", may: []string{"transceiver", "kvcache", "layout"}, tests: []string{"config", "transport/tcp"}},
+	// bench builds the CacheTransceiver each side's transceiver.New reads,
+	// as serve does (hence config, which DESIGN.md's row omits).
+	{pkg: "bench", may: []string{"transceiver", "kvcache", "layout", "transport", "config", "internal/buildinfo", "internal/tlsconf"},
+		tests: []string{"transport/..."}, ext: []string{"gonum.org/v1/plot/..."}},
+	// Test helpers of bench reports (the compiled JSON Schema).
+	{pkg: "bench/benchtest", may: []string{"bench"}, ext: []string{"github.com/santhosh-tekuri/jsonschema/v6"}},
+	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit"},
+		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf"}},
+	{pkg: "transport/...", may: []string{"transport", "internal/netlimit"},
+		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
+	// removed once transport/shm uses internal/memfd (issue #11)
+	{pkg: "transport/shm", may: []string{"transport", "internal/netlimit", "kvcache"},
+		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
+	// The conformance suite every backend passes: test code, so goleak.
+	{pkg: "transport/transporttest", may: []string{"transport"}, ext: []string{"go.uber.org/goleak"}},
+	{pkg: "layout", may: []string{"kvcache"}},
+	{pkg: "kvcache"},
+	{pkg: "config", ext: []string{"go.yaml.in/yaml/v3"}},
+	{pkg: "metrics", ext: []string{"github.com/prometheus/client_golang/..."}},
+	// Helpers under internal/: each is below everything that uses it.
+	{pkg: "internal/netlimit", tests: []string{"internal/syncbuf"}},
+	// Config.Transport hands the configs to the data planes.
+	{pkg: "internal/tlsconf", may: []string{"transport"}},
+	{pkg: "internal/buildinfo"},
+	{pkg: "internal/procnet"},
+	{pkg: "internal/syncbuf"},
+	{pkg: "internal/repotest"},
+}
+
+// matches reports whether path is pattern's package (or, for "x/...", x or
+// a package below it).
+func matches(pattern, path string) bool {
+	if tree, ok := strings.CutSuffix(pattern, "/..."); ok {
+		return path == tree || strings.HasPrefix(path, tree+"/")
+	}
+	return path == pattern
+}
+
+// ruleFor returns the most specific row for the package at dir.
+func ruleFor(dir string) (rule, bool) {
+	var best rule
+	found := false
+	for _, r := range boundaries {
+		if matches(r.pkg, dir) && (!found || len(strings.TrimSuffix(r.pkg, "/...")) > len(strings.TrimSuffix(best.pkg, "/..."))) {
+			best, found = r, true
+		}
+	}
+	return best, found
+}
+
+// allowed reports whether a file of dir, under rule r, may import the
+// module package p.
+func (r rule) allowed(dir, p string, test bool) bool {
+	if p == dir || strings.HasPrefix(p, dir+"/") {
+		return true // its own packages below it
+	}
+	list := r.may
+	if test {
+		list = append(slices.Clone(r.may), r.tests...)
+	}
+	return slices.ContainsFunc(list, func(m string) bool {
+		return m == "*" && !matches("cmd/...", p) || matches(m, p)
+	})
+}
+
+// allowedExt reports whether a file under rule r may import p, a package
+// outside the module.
+func (r rule) allowedExt(p string, test bool) bool {
+	if first, _, _ := strings.Cut(p, "/"); !strings.Contains(first, ".") {
+		return true // the standard library (and cgo's "C")
+	}
+	list := r.ext
+	if test {
+		list = slices.Concat(r.ext, testExt)
+	}
+	return slices.ContainsFunc(list, func(m string) bool { return matches(m, p) })
+}
+
+// TestBoundaries enforces the package table of DESIGN.md: every import of
+// every Go file of the module (tests and files behind build tags
+// included), module packages and outside ones alike, is one its package's
+// row allows.
+func TestBoundaries(t *testing.T) {
+	root := filepath.Join("..", "..")
+	used := map[string]bool{}
+	files := 0
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && (d.Name() == "testdata" || strings.HasPrefix(d.Name(), ".") && path != root || d.Name() == "bin") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(path, ".go") {
+			return nil
+		}
+		rel, _ := filepath.Rel(root, filepath.Dir(path))
+		dir := filepath.ToSlash(rel)
+		r, ok := ruleFor(dir)
+		if !ok {
+			t.Errorf("%s: package %s has no row in the boundary table", path, dir)
+			return nil
+		}
+		used[r.pkg] = true
+		f, err := parser.ParseFile(token.NewFileSet(), path, nil, parser.ImportsOnly)
+		if err != nil {
+			return err
+		}
+		files++
+		test := strings.HasSuffix(path, "_test.go")
+		for _, imp := range f.Imports {
+			p, _ := strconv.Unquote(imp.Path.Value)
+			if mp, ok := strings.CutPrefix(p, module+"/"); ok {
+				if !r.allowed(dir, mp, test) {
+					t.Errorf("%s imports %s: package %s may import %s (tests also %s)", path, mp, dir, r.may, r.tests)
+				}
+			} else if !r.allowedExt(p, test) {
+				t.Errorf("%s imports %s: package %s may import outside the module only %s", path, p, dir, r.ext)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if files < 100 {
+		t.Fatalf("checked only %d files: did the tree move?", files)
+	}
+	for _, r := range boundaries {
+		if !used[r.pkg] {
+			t.Errorf("the row of %s names no package: remove it or fix its path", r.pkg)
+		}
+	}
+}
+
+// TestBoundaryRules: the table's own logic, on imports that must be caught.
+func TestBoundaryRules(t *testing.T) {
+	for _, tc := range []struct {
+		dir, imp string
+		test     bool
+		want     bool
+	}{
+		{"transport/tcp", "config", false, false}, // nothing below transceiver reads the config
+		{"transport/tcp", "config", true, false},  // not even in tests
+		{"transport/tcp", "kvcache", false, false},
+		{"transport/shm", "kvcache", false, true}, // the one exception, until internal/memfd
+		{"layout", "config", true, false},
+		{"kvcache", "layout", false, false},
+		{"serve", "transport", false, false},
+		{"serve", "transport/tcp", false, false},
+		{"serve", "transport/tcp", true, true},
+		{"serve", "kvcache", false, false},
+		{"engine", "serve", false, false},
+		{"engine", "config", false, false},
+		{"engine", "config", true, true},
+		{"transceiver", "transceiver/internal/wire", false, true},
+		{"transceiver/internal/wire", "transceiver", false, false},
+		{"transport/tcp", "transport/shm", false, false},
+		{"transport/tcp", "transport/transporttest", true, true},
+		{"internal/cli", "cmd/kvxfer", false, false},
+		{"internal/cli", "bench", false, true},
+		{"cmd/kvxfer", "serve", false, false},
+		{"metrics", "serve", false, false},
+	} {
+		r, ok := ruleFor(tc.dir)
+		if !ok {
+			t.Fatalf("no row for %s", tc.dir)
+		}
+		if got := r.allowed(tc.dir, tc.imp, tc.test); got != tc.want {
+			t.Errorf("%s (test %v) importing %s: allowed %v, want %v", tc.dir, tc.test, tc.imp, got, tc.want)
+		}
+	}
+	for _, tc := range []struct {
+		dir, imp string
+		test     bool
+		want     bool
+	}{
+		{"config", "go.yaml.in/yaml/v3", false, true},
+		{"config", "gopkg.in/yaml.v3", false, false},
+		{"kvcache", "golang.org/x/sys/unix", false, false},
+		{"transport/shm", "golang.org/x/sys/unix", false, true},
+		{"serve", "github.com/prometheus/client_golang/prometheus", false, true},
+		{"serve", "github.com/prometheus/client_golang/prometheus/promhttp", false, false},
+		{"layout", "go.uber.org/goleak", true, true},
+		{"layout", "go.uber.org/goleak", false, false},
+	} {
+		r, _ := ruleFor(tc.dir)
+		if got := r.allowedExt(tc.imp, tc.test); got != tc.want {
+			t.Errorf("%s (test %v) importing %s: allowed %v, want %v", tc.dir, tc.test, tc.imp, got, tc.want)
+		}
+	}
+}
