@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"sync"
@@ -187,50 +188,92 @@ func (r *Router) Registry() *prometheus.Registry { return r.reg }
 func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	start := time.Now()
 	defer func() { r.m.Latency.WithLabelValues(path).Observe(time.Since(start).Seconds()) }()
-	body, err := readBody(req)
+	orig, stream, err := readRouted(req)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
 		return
 	}
-	var orig object
-	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", "request body must be a JSON object")
-		return
-	}
-	if _, ok := orig["disaggregated_params"]; ok {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", "disaggregated_params is set by the router; send the plain OpenAI request")
-		return
-	}
-	var stream bool
-	if _, err := orig.get("stream", &stream); err != nil {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
-		return
-	}
-
 	// 1. Context phase: context_only, never streamed.
-	ctxReq := object{}
-	for k, v := range orig {
-		ctxReq[k] = v
+	cr := r.contextPhase(req.Context(), w, path, orig, stream)
+	if cr == nil {
+		return
 	}
-	ctxReq.set("stream", false)
-	delete(ctxReq, "stream_options")
-	ctxReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
-	resp, err := r.post(req.Context(), r.ctx, path, ctxReq)
+	// 2. Generation phase.
+	genReq := maps.Clone(orig)
+	dp := cr.params
+	dp.RequestType = TypeGenerationOnly
+	genReq.set("disaggregated_params", dp)
+	if len(cr.ids) > 0 {
+		if path == "/v1/completions" {
+			genReq.set("prompt", cr.ids)
+		} else {
+			genReq.set("prompt_token_ids", cr.ids)
+		}
+	}
+	resp, err := r.post(req.Context(), r.gen, path, genReq)
 	if err != nil {
 		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
 		return
+	}
+	defer resp.Body.Close()
+	copyHeaders(w, resp)
+	w.WriteHeader(resp.StatusCode)
+	flushCopy(w, resp.Body)
+}
+
+// readRouted reads a client's request to the router: a JSON object without
+// disaggregated_params (the router sets them), and whether it asks for a
+// stream.
+func readRouted(req *http.Request) (object, bool, error) {
+	body, err := readBody(req)
+	if err != nil {
+		return nil, false, err
+	}
+	var orig object
+	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
+		return nil, false, errors.New("request body must be a JSON object")
+	}
+	if _, ok := orig["disaggregated_params"]; ok {
+		return nil, false, errors.New("disaggregated_params is set by the router; send the plain OpenAI request")
+	}
+	var stream bool
+	if _, err := orig.get("stream", &stream); err != nil {
+		return nil, false, err
+	}
+	return orig, stream, nil
+}
+
+// contextResult is what the generation phase takes from the context
+// phase's answer.
+type contextResult struct {
+	params DisaggregatedParams
+	ids    []int32 // the prompt's token ids
+}
+
+// contextPhase sends orig to a context server as context_only. When the
+// request ends there (an error, or an answer that finished in the context
+// phase) it has answered w and returns nil.
+func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path string, orig object, stream bool) *contextResult {
+	ctxReq := maps.Clone(orig)
+	ctxReq.set("stream", false)
+	delete(ctxReq, "stream_options")
+	ctxReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
+	resp, err := r.post(ctx, r.ctx, path, ctxReq)
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+		return nil
 	}
 	ctxBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
 	resp.Body.Close()
 	if err != nil {
 		writeError(w, http.StatusBadGateway, "upstream_error", "reading the context server's answer: "+err.Error())
-		return
+		return nil
 	}
 	if resp.StatusCode != http.StatusOK {
 		copyHeaders(w, resp)
 		w.WriteHeader(resp.StatusCode)
 		w.Write(ctxBody)
-		return
+		return nil
 	}
 	var cr struct {
 		Choices []struct {
@@ -242,52 +285,24 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	}
 	if err := json.Unmarshal(ctxBody, &cr); err != nil || len(cr.Choices) == 0 {
 		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no choices")
-		return
+		return nil
 	}
 	ch := cr.Choices[0]
-	fr := ""
-	if ch.FinishReason != nil {
-		fr = *ch.FinishReason
-	}
-	if fr != "length" && fr != "not_finished" {
+	if fr := ch.FinishReason; fr == nil || *fr != "length" && *fr != "not_finished" {
 		// Finished in the context phase (EOS or a stop string as the first
 		// token): that is the answer.
 		r.replayFinished(w, ctxBody, stream)
-		return
+		return nil
 	}
 	if ch.DisaggregatedParams == nil {
 		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no disaggregated_params")
-		return
+		return nil
 	}
 	ids := cr.PromptTokenIDs
 	if len(ids) == 0 {
 		ids = ch.PromptTokenIDs
 	}
-
-	// 2. Generation phase.
-	genReq := object{}
-	for k, v := range orig {
-		genReq[k] = v
-	}
-	dp := *ch.DisaggregatedParams
-	dp.RequestType = TypeGenerationOnly
-	genReq.set("disaggregated_params", dp)
-	if len(ids) > 0 {
-		if path == "/v1/completions" {
-			genReq.set("prompt", ids)
-		} else {
-			genReq.set("prompt_token_ids", ids)
-		}
-	}
-	resp, err = r.post(req.Context(), r.gen, path, genReq)
-	if err != nil {
-		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
-		return
-	}
-	defer resp.Body.Close()
-	copyHeaders(w, resp)
-	w.WriteHeader(resp.StatusCode)
-	flushCopy(w, resp.Body)
+	return &contextResult{params: *ch.DisaggregatedParams, ids: ids}
 }
 
 // replayFinished returns a context-phase answer that already finished; a

@@ -254,62 +254,88 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 	if cr.N != nil && *cr.N != 1 {
 		return nil, er, badRequest("n = %d: kvxfer serves one choice per request", *cr.N)
 	}
-	// The prompt: token ids from the router win; else the text or ids.
+	if herr := w.parseRequestPrompt(&cr, chat, &er); herr != nil {
+		return nil, er, herr
+	}
+	if herr := parseSampling(&cr, &er); herr != nil {
+		return nil, er, herr
+	}
+	if herr := w.parseDisagg(&cr, &er); herr != nil {
+		return nil, er, herr
+	}
+	return &cr, er, nil
+}
+
+// parseRequestPrompt sets er's prompt: the token ids from the router win;
+// else the chat messages, or the prompt's text or ids.
+func (w *Worker) parseRequestPrompt(cr *completionRequest, chat bool, er *engine.Request) *httpError {
 	switch {
 	case len(cr.PromptTokenIDs) > 0:
 		er.Prompt = cr.PromptTokenIDs
 	case chat:
 		if len(cr.Messages) == 0 {
-			return nil, er, badRequest("messages: at least one message is required")
+			return badRequest("messages: at least one message is required")
 		}
 		er.Prompt = w.tok.Encode(chatTemplate(cr.Messages))
 	default:
 		p, herr := w.parsePrompt(cr.Prompt)
 		if herr != nil {
-			return nil, er, herr
+			return herr
 		}
 		er.Prompt = p
 	}
 	if len(er.Prompt) > MaxPromptTokens {
-		return nil, er, badRequest("prompt of %d tokens exceeds %d", len(er.Prompt), MaxPromptTokens)
+		return badRequest("prompt of %d tokens exceeds %d", len(er.Prompt), MaxPromptTokens)
 	}
+	return nil
+}
+
+// parseSampling sets er's length, sampling and stop strings.
+func parseSampling(cr *completionRequest, er *engine.Request) *httpError {
 	if cr.MaxTokens == nil {
 		cr.MaxTokens = cr.MaxCompletion
 	}
 	if cr.MaxTokens != nil {
 		if *cr.MaxTokens < 1 || *cr.MaxTokens > 1<<16 {
-			return nil, er, badRequest("max_tokens = %d, want 1..65536", *cr.MaxTokens)
+			return badRequest("max_tokens = %d, want 1..65536", *cr.MaxTokens)
 		}
 		er.MaxTokens = *cr.MaxTokens
 	}
 	if cr.Temperature != nil {
 		if *cr.Temperature < 0 || *cr.Temperature > 2 {
-			return nil, er, badRequest("temperature = %v, want 0..2", *cr.Temperature)
+			return badRequest("temperature = %v, want 0..2", *cr.Temperature)
 		}
 		er.Sampling.Temperature = *cr.Temperature
 	}
 	er.Sampling.Seed = cr.Seed
 	stop, herr := parseStop(cr.Stop)
 	if herr != nil {
-		return nil, er, herr
+		return herr
 	}
 	er.Stop, er.IgnoreEOS = stop, cr.IgnoreEOS
-	// The request type must be one this worker's role serves.
+	return nil
+}
+
+// parseDisagg sets er's type from disaggregated_params, which must be one
+// this worker's role serves, and for generation_only its context phase,
+// whose opaque state the transceiver checks here: before the request is
+// queued and blocks are taken for it.
+func (w *Worker) parseDisagg(cr *completionRequest, er *engine.Request) *httpError {
 	typ := TypeContextAndGeneration
 	if cr.Disagg != nil {
 		if err := cr.Disagg.validate(); err != nil {
-			return nil, er, badRequest("%v", err)
+			return badRequest("%v", err)
 		}
 		typ = cr.Disagg.RequestType
 	}
 	allowed := map[string][]string{RoleContext: {TypeContextOnly}, RoleGeneration: {TypeGenerationOnly},
 		RoleBoth: {TypeContextAndGeneration, TypeContextOnly, TypeGenerationOnly}}[w.role]
 	if !slices.Contains(allowed, typ) {
-		return nil, er, badRequest("this is a %s worker: it serves %s requests, not %s (set disaggregated_params.request_type, or send plain requests to the router)",
+		return badRequest("this is a %s worker: it serves %s requests, not %s (set disaggregated_params.request_type, or send plain requests to the router)",
 			w.role, strings.Join(allowed, " and "), typ)
 	}
 	if typ != TypeContextAndGeneration && w.tr == nil {
-		return nil, er, &httpError{http.StatusBadRequest, "invalid_request_error",
+		return &httpError{http.StatusBadRequest, "invalid_request_error",
 			fmt.Sprintf("%s requests need a transceiver and this worker has no cache_transceiver_config: %v", typ, transceiver.ErrNoTransceiver)}
 	}
 	switch typ {
@@ -319,19 +345,18 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 		er.Type = transceiver.GenerationOnly
 		opaque, err := base64.StdEncoding.DecodeString(cr.Disagg.EncodedOpaqueState)
 		if err != nil {
-			return nil, er, badRequest("disaggregated_params.encoded_opaque_state is not base64: %v", err)
+			return badRequest("disaggregated_params.encoded_opaque_state is not base64: %v", err)
 		}
-		// Signature, expiry, replay and allowed peers are checked here,
-		// before the request is queued and blocks are taken for it, and
+		// Signature, expiry, replay and allowed peers are checked here, and
 		// again (with the nonce recorded) when the transfer starts.
 		if _, err := w.tr.CheckOpaque(opaque); err != nil {
 			code, typ := statusOf(err)
-			return nil, er, &httpError{code, typ, fmt.Sprintf("disaggregated_params.encoded_opaque_state: %v", err)}
+			return &httpError{code, typ, fmt.Sprintf("disaggregated_params.encoded_opaque_state: %v", err)}
 		}
 		er.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: *cr.Disagg.CtxRequestID,
 			FirstGenTokens: cr.Disagg.FirstGenTokens, DraftTokens: cr.Disagg.DraftTokens, OpaqueState: opaque}
 	}
-	return &cr, er, nil
+	return nil
 }
 
 func (w *Worker) parsePrompt(raw json.RawMessage) ([]int32, *httpError) {
