@@ -318,14 +318,7 @@ func (br *baselineRunner) serverClient(ctx context.Context, server, client []str
 	}
 	srvDone := make(chan error, 1)
 	go func() { srvDone <- srv.Wait() }()
-	defer func() {
-		select {
-		case <-srvDone:
-		case <-time.After(5 * time.Second):
-			srv.Process.Kill()
-			<-srvDone
-		}
-	}()
+	defer waitOrKill(srv.Process, srvDone, 5*time.Second)
 	var lastErr error
 	var lastOut []byte
 	retry := time.NewTicker(100 * time.Millisecond)

@@ -69,22 +69,41 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 	if setup.BaselineOnly {
 		return peerBaselines(sc, enc)
 	}
-	var st layout.CacheState
-	if err := st.UnmarshalBinary(setup.State); err != nil {
+	p := &contextPeer{ref: setup.ReferenceFill, log: log}
+	defer p.close()
+	if err := p.start(ctx, setup, env, enc); err != nil {
+		return err
+	}
+	enc.Encode(peerMsg{Op: "ready", Endpoints: p.tr.Endpoints()})
+	return p.serve(ctx, sc, enc)
+}
+
+// contextPeer is the context instance of a bench-peer process.
+type contextPeer struct {
+	st     layout.CacheState
+	pools  []*kvcache.Pool
+	tr     *transceiver.Transceiver
+	ref    bool // fill requests from the naive reference
+	log    *slog.Logger
+	failed int // context transfers that failed
+}
+
+// start builds the pools and the transceiver of setup. A failure that the
+// parent could not tell from a dead process is also sent to it.
+func (p *contextPeer) start(ctx context.Context, setup peerSetup, env config.Env, enc *json.Encoder) error {
+	if err := p.st.UnmarshalBinary(setup.State); err != nil {
 		return fmt.Errorf("bench peer: setup state: %w", err)
 	}
-	ct, err := config.NewCacheTransceiver(setup.Backend, st.Shape.TokensPerBlock, env)
+	ct, err := config.NewCacheTransceiver(setup.Backend, p.st.Shape.TokensPerBlock, env)
 	if err != nil {
 		return err
 	}
 	if setup.MaxTokensInBuf > 0 {
 		ct.MaxTokensInBuffer = setup.MaxTokensInBuf
 	}
-	pools, err := newPools(st, setup.PoolBlocks, transceiver.PoolAllocator(ct))
-	if err != nil {
+	if p.pools, err = newPools(p.st, setup.PoolBlocks, transceiver.PoolAllocator(ct)); err != nil {
 		return err
 	}
-	defer closePools(pools)
 	var tc *transport.TLSConfig
 	if setup.TLS != nil {
 		c, err := tlsconf.Load(*setup.TLS)
@@ -94,25 +113,23 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 		}
 		tc = c.Transport()
 	}
-	tr, err := transceiver.New(ctx, ct, transceiver.Options{State: st, Pools: pools, Logger: log, TLS: tc})
-	if err != nil {
+	if p.tr, err = transceiver.New(ctx, ct, transceiver.Options{State: p.st, Pools: p.pools, Logger: p.log, TLS: tc}); err != nil {
 		enc.Encode(peerMsg{Op: "error", Error: err.Error()})
 		return err
 	}
-	defer tr.Close()
-	enc.Encode(peerMsg{Op: "ready", Endpoints: tr.Endpoints()})
+	return nil
+}
 
-	// Drain finished context transfers so they do not pile up.
-	failed := 0
-	drain := func(atLeast int) {
-		done, _ := tr.CheckContextTransferStatus(ctx, atLeast)
-		for _, r := range done {
-			if r.Err() != nil {
-				failed++
-				log.Warn("context transfer failed", "request", r.ID, "err", r.Err())
-			}
-		}
+// close closes what start built.
+func (p *contextPeer) close() {
+	if p.tr != nil {
+		p.tr.Close()
 	}
+	closePools(p.pools)
+}
+
+// serve answers the parent's messages until it says quit.
+func (p *contextPeer) serve(ctx context.Context, sc *bufio.Scanner, enc *json.Encoder) error {
 	for sc.Scan() {
 		var m peerMsg
 		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
@@ -120,39 +137,61 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 		}
 		switch m.Op {
 		case "prepare":
-			// The generation side may finish a pull before this side has
-			// released the blocks: like an executor whose pool is
-			// exhausted, wait for finished sends before allocating.
-			nb := layout.NumBlocks(m.Tokens, st.Shape.TokensPerBlock)
-			for i := 0; i < 100 && minFree(pools) < nb && tr.PendingContext() > 0; i++ {
-				drain(1)
-			}
-			opaque, err := prepare(tr, st, pools, m, setup.ReferenceFill)
-			reply := peerMsg{Op: "prepared", ID: m.ID, Opaque: opaque}
-			if err != nil {
-				reply.Error = err.Error()
-			}
-			enc.Encode(reply)
-			drain(0)
+			enc.Encode(p.handlePrepare(ctx, m))
+			p.drain(ctx, 0)
 		case "rawtcp":
-			reply := peerMsg{Op: "sent"}
-			if err := sendRaw(m.Opaque, m.Bytes); err != nil {
-				reply.Error = err.Error()
-			}
-			enc.Encode(reply)
+			enc.Encode(rawTCP(m))
 		case "quit":
-			drain(-1)
+			p.drain(ctx, -1)
 			leaked := 0
-			for _, p := range pools {
-				leaked += p.NumBlocks() - p.FreeBlocks()
+			for _, pl := range p.pools {
+				leaked += pl.NumBlocks() - pl.FreeBlocks()
 			}
-			enc.Encode(peerMsg{Op: "bye", Leaked: leaked, Failed: failed})
+			enc.Encode(peerMsg{Op: "bye", Leaked: leaked, Failed: p.failed})
 			return nil
 		default:
 			return fmt.Errorf("bench peer: unknown op %q", m.Op)
 		}
 	}
 	return sc.Err()
+}
+
+// drain collects finished context transfers (at least atLeast, see
+// CheckContextTransferStatus) so that they do not pile up.
+func (p *contextPeer) drain(ctx context.Context, atLeast int) {
+	done, _ := p.tr.CheckContextTransferStatus(ctx, atLeast)
+	for _, r := range done {
+		if r.Err() != nil {
+			p.failed++
+			p.log.Warn("context transfer failed", "request", r.ID, "err", r.Err())
+		}
+	}
+}
+
+// handlePrepare answers a prepare message. The generation side may finish a pull
+// before this side has released the blocks: like an executor whose pool is
+// exhausted, it waits for finished sends before allocating.
+func (p *contextPeer) handlePrepare(ctx context.Context, m peerMsg) peerMsg {
+	nb := layout.NumBlocks(m.Tokens, p.st.Shape.TokensPerBlock)
+	for i := 0; i < 100 && minFree(p.pools) < nb && p.tr.PendingContext() > 0; i++ {
+		p.drain(ctx, 1)
+	}
+	opaque, err := prepare(p.tr, p.st, p.pools, m, p.ref)
+	reply := peerMsg{Op: "prepared", ID: m.ID, Opaque: opaque}
+	if err != nil {
+		reply.Error = err.Error()
+	}
+	return reply
+}
+
+// rawTCP answers a rawtcp message: it sends the bytes of the raw TCP
+// baseline.
+func rawTCP(m peerMsg) peerMsg {
+	reply := peerMsg{Op: "sent"}
+	if err := sendRaw(m.Opaque, m.Bytes); err != nil {
+		reply.Error = err.Error()
+	}
+	return reply
 }
 
 // peerBaselines is PeerMain for a process that only serves the raw TCP
@@ -166,11 +205,7 @@ func peerBaselines(sc *bufio.Scanner, enc *json.Encoder) error {
 		}
 		switch m.Op {
 		case "rawtcp":
-			reply := peerMsg{Op: "sent"}
-			if err := sendRaw(m.Opaque, m.Bytes); err != nil {
-				reply.Error = err.Error()
-			}
-			enc.Encode(reply)
+			enc.Encode(rawTCP(m))
 		case "quit":
 			enc.Encode(peerMsg{Op: "bye"})
 			return nil

@@ -154,11 +154,19 @@ func (p *peerProc) quit() (peerMsg, error) {
 // exited within a few seconds.
 func (p *peerProc) stop() {
 	p.in.Close()
+	waitOrKill(p.cmd.Process, p.done, 5*time.Second)
+}
+
+// waitOrKill waits for a child process to exit (done delivers its Wait's
+// result) and kills it if it has not within grace.
+func waitOrKill(proc *os.Process, done <-chan error, grace time.Duration) {
+	t := time.NewTimer(grace)
+	defer t.Stop()
 	select {
-	case <-p.done:
-	case <-time.After(5 * time.Second):
-		p.cmd.Process.Kill()
-		<-p.done
+	case <-done:
+	case <-t.C:
+		proc.Kill()
+		<-done
 	}
 }
 

@@ -87,6 +87,41 @@ func (r *Report) chartSeries() []series {
 // prompt length (ISL, log2 axis), one line per backend, the measured
 // baselines as horizontal dashed lines, the legend to the right.
 func (r *Report) WritePNG(w io.Writer) error {
+	p := r.newPlot()
+	leg := newChartLegend()
+	ymax, err := r.plotSeries(p, leg)
+	if err != nil {
+		return err
+	}
+	yb, err := r.plotBaselines(p, leg)
+	if err != nil {
+		return err
+	}
+	ymax = max(ymax, yb)
+	if ymax == 0 {
+		ymax = 1
+		p.Title.Text += " (no successful run)"
+	}
+	p.Y.Min, p.Y.Max = 0, ymax*1.1
+	p.Y.Tick.Marker = plot.TickerFunc(linearTicks)
+
+	img := vgimg.NewWith(vgimg.UseWH(plotWidth, plotHeight), vgimg.UseDPI(plotDPI), vgimg.UseBackgroundColor(color.White))
+	dc := draw.New(img)
+	legW := vg.Length(0)
+	for _, e := range leg.texts {
+		legW = max(legW, leg.TextStyle.Rectangle(" "+e).Max.X)
+	}
+	legW += leg.ThumbnailWidth + 24
+	pad := vg.Points(10)
+	p.Draw(draw.Crop(dc, pad, -legW, pad, -pad))
+	leg.Draw(draw.Crop(dc, plotWidth-legW+pad, -pad, pad, -3*pad))
+	_, err = vgimg.PngCanvas{Canvas: img}.WriteTo(w)
+	return err
+}
+
+// newPlot is the chart without its lines: title, axes (ISL on a log2
+// scale over the sweep's ISLs) and grid.
+func (r *Report) newPlot() *plot.Plot {
 	p := plot.New()
 	title := fmt.Sprintf("kvxfer bench: %s, context TP%d PP%d → generation TP%d PP%d", r.Config.Model,
 		r.Config.Ctx.TP, r.Config.Ctx.PP, r.Config.Gen.TP, r.Config.Gen.PP)
@@ -117,44 +152,65 @@ func (r *Report) WritePNG(w io.Writer) error {
 	grid.Vertical.Color = color.Gray{Y: 0xdd}
 	grid.Horizontal.Color = color.Gray{Y: 0xdd}
 	p.Add(grid)
+	return p
+}
 
-	leg := plot.NewLegend()
+// chartLegend is the chart's legend with the texts of its entries, which
+// size its column.
+type chartLegend struct {
+	plot.Legend
+	texts []string
+}
+
+func newChartLegend() *chartLegend {
+	leg := &chartLegend{Legend: plot.NewLegend()}
 	leg.TextStyle.Font = font.From(plot.DefaultFont, 12)
 	leg.ThumbnailWidth = 34
 	leg.Left, leg.Top = true, true
 	leg.Padding = 4
+	return leg
+}
 
-	var texts []string // the legend's entries, to size its column
-	add := func(text string, thumbs ...plot.Thumbnailer) {
-		leg.Add(text, thumbs...)
-		texts = append(texts, text)
-	}
+func (l *chartLegend) add(text string, thumbs ...plot.Thumbnailer) {
+	l.Add(text, thumbs...)
+	l.texts = append(l.texts, text)
+}
+
+// plotSeries adds a line per series of runs and returns the highest GB/s.
+func (r *Report) plotSeries(p *plot.Plot, leg *chartLegend) (float64, error) {
 	ymax := 0.0
 	for i, s := range r.chartSeries() {
 		if len(s.xy) == 0 {
-			add("kvxfer " + s.name + ": no successful run")
+			leg.add("kvxfer " + s.name + ": no successful run")
 			continue
 		}
 		line, points, err := plotter.NewLinePoints(s.xy)
 		if err != nil {
-			return err
+			return 0, err
 		}
 		c := seriesColors[i%len(seriesColors)]
 		line.Color, line.Width = c, vg.Points(2.5)
 		points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: seriesGlyphs[i%len(seriesGlyphs)]}
 		p.Add(line, points)
-		add("kvxfer "+s.name, line, points)
+		leg.add("kvxfer "+s.name, line, points)
 		for _, xy := range s.xy {
 			ymax = max(ymax, xy.Y)
 		}
 	}
+	return ymax, nil
+}
+
+// plotBaselines adds a dashed line per measured baseline across the x range
+// and returns the highest GB/s.
+func (r *Report) plotBaselines(p *plot.Plot, leg *chartLegend) (float64, error) {
+	ymax := 0.0
 	for _, b := range r.Baselines {
 		if b.GBps <= 0 {
 			continue
 		}
 		line, err := plotter.NewLine(plotter.XYs{{X: p.X.Min, Y: b.GBps}, {X: p.X.Max, Y: b.GBps}})
 		if err != nil {
-			return err
+			return 0, err
 		}
 		line.Color, line.Width = baselineColors[b.Name], vg.Points(1.8)
 		if line.Color == nil {
@@ -162,28 +218,10 @@ func (r *Report) WritePNG(w io.Writer) error {
 		}
 		line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
 		p.Add(line)
-		add(fmt.Sprintf("%s %.2f GB/s (%s)", b.Name, b.GBps, strings.Join(b.Backends, ", ")), line)
+		leg.add(fmt.Sprintf("%s %.2f GB/s (%s)", b.Name, b.GBps, strings.Join(b.Backends, ", ")), line)
 		ymax = max(ymax, b.GBps)
 	}
-	if ymax == 0 {
-		ymax = 1
-		p.Title.Text += " (no successful run)"
-	}
-	p.Y.Min, p.Y.Max = 0, ymax*1.1
-	p.Y.Tick.Marker = plot.TickerFunc(linearTicks)
-
-	img := vgimg.NewWith(vgimg.UseWH(plotWidth, plotHeight), vgimg.UseDPI(plotDPI), vgimg.UseBackgroundColor(color.White))
-	dc := draw.New(img)
-	legW := vg.Length(0)
-	for _, e := range texts {
-		legW = max(legW, leg.TextStyle.Rectangle(" "+e).Max.X)
-	}
-	legW += leg.ThumbnailWidth + 24
-	pad := vg.Points(10)
-	p.Draw(draw.Crop(dc, pad, -legW, pad, -pad))
-	leg.Draw(draw.Crop(dc, plotWidth-legW+pad, -pad, pad, -3*pad))
-	_, err := vgimg.PngCanvas{Canvas: img}.WriteTo(w)
-	return err
+	return ymax, nil
 }
 
 // pow2Ticks marks every power of two in [lo, hi], labelled "512", "1K",

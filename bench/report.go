@@ -72,82 +72,9 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	b.WriteString("# kvxfer bench report\n\n")
 	fmt.Fprintf(&b, "```\n%s\n```\n\n", strings.Join(r.Command, " "))
 	fmt.Fprintf(&b, "Started %s, took %.0f s. %s\n\n", r.Started.Format("2006-01-02 15:04 MST"), r.DurationS, r.setupLine())
-
-	b.WriteString("## Machine\n\n| | |\n|---|---|\n")
-	cpu := fmt.Sprintf("%d CPUs", r.Machine.CPUs)
-	if r.Machine.CPUModel != "" {
-		cpu = fmt.Sprintf("%s, %d CPUs usable", r.Machine.CPUModel, r.Machine.CPUs)
-	}
-	fmt.Fprintf(&b, "| CPU | %s |\n", mdCell(cpu))
-	if r.Machine.MemoryBytes > 0 {
-		fmt.Fprintf(&b, "| Memory | %s |\n", humanBytes(r.Machine.MemoryBytes))
-	}
-	fmt.Fprintf(&b, "| OS/arch | %s/%s |\n", r.Machine.GOOS, r.Machine.GOARCH)
-	fmt.Fprintf(&b, "| Go | %s |\n", r.Machine.GoVersion)
-	build := fmt.Sprintf("%s, revision %s", r.Build.Version, r.Build.Revision)
-	if r.Build.Modified {
-		build += " (modified)"
-	}
-	if r.Build.Tags != "" {
-		build += ", tags " + r.Build.Tags
-	}
-	fmt.Fprintf(&b, "| kvxfer | %s |\n", mdCell(build))
-	if len(r.Config.Env) > 0 {
-		var env []string
-		for k, v := range r.Config.Env {
-			env = append(env, k+"="+v)
-		}
-		slices.Sort(env)
-		fmt.Fprintf(&b, "| Environment | `%s` |\n", mdCell(strings.Join(env, " ")))
-	}
-	b.WriteString("\n")
-
-	var measured []string
-	if len(r.Baselines) > 0 {
-		b.WriteString("## Baselines\n\nThe machine's own limits, measured in the same run.\n\n")
-		b.WriteString("| baseline | GB/s | bytes | compared with | how |\n|---|--:|--:|---|---|\n")
-		for _, bl := range r.Baselines {
-			how := bl.Description
-			if bl.Command != "" {
-				how += ": `" + bl.Command + "`"
-			}
-			if n := baselineNote(bl); n != "" {
-				how += "; " + n
-			}
-			fmt.Fprintf(&b, "| %s | %s | %s | %s | %s |\n", bl.Name, baselineGBps(bl), baselineBytes(bl),
-				strings.Join(bl.Backends, ", "), mdCell(how))
-			if bl.GBps > 0 {
-				measured = append(measured, bl.Name)
-			}
-		}
-		b.WriteString("\n")
-	}
-
-	b.WriteString("## Runs\n\nGB/s is 1e9 bytes per second over the measured phase; latency is per request.\n\n")
-	b.WriteString("| backend | carried by | ISL | concurrency | dtype | bytes/request | GB/s | transfers/s | p50 ms | p99 ms |")
-	for _, m := range measured {
-		fmt.Fprintf(&b, " vs %s |", m)
-	}
-	b.WriteString(" verified | errors |\n|---|---|--:|--:|---|--:|--:|--:|--:|--:|")
-	for range measured {
-		b.WriteString("--:|")
-	}
-	b.WriteString("---|--:|\n")
-	for _, run := range r.Runs {
-		c := runCells(run)
-		fmt.Fprintf(&b, "| %s | %s | %d | %d | %s | %s | %s | %s | %s | %s |", run.BackendLabel(), c.used, run.ISL,
-			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99)
-		for _, m := range measured {
-			cell := "–"
-			for _, ra := range run.Ratios {
-				if ra.Baseline == m {
-					cell = fmt.Sprintf("%.2f×", ra.Ratio)
-				}
-			}
-			fmt.Fprintf(&b, " %s |", cell)
-		}
-		fmt.Fprintf(&b, " %s | %d |\n", verifiedCell(run), run.Errors)
-	}
+	r.mdMachine(&b)
+	measured := r.mdBaselines(&b)
+	r.mdRuns(&b, measured)
 	var errs strings.Builder
 	r.WriteErrors(&errs)
 	if errs.Len() > 0 {
@@ -158,6 +85,94 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// mdMachine writes the Machine section: the hardware, the build and the
+// environment variables that were set.
+func (r *Report) mdMachine(b *strings.Builder) {
+	b.WriteString("## Machine\n\n| | |\n|---|---|\n")
+	cpu := fmt.Sprintf("%d CPUs", r.Machine.CPUs)
+	if r.Machine.CPUModel != "" {
+		cpu = fmt.Sprintf("%s, %d CPUs usable", r.Machine.CPUModel, r.Machine.CPUs)
+	}
+	fmt.Fprintf(b, "| CPU | %s |\n", mdCell(cpu))
+	if r.Machine.MemoryBytes > 0 {
+		fmt.Fprintf(b, "| Memory | %s |\n", humanBytes(r.Machine.MemoryBytes))
+	}
+	fmt.Fprintf(b, "| OS/arch | %s/%s |\n", r.Machine.GOOS, r.Machine.GOARCH)
+	fmt.Fprintf(b, "| Go | %s |\n", r.Machine.GoVersion)
+	build := fmt.Sprintf("%s, revision %s", r.Build.Version, r.Build.Revision)
+	if r.Build.Modified {
+		build += " (modified)"
+	}
+	if r.Build.Tags != "" {
+		build += ", tags " + r.Build.Tags
+	}
+	fmt.Fprintf(b, "| kvxfer | %s |\n", mdCell(build))
+	if len(r.Config.Env) > 0 {
+		var env []string
+		for k, v := range r.Config.Env {
+			env = append(env, k+"="+v)
+		}
+		slices.Sort(env)
+		fmt.Fprintf(b, "| Environment | `%s` |\n", mdCell(strings.Join(env, " ")))
+	}
+	b.WriteString("\n")
+}
+
+// mdBaselines writes the Baselines section, when there are any, and
+// returns the names of those that were measured.
+func (r *Report) mdBaselines(b *strings.Builder) (measured []string) {
+	if len(r.Baselines) == 0 {
+		return nil
+	}
+	b.WriteString("## Baselines\n\nThe machine's own limits, measured in the same run.\n\n")
+	b.WriteString("| baseline | GB/s | bytes | compared with | how |\n|---|--:|--:|---|---|\n")
+	for _, bl := range r.Baselines {
+		how := bl.Description
+		if bl.Command != "" {
+			how += ": `" + bl.Command + "`"
+		}
+		if n := baselineNote(bl); n != "" {
+			how += "; " + n
+		}
+		fmt.Fprintf(b, "| %s | %s | %s | %s | %s |\n", bl.Name, baselineGBps(bl), baselineBytes(bl),
+			strings.Join(bl.Backends, ", "), mdCell(how))
+		if bl.GBps > 0 {
+			measured = append(measured, bl.Name)
+		}
+	}
+	b.WriteString("\n")
+	return measured
+}
+
+// mdRuns writes the Runs table, with a ratio column per measured baseline.
+func (r *Report) mdRuns(b *strings.Builder, measured []string) {
+	b.WriteString("## Runs\n\nGB/s is 1e9 bytes per second over the measured phase; latency is per request.\n\n")
+	b.WriteString("| backend | carried by | ISL | concurrency | dtype | bytes/request | GB/s | transfers/s | p50 ms | p99 ms |")
+	for _, m := range measured {
+		fmt.Fprintf(b, " vs %s |", m)
+	}
+	b.WriteString(" verified | errors |\n|---|---|--:|--:|---|--:|--:|--:|--:|--:|")
+	for range measured {
+		b.WriteString("--:|")
+	}
+	b.WriteString("---|--:|\n")
+	for _, run := range r.Runs {
+		c := runCells(run)
+		fmt.Fprintf(b, "| %s | %s | %d | %d | %s | %s | %s | %s | %s | %s |", run.BackendLabel(), c.used, run.ISL,
+			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99)
+		for _, m := range measured {
+			cell := "–"
+			for _, ra := range run.Ratios {
+				if ra.Baseline == m {
+					cell = fmt.Sprintf("%.2f×", ra.Ratio)
+				}
+			}
+			fmt.Fprintf(b, " %s |", cell)
+		}
+		fmt.Fprintf(b, " %s | %d |\n", verifiedCell(run), run.Errors)
+	}
 }
 
 func (r *Report) setupLine() string {
