@@ -252,44 +252,11 @@ func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
 }
 
 func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) {
-	bad := func(format string, args ...any) error {
-		return fmt.Errorf("%w: "+format, append([]any{ErrBadRequest}, args...)...)
-	}
-	switch req.Type {
-	case transceiver.ContextAndGeneration:
-	case transceiver.ContextOnly, transceiver.GenerationOnly:
-		if e.tr == nil {
-			return nil, fmt.Errorf("%w: %s requests need a cache transceiver (cache_transceiver_config): %w",
-				ErrBadRequest, req.Type, transceiver.ErrNoTransceiver)
-		}
-	default:
-		return nil, bad("request type %v", req.Type)
-	}
-	if len(req.Prompt) == 0 {
-		return nil, bad("empty prompt")
-	}
-	for i, t := range req.Prompt {
-		if t < 0 || t >= VocabSize {
-			return nil, bad("prompt token %d is %d, out of the vocabulary [0,%d)", i, t, VocabSize)
-		}
-	}
-	if req.MaxTokens < 0 {
-		return nil, bad("max_tokens %d", req.MaxTokens)
-	}
-	temp := req.Sampling.Temperature
-	if math.IsNaN(temp) || math.IsInf(temp, 0) || temp < 0 {
-		return nil, bad("temperature %v, want a finite value >= 0", temp)
-	}
-	if len(req.Stop) > MaxStopStrings {
-		return nil, bad("%d stop strings, at most %d", len(req.Stop), MaxStopStrings)
-	}
-	for _, st := range req.Stop {
-		if len(st) > MaxStopLen {
-			return nil, bad("stop string of %d bytes, at most %d", len(st), MaxStopLen)
-		}
+	if err := e.checkRequest(req); err != nil {
+		return nil, err
 	}
 	r := &request{ctx: ctx, typ: req.Type, prompt: slices.Clone(req.Prompt), maxTokens: req.MaxTokens,
-		temp: temp, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
+		temp: req.Sampling.Temperature, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
 		text: newTextStream(req.Stop), state: transceiver.ContextInit}
 	if r.maxTokens == 0 {
 		r.maxTokens = e.opts.DefaultMaxTokens
@@ -306,23 +273,11 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	case transceiver.ContextOnly:
 		r.reserve, events = P, 2
 	case transceiver.GenerationOnly:
-		cp := req.ContextPhase
-		if cp == nil || len(cp.OpaqueState) == 0 {
-			return nil, bad("generation_only request without context phase params (ctx_request_id, opaque state)")
+		phase, err := checkContextPhase(req.ContextPhase)
+		if err != nil {
+			return nil, err
 		}
-		if len(cp.FirstGenTokens) != 1 {
-			return nil, bad("generation_only request with %d first_gen_tokens, want 1 (beam width 1)", len(cp.FirstGenTokens))
-		}
-		if t := cp.FirstGenTokens[0]; t < 0 || t >= VocabSize {
-			return nil, bad("first_gen_token %d out of the vocabulary", t)
-		}
-		var op transceiver.OpaqueState
-		if err := op.UnmarshalBinary(cp.OpaqueState); err != nil {
-			return nil, bad("opaque state: %w", err)
-		}
-		r.phase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID, FirstGenTokens: slices.Clone(cp.FirstGenTokens),
-			DraftTokens: slices.Clone(cp.DraftTokens), OpaqueState: slices.Clone(cp.OpaqueState)}
-		r.state = transceiver.DisaggGenerationInit
+		r.phase, r.state = phase, transceiver.DisaggGenerationInit
 	}
 	need := kvcache.BlocksForTokens(r.reserve, e.inst.tpb)
 	if need > e.inst.NumBlocks() {
@@ -334,6 +289,70 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	}
 	r.out = make(chan Event, events)
 	return r, nil
+}
+
+// badRequest is an ErrBadRequest saying what is wrong.
+func badRequest(format string, args ...any) error {
+	return fmt.Errorf("%w: "+format, append([]any{ErrBadRequest}, args...)...)
+}
+
+// checkRequest checks what a caller can get wrong in req but its context
+// phase: the type (the disaggregated ones need a transceiver), the prompt,
+// max_tokens, the temperature and the stop strings.
+func (e *Engine) checkRequest(req Request) error {
+	switch req.Type {
+	case transceiver.ContextAndGeneration:
+	case transceiver.ContextOnly, transceiver.GenerationOnly:
+		if e.tr == nil {
+			return fmt.Errorf("%w: %s requests need a cache transceiver (cache_transceiver_config): %w",
+				ErrBadRequest, req.Type, transceiver.ErrNoTransceiver)
+		}
+	default:
+		return badRequest("request type %v", req.Type)
+	}
+	if len(req.Prompt) == 0 {
+		return badRequest("empty prompt")
+	}
+	for i, t := range req.Prompt {
+		if t < 0 || t >= VocabSize {
+			return badRequest("prompt token %d is %d, out of the vocabulary [0,%d)", i, t, VocabSize)
+		}
+	}
+	if req.MaxTokens < 0 {
+		return badRequest("max_tokens %d", req.MaxTokens)
+	}
+	if temp := req.Sampling.Temperature; math.IsNaN(temp) || math.IsInf(temp, 0) || temp < 0 {
+		return badRequest("temperature %v, want a finite value >= 0", temp)
+	}
+	if len(req.Stop) > MaxStopStrings {
+		return badRequest("%d stop strings, at most %d", len(req.Stop), MaxStopStrings)
+	}
+	for _, st := range req.Stop {
+		if len(st) > MaxStopLen {
+			return badRequest("stop string of %d bytes, at most %d", len(st), MaxStopLen)
+		}
+	}
+	return nil
+}
+
+// checkContextPhase checks the context phase of a generation_only request
+// and returns a copy the request can keep.
+func checkContextPhase(cp *transceiver.ContextPhaseParams) (*transceiver.ContextPhaseParams, error) {
+	if cp == nil || len(cp.OpaqueState) == 0 {
+		return nil, badRequest("generation_only request without context phase params (ctx_request_id, opaque state)")
+	}
+	if len(cp.FirstGenTokens) != 1 {
+		return nil, badRequest("generation_only request with %d first_gen_tokens, want 1 (beam width 1)", len(cp.FirstGenTokens))
+	}
+	if t := cp.FirstGenTokens[0]; t < 0 || t >= VocabSize {
+		return nil, badRequest("first_gen_token %d out of the vocabulary", t)
+	}
+	var op transceiver.OpaqueState
+	if err := op.UnmarshalBinary(cp.OpaqueState); err != nil {
+		return nil, badRequest("opaque state: %w", err)
+	}
+	return &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID, FirstGenTokens: slices.Clone(cp.FirstGenTokens),
+		DraftTokens: slices.Clone(cp.DraftTokens), OpaqueState: slices.Clone(cp.OpaqueState)}, nil
 }
 
 // CancelContext cancels a context_only request that the transceiver still

@@ -93,97 +93,120 @@ func outOfRange(v, lo, hi int) string {
 // checked only when the fields involved are themselves in range, so that
 // one bad value is reported once.
 func (s CacheState) problems() []problem {
-	var ps []problem
-	add := func(field, format string, args ...any) {
-		ps = append(ps, problem{field, fmt.Sprintf(format, args...)})
-	}
-	rng := func(field string, v, lo, hi int) bool {
-		if v < lo || v > hi {
-			add(field, "%s", outOfRange(v, lo, hi))
-			return false
-		}
-		return true
-	}
+	var ps problemList
 	sh, p := s.Shape, s.Parallel
-
-	layersOK := rng("layers", sh.Layers, 1, kvcache.MaxLayers)
-	headsOK := rng("kv_heads", sh.KVHeads, 1, kvcache.MaxKVHeads)
-	rng("head_dim", sh.HeadDim, 1, kvcache.MaxHeadDim)
-	rng("tokens_per_block", sh.TokensPerBlock, 1, kvcache.MaxTokensPerBlock)
-	if sh.KVFactor != 1 && sh.KVFactor != 2 {
-		add("kv_factor", "%d is not 1 (K only) or 2 (K and V)", sh.KVFactor)
-	}
-	if !sh.DType.Valid() {
-		add("dtype", "%v is not a valid dtype", sh.DType)
-	}
-	if !s.Attention.Valid() {
-		add("attention", "%v is not DEFAULT or MLA", s.Attention)
-	} else if s.Attention == AttentionMLA && headsOK && sh.KVHeads != 1 {
-		add("kv_heads", "MLA caches one latent head per layer: kv_heads must be 1, not %d", sh.KVHeads)
-		headsOK = false
-	}
-
-	tpOK := rng("tp", p.TP, 1, MaxTP)
-	ppOK := rng("pp", p.PP, 1, MaxPP)
+	layersOK, headsOK := ps.shape(s)
+	tpOK := ps.inRange("tp", p.TP, 1, MaxTP)
+	ppOK := ps.inRange("pp", p.PP, 1, MaxPP)
 	cpOK := p.CP == 1
 	switch {
 	case p.CP > 1:
-		add("cp", "context parallelism (cp = %d) is not supported: cp must be 1", p.CP)
+		ps.add("cp", "context parallelism (cp = %d) is not supported: cp must be 1", p.CP)
 	case p.CP < 1:
-		add("cp", "%d must be 1 (context parallelism is not supported)", p.CP)
+		ps.add("cp", "%d must be 1 (context parallelism is not supported)", p.CP)
 	}
 	if tpOK && ppOK && cpOK && p.NumRanks() > MaxRanks {
-		add("tp", "tp×pp×cp = %d ranks exceeds the limit of %d", p.NumRanks(), MaxRanks)
+		ps.add("tp", "tp×pp×cp = %d ranks exceeds the limit of %d", p.NumRanks(), MaxRanks)
 	}
-
-	dpOK := false
-	if p.AttentionDP {
-		if rng("dp_size", p.DPSize, 1, MaxTP) && tpOK {
-			if p.TP%p.DPSize != 0 {
-				add("dp_size", "tp = %d is not a multiple of dp_size = %d", p.TP, p.DPSize)
-			} else {
-				dpOK = true
-			}
-			if p.DPRank < 0 || p.DPRank >= p.DPSize {
-				add("dp_rank", "%s", outOfRange(p.DPRank, 0, p.DPSize-1))
-			}
-		}
-	} else {
-		if p.DPSize != 0 && p.DPSize != 1 {
-			add("dp_size", "%d must be 0 or 1 without attention DP", p.DPSize)
-		}
-		if p.DPRank != 0 {
-			add("dp_rank", "%d must be 0 without attention DP", p.DPRank)
-		}
-		dpOK = true
-	}
-
-	if len(p.LayersPerPP) > 0 {
-		if ppOK && len(p.LayersPerPP) != p.PP {
-			add("layers_per_pp", "has %d entries, want pp = %d", len(p.LayersPerPP), p.PP)
-		}
-		sum, bad := 0, false
-		for i, n := range p.LayersPerPP {
-			if n < 1 || n > kvcache.MaxLayers {
-				add("layers_per_pp", "stage %d: %s", i, outOfRange(n, 1, kvcache.MaxLayers))
-				bad = true
-			}
-			sum += n
-		}
-		if !bad && layersOK && sum != sh.Layers {
-			add("layers_per_pp", "%s sums to %d, want layers = %d", formatInts(p.LayersPerPP), sum, sh.Layers)
-		}
-	} else if layersOK && ppOK && p.PP > sh.Layers {
-		add("pp", "%d stages cannot each hold one of %d layers", p.PP, sh.Layers)
-	}
-
+	dpOK := ps.attentionDP(p, tpOK)
+	ps.stages(p, sh.Layers, layersOK, ppOK)
 	if headsOK && tpOK && dpOK {
 		h, t := sh.KVHeads, p.TPPerDP()
 		if h%t != 0 && t%h != 0 {
-			add("tp", "%d KV heads cannot be spread over %d TP ranks per DP group (need kv_heads %% tp_per_dp == 0 to shard or tp_per_dp %% kv_heads == 0 to duplicate)", h, t)
+			ps.add("tp", "%d KV heads cannot be spread over %d TP ranks per DP group (need kv_heads %% tp_per_dp == 0 to shard or tp_per_dp %% kv_heads == 0 to duplicate)", h, t)
 		}
 	}
 	return ps
+}
+
+// problemList collects the problems of a CacheState, in the order found.
+type problemList []problem
+
+func (ps *problemList) add(field, format string, args ...any) {
+	*ps = append(*ps, problem{field, fmt.Sprintf(format, args...)})
+}
+
+// inRange reports whether v is in [lo, hi], adding a problem when not.
+func (ps *problemList) inRange(field string, v, lo, hi int) bool {
+	if v < lo || v > hi {
+		ps.add(field, "%s", outOfRange(v, lo, hi))
+		return false
+	}
+	return true
+}
+
+// shape checks the shape and the attention of s, and reports whether the
+// layers and the KV heads can be used in further checks.
+func (ps *problemList) shape(s CacheState) (layersOK, headsOK bool) {
+	sh := s.Shape
+	layersOK = ps.inRange("layers", sh.Layers, 1, kvcache.MaxLayers)
+	headsOK = ps.inRange("kv_heads", sh.KVHeads, 1, kvcache.MaxKVHeads)
+	ps.inRange("head_dim", sh.HeadDim, 1, kvcache.MaxHeadDim)
+	ps.inRange("tokens_per_block", sh.TokensPerBlock, 1, kvcache.MaxTokensPerBlock)
+	if sh.KVFactor != 1 && sh.KVFactor != 2 {
+		ps.add("kv_factor", "%d is not 1 (K only) or 2 (K and V)", sh.KVFactor)
+	}
+	if !sh.DType.Valid() {
+		ps.add("dtype", "%v is not a valid dtype", sh.DType)
+	}
+	if !s.Attention.Valid() {
+		ps.add("attention", "%v is not DEFAULT or MLA", s.Attention)
+	} else if s.Attention == AttentionMLA && headsOK && sh.KVHeads != 1 {
+		ps.add("kv_heads", "MLA caches one latent head per layer: kv_heads must be 1, not %d", sh.KVHeads)
+		headsOK = false
+	}
+	return layersOK, headsOK
+}
+
+// attentionDP checks the attention-DP fields (set only with AttentionDP)
+// and reports whether the DP size can be used in further checks.
+func (ps *problemList) attentionDP(p ParallelConfig, tpOK bool) bool {
+	if !p.AttentionDP {
+		if p.DPSize != 0 && p.DPSize != 1 {
+			ps.add("dp_size", "%d must be 0 or 1 without attention DP", p.DPSize)
+		}
+		if p.DPRank != 0 {
+			ps.add("dp_rank", "%d must be 0 without attention DP", p.DPRank)
+		}
+		return true
+	}
+	dpOK := false
+	if ps.inRange("dp_size", p.DPSize, 1, MaxTP) && tpOK {
+		if p.TP%p.DPSize != 0 {
+			ps.add("dp_size", "tp = %d is not a multiple of dp_size = %d", p.TP, p.DPSize)
+		} else {
+			dpOK = true
+		}
+		if p.DPRank < 0 || p.DPRank >= p.DPSize {
+			ps.add("dp_rank", "%s", outOfRange(p.DPRank, 0, p.DPSize-1))
+		}
+	}
+	return dpOK
+}
+
+// stages checks how the layers are split over the PP stages: layers_per_pp
+// when given, else at least one layer per stage.
+func (ps *problemList) stages(p ParallelConfig, layers int, layersOK, ppOK bool) {
+	if len(p.LayersPerPP) == 0 {
+		if layersOK && ppOK && p.PP > layers {
+			ps.add("pp", "%d stages cannot each hold one of %d layers", p.PP, layers)
+		}
+		return
+	}
+	if ppOK && len(p.LayersPerPP) != p.PP {
+		ps.add("layers_per_pp", "has %d entries, want pp = %d", len(p.LayersPerPP), p.PP)
+	}
+	sum, bad := 0, false
+	for i, n := range p.LayersPerPP {
+		if n < 1 || n > kvcache.MaxLayers {
+			ps.add("layers_per_pp", "stage %d: %s", i, outOfRange(n, 1, kvcache.MaxLayers))
+			bad = true
+		}
+		sum += n
+	}
+	if !bad && layersOK && sum != layers {
+		ps.add("layers_per_pp", "%s sums to %d, want layers = %d", formatInts(p.LayersPerPP), sum, layers)
+	}
 }
 
 // LayerRange returns the global layers [lo, hi) held by PP stage ppRank.
