@@ -211,6 +211,12 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 		}
 	}
 	resp, err := r.post(req.Context(), r.gen, path, genReq)
+	relay(w, resp, err, flushCopy)
+}
+
+// relay answers w with an upstream answer (its headers and status, and its
+// body through copyBody), or with 502 when err says there is none.
+func relay(w http.ResponseWriter, resp *http.Response, err error, copyBody func(http.ResponseWriter, io.Reader)) {
 	if err != nil {
 		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
 		return
@@ -218,7 +224,7 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	defer resp.Body.Close()
 	copyHeaders(w, resp)
 	w.WriteHeader(resp.StatusCode)
-	flushCopy(w, resp.Body)
+	copyBody(w, resp.Body)
 }
 
 // readRouted reads a client's request to the router: a JSON object without
@@ -390,14 +396,7 @@ func (d *doneBody) Close() error {
 
 func (r *Router) models(w http.ResponseWriter, req *http.Request) {
 	resp, err := r.get(req.Context(), r.gen, "/v1/models")
-	if err != nil {
-		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
-		return
-	}
-	defer resp.Body.Close()
-	copyHeaders(w, resp)
-	w.WriteHeader(resp.StatusCode)
-	io.Copy(w, io.LimitReader(resp.Body, MaxBody))
+	relay(w, resp, err, func(w http.ResponseWriter, body io.Reader) { io.Copy(w, io.LimitReader(body, MaxBody)) })
 }
 
 func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response, error) {

@@ -2,6 +2,8 @@ package benchtest
 
 import (
 	"bytes"
+	"encoding/json"
+	"os"
 	"strings"
 	"testing"
 
@@ -39,4 +41,23 @@ func Validate(sch *jsonschema.Schema, data []byte) error {
 		return err
 	}
 	return sch.Validate(v)
+}
+
+// ReadReport reads the JSON report at path, checks it against the schema
+// and decodes it; a report that cannot be read, does not validate or does
+// not decode fails the test.
+func ReadReport(t testing.TB, path string) *bench.Report {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := Validate(Schema(t), data); err != nil {
+		t.Fatalf("the report does not validate: %v", err)
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(data, &rep); err != nil {
+		t.Fatal(err)
+	}
+	return &rep
 }

@@ -52,17 +52,7 @@ func TestBenchCommand(t *testing.T) {
 		t.Errorf("%d rows in the table, want 6:\n%s", rows, stdout.String())
 	}
 
-	data, err := os.ReadFile(jsonPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := benchtest.Validate(benchtest.Schema(t), data); err != nil {
-		t.Fatalf("the report does not validate: %v", err)
-	}
-	var rep bench.Report
-	if err := json.Unmarshal(data, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := benchtest.ReadReport(t, jsonPath)
 	if len(rep.Runs) != 6 || len(rep.Baselines) != 4 || rep.Build.GoVersion == "" || rep.Machine.CPUs < 1 {
 		t.Fatalf("%d runs, %d baselines, build %+v, machine %+v", len(rep.Runs), len(rep.Baselines), rep.Build, rep.Machine)
 	}

@@ -3,13 +3,10 @@ package cli
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
-	"github.com/kvxfer/kvxfer/bench"
 	"github.com/kvxfer/kvxfer/bench/benchtest"
 )
 
@@ -30,17 +27,7 @@ func TestBenchCommandTLS(t *testing.T) {
 			t.Errorf("the table lacks %q:\n%s", want, stdout.String())
 		}
 	}
-	data, err := os.ReadFile(jsonPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := benchtest.Validate(benchtest.Schema(t), data); err != nil {
-		t.Fatalf("the report does not validate: %v", err)
-	}
-	var rep bench.Report
-	if err := json.Unmarshal(data, &rep); err != nil {
-		t.Fatal(err)
-	}
+	rep := benchtest.ReadReport(t, jsonPath)
 	if len(rep.Runs) != 2 || rep.Runs[0].TLS || !rep.Runs[1].TLS || rep.Runs[1].Backend != "tcp(tls)" ||
 		len(rep.Config.TLS) != 2 || len(rep.Baselines) != 1 {
 		t.Fatalf("runs %+v %+v, config tls %v, baselines %+v", rep.Runs[0], rep.Runs[1], rep.Config.TLS, rep.Baselines)
