@@ -15,6 +15,7 @@ import (
 // dialled it) and a context rank. Frames are written whole under wmu; one
 // reader goroutine per connection, owned by the rank, reads them.
 type ctrlConn struct {
+	id   connID // the rank's name for it (set by rank.track)
 	c    net.Conn
 	br   *bufio.Reader
 	wmu  sync.Mutex
@@ -39,6 +40,11 @@ type peerInfo struct {
 	backends  []string
 	endpoints []string // data-plane endpoint of each backend
 	endpoint  string   // the address we dialled (generation side) or the remote address
+}
+
+// fromHello records what a Hello tells of the peer.
+func (p *peerInfo) fromHello(h *wire.Hello) {
+	p.rank, p.state, p.host, p.backends, p.endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
 }
 
 const writeTimeout = 10 * time.Second

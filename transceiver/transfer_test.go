@@ -415,11 +415,8 @@ func waitMoving(t *testing.T, in *inst) {
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 		r.mu.Lock()
 		moving := false
-		for _, cr := range r.ctxReqs {
-			moving = moving || cr.core.phase == phaseMoving
-		}
-		for _, gr := range r.genReqs {
-			moving = moving || gr.core.phase == phaseMoving
+		for _, q := range r.reqs {
+			moving = moving || q.core.state() == phaseMoving
 		}
 		r.mu.Unlock()
 		if moving {
