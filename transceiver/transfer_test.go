@@ -284,13 +284,23 @@ func TestIncompatibleRefusedByContext(t *testing.T) {
 	waitDone(t, creq, 5*time.Second)
 }
 
-// TestContextTimeout: nobody pulls; the blocks go back at the deadline.
+// TestContextTimeout: nobody pulls; the blocks go back at the deadline,
+// and not before. The instance's clock is one the test advances.
 func TestContextTimeout(t *testing.T) {
 	s := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false)
-	ctx := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16)
+	clk := newManualClock()
+	ctx := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16, withClock(clk))
 	creq, _ := startCtx(t, ctx, 1, 16)
 	if got := ctx.pools[0].FreeBlocks(); got != 12 {
 		t.Fatalf("free blocks while held: %d, want 12", got)
+	}
+	clk.Advance(199 * time.Millisecond)
+	if n := heldBy(ctx, sideSend, creq.ID); n != 2 || creq.State() != DisaggContextTransInProgress {
+		t.Fatalf("1ms before the deadline: held by %d ranks of 2, state %s", n, creq.State())
+	}
+	clk.Advance(time.Millisecond)
+	if n := heldBy(ctx, sideSend, creq.ID); n != 0 {
+		t.Fatalf("at the deadline: still held by %d ranks", n)
 	}
 	waitDone(t, creq, 5*time.Second)
 	if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrTimeout) {
@@ -303,24 +313,29 @@ func TestContextTimeout(t *testing.T) {
 	}
 }
 
-// TestGenerationTimeout: the context instance is gone; the receive fails
-// within its deadline.
+// TestGenerationTimeout: the context instance is gone (its endpoint accepts
+// and never answers); the receive fails at its deadline, and not before.
 func TestGenerationTimeout(t *testing.T) {
 	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	cfg := testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 300 })
-	gen := newInst(t, s, cfg, 16)
+	clk := newManualClock()
+	gen := newInst(t, s, cfg, 16, withClock(clk))
 	// A listener that accepts and never answers: the handshake hangs.
 	silent := newSilentListener(t)
 	op := &OpaqueState{RequestID: 1, State: s, Endpoints: []string{silent}}
 	enc, _ := op.MarshalBinary()
 	greq := &Request{ID: 1, Type: GenerationOnly, Blocks: gen.alloc(t, 0, 1), ContextPhase: &ContextPhaseParams{OpaqueState: enc}}
-	start := time.Now()
-	err := gen.t.RequestAndReceiveSync(context.Background(), greq)
-	if !errors.Is(err, ErrTimeout) {
-		t.Fatalf("err %v", err)
+	if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+		t.Fatal(err)
 	}
-	if d := time.Since(start); d > 3*time.Second {
-		t.Errorf("failed after %v; the deadline was 300ms", d)
+	clk.Advance(299 * time.Millisecond)
+	if n := heldBy(gen, sideRecv, 1); n != 1 {
+		t.Fatalf("1ms before the deadline: held by %d ranks of 1 (%v)", n, greq.Err())
+	}
+	clk.Advance(time.Millisecond)
+	waitDone(t, greq, 5*time.Second)
+	if !errors.Is(greq.Err(), ErrTimeout) || greq.State() != DisaggTransError {
+		t.Fatalf("state %s, err %v", greq.State(), greq.Err())
 	}
 	gen.release(t, greq.Blocks)
 }
