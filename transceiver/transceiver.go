@@ -379,7 +379,7 @@ func (t *Transceiver) requestState(dp int) layout.CacheState {
 // the transceiver: every rank holds the request's blocks (an extra
 // reference; the caller may release its own) until the generation instance
 // has pulled them or kv_transfer_timeout_ms has passed. It sets
-// req.ContextPhase (ctx request id and opaque state) and the state
+// req.ContextPhase (ctx_request_id and opaque state) and the state
 // DISAGG_CONTEXT_TRANS_IN_PROGRESS, and returns at once.
 func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if req.Type != ContextOnly {
