@@ -3,6 +3,7 @@ package transceiver
 import (
 	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -365,4 +366,36 @@ func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
 		lines[i] = e.String()
 	}
 	return strings.Join(lines, "\n")
+}
+
+// TestDocScript: the script the package docs walk through is a real one.
+func TestDocScript(t *testing.T) {
+	doc, err := os.ReadFile("doc.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const from = "From\n// testdata/send/serve.script:\n//\n"
+	i := strings.Index(string(doc), from)
+	if i < 0 {
+		t.Fatal("doc.go quotes no script")
+	}
+	var quoted []string
+	for _, l := range strings.Split(string(doc)[i+len(from):], "\n") {
+		if l == "//" {
+			quoted = append(quoted, "")
+			continue
+		}
+		if !strings.HasPrefix(l, "//\t") {
+			break
+		}
+		quoted = append(quoted, strings.TrimPrefix(l, "//\t"))
+	}
+	script, err := os.ReadFile("testdata/send/serve.script")
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := strings.TrimSpace(strings.Join(quoted, "\n"))
+	if len(quoted) < 10 || !strings.Contains(string(script), q) {
+		t.Errorf("the script in doc.go is not in testdata/send/serve.script:\n%s", q)
+	}
 }

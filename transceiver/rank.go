@@ -48,21 +48,12 @@ type rankSettings struct {
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
 
-// rankStats are the figures of one request on one rank.
-type rankStats struct {
-	bytes   int64
-	chunks  int
-	backend string
-	start   time.Time
-	moving  time.Time // when data started to move; zero if it never did
-	end     time.Time
-}
-
 // rank is one rank's transceiver: a control listener, the data planes, the
 // staging buffers and the requests in flight.
 //
-// Lock order: rank.mu, then nothing (ctrlConn.wmu is never taken under
-// rank.mu: effects run after the lock is released).
+// Lock order: rank.mu, then the clock's own (arming and stopping a
+// deadline); ctrlConn.wmu is never taken under rank.mu: effects run after
+// the lock is released.
 type rank struct {
 	idx        int
 	state      layout.CacheState // the instance's state (DP rank 0)
@@ -464,22 +455,6 @@ func (r *rank) release(q *rankReq) {
 			s.direct.Cancel()
 		}
 	}
-}
-
-func roleOf(s side) string {
-	if s == sideSend {
-		return RoleContext
-	}
-	return RoleGeneration
-}
-
-// report hands a finished transfer to the observer and the timing file.
-func (r *rank) report(id uint64, role string, err error, st rankStats) {
-	rec := st.record(id, r.idx, role, err)
-	if r.obs != nil {
-		r.obs.TransferEnded(rec)
-	}
-	r.csv.write(rec)
 }
 
 // deliver feeds ev to the request key names; for a request this rank does
