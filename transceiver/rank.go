@@ -2,7 +2,6 @@ package transceiver
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -25,25 +24,6 @@ import (
 // receives, deadline ticks, cancels), one at a time under the rank's lock,
 // and carries out the effects the core returns (run), without the lock.
 // The control connections are in control.go, the data mover in mover.go.
-
-// rankSettings are the per-rank settings derived from the public config by
-// New (the only place that reads it).
-type rankSettings struct {
-	timeout     time.Duration
-	backend     string // "tcp", "shm", "ucx" or "auto"
-	bufferBytes int64  // staging buffer size, before rounding up to a block
-	sendBuffers int
-	recvBuffers int
-	direct      bool // direct transfers allowed (zero_copy)
-	host        string
-	logger      *slog.Logger
-	now         func() time.Time // for statistics
-	clock       clock            // for deadlines
-	peers       *peerPolicy      // hosts this rank may dial and accept
-	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
-	limits      ConnLimits       // with defaults
-	conns       connObs          // the Observer's ConnObserver, if any
-}
 
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)

@@ -3,6 +3,7 @@ package transceiver
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -198,6 +199,25 @@ func peerPolicyOf(ctx context.Context, opts *Options, log *slog.Logger) (*peerPo
 		log.Info("opaque states are signed and checked with the cluster secret", "allowed_peer_hosts", peers.list)
 	}
 	return peers, nil
+}
+
+// rankSettings are the per-rank settings derived from the public config by
+// New (the only place that reads it).
+type rankSettings struct {
+	timeout     time.Duration
+	backend     string // "tcp", "shm", "ucx" or "auto"
+	bufferBytes int64  // staging buffer size, before rounding up to a block
+	sendBuffers int
+	recvBuffers int
+	direct      bool // direct transfers allowed (zero_copy)
+	host        string
+	logger      *slog.Logger
+	now         func() time.Time // for statistics
+	clock       clock            // for deadlines
+	peers       *peerPolicy      // hosts this rank may dial and accept
+	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
+	limits      ConnLimits       // with defaults
+	conns       connObs          // the Observer's ConnObserver, if any
 }
 
 // settingsOf derives the settings every rank shares from the config and
