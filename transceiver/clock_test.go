@@ -2,6 +2,7 @@ package transceiver
 
 import (
 	"sync"
+	"testing"
 	"time"
 )
 
@@ -12,6 +13,7 @@ type manualClock struct {
 	mu     sync.Mutex
 	now    time.Time
 	timers []*manualTimer
+	armed  chan struct{} // closed and replaced whenever a timer is armed
 }
 
 type manualTimer struct {
@@ -20,7 +22,7 @@ type manualTimer struct {
 	done bool // fired or stopped
 }
 
-func newManualClock() *manualClock { return &manualClock{now: time.Now()} }
+func newManualClock() *manualClock { return &manualClock{now: time.Now(), armed: make(chan struct{})} }
 
 func (c *manualClock) Now() time.Time {
 	c.mu.Lock()
@@ -33,6 +35,8 @@ func (c *manualClock) AfterFunc(d time.Duration, f func()) func() bool {
 	defer c.mu.Unlock()
 	t := &manualTimer{at: c.now.Add(d), f: f}
 	c.timers = append(c.timers, t)
+	close(c.armed)
+	c.armed = make(chan struct{})
 	return func() bool {
 		c.mu.Lock()
 		defer c.mu.Unlock()
@@ -67,6 +71,34 @@ func (c *manualClock) Advance(d time.Duration) {
 		wg.Go(f)
 	}
 	wg.Wait()
+}
+
+// waitArmed waits until at least n timers are armed (neither fired nor
+// stopped): before a test advances the clock past a deadline, the
+// goroutine that keeps it must have armed it.
+func (c *manualClock) waitArmed(t *testing.T, n int) {
+	t.Helper()
+	limit := time.NewTimer(5 * time.Second)
+	defer limit.Stop()
+	for {
+		c.mu.Lock()
+		armed := 0
+		for _, tm := range c.timers {
+			if !tm.done {
+				armed++
+			}
+		}
+		next := c.armed
+		c.mu.Unlock()
+		if armed >= n {
+			return
+		}
+		select {
+		case <-next:
+		case <-limit.C:
+			t.Fatalf("%d timers armed after 5s, want %d", armed, n)
+		}
+	}
 }
 
 // withClock makes an instance take its deadlines from clk.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"slices"
+	"sync"
 	"syscall"
 	"time"
 
@@ -96,7 +97,7 @@ func (r *rank) acceptLoop() {
 		if tc, ok := netlimit.Unwrap(c).(*net.TCPConn); ok {
 			tc.SetNoDelay(true)
 		}
-		cc := newCtrlConn(c)
+		cc := newCtrlConn(c, r.set.clock.Now)
 		cc.peer.endpoint = c.RemoteAddr().String()
 		cc.touch()
 		if !r.track(cc) {
@@ -158,11 +159,9 @@ func (r *rank) serve(cc *ctrlConn, dialled bool) {
 // acceptHello shakes hands on an accepted connection: the peer's hello
 // within the handshake timeout, then this rank's.
 func (r *rank) acceptHello(cc *ctrlConn) error {
-	if d := r.set.limits.HandshakeTimeout; d > 0 {
-		cc.c.SetReadDeadline(time.Now().Add(d))
-	}
+	stop := r.interruptAfter(cc, r.set.limits.HandshakeTimeout)
 	f, err := wire.Read(cc.br)
-	cc.c.SetReadDeadline(time.Time{})
+	stop()
 	if err != nil {
 		return fmt.Errorf("handshake: %w", err)
 	}
@@ -180,6 +179,35 @@ func (r *rank) acceptHello(cc *ctrlConn) error {
 	return cc.send(r.hello())
 }
 
+// interruptAfter makes a read of cc in progress, or the next one, fail
+// with os.ErrDeadlineExceeded once d has passed on the rank's clock (never
+// when d <= 0). The handshake and idle timeouts are kept this way, rather
+// than as socket deadlines, so that a test's clock passes them. stop
+// disarms it and clears the interruption: once it returns, cc reads as
+// before.
+func (r *rank) interruptAfter(cc *ctrlConn, d time.Duration) (stop func()) {
+	if d <= 0 {
+		return func() {}
+	}
+	var mu sync.Mutex
+	armed := true
+	disarm := r.set.clock.AfterFunc(d, func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if armed {
+			cc.c.SetReadDeadline(time.Unix(1, 0)) // in the past: the read returns at once
+		}
+	})
+	return func() {
+		mu.Lock()
+		armed = false
+		mu.Unlock()
+		if !disarm() {
+			cc.c.SetReadDeadline(time.Time{}) // it fired: clear it
+		}
+	}
+}
+
 // errIdle ends a control connection closed for idleness.
 var errIdle = errors.New("transceiver: control connection idle")
 
@@ -193,12 +221,10 @@ const frameTimeout = writeTimeout
 func (r *rank) nextFrame(cc *ctrlConn, idle time.Duration, dialled bool) (wire.Frame, error) {
 	wait := idle
 	for {
-		if idle > 0 {
-			cc.c.SetReadDeadline(time.Now().Add(wait))
-		} else {
-			cc.c.SetReadDeadline(time.Time{})
-		}
+		cc.c.SetReadDeadline(time.Time{}) // the last frame's
+		stop := r.interruptAfter(cc, wait)
 		_, err := cc.br.Peek(1)
+		stop()
 		if err == nil {
 			break
 		}
@@ -230,7 +256,7 @@ func (r *rank) idleLeft(cc *ctrlConn, d time.Duration, dialled bool) time.Durati
 			return d
 		}
 	}
-	if left := d - time.Since(cc.lastUse()); left > 0 {
+	if left := d - r.set.clock.Now().Sub(cc.lastUse()); left > 0 {
 		return left
 	}
 	if de := r.dialed[cc.peer.endpoint]; dialled && de != nil && de.conn == cc {
@@ -343,7 +369,7 @@ func (r *rank) connect(endpoint string) (*ctrlConn, error) {
 			return nil, fmt.Errorf("%w: TLS handshake with context rank at %s: %v", ErrPeerLost, endpoint, err)
 		}
 	}
-	cc := newCtrlConn(c)
+	cc := newCtrlConn(c, r.set.clock.Now)
 	cc.peer.endpoint = endpoint
 	if err := r.dialHello(cc); err != nil {
 		c.Close()

@@ -240,13 +240,15 @@ func TestControlConnCaps(t *testing.T) {
 }
 
 // TestControlHandshakeTimeout: a connection that never completes its hello
-// (silent, or a few bytes of it) is closed at the handshake timeout and
-// counted; one within the timeout is served.
+// (silent, or a few bytes of it) is closed at the handshake timeout, not
+// before, and counted; one within the timeout is served. The timeout is kept
+// on the instance's clock, which the test advances.
 func TestControlHandshakeTimeout(t *testing.T) {
 	const hs = 200 * time.Millisecond
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	obs := &connCounter{}
-	sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil))
+	clk := newManualClock()
+	sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil), withClock(clk))
 	ep := sender.t.Endpoints()[0]
 	for _, prefix := range [][]byte{nil, {0x40, 0, 0}} {
 		c, err := net.Dial("tcp", ep)
@@ -254,13 +256,15 @@ func TestControlHandshakeTimeout(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer c.Close()
-		start := time.Now()
 		c.Write(prefix)
+		clk.waitArmed(t, 1) // the rank has the connection, its hello awaited
+		clk.Advance(hs - time.Millisecond)
+		if closedWithin(c, 50*time.Millisecond) {
+			t.Fatal("a connection was closed before its handshake timeout")
+		}
+		clk.Advance(time.Millisecond)
 		if !closedWithin(c, 5*time.Second) {
 			t.Fatal("a connection without hello was kept")
-		}
-		if el := time.Since(start); el < hs/2 {
-			t.Errorf("closed after %v, before the handshake timeout %v", el, hs)
 		}
 	}
 	waitFor(t, 5*time.Second, "handshake timeouts counted", func() bool { return obs.hsTO.Load() == 2 })
@@ -274,14 +278,16 @@ func TestControlHandshakeTimeout(t *testing.T) {
 }
 
 // TestDialledConnIdle: the generation side closes its idle dialled
-// connection before the context side would, and a later request dials a
-// new one; requests keep working across it.
+// connection (at 3/4 of the idle timeout) before the context side would,
+// and a later request dials a new one; requests keep working across it.
+// Both instances keep the idle timeout on one clock the test advances.
 func TestDialledConnIdle(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	lim := ConnLimits{IdleTimeout: 400 * time.Millisecond}
+	clk := newManualClock()
 	senderObs := &connCounter{}
-	sender := newInst(t, cs, testCfg(), 64, withLimits(lim, senderObs, nil))
-	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil))
+	sender := newInst(t, cs, testCfg(), 64, withLimits(lim, senderObs, nil), withClock(clk))
+	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil), withClock(clk))
 	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	r := gen.t.ranks[0]
 	dialled := func() int {
@@ -292,6 +298,12 @@ func TestDialledConnIdle(t *testing.T) {
 	if dialled() != 1 {
 		t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
 	}
+	clk.waitArmed(t, 2) // both ends wait for their next frame
+	clk.Advance(300*time.Millisecond - time.Millisecond)
+	if dialled() != 1 || senderObs.open.Load() != 1 {
+		t.Fatalf("before 3/4 of the idle timeout: %d dialled, %d accepted", dialled(), senderObs.open.Load())
+	}
+	clk.Advance(time.Millisecond)
 	waitFor(t, 5*time.Second, "the dialled connection closed as idle", func() bool { return dialled() == 0 })
 	waitFor(t, 5*time.Second, "the context side saw it close", func() bool { return senderObs.open.Load() == 0 })
 	if senderObs.idle.Load() != 0 {
@@ -308,11 +320,14 @@ func TestDialledConnIdle(t *testing.T) {
 // from its cache when it sees the close, and the next request dials anew.
 func TestPeerClosedIdleConn(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	clk := newManualClock()
 	senderObs := &connCounter{}
-	sender := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, senderObs, nil))
-	gen := newInst(t, cs, testCfg(), 64)
+	sender := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, senderObs, nil), withClock(clk))
+	gen := newInst(t, cs, testCfg(), 64, withClock(clk))
 	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	r := gen.t.ranks[0]
+	clk.waitArmed(t, 2)
+	clk.Advance(200 * time.Millisecond)
 	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool {
 		r.mu.Lock()
 		defer r.mu.Unlock()
