@@ -257,7 +257,7 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo) []effect {
 	} else if !slices.Equal(c.expected, expected) {
 		return refuse(wire.RefusedBadRequest, "generation ranks of one request disagree on the generation layout")
 	}
-	if !slices.Contains(c.expected, g) {
+	if !slices.Contains(c.expected, g) { // (no plan pairs a non-target: checkAsk refuses it first)
 		return refuse(wire.RefusedBadRequest, "generation rank %d is not a target of this context rank (targets %v)", g, c.expected)
 	}
 	if _, dup := c.peers[g]; dup {

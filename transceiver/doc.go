@@ -44,7 +44,8 @@
 // arm-timer effect; the driver arms it on a clock (clock.go: Now and
 // AfterFunc, the machine's unless a test injects one it advances by hand)
 // and ticks the core when it fires; a tick before the deadline arms it
-// again.
+// again. The control connections' handshake and idle timeouts are kept on
+// the same clock.
 //
 // # Scripts
 //
