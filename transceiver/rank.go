@@ -73,14 +73,15 @@ type reqKey struct {
 // rankReq is one request in flight on a rank, on either side: its core, and
 // what carrying out the core's effects needs.
 type rankReq struct {
-	key    reqKey
-	reqID  uint64 // the instance's Request.ID
-	core   protocolCore
-	mem    [][]byte
-	blocks []kvcache.BlockID // send side: the references held
-	ctx    context.Context   // ends when the request stops: bounds its sends and receives
-	cancel context.CancelCauseFunc
-	stats  rankStats
+	key       reqKey
+	reqID     uint64 // the instance's Request.ID
+	core      protocolCore
+	mem       [][]byte
+	blocks    []kvcache.BlockID // send side: the references held
+	endpoints []string          // receive side: the context ranks' control endpoints
+	ctx       context.Context   // ends when the request stops: bounds its sends and receives
+	cancel    context.CancelCauseFunc
+	stats     rankStats
 	// workers counts the goroutines (and the steps whose effects are
 	// being carried out) that may still touch mem: the blocks go back only
 	// after they end.
@@ -91,7 +92,6 @@ type rankReq struct {
 	stopTimer func() bool            // the deadline's timer
 	descs     map[int]chan chunkDesc // send side: chunk receipts for each send, by generation rank
 	srcs      map[int]*srcIO         // receive side: by context rank
-	endpoints []string               // receive side: the context ranks' control endpoints
 }
 
 // srcIO is the data-plane state of one source of a receive.
