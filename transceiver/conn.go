@@ -15,6 +15,7 @@ import (
 // dialled it) and a context rank. Frames are written whole under wmu; one
 // reader goroutine per connection, owned by the rank, reads them.
 type ctrlConn struct {
+	id   connID // the rank's name for it (set by rank.track)
 	c    net.Conn
 	br   *bufio.Reader
 	wmu  sync.Mutex
@@ -27,8 +28,9 @@ type ctrlConn struct {
 	dead      chan struct{} // closed when the connection is closed
 	err       error         // why it died; set before dead is closed
 
-	used  atomic.Int64 // unix nanoseconds of the last frame or request ended (see touch)
-	users int          // dialled connections: askers between dial and recording it (guarded by rank.mu)
+	now   func() time.Time // the rank's clock: idleness is measured on it
+	used  atomic.Int64     // unix nanoseconds of the last frame or request ended (see touch)
+	users int              // dialled connections: askers between dial and recording it (guarded by rank.mu)
 }
 
 // peerInfo is what a Hello tells about the other side.
@@ -41,10 +43,15 @@ type peerInfo struct {
 	endpoint  string   // the address we dialled (generation side) or the remote address
 }
 
+// fromHello records what a Hello tells of the peer.
+func (p *peerInfo) fromHello(h *wire.Hello) {
+	p.rank, p.state, p.host, p.backends, p.endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
+}
+
 const writeTimeout = 10 * time.Second
 
-func newCtrlConn(c net.Conn) *ctrlConn {
-	return &ctrlConn{c: c, br: bufio.NewReaderSize(c, 16<<10), dead: make(chan struct{})}
+func newCtrlConn(c net.Conn, now func() time.Time) *ctrlConn {
+	return &ctrlConn{c: c, br: bufio.NewReaderSize(c, 16<<10), dead: make(chan struct{}), now: now}
 }
 
 // send writes one frame. A write that cannot finish within writeTimeout
@@ -70,7 +77,7 @@ func (cc *ctrlConn) send(f wire.Frame) error {
 }
 
 // touch records that cc is in use now: its idle time starts again.
-func (cc *ctrlConn) touch() { cc.used.Store(time.Now().UnixNano()) }
+func (cc *ctrlConn) touch() { cc.used.Store(cc.now().UnixNano()) }
 
 // lastUse returns when cc was last used (see touch).
 func (cc *ctrlConn) lastUse() time.Time { return time.Unix(0, cc.used.Load()) }

@@ -2,136 +2,400 @@ package transceiver
 
 import (
 	"errors"
+	"fmt"
+	"os"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 )
 
-// Script-driven tests of the pure core: each step feeds one event and states
-// the effects it must produce, written as the effects' String forms.
+// The interpreters of the core scripts (testdata/send, testdata/recv,
+// testdata/consensus; see script_test.go for the format). Times in the
+// scripts are offsets from scriptT0; layouts are given by their parallel
+// sizes over a small shape (4 layers, 4 KV heads of 16, 4 tokens a block,
+// bf16: 4 KiB a block on one rank), which arguments may change.
 
-type step struct {
-	event string
-	do    func() []effect
-	want  string
+func TestSendCoreScripts(t *testing.T) {
+	runScripts(t, "testdata/send/*.script", func() func(*testing.T, *scriptCmd) string { return (&sendInterp{}).run })
 }
 
-func runScript(t *testing.T, steps []step) {
-	t.Helper()
-	for i, s := range steps {
-		got := effectsString(s.do())
-		if got != s.want {
-			t.Fatalf("step %d (%s):\n got  %s\n want %s", i, s.event, got, s.want)
-		}
+func TestRecvCoreScripts(t *testing.T) {
+	runScripts(t, "testdata/recv/*.script", func() func(*testing.T, *scriptCmd) string { return (&recvInterp{}).run })
+}
+
+func TestConsensusScripts(t *testing.T) {
+	runScripts(t, "testdata/consensus/*.script", func() func(*testing.T, *scriptCmd) string {
+		return (&consensusInterp{c: newConsensus()}).run
+	})
+}
+
+var scriptT0 = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+const (
+	scriptSendID = 7 // the context request of the scripts
+	scriptRecvID = 9 // the receiving rank's id of it
+	scriptReqID  = 5 // the generation request
+)
+
+var scriptToken = [16]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}
+
+// scriptHash is the reuse hash of block i of the scripts' context request
+// (named h<i>); hx is a hash no block has.
+func scriptHash(t *testing.T, name string) kvcache.Hash {
+	if name == "hx" {
+		return kvcache.Hash{0xff}
+	}
+	var i int
+	if _, err := fmt.Sscanf(name, "h%d", &i); err != nil {
+		t.Fatalf("hash %q: want h<block> or hx", name)
+	}
+	return kvcache.Hash{byte(i + 1)}
+}
+
+func scriptErr(c *scriptCmd, key string) error {
+	switch v := c.str(key, ""); v {
+	case "":
+		return nil
+	case "canceled":
+		return ErrCanceled
+	case "closed":
+		return ErrClosed
+	default:
+		return errors.New(v)
 	}
 }
 
-func TestCtxCoreScripts(t *testing.T) {
-	boom := errors.New("boom")
-	t.Run("two gen ranks, both need data", func(t *testing.T) {
-		c := newCtxCore()
-		exp := []int{0, 1}
-		runScript(t, []step{
-			{"gen 1 asks", func() []effect { return c.ask(1, exp, true) }, ""},
-			{"gen 1 asks again", func() []effect { return c.ask(1, exp, true) }, "refuse(1: generation rank 1 asked twice)"},
-			{"gen 0 asks", func() []effect { return c.ask(0, exp, true) }, "ready(0) ready(1) start-send(0) start-send(1)"},
-			{"send 1 done", func() []effect { return c.sent(1, nil) }, ""},
-			{"send 1 again", func() []effect { return c.sent(1, nil) }, ""},
-			{"send 0 done", func() []effect { return c.sent(0, nil) }, "complete(ok)"},
-			{"late ask", func() []effect { return c.ask(0, exp, true) }, "refuse(0: the transfer is already done)"},
-			{"timeout after done", func() []effect { return c.timeout(ErrTimeout) }, ""},
-		})
-	})
-	t.Run("duplicate-head rank sends nothing", func(t *testing.T) {
-		c := newCtxCore()
-		runScript(t, []step{
-			{"gen 0 asks", func() []effect { return c.ask(0, []int{0}, false) }, "ready(0) complete(ok)"},
-		})
-	})
-	t.Run("stranger and disagreement", func(t *testing.T) {
-		c := newCtxCore()
-		runScript(t, []step{
-			{"gen 3 not a target", func() []effect { return c.ask(3, []int{0, 1}, true) }, "refuse(3: generation rank 3 is not a target of this context rank (targets [0 1]))"},
-			{"gen 0 other layout", func() []effect { return c.ask(0, []int{0}, true) }, "refuse(0: generation ranks of one request disagree on the generation layout)"},
-		})
-	})
-	t.Run("send fails", func(t *testing.T) {
-		c := newCtxCore()
-		runScript(t, []step{
-			{"asks", func() []effect { c.ask(0, []int{0, 1}, true); return c.ask(1, []int{0, 1}, true) }, "ready(0) ready(1) start-send(0) start-send(1)"},
-			{"send 0 fails", func() []effect { return c.sent(0, boom) }, "abort(1: send to generation rank 0: boom) stop-all complete(error: send to generation rank 0: boom)"},
-			{"send 1 reports late", func() []effect { return c.sent(1, nil) }, ""},
-		})
-	})
-	t.Run("timeout while waiting", func(t *testing.T) {
-		c := newCtxCore()
-		runScript(t, []step{
-			{"gen 0 asks", func() []effect { return c.ask(0, []int{0, 1}, true) }, ""},
-			{"deadline", func() []effect { return c.timeout(ErrTimeout) }, "abort(0: transceiver: transfer timed out) stop-all complete(error: transceiver: transfer timed out)"},
-		})
-	})
-	t.Run("nobody ever comes", func(t *testing.T) {
-		c := newCtxCore()
-		runScript(t, []step{
-			{"deadline", func() []effect { return c.timeout(ErrTimeout) }, "stop-all complete(error: transceiver: transfer timed out)"},
-		})
-	})
-	t.Run("peer aborts", func(t *testing.T) {
-		c := newCtxCore()
-		runScript(t, []step{
-			{"asks", func() []effect { c.ask(0, []int{0, 1}, true); return c.ask(1, []int{0, 1}, false) }, "ready(0) ready(1) start-send(0)"},
-			{"gen 0 aborts", func() []effect { return c.peerAbort(0, "cancelled") }, "abort(1: transceiver: aborted by peer: generation rank 0: cancelled) stop-all complete(error: transceiver: aborted by peer: generation rank 0: cancelled)"},
-		})
-	})
-	t.Run("cancel", func(t *testing.T) {
-		c := newCtxCore()
-		effs, ok := c.cancel(ErrCanceled)
-		if !ok || effectsString(effs) != "stop-all complete(error: transceiver: transfer cancelled)" {
-			t.Fatalf("cancel: %v %s", ok, effectsString(effs))
-		}
-		if _, ok := c.cancel(ErrCanceled); ok {
-			t.Fatal("second cancel reported true")
-		}
-	})
+func scriptAt(t *testing.T, c *scriptCmd) time.Time { return scriptT0.Add(c.dur(t, "at", 0)) }
+
+// scriptState is a CacheState of the scripts: base's shape with the
+// command's changes (layers, heads, head-dim, dtype=fp16, mla) and parallel
+// sizes prefix+tp and prefix+pp (default 1).
+func scriptState(t *testing.T, c *scriptCmd, base layout.CacheState, prefix string) layout.CacheState {
+	sh := base.Shape
+	dt := sh.DType
+	if c.str("dtype", "") == "fp16" {
+		dt = kvcache.FP16
+	}
+	mla := base.Attention == layout.AttentionMLA || c.flag("mla")
+	heads := c.int(t, "heads", sh.KVHeads)
+	return state(c.int(t, "layers", sh.Layers), heads, c.int(t, "head-dim", sh.HeadDim), sh.TokensPerBlock, dt,
+		c.int(t, prefix+"tp", 1), c.int(t, prefix+"pp", 1), mla)
 }
 
-func TestGenCoreScripts(t *testing.T) {
-	boom := errors.New("boom")
-	t.Run("two sources, one duplicate", func(t *testing.T) {
-		g := newGenCore([]int{2, 3}, map[int]bool{2: true})
-		runScript(t, []step{
-			{"start", g.start, "ask(2) ask(3)"},
-			{"3 ready", func() []effect { return g.readied(3) }, ""},
-			{"3 ready twice", func() []effect { return g.readied(3) }, ""},
-			{"9 is no source", func() []effect { return g.readied(9) }, ""},
-			{"2 ready", func() []effect { return g.readied(2) }, "start-recv(2)"},
-			{"2 received", func() []effect { return g.received(2, nil) }, "complete(ok)"},
-			{"cancel after done", func() []effect { e, _ := g.cancel(ErrCanceled); return e }, ""},
-		})
-	})
-	t.Run("refused", func(t *testing.T) {
-		g := newGenCore([]int{0, 1}, map[int]bool{0: true, 1: true})
-		runScript(t, []step{
-			{"start", g.start, "ask(0) ask(1)"},
-			{"0 ready", func() []effect { return g.readied(0) }, "start-recv(0)"},
-			{"1 refuses", func() []effect { return g.refused(1, "wrong token") },
-				"abort(0: transceiver: refused by context rank 1: wrong token) stop-all complete(error: transceiver: refused by context rank 1: wrong token)"},
-			{"0 finishes late", func() []effect { return g.received(0, nil) }, ""},
-		})
-	})
-	t.Run("receive fails", func(t *testing.T) {
-		g := newGenCore([]int{0}, map[int]bool{0: true})
-		runScript(t, []step{
-			{"start", g.start, "ask(0)"},
-			{"ready", func() []effect { return g.readied(0) }, "start-recv(0)"},
-			{"fails", func() []effect { return g.received(0, boom) }, "stop-all complete(error: receive from context rank 0: boom)"},
-		})
-	})
-	t.Run("timeout", func(t *testing.T) {
-		g := newGenCore([]int{0, 1}, map[int]bool{0: true, 1: true})
-		g.start()
-		got := effectsString(g.timeout(ErrTimeout))
-		if !strings.HasPrefix(got, "abort(0: ") || !strings.Contains(got, "abort(1: ") || !strings.HasSuffix(got, "complete(error: transceiver: transfer timed out)") {
-			t.Fatalf("timeout: %s", got)
+var scriptShape = state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
+
+// describe is an effect as the scripts show it.
+func describe(e fmt.Stringer) string {
+	if a, ok := e.(effArmTimer); ok {
+		return "arm-timer at=+" + a.at.Sub(scriptT0).String()
+	}
+	return e.String()
+}
+
+// sendInterp runs a send core.
+type sendInterp struct {
+	core *sendCore
+	base layout.CacheState
+	addr map[int]route // generation rank → where its accepted ask came from
+}
+
+func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
+	if c.name != "new-sender" && in.core == nil {
+		t.Fatalf("%s: new-sender first", c.pos)
+	}
+	gen := c.int(t, "gen", 0)
+	switch c.name {
+	case "new-sender":
+		// new-sender [rank=] [tp=] [pp=] [shape] [blocks=4] [hashes=n]
+		// [backends=tcp] [buf=65536] [timeout=10s]
+		in.base = scriptState(t, c, scriptShape, "")
+		var hashes []kvcache.Hash
+		for i := range c.int(t, "hashes", 0) {
+			hashes = append(hashes, scriptHash(t, fmt.Sprintf("h%d", i)))
 		}
-	})
+		in.core = newSendCore(sendConfig{rank: c.int(t, "rank", 0), id: scriptSendID, token: scriptToken, state: in.base,
+			blocks: c.int(t, "blocks", 4), hashes: hashes, backends: strings.Split(c.str("backends", "tcp"), ","),
+			bufBytes: int64(c.int(t, "buf", 64<<10)), timeout: c.dur(t, "timeout", 10*time.Second)})
+		in.addr = map[int]route{}
+		return ""
+	case "start":
+		return in.step(t, route{}, evStart{now: scriptAt(t, c)})
+	case "ask":
+		// ask gen= [tp=] [pp=] [shape] [blocks=] [last=h<i>] [backend=tcp]
+		// [max-chunk=64] [direct] [wrong-token] [garbage-state]
+		// [id=7] [conn=gen+1] [req=100+gen]
+		from := route{conn: connID(c.int(t, "conn", gen+1)), sendID: uint64(c.int(t, "id", scriptSendID)), recvID: uint64(c.int(t, "req", 100+gen))}
+		st, _ := scriptState(t, c, in.base, "").MarshalBinary()
+		if c.flag("garbage-state") {
+			st = []byte{0xde, 0xad}
+		}
+		ri := &wire.RequestInfo{CtxRequestID: from.sendID, Token: scriptToken, GenRequestID: from.recvID, GenRank: uint32(gen), GenState: st,
+			NumBlocks: uint32(c.int(t, "blocks", in.core.cfg.blocks)), Backend: c.str("backend", "tcp"), MaxChunkBlocks: uint32(c.int(t, "max-chunk", 64))}
+		if c.flag("wrong-token") {
+			ri.Token[0] ^= 1
+		}
+		if l := c.str("last", ""); l != "" {
+			ri.HasLastHash, ri.LastHash = true, scriptHash(t, l)
+		}
+		if c.flag("direct") {
+			ri.Desc = []byte("receipt")
+		}
+		if from.sendID != scriptSendID {
+			// The driver's answer for a request the rank does not hold.
+			return in.print(from, []effect{refuseUnknown(in.core.cfg.rank, from, ri, "")})
+		}
+		effs := in.core.step(evAsk{from: from, ri: ri})
+		if _, known := in.addr[gen]; !known && !refused(effs) {
+			in.addr[gen] = from
+		}
+		return in.print(from, effs)
+	case "desc":
+		return in.step(t, route{}, evChunkDesc{from: in.from(t, c, gen), index: c.int(t, "index", 0), desc: []byte("chunk receipt")})
+	case "overflow":
+		return in.step(t, route{}, evDescOverflow{gen: gen})
+	case "sent":
+		return in.step(t, route{}, evSent{gen: gen, err: scriptErr(c, "err")})
+	case "abort":
+		return in.step(t, route{}, evGenAbort{from: in.from(t, c, gen), reason: c.str("reason", "")})
+	case "conn-lost":
+		return in.step(t, route{}, evConnLost{conn: connID(c.int(t, "conn", 1)), err: errors.New(c.str("err", "peer lost"))})
+	case "tick":
+		return in.step(t, route{}, evTick{now: scriptAt(t, c)})
+	case "cancel":
+		return in.step(t, route{}, evCancel{err: cmp(scriptErr(c, "err"), ErrCanceled)})
+	case "phase":
+		return "phase " + in.core.state().String()
+	}
+	t.Fatalf("%s: unknown command %s", c.pos, c.name)
+	return ""
+}
+
+// from is where a frame of gen comes from: its accepted ask's route unless
+// the command says otherwise.
+func (in *sendInterp) from(t *testing.T, c *scriptCmd, gen int) route {
+	r := in.addr[gen]
+	if c.has("conn") {
+		r.conn = connID(c.int(t, "conn", 0))
+	}
+	if c.has("req") {
+		r.recvID = uint64(c.int(t, "req", 0))
+	}
+	return r
+}
+
+func (in *sendInterp) step(t *testing.T, from route, ev event) string {
+	return in.print(from, in.core.step(ev))
+}
+
+// print shows the effects, checking where each is addressed: a refusal to
+// the asker, the rest to the generation rank's accepted ask.
+func (in *sendInterp) print(from route, effs []effect) string {
+	var lines []string
+	for _, e := range effs {
+		line := describe(e)
+		var to, want route
+		switch e := e.(type) {
+		case effRefuse:
+			to, want = e.to, from
+		case effReady:
+			to, want = e.to, in.addr[e.gen]
+		case effStartSend:
+			to, want = e.to, in.addr[e.gen]
+		case effAbort:
+			to, want = e.to, in.addr[e.peer]
+		}
+		if to != want {
+			line += fmt.Sprintf(" !! addressed to %+v, want %+v", to, want)
+		}
+		lines = append(lines, line)
+	}
+	return strings.Join(lines, "\n")
+}
+
+func refused(effs []effect) bool {
+	for _, e := range effs {
+		if _, ok := e.(effRefuse); ok {
+			return true
+		}
+	}
+	return false
+}
+
+func cmp(err, def error) error {
+	if err == nil {
+		return def
+	}
+	return err
+}
+
+// recvInterp runs a receive core.
+type recvInterp struct {
+	core *recvCore
+	conn map[int]connID // source → connection it was dialled on
+}
+
+func (in *recvInterp) run(t *testing.T, c *scriptCmd) string {
+	if c.name != "new-receiver" && in.core == nil {
+		t.Fatalf("%s: new-receiver first", c.pos)
+	}
+	src := c.int(t, "src", 0)
+	switch c.name {
+	case "new-receiver":
+		// new-receiver [rank=] [tp=] [pp=] [src-tp=] [src-pp=] [shape]
+		// [blocks=4] [last=h<i>] [buf=65536] [no-direct] [endpoints=]
+		// [timeout=10s]
+		sender := scriptState(t, c, scriptShape, "src-")
+		cfg := recvConfig{rank: c.int(t, "rank", 0), id: scriptRecvID, reqID: scriptReqID, sendID: scriptSendID, token: scriptToken,
+			sender: sender, self: scriptState(t, c, scriptShape, ""), peers: c.int(t, "endpoints", sender.Parallel.NumRanks()),
+			blocks: c.int(t, "blocks", 4), bufBytes: int64(c.int(t, "buf", 64<<10)), direct: !c.flag("no-direct"),
+			timeout: c.dur(t, "timeout", 10*time.Second)}
+		if l := c.str("last", ""); l != "" {
+			h := scriptHash(t, l)
+			cfg.lastHash = &h
+		}
+		in.conn = map[int]connID{}
+		core, err := newRecvCore(cfg)
+		if err != nil {
+			in.core = nil
+			return "error: " + err.Error()
+		}
+		in.core = core
+		return ""
+	case "start":
+		return in.step(evStart{now: scriptAt(t, c)})
+	case "dialled":
+		in.conn[src] = connID(c.int(t, "conn", src+1))
+		return in.step(evDialled{src: src, conn: in.conn[src], backend: c.str("backend", "tcp")})
+	case "ask-failed":
+		return in.step(evAskFailed{src: src, err: scriptErr(c, "err")})
+	case "ready":
+		return in.step(evReady{conn: in.frameConn(t, c, src), src: src, chunk: c.int(t, "chunk", 4)})
+	case "refused":
+		return in.step(evRefused{conn: in.frameConn(t, c, src), src: src, reason: c.str("reason", "")})
+	case "abort":
+		return in.step(evSrcAbort{conn: in.frameConn(t, c, src), src: src, reason: c.str("reason", "")})
+	case "received":
+		return in.step(evReceived{src: src, err: scriptErr(c, "err")})
+	case "conn-lost":
+		return in.step(evConnLost{conn: connID(c.int(t, "conn", 1)), err: errors.New(c.str("err", "peer lost"))})
+	case "tick":
+		return in.step(evTick{now: scriptAt(t, c)})
+	case "cancel":
+		return in.step(evCancel{err: cmp(scriptErr(c, "err"), ErrCanceled)})
+	case "phase":
+		return "phase " + in.core.state().String()
+	}
+	t.Fatalf("%s: unknown command %s", c.pos, c.name)
+	return ""
+}
+
+// frameConn is the connection a frame from src arrives on: the one it was
+// dialled on unless the command says otherwise.
+func (in *recvInterp) frameConn(t *testing.T, c *scriptCmd, src int) connID {
+	if c.has("conn") {
+		return connID(c.int(t, "conn", 0))
+	}
+	return in.conn[src]
+}
+
+// step shows the effects of ev, checking where each is addressed: to the
+// source's connection (none before it was dialled), with the request's ids.
+func (in *recvInterp) step(ev event) string {
+	var lines []string
+	for _, e := range in.core.step(ev) {
+		line := describe(e)
+		var to route
+		src := -1
+		switch e := e.(type) {
+		case effRequestInfo:
+			to, src = e.to, e.src
+		case effStartRecv:
+			to, src = e.to, e.src
+		case effAbort:
+			to, src = e.to, e.peer
+		}
+		if want := (route{conn: in.conn[src], sendID: scriptSendID, recvID: scriptRecvID}); src >= 0 && to != want {
+			line += fmt.Sprintf(" !! addressed to %+v, want %+v", to, want)
+		}
+		lines = append(lines, line)
+	}
+	return strings.Join(lines, "\n")
+}
+
+// consensusInterp runs the instance consensus.
+type consensusInterp struct{ c *consensus }
+
+func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
+	if len(c.words) == 0 || (c.words[0] != "send" && c.words[0] != "recv") {
+		t.Fatalf("%s: %s send|recv ...", c.pos, c.name)
+	}
+	c.flag(c.words[0])
+	key := instKey{sideSend, uint64(c.int(t, "id", 1))}
+	if c.words[0] == "recv" {
+		key.side = sideRecv
+	}
+	var effs []instEffect
+	switch c.name {
+	case "begin":
+		if err := in.c.begin(key, c.ints(t, "ranks"), scriptAt(t, c)); err != nil {
+			return "error: " + err.Error()
+		}
+		return ""
+	case "done":
+		res := rankResult{bytes: int64(c.int(t, "bytes", 0)), chunks: c.int(t, "chunks", 0), backend: c.str("backend", "")}
+		if c.has("end") {
+			res.end = scriptT0.Add(c.dur(t, "end", 0))
+		}
+		effs = in.c.step(rankDoneEvent{key: key, rank: c.int(t, "rank", 0), err: scriptErr(c, "err"), res: res, now: scriptAt(t, c)})
+	case "cancel":
+		effs = in.c.step(instCancelEvent{key: key, cause: fmt.Errorf("%w: %s", ErrCanceled, c.str("cause", "cancelled"))})
+	case "start-failed":
+		effs = in.c.step(startFailedEvent{key: key, ranks: c.ints(t, "ranks"), err: scriptErr(c, "err"), now: scriptAt(t, c)})
+	case "in-flight":
+		all, reported := in.c.inFlight(key.side)
+		return fmt.Sprintf("in flight: %d, reported by Check: %d", all, reported)
+	default:
+		t.Fatalf("%s: unknown command %s", c.pos, c.name)
+	}
+	lines := make([]string, len(effs))
+	for i, e := range effs {
+		lines[i] = e.String()
+	}
+	return strings.Join(lines, "\n")
+}
+
+// TestDocScript: the script the package docs walk through is a real one.
+func TestDocScript(t *testing.T) {
+	doc, err := os.ReadFile("doc.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const from = "From\n// testdata/send/serve.script:\n//\n"
+	i := strings.Index(string(doc), from)
+	if i < 0 {
+		t.Fatal("doc.go quotes no script")
+	}
+	var quoted []string
+	for _, l := range strings.Split(string(doc)[i+len(from):], "\n") {
+		if l == "//" {
+			quoted = append(quoted, "")
+			continue
+		}
+		if !strings.HasPrefix(l, "//\t") {
+			break
+		}
+		quoted = append(quoted, strings.TrimPrefix(l, "//\t"))
+	}
+	script, err := os.ReadFile("testdata/send/serve.script")
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := strings.TrimSpace(strings.Join(quoted, "\n"))
+	if len(quoted) < 10 || !strings.Contains(string(script), q) {
+		t.Errorf("the script in doc.go is not in testdata/send/serve.script:\n%s", q)
+	}
 }

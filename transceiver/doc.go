@@ -4,10 +4,87 @@
 //
 // It is the only package that knows both the public config and the
 // transports: New reads config.CacheTransceiver and turns it into
-// transport.Options, in one place. Each rank runs a small pure state
-// machine per request (core.go: events in, effects out) driven by a thin
-// layer of goroutines (rank.go) that owns the control connections, the data
-// plane and the staging buffers.
+// transport.Options, in one place.
+//
+// # Pure cores, one driver
+//
+// Each rank keeps, per request, a pure state machine for its side: the send
+// core (core_send.go) on the context (prefill) instance, which holds the
+// blocks and sends them, and the receive core (core_recv.go) on the
+// generation instance, which pulls them into its own. A core takes typed
+// events (a request-info, a Ready, a Refused, an Abort, a chunk descriptor,
+// the end of a send or receive, a lost connection, a deadline tick, a
+// cancel) and returns effects that say all there is to do: refuse with a
+// wire code and a reason, answer Ready with the chunk size, start a send
+// with its chunk plan, reach a context rank and write the request-info,
+// start a receive, abort a peer, stop, release the blocks, complete. The
+// rules are the cores': who may ask (the request's token, compared in
+// constant time; an unknown id and a wrong token get one answer), what
+// (compatible states, target ranks, block ranges and reused prefixes, open
+// backends, direct transfers only where the spans allow), in what chunks.
+// A core does no I/O, starts no goroutine, takes no lock and reads no
+// clock.
+//
+// A third pure core, the consensus (consensus.go), is the instance's view
+// of a request: it completes when every rank taking part has completed it,
+// the first rank to fail cancels it on the others, the ranks' figures add
+// up. It names ranks and requests by number, never by pointer, so that it
+// can later agree across processes.
+//
+// One driver (rank.go) serves both sides: it feeds a request's core each
+// event under the rank's lock and carries out the effects after, in one
+// run; one cancel path, one close. Around it, control.go keeps the control
+// connections (accept loop, dial cache, the one hello both directions send,
+// idle accounting, choice of backend) and mover.go the data mover (one send
+// or receive of a pair, direct or in chunks through the staging buffers).
+// The Transceiver feeds the consensus core what the ranks report and
+// carries out its cancels.
+//
+// Time reaches the cores as events. A core asks for its deadline with an
+// arm-timer effect; the driver arms it on a clock (clock.go: Now and
+// AfterFunc, the machine's unless a test injects one it advances by hand)
+// and ticks the core when it fires; a tick before the deadline arms it
+// again. The control connections' handshake and idle timeouts are kept on
+// the same clock.
+//
+// # Scripts
+//
+// The cores are tested by scripts under testdata/ (send, recv, consensus):
+// events in, effects out, rewritten by go test -run Scripts -update, so
+// that a change of the protocol is reviewed as a diff of the scripts. From
+// testdata/send/serve.script:
+//
+//	new-sender
+//	start
+//	----
+//	arm-timer at=+10s
+//
+//	ask gen=1 tp=2
+//	----
+//	(none)
+//
+//	ask gen=1 tp=2
+//	----
+//	refuse gen=1 code=bad-request: generation rank 1 asked twice
+//
+//	ask gen=0 tp=2
+//	----
+//	ready gen=0 chunk=4
+//	ready gen=1 chunk=4
+//	start-send gen=0 blocks=0+4 bytes/block=2048 backend=tcp chunk=4
+//	start-send gen=1 blocks=0+4 bytes/block=2048 backend=tcp chunk=4
+//
+// A context rank of a TP1 instance holds a request of 4 blocks; handed over,
+// it arms the deadline kv_transfer_timeout (10 s) away. Generation rank 1
+// of a TP2 instance asks: its request-info passes the checks, and its
+// layout tells the core that ranks 0 and 1 will ask, so it waits. Rank 1
+// asking again is refused with the wire code bad-request. Once rank 0 has
+// asked too, each gets a Ready with the chunk size, then a send starts to
+// each with its plan: blocks 0 to 3, half the heads of each (2 KiB a block
+// packed), over tcp, in chunks of 4 blocks (all that the receiver takes and
+// a 64 KiB staging buffer holds). When both sends have reported their end,
+// the core says release-blocks and complete ok; the driver gives the
+// blocks back once no send touches them, and reports to the consensus.
 //
 // # Signed opaque states and allowed peers
 //

@@ -187,26 +187,26 @@ func state(layers, heads, headDim, tpb int, dt kvcache.DType, tp, pp int, mla bo
 	}
 }
 
-// transfer runs one request from ctx to gen and checks it bit-exact.
-func transfer(t *testing.T, ctx, gen *inst, id uint64, tokens int, seed uint64, ctxDP, genDP int) Stats {
+// transfer runs one request from sender to gen and checks it bit-exact.
+func transfer(t *testing.T, sender, gen *inst, id uint64, tokens int, seed uint64, sendDP, genDP int) Stats {
 	t.Helper()
-	l, err := layout.NewLogical(ctx.state.Shape, tokens)
+	l, err := layout.NewLogical(sender.state.Shape, tokens)
 	if err != nil {
 		t.Fatal(err)
 	}
 	l.Fill(seed)
-	nb := layout.NumBlocks(tokens, ctx.state.Shape.TokensPerBlock)
-	cb := ctx.alloc(t, ctxDP, nb)
-	ctx.fill(t, l, ctxDP, cb)
-	creq := &Request{ID: id, Type: ContextOnly, DPRank: ctxDP, Blocks: cb}
-	if err := ctx.t.RespondAndSendAsync(creq); err != nil {
+	nb := layout.NumBlocks(tokens, sender.state.Shape.TokensPerBlock)
+	cb := sender.alloc(t, sendDP, nb)
+	sender.fill(t, l, sendDP, cb)
+	creq := &Request{ID: id, Type: ContextOnly, DPRank: sendDP, Blocks: cb}
+	if err := sender.t.RespondAndSendAsync(creq); err != nil {
 		t.Fatalf("RespondAndSendAsync: %v", err)
 	}
 	if creq.State() != DisaggContextTransInProgress {
 		t.Fatalf("context state %s", creq.State())
 	}
 	// The transceiver holds its own reference: the caller may let go now.
-	ctx.release(t, cb)
+	sender.release(t, cb)
 
 	gb := gen.alloc(t, genDP, nb)
 	greq := &Request{ID: id + 1<<32, Type: GenerationOnly, DPRank: genDP, Blocks: gb,
@@ -225,7 +225,7 @@ func transfer(t *testing.T, ctx, gen *inst, id uint64, tokens int, seed uint64, 
 	}
 	gen.verify(t, l, genDP, gb)
 	gen.release(t, gb)
-	if got, err := ctx.t.CheckContextTransferStatus(cctx, 1); err != nil || len(got) != 1 || got[0] != creq {
+	if got, err := sender.t.CheckContextTransferStatus(cctx, 1); err != nil || len(got) != 1 || got[0] != creq {
 		t.Fatalf("CheckContextTransferStatus: %v %v", got, err)
 	}
 	return greq.Stats()

@@ -124,13 +124,13 @@ func TestControlFloodAfterHello(t *testing.T) {
 	obs := &connCounter{}
 	var logs syncbuf.Buffer
 	lim := ConnLimits{MaxControlConns: 1000, MaxControlConnsPerHost: perHost, IdleTimeout: idle, HandshakeTimeout: 5 * time.Second}
-	ctx := newInst(t, cs, cfg, 64, withLimits(lim, obs, slog.New(slog.NewTextHandler(&logs, nil))))
+	sender := newInst(t, cs, cfg, 64, withLimits(lim, obs, slog.New(slog.NewTextHandler(&logs, nil))))
 	gen := newInst(t, cs, cfg, 64, withLimits(ConnLimits{IdleTimeout: idle}, nil, nil))
 	base := runtime.NumGoroutine()
 
-	transfer(t, ctx, gen, 1, 40, 1, 0, 0)
+	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	st, _ := cs.MarshalBinary()
-	ep := ctx.t.Endpoints()[0]
+	ep := sender.t.Endpoints()[0]
 	var (
 		mu   sync.Mutex
 		held []net.Conn
@@ -157,7 +157,7 @@ func TestControlFloodAfterHello(t *testing.T) {
 		}
 	})
 	// During the flood (its connections held open), from another host.
-	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
+	transfer(t, sender, gen, 2, 40, 2, 0, 0)
 
 	if got := obs.peak.Load(); got > perHost+1 { // +1: the generation rank's own
 		t.Errorf("%d control connections open at once, per-host cap %d", got, perHost)
@@ -188,7 +188,7 @@ func TestControlFloodAfterHello(t *testing.T) {
 	}
 	// After: the generation rank closed its own idle connection before the
 	// context rank did, and dials again.
-	transfer(t, ctx, gen, 3, 40, 3, 0, 0)
+	transfer(t, sender, gen, 3, 40, 3, 0, 0)
 }
 
 // TestControlConnCaps: the total and per-host caps, their reasons, and a
@@ -196,9 +196,9 @@ func TestControlFloodAfterHello(t *testing.T) {
 func TestControlConnCaps(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	obs := &connCounter{}
-	ctx := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{MaxControlConns: 4, MaxControlConnsPerHost: 2, IdleTimeout: -1}, obs, nil))
+	sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{MaxControlConns: 4, MaxControlConnsPerHost: 2, IdleTimeout: -1}, obs, nil))
 	st, _ := cs.MarshalBinary()
-	ep := ctx.t.Endpoints()[0]
+	ep := sender.t.Endpoints()[0]
 	var held []net.Conn
 	t.Cleanup(func() {
 		for _, c := range held {
@@ -240,27 +240,31 @@ func TestControlConnCaps(t *testing.T) {
 }
 
 // TestControlHandshakeTimeout: a connection that never completes its hello
-// (silent, or a few bytes of it) is closed at the handshake timeout and
-// counted; one within the timeout is served.
+// (silent, or a few bytes of it) is closed at the handshake timeout, not
+// before, and counted; one within the timeout is served. The timeout is kept
+// on the instance's clock, which the test advances.
 func TestControlHandshakeTimeout(t *testing.T) {
 	const hs = 200 * time.Millisecond
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	obs := &connCounter{}
-	ctx := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil))
-	ep := ctx.t.Endpoints()[0]
+	clk := newManualClock()
+	sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil), withClock(clk))
+	ep := sender.t.Endpoints()[0]
 	for _, prefix := range [][]byte{nil, {0x40, 0, 0}} {
 		c, err := net.Dial("tcp", ep)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer c.Close()
-		start := time.Now()
 		c.Write(prefix)
+		clk.waitArmed(t, 1) // the rank has the connection, its hello awaited
+		clk.Advance(hs - time.Millisecond)
+		if closedWithin(c, 50*time.Millisecond) {
+			t.Fatal("a connection was closed before its handshake timeout")
+		}
+		clk.Advance(time.Millisecond)
 		if !closedWithin(c, 5*time.Second) {
 			t.Fatal("a connection without hello was kept")
-		}
-		if el := time.Since(start); el < hs/2 {
-			t.Errorf("closed after %v, before the handshake timeout %v", el, hs)
 		}
 	}
 	waitFor(t, 5*time.Second, "handshake timeouts counted", func() bool { return obs.hsTO.Load() == 2 })
@@ -274,15 +278,17 @@ func TestControlHandshakeTimeout(t *testing.T) {
 }
 
 // TestDialledConnIdle: the generation side closes its idle dialled
-// connection before the context side would, and a later request dials a
-// new one; requests keep working across it.
+// connection (at 3/4 of the idle timeout) before the context side would,
+// and a later request dials a new one; requests keep working across it.
+// Both instances keep the idle timeout on one clock the test advances.
 func TestDialledConnIdle(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	lim := ConnLimits{IdleTimeout: 400 * time.Millisecond}
-	ctxObs := &connCounter{}
-	ctx := newInst(t, cs, testCfg(), 64, withLimits(lim, ctxObs, nil))
-	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil))
-	transfer(t, ctx, gen, 1, 40, 1, 0, 0)
+	clk := newManualClock()
+	senderObs := &connCounter{}
+	sender := newInst(t, cs, testCfg(), 64, withLimits(lim, senderObs, nil), withClock(clk))
+	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil), withClock(clk))
+	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	r := gen.t.ranks[0]
 	dialled := func() int {
 		r.mu.Lock()
@@ -292,14 +298,20 @@ func TestDialledConnIdle(t *testing.T) {
 	if dialled() != 1 {
 		t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
 	}
-	waitFor(t, 5*time.Second, "the dialled connection closed as idle", func() bool { return dialled() == 0 })
-	waitFor(t, 5*time.Second, "the context side saw it close", func() bool { return ctxObs.open.Load() == 0 })
-	if ctxObs.idle.Load() != 0 {
-		t.Errorf("the context side closed %d connections as idle: the dialler should have first", ctxObs.idle.Load())
+	clk.waitArmed(t, 2) // both ends wait for their next frame
+	clk.Advance(300*time.Millisecond - time.Millisecond)
+	if dialled() != 1 || senderObs.open.Load() != 1 {
+		t.Fatalf("before 3/4 of the idle timeout: %d dialled, %d accepted", dialled(), senderObs.open.Load())
 	}
-	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
-	if ctxObs.peak.Load() != 1 {
-		t.Errorf("peak %d open control connections, want 1", ctxObs.peak.Load())
+	clk.Advance(time.Millisecond)
+	waitFor(t, 5*time.Second, "the dialled connection closed as idle", func() bool { return dialled() == 0 })
+	waitFor(t, 5*time.Second, "the context side saw it close", func() bool { return senderObs.open.Load() == 0 })
+	if senderObs.idle.Load() != 0 {
+		t.Errorf("the context side closed %d connections as idle: the dialler should have first", senderObs.idle.Load())
+	}
+	transfer(t, sender, gen, 2, 40, 2, 0, 0)
+	if senderObs.peak.Load() != 1 {
+		t.Errorf("peak %d open control connections, want 1", senderObs.peak.Load())
 	}
 }
 
@@ -308,21 +320,24 @@ func TestDialledConnIdle(t *testing.T) {
 // from its cache when it sees the close, and the next request dials anew.
 func TestPeerClosedIdleConn(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	ctxObs := &connCounter{}
-	ctx := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, ctxObs, nil))
-	gen := newInst(t, cs, testCfg(), 64)
-	transfer(t, ctx, gen, 1, 40, 1, 0, 0)
+	clk := newManualClock()
+	senderObs := &connCounter{}
+	sender := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, senderObs, nil), withClock(clk))
+	gen := newInst(t, cs, testCfg(), 64, withClock(clk))
+	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	r := gen.t.ranks[0]
+	clk.waitArmed(t, 2)
+	clk.Advance(200 * time.Millisecond)
 	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool {
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		return len(r.dialed) == 0
 	})
-	if ctxObs.idle.Load() != 1 {
-		t.Errorf("%d idle closes on the context side, want 1", ctxObs.idle.Load())
+	if senderObs.idle.Load() != 1 {
+		t.Errorf("%d idle closes on the context side, want 1", senderObs.idle.Load())
 	}
-	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
-	if ctxObs.peak.Load() != 1 || ctxObs.open.Load() != 1 {
-		t.Errorf("peak %d, open %d control connections, want 1 and 1", ctxObs.peak.Load(), ctxObs.open.Load())
+	transfer(t, sender, gen, 2, 40, 2, 0, 0)
+	if senderObs.peak.Load() != 1 || senderObs.open.Load() != 1 {
+		t.Errorf("peak %d, open %d control connections, want 1 and 1", senderObs.peak.Load(), senderObs.open.Load())
 	}
 }

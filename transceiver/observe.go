@@ -69,6 +69,32 @@ func resultOf(err error) string {
 	return ResultError
 }
 
+// rankStats are the figures of one request on one rank.
+type rankStats struct {
+	bytes   int64
+	chunks  int
+	backend string
+	start   time.Time
+	moving  time.Time // when data started to move; zero if it never did
+	end     time.Time
+}
+
+func roleOf(s side) string {
+	if s == sideSend {
+		return RoleContext
+	}
+	return RoleGeneration
+}
+
+// report hands a finished transfer to the observer and the timing file.
+func (r *rank) report(id uint64, role string, err error, st rankStats) {
+	rec := st.record(id, r.idx, role, err)
+	if r.obs != nil {
+		r.obs.TransferEnded(rec)
+	}
+	r.csv.write(rec)
+}
+
 func (st rankStats) record(id uint64, rank int, role string, err error) Record {
 	rec := Record{RequestID: id, Rank: rank, Role: role, Backend: st.backend, Bytes: st.bytes, Chunks: st.chunks,
 		Result: resultOf(err), Err: err}

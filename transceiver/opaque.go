@@ -117,102 +117,146 @@ func (s *OpaqueState) appendBody(b []byte) ([]byte, error) {
 // length before using it. Errors wrap ErrBadOpaqueState and name the field
 // and offset. It does not check the MAC: see Transceiver.CheckOpaque.
 func (s *OpaqueState) UnmarshalBinary(b []byte) error {
-	off := 0
-	fail := func(field, why string) error {
-		return fmt.Errorf("%w: %s at byte %d: %s", ErrBadOpaqueState, field, off, why)
-	}
-	if len(b) > maxOpaque {
-		return fail("length", fmt.Sprintf("%d bytes, at most %d", len(b), maxOpaque))
-	}
-	if len(b) < len(opaqueMagic)+1 || string(b[:len(opaqueMagic)]) != opaqueMagic {
-		return fail("magic", "not a kvxfer opaque state")
-	}
-	off = len(opaqueMagic)
+	d := opaqueDecoder{b: b}
 	var out OpaqueState
-	switch b[off] {
+	if err := d.header(&out); err != nil {
+		return err
+	}
+	if err := d.request(&out); err != nil {
+		return err
+	}
+	if err := d.endpoints(&out); err != nil {
+		return err
+	}
+	if out.Signed {
+		if err := d.signature(&out); err != nil {
+			return err
+		}
+	}
+	if d.off != len(b) {
+		return d.fail("end", fmt.Sprintf("%d trailing bytes", len(b)-d.off))
+	}
+	*s = out
+	return nil
+}
+
+// opaqueDecoder reads an encoded opaque state, field by field.
+type opaqueDecoder struct {
+	b   []byte
+	off int // where the next field starts
+}
+
+// fail reports field, at the current offset, as malformed.
+func (d *opaqueDecoder) fail(field, why string) error {
+	return fmt.Errorf("%w: %s at byte %d: %s", ErrBadOpaqueState, field, d.off, why)
+}
+
+func (d *opaqueDecoder) uvarint(field string, max uint64) (uint64, error) {
+	v, n := binary.Uvarint(d.b[d.off:])
+	if n <= 0 {
+		return 0, d.fail(field, "truncated varint")
+	}
+	if v > max {
+		return 0, d.fail(field, fmt.Sprintf("%d exceeds %d", v, max))
+	}
+	d.off += n
+	return v, nil
+}
+
+// header reads the magic and the version (which says whether the state is
+// signed).
+func (d *opaqueDecoder) header(out *OpaqueState) error {
+	if len(d.b) > maxOpaque {
+		return d.fail("length", fmt.Sprintf("%d bytes, at most %d", len(d.b), maxOpaque))
+	}
+	if len(d.b) < len(opaqueMagic)+1 || string(d.b[:len(opaqueMagic)]) != opaqueMagic {
+		return d.fail("magic", "not a kvxfer opaque state")
+	}
+	d.off = len(opaqueMagic)
+	switch d.b[d.off] {
 	case opaqueUnsigned:
 	case opaqueSigned:
 		out.Signed = true
 	default:
-		return fail("version", fmt.Sprintf("version %d, this build reads %d (unsigned) and %d (signed)", b[off], opaqueUnsigned, opaqueSigned))
+		return d.fail("version", fmt.Sprintf("version %d, this build reads %d (unsigned) and %d (signed)", d.b[d.off], opaqueUnsigned, opaqueSigned))
 	}
-	off++
-	uv := func(field string, max uint64) (uint64, error) {
-		v, n := binary.Uvarint(b[off:])
-		if n <= 0 {
-			return 0, fail(field, "truncated varint")
-		}
-		if v > max {
-			return 0, fail(field, fmt.Sprintf("%d exceeds %d", v, max))
-		}
-		off += n
-		return v, nil
-	}
+	d.off++
+	return nil
+}
+
+// request reads the request id, the token, the token count and the
+// CacheState.
+func (d *opaqueDecoder) request(out *OpaqueState) error {
 	var err error
-	if out.RequestID, err = uv("request_id", 1<<64-1); err != nil {
+	if out.RequestID, err = d.uvarint("request_id", 1<<64-1); err != nil {
 		return err
 	}
-	if len(b)-off < 16 {
-		return fail("token", "truncated")
+	if len(d.b)-d.off < 16 {
+		return d.fail("token", "truncated")
 	}
-	copy(out.Token[:], b[off:])
-	off += 16
-	if out.Tokens, err = uv("tokens", 1<<40); err != nil {
+	copy(out.Token[:], d.b[d.off:])
+	d.off += 16
+	if out.Tokens, err = d.uvarint("tokens", 1<<40); err != nil {
 		return err
 	}
-	n, err := uv("state.len", maxOpaque)
+	n, err := d.uvarint("state.len", maxOpaque)
 	if err != nil {
 		return err
 	}
-	if int(n) > len(b)-off {
-		return fail("state", fmt.Sprintf("length %d, only %d bytes left", n, len(b)-off))
+	if int(n) > len(d.b)-d.off {
+		return d.fail("state", fmt.Sprintf("length %d, only %d bytes left", n, len(d.b)-d.off))
 	}
-	if err := out.State.UnmarshalBinary(b[off : off+int(n)]); err != nil {
-		return fail("state", err.Error())
+	if err := out.State.UnmarshalBinary(d.b[d.off : d.off+int(n)]); err != nil {
+		return d.fail("state", err.Error())
 	}
-	off += int(n)
-	cnt, err := uv("endpoints", maxEndpoints)
+	d.off += int(n)
+	return nil
+}
+
+// endpoints reads the control endpoints, one per context rank.
+func (d *opaqueDecoder) endpoints(out *OpaqueState) error {
+	cnt, err := d.uvarint("endpoints", maxEndpoints)
 	if err != nil {
 		return err
 	}
 	if cnt == 0 {
-		return fail("endpoints", "none")
+		return d.fail("endpoints", "none")
 	}
 	if int(cnt) != out.State.Parallel.NumRanks() {
-		return fail("endpoints", fmt.Sprintf("%d endpoints for %d context ranks", cnt, out.State.Parallel.NumRanks()))
+		return d.fail("endpoints", fmt.Sprintf("%d endpoints for %d context ranks", cnt, out.State.Parallel.NumRanks()))
 	}
 	out.Endpoints = make([]string, 0, cnt)
 	for i := 0; i < int(cnt); i++ {
-		l, err := uv(fmt.Sprintf("endpoints[%d].len", i), maxEndpoint)
+		l, err := d.uvarint(fmt.Sprintf("endpoints[%d].len", i), maxEndpoint)
 		if err != nil {
 			return err
 		}
-		if l == 0 || int(l) > len(b)-off {
-			return fail(fmt.Sprintf("endpoints[%d]", i), "empty or truncated")
+		if l == 0 || int(l) > len(d.b)-d.off {
+			return d.fail(fmt.Sprintf("endpoints[%d]", i), "empty or truncated")
 		}
-		out.Endpoints = append(out.Endpoints, string(b[off:off+int(l)]))
-		off += int(l)
+		out.Endpoints = append(out.Endpoints, string(d.b[d.off:d.off+int(l)]))
+		d.off += int(l)
 	}
-	if out.Signed {
-		if len(b)-off < signedTail {
-			return fail("signature", fmt.Sprintf("%d bytes left, the signed form ends with %d (expiry, nonce, MAC)", len(b)-off, signedTail))
-		}
-		ms := binary.BigEndian.Uint64(b[off:])
-		if ms > math.MaxInt64 {
-			return fail("expiry", "out of range")
-		}
-		out.Expiry = time.UnixMilli(int64(ms))
-		off += 8
-		copy(out.Nonce[:], b[off:])
-		off += 16
-		out.covered = b[:off:off]
-		copy(out.MAC[:], b[off:])
-		off += macSize
+	return nil
+}
+
+// signature reads the tail of the signed form: expiry, nonce, MAC; it
+// keeps the bytes the MAC covers.
+func (d *opaqueDecoder) signature(out *OpaqueState) error {
+	if len(d.b)-d.off < signedTail {
+		return d.fail("signature", fmt.Sprintf("%d bytes left, the signed form ends with %d (expiry, nonce, MAC)", len(d.b)-d.off, signedTail))
 	}
-	if off != len(b) {
-		return fail("end", fmt.Sprintf("%d trailing bytes", len(b)-off))
+	ms := binary.BigEndian.Uint64(d.b[d.off:])
+	if ms > math.MaxInt64 {
+		return d.fail("expiry", "out of range")
 	}
-	*s = out
+	out.Expiry = time.UnixMilli(int64(ms))
+	d.off += 8
+	copy(out.Nonce[:], d.b[d.off:])
+	d.off += 16
+	out.covered = d.b[:d.off:d.off]
+	copy(out.MAC[:], d.b[d.off:])
+	d.off += macSize
 	return nil
 }
 

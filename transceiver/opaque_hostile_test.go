@@ -201,7 +201,7 @@ func TestHostileOpaqueStates(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false) // two context ranks: two endpoints
 	gs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	clk := &fakeClock{}
-	ctx := newInst(t, cs, testCfg(), 64, withSecret(testSecret, clk))
+	sender := newInst(t, cs, testCfg(), 64, withSecret(testSecret, clk))
 	gen := newInst(t, gs, testCfg(), 64, withSecret(testSecret, clk))
 	trap := newCountingListener(t)
 	otherKey := macKey(bytes.Repeat([]byte("x"), 32))
@@ -212,7 +212,7 @@ func TestHostileOpaqueStates(t *testing.T) {
 		want error
 	}{
 		{"a byte of an endpoint flipped", func(t *testing.T, enc []byte) []byte {
-			ep := []byte(ctx.t.Endpoints()[1])
+			ep := []byte(sender.t.Endpoints()[1])
 			i := bytes.Index(enc, ep)
 			if i < 0 {
 				t.Fatal("endpoint not found in the encoding")
@@ -262,7 +262,7 @@ func TestHostileOpaqueStates(t *testing.T) {
 	}
 	for i, tc := range tamper {
 		t.Run(tc.name, func(t *testing.T) {
-			creq, _ := startCtx(t, ctx, uint64(100+i), 8)
+			creq, _ := startSend(t, sender, uint64(100+i), 8)
 			if op := decodeOpaque(t, creq.ContextPhase.OpaqueState); !op.Signed || op.Expiry.IsZero() {
 				t.Fatalf("a context instance with a secret handed out an unsigned state: %+v", op)
 			}
@@ -275,28 +275,28 @@ func TestHostileOpaqueStates(t *testing.T) {
 	}
 
 	t.Run("expired", func(t *testing.T) {
-		creq, _ := startCtx(t, ctx, 200, 8)
+		creq, _ := startSend(t, sender, 200, 8)
 		clk.Advance(10*time.Second + time.Millisecond) // testCfg's kv_transfer_timeout_ms
 		err := refusedBeforeDial(t, gen, creq.ContextPhase.OpaqueState, ErrExpiredOpaqueState)
 		if !strings.Contains(err.Error(), "released its KV cache") {
 			t.Errorf("message: %v", err)
 		}
-		ctx.t.Cancel(creq)
+		sender.t.Cancel(creq)
 		waitDone(t, creq, 5*time.Second)
-		fresh, _ := startCtx(t, ctx, 201, 8)
+		fresh, _ := startSend(t, sender, 201, 8)
 		pullGenuine(t, gen, fresh)
 	})
 
 	t.Run("replayed after its pull", func(t *testing.T) {
-		creq, _ := startCtx(t, ctx, 300, 8)
+		creq, _ := startSend(t, sender, 300, 8)
 		pullGenuine(t, gen, creq)
 		refusedBeforeDial(t, gen, creq.ContextPhase.OpaqueState, ErrReplayedOpaqueState)
-		fresh, _ := startCtx(t, ctx, 301, 8)
+		fresh, _ := startSend(t, sender, 301, 8)
 		pullGenuine(t, gen, fresh)
 	})
 
 	t.Run("replayed while its pull is in flight", func(t *testing.T) {
-		creq, _ := startCtx(t, ctx, 400, 8)
+		creq, _ := startSend(t, sender, 400, 8)
 		first := genReqFor(gen, t, creq, 2)
 		if err := gen.t.RequestAndReceiveAsync(first); err != nil {
 			t.Fatal(err)
@@ -319,7 +319,7 @@ func TestHostileOpaqueStates(t *testing.T) {
 
 	t.Run("unsigned, from a context instance without the secret", func(t *testing.T) {
 		plain := newInst(t, cs, testCfg(), 16)
-		creq, _ := startCtx(t, plain, 500, 8)
+		creq, _ := startSend(t, plain, 500, 8)
 		if decodeOpaque(t, creq.ContextPhase.OpaqueState).Signed {
 			t.Fatal("an instance without a secret signed its state")
 		}
@@ -329,13 +329,13 @@ func TestHostileOpaqueStates(t *testing.T) {
 		}
 		plain.t.Cancel(creq)
 		waitDone(t, creq, 5*time.Second)
-		fresh, _ := startCtx(t, ctx, 501, 8)
+		fresh, _ := startSend(t, sender, 501, 8)
 		pullGenuine(t, gen, fresh)
 	})
 
 	t.Run("another cluster's signed state", func(t *testing.T) {
 		stranger := newInst(t, cs, testCfg(), 16, withSecret(bytes.Repeat([]byte("y"), 32), clk))
-		creq, _ := startCtx(t, stranger, 600, 8)
+		creq, _ := startSend(t, stranger, 600, 8)
 		refusedBeforeDial(t, gen, creq.ContextPhase.OpaqueState, ErrForgedOpaqueState)
 		stranger.t.Cancel(creq)
 		waitDone(t, creq, 5*time.Second)
@@ -348,7 +348,7 @@ func TestHostileOpaqueStates(t *testing.T) {
 		t.Fatal(err)
 	}
 	trap.assertNeverConnected(t)
-	if got, err := ctx.t.CheckContextTransferStatus(context.Background(), -1); err != nil {
+	if got, err := sender.t.CheckContextTransferStatus(context.Background(), -1); err != nil {
 		t.Fatalf("context side: %v (%d requests)", err, len(got))
 	}
 }
@@ -370,7 +370,7 @@ func TestPeerAllowList(t *testing.T) {
 	}
 
 	t.Run("no secret: loopback only", func(t *testing.T) {
-		ctx := newInst(t, s, testCfg(), 16)
+		sender := newInst(t, s, testCfg(), 16)
 		gen := newInst(t, s, testCfg(), 16)
 		for _, ep := range []string{"10.255.255.1:9", "[2001:db8::1]:9", "evil.example:80", "[::ffff:10.0.0.1]:9"} {
 			err := refusedBeforeDial(t, gen, unsigned(ep), ErrPeerNotAllowed)
@@ -389,7 +389,7 @@ func TestPeerAllowList(t *testing.T) {
 				t.Errorf("%s: %v", ep, err)
 			}
 		}
-		transfer(t, ctx, gen, 1, 8, 1, 0, 0)
+		transfer(t, sender, gen, 1, 8, 1, 0, 0)
 	})
 
 	t.Run("no secret, allowed hosts", func(t *testing.T) {
@@ -413,14 +413,14 @@ func TestPeerAllowList(t *testing.T) {
 	})
 
 	t.Run("secret and allow-list", func(t *testing.T) {
-		ctx := newInst(t, s, testCfg(), 16, withSecret(testSecret, nil), withPeers("10.0.0.5"))
+		sender := newInst(t, s, testCfg(), 16, withSecret(testSecret, nil), withPeers("10.0.0.5"))
 		gen := newInst(t, s, testCfg(), 16, withSecret(testSecret, nil), withPeers("10.0.0.5"))
 		refusedBeforeDial(t, gen, signed(testSecret, "10.255.255.1:9"), ErrPeerNotAllowed)
 		if _, err := gen.t.CheckOpaque(signed(testSecret, "10.0.0.5:9")); err != nil {
 			t.Errorf("allowed host: %v", err)
 		}
 		// Loopback is always allowed, both ways: a whole transfer.
-		transfer(t, ctx, gen, 2, 8, 2, 0, 0)
+		transfer(t, sender, gen, 2, 8, 2, 0, 0)
 	})
 
 	t.Run("host names", func(t *testing.T) {
@@ -521,9 +521,9 @@ func TestAcceptAllowList(t *testing.T) {
 
 	// A context instance with an allow-list still serves loopback.
 	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	ctx := newInst(t, s, testCfg(), 16, withPeers("10.0.0.5"))
+	sender := newInst(t, s, testCfg(), 16, withPeers("10.0.0.5"))
 	gen := newInst(t, s, testCfg(), 16)
-	transfer(t, ctx, gen, 3, 8, 3, 0, 0)
+	transfer(t, sender, gen, 3, 8, 3, 0, 0)
 }
 
 // TestNonceCache: the replay set is bounded; when full it refuses new states

@@ -2,16 +2,14 @@ package transceiver
 
 import (
 	"context"
-	"crypto/subtle"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
-	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/netlimit"
@@ -21,42 +19,21 @@ import (
 	"github.com/kvxfer/kvxfer/transport"
 )
 
-// rankSettings are the per-rank settings derived from the public config by
-// New (the only place that reads it).
-type rankSettings struct {
-	timeout     time.Duration
-	backend     string // "tcp", "shm", "ucx" or "auto"
-	bufferBytes int64  // staging buffer size, before rounding up to a block
-	sendBuffers int
-	recvBuffers int
-	zeroCopy    bool
-	host        string
-	logger      *slog.Logger
-	now         func() time.Time
-	peers       *peerPolicy // hosts this rank may dial and accept
-	tls         *tls.Config // client side of the control plane's mutual TLS; nil: plain TCP
-	limits      ConnLimits  // with defaults
-	conns       connObs     // the Observer's ConnObserver, if any
-}
+// The driver: one rank's goroutines around the protocol cores. It feeds a
+// request's core the events that happen to it (frames, ends of sends and
+// receives, deadline ticks, cancels), one at a time under the rank's lock,
+// and carries out the effects the core returns (run), without the lock.
+// The control connections are in control.go, the data mover in mover.go.
 
 // rankDone is how a rank reports that its part of a request ended.
-type rankDone func(r *rank, gen bool, reqID uint64, err error, st rankStats)
-
-// rankStats are the figures of one request on one rank.
-type rankStats struct {
-	bytes   int64
-	chunks  int
-	backend string
-	start   time.Time
-	moving  time.Time // when data started to move; zero if it never did
-	end     time.Time
-}
+type rankDone func(rank int, key instKey, err error, res rankResult)
 
 // rank is one rank's transceiver: a control listener, the data planes, the
 // staging buffers and the requests in flight.
 //
-// Lock order: rank.mu, then nothing (ctrlConn.wmu is never taken under
-// rank.mu: effects run after the lock is released).
+// Lock order: rank.mu, then the clock's own (arming and stopping a
+// deadline); ctrlConn.wmu is never taken under rank.mu: effects run after
+// the lock is released.
 type rank struct {
 	idx        int
 	state      layout.CacheState // the instance's state (DP rank 0)
@@ -69,6 +46,7 @@ type rank struct {
 	recvBufs   *bufPool
 	done       rankDone
 	log        *slog.Logger
+	nextRecv   atomic.Uint64 // ids of the receives of this rank (wire GenRequestID)
 
 	wg   sync.WaitGroup  // every goroutine of this rank
 	life context.Context // ends when the rank closes: bounds dials and handshakes
@@ -76,51 +54,51 @@ type rank struct {
 	csv  *timingCSV      // nil: none
 	stop context.CancelFunc
 
-	mu      sync.Mutex
-	closed  bool
-	ctxReqs map[uint64]*ctxReq
-	genReqs map[uint64]*genReq
-	dialed  map[string]*dialEntry // generation side: control connection per context endpoint
-	conns   map[*ctrlConn]struct{}
-	nextGen uint64
+	mu       sync.Mutex
+	closed   bool
+	reqs     map[reqKey]*rankReq
+	dialed   map[string]*dialEntry // control connection per context endpoint dialled
+	conns    map[connID]*ctrlConn
+	nextConn connID
 }
 
-type dialEntry struct {
-	ready chan struct{} // closed when conn/err are set
-	conn  *ctrlConn
-	err   error
+// reqKey names a request on a rank: send side by the context request's id,
+// receive side by the rank's own id of the transfer (what the peer's
+// frames carry).
+type reqKey struct {
+	side side
+	id   uint64
 }
 
-// ctxReq is a context request held by this rank until it is pulled.
-type ctxReq struct {
-	id     uint64
-	token  [16]byte
-	state  layout.CacheState
-	blocks []kvcache.BlockID
-	mem    [][]byte
-	hashes []kvcache.Hash
-	core   *ctxCore
-	peers  map[int]*ctxPeer // by generation rank
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	timer  *time.Timer
-	stats  rankStats
-	// workers counts the goroutines that may still touch mem; the request
-	// is reported done (and its blocks released) only after they end.
+// rankReq is one request in flight on a rank, on either side: its core, and
+// what carrying out the core's effects needs.
+type rankReq struct {
+	key       reqKey
+	reqID     uint64 // the instance's Request.ID
+	core      protocolCore
+	mem       [][]byte
+	blocks    []kvcache.BlockID // send side: the references held
+	endpoints []string          // receive side: the context ranks' control endpoints
+	ctx       context.Context   // ends when the request stops: bounds its sends and receives
+	cancel    context.CancelCauseFunc
+	stats     rankStats
+	// workers counts the goroutines (and the steps whose effects are
+	// being carried out) that may still touch mem: the blocks go back only
+	// after they end.
 	workers sync.WaitGroup
+
+	// Guarded by rank.mu.
+	over      bool                   // the core completed: later events are dropped
+	stopTimer func() bool            // the deadline's timer
+	descs     map[int]chan chunkDesc // send side: chunk receipts for each send, by generation rank
+	srcs      map[int]*srcIO         // receive side: by context rank
 }
 
-// ctxPeer is one generation rank that asked for a context request.
-type ctxPeer struct {
-	rank     int
-	conn     *ctrlConn
-	genReqID uint64
-	plan     *layout.Plan
-	first, n int // blocks [first, first+n) of the request
-	chunk    int
-	backend  string
-	zdesc    transport.Descriptor // receipt of a direct transfer (no staging)
-	descs    chan chunkDesc
+// srcIO is the data-plane state of one source of a receive.
+type srcIO struct {
+	conn   *ctrlConn
+	tr     transport.Transport
+	direct transport.Recv // receipt armed for a direct transfer; nil: none
 }
 
 type chunkDesc struct {
@@ -128,40 +106,8 @@ type chunkDesc struct {
 	desc  transport.Descriptor
 }
 
-// genReq is a generation request pulling into this rank's blocks.
-type genReq struct {
-	id       uint64
-	reqID    uint64 // the instance's request id (for reports)
-	op       *OpaqueState
-	genState layout.CacheState
-	blocks   []kvcache.BlockID
-	mem      [][]byte
-	core     *genCore
-	srcs     map[int]*genSrc // by context rank
-	ctx      context.Context
-	cancel   context.CancelCauseFunc
-	timer    *time.Timer
-	stats    rankStats
-	lastHash *kvcache.Hash
-	workers  sync.WaitGroup // goroutines that may still write into mem
-}
-
-// genSrc is one context rank a generation request pulls from.
-type genSrc struct {
-	rank    int
-	plan    *layout.Plan
-	conn    *ctrlConn
-	backend string
-	tr      transport.Transport
-	chunk   int
-	zrecv   transport.Recv // armed before asking, for zero-copy
-}
-
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone) *rank {
-	bb := max(set.bufferBytes, pool.BlockBytes())
-	if bb > 1<<40 {
-		bb = 1 << 40
-	}
+	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	life, stop := context.WithCancel(context.Background())
 	return &rank{
 		life: life, stop: stop,
@@ -172,127 +118,11 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		sendBufs: newBufPool(set.sendBuffers, int(bb)),
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
-		ctxReqs:  map[uint64]*ctxReq{}, genReqs: map[uint64]*genReq{},
-		dialed: map[string]*dialEntry{}, conns: map[*ctrlConn]struct{}{},
+		reqs:     map[reqKey]*rankReq{}, dialed: map[string]*dialEntry{}, conns: map[connID]*ctrlConn{},
 	}
 }
 
-func (r *rank) endpoint() string { return r.ln.Addr().String() }
-
-func (r *rank) backendNames() []string {
-	names := make([]string, 0, len(r.transports))
-	for n := range r.transports {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return names
-}
-
-// registerMemory declares the rank's pool arena to every backend that
-// wants memory registered. Staging buffers stay private heap memory: no
-// backend hands a peer a pool or a staging buffer (shm copies each part
-// into a window of the connection; see transport/shm).
-func (r *rank) registerMemory() error {
-	arena := r.pool.Arena()
-	var f *os.File
-	if sa, ok := arena.(*kvcache.ShmArena); ok {
-		f = sa.File()
-	}
-	for _, n := range r.backendNames() {
-		if mr, ok := r.transports[n].(transport.MemoryRegistrar); ok {
-			if err := mr.RegisterMemory(arena.Bytes(), f); err != nil {
-				return fmt.Errorf("transceiver: rank %d: register the pool: %w", r.idx, err)
-			}
-		}
-	}
-	return nil
-}
-
-// report hands a finished transfer to the observer and the timing file.
-func (r *rank) report(id uint64, role string, err error, st rankStats) {
-	rec := st.record(id, r.idx, role, err)
-	if r.obs != nil {
-		r.obs.TransferEnded(rec)
-	}
-	r.csv.write(rec)
-}
-
-// backendEndpoints returns the data-plane endpoint of each backend, in the
-// order of backendNames.
-func (r *rank) backendEndpoints() []string {
-	names := r.backendNames()
-	eps := make([]string, len(names))
-	for i, n := range names {
-		eps[i] = r.transports[n].Endpoint()
-	}
-	return eps
-}
-
-// start runs the accept loop.
-func (r *rank) start() {
-	r.wg.Add(1)
-	go r.acceptLoop()
-}
-
-// acceptLoop accepts control connections within the rank's limits (the
-// listener closes the others at once) until the listener closes.
-func (r *rank) acceptLoop() {
-	defer r.wg.Done()
-	var delay time.Duration
-	for {
-		c, err := r.ln.Accept()
-		if errors.Is(err, net.ErrClosed) {
-			return
-		}
-		if err != nil {
-			// Out of file descriptors and the like: back off as net/http
-			// does instead of spinning, or ending the control plane.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			r.log.Warn("control listener: accept failed; retrying", "err", err, "delay", delay)
-			t := time.NewTimer(delay)
-			select {
-			case <-t.C:
-			case <-r.life.Done():
-				t.Stop()
-				return
-			}
-			continue
-		}
-		delay = 0
-		if !r.set.peers.acceptOK(c.RemoteAddr()) {
-			r.set.peers.logRefusal(r.log, c.RemoteAddr())
-			c.Close()
-			continue
-		}
-		if tc, ok := netlimit.Unwrap(c).(*net.TCPConn); ok {
-			tc.SetNoDelay(true)
-		}
-		cc := newCtrlConn(c)
-		cc.peer.endpoint = c.RemoteAddr().String()
-		cc.touch()
-		if !r.track(cc) {
-			c.Close()
-			return
-		}
-		r.wg.Add(1)
-		go r.serveCtx(cc)
-	}
-}
-
-func (r *rank) track(cc *ctrlConn) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.closed {
-		return false
-	}
-	r.conns[cc] = struct{}{}
-	return true
-}
-
-// ---------------------------------------------------------------------------
-// Context side.
-
-// respond registers a context request: its blocks are retained until the
+// respond holds a context request: its blocks are retained until the
 // transfer ends or the deadline passes.
 func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, blocks []kvcache.BlockID, hashes []kvcache.Hash) error {
 	if err := r.pool.Retain(blocks...); err != nil {
@@ -302,392 +132,355 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	for i, b := range blocks {
 		mem[i] = r.pool.Block(b)
 	}
-	ctx, cancel := context.WithCancelCause(context.Background())
-	cr := &ctxReq{id: id, token: token, state: state, blocks: slices.Clone(blocks), mem: mem, hashes: hashes,
-		core: newCtxCore(), peers: map[int]*ctxPeer{}, ctx: ctx, cancel: cancel, stats: rankStats{start: r.set.now()}}
-	r.mu.Lock()
-	if r.closed {
-		r.mu.Unlock()
-		cancel(ErrClosed)
+	q := r.newReq(reqKey{sideSend, id}, id, mem)
+	q.blocks = slices.Clone(blocks)
+	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes,
+		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout})
+	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
-		return ErrClosed
+		return err
 	}
-	if _, dup := r.ctxReqs[id]; dup {
-		r.mu.Unlock()
-		cancel(nil)
-		r.pool.Release(blocks...)
-		return fmt.Errorf("transceiver: rank %d: context request %d is already in flight", r.idx, id)
-	}
-	r.ctxReqs[id] = cr
-	if r.obs != nil {
-		r.obs.TransferStarted(RoleContext)
-	}
-	cr.timer = time.AfterFunc(r.set.timeout, func() {
-		r.stepCtx(cr, func() []effect {
-			return cr.core.timeout(fmt.Errorf("%w: context request %d not pulled and sent within %v", ErrTimeout, id, r.set.timeout))
-		})
-	})
-	r.mu.Unlock()
 	return nil
 }
 
-// stepCtx runs one event of a context request under the lock and carries
-// out its effects after.
-func (r *rank) stepCtx(cr *ctxReq, ev func() []effect) {
-	r.mu.Lock()
-	effs := ev()
-	r.mu.Unlock()
-	r.execCtx(cr, effs)
-}
-
-func (r *rank) execCtx(cr *ctxReq, effs []effect) {
-	for _, e := range effs {
-		switch e.kind {
-		case effRefuse:
-			// Refusals of an ask are sent by the ask handler, which knows
-			// the connection; see handleAsk.
-		case effReady:
-			p := cr.peers[e.peer]
-			p.conn.send(&wire.Ready{CtxRequestID: cr.id, GenRequestID: p.genReqID, ChunkBlocks: uint32(p.chunk)})
-		case effStartSend:
-			p := cr.peers[e.peer]
-			r.mu.Lock()
-			if cr.stats.moving.IsZero() {
-				cr.stats.moving = r.set.now()
-			}
-			r.mu.Unlock()
-			r.wg.Add(1)
-			cr.workers.Add(1)
-			go func() {
-				defer r.wg.Done()
-				defer cr.workers.Done() // after the step: the completion reads the stats
-				n, chunks, err := r.sendPair(cr, p)
-				r.stepCtx(cr, func() []effect {
-					cr.stats.bytes += n
-					cr.stats.chunks += chunks
-					cr.stats.backend = r.transports[p.backend].Name()
-					return cr.core.sent(p.rank, err)
-				})
-			}()
-		case effAbort:
-			if p := cr.peers[e.peer]; p != nil {
-				p.conn.send(&wire.Abort{CtxRequestID: cr.id, GenRequestID: p.genReqID, Reason: e.reason})
-			}
-		case effStopAll:
-			cr.cancel(ErrCanceled)
-		case effComplete:
-			cr.timer.Stop()
-			r.mu.Lock()
-			delete(r.ctxReqs, cr.id)
-			for _, p := range cr.peers {
-				p.conn.touch() // idle from now on, if nothing else uses it
-			}
-			r.mu.Unlock()
-			err := e.err
-			r.wg.Add(1)
-			go func() {
-				// Blocks go back only once no send reads them any more.
-				defer r.wg.Done()
-				cr.workers.Wait()
-				cr.cancel(nil)
-				if rerr := r.pool.Release(cr.blocks...); rerr != nil {
-					r.log.Error("release blocks", "request", cr.id, "err", rerr)
-				}
-				cr.stats.end = r.set.now()
-				if err != nil {
-					r.log.Warn("context transfer failed", "request", cr.id, "backend", cr.stats.backend, "peers", len(cr.peers), "err", err)
-				}
-				r.report(cr.id, RoleContext, err, cr.stats)
-				r.done(r, false, cr.id, err, cr.stats)
-			}()
-		}
-	}
-}
-
-// serveCtx reads the frames of one accepted control connection, until it
-// breaks, closes, or stays idle for the idle timeout.
-func (r *rank) serveCtx(cc *ctrlConn) {
-	defer r.wg.Done()
-	err := r.handshakeCtx(cc)
-	if errors.Is(err, os.ErrDeadlineExceeded) {
-		r.set.conns.Refused(RefusedHandshakeTimeout)
-		r.refusals.Warn(RefusedHandshakeTimeout, "control connection closed: no hello in time", "rank", r.idx,
-			"remote", cc.peer.endpoint, "timeout", r.set.limits.HandshakeTimeout)
-	}
-	for err == nil {
-		var f wire.Frame
-		f, err = r.nextFrame(cc, r.set.limits.IdleTimeout, r.ctxIdleLeft)
-		if errors.Is(err, errIdle) {
-			r.set.conns.idleClosed()
-			r.log.Debug("control connection closed: idle", "remote", cc.peer.endpoint, "idle_timeout", r.set.limits.IdleTimeout)
-		}
-		if err != nil {
-			break
-		}
-		switch f := f.(type) {
-		case *wire.RequestInfo:
-			r.handleAsk(cc, f)
-		case *wire.ChunkDesc:
-			r.handleChunkDesc(cc, f)
-		case *wire.Abort:
-			r.withPeer(cc, f.CtxRequestID, f.GenRequestID, func(cr *ctxReq, p *ctxPeer) {
-				r.stepCtx(cr, func() []effect { return cr.core.peerAbort(p.rank, f.Reason) })
-			})
-		case *wire.Ping:
-			err = cc.send(&wire.Pong{Nonce: f.Nonce})
-		default:
-			err = fmt.Errorf("%w: unexpected %s frame from a generation rank", wire.ErrMalformed, f.Type())
-		}
-	}
-	r.connLost(cc, err)
-}
-
-func (r *rank) handshakeCtx(cc *ctrlConn) error {
-	if d := r.set.limits.HandshakeTimeout; d > 0 {
-		cc.c.SetReadDeadline(time.Now().Add(d))
-	}
-	f, err := wire.Read(cc.br)
-	cc.c.SetReadDeadline(time.Time{})
+// receive starts pulling context request op into blocks (this rank's, in
+// request order). self is the instance's state with the DP rank of this
+// request.
+func (r *rank) receive(reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash) error {
+	id := r.nextRecv.Add(1)
+	core, err := newRecvCore(recvConfig{rank: r.idx, id: id, reqID: reqID, sendID: op.RequestID, token: op.Token,
+		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash,
+		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout})
 	if err != nil {
-		return fmt.Errorf("handshake: %w", err)
+		return err
 	}
-	h, ok := f.(*wire.Hello)
-	if !ok {
-		return fmt.Errorf("%w: handshake: want hello, got %s", wire.ErrMalformed, f.Type())
+	mem := make([][]byte, len(blocks))
+	for i, b := range blocks {
+		if mem[i] = r.pool.Block(b); mem[i] == nil {
+			return fmt.Errorf("transceiver: rank %d: block %d of request %d is not a pinned block of this rank's pool", r.idx, b, reqID)
+		}
 	}
-	if h.Version != wire.Version {
-		reason := fmt.Sprintf("control protocol version %d, this context rank speaks %d", h.Version, wire.Version)
-		cc.send(&wire.Refused{Code: wire.RefusedVersion, Reason: reason})
-		return errors.New(reason)
-	}
-	cc.peer.rank, cc.peer.state, cc.peer.host, cc.peer.backends, cc.peer.endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
-	st, _ := r.state.MarshalBinary()
-	cc.touch()
-	return cc.send(&wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames(), Endpoints: r.backendEndpoints()})
+	q := r.newReq(reqKey{sideRecv, id}, reqID, mem)
+	q.core, q.endpoints, q.srcs = core, op.Endpoints, map[int]*srcIO{}
+	return r.admit(q)
 }
 
-// errIdle ends a control connection closed for idleness.
-var errIdle = errors.New("transceiver: control connection idle")
-
-// frameTimeout bounds the arrival of a frame once its first byte has: a
-// peer that starts a frame and stalls is gone (or hostile).
-const frameTimeout = writeTimeout
-
-// nextFrame reads cc's next frame. Between frames it waits for the first
-// byte at most idle (no bound when idle <= 0); when that passes, idleLeft
-// says how much longer cc must stay unused to be idle: 0 ends the wait
-// with errIdle (idleLeft has then made sure nobody takes cc any more).
-func (r *rank) nextFrame(cc *ctrlConn, idle time.Duration, idleLeft func(*ctrlConn, time.Duration) time.Duration) (wire.Frame, error) {
-	wait := idle
-	for {
-		if idle > 0 {
-			cc.c.SetReadDeadline(time.Now().Add(wait))
-		} else {
-			cc.c.SetReadDeadline(time.Time{})
-		}
-		_, err := cc.br.Peek(1)
-		if err == nil {
-			break
-		}
-		if idle <= 0 || !errors.Is(err, os.ErrDeadlineExceeded) {
-			return nil, err
-		}
-		if wait = idleLeft(cc, idle); wait <= 0 {
-			return nil, errIdle
-		}
-	}
-	cc.c.SetReadDeadline(time.Now().Add(frameTimeout))
-	f, err := wire.Read(cc.br)
-	cc.touch()
-	return f, err
+func (r *rank) newReq(key reqKey, reqID uint64, mem [][]byte) *rankReq {
+	ctx, cancel := context.WithCancelCause(context.Background())
+	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel,
+		stats: rankStats{start: r.set.now()}, descs: map[int]chan chunkDesc{}}
 }
 
-// ctxIdleLeft returns how much longer accepted connection cc must stay
-// unused to have been idle for d: d while a context request has a peer on
-// it, 0 when it is idle.
-func (r *rank) ctxIdleLeft(cc *ctrlConn, d time.Duration) time.Duration {
+// admit registers q and starts its core.
+func (r *rank) admit(q *rankReq) error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		q.cancel(ErrClosed)
+		return ErrClosed
+	}
+	if _, dup := r.reqs[q.key]; dup {
+		r.mu.Unlock()
+		q.cancel(nil)
+		return fmt.Errorf("transceiver: rank %d: context request %d is already in flight", r.idx, q.key.id)
+	}
+	r.reqs[q.key] = q
+	if r.obs != nil {
+		r.obs.TransferStarted(roleOf(q.key.side))
+	}
+	effs, _ := r.stepLocked(q, evStart{now: r.set.clock.Now()})
+	r.mu.Unlock()
+	r.run(q, effs)
+	return nil
+}
+
+// feed runs ev on the request find returns, under the lock, and carries
+// out the effects after. It reports whether there was such a request and
+// how many effects the event had.
+func (r *rank) feed(find func() *rankReq, ev event) (found bool, n int) {
+	r.mu.Lock()
+	q := find()
+	if q == nil {
+		r.mu.Unlock()
+		return false, 0
+	}
+	effs, live := r.stepLocked(q, ev)
+	r.mu.Unlock()
+	if live {
+		r.run(q, effs)
+	}
+	return true, len(effs)
+}
+
+// step feeds ev to q.
+func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev) }
+
+// stepLocked runs ev on q's core. Unless q is over, the caller must pass
+// the effects to run, which ends the hold taken here on q's blocks.
+func (r *rank) stepLocked(q *rankReq, ev event) ([]effect, bool) {
+	if q.over {
+		return nil, false
+	}
+	effs := q.core.step(ev)
+	if q.core.state().over() {
+		q.over = true
+		delete(r.reqs, q.key)
+		for _, id := range q.core.conns() {
+			if cc := r.conns[id]; cc != nil {
+				cc.touch() // idle from now on, if nothing else uses it
+			}
+		}
+	}
+	q.workers.Add(1)
+	return effs, true
+}
+
+// run carries out effects of q's core (nil q: the refusal of an ask for a
+// request this rank does not hold).
+func (r *rank) run(q *rankReq, effs []effect) {
+	if q != nil {
+		defer q.workers.Done()
+	}
+	release := false
+	for _, e := range effs {
+		switch e := e.(type) {
+		case effArmTimer:
+			r.mu.Lock()
+			if !q.over {
+				q.stopTimer = r.set.clock.AfterFunc(e.at.Sub(r.set.clock.Now()), func() { r.step(q, evTick{now: r.set.clock.Now()}) })
+			}
+			r.mu.Unlock()
+		case effRefuse:
+			from := ""
+			if cc := r.conn(e.to.conn); cc != nil {
+				from = cc.peer.endpoint
+			}
+			r.log.Info("refused request-info", "request", e.to.sendID, "gen_rank", e.gen, "from", from, "reason", e.reason)
+			if e.note != "" {
+				r.log.Warn("request-info with a "+e.note, "request", e.to.sendID, "from", from)
+			}
+			r.send(e.to, &wire.Refused{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Code: e.code, Reason: e.reason})
+		case effReady:
+			r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)})
+		case effStartSend:
+			descs := r.descQueue(q, e.gen)
+			r.work(q, func() (int64, int, string, event) {
+				n, chunks, err := r.sendPair(q, e.pair, descs)
+				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, err: err}
+			})
+		case effChunk:
+			select {
+			case r.descQueue(q, e.gen) <- chunkDesc{index: e.index, desc: e.desc}:
+			default:
+				r.step(q, evDescOverflow{gen: e.gen})
+			}
+		case effAsk:
+			r.wg.Add(1)
+			q.workers.Add(1)
+			go func() {
+				defer r.wg.Done()
+				defer q.workers.Done()
+				r.ask(q, e.src)
+			}()
+		case effRequestInfo:
+			if err := r.requestInfo(q, e); err != nil {
+				r.step(q, evAskFailed{src: e.src, err: err})
+			}
+		case effStartRecv:
+			r.work(q, func() (int64, int, string, event) {
+				n, chunks, err := r.recvPair(q, e)
+				return n, chunks, r.source(q, e.src).tr.Name(), evReceived{src: e.src, err: err}
+			})
+		case effAbort:
+			r.send(e.to, &wire.Abort{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Reason: e.reason})
+		case effStopAll:
+			q.cancel(ErrCanceled)
+		case effRelease:
+			release = true
+		case effComplete:
+			r.finish(q, e.err, release)
+		}
+	}
+}
+
+// send writes a frame on the connection of a route; one that is gone (or
+// was never dialled) gets nothing: its own failure is already reported.
+func (r *rank) send(to route, f wire.Frame) {
+	if cc := r.conn(to.conn); cc != nil {
+		cc.send(f)
+	}
+}
+
+// conn returns the connection id names; nil when it is gone.
+func (r *rank) conn(id connID) *ctrlConn {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, cr := range r.ctxReqs {
-		for _, p := range cr.peers {
-			if p.conn == cc {
-				return d
-			}
-		}
-	}
-	return max(0, d-time.Since(cc.lastUse()))
+	return r.conns[id]
 }
 
-func (r *rank) refuse(cc *ctrlConn, ri *wire.RequestInfo, code uint8, format string, args ...any) {
-	reason := fmt.Sprintf(format, args...)
-	r.log.Info("refused request-info", "request", ri.CtxRequestID, "gen_rank", ri.GenRank, "from", cc.peer.endpoint, "reason", reason)
-	cc.send(&wire.Refused{CtxRequestID: ri.CtxRequestID, GenRequestID: ri.GenRequestID, Code: code, Reason: reason})
-}
-
-// handleAsk validates a request-info and feeds it to the request's core.
-func (r *rank) handleAsk(cc *ctrlConn, ri *wire.RequestInfo) {
+// work runs a send or a receive of q in a goroutine, accounts its figures
+// and feeds the core its end.
+func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string, end event)) {
 	r.mu.Lock()
-	cr := r.ctxReqs[ri.CtxRequestID]
+	if q.stats.moving.IsZero() {
+		q.stats.moving = r.set.now()
+	}
 	r.mu.Unlock()
-	// An unknown id and a wrong token get the same answer, so that the
-	// answer does not tell a stranger which ids exist.
-	if cr == nil || subtle.ConstantTimeCompare(cr.token[:], ri.Token[:]) != 1 {
-		if cr != nil {
-			r.log.Warn("request-info with a wrong transfer token", "request", ri.CtxRequestID, "from", cc.peer.endpoint)
-		}
-		r.refuse(cc, ri, wire.RefusedUnknown, "context request %d is not held by context rank %d (unknown id or wrong token, expired, cancelled or already transferred)", ri.CtxRequestID, r.idx)
-		return
-	}
-	var gen layout.CacheState
-	if err := gen.UnmarshalBinary(ri.GenState); err != nil {
-		r.refuse(cc, ri, wire.RefusedBadRequest, "generation cache state: %v", err)
-		return
-	}
-	if err := layout.Compatible(cr.state, gen); err != nil {
-		r.refuse(cc, ri, wire.RefusedIncompatible, "%v", err)
-		return
-	}
-	g := int(ri.GenRank)
-	if g >= gen.Parallel.NumRanks() {
-		r.refuse(cc, ri, wire.RefusedBadRequest, "generation rank %d out of range for %d ranks", g, gen.Parallel.NumRanks())
-		return
-	}
-	expected, err := layout.TargetRanks(gen, cr.state, r.idx)
-	if err != nil {
-		r.refuse(cc, ri, wire.RefusedIncompatible, "%v", err)
-		return
-	}
-	plan, err := layout.NewPlan(cr.state, r.idx, gen, g)
-	if err != nil {
-		r.refuse(cc, ri, wire.RefusedIncompatible, "%v", err)
-		return
-	}
-	n := int(ri.NumBlocks)
-	first := len(cr.blocks) - n
-	if ri.HasLastHash {
-		end := slices.IndexFunc(cr.hashes, func(h kvcache.Hash) bool { return h == kvcache.Hash(ri.LastHash) })
-		if end < 0 {
-			r.refuse(cc, ri, wire.RefusedBadRequest, "no block of context request %d has the requested last-block hash", cr.id)
-			return
-		}
-		first = end + 1 - n
-	}
-	if n <= 0 || first < 0 {
-		r.refuse(cc, ri, wire.RefusedBadRequest, "asked for %d blocks, context request %d has %d", n, cr.id, len(cr.blocks))
-		return
-	}
-	if _, ok := r.transports[ri.Backend]; !ok {
-		r.refuse(cc, ri, wire.RefusedUnavailable, "backend %q is not open on context rank %d (open: %v)", ri.Backend, r.idx, r.backendNames())
-		return
-	}
-	p := &ctxPeer{rank: g, conn: cc, genReqID: ri.GenRequestID, plan: plan, first: first, n: n, backend: ri.Backend,
-		descs: make(chan chunkDesc, 64)}
-	packed := plan.PackedBytesPerBlock()
-	switch {
-	case packed == 0:
-	case len(ri.Desc) > 0:
-		if !directOK(plan, n) {
-			r.refuse(cc, ri, wire.RefusedBadRequest, "a direct transfer was asked for a plan whose spans are too small for one")
-			return
-		}
-		p.zdesc, p.chunk = ri.Desc, n
-	default:
-		p.chunk = max(1, min(int(ri.MaxChunkBlocks), int(int64(r.sendBufs.size)/packed), n))
-	}
-	r.mu.Lock()
-	if r.ctxReqs[cr.id] != cr {
+	r.wg.Add(1)
+	q.workers.Add(1)
+	go func() {
+		defer r.wg.Done()
+		defer q.workers.Done() // after the step: the completion reads the stats
+		n, chunks, backend, end := move()
+		r.mu.Lock()
+		q.stats.bytes += n
+		q.stats.chunks += chunks
+		q.stats.backend = backend
 		r.mu.Unlock()
-		r.refuse(cc, ri, wire.RefusedUnknown, "context request %d is no longer held", cr.id)
+		r.step(q, end)
+	}()
+}
+
+// descQueue returns the queue of chunk receipts of the send to gen.
+func (r *rank) descQueue(q *rankReq, gen int) chan chunkDesc {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	ch := q.descs[gen]
+	if ch == nil {
+		ch = make(chan chunkDesc, 64)
+		q.descs[gen] = ch
+	}
+	return ch
+}
+
+func (r *rank) source(q *rankReq, src int) *srcIO {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return q.srcs[src]
+}
+
+// ask reaches context rank src for q (dial, backend) and hands the result
+// to the core, which writes the request-info.
+func (r *rank) ask(q *rankReq, src int) {
+	cc, err := r.dial(q.ctx, q.endpoints[src])
+	if err != nil {
+		r.step(q, evAskFailed{src: src, err: err})
 		return
 	}
-	effs := cr.core.ask(g, expected, packed > 0)
-	if !slices.ContainsFunc(effs, func(e effect) bool { return e.kind == effRefuse }) {
-		cr.peers[g] = p
+	defer r.undial(cc)
+	backend, err := r.chooseBackend(cc)
+	if err != nil {
+		r.step(q, evAskFailed{src: src, err: err})
+		return
 	}
-	r.mu.Unlock()
-	for _, e := range effs {
-		if e.kind == effRefuse {
-			r.refuse(cc, ri, wire.RefusedBadRequest, "%s", e.reason)
-		}
-	}
-	r.execCtx(cr, effs)
-}
-
-func (r *rank) withPeer(cc *ctrlConn, ctxID, genReqID uint64, fn func(*ctxReq, *ctxPeer)) {
 	r.mu.Lock()
-	cr := r.ctxReqs[ctxID]
-	var p *ctxPeer
-	if cr != nil {
-		for _, q := range cr.peers {
-			if q.conn == cc && q.genReqID == genReqID {
-				p = q
-			}
+	q.srcs[src] = &srcIO{conn: cc, tr: r.transports[backend]}
+	r.mu.Unlock()
+	r.step(q, evDialled{src: src, conn: cc.id, backend: backend})
+}
+
+// requestInfo sends the request-info, first arming the receipt of a direct
+// transfer straight into the blocks when the core asks for one.
+func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
+	s := r.source(q, e.src)
+	if e.direct {
+		rv, err := s.tr.Expect(segments(q.mem, e.plan.DstSpans()))
+		if err != nil {
+			return err
 		}
+		r.mu.Lock()
+		s.direct = rv
+		r.mu.Unlock()
+		e.ri.Desc = rv.Descriptor()
+	}
+	return s.conn.send(&e.ri)
+}
+
+// finish ends q on this rank once nothing touches its blocks any more:
+// blocks back (release), figures reported, the instance told.
+func (r *rank) finish(q *rankReq, err error, release bool) {
+	r.mu.Lock()
+	if q.stopTimer != nil {
+		q.stopTimer()
 	}
 	r.mu.Unlock()
-	if p != nil {
-		fn(cr, p)
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		q.workers.Wait()
+		if release {
+			r.release(q)
+		}
+		q.cancel(nil)
+		q.stats.end = r.set.now()
+		if err != nil {
+			r.log.Warn(roleOf(q.key.side)+" transfer failed", "request", q.reqID, "backend", q.stats.backend, "err", err)
+		}
+		r.report(q.reqID, roleOf(q.key.side), err, q.stats)
+		r.done(r.idx, instKey{q.key.side, q.reqID}, err, rankResult{bytes: q.stats.bytes, chunks: q.stats.chunks, backend: q.stats.backend, end: q.stats.end})
+	}()
+}
+
+// release gives q's blocks back: the references a send held, or the blocks
+// a receipt armed for a direct transfer whose receive never started.
+func (r *rank) release(q *rankReq) {
+	if q.key.side == sideSend {
+		if err := r.pool.Release(q.blocks...); err != nil {
+			r.log.Error("release blocks", "request", q.reqID, "err", err)
+		}
+		return
+	}
+	for _, s := range q.srcs {
+		if s.direct != nil {
+			s.direct.Cancel()
+		}
 	}
 }
 
-func (r *rank) handleChunkDesc(cc *ctrlConn, f *wire.ChunkDesc) {
-	r.withPeer(cc, f.CtxRequestID, f.GenRequestID, func(cr *ctxReq, p *ctxPeer) {
-		select {
-		case p.descs <- chunkDesc{index: int(f.Index), desc: f.Desc}:
+// deliver feeds ev to the request key names; for a request this rank does
+// not hold, it carries out unknown's effects instead (when not nil).
+func (r *rank) deliver(key reqKey, ev event, unknown func() []effect) {
+	found, _ := r.feed(func() *rankReq { return r.reqs[key] }, ev)
+	if !found && unknown != nil {
+		r.run(nil, unknown())
+	}
+}
+
+// frame hands a control frame from cc to the request it is about.
+// dialled: cc is a connection this rank dialled, to a context rank.
+func (r *rank) frame(cc *ctrlConn, f wire.Frame, dialled bool) error {
+	if p, ok := f.(*wire.Ping); ok {
+		return cc.send(&wire.Pong{Nonce: p.Nonce})
+	}
+	if dialled {
+		key := func(recvID uint64) reqKey { return reqKey{sideRecv, recvID} }
+		switch f := f.(type) {
+		case *wire.Ready:
+			r.deliver(key(f.GenRequestID), evReady{conn: cc.id, src: cc.peer.rank, chunk: int(f.ChunkBlocks)}, nil)
+		case *wire.Refused:
+			r.deliver(key(f.GenRequestID), evRefused{conn: cc.id, src: cc.peer.rank, reason: f.Reason}, nil)
+		case *wire.Abort:
+			r.deliver(key(f.GenRequestID), evSrcAbort{conn: cc.id, src: cc.peer.rank, reason: f.Reason}, nil)
+		case *wire.Pong:
 		default:
-			r.stepCtx(cr, func() []effect {
-				return cr.core.peerAbort(p.rank, "more chunk descriptors outstanding than any receiver may have")
-			})
+			return fmt.Errorf("%w: unexpected %s frame from a context rank", wire.ErrMalformed, f.Type())
 		}
-	})
-}
-
-// sendPair sends the request's bytes for generation peer p: straight from
-// the blocks when zero-copy was agreed, else chunk by chunk through a send
-// staging buffer.
-func (r *rank) sendPair(cr *ctxReq, p *ctxPeer) (int64, int, error) {
-	ctx := cr.ctx
-	tr := r.transports[p.backend]
-	blocks := cr.mem[p.first : p.first+p.n]
-	if p.zdesc != nil {
-		err := tr.Send(ctx, p.zdesc, segments(blocks, p.plan.SrcSpans()))
-		if err != nil {
-			return 0, 0, err
-		}
-		return int64(p.n) * p.plan.PackedBytesPerBlock(), 1, nil
+		return nil
 	}
-	packed := p.plan.PackedBytesPerBlock()
-	var sent int64
-	chunks := 0
-	for i, lo := 0, 0; lo < p.n; i, lo = i+1, lo+p.chunk {
-		hi := min(lo+p.chunk, p.n)
-		var d chunkDesc
-		select {
-		case d = <-p.descs:
-		case <-ctx.Done():
-			return sent, chunks, context.Cause(ctx)
-		}
-		if d.index != i {
-			return sent, chunks, fmt.Errorf("%w: chunk descriptor %d, expected %d", wire.ErrMalformed, d.index, i)
-		}
-		buf, err := r.sendBufs.get(ctx)
-		if err != nil {
-			return sent, chunks, err
-		}
-		n := int64(hi-lo) * packed
-		if err := p.plan.Pack(buf[:n], blocks[lo:hi]); err != nil {
-			r.sendBufs.put(buf)
-			return sent, chunks, err
-		}
-		err = tr.Send(ctx, d.desc, [][]byte{buf[:n]})
-		r.sendBufs.put(buf)
-		if err != nil {
-			return sent, chunks, err
-		}
-		sent += n
-		chunks++
+	key := func(sendID uint64) reqKey { return reqKey{sideSend, sendID} }
+	from := func(sendID, recvID uint64) route { return route{conn: cc.id, sendID: sendID, recvID: recvID} }
+	switch f := f.(type) {
+	case *wire.RequestInfo:
+		at := from(f.CtxRequestID, f.GenRequestID)
+		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
+	case *wire.ChunkDesc:
+		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
+	case *wire.Abort:
+		r.deliver(key(f.CtxRequestID), evGenAbort{from: from(f.CtxRequestID, f.GenRequestID), reason: f.Reason}, nil)
+	default:
+		return fmt.Errorf("%w: unexpected %s frame from a generation rank", wire.ErrMalformed, f.Type())
 	}
-	return sent, chunks, nil
+	return nil
 }
 
 // connLost fails every transfer that used cc.
@@ -697,7 +490,7 @@ func (r *rank) connLost(cc *ctrlConn, err error) {
 	}
 	cc.close(err)
 	r.mu.Lock()
-	delete(r.conns, cc)
+	delete(r.conns, cc.id)
 	for ep, d := range r.dialed {
 		select {
 		case <-d.ready:
@@ -707,30 +500,66 @@ func (r *rank) connLost(cc *ctrlConn, err error) {
 		default:
 		}
 	}
-	var ctxHit []*ctxReq
-	var ctxPeers []int
-	for _, cr := range r.ctxReqs {
-		for g, p := range cr.peers {
-			if p.conn == cc {
-				ctxHit, ctxPeers = append(ctxHit, cr), append(ctxPeers, g)
-			}
-		}
-	}
-	var genHit []*genReq
-	var genSrcs []int
-	for _, gr := range r.genReqs {
-		for c, s := range gr.srcs {
-			if s.conn == cc {
-				genHit, genSrcs = append(genHit, gr), append(genSrcs, c)
-			}
+	var hit []*rankReq
+	for _, q := range r.reqs {
+		if slices.Contains(q.core.conns(), cc.id) {
+			hit = append(hit, q)
 		}
 	}
 	r.mu.Unlock()
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.peer.endpoint, err)
-	for i, cr := range ctxHit {
-		r.stepCtx(cr, func() []effect { return cr.core.fail(lost, ctxPeers[i]) })
+	for _, q := range hit {
+		r.step(q, evConnLost{conn: cc.id, err: lost})
 	}
-	for i, gr := range genHit {
-		r.stepGen(gr, func() []effect { return gr.core.fail(lost, genSrcs[i]) })
+}
+
+// cancel cancels the instance's request reqID of side on this rank. It
+// reports whether there was anything to cancel.
+func (r *rank) cancel(s side, reqID uint64, why error) bool {
+	_, n := r.feed(func() *rankReq {
+		for k, q := range r.reqs {
+			if k.side == s && q.reqID == reqID {
+				return q
+			}
+		}
+		return nil
+	}, evCancel{err: why})
+	return n > 0
+}
+
+// close fails everything in flight, closes the listener, the connections
+// and the transports, and waits for every goroutine of the rank.
+func (r *rank) close() error {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
 	}
+	r.closed = true
+	qs := make([]*rankReq, 0, len(r.reqs))
+	for _, q := range r.reqs {
+		qs = append(qs, q)
+	}
+	r.mu.Unlock()
+	for _, q := range qs {
+		r.step(q, evCancel{err: ErrClosed})
+	}
+	err := r.ln.Close()
+	r.mu.Lock()
+	conns := make([]*ctrlConn, 0, len(r.conns))
+	for _, cc := range r.conns {
+		conns = append(conns, cc)
+	}
+	r.mu.Unlock()
+	for _, cc := range conns {
+		cc.close(ErrClosed)
+	}
+	r.stop()
+	r.wg.Wait()
+	for _, tr := range r.transports {
+		if cerr := tr.Close(); cerr != nil && err == nil {
+			err = cerr
+		}
+	}
+	return err
 }

@@ -88,7 +88,7 @@ type Stats struct {
 	Bytes    int64         // bytes this instance sent or received
 	Duration time.Duration // from the first rank's start to the last rank's end
 	Backend  string        // the backend that carried the data ("tcp"; "" when nothing moved)
-	Chunks   int           // staging chunks moved (1 per peer pair for zero-copy)
+	Chunks   int           // staging chunks moved (1 per peer pair for a direct transfer)
 }
 
 // GBps returns Bytes/Duration in 1e9 bytes per second.

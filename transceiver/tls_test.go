@@ -64,9 +64,9 @@ func TestTLSTransfer(t *testing.T) {
 	}
 	cs := state(2, 4, 16, 8, kvcache.BF16, 2, 1, false)
 	gs := state(2, 4, 16, 8, kvcache.BF16, 1, 1, false)
-	ctx := newInstTLS(t, cs, testCfg(), 16, tlsParty(t, ca, "ctx"), testLogger(t))
+	sender := newInstTLS(t, cs, testCfg(), 16, tlsParty(t, ca, "sender"), testLogger(t))
 	gen := newInstTLS(t, gs, testCfg(), 16, tlsParty(t, ca, "gen"), testLogger(t))
-	st := transfer(t, ctx, gen, 1, 100, 7, 0, 0)
+	st := transfer(t, sender, gen, 1, 100, 7, 0, 0)
 	if st.Backend != "tcp(tls)" {
 		t.Errorf("carried by %q, want tcp(tls)", st.Backend)
 	}
@@ -87,7 +87,7 @@ func TestTLSRefused(t *testing.T) {
 	}
 	st := state(2, 4, 16, 8, kvcache.BF16, 1, 1, false)
 	var logs syncbuf.Buffer
-	ctx := newInstTLS(t, st, testCfg(), 16, tlsParty(t, ca, "ctx"), slog.New(slog.NewTextHandler(&logs, nil)))
+	sender := newInstTLS(t, st, testCfg(), 16, tlsParty(t, ca, "sender"), slog.New(slog.NewTextHandler(&logs, nil)))
 
 	l, err := layout.NewLogical(st.Shape, 64)
 	if err != nil {
@@ -95,13 +95,13 @@ func TestTLSRefused(t *testing.T) {
 	}
 	l.Fill(3)
 	nb := layout.NumBlocks(64, st.Shape.TokensPerBlock)
-	cb := ctx.alloc(t, 0, nb)
-	ctx.fill(t, l, 0, cb)
+	cb := sender.alloc(t, 0, nb)
+	sender.fill(t, l, 0, cb)
 	creq := &Request{ID: 1, Type: ContextOnly, Blocks: cb}
-	if err := ctx.t.RespondAndSendAsync(creq); err != nil {
+	if err := sender.t.RespondAndSendAsync(creq); err != nil {
 		t.Fatal(err)
 	}
-	ctx.release(t, cb)
+	sender.release(t, cb)
 
 	// pull pulls the context request into gen; the caller releases the
 	// blocks of the returned request.

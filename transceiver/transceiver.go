@@ -3,12 +3,14 @@ package transceiver
 import (
 	"context"
 	"crypto/rand"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -75,6 +77,10 @@ type Options struct {
 	// Limits bound the connections each rank accepts (control and data);
 	// zero fields take the defaults (see ConnLimits).
 	Limits ConnLimits
+
+	// clock, when set, is where deadlines come from (tests: a clock they
+	// advance by hand); nil means the machine's.
+	clock clock
 }
 
 // Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
@@ -94,27 +100,13 @@ type Transceiver struct {
 	timeout    time.Duration // kv_transfer_timeout: the expiry of a signed opaque state
 	guard      *opaqueGuard
 
-	mu      sync.Mutex
-	closed  bool
-	pending map[pendingKey]*pending
-	doneCtx []*Request
-	doneGen []*Request
-	wake    chan struct{} // closed and replaced whenever a request completes
-}
-
-type pendingKey struct {
-	gen bool
-	id  uint64
-}
-
-type pending struct {
-	req       *Request
-	remaining int
-	err       error
-	stats     Stats
-	start     time.Time
-	end       time.Time
-	silent    bool // failed synchronously: not reported by Check*
+	mu       sync.Mutex
+	closed   bool
+	inst     *consensus           // the requests in flight, as the ranks agree on them
+	reqs     map[instKey]*Request // the requests in flight
+	doneSend []*Request           // ended, not yet returned by CheckContextTransferStatus
+	doneRecv []*Request           // ended, not yet returned by CheckGenTransferStatus
+	wake     chan struct{}        // closed and replaced whenever a request completes
 }
 
 // New builds the transceiver of one instance from the public config. It is
@@ -124,27 +116,8 @@ type pending struct {
 // planes and the control listeners (one per rank). ctx bounds the opening
 // only.
 func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Transceiver, error) {
-	if cfg == nil || cfg.Backend == config.BackendUnset {
-		return nil, fmt.Errorf("%w: %w", ErrNoTransceiver, config.ErrNoTransceiver)
-	}
-	if opts.TLS != nil && (opts.TLS.Server == nil || opts.TLS.Client == nil) {
-		return nil, errors.New("transceiver: Options.TLS needs both a Server and a Client config")
-	}
-	if err := opts.State.Validate(); err != nil {
-		return nil, fmt.Errorf("transceiver: instance state: %w", err)
-	}
-	tpb := opts.State.Shape.TokensPerBlock
-	if err := cfg.Validate(tpb); err != nil {
-		return nil, fmt.Errorf("transceiver: config: %w", err)
-	}
-	nr := opts.State.Parallel.NumRanks()
-	if len(opts.Pools) != nr {
-		return nil, fmt.Errorf("transceiver: %d pools for %d ranks", len(opts.Pools), nr)
-	}
-	for i, p := range opts.Pools {
-		if p.Layout() != opts.State.RankLayout(i) {
-			return nil, fmt.Errorf("transceiver: pool of rank %d has layout %+v, the instance state needs %+v", i, p.Layout(), opts.State.RankLayout(i))
-		}
+	if err := checkOptions(cfg, &opts); err != nil {
+		return nil, err
 	}
 	log := opts.Logger
 	if log == nil {
@@ -158,19 +131,59 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	for _, ig := range res.Ignored {
 		log.Info("environment variable ignored", "detail", ig)
 	}
-	names := backendsToOpen(res.Backend)
-	host := opts.ListenHost
-	if host == "" {
-		host = "127.0.0.1"
+	peers, err := peerPolicyOf(ctx, &opts, log)
+	if err != nil {
+		return nil, err
 	}
-	hostID := opts.Host
-	if hostID == "" {
-		hostID = HostIdentity()
+	set := settingsOf(cfg, &opts, res.Backend, peers, log)
+	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
+		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
+		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{})}
+	if cfg.TimeOutputPath != "" {
+		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
 	}
-	now := opts.Now
-	if now == nil {
-		now = time.Now
+	for i := range opts.State.Parallel.NumRanks() {
+		r, err := t.openRank(ctx, i, cfg, &opts, set, backendsToOpen(res.Backend))
+		if err != nil {
+			t.Close()
+			return nil, err
+		}
+		t.ranks = append(t.ranks, r)
+		r.start()
 	}
+	return t, nil
+}
+
+// checkOptions checks the config and the options before anything opens.
+func checkOptions(cfg *config.CacheTransceiver, opts *Options) error {
+	if cfg == nil || cfg.Backend == config.BackendUnset {
+		return fmt.Errorf("%w: %w", ErrNoTransceiver, config.ErrNoTransceiver)
+	}
+	if opts.TLS != nil && (opts.TLS.Server == nil || opts.TLS.Client == nil) {
+		return errors.New("transceiver: Options.TLS needs both a Server and a Client config")
+	}
+	if err := opts.State.Validate(); err != nil {
+		return fmt.Errorf("transceiver: instance state: %w", err)
+	}
+	if err := cfg.Validate(opts.State.Shape.TokensPerBlock); err != nil {
+		return fmt.Errorf("transceiver: config: %w", err)
+	}
+	nr := opts.State.Parallel.NumRanks()
+	if len(opts.Pools) != nr {
+		return fmt.Errorf("transceiver: %d pools for %d ranks", len(opts.Pools), nr)
+	}
+	for i, p := range opts.Pools {
+		if p.Layout() != opts.State.RankLayout(i) {
+			return fmt.Errorf("transceiver: pool of rank %d has layout %+v, the instance state needs %+v", i, p.Layout(), opts.State.RankLayout(i))
+		}
+	}
+	return nil
+}
+
+// peerPolicyOf checks the cluster secret and builds the policy of which
+// peers the ranks may dial and accept, saying loudly when the instance is
+// unauthenticated.
+func peerPolicyOf(ctx context.Context, opts *Options, log *slog.Logger) (*peerPolicy, error) {
 	if n := len(opts.Secret); n > 0 && n < config.MinSecretBytes {
 		return nil, fmt.Errorf("transceiver: the cluster secret is %d bytes, at least %d are needed", n, config.MinSecretBytes)
 	}
@@ -185,74 +198,103 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	} else {
 		log.Info("opaque states are signed and checked with the cluster secret", "allowed_peer_hosts", peers.list)
 	}
-	lim := opts.Limits.withDefaults()
-	t := &Transceiver{state: opts.State, resolution: res, log: log, now: now, timeout: cfg.Timeout(),
-		guard:   newOpaqueGuard(opts.Secret, peers, now, opts.NonceCacheSize),
-		pending: map[pendingKey]*pending{}, wake: make(chan struct{})}
-	if cfg.TimeOutputPath != "" {
-		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
+	return peers, nil
+}
+
+// rankSettings are the per-rank settings derived from the public config by
+// New (the only place that reads it).
+type rankSettings struct {
+	timeout     time.Duration
+	backend     string // "tcp", "shm", "ucx" or "auto"
+	bufferBytes int64  // staging buffer size, before rounding up to a block
+	sendBuffers int
+	recvBuffers int
+	direct      bool // direct transfers allowed (zero_copy)
+	host        string
+	logger      *slog.Logger
+	now         func() time.Time // for statistics
+	clock       clock            // for deadlines
+	peers       *peerPolicy      // hosts this rank may dial and accept
+	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
+	limits      ConnLimits       // with defaults
+	conns       connObs          // the Observer's ConnObserver, if any
+}
+
+// settingsOf derives the settings every rank shares from the config and
+// the options; openRank sizes the staging buffers per rank.
+func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Backend, peers *peerPolicy, log *slog.Logger) rankSettings {
+	set := rankSettings{
+		timeout: cfg.Timeout(), backend: strings.ToLower(string(backend)), bufferBytes: cfg.TransferBufferSize,
+		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
+		host: opts.Host, logger: log, now: opts.Now, clock: opts.clock, peers: peers, limits: opts.Limits.withDefaults(),
 	}
-	for i := range nr {
-		bufBytes := cfg.TransferBufferSize
-		if cfg.MaxTokensInBuffer > 0 {
-			// TRT-LLM: (min(window, T) + tokens_per_block) tokens of this
-			// rank's layers and heads, i.e. T/tpb + 1 blocks.
-			bufBytes = int64(cfg.MaxTokensInBuffer/tpb+1) * opts.Pools[i].BlockBytes()
-		}
-		set := rankSettings{
-			timeout: cfg.Timeout(), backend: strings.ToLower(string(res.Backend)), bufferBytes: bufBytes,
-			sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, zeroCopy: cfg.ZeroCopy,
-			host: hostID, logger: log, now: now, peers: peers, limits: lim,
-		}
-		if opts.TLS != nil {
-			set.tls = opts.TLS.Client
-		}
-		if co, ok := opts.Observer.(ConnObserver); ok {
-			set.conns = connObs{co}
-		}
-		if set.sendBuffers <= 0 {
-			set.sendBuffers = config.DefaultSendBuffers
-		}
-		if set.recvBuffers <= 0 {
-			set.recvBuffers = 1
-		}
-		trs := map[string]transport.Transport{}
-		var openErr error
-		for _, name := range names {
-			tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: log, TLS: opts.TLS,
-				MaxConns: lim.MaxDataConns, MaxConnsPerHost: lim.MaxDataConnsPerHost})
-			if err != nil {
-				openErr = fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
-				break
-			}
-			trs[name] = tr
-		}
-		var ln net.Listener
-		if openErr == nil {
-			var lc net.ListenConfig
-			ln, openErr = lc.Listen(ctx, "tcp", net.JoinHostPort(host, "0"))
-			if openErr == nil && opts.TLS != nil {
-				ln = &tlsListener{Listener: ln, cfg: opts.TLS.Server, log: log}
-			}
-		}
-		if openErr != nil {
-			for _, tr := range trs {
-				tr.Close()
-			}
-			t.Close()
-			return nil, openErr
-		}
-		r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone)
-		r.obs, r.csv = opts.Observer, t.csv
-		if err := r.registerMemory(); err != nil {
-			r.close()
-			t.Close()
-			return nil, err
-		}
-		t.ranks = append(t.ranks, r)
-		r.start()
+	if set.host == "" {
+		set.host = HostIdentity()
 	}
-	return t, nil
+	if set.clock == nil {
+		set.clock = realClock{}
+	}
+	if set.now == nil {
+		set.now = set.clock.Now
+	}
+	if opts.TLS != nil {
+		set.tls = opts.TLS.Client
+	}
+	if co, ok := opts.Observer.(ConnObserver); ok {
+		set.conns = connObs{co}
+	}
+	if set.sendBuffers <= 0 {
+		set.sendBuffers = config.DefaultSendBuffers
+	}
+	if set.recvBuffers <= 0 {
+		set.recvBuffers = 1
+	}
+	return set
+}
+
+// openRank opens rank i: its data planes (names), its control listener and
+// its staging buffers.
+func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTransceiver, opts *Options, set rankSettings, names []string) (*rank, error) {
+	if cfg.MaxTokensInBuffer > 0 {
+		// TRT-LLM: (min(window, T) + tokens_per_block) tokens of this
+		// rank's layers and heads, i.e. T/tpb + 1 blocks.
+		set.bufferBytes = int64(cfg.MaxTokensInBuffer/opts.State.Shape.TokensPerBlock+1) * opts.Pools[i].BlockBytes()
+	}
+	host := opts.ListenHost
+	if host == "" {
+		host = "127.0.0.1"
+	}
+	trs := map[string]transport.Transport{}
+	closeAll := func() {
+		for _, tr := range trs {
+			tr.Close()
+		}
+	}
+	for _, name := range names {
+		tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: set.logger, TLS: opts.TLS,
+			MaxConns: set.limits.MaxDataConns, MaxConnsPerHost: set.limits.MaxDataConnsPerHost})
+		if err != nil {
+			closeAll()
+			return nil, fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
+		}
+		trs[name] = tr
+	}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", net.JoinHostPort(host, "0"))
+	if err != nil {
+		closeAll()
+		return nil, err
+	}
+	if opts.TLS != nil {
+		ln = &tlsListener{Listener: ln, cfg: opts.TLS.Server, log: set.logger}
+	}
+	r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone)
+	r.obs, r.csv = opts.Observer, t.csv
+	if err := r.registerMemory(); err != nil {
+		r.close()
+		return nil, err
+	}
+	return r, nil
 }
 
 // backendsToOpen lists the data planes a rank opens for a resolved backend.
@@ -357,7 +399,7 @@ func (t *Transceiver) requestState(dp int) layout.CacheState {
 // the transceiver: every rank holds the request's blocks (an extra
 // reference; the caller may release its own) until the generation instance
 // has pulled them or kv_transfer_timeout_ms has passed. It sets
-// req.ContextPhase (ctx request id and opaque state) and the state
+// req.ContextPhase (ctx_request_id and opaque state) and the state
 // DISAGG_CONTEXT_TRANS_IN_PROGRESS, and returns at once.
 func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if req.Type != ContextOnly {
@@ -391,7 +433,7 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if err != nil {
 		return err
 	}
-	p, err := t.begin(req, false, len(ranks), DisaggContextTransInProgress)
+	key, err := t.begin(req, sideSend, ranks, DisaggContextTransInProgress)
 	if err != nil {
 		return err
 	}
@@ -401,7 +443,7 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	req.ContextPhase.CtxRequestID, req.ContextPhase.OpaqueState = req.ID, enc
 	for i, r := range ranks {
 		if err := r.respond(req.ID, token, state, req.Blocks[r.idx], req.BlockHashes); err != nil {
-			t.abortStart(p, ranks[:i], false, len(ranks)-i, err)
+			t.startFailed(key, ranks[i:], err)
 			return err
 		}
 	}
@@ -443,13 +485,13 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if err := layout.Compatible(op.State, genState); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
-	p, err := t.begin(req, true, len(ranks), DisaggGenerationTransInProgress)
+	key, err := t.begin(req, sideRecv, ranks, DisaggGenerationTransInProgress)
 	if err != nil {
 		return err
 	}
 	for i, r := range ranks {
 		if err := r.receive(req.ID, &op, genState, req.Blocks[r.idx], req.LastBlockHash); err != nil {
-			t.abortStart(p, ranks[:i], true, len(ranks)-i, err)
+			t.startFailed(key, ranks[i:], err)
 			return err
 		}
 	}
@@ -493,123 +535,103 @@ func (t *Transceiver) RequestAndReceiveSync(ctx context.Context, req *Request) e
 		<-done
 	}
 	t.mu.Lock()
-	for i, r := range t.doneGen {
-		if r == req {
-			t.doneGen = append(t.doneGen[:i], t.doneGen[i+1:]...)
-			break
-		}
+	if i := slices.Index(t.doneRecv, req); i >= 0 {
+		t.doneRecv = slices.Delete(t.doneRecv, i, i+1)
 	}
 	t.mu.Unlock()
 	return req.Err()
 }
 
-func (t *Transceiver) begin(req *Request, gen bool, n int, st RequestState) (*pending, error) {
+// begin enters req, to run on ranks, in the consensus.
+func (t *Transceiver) begin(req *Request, s side, ranks []*rank, st RequestState) (instKey, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	key := instKey{s, req.ID}
 	if t.closed {
-		return nil, ErrClosed
+		return key, ErrClosed
 	}
-	k := pendingKey{gen, req.ID}
-	if _, dup := t.pending[k]; dup {
-		return nil, fmt.Errorf("transceiver: request %d is already in flight", req.ID)
+	idx := make([]int, len(ranks))
+	for i, r := range ranks {
+		idx[i] = r.idx
 	}
-	p := &pending{req: req, remaining: n, start: t.now()}
-	t.pending[k] = p
+	if err := t.inst.begin(key, idx, t.now()); err != nil {
+		return key, err
+	}
+	t.reqs[key] = req
 	req.mu.Lock()
 	req.state, req.err, req.done = st, nil, make(chan struct{})
 	req.mu.Unlock()
-	return p, nil
+	return key, nil
 }
 
-// abortStart handles a rank that could not start: the ranks already started
-// are cancelled, and the request ends in error without being reported by the
-// Check calls (the caller got the error).
-func (t *Transceiver) abortStart(p *pending, started []*rank, gen bool, notStarted int, err error) {
-	t.mu.Lock()
-	p.silent = true
-	if p.err == nil {
-		p.err = err
+// startFailed handles ranks that could not start (the first with err):
+// the ranks already started are cancelled, and the request ends in error
+// without being reported by the Check calls (the caller got the error).
+func (t *Transceiver) startFailed(key instKey, ranks []*rank, err error) {
+	idx := make([]int, len(ranks))
+	for i, r := range ranks {
+		idx[i] = r.idx
 	}
-	t.mu.Unlock()
-	for range notStarted {
-		t.finish(p, gen, err, rankStats{})
-	}
-	for _, r := range started {
-		if gen {
-			r.cancelGen(p.req.ID, fmt.Errorf("%w: another rank failed to start: %v", ErrCanceled, err))
-		} else {
-			r.cancelCtx(p.req.ID, fmt.Errorf("%w: another rank failed to start: %v", ErrCanceled, err))
-		}
-	}
+	t.cancelRanks(t.step(startFailedEvent{key: key, ranks: idx, err: err, now: t.now()}))
 }
 
 // rankDone is called by a rank when its part of a request ends.
-func (t *Transceiver) rankDone(r *rank, gen bool, id uint64, err error, st rankStats) {
+func (t *Transceiver) rankDone(rank int, key instKey, err error, res rankResult) {
+	t.cancelRanks(t.step(rankDoneEvent{key: key, rank: rank, err: err, res: res, now: t.now()}))
+}
+
+// step feeds ev to the consensus core. It completes the requests the core
+// completes at once, under the lock (so that the Check calls never see a
+// request neither pending nor done), and returns the cancels to carry out.
+func (t *Transceiver) step(ev instEvent) []cancelRanksEffect {
 	t.mu.Lock()
-	p := t.pending[pendingKey{gen, id}]
-	first := false
-	if p != nil && err != nil && p.err == nil {
-		p.err, first = err, true
+	defer t.mu.Unlock()
+	var cancels []cancelRanksEffect
+	for _, e := range t.inst.step(ev) {
+		switch e := e.(type) {
+		case cancelRanksEffect:
+			cancels = append(cancels, e)
+		case instCompleteEffect:
+			t.completeLocked(e)
+		}
 	}
-	t.mu.Unlock()
-	if p == nil {
-		return
-	}
-	if first {
-		// Ranks agree: one rank's failure fails the request on all.
-		others, _ := t.participants(p.req.DPRank)
-		why := fmt.Errorf("%w: rank %d failed: %v", ErrCanceled, r.idx, err)
-		for _, o := range others {
-			switch {
-			case o == r:
-			case gen:
-				o.cancelGen(id, why)
-			default:
-				o.cancelCtx(id, why)
+	return cancels
+}
+
+// cancelRanks cancels requests on ranks; it reports whether any rank had
+// something to cancel.
+func (t *Transceiver) cancelRanks(cancels []cancelRanksEffect) bool {
+	any := false
+	for _, c := range cancels {
+		for _, i := range c.ranks {
+			if t.ranks[i].cancel(c.key.side, c.key.id, c.cause) {
+				any = true
 			}
 		}
 	}
-	t.finish(p, gen, err, st)
+	return any
 }
 
-func (t *Transceiver) finish(p *pending, gen bool, err error, st rankStats) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	p.stats.Bytes += st.bytes
-	p.stats.Chunks += st.chunks
-	if st.backend != "" {
-		p.stats.Backend = st.backend
-	}
-	if !st.end.IsZero() && st.end.After(p.end) {
-		p.end = st.end
-	}
-	p.remaining--
-	if p.remaining > 0 {
-		return
-	}
-	delete(t.pending, pendingKey{gen, p.req.ID})
-	if p.end.IsZero() {
-		p.end = t.now()
-	}
-	p.stats.Duration = p.end.Sub(p.start)
-	req := p.req
+func (t *Transceiver) completeLocked(e instCompleteEffect) {
+	req := t.reqs[e.key]
+	delete(t.reqs, e.key)
 	req.mu.Lock()
-	req.stats = p.stats
+	req.stats = e.stats
 	switch {
-	case p.err != nil:
-		req.state, req.err = DisaggTransError, p.err
-	case gen:
+	case e.err != nil:
+		req.state, req.err = DisaggTransError, e.err
+	case e.key.side == sideRecv:
 		req.state = DisaggGenerationTransComplete
 	default:
 		req.state = DisaggContextComplete
 	}
 	close(req.done)
 	req.mu.Unlock()
-	if !p.silent {
-		if gen {
-			t.doneGen = append(t.doneGen, req)
+	if !e.silent {
+		if e.key.side == sideRecv {
+			t.doneRecv = append(t.doneRecv, req)
 		} else {
-			t.doneCtx = append(t.doneCtx, req)
+			t.doneSend = append(t.doneSend, req)
 		}
 	}
 	close(t.wake)
@@ -622,29 +644,23 @@ func (t *Transceiver) finish(p *pending, gen bool, err error, st rankStats) {
 // none is pending; atLeast < 0 waits for every pending one. ctx bounds the
 // wait; every transfer has its own deadline, so the wait always ends.
 func (t *Transceiver) CheckContextTransferStatus(ctx context.Context, atLeast int) ([]*Request, error) {
-	return t.check(ctx, false, atLeast)
+	return t.check(ctx, sideSend, atLeast)
 }
 
 // CheckGenTransferStatus is CheckContextTransferStatus for receives (state
 // DISAGG_GENERATION_TRANS_COMPLETE or DISAGG_TRANS_ERROR).
 func (t *Transceiver) CheckGenTransferStatus(ctx context.Context, atLeast int) ([]*Request, error) {
-	return t.check(ctx, true, atLeast)
+	return t.check(ctx, sideRecv, atLeast)
 }
 
-func (t *Transceiver) check(ctx context.Context, gen bool, atLeast int) ([]*Request, error) {
+func (t *Transceiver) check(ctx context.Context, s side, atLeast int) ([]*Request, error) {
 	for {
 		t.mu.Lock()
-		list := &t.doneCtx
-		if gen {
-			list = &t.doneGen
+		list := &t.doneSend
+		if s == sideRecv {
+			list = &t.doneRecv
 		}
-		n := 0
-		for k, p := range t.pending {
-			if k.gen == gen && !p.silent {
-				n++
-			}
-		}
-		if n == 0 || (atLeast >= 0 && len(*list) >= atLeast) {
+		if _, n := t.inst.inFlight(s); n == 0 || (atLeast >= 0 && len(*list) >= atLeast) {
 			out := *list
 			*list = nil
 			t.mu.Unlock()
@@ -664,12 +680,8 @@ func (t *Transceiver) check(ctx context.Context, gen bool, atLeast int) ([]*Requ
 func (t *Transceiver) GenTransferComplete() bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	for k := range t.pending {
-		if k.gen {
-			return false
-		}
-	}
-	return true
+	n, _ := t.inst.inFlight(sideRecv)
+	return n == 0
 }
 
 // Cancel cancels the request's transfer on every rank, on whichever side it
@@ -678,25 +690,10 @@ func (t *Transceiver) GenTransferComplete() bool {
 // request then ends in DISAGG_TRANS_ERROR with an error wrapping
 // ErrCanceled.
 func (t *Transceiver) Cancel(req *Request) bool {
-	t.mu.Lock()
-	_, ctxPending := t.pending[pendingKey{false, req.ID}]
-	_, genPending := t.pending[pendingKey{true, req.ID}]
-	t.mu.Unlock()
-	ranks, err := t.participants(req.DPRank)
-	if err != nil {
-		return false
-	}
 	why := fmt.Errorf("%w: request %d cancelled", ErrCanceled, req.ID)
-	any := false
-	for _, r := range ranks {
-		if ctxPending && r.cancelCtx(req.ID, why) {
-			any = true
-		}
-		if genPending && r.cancelGen(req.ID, why) {
-			any = true
-		}
-	}
-	return any
+	cancels := t.step(instCancelEvent{key: instKey{sideSend, req.ID}, cause: why})
+	cancels = append(cancels, t.step(instCancelEvent{key: instKey{sideRecv, req.ID}, cause: why})...)
+	return t.cancelRanks(cancels)
 }
 
 // Close fails every transfer in flight, stops every rank and waits for
@@ -725,12 +722,7 @@ func (t *Transceiver) Close() error {
 func (t *Transceiver) PendingContext() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n := 0
-	for k := range t.pending {
-		if !k.gen {
-			n++
-		}
-	}
+	n, _ := t.inst.inFlight(sideSend)
 	return n
 }
 

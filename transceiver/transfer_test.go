@@ -26,11 +26,11 @@ func TestPairings(t *testing.T) {
 		return s
 	}
 	tests := []struct {
-		name     string
-		ctx, gen layout.CacheState
+		name        string
+		sender, gen layout.CacheState
 	}{
-		{"identical TP1 (zero-copy)", state(4, 4, 16, 4, bf, 1, 1, false), state(4, 4, 16, 4, bf, 1, 1, false)},
-		{"identical TP2 PP2 (zero-copy)", state(4, 4, 16, 4, bf, 2, 2, false), state(4, 4, 16, 4, bf, 2, 2, false)},
+		{"identical TP1 (direct)", state(4, 4, 16, 4, bf, 1, 1, false), state(4, 4, 16, 4, bf, 1, 1, false)},
+		{"identical TP2 PP2 (direct)", state(4, 4, 16, 4, bf, 2, 2, false), state(4, 4, 16, 4, bf, 2, 2, false)},
 		{"TP2 to TP1", state(4, 4, 16, 4, bf, 2, 1, false), state(4, 4, 16, 4, bf, 1, 1, false)},
 		{"TP1 to TP2", state(4, 4, 16, 4, fp16, 1, 1, false), state(4, 4, 16, 4, fp16, 2, 1, false)},
 		{"TP4 PP2 to TP2 PP1", state(4, 4, 16, 4, bf, 4, 2, false), state(4, 4, 16, 4, bf, 2, 1, false)},
@@ -38,7 +38,7 @@ func TestPairings(t *testing.T) {
 		{"duplicated heads TP4 to TP1", state(4, 2, 16, 4, bf, 4, 1, false), state(4, 2, 16, 4, bf, 1, 1, false)},
 		{"duplicated heads TP1 to TP4", state(4, 2, 16, 4, bf, 1, 1, false), state(4, 2, 16, 4, bf, 4, 1, false)},
 		{"MLA TP2 PP1 to TP1 PP2", state(4, 1, 36, 4, bf, 2, 1, true), state(4, 1, 36, 4, bf, 1, 2, true)},
-		{"MLA TP4 PP2 to TP2 PP2 (zero-copy: replicated latent)", state(4, 1, 36, 4, fp8, 4, 2, true), state(4, 1, 36, 4, fp8, 2, 2, true)},
+		{"MLA TP4 PP2 to TP2 PP2 (direct: replicated latent)", state(4, 1, 36, 4, fp8, 4, 2, true), state(4, 1, 36, 4, fp8, 2, 2, true)},
 		{"TP3 to TP2 (not a power of two)", state(2, 6, 8, 4, bf, 3, 1, false), state(2, 6, 8, 4, bf, 2, 1, false)},
 		// Spans of 32 KiB: direct scatter/gather without staging.
 		{"TP2 to TP1 direct", state(2, 4, 256, 32, bf, 2, 1, false), state(2, 4, 256, 32, bf, 1, 1, false)},
@@ -47,7 +47,7 @@ func TestPairings(t *testing.T) {
 	for _, backend := range []config.Backend{config.BackendTCP, config.BackendSHM} {
 		for i, tc := range tests {
 			t.Run(string(backend)+" "+tc.name, func(t *testing.T) {
-				pairing(t, backend, i, tc.name, tc.ctx, tc.gen)
+				pairing(t, backend, i, tc.name, tc.sender, tc.gen)
 			})
 		}
 	}
@@ -57,18 +57,18 @@ func pairing(t *testing.T, backend config.Backend, i int, name string, cs, gs la
 	{
 		{
 			cfg := testCfg(func(c *config.CacheTransceiver) { c.Backend = backend })
-			ctx := newInst(t, cs, cfg, 64)
+			sender := newInst(t, cs, cfg, 64)
 			gen := newInst(t, gs, cfg, 64)
 			// 37 tokens: a partial last block; 150 tokens: several chunks
 			// through the 64 KiB staging buffers.
-			transfer(t, ctx, gen, uint64(10*i+1), 37, uint64(i), 0, 0)
-			st := transfer(t, ctx, gen, uint64(10*i+2), 150, uint64(i+100), 0, 0)
+			transfer(t, sender, gen, uint64(10*i+1), 37, uint64(i), 0, 0)
+			st := transfer(t, sender, gen, uint64(10*i+2), 150, uint64(i+100), 0, 0)
 			if want := strings.ToLower(string(backend)); st.Backend != want {
 				t.Errorf("carried by %q, want %q", st.Backend, want)
 			}
 			// Direct pairs never touch a staging buffer (they are allocated
 			// on first use); the others do.
-			direct := strings.HasSuffix(name, "direct") || strings.Contains(name, "zero-copy")
+			direct := strings.Contains(name, "direct")
 			for _, r := range gen.t.ranks {
 				if used := allocatedBuffers(r.recvBufs); (used == 0) != direct {
 					t.Errorf("rank %d: %d receive staging buffers allocated (direct: %v)", r.idx, used, direct)
@@ -84,10 +84,10 @@ func TestAttentionDP(t *testing.T) {
 	cs := state(4, 4, 16, 4, kvcache.BF16, 2, 1, false)
 	gs := state(4, 4, 16, 4, kvcache.BF16, 4, 1, false)
 	gs.Parallel.AttentionDP, gs.Parallel.DPSize = true, 2
-	ctx := newInst(t, cs, testCfg(), 32)
+	sender := newInst(t, cs, testCfg(), 32)
 	gen := newInst(t, gs, testCfg(), 32)
-	transfer(t, ctx, gen, 1, 40, 1, 0, 1)
-	transfer(t, ctx, gen, 2, 40, 2, 0, 0)
+	transfer(t, sender, gen, 1, 40, 1, 0, 1)
+	transfer(t, sender, gen, 2, 40, 2, 0, 0)
 }
 
 // TestLargerThanBuffer: a request 8× the staging buffer streams through it.
@@ -95,10 +95,10 @@ func TestLargerThanBuffer(t *testing.T) {
 	s1 := state(4, 4, 32, 8, kvcache.BF16, 1, 1, false) // block = 4×2×4×8×32×2 = 16 KiB
 	s2 := state(4, 4, 32, 8, kvcache.BF16, 2, 1, false)
 	cfg := testCfg(func(c *config.CacheTransceiver) { c.MaxTokensInBuffer = 16 }) // 3 blocks
-	ctx := newInst(t, s1, cfg, 64)
+	sender := newInst(t, s1, cfg, 64)
 	gen := newInst(t, s2, cfg, 64)
 	// 24 blocks of 16 KiB: 8× the 48 KiB buffer.
-	transfer(t, ctx, gen, 1, 24*8, 7, 0, 0)
+	transfer(t, sender, gen, 1, 24*8, 7, 0, 0)
 	// Pools hold no more than they did: the chunks went through the
 	// buffers, whose number and size are fixed.
 	for _, r := range gen.t.ranks {
@@ -115,7 +115,7 @@ func TestConcurrentSmall(t *testing.T) {
 		n = 200
 	}
 	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	ctx := newInst(t, s, testCfg(), 256)
+	sender := newInst(t, s, testCfg(), 256)
 	gen := newInst(t, s, testCfg(), 256)
 	l, _ := layout.NewLogical(s.Shape, 4)
 	l.Fill(3)
@@ -128,7 +128,7 @@ func TestConcurrentSmall(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			errs <- oneSmall(ctx, gen, l, uint64(i+1))
+			errs <- oneSmall(sender, gen, l, uint64(i+1))
 		}()
 	}
 	wg.Wait()
@@ -138,7 +138,7 @@ func TestConcurrentSmall(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	got, err := ctx.t.CheckContextTransferStatus(context.Background(), -1)
+	got, err := sender.t.CheckContextTransferStatus(context.Background(), -1)
 	if err != nil || len(got) != n {
 		t.Fatalf("CheckContextTransferStatus: %d requests, %v", len(got), err)
 	}
@@ -147,18 +147,18 @@ func TestConcurrentSmall(t *testing.T) {
 	}
 }
 
-func oneSmall(ctx, gen *inst, l *layout.Logical, id uint64) error {
-	cb, err := ctx.pools[0].Allocate(1)
+func oneSmall(sender, gen *inst, l *layout.Logical, id uint64) error {
+	cb, err := sender.pools[0].Allocate(1)
 	if err != nil {
 		return err
 	}
-	shard, _ := layout.Shard(l, ctx.state, 0)
-	copy(ctx.pools[0].Block(cb[0]), shard[0])
+	shard, _ := layout.Shard(l, sender.state, 0)
+	copy(sender.pools[0].Block(cb[0]), shard[0])
 	creq := &Request{ID: id, Type: ContextOnly, Blocks: [][]kvcache.BlockID{cb}}
-	if err := ctx.t.RespondAndSendAsync(creq); err != nil {
+	if err := sender.t.RespondAndSendAsync(creq); err != nil {
 		return err
 	}
-	ctx.pools[0].Release(cb...)
+	sender.pools[0].Release(cb...)
 	gb, err := gen.pools[0].Allocate(1)
 	if err != nil {
 		return err
@@ -176,23 +176,23 @@ func oneSmall(ctx, gen *inst, l *layout.Logical, id uint64) error {
 	return nil
 }
 
-// startCtx prepares and hands over one context request; it returns the
+// startSend prepares and hands over one context request; it returns the
 // request and the logical cache.
-func startCtx(t *testing.T, ctx *inst, id uint64, tokens int) (*Request, *layout.Logical) {
+func startSend(t *testing.T, sender *inst, id uint64, tokens int) (*Request, *layout.Logical) {
 	t.Helper()
 	var l *layout.Logical
-	nb := layout.NumBlocks(tokens, ctx.state.Shape.TokensPerBlock)
-	cb := ctx.alloc(t, 0, nb)
+	nb := layout.NumBlocks(tokens, sender.state.Shape.TokensPerBlock)
+	cb := sender.alloc(t, 0, nb)
 	if tokens <= 1024 { // the naive reference is slow; large requests here test control flow, not bytes
-		l, _ = layout.NewLogical(ctx.state.Shape, tokens)
+		l, _ = layout.NewLogical(sender.state.Shape, tokens)
 		l.Fill(id)
-		ctx.fill(t, l, 0, cb)
+		sender.fill(t, l, 0, cb)
 	}
 	creq := &Request{ID: id, Type: ContextOnly, Blocks: cb}
-	if err := ctx.t.RespondAndSendAsync(creq); err != nil {
+	if err := sender.t.RespondAndSendAsync(creq); err != nil {
 		t.Fatal(err)
 	}
-	ctx.release(t, cb)
+	sender.release(t, cb)
 	return creq, l
 }
 
@@ -203,9 +203,9 @@ func genReqFor(gen *inst, t *testing.T, creq *Request, nb int) *Request {
 
 func TestWrongToken(t *testing.T) {
 	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	ctx := newInst(t, s, testCfg(), 16)
+	sender := newInst(t, s, testCfg(), 16)
 	gen := newInst(t, s, testCfg(), 16)
-	creq, _ := startCtx(t, ctx, 5, 8)
+	creq, _ := startSend(t, sender, 5, 8)
 	var op OpaqueState
 	if err := op.UnmarshalBinary(creq.ContextPhase.OpaqueState); err != nil {
 		t.Fatal(err)
@@ -239,9 +239,9 @@ func TestWrongToken(t *testing.T) {
 func TestIncompatible(t *testing.T) {
 	cs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
 	gs := state(4, 4, 32, 8, kvcache.FP16, 1, 1, false)
-	ctx := newInst(t, cs, testCfg(), 16)
+	sender := newInst(t, cs, testCfg(), 16)
 	gen := newInst(t, gs, testCfg(), 16)
-	creq, _ := startCtx(t, ctx, 9, 8)
+	creq, _ := startSend(t, sender, 9, 8)
 	greq := genReqFor(gen, t, creq, 1)
 	err := gen.t.RequestAndReceiveAsync(greq)
 	// Checked before any byte moves, on the generation side, with both
@@ -255,7 +255,7 @@ func TestIncompatible(t *testing.T) {
 		}
 	}
 	gen.release(t, greq.Blocks)
-	ctx.t.Cancel(creq)
+	sender.t.Cancel(creq)
 	waitDone(t, creq, 5*time.Second)
 }
 
@@ -264,9 +264,9 @@ func TestIncompatible(t *testing.T) {
 func TestIncompatibleRefusedByContext(t *testing.T) {
 	cs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
 	gs := state(4, 4, 16, 4, kvcache.FP16, 1, 1, false)
-	ctx := newInst(t, cs, testCfg(), 16)
+	sender := newInst(t, cs, testCfg(), 16)
 	gen := newInst(t, gs, testCfg(), 16)
-	creq, _ := startCtx(t, ctx, 9, 8)
+	creq, _ := startSend(t, sender, 9, 8)
 	// Lie about the context state so that the generation side's own check
 	// passes and the request-info goes out.
 	var op OpaqueState
@@ -280,47 +280,62 @@ func TestIncompatibleRefusedByContext(t *testing.T) {
 		t.Fatalf("refusal: %v", err)
 	}
 	gen.release(t, greq.Blocks)
-	ctx.t.Cancel(creq)
+	sender.t.Cancel(creq)
 	waitDone(t, creq, 5*time.Second)
 }
 
-// TestContextTimeout: nobody pulls; the blocks go back at the deadline.
+// TestContextTimeout: nobody pulls; the blocks go back at the deadline,
+// and not before. The instance's clock is one the test advances.
 func TestContextTimeout(t *testing.T) {
 	s := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false)
-	ctx := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16)
-	creq, _ := startCtx(t, ctx, 1, 16)
-	if got := ctx.pools[0].FreeBlocks(); got != 12 {
+	clk := newManualClock()
+	sender := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16, withClock(clk))
+	creq, _ := startSend(t, sender, 1, 16)
+	if got := sender.pools[0].FreeBlocks(); got != 12 {
 		t.Fatalf("free blocks while held: %d, want 12", got)
+	}
+	clk.Advance(199 * time.Millisecond)
+	if n := heldBy(sender, sideSend, creq.ID); n != 2 || creq.State() != DisaggContextTransInProgress {
+		t.Fatalf("1ms before the deadline: held by %d ranks of 2, state %s", n, creq.State())
+	}
+	clk.Advance(time.Millisecond)
+	if n := heldBy(sender, sideSend, creq.ID); n != 0 {
+		t.Fatalf("at the deadline: still held by %d ranks", n)
 	}
 	waitDone(t, creq, 5*time.Second)
 	if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrTimeout) {
 		t.Fatalf("state %s, err %v", creq.State(), creq.Err())
 	}
-	for r, p := range ctx.pools {
+	for r, p := range sender.pools {
 		if p.FreeBlocks() != 16 {
 			t.Errorf("rank %d: %d free after the deadline", r, p.FreeBlocks())
 		}
 	}
 }
 
-// TestGenerationTimeout: the context instance is gone; the receive fails
-// within its deadline.
+// TestGenerationTimeout: the context instance is gone (its endpoint accepts
+// and never answers); the receive fails at its deadline, and not before.
 func TestGenerationTimeout(t *testing.T) {
 	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	cfg := testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 300 })
-	gen := newInst(t, s, cfg, 16)
+	clk := newManualClock()
+	gen := newInst(t, s, cfg, 16, withClock(clk))
 	// A listener that accepts and never answers: the handshake hangs.
 	silent := newSilentListener(t)
 	op := &OpaqueState{RequestID: 1, State: s, Endpoints: []string{silent}}
 	enc, _ := op.MarshalBinary()
 	greq := &Request{ID: 1, Type: GenerationOnly, Blocks: gen.alloc(t, 0, 1), ContextPhase: &ContextPhaseParams{OpaqueState: enc}}
-	start := time.Now()
-	err := gen.t.RequestAndReceiveSync(context.Background(), greq)
-	if !errors.Is(err, ErrTimeout) {
-		t.Fatalf("err %v", err)
+	if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+		t.Fatal(err)
 	}
-	if d := time.Since(start); d > 3*time.Second {
-		t.Errorf("failed after %v; the deadline was 300ms", d)
+	clk.Advance(299 * time.Millisecond)
+	if n := heldBy(gen, sideRecv, 1); n != 1 {
+		t.Fatalf("1ms before the deadline: held by %d ranks of 1 (%v)", n, greq.Err())
+	}
+	clk.Advance(time.Millisecond)
+	waitDone(t, greq, 5*time.Second)
+	if !errors.Is(greq.Err(), ErrTimeout) || greq.State() != DisaggTransError {
+		t.Fatalf("state %s, err %v", greq.State(), greq.Err())
 	}
 	gen.release(t, greq.Blocks)
 }
@@ -329,17 +344,17 @@ func TestGenerationTimeout(t *testing.T) {
 func TestCancel(t *testing.T) {
 	s := state(4, 8, 64, 16, kvcache.BF16, 1, 1, false) // 64 KiB blocks
 	t.Run("context before pull", func(t *testing.T) {
-		ctx := newInst(t, s, testCfg(), 64)
+		sender := newInst(t, s, testCfg(), 64)
 		gen := newInst(t, s, testCfg(), 64)
-		creq, _ := startCtx(t, ctx, 1, 64)
-		if !ctx.t.Cancel(creq) {
+		creq, _ := startSend(t, sender, 1, 64)
+		if !sender.t.Cancel(creq) {
 			t.Fatal("Cancel returned false")
 		}
 		waitDone(t, creq, 5*time.Second)
 		if !errors.Is(creq.Err(), ErrCanceled) || creq.State() != DisaggTransError {
 			t.Fatalf("%s %v", creq.State(), creq.Err())
 		}
-		if ctx.t.Cancel(creq) {
+		if sender.t.Cancel(creq) {
 			t.Error("second Cancel returned true")
 		}
 		greq := genReqFor(gen, t, creq, 4)
@@ -349,9 +364,9 @@ func TestCancel(t *testing.T) {
 		gen.release(t, greq.Blocks)
 	})
 	t.Run("generation during pull", func(t *testing.T) {
-		ctx := newInst(t, s, testCfg(), 600)
+		sender := newInst(t, s, testCfg(), 600)
 		gen := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), 600)
-		creq, _ := startCtx(t, ctx, 2, 512*16) // 32 MiB through 64 KiB chunks
+		creq, _ := startSend(t, sender, 2, 512*16) // 32 MiB through 64 KiB chunks
 		greq := genReqFor(gen, t, creq, 512)
 		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
 			t.Fatal(err)
@@ -368,20 +383,20 @@ func TestCancel(t *testing.T) {
 		// The abort reaches the context side, which ends in error too.
 		waitDone(t, creq, 5*time.Second)
 		if creq.State() != DisaggTransError && creq.State() != DisaggContextComplete {
-			t.Fatalf("ctx: %s", creq.State())
+			t.Fatalf("sender: %s", creq.State())
 		}
 		gen.release(t, greq.Blocks)
 	})
 	t.Run("context during pull", func(t *testing.T) {
-		ctx := newInst(t, s, testCfg(), 600)
+		sender := newInst(t, s, testCfg(), 600)
 		gen := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), 600)
-		creq, _ := startCtx(t, ctx, 3, 512*16)
+		creq, _ := startSend(t, sender, 3, 512*16)
 		greq := genReqFor(gen, t, creq, 512)
 		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
 			t.Fatal(err)
 		}
-		waitMoving(t, ctx)
-		cancelled := ctx.t.Cancel(creq)
+		waitMoving(t, sender)
+		cancelled := sender.t.Cancel(creq)
 		waitDone(t, creq, 5*time.Second)
 		waitDone(t, greq, 5*time.Second)
 		if !cancelled {
@@ -415,11 +430,8 @@ func waitMoving(t *testing.T, in *inst) {
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 		r.mu.Lock()
 		moving := false
-		for _, cr := range r.ctxReqs {
-			moving = moving || cr.core.phase == phaseMoving
-		}
-		for _, gr := range r.genReqs {
-			moving = moving || gr.core.phase == phaseMoving
+		for _, q := range r.reqs {
+			moving = moving || q.core.state() == phaseMoving
 		}
 		r.mu.Unlock()
 		if moving {
@@ -466,18 +478,18 @@ func TestObserverAndTimingCSV(t *testing.T) {
 	gs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
 	obs := &countObserver{started: map[string]int{}}
 	cfg := testCfg(func(c *config.CacheTransceiver) { c.TimeOutputPath = dir })
-	ctx := newInst(t, cs, cfg, 32)
+	sender := newInst(t, cs, cfg, 32)
 	gen := newInst(t, gs, cfg, 32)
-	for _, in := range []*inst{ctx, gen} {
+	for _, in := range []*inst{sender, gen} {
 		for _, r := range in.t.ranks {
 			r.obs = obs
 		}
 	}
 	for i := range 3 {
-		transfer(t, ctx, gen, uint64(i+1), 40, uint64(i), 0, 0)
+		transfer(t, sender, gen, uint64(i+1), 40, uint64(i), 0, 0)
 	}
-	creq, _ := startCtx(t, ctx, 99, 8)
-	ctx.t.Cancel(creq)
+	creq, _ := startSend(t, sender, 99, 8)
+	sender.t.Cancel(creq)
 	waitDone(t, creq, 5*time.Second)
 
 	obs.mu.Lock()
@@ -495,7 +507,7 @@ func TestObserverAndTimingCSV(t *testing.T) {
 	if results["context/cancelled"] != 2 || results["context/ok"] != 6 || results["generation/ok"] != 3 {
 		t.Errorf("results %v", results)
 	}
-	ctx.t.Close()
+	sender.t.Close()
 	gen.t.Close()
 	files, _ := filepath.Glob(filepath.Join(dir, "*.csv"))
 	rows := 0
@@ -521,9 +533,9 @@ func TestAutoPicksPerPeer(t *testing.T) {
 	if _, ok := PoolAllocator(auto).(kvcache.HeapAllocator); !ok {
 		t.Fatalf("PoolAllocator(AUTO) = %T, want the Go heap", PoolAllocator(auto))
 	}
-	ctx := newInst(t, s, auto, 16)
+	sender := newInst(t, s, auto, 16)
 	gen := newInst(t, s, auto, 16)
-	if st := transfer(t, ctx, gen, 1, 8, 1, 0, 0); st.Backend != "shm" {
+	if st := transfer(t, sender, gen, 1, 8, 1, 0, 0); st.Backend != "shm" {
 		t.Errorf("AUTO on one host: %q, want shm", st.Backend)
 	}
 	shm := testCfg(func(c *config.CacheTransceiver) { c.Backend = config.BackendSHM })
