@@ -426,16 +426,17 @@ func (r *rank) chooseBackend(cc *ctrlConn) (string, error) {
 		}
 		return r.set.backend, nil
 	}
-	if cc.peer.host == r.set.host && has("shm") {
-		if err := r.probeShm(cc); err == nil {
-			return "shm", nil
-		} else {
-			r.log.Info("shm not usable with this peer, falling back", "peer", cc.peer.endpoint, "peer_rank", cc.peer.rank, "reason", err)
-		}
-	}
-	for _, b := range []string{"ucx", "tcp"} {
-		if has(b) {
+	for _, b := range autoOrder() {
+		switch {
+		case !has(b):
+		case b != "shm":
 			return b, nil
+		case cc.peer.host == r.set.host:
+			err := r.probeShm(cc)
+			if err == nil {
+				return b, nil
+			}
+			r.log.Info("shm not usable with this peer, falling back", "peer", cc.peer.endpoint, "peer_rank", cc.peer.rank, "reason", err)
 		}
 	}
 	return "", fmt.Errorf("no backend in common with context rank %d at %s (it has %v, this rank %v)", cc.peer.rank, cc.peer.endpoint, cc.peer.backends, r.backendNames())

@@ -52,7 +52,7 @@ func tlsParty(t *testing.T, ca *tlsconf.Authority, name string) *transport.TLSCo
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &transport.TLSConfig{Server: c.Server, Client: c.Client}
+	return c.Transport()
 }
 
 // TestTLSTransfer: with mutual TLS on both sides, a heterogeneous transfer

@@ -224,7 +224,7 @@ type rankSettings struct {
 // the options; openRank sizes the staging buffers per rank.
 func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Backend, peers *peerPolicy, log *slog.Logger) rankSettings {
 	set := rankSettings{
-		timeout: cfg.Timeout(), backend: strings.ToLower(string(backend)), bufferBytes: cfg.TransferBufferSize,
+		timeout: cfg.Timeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
 		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
 		host: opts.Host, logger: log, now: opts.Now, clock: opts.clock, peers: peers, limits: opts.Limits.withDefaults(),
 	}
@@ -297,13 +297,23 @@ func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTran
 	return r, nil
 }
 
+// autoOrder is config.AutoPreference as data-plane names: the order in
+// which AUTO opens data planes and picks one per peer.
+func autoOrder() []string {
+	out := make([]string, len(config.AutoPreference))
+	for i, b := range config.AutoPreference {
+		out[i] = b.Lower()
+	}
+	return out
+}
+
 // backendsToOpen lists the data planes a rank opens for a resolved backend.
 func backendsToOpen(b config.Backend) []string {
 	if b != config.BackendAuto {
-		return []string{strings.ToLower(string(b))}
+		return []string{b.Lower()}
 	}
 	var names []string
-	for _, n := range []string{"shm", "ucx", "tcp"} {
+	for _, n := range autoOrder() {
 		if s, err := transport.Lookup(n); err == nil && s.Available() {
 			names = append(names, n)
 		}
