@@ -2,9 +2,7 @@ package tcp
 
 import (
 	"context"
-	"crypto/rand"
 	"crypto/tls"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -14,6 +12,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Grace periods of cancel and close. A frame in flight is given this long to
@@ -66,7 +65,7 @@ type Transport struct {
 
 	mu       sync.Mutex
 	closed   bool
-	receipts map[uint64]*recv     // armed receipts by tag
+	receipts *receipt.Table[filling]
 	ops      map[*sendOp]struct{} // in-flight Sends
 	inbound  map[*inConn]struct{}
 	sessions map[uint64]*session // inbound sender sessions by id
@@ -109,16 +108,23 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		log:      opts.Logger.With("backend", "tcp", "endpoint", ep),
 		ln:       ln,
 		endpoint: ep,
-		session:  randUint64(),
+		session:  receipt.Rand64(),
 		srvTLS:   srvTLS,
 		cliTLS:   cliTLS,
 		done:     make(chan struct{}),
-		receipts: make(map[uint64]*recv),
 		ops:      make(map[*sendOp]struct{}),
 		inbound:  make(map[*inConn]struct{}),
 		sessions: make(map[uint64]*session),
 		peers:    make(map[string]*peer),
 	}
+	t.receipts = receipt.NewTable(receipt.Config[filling]{
+		Format:    descFormat,
+		Endpoint:  ep,
+		Lock:      &t.mu,
+		Interrupt: t.interrupt,
+		Stuck:     t.unstick,
+		Grace:     cancelGrace,
+	})
 	t.wg.Add(1)
 	go t.accept()
 	return t, nil
@@ -145,6 +151,7 @@ func (t *Transport) Close() error {
 	t.closeOnce.Do(func() {
 		t.mu.Lock()
 		t.closed = true
+		t.receipts.CloseLocked()
 		ops := make([]*sendOp, 0, len(t.ops))
 		for op := range t.ops {
 			ops = append(ops, op)
@@ -158,8 +165,8 @@ func (t *Transport) Close() error {
 
 		t.ln.Close()
 		t.mu.Lock()
-		for _, r := range t.receipts {
-			t.finish(r, &transport.ClosedError{Op: "receive"})
+		for r := range t.receipts.AllLocked() {
+			r.FinishLocked(&transport.ClosedError{Op: "receive"})
 		}
 		conns := make([]*inConn, 0, len(t.inbound))
 		for c := range t.inbound {
@@ -226,16 +233,5 @@ func (t *Transport) accept() {
 		t.wg.Add(1)
 		t.mu.Unlock()
 		go t.serve(c)
-	}
-}
-
-// randUint64 returns a random non-zero value from crypto/rand.
-func randUint64() uint64 {
-	var b [8]byte
-	for {
-		rand.Read(b[:]) // never fails (see crypto/rand.Read)
-		if v := binary.BigEndian.Uint64(b[:]); v != 0 {
-			return v
-		}
 	}
 }
