@@ -5,7 +5,6 @@ package shm
 import (
 	"context"
 	"crypto/rand"
-	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Time limits.
@@ -81,7 +81,7 @@ type Transport struct {
 
 	mu       sync.Mutex
 	closed   bool
-	receipts map[uint64]*recv                    // armed receipts by tag
+	receipts *receipt.Table[*rop]
 	ops      map[*sendOp]context.CancelCauseFunc // in-flight Sends
 	inbound  map[*inConn]struct{}
 	peers    map[string]*outConn      // outbound connections by endpoint
@@ -131,7 +131,6 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		slotLen:  slot,
 		credit:   connCredit,
 		done:     make(chan struct{}),
-		receipts: make(map[uint64]*recv),
 		ops:      make(map[*sendOp]context.CancelCauseFunc),
 		inbound:  make(map[*inConn]struct{}),
 		peers:    make(map[string]*outConn),
@@ -139,6 +138,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		maxConns: opts.MaxConns,
 		refusals: netlimit.NewRateLog(opts.Logger, time.Second),
 	}
+	t.receipts = receipt.NewTable(receipt.Config[*rop]{Format: descFormat, Endpoint: ep, Lock: &t.mu})
 	t.wg.Add(1)
 	go t.accept()
 	return t, nil
@@ -162,6 +162,7 @@ func (t *Transport) Close() error {
 	t.closeOnce.Do(func() {
 		t.mu.Lock()
 		t.closed = true
+		t.receipts.CloseLocked()
 		cancels := make([]context.CancelCauseFunc, 0, len(t.ops))
 		for _, c := range t.ops {
 			cancels = append(cancels, c)
@@ -175,8 +176,8 @@ func (t *Transport) Close() error {
 
 		t.ln.Close()
 		t.mu.Lock()
-		for _, r := range t.receipts {
-			t.finish(r, &transport.ClosedError{Op: "receive"})
+		for r := range t.receipts.AllLocked() {
+			r.FinishLocked(&transport.ClosedError{Op: "receive"})
 		}
 		conns := make([]*inConn, 0, len(t.inbound))
 		for c := range t.inbound {
@@ -262,17 +263,6 @@ func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
 		return &transport.ClosedError{Op: "register memory"}
 	}
 	return nil
-}
-
-// randUint64 returns a random non-zero value from crypto/rand.
-func randUint64() uint64 {
-	var b [8]byte
-	for {
-		rand.Read(b[:]) // never fails (see crypto/rand.Read)
-		if v := binary.BigEndian.Uint64(b[:]); v != 0 {
-			return v
-		}
-	}
 }
 
 // peerLost wraps cause as ErrPeerLost of op with peer; a protocol error stays

@@ -8,6 +8,7 @@ import (
 	"math"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Wire formats. All integers are big-endian.
@@ -72,7 +73,6 @@ const (
 	descVersion    = 1
 	endpointPrefix = "@kvxfer-shm-"
 	endpointLen    = len(endpointPrefix) + 32
-	descLen        = 3 + endpointLen + 16
 )
 
 // Message types.
@@ -300,60 +300,22 @@ func appendMsg(b []byte, m *msg) []byte {
 	return b
 }
 
-// descriptor is a decoded transport.Descriptor of this backend.
-type descriptor struct {
-	endpoint string
-	tag      uint64
-	total    int64
-}
-
-func (d descriptor) encode() transport.Descriptor {
-	b := make([]byte, 0, descLen)
-	b = append(b, descKind, descVersion, byte(len(d.endpoint)))
-	b = append(b, d.endpoint...)
-	b = binary.BigEndian.AppendUint64(b, d.tag)
-	b = binary.BigEndian.AppendUint64(b, uint64(d.total))
-	return b
-}
-
-// errDesc reports what is wrong with a descriptor.
-func errDesc(format string, args ...any) error {
-	return fmt.Errorf("shm: %w: %s", transport.ErrBadDescriptor, fmt.Sprintf(format, args...))
-}
-
-// decodeDescriptor decodes a descriptor from the wire, which is untrusted:
-// every field is checked, and the length must match exactly.
-func decodeDescriptor(b transport.Descriptor) (descriptor, error) {
-	switch {
-	case len(b) == 0:
-		return descriptor{}, errDesc("empty")
-	case len(b) > transport.MaxDescriptorBytes:
-		return descriptor{}, errDesc("%d bytes, more than %d", len(b), transport.MaxDescriptorBytes)
-	case b[0] != descKind:
-		return descriptor{}, errDesc("kind %#x, want %#x (not an shm descriptor)", b[0], descKind)
-	case len(b) < 3:
-		return descriptor{}, errDesc("truncated: %d bytes", len(b))
-	case b[1] != descVersion:
-		return descriptor{}, errDesc("version %d, want %d", b[1], descVersion)
-	case len(b) != descLen || int(b[2]) != endpointLen:
-		return descriptor{}, errDesc("%d bytes with an endpoint of %d, want %d and %d", len(b), b[2], descLen, endpointLen)
-	}
-	d := descriptor{
-		endpoint: string(b[3 : 3+endpointLen]),
-		tag:      binary.BigEndian.Uint64(b[3+endpointLen:]),
-	}
-	total := binary.BigEndian.Uint64(b[3+endpointLen+8:])
-	if err := checkEndpoint(d.endpoint); err != nil {
-		return descriptor{}, errDesc("%v", err)
-	}
-	if d.tag == 0 {
-		return descriptor{}, errDesc("zero tag")
-	}
-	if total == 0 || total > math.MaxInt64 {
-		return descriptor{}, errDesc("total length %d out of range", total)
-	}
-	d.total = int64(total)
-	return d, nil
+// descFormat is the layout of this backend's descriptors (see above).
+var descFormat = &receipt.Format{
+	Backend: "shm",
+	Header:  []byte{descKind, descVersion},
+	CheckHeader: func(b []byte) error {
+		switch {
+		case b[0] != descKind:
+			return fmt.Errorf("kind %#x, want %#x (not an shm descriptor)", b[0], descKind)
+		case len(b) < 2:
+			return fmt.Errorf("truncated: %d bytes", len(b))
+		case b[1] != descVersion:
+			return fmt.Errorf("version %d, want %d", b[1], descVersion)
+		}
+		return nil
+	},
+	CheckEndpoint: checkEndpoint,
 }
 
 // checkEndpoint accepts exactly the endpoints Open makes: the prefix and 32
