@@ -359,14 +359,11 @@ func (l *loop) handle(e event) {
 func (l *loop) post(r *recv) {
 	defer l.t.posted(r.tagBase)
 	if l.closing {
-		l.recvClosedEarly(r)
+		l.endRecv(r, &transport.ClosedError{Op: "expect"})
 		return
 	}
 	if l.recvs[r.tagBase] != nil { // 48 random bits collided
-		r.err = errors.New("ucx: expect: tag collision")
-		r.mem.release()
-		close(r.done)
-		l.readied = true
+		l.endRecv(r, errors.New("ucx: expect: tag collision"))
 		return
 	}
 	l.recvs[r.tagBase] = r
@@ -393,10 +390,10 @@ func (l *loop) post(r *recv) {
 	}
 }
 
-func (l *loop) recvClosedEarly(r *recv) {
-	r.err = &transport.ClosedError{Op: "expect"}
+// endRecv ends r with err (nil: success) once UCX has let go of its memory.
+func (l *loop) endRecv(r *recv, err error) {
 	r.mem.release()
-	close(r.done)
+	r.End(err)
 	l.readied = true
 }
 
@@ -439,10 +436,7 @@ func (l *loop) maybeEndRecv(r *recv) {
 	}
 	delete(l.recvs, r.tagBase)
 	l.recent.add(r.tagBase, r.fail == nil)
-	r.err = r.fail
-	r.mem.release()
-	close(r.done)
-	l.readied = true
+	l.endRecv(r, r.fail)
 }
 
 // ---- sends ------------------------------------------------------------
@@ -780,10 +774,7 @@ func (l *loop) shutdown() {
 		if r.fail == nil {
 			r.fail = &transport.ClosedError{Op: "receive"}
 		}
-		r.err = r.fail
-		r.mem.release()
-		close(r.done)
-		l.readied = true
+		l.endRecv(r, r.fail)
 	}
 	// Operations submitted while the loop went away: closing makes each of
 	// them fail at once.
