@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
@@ -130,12 +131,7 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 func (c *inConn) serve() {
 	defer c.t.wg.Done()
 	err := c.readLoop()
-	switch {
-	case errors.Is(err, transport.ErrProtocol):
-		c.t.log.Warn("shm: closing connection", "remote", c.remote, "err", err)
-	case !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed):
-		c.t.log.Debug("shm: connection broke", "remote", c.remote, "err", err)
-	}
+	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
 	c.teardown(err)
 }
 

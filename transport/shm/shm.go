@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
@@ -202,50 +203,35 @@ func (t *Transport) Close() error {
 // accept runs until the listener closes.
 func (t *Transport) accept() {
 	defer t.wg.Done()
-	var delay time.Duration
-	for {
-		nc, err := t.ln.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Out of file descriptors and the like: back off as
-			// net/http does instead of spinning.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			t.log.Warn("shm: accept failed; retrying", "err", err, "delay", delay)
-			timer := time.NewTimer(delay)
-			select {
-			case <-timer.C:
-			case <-t.done:
-				timer.Stop()
-				return
-			}
-			continue
-		}
-		delay = 0
-		c := newInConn(t, nc)
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			nc.Close()
-			continue
-		}
-		// Any process of this host (and network namespace) can connect to
-		// the abstract socket: bound what they hold. A silent connection
-		// within the bound is closed at its hello deadline.
-		if t.maxConns > 0 && len(t.inbound) >= t.maxConns {
-			t.mu.Unlock()
-			nc.Close()
-			t.refusals.Warn(netlimit.ReasonMaxConns, "connection refused", "listener", "shm data "+t.endpoint,
-				"reason", netlimit.ReasonMaxConns, "limit", t.maxConns)
-			continue
-		}
-		t.inbound[c] = struct{}{}
-		t.wg.Add(2) // reader and worker
+	conn.Accept("shm", t.log, t.done, t.ln.AcceptUnix, t.admit)
+}
+
+// admit starts the reader and the worker of an accepted connection, unless
+// t is closed or holds opts.MaxConns already.
+func (t *Transport) admit(nc *net.UnixConn) bool {
+	c := newInConn(t, nc)
+	t.mu.Lock()
+	if t.closed {
 		t.mu.Unlock()
-		go c.work()
-		go c.serve()
+		nc.Close()
+		return true
 	}
+	// Any process of this host (and network namespace) can connect to
+	// the abstract socket: bound what they hold. A silent connection
+	// within the bound is closed at its hello deadline.
+	if t.maxConns > 0 && len(t.inbound) >= t.maxConns {
+		t.mu.Unlock()
+		nc.Close()
+		t.refusals.Warn(netlimit.ReasonMaxConns, "connection refused", "listener", "shm data "+t.endpoint,
+			"reason", netlimit.ReasonMaxConns, "limit", t.maxConns)
+		return true
+	}
+	t.inbound[c] = struct{}{}
+	t.wg.Add(2) // reader and worker
+	t.mu.Unlock()
+	go c.work()
+	go c.serve()
+	return true
 }
 
 // RegisterMemory accepts any memory and does nothing with it: a Send copies
@@ -265,12 +251,6 @@ func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
 	return nil
 }
 
-// peerLost wraps cause as ErrPeerLost of op with peer; a protocol error stays
-// visible to errors.Is. The cause itself is not wrapped otherwise, so that a
-// local net.ErrClosed is not mistaken for a closed Transport.
-func peerLost(op, peer string, cause error) error {
-	if errors.Is(cause, transport.ErrProtocol) {
-		return fmt.Errorf("shm: %s %s: %w: %w", op, peer, transport.ErrPeerLost, cause)
-	}
-	return fmt.Errorf("shm: %s %s: %w: %v", op, peer, transport.ErrPeerLost, cause)
-}
+// peerLost wraps cause as transport.ErrPeerLost of op with peer (see
+// conn.PeerLost).
+func peerLost(op, peer string, cause error) error { return conn.PeerLost("shm", op, peer, cause) }

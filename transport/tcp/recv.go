@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
@@ -101,13 +102,10 @@ func (t *Transport) serve(c *inConn) {
 	err := t.readLoop(c)
 	clean := errors.Is(err, io.EOF) // at a frame boundary (else ErrUnexpectedEOF)
 	var herr *handshakeError
-	switch {
-	case errors.As(err, &herr) && !errors.Is(err, net.ErrClosed):
+	if errors.As(err, &herr) && !errors.Is(err, net.ErrClosed) {
 		t.log.Warn("tcp: refused a data connection: TLS handshake failed", "remote", c.remote, "err", herr.err)
-	case errors.Is(err, transport.ErrProtocol):
-		t.log.Warn("tcp: closing data connection", "remote", c.remote, "err", err)
-	case !clean && !errors.Is(err, net.ErrClosed):
-		t.log.Debug("tcp: data connection broke", "remote", c.remote, "err", err)
+	} else {
+		conn.LogEnd(t.log, "tcp", "data connection", c.remote, err)
 	}
 	lost := peerLost("receive from", c.remote, err)
 	t.mu.Lock()
@@ -341,12 +339,6 @@ func (t *Transport) discard(c *inConn, n int64) error {
 	return nil
 }
 
-// peerLost wraps cause as ErrPeerLost of op with peer; a protocol error stays
-// visible to errors.Is. The cause itself is not wrapped otherwise, so that a
-// local net.ErrClosed is not mistaken for a closed Transport.
-func peerLost(op, peer string, cause error) error {
-	if errors.Is(cause, transport.ErrProtocol) {
-		return fmt.Errorf("tcp: %s %s: %w: %w", op, peer, transport.ErrPeerLost, cause)
-	}
-	return fmt.Errorf("tcp: %s %s: %w: %v", op, peer, transport.ErrPeerLost, cause)
-}
+// peerLost wraps cause as transport.ErrPeerLost of op with peer (see
+// conn.PeerLost).
+func peerLost(op, peer string, cause error) error { return conn.PeerLost("tcp", op, peer, cause) }

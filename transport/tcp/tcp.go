@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
@@ -195,43 +196,27 @@ func (t *Transport) accept() {
 	defer t.wg.Done()
 	ln := netlimit.NewListener(t.ln, "tcp data "+t.endpoint,
 		netlimit.Limits{MaxConns: t.opts.MaxConns, MaxConnsPerHost: t.opts.MaxConnsPerHost}, t.opts.Logger, nil)
-	var delay time.Duration
-	for {
-		nc, err := ln.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Out of file descriptors and the like: back off as
-			// net/http does instead of spinning.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			t.log.Warn("tcp: accept failed; retrying", "err", err, "delay", delay)
-			timer := time.NewTimer(delay)
-			select {
-			case <-timer.C:
-			case <-t.done:
-				timer.Stop()
-				return
-			}
-			continue
-		}
-		delay = 0
-		c := &inConn{nc: nc, raw: nc, remote: nc.RemoteAddr().String()}
-		if t.srvTLS != nil {
-			// The handshake runs in the connection's reader (readLoop),
-			// bounded by prefaceTimeout, so that a slow or hostile client
-			// does not hold up the accept loop.
-			c.nc = tls.Server(nc, t.srvTLS)
-		}
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			nc.Close()
-			continue
-		}
-		t.inbound[c] = struct{}{}
-		t.wg.Add(1)
-		t.mu.Unlock()
-		go t.serve(c)
+	conn.Accept("tcp", t.log, t.done, ln.Accept, t.admit)
+}
+
+// admit starts the reader of an accepted connection, unless t is closed.
+func (t *Transport) admit(nc net.Conn) bool {
+	c := &inConn{nc: nc, raw: nc, remote: nc.RemoteAddr().String()}
+	if t.srvTLS != nil {
+		// The handshake runs in the connection's reader (readLoop),
+		// bounded by prefaceTimeout, so that a slow or hostile client
+		// does not hold up the accept loop.
+		c.nc = tls.Server(nc, t.srvTLS)
 	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		nc.Close()
+		return true
+	}
+	t.inbound[c] = struct{}{}
+	t.wg.Add(1)
+	t.mu.Unlock()
+	go t.serve(c)
+	return true
 }
