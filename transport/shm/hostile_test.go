@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
@@ -168,12 +168,12 @@ func tryWrite(f *os.File, size int) []string {
 func TestWindowMustBeSealed(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
-	plain, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(4096)
+	plain, err := memfd.New(memfdName, 4096, memfd.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer plain.Close()
-	announce(t, nc, plain.(*kvcache.ShmArena), 4096, 1)
+	announce(t, nc, plain, 4096, 1)
 	writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
 	if m := readMsg(t, nc, mr); m.typ != msgErr || m.code != codeRegion || !strings.Contains(m.text, "sealed against writes") {
 		t.Fatalf("answer to a probe of an unsealed window: %+v", m)

@@ -12,7 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/conn"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
@@ -78,7 +78,7 @@ type inConn struct {
 
 	// The sender's window, mapped read-only; set once by the reader
 	// before the first READ that uses it, unmapped after the worker ends.
-	win       kvcache.Arena
+	win       *memfd.Mapping
 	winMem    []byte
 	winErr    error // why the window could not be mapped
 	slotLen   int
@@ -232,7 +232,7 @@ func (c *inConn) onWindow(m msg) error {
 	if !ok {
 		return errProto("window announced without its memory file")
 	}
-	if !isShmem(fd) {
+	if !memfd.IsShmem(fd) {
 		closeReceived(fd)
 		return errProto("window announced with a descriptor that is not shared memory (memfd)")
 	}
@@ -249,7 +249,7 @@ func (c *inConn) onWindow(m msg) error {
 		c.winErr = fmt.Errorf("senders' windows mapped here would exceed %d bytes", int64(maxMapped))
 		return nil
 	}
-	a, err := kvcache.MapSharedReadOnly(f, size)
+	a, err := memfd.MapReadOnly(f, size)
 	if err != nil {
 		c.t.mapped.Add(-size)
 		c.t.log.Warn("shm: cannot map a sender's window", "remote", c.remote, "size", size, "err", err)

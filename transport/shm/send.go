@@ -13,7 +13,7 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
@@ -58,7 +58,7 @@ type outConn struct {
 	// Copies into it hold winMu for reading; the reader goroutine unmaps
 	// it, holding winMu, when the connection ends.
 	winMu   sync.RWMutex
-	win     *kvcache.ShmArena // nil once unmapped
+	win     *memfd.Mapping // nil once unmapped
 	winMem  []byte
 	slotLen int
 
@@ -81,7 +81,7 @@ type pendingOp struct {
 	early  msg      // an answer takeSlot took from res
 }
 
-func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *kvcache.ShmArena, slotLen int) *outConn {
+func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *memfd.Mapping, slotLen int) *outConn {
 	oc := &outConn{
 		t: t, ep: ep, nc: nc, mr: mr,
 		dead:    make(chan struct{}),
@@ -378,14 +378,13 @@ func (t *Transport) conn(ctx context.Context, ep string) (*outConn, error) {
 // of windowSlots slots that this process maps writable and seals against
 // every other write, so that the receiver can map it read-only and nothing
 // else.
-func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *msgReader, *kvcache.ShmArena, error) {
+func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *msgReader, *memfd.Mapping, error) {
 	nc, mr, err := dialUnix(ctx, ep, helloTimeout)
 	if err != nil {
 		return nil, nil, nil, explainDial(err)
 	}
-	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-window", PeerReadOnly: true}.Allocate(windowSlots * t.slotLen)
+	win, err := memfd.New("kvxfer-shm-window", windowSlots*t.slotLen, memfd.Options{PeerReadOnly: true})
 	if err == nil {
-		win := a.(*kvcache.ShmArena)
 		if err = sendWindow(nc, win, t.slotLen, windowSlots); err == nil {
 			return nc, mr, win, nil
 		}
@@ -397,7 +396,7 @@ func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *
 }
 
 // sendWindow writes a WINDOW message with win's memory file attached.
-func sendWindow(nc *net.UnixConn, win *kvcache.ShmArena, slotLen, slots int) error {
+func sendWindow(nc *net.UnixConn, win *memfd.Mapping, slotLen, slots int) error {
 	rc, err := win.File().SyscallConn()
 	if err != nil {
 		return err
@@ -770,7 +769,7 @@ func (t *Transport) Probe(ctx context.Context, endpoint string) error {
 		}
 	}()
 
-	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-probe", PeerReadOnly: true}.Allocate(4096)
+	a, err := memfd.New("kvxfer-shm-probe", 4096, memfd.Options{PeerReadOnly: true})
 	if err != nil {
 		return fmt.Errorf("shm: probe %s: cannot create shared memory here: %w", endpoint, err)
 	}
@@ -778,7 +777,7 @@ func (t *Transport) Probe(ctx context.Context, endpoint string) error {
 	nonce := receipt.Rand64()
 	binary.BigEndian.PutUint64(a.Bytes(), nonce)
 	const op = 1
-	if err := sendWindow(nc, a.(*kvcache.ShmArena), 4096, 1); err != nil {
+	if err := sendWindow(nc, a, 4096, 1); err != nil {
 		return fmt.Errorf("shm: probe %s: sending a memory file: %w", endpoint, err)
 	}
 	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgProbe, op: op}), nil); err != nil {

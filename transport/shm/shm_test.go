@@ -20,8 +20,8 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/internal/syncbuf"
-	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 	"github.com/kvxfer/kvxfer/transport/transporttest"
@@ -80,11 +80,10 @@ func open(t testing.TB, opts transport.Options) *Transport {
 
 // shmAlloc allocates n bytes of sealed shared memory: the suite's sources.
 func shmAlloc(n int) ([]byte, *os.File, func(), error) {
-	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	sa, err := memfd.New(memfdName, n, memfd.Options{})
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	sa := a.(*kvcache.ShmArena)
 	return sa.Bytes(), sa.File(), func() { sa.Close() }, nil
 }
 
@@ -93,11 +92,10 @@ func shmAlloc(n int) ([]byte, *os.File, func(), error) {
 // registration), then frees the memory.
 func shared(t testing.TB, n int, trs ...*Transport) []byte {
 	t.Helper()
-	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	sa, err := memfd.New(memfdName, n, memfd.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sa := a.(*kvcache.ShmArena)
 	t.Cleanup(func() {
 		for _, tr := range trs {
 			tr.Close()
@@ -555,7 +553,7 @@ func rawConn(t *testing.T, tr *Transport) (*net.UnixConn, *msgReader) {
 
 // announce sends a WINDOW of slots slots of slotLen bytes, backed by a,
 // over nc.
-func announce(t *testing.T, nc *net.UnixConn, a *kvcache.ShmArena, slotLen, slots int) {
+func announce(t *testing.T, nc *net.UnixConn, a *memfd.Mapping, slotLen, slots int) {
 	t.Helper()
 	if err := sendWindow(nc, a, slotLen, slots); err != nil {
 		t.Fatal(err)
@@ -622,13 +620,12 @@ func expectClosed(t *testing.T, nc *net.UnixConn) {
 }
 
 // testArena allocates n bytes of shared memory a peer can map as a window.
-func testArena(t *testing.T, n int) *kvcache.ShmArena {
+func testArena(t *testing.T, n int) *memfd.Mapping {
 	t.Helper()
-	a, err := kvcache.ShmAllocator{Name: memfdName, PeerReadOnly: true}.Allocate(n)
+	sa, err := memfd.New(memfdName, n, memfd.Options{PeerReadOnly: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sa := a.(*kvcache.ShmArena)
 	t.Cleanup(func() { sa.Close() })
 	return sa
 }
@@ -666,12 +663,12 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"window not announced first", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAbort, tag: 5}) }},
 		{"window without a write seal", func(t *testing.T, nc *net.UnixConn) {
-			plain, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(4096)
+			plain, err := memfd.New(memfdName, 4096, memfd.Options{})
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer plain.Close()
-			announce(t, nc, plain.(*kvcache.ShmArena), 4096, 1)
+			announce(t, nc, plain, 4096, 1)
 			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
 			// Mapping it is refused: the probe is answered ERR, and the
 			// connection is closed by the next bad message.
