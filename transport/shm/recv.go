@@ -120,11 +120,7 @@ func newInConn(t *Transport, nc *net.UnixConn) *inConn {
 // transport.ErrCanceled, unless the receiver had already told it that every
 // byte was copied.
 func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
-	r, err := t.receipts.Expect(dst)
-	if err != nil {
-		return nil, err
-	}
-	return r, nil
+	return t.receipts.Expect(dst)
 }
 
 // serve runs the reader of an accepted connection, then tears it down.

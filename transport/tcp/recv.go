@@ -60,11 +60,7 @@ type inConn struct {
 
 // Expect arms a receipt of sum(len(dst[i])) bytes under a fresh random tag.
 func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
-	r, err := t.receipts.Expect(dst)
-	if err != nil {
-		return nil, err
-	}
-	return r, nil
+	return t.receipts.Expect(dst)
 }
 
 // interrupt makes the readers in the middle of a frame for r, which has

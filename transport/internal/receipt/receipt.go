@@ -49,9 +49,10 @@ func NewTable[F any](c Config[F]) *Table[F] {
 }
 
 // Expect arms a receipt of sum(len(dst[i])) bytes, laid out in order over
-// dst, under a fresh random tag. It fails when the total is 0, and with a
+// dst, under a fresh random tag: the Expect of a backend. The Recv it
+// returns is a *Recv[F]. It fails when the total is 0, and with a
 // *transport.ClosedError after CloseLocked.
-func (tb *Table[F]) Expect(dst [][]byte) (*Recv[F], error) {
+func (tb *Table[F]) Expect(dst [][]byte) (transport.Recv, error) {
 	pieces, total := MakePieces(dst)
 	if total == 0 {
 		return nil, fmt.Errorf("%s: expect: nothing to receive (total length 0)", tb.c.Format.Backend)

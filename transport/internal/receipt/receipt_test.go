@@ -146,6 +146,16 @@ func newTable(c Config[fill]) (*Table[fill], *sync.Mutex) {
 	return NewTable(c), mu
 }
 
+// expect arms a receipt of n bytes in two pieces.
+func expect(t *testing.T, tb *Table[fill], n int) *Recv[fill] {
+	t.Helper()
+	r, err := tb.Expect([][]byte{make([]byte, n/2), make([]byte, n-n/2)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r.(*Recv[fill])
+}
+
 func done(r interface{ Done() <-chan struct{} }) bool {
 	select {
 	case <-r.Done():
@@ -160,10 +170,7 @@ func TestTable(t *testing.T) {
 	if _, err := tb.Expect([][]byte{{}, nil}); err == nil {
 		t.Error("Expect of 0 bytes succeeded")
 	}
-	r, err := tb.Expect([][]byte{make([]byte, 3), make([]byte, 4)})
-	if err != nil {
-		t.Fatal(err)
-	}
+	r := expect(t, tb, 7)
 	d, err := testFormat.Decode(r.Descriptor())
 	if err != nil || d.Endpoint != "here" || d.Total != 7 || d.Total != r.Total() {
 		t.Fatalf("descriptor %+v, %v", d, err)
@@ -233,7 +240,7 @@ func TestCancelHooks(t *testing.T) {
 			mu.Unlock()
 		},
 	})
-	r, _ := tb.Expect([][]byte{make([]byte, 8)})
+	r := expect(t, tb, 8)
 	mu.Lock()
 	r.HoldLocked()
 	mu.Unlock()
@@ -243,7 +250,7 @@ func TestCancelHooks(t *testing.T) {
 	}
 
 	// A writer that lets go within the grace: no Stuck.
-	r, _ = tb.Expect([][]byte{make([]byte, 8)})
+	r = expect(t, tb, 8)
 	mu.Lock()
 	r.HoldLocked()
 	mu.Unlock()
