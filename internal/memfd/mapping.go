@@ -49,10 +49,7 @@ func (m *Mapping) File() *os.File {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if m.b == nil {
-		return nil
-	}
-	return m.f
+	return m.f // nil once closed
 }
 
 // Size returns the size of the mapping in bytes; it stays valid after
