@@ -105,10 +105,10 @@ type Recv[F any] struct {
 	// between reads or parts without the lock.
 	ended atomic.Bool
 
-	// Guarded by the table's lock.
-	why     error // why it ended; nil for success
-	holders int   // writers between taking dst and letting go of it
-	closed  bool  // Done is closed
+	// Guarded by the table's lock, as is Outcome.err, which FinishLocked
+	// sets (before Done closes, when writers still hold dst).
+	holders int  // writers between taking dst and letting go of it
+	closed  bool // Done is closed
 
 	// Fill is the backend's; guarded by the table's lock.
 	Fill F
@@ -127,7 +127,7 @@ func (r *Recv[F]) Total() int64 { return r.total }
 func (r *Recv[F]) Ended() bool { return r.ended.Load() }
 
 // ErrLocked returns why the receipt ended (nil: success, or not ended).
-func (r *Recv[F]) ErrLocked() error { return r.why }
+func (r *Recv[F]) ErrLocked() error { return r.err }
 
 // HoldLocked records a writer that takes dst: Done waits for its
 // ReleaseLocked. The receipt must not have ended.
@@ -139,7 +139,7 @@ func (r *Recv[F]) ReleaseLocked() {
 	r.holders--
 	if r.holders == 0 && r.ended.Load() && !r.closed {
 		r.closed = true
-		r.End(r.why)
+		close(r.done)
 	}
 }
 
@@ -150,7 +150,7 @@ func (r *Recv[F]) FinishLocked(err error) {
 	if r.ended.Load() {
 		return
 	}
-	r.why = err
+	r.err = err
 	r.ended.Store(true)
 	tb := r.tb
 	if tb.recvs[r.tag] == r {
@@ -158,7 +158,7 @@ func (r *Recv[F]) FinishLocked(err error) {
 	}
 	if r.holders == 0 {
 		r.closed = true
-		r.End(err)
+		close(r.done)
 		return
 	}
 	if tb.c.Interrupt != nil {
