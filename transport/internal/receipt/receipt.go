@@ -136,7 +136,9 @@ func (r *Recv[F]) HoldLocked() { r.holders++ }
 // ReleaseLocked records a writer that lets go of dst; Done closes when the
 // last one does so after the end.
 func (r *Recv[F]) ReleaseLocked() {
-	r.holders--
+	if r.holders--; r.holders < 0 {
+		panic("receipt: ReleaseLocked without HoldLocked")
+	}
 	if r.holders == 0 && r.ended.Load() && !r.closed {
 		r.closed = true
 		close(r.done)
