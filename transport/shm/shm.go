@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/accept"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/conn"
@@ -203,7 +204,7 @@ func (t *Transport) Close() error {
 // accept runs until the listener closes.
 func (t *Transport) accept() {
 	defer t.wg.Done()
-	conn.Accept("shm", t.log, t.done, t.ln.AcceptUnix, t.admit)
+	accept.Loop("shm", t.log, t.done, t.ln.AcceptUnix, t.admit)
 }
 
 // admit starts the reader and the worker of an accepted connection, unless

@@ -10,9 +10,9 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/accept"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
-	"github.com/kvxfer/kvxfer/transport/internal/conn"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
@@ -196,7 +196,7 @@ func (t *Transport) accept() {
 	defer t.wg.Done()
 	ln := netlimit.NewListener(t.ln, "tcp data "+t.endpoint,
 		netlimit.Limits{MaxConns: t.opts.MaxConns, MaxConnsPerHost: t.opts.MaxConnsPerHost}, t.opts.Logger, nil)
-	conn.Accept("tcp", t.log, t.done, ln.Accept, t.admit)
+	accept.Loop("tcp", t.log, t.done, ln.Accept, t.admit)
 }
 
 // admit starts the reader of an accepted connection, unless t is closed.
