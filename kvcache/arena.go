@@ -5,6 +5,8 @@ import (
 	"math"
 	"os"
 	"sync"
+
+	"github.com/kvxfer/kvxfer/internal/memfd"
 )
 
 // An Allocator provides the memory of a Pool: one contiguous region, so that
@@ -114,55 +116,26 @@ type ShmAllocator struct {
 // Callers may use File (for example to send it over a Unix socket, which
 // duplicates the descriptor) but must not close it or change its size.
 type ShmArena struct {
-	mu   sync.Mutex
-	b    []byte   // nil once closed
-	f    *os.File // nil for mappings made by MapShared
-	size int64
+	m *memfd.Mapping
 }
 
 // Bytes returns the mapped memory, or nil after Close.
-func (a *ShmArena) Bytes() []byte {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.b
-}
+func (a *ShmArena) Bytes() []byte { return a.m.Bytes() }
 
 // File returns the memory file behind the arena, to be passed to another
 // process, or nil for an arena made by MapShared (which does not keep the
 // descriptor it was given) and after Close. The file stays owned by the
 // arena.
-func (a *ShmArena) File() *os.File {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.b == nil {
-		return nil
-	}
-	return a.f
-}
+func (a *ShmArena) File() *os.File { return a.m.File() }
 
 // Size returns the size of the arena in bytes: the size a peer passes to
 // MapShared. It stays valid after Close.
-func (a *ShmArena) Size() int64 { return a.size }
+func (a *ShmArena) Size() int64 { return a.m.Size() }
 
 // Close unmaps the memory and closes the file. It is idempotent. Other
 // processes' mappings of the same file are unaffected; the memory is freed
 // when the last mapping and the last descriptor are gone.
-func (a *ShmArena) Close() error {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.b == nil {
-		return nil
-	}
-	err := munmap(a.b)
-	a.b = nil
-	if a.f != nil {
-		if cerr := a.f.Close(); err == nil {
-			err = cerr
-		}
-		a.f = nil
-	}
-	return err
-}
+func (a *ShmArena) Close() error { return a.m.Close() }
 
 func checkArenaSize(size int64) error {
 	if size <= 0 || size > maxArenaSize {

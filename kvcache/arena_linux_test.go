@@ -9,6 +9,8 @@ import (
 	"syscall"
 	"testing"
 	"unsafe"
+
+	"github.com/kvxfer/kvxfer/internal/memfd"
 )
 
 // mappings returns the lines of /proc/self/maps that contain substr, or
@@ -138,10 +140,13 @@ func TestShmOverUnixSocket(t *testing.T) {
 	}
 	defer syscall.Close(fds[0])
 	defer syscall.Close(fds[1])
+	rc, err := sa.File().SyscallConn()
+	if err != nil {
+		t.Fatal(err)
+	}
 	var sendErr error
-	if err := control(sa.File(), func(fd int) error {
-		sendErr = syscall.Sendmsg(fds[0], []byte("x"), syscall.UnixRights(fd), nil, 0)
-		return nil
+	if err := rc.Control(func(fd uintptr) {
+		sendErr = syscall.Sendmsg(fds[0], []byte("x"), syscall.UnixRights(int(fd)), nil, 0)
 	}); err != nil || sendErr != nil {
 		t.Fatal(err, sendErr)
 	}
@@ -176,12 +181,14 @@ func TestShmOverUnixSocket(t *testing.T) {
 }
 
 func TestMapSharedErrors(t *testing.T) {
-	unsealed, err := memfdCreate("kvcache-unsealed")
+	unsealed, err := memfd.Create("kvcache-unsealed")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unsealed.Close()
-	control(unsealed, func(fd int) error { return syscall.Ftruncate(fd, 8192) })
+	if err := unsealed.Truncate(8192); err != nil {
+		t.Fatal(err)
+	}
 	regular, err := os.CreateTemp(t.TempDir(), "regular")
 	if err != nil {
 		t.Fatal(err)
@@ -194,7 +201,7 @@ func TestMapSharedErrors(t *testing.T) {
 	}
 	defer a.Close()
 	sealed := a.(*ShmArena).File()
-	closed, _ := memfdCreate("kvcache-closed")
+	closed, _ := memfd.Create("kvcache-closed")
 	closed.Close()
 
 	tests := []struct {

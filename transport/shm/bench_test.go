@@ -13,7 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -71,12 +71,11 @@ func BenchmarkSend(b *testing.B) {
 
 // benchArena allocates n bytes of shared memory, freed at the end of b
 // (after the transports of its sub-benchmarks have closed).
-func benchArena(b *testing.B, n int) *kvcache.ShmArena {
-	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+func benchArena(b *testing.B, n int) *memfd.Mapping {
+	sa, err := memfd.New(memfdName, n, memfd.Options{})
 	if err != nil {
 		b.Fatal(err)
 	}
-	sa := a.(*kvcache.ShmArena)
 	b.Cleanup(func() { sa.Close() })
 	return sa
 }

@@ -18,7 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -82,13 +82,12 @@ func childMain(role string) int {
 			fmt.Println("RECV ok")
 		}
 	case "send":
-		a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+		sa, err := memfd.New(memfdName, n, memfd.Options{})
 		if err != nil {
 			fmt.Println("SEND", err)
 			return 1
 		}
-		defer a.Close()
-		sa := a.(*kvcache.ShmArena)
+		defer sa.Close()
 		fill(sa.Bytes(), 42)
 		if err := tr.RegisterMemory(sa.Bytes(), sa.File()); err != nil {
 			fmt.Println("SEND", err)

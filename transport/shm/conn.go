@@ -13,6 +13,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvxfer/kvxfer/internal/memfd"
 )
 
 const (
@@ -171,19 +173,11 @@ func closeReceived(fd int) {
 		unix.Close(fd)
 		return
 	}
-	if isShmem(fd) {
+	if memfd.IsShmem(fd) {
 		unix.Close(fd)
 		return
 	}
 	go unix.Close(fd)
-}
-
-// isShmem reports whether fd is a file of the kernel's shared memory
-// (tmpfs: memfd_create's files; not hugetlbfs, whose reservations a peer can
-// release under a mapping).
-func isShmem(fd int) bool {
-	var fs unix.Statfs_t
-	return unix.Fstatfs(fd, &fs) == nil && fs.Type == unix.TMPFS_MAGIC
 }
 
 // writeFull writes b, and oob with its first byte. A stream sendmsg may

@@ -36,7 +36,7 @@
 // a host and a namespace. A sender dials, lazily, one connection per
 // receiver endpoint, exchanges HELLOs (magic, version) and announces its
 // window: WINDOW with the slot size and count, the memory file attached
-// (SCM_RIGHTS). The receiver maps it read-only (kvcache.MapSharedReadOnly
+// (SCM_RIGHTS). The receiver maps it read-only (internal/memfd.MapReadOnly
 // checks the seals that make a mapping safe from SIGBUS) for the life of
 // the connection; when the connection ends, or the transport closes, both
 // sides unmap it, after the copies using it have stopped.

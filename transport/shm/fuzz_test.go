@@ -7,26 +7,27 @@ import (
 	"testing"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // FuzzDescriptor: the descriptor decoder never panics, and what it accepts
 // it encodes back to the same bytes.
 func FuzzDescriptor(f *testing.F) {
-	good := descriptor{endpoint: endpointPrefix + "0123456789abcdef0123456789abcdef", tag: 7, total: 4096}.encode()
+	good := descFormat.Encode(receipt.Descriptor{Endpoint: endpointPrefix + "0123456789abcdef0123456789abcdef", Tag: 7, Total: 4096})
 	f.Add([]byte(good))
 	f.Add([]byte(good[:len(good)-1]))
 	f.Add([]byte{})
 	f.Add([]byte{descKind, descVersion, 44})
 	f.Add(bytes.Repeat([]byte{0xff}, 63))
 	f.Fuzz(func(t *testing.T, b []byte) {
-		d, err := decodeDescriptor(transport.Descriptor(b))
+		d, err := descFormat.Decode(transport.Descriptor(b))
 		if err != nil {
 			return
 		}
-		if !bytes.Equal(d.encode(), b) {
-			t.Fatalf("decode(%x) = %+v, which encodes to %x", b, d, d.encode())
+		if !bytes.Equal(descFormat.Encode(d), b) {
+			t.Fatalf("decode(%x) = %+v, which encodes to %x", b, d, descFormat.Encode(d))
 		}
-		if checkEndpoint(d.endpoint) != nil || d.tag == 0 || d.total <= 0 {
+		if checkEndpoint(d.Endpoint) != nil || d.Tag == 0 || d.Total <= 0 {
 			t.Fatalf("decode(%x) accepted %+v", b, d)
 		}
 	})

@@ -14,8 +14,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // TestHostileReceiverGetsOnlyItsBytes is the regression test of the pool
@@ -102,10 +103,10 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 			}
 		}
 	})
-	d := descriptor{endpoint: ep, tag: 42, total: int64(len(own))}
+	d := receipt.Descriptor{Endpoint: ep, Tag: 42, Total: int64(len(own))}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := a.Send(ctx, d.encode(), [][]byte{own}); err != nil {
+	if err := a.Send(ctx, descFormat.Encode(d), [][]byte{own}); err != nil {
 		t.Fatalf("Send to the hostile receiver: %v", err)
 	}
 	out := <-res
@@ -167,12 +168,12 @@ func tryWrite(f *os.File, size int) []string {
 func TestWindowMustBeSealed(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
-	plain, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(4096)
+	plain, err := memfd.New(memfdName, 4096, memfd.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer plain.Close()
-	announce(t, nc, plain.(*kvcache.ShmArena), 4096, 1)
+	announce(t, nc, plain, 4096, 1)
 	writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
 	if m := readMsg(t, nc, mr); m.typ != msgErr || m.code != codeRegion || !strings.Contains(m.text, "sealed against writes") {
 		t.Fatalf("answer to a probe of an unsealed window: %+v", m)
@@ -223,11 +224,11 @@ func TestHostileReceiverAnswers(t *testing.T) {
 					}
 				}
 			})
-			d := descriptor{endpoint: ep, tag: 9, total: int64(len(src))}
+			d := receipt.Descriptor{Endpoint: ep, Tag: 9, Total: int64(len(src))}
 			ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 			defer cancel()
 			start := time.Now()
-			err := a.Send(ctx, d.encode(), [][]byte{src})
+			err := a.Send(ctx, descFormat.Encode(d), [][]byte{src})
 			if !errors.Is(err, tc.want) {
 				t.Errorf("Send = %v, want %v", err, tc.want)
 			}

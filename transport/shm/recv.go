@@ -8,13 +8,14 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // maxMapped bounds the bytes of peers' windows one Transport maps at once
@@ -32,27 +33,9 @@ const maxOpenOps = 1024
 // copies. Tests use it to hold a transfer in the middle.
 var testHookPiece atomic.Pointer[func()]
 
-// recv is one armed receipt.
-type recv struct {
-	t     *Transport
-	tag   uint64
-	desc  transport.Descriptor
-	dst   [][]byte
-	ends  []int64 // ends[i]: offset just past dst[i] in the receipt
-	total int64
-	done  chan struct{}
-	// finished is set (under t.mu) when the receipt has ended; the worker
-	// tests it between parts without the lock.
-	finished atomic.Bool
-
-	// Guarded by t.mu.
-	err    error
-	active int  // copies between taking dst and letting go of it
-	op     *rop // the op filling it; nil before its first READ
-	closed bool // done is closed
-}
-
-var _ transport.Recv = (*recv)(nil)
+// recv is one armed receipt; Fill is the op filling it, nil before its
+// first READ. The worker tests Ended between parts without the lock.
+type recv = receipt.Recv[*rop]
 
 // rop is one op, the receiving side of one Send. The reader creates it at
 // its first part; the worker answers it.
@@ -95,7 +78,7 @@ type inConn struct {
 
 	// The sender's window, mapped read-only; set once by the reader
 	// before the first READ that uses it, unmapped after the worker ends.
-	win       kvcache.Arena
+	win       *memfd.Mapping
 	winMem    []byte
 	winErr    error // why the window could not be mapped
 	slotLen   int
@@ -130,97 +113,21 @@ func newInConn(t *Transport, nc *net.UnixConn) *inConn {
 }
 
 // Expect arms a receipt of sum(len(dst[i])) bytes under a fresh random tag.
-// dst can be any memory; it need not be registered.
+// dst can be any memory; it need not be registered. Its Cancel ends the
+// receipt with ErrCanceled unless it has ended, then waits until nothing
+// copies into dst: a copy in progress stops before its next part (at most
+// one window slot). The Send filling it, if any, fails with ErrRefused and
+// transport.ErrCanceled, unless the receiver had already told it that every
+// byte was copied.
 func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
-	ends := make([]int64, len(dst))
-	var total int64
-	for i, b := range dst {
-		total += int64(len(b))
-		ends[i] = total
-	}
-	if total == 0 {
-		return nil, errors.New("shm: expect: nothing to receive (total length 0)")
-	}
-	r := &recv{t: t, dst: dst, ends: ends, total: total, done: make(chan struct{})}
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		return nil, &transport.ClosedError{Op: "expect"}
-	}
-	for r.tag == 0 || t.receipts[r.tag] != nil {
-		r.tag = randUint64()
-	}
-	t.receipts[r.tag] = r
-	t.mu.Unlock()
-	r.desc = descriptor{endpoint: t.endpoint, tag: r.tag, total: total}.encode()
-	return r, nil
-}
-
-// Descriptor returns a copy of the receipt's descriptor.
-func (r *recv) Descriptor() transport.Descriptor { return slices.Clone(r.desc) }
-
-// Done is closed when the receipt has ended and nothing copies into dst.
-func (r *recv) Done() <-chan struct{} { return r.done }
-
-// Err returns why the receipt failed, or nil before Done and on success.
-func (r *recv) Err() error {
-	select {
-	case <-r.done:
-		return r.err
-	default:
-		return nil
-	}
-}
-
-// Cancel ends the receipt with ErrCanceled unless it has ended, then waits
-// until nothing copies into dst: a copy in progress stops before its next
-// part (at most one window slot). The Send filling it, if any, fails
-// with ErrRefused and transport.ErrCanceled, unless the receiver had
-// already told it that every byte was copied.
-func (r *recv) Cancel() {
-	t := r.t
-	t.mu.Lock()
-	t.finish(r, fmt.Errorf("shm: receive: %w", transport.ErrCanceled))
-	t.mu.Unlock()
-	<-r.done
-}
-
-// finish ends r with err (nil: success) unless it has ended. Done closes
-// now, or when the last copier lets go. t.mu must be held.
-func (t *Transport) finish(r *recv, err error) {
-	if r.finished.Load() {
-		return
-	}
-	r.err = err
-	r.finished.Store(true)
-	if t.receipts[r.tag] == r {
-		delete(t.receipts, r.tag)
-	}
-	if r.active == 0 {
-		r.closed = true
-		close(r.done)
-	}
-}
-
-// release is called by the worker when it lets go of r's dst. t.mu must be held.
-func (t *Transport) release(r *recv) {
-	r.active--
-	if r.active == 0 && r.finished.Load() && !r.closed {
-		r.closed = true
-		close(r.done)
-	}
+	return t.receipts.Expect(dst)
 }
 
 // serve runs the reader of an accepted connection, then tears it down.
 func (c *inConn) serve() {
 	defer c.t.wg.Done()
 	err := c.readLoop()
-	switch {
-	case errors.Is(err, transport.ErrProtocol):
-		c.t.log.Warn("shm: closing connection", "remote", c.remote, "err", err)
-	case !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed):
-		c.t.log.Debug("shm: connection broke", "remote", c.remote, "err", err)
-	}
+	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
 	c.teardown(err)
 }
 
@@ -243,7 +150,7 @@ func (c *inConn) teardown(err error) {
 	c.mu.Lock()
 	for _, op := range c.ops {
 		if op.r != nil {
-			t.finish(op.r, lost)
+			op.r.FinishLocked(lost)
 		}
 	}
 	c.ops, c.queue = nil, nil
@@ -321,7 +228,7 @@ func (c *inConn) onWindow(m msg) error {
 	if !ok {
 		return errProto("window announced without its memory file")
 	}
-	if !isShmem(fd) {
+	if !memfd.IsShmem(fd) {
 		closeReceived(fd)
 		return errProto("window announced with a descriptor that is not shared memory (memfd)")
 	}
@@ -338,7 +245,7 @@ func (c *inConn) onWindow(m msg) error {
 		c.winErr = fmt.Errorf("senders' windows mapped here would exceed %d bytes", int64(maxMapped))
 		return nil
 	}
-	a, err := kvcache.MapSharedReadOnly(f, size)
+	a, err := memfd.MapReadOnly(f, size)
 	if err != nil {
 		c.t.mapped.Add(-size)
 		c.t.log.Warn("shm: cannot map a sender's window", "remote", c.remote, "size", size, "err", err)
@@ -403,15 +310,15 @@ func (c *inConn) bind(op *rop) {
 	t := c.t
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	switch r := t.receipts[op.tag]; {
+	switch r := t.receipts.LookupLocked(op.tag); {
 	case r == nil:
 		op.refuse, op.why = codeUnknown, "no armed receipt for the tag (never armed, or ended: done, cancelled or failed)"
-	case r.op != nil:
+	case r.Fill != nil:
 		op.refuse, op.why = codeBusy, "another Send is filling the receipt"
-	case r.total != op.total:
-		op.refuse, op.why = codeMismatch, fmt.Sprintf("the Send has %d bytes, the receipt %d", op.total, r.total)
+	case r.Total() != op.total:
+		op.refuse, op.why = codeMismatch, fmt.Sprintf("the Send has %d bytes, the receipt %d", op.total, r.Total())
 	default:
-		r.op, op.r = op, r
+		r.Fill, op.r = op, r
 	}
 }
 
@@ -448,8 +355,8 @@ func (c *inConn) onCancel(m msg) error {
 func (c *inConn) onAbort(m msg) {
 	t := c.t
 	t.mu.Lock()
-	if r := t.receipts[m.tag]; r != nil && r.op == nil {
-		t.finish(r, fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
+	if r := t.receipts.LookupLocked(m.tag); r != nil && r.Fill == nil {
+		r.FinishLocked(fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
 	}
 	t.mu.Unlock()
 }
@@ -466,7 +373,7 @@ func (c *inConn) onAck(m msg) error {
 	c.mu.Unlock()
 	t := c.t
 	t.mu.Lock()
-	t.finish(op.r, nil) // a no-op if it was cancelled meanwhile
+	op.r.FinishLocked(nil) // a no-op if it was cancelled meanwhile
 	t.mu.Unlock()
 	return nil
 }
@@ -540,7 +447,7 @@ func (c *inConn) handle(it item) {
 	case it.cancel:
 		if op.r != nil {
 			t.mu.Lock()
-			t.finish(op.r, fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
+			op.r.FinishLocked(fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
 			t.mu.Unlock()
 		}
 		ans = &msg{typ: msgErr, op: op.id, code: codeAborted, text: "cancelled by the sender"}
@@ -578,31 +485,31 @@ func (c *inConn) copyPart(op *rop, it item) *msg {
 	t, r := c.t, op.r
 	t.mu.Lock()
 	switch {
-	case r.finished.Load():
-		code, why := endCode(r.err)
+	case r.Ended():
+		code, why := endCode(r.ErrLocked())
 		t.mu.Unlock()
 		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	case op.cancelled.Load():
-		t.finish(r, fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
+		r.FinishLocked(fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
 		t.mu.Unlock()
 		return &msg{typ: msgErr, op: op.id, code: codeAborted, text: "cancelled by the sender"}
 	}
-	r.active++
+	r.HoldLocked()
 	t.mu.Unlock()
 	if h := testHookPiece.Load(); h != nil {
 		(*h)()
 	}
 	src := c.winMem[it.slot*c.slotLen : it.slot*c.slotLen+it.length]
-	copyInto(r, it.offset, src)
+	r.Dst().CopyAt(it.offset, src)
 
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	t.release(r)
+	r.ReleaseLocked()
 	if !it.last {
 		return nil
 	}
-	if r.finished.Load() { // ended as the last part went in
-		code, why := endCode(r.err)
+	if r.Ended() { // ended as the last part went in
+		code, why := endCode(r.ErrLocked())
 		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	}
 	return &msg{typ: msgDone, op: op.id}
@@ -614,33 +521,4 @@ func endCode(err error) (uint32, string) {
 		return codeClosing, "the receiving transport is closing"
 	}
 	return codeCanceled, fmt.Sprintf("the receiver cancelled the receipt: %v", err)
-}
-
-// copyInto copies src into r's dst from offset off of the receipt on.
-func copyInto(r *recv, off int64, src []byte) {
-	di := pieceAt(r.ends, off)
-	for len(src) > 0 {
-		for r.ends[di] <= off { // empty pieces of dst
-			di++
-		}
-		d := r.dst[di][off-(r.ends[di]-int64(len(r.dst[di]))):]
-		k := copy(d, src)
-		src = src[k:]
-		off += int64(k)
-	}
-}
-
-// pieceAt returns the index of the piece that holds offset off: the first
-// i with ends[i] > off.
-func pieceAt(ends []int64, off int64) int {
-	lo, hi := 0, len(ends)
-	for lo < hi {
-		m := int(uint(lo+hi) >> 1)
-		if ends[m] > off {
-			hi = m
-		} else {
-			lo = m + 1
-		}
-	}
-	return lo
 }

@@ -13,8 +13,9 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // errNotWritten: a Send ended before its READ went out.
@@ -57,7 +58,7 @@ type outConn struct {
 	// Copies into it hold winMu for reading; the reader goroutine unmaps
 	// it, holding winMu, when the connection ends.
 	winMu   sync.RWMutex
-	win     *kvcache.ShmArena // nil once unmapped
+	win     *memfd.Mapping // nil once unmapped
 	winMem  []byte
 	slotLen int
 
@@ -80,7 +81,7 @@ type pendingOp struct {
 	early  msg      // an answer takeSlot took from res
 }
 
-func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *kvcache.ShmArena, slotLen int) *outConn {
+func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *memfd.Mapping, slotLen int) *outConn {
 	oc := &outConn{
 		t: t, ep: ep, nc: nc, mr: mr,
 		dead:    make(chan struct{}),
@@ -123,7 +124,7 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *k
 // transport.ErrBadDescriptor; a peer that is gone or closing, with
 // transport.ErrPeerLost.
 func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][]byte) error {
-	d, err := decodeDescriptor(desc)
+	d, err := descFormat.Decode(desc)
 	if err != nil {
 		return err
 	}
@@ -131,12 +132,12 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 	for _, b := range src {
 		total += int64(len(b))
 	}
-	if total != d.total {
-		return errDesc("the receipt is for %d bytes, src has %d", d.total, total)
+	if total != d.Total {
+		return descFormat.Bad("the receipt is for %d bytes, src has %d", d.Total, total)
 	}
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	op := &sendOp{ep: d.endpoint}
+	op := &sendOp{ep: d.Endpoint}
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
@@ -162,42 +163,42 @@ type cursor struct {
 }
 
 // send runs a Send once its descriptor is checked.
-func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) error {
+func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src [][]byte) error {
 	ended := func() error { // ctx ended before the first READ went out
-		t.abort(d.endpoint, d.tag)
-		return ctxErr(ctx, sctx, d.endpoint)
+		t.abort(d.Endpoint, d.Tag)
+		return ctxErr(ctx, sctx, d.Endpoint)
 	}
 	if sctx.Err() != nil {
 		return ended()
 	}
-	oc, err := t.conn(sctx, d.endpoint)
+	oc, err := t.conn(sctx, d.Endpoint)
 	if err != nil {
 		if sctx.Err() != nil {
 			return ended()
 		}
-		return peerLost("send to", d.endpoint, err)
+		return peerLost("send to", d.Endpoint, err)
 	}
 	p, err := oc.acquire(sctx, 1)
 	if err != nil {
 		if sctx.Err() != nil {
 			return ended()
 		}
-		return peerLost("send to", d.endpoint, err)
+		return peerLost("send to", d.Endpoint, err)
 	}
 	cur := cursor{src: src}
 	var off int64
-	for off < d.total {
+	for off < d.Total {
 		slot, err := oc.takeSlot(sctx, p)
 		if errors.Is(err, errAnswered) {
 			oc.endOp(p.id) // so that the receiver forgets the op
 			return oc.answer(p, p.early, false)
 		}
 		if err == nil {
-			k := int(min(int64(oc.slotLen), d.total-off))
+			k := int(min(int64(oc.slotLen), d.Total-off))
 			if !oc.fill(slot, &cur, k) {
-				return peerLost("send to", d.endpoint, oc.deadErr())
+				return peerLost("send to", d.Endpoint, oc.deadErr())
 			}
-			m := msg{typ: msgRead, op: p.id, tag: d.tag, total: uint64(d.total), offset: uint64(off), slot: uint32(slot), length: uint32(k), last: off+int64(k) == d.total}
+			m := msg{typ: msgRead, op: p.id, tag: d.Tag, total: uint64(d.Total), offset: uint64(off), slot: uint32(slot), length: uint32(k), last: off+int64(k) == d.Total}
 			if err = oc.writePart(sctx, &m); err == nil {
 				off += int64(k)
 				continue
@@ -211,11 +212,11 @@ func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) 
 			oc.forget(p)
 			return ended()
 		case sctx.Err() != nil:
-			return t.cancelOp(ctx, sctx, oc, p, d.endpoint, false)
+			return t.cancelOp(ctx, sctx, oc, p, d.Endpoint, false)
 		}
 		// A write fails because the connection died: say why it died (a
 		// protocol error of the receiver's, say), not only that it is closed.
-		return peerLost("send to", d.endpoint, oc.deadErr())
+		return peerLost("send to", d.Endpoint, oc.deadErr())
 	}
 	select {
 	case m := <-p.res:
@@ -226,10 +227,10 @@ func (t *Transport) send(ctx, sctx context.Context, d descriptor, src [][]byte) 
 			return oc.answer(p, m, true)
 		default:
 		}
-		return peerLost("send to", d.endpoint, oc.deadErr())
+		return peerLost("send to", d.Endpoint, oc.deadErr())
 	case <-sctx.Done():
 	}
-	return t.cancelOp(ctx, sctx, oc, p, d.endpoint, true)
+	return t.cancelOp(ctx, sctx, oc, p, d.Endpoint, true)
 }
 
 // cancelOp stops an op whose ctx ended after some of its parts went out:
@@ -377,14 +378,13 @@ func (t *Transport) conn(ctx context.Context, ep string) (*outConn, error) {
 // of windowSlots slots that this process maps writable and seals against
 // every other write, so that the receiver can map it read-only and nothing
 // else.
-func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *msgReader, *kvcache.ShmArena, error) {
+func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *msgReader, *memfd.Mapping, error) {
 	nc, mr, err := dialUnix(ctx, ep, helloTimeout)
 	if err != nil {
 		return nil, nil, nil, explainDial(err)
 	}
-	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-window", PeerReadOnly: true}.Allocate(windowSlots * t.slotLen)
+	win, err := memfd.New("kvxfer-shm-window", windowSlots*t.slotLen, memfd.Options{PeerReadOnly: true})
 	if err == nil {
-		win := a.(*kvcache.ShmArena)
 		if err = sendWindow(nc, win, t.slotLen, windowSlots); err == nil {
 			return nc, mr, win, nil
 		}
@@ -396,7 +396,7 @@ func (t *Transport) dialWindow(ctx context.Context, ep string) (*net.UnixConn, *
 }
 
 // sendWindow writes a WINDOW message with win's memory file attached.
-func sendWindow(nc *net.UnixConn, win *kvcache.ShmArena, slotLen, slots int) error {
+func sendWindow(nc *net.UnixConn, win *memfd.Mapping, slotLen, slots int) error {
 	rc, err := win.File().SyscallConn()
 	if err != nil {
 		return err
@@ -769,15 +769,15 @@ func (t *Transport) Probe(ctx context.Context, endpoint string) error {
 		}
 	}()
 
-	a, err := kvcache.ShmAllocator{Name: "kvxfer-shm-probe", PeerReadOnly: true}.Allocate(4096)
+	a, err := memfd.New("kvxfer-shm-probe", 4096, memfd.Options{PeerReadOnly: true})
 	if err != nil {
 		return fmt.Errorf("shm: probe %s: cannot create shared memory here: %w", endpoint, err)
 	}
 	defer a.Close()
-	nonce := randUint64()
+	nonce := receipt.Rand64()
 	binary.BigEndian.PutUint64(a.Bytes(), nonce)
 	const op = 1
-	if err := sendWindow(nc, a.(*kvcache.ShmArena), 4096, 1); err != nil {
+	if err := sendWindow(nc, a, 4096, 1); err != nil {
 		return fmt.Errorf("shm: probe %s: sending a memory file: %w", endpoint, err)
 	}
 	if err := writeFull(nc, appendMsg(nil, &msg{typ: msgProbe, op: op}), nil); err != nil {

@@ -5,7 +5,6 @@ package shm
 import (
 	"context"
 	"crypto/rand"
-	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -16,8 +15,11 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/accept"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Time limits.
@@ -81,7 +83,7 @@ type Transport struct {
 
 	mu       sync.Mutex
 	closed   bool
-	receipts map[uint64]*recv                    // armed receipts by tag
+	receipts *receipt.Table[*rop]
 	ops      map[*sendOp]context.CancelCauseFunc // in-flight Sends
 	inbound  map[*inConn]struct{}
 	peers    map[string]*outConn      // outbound connections by endpoint
@@ -131,7 +133,6 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		slotLen:  slot,
 		credit:   connCredit,
 		done:     make(chan struct{}),
-		receipts: make(map[uint64]*recv),
 		ops:      make(map[*sendOp]context.CancelCauseFunc),
 		inbound:  make(map[*inConn]struct{}),
 		peers:    make(map[string]*outConn),
@@ -139,6 +140,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		maxConns: opts.MaxConns,
 		refusals: netlimit.NewRateLog(opts.Logger, time.Second),
 	}
+	t.receipts = receipt.NewTable(receipt.Config[*rop]{Format: descFormat, Endpoint: ep, Lock: &t.mu})
 	t.wg.Add(1)
 	go t.accept()
 	return t, nil
@@ -162,6 +164,7 @@ func (t *Transport) Close() error {
 	t.closeOnce.Do(func() {
 		t.mu.Lock()
 		t.closed = true
+		t.receipts.CloseLocked()
 		cancels := make([]context.CancelCauseFunc, 0, len(t.ops))
 		for _, c := range t.ops {
 			cancels = append(cancels, c)
@@ -175,8 +178,8 @@ func (t *Transport) Close() error {
 
 		t.ln.Close()
 		t.mu.Lock()
-		for _, r := range t.receipts {
-			t.finish(r, &transport.ClosedError{Op: "receive"})
+		for r := range t.receipts.AllLocked() {
+			r.FinishLocked(&transport.ClosedError{Op: "receive"})
 		}
 		conns := make([]*inConn, 0, len(t.inbound))
 		for c := range t.inbound {
@@ -201,50 +204,35 @@ func (t *Transport) Close() error {
 // accept runs until the listener closes.
 func (t *Transport) accept() {
 	defer t.wg.Done()
-	var delay time.Duration
-	for {
-		nc, err := t.ln.AcceptUnix()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Out of file descriptors and the like: back off as
-			// net/http does instead of spinning.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			t.log.Warn("shm: accept failed; retrying", "err", err, "delay", delay)
-			timer := time.NewTimer(delay)
-			select {
-			case <-timer.C:
-			case <-t.done:
-				timer.Stop()
-				return
-			}
-			continue
-		}
-		delay = 0
-		c := newInConn(t, nc)
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			nc.Close()
-			continue
-		}
-		// Any process of this host (and network namespace) can connect to
-		// the abstract socket: bound what they hold. A silent connection
-		// within the bound is closed at its hello deadline.
-		if t.maxConns > 0 && len(t.inbound) >= t.maxConns {
-			t.mu.Unlock()
-			nc.Close()
-			t.refusals.Warn(netlimit.ReasonMaxConns, "connection refused", "listener", "shm data "+t.endpoint,
-				"reason", netlimit.ReasonMaxConns, "limit", t.maxConns)
-			continue
-		}
-		t.inbound[c] = struct{}{}
-		t.wg.Add(2) // reader and worker
+	accept.Loop("shm", t.log, t.done, t.ln.AcceptUnix, t.admit)
+}
+
+// admit starts the reader and the worker of an accepted connection, unless
+// t is closed or holds opts.MaxConns already.
+func (t *Transport) admit(nc *net.UnixConn) bool {
+	c := newInConn(t, nc)
+	t.mu.Lock()
+	if t.closed {
 		t.mu.Unlock()
-		go c.work()
-		go c.serve()
+		nc.Close()
+		return true
 	}
+	// Any process of this host (and network namespace) can connect to
+	// the abstract socket: bound what they hold. A silent connection
+	// within the bound is closed at its hello deadline.
+	if t.maxConns > 0 && len(t.inbound) >= t.maxConns {
+		t.mu.Unlock()
+		nc.Close()
+		t.refusals.Warn(netlimit.ReasonMaxConns, "connection refused", "listener", "shm data "+t.endpoint,
+			"reason", netlimit.ReasonMaxConns, "limit", t.maxConns)
+		return true
+	}
+	t.inbound[c] = struct{}{}
+	t.wg.Add(2) // reader and worker
+	t.mu.Unlock()
+	go c.work()
+	go c.serve()
+	return true
 }
 
 // RegisterMemory accepts any memory and does nothing with it: a Send copies
@@ -264,23 +252,6 @@ func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
 	return nil
 }
 
-// randUint64 returns a random non-zero value from crypto/rand.
-func randUint64() uint64 {
-	var b [8]byte
-	for {
-		rand.Read(b[:]) // never fails (see crypto/rand.Read)
-		if v := binary.BigEndian.Uint64(b[:]); v != 0 {
-			return v
-		}
-	}
-}
-
-// peerLost wraps cause as ErrPeerLost of op with peer; a protocol error stays
-// visible to errors.Is. The cause itself is not wrapped otherwise, so that a
-// local net.ErrClosed is not mistaken for a closed Transport.
-func peerLost(op, peer string, cause error) error {
-	if errors.Is(cause, transport.ErrProtocol) {
-		return fmt.Errorf("shm: %s %s: %w: %w", op, peer, transport.ErrPeerLost, cause)
-	}
-	return fmt.Errorf("shm: %s %s: %w: %v", op, peer, transport.ErrPeerLost, cause)
-}
+// peerLost wraps cause as transport.ErrPeerLost of op with peer (see
+// conn.PeerLost).
+func peerLost(op, peer string, cause error) error { return conn.PeerLost("shm", op, peer, cause) }

@@ -20,9 +20,10 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/internal/syncbuf"
-	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 	"github.com/kvxfer/kvxfer/transport/transporttest"
 )
 
@@ -79,11 +80,10 @@ func open(t testing.TB, opts transport.Options) *Transport {
 
 // shmAlloc allocates n bytes of sealed shared memory: the suite's sources.
 func shmAlloc(n int) ([]byte, *os.File, func(), error) {
-	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	sa, err := memfd.New(memfdName, n, memfd.Options{})
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	sa := a.(*kvcache.ShmArena)
 	return sa.Bytes(), sa.File(), func() { sa.Close() }, nil
 }
 
@@ -92,11 +92,10 @@ func shmAlloc(n int) ([]byte, *os.File, func(), error) {
 // registration), then frees the memory.
 func shared(t testing.TB, n int, trs ...*Transport) []byte {
 	t.Helper()
-	a, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(n)
+	sa, err := memfd.New(memfdName, n, memfd.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sa := a.(*kvcache.ShmArena)
 	t.Cleanup(func() {
 		for _, tr := range trs {
 			tr.Close()
@@ -391,7 +390,7 @@ func TestProbe(t *testing.T) {
 // connection, until the end of t.
 func rawListener(t *testing.T, serve func(c net.Conn)) string {
 	t.Helper()
-	ep := endpointPrefix + fmt.Sprintf("%032x", randUint64())
+	ep := endpointPrefix + fmt.Sprintf("%032x", receipt.Rand64())
 	ln, err := net.Listen("unix", ep)
 	if err != nil {
 		t.Fatal(err)
@@ -554,7 +553,7 @@ func rawConn(t *testing.T, tr *Transport) (*net.UnixConn, *msgReader) {
 
 // announce sends a WINDOW of slots slots of slotLen bytes, backed by a,
 // over nc.
-func announce(t *testing.T, nc *net.UnixConn, a *kvcache.ShmArena, slotLen, slots int) {
+func announce(t *testing.T, nc *net.UnixConn, a *memfd.Mapping, slotLen, slots int) {
 	t.Helper()
 	if err := sendWindow(nc, a, slotLen, slots); err != nil {
 		t.Fatal(err)
@@ -621,13 +620,12 @@ func expectClosed(t *testing.T, nc *net.UnixConn) {
 }
 
 // testArena allocates n bytes of shared memory a peer can map as a window.
-func testArena(t *testing.T, n int) *kvcache.ShmArena {
+func testArena(t *testing.T, n int) *memfd.Mapping {
 	t.Helper()
-	a, err := kvcache.ShmAllocator{Name: memfdName, PeerReadOnly: true}.Allocate(n)
+	sa, err := memfd.New(memfdName, n, memfd.Options{PeerReadOnly: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	sa := a.(*kvcache.ShmArena)
 	t.Cleanup(func() { sa.Close() })
 	return sa
 }
@@ -665,12 +663,12 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"window not announced first", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAbort, tag: 5}) }},
 		{"window without a write seal", func(t *testing.T, nc *net.UnixConn) {
-			plain, err := kvcache.ShmAllocator{Name: memfdName}.Allocate(4096)
+			plain, err := memfd.New(memfdName, 4096, memfd.Options{})
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer plain.Close()
-			announce(t, nc, plain.(*kvcache.ShmArena), 4096, 1)
+			announce(t, nc, plain, 4096, 1)
 			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
 			// Mapping it is refused: the probe is answered ERR, and the
 			// connection is closed by the next bad message.
@@ -726,11 +724,11 @@ func TestMalformed(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(r.Cancel)
-			d, _ := decodeDescriptor(r.Descriptor())
+			d, _ := descFormat.Decode(r.Descriptor())
 			var once sync.Once // hold the worker on the first part
 			setHook(t, func() { once.Do(func() { time.Sleep(time.Second) }) })
 			m, m2 := readOf(0, 0, 10, 20, false), readOf(0, 10, 10, 20, true)
-			m.tag, m2.tag = d.tag, d.tag
+			m.tag, m2.tag = d.Tag, d.Tag
 			writeMsgs(t, nc, m, m2)
 		}},
 		{"empty part", func(t *testing.T, nc *net.UnixConn) {
@@ -820,12 +818,13 @@ func TestReadAnswers(t *testing.T) {
 
 	writeMsgs(t, nc, part(1, 12345, 0, 0, 100, 100))
 	answer("a READ of an unknown tag", 1, msgErr, codeUnknown, 0)
-	r, err := b.Expect([][]byte{make([]byte, 100)})
+	dst := make([]byte, 100)
+	r, err := b.Expect([][]byte{dst})
 	if err != nil {
 		t.Fatal(err)
 	}
-	d, _ := decodeDescriptor(r.Descriptor())
-	writeMsgs(t, nc, part(2, d.tag, 1, 0, 99, 99))
+	d, _ := descFormat.Decode(r.Descriptor())
+	writeMsgs(t, nc, part(2, d.Tag, 1, 0, 99, 99))
 	answer("a READ of the wrong length", 2, msgErr, codeMismatch, 1)
 	// A refused op's later parts are released and skipped; the CANCEL the
 	// sender writes on seeing the ERR is not answered again.
@@ -841,14 +840,14 @@ func TestReadAnswers(t *testing.T) {
 
 	// The receipt completes at the ACK, not at DONE; the parts come out of
 	// their slots.
-	writeMsgs(t, nc, part(1, d.tag, 3, 0, 60, 100), part(1, d.tag, 0, 60, 40, 100))
+	writeMsgs(t, nc, part(1, d.Tag, 3, 0, 60, 100), part(1, d.Tag, 0, 60, 40, 100))
 	answer("a good READ", 1, msgDone, 0, 3, 0)
 	select {
 	case <-r.Done():
 		t.Fatalf("receipt done before the ACK: %v", r.Err())
 	case <-time.After(20 * time.Millisecond):
 	}
-	writeMsgs(t, nc, part(2, d.tag, 1, 0, 100, 100))
+	writeMsgs(t, nc, part(2, d.Tag, 1, 0, 100, 100))
 	answer("a second READ of a receipt", 2, msgErr, codeBusy, 1)
 	writeMsgs(t, nc, &msg{typ: msgAck, op: 1})
 	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
@@ -856,7 +855,7 @@ func TestReadAnswers(t *testing.T) {
 		t.Fatal(r.Err())
 	}
 	win := reg.Bytes()
-	if got := r.(*recv).dst[0]; !bytes.Equal(got, append(slices.Clone(win[3*16<<10:3*16<<10+60]), win[:40]...)) {
+	if !bytes.Equal(dst, append(slices.Clone(win[3*16<<10:3*16<<10+60]), win[:40]...)) {
 		t.Fatal("bytes differ")
 	}
 
@@ -865,8 +864,8 @@ func TestReadAnswers(t *testing.T) {
 	announce(t, nc2, reg, 1<<20, 4)
 	r2, _ := b.Expect([][]byte{make([]byte, 100)})
 	defer r2.Cancel()
-	d2, _ := decodeDescriptor(r2.Descriptor())
-	writeMsgs(t, nc2, part(1, d2.tag, 0, 0, 100, 100))
+	d2, _ := descFormat.Decode(r2.Descriptor())
+	writeMsgs(t, nc2, part(1, d2.Tag, 0, 0, 100, 100))
 	if m, _ := readAnswer(t, nc2, mr2); m.typ != msgErr || m.op != 1 || m.code != codeRegion {
 		t.Fatalf("answer to a READ of an unmappable window: %+v", m)
 	}
@@ -882,10 +881,10 @@ func TestReadAnswers(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		d, _ := decodeDescriptor(r.Descriptor())
+		d, _ := descFormat.Decode(r.Descriptor())
 		nc, mr := rawConn(t, b)
 		announce(t, nc, reg, 16<<10, 4)
-		writeMsgs(t, nc, part(9, d.tag, 0, 0, 100, 100))
+		writeMsgs(t, nc, part(9, d.Tag, 0, 0, 100, 100))
 		if m, _ := readAnswer(t, nc, mr); m.typ != msgDone {
 			t.Fatalf("answer to a good READ: %+v", m)
 		}
@@ -912,20 +911,20 @@ func TestAbortBeforeRead(t *testing.T) {
 	reg := testArena(t, 4096)
 	announce(t, nc, reg, 4096, 1)
 	r, _ := b.Expect([][]byte{make([]byte, 10)})
-	d, _ := decodeDescriptor(r.Descriptor())
-	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.tag})
+	d, _ := descFormat.Decode(r.Descriptor())
+	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.Tag})
 	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
 	if !errors.Is(r.Err(), transport.ErrAborted) {
 		t.Errorf("Recv.Err = %v, want ErrAborted", r.Err())
 	}
 
 	r, _ = b.Expect([][]byte{make([]byte, 10)})
-	d, _ = decodeDescriptor(r.Descriptor())
-	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.tag, length: 10, total: 10, last: true})
+	d, _ = descFormat.Decode(r.Descriptor())
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.Tag, length: 10, total: 10, last: true})
 	if m, _ := readAnswer(t, nc, mr); m.typ != msgDone {
 		t.Fatalf("answer: %+v", m)
 	}
-	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.tag}, &msg{typ: msgAck, op: 1})
+	writeMsgs(t, nc, &msg{typ: msgAbort, tag: d.Tag}, &msg{typ: msgAck, op: 1})
 	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
 	if r.Err() != nil {
 		t.Errorf("Recv.Err = %v, want nil", r.Err())

@@ -8,6 +8,7 @@ import (
 	"math"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Wire formats. All integers are big-endian.
@@ -72,7 +73,6 @@ const (
 	descVersion    = 1
 	endpointPrefix = "@kvxfer-shm-"
 	endpointLen    = len(endpointPrefix) + 32
-	descLen        = 3 + endpointLen + 16
 )
 
 // Message types.
@@ -175,77 +175,97 @@ func decodeMsg(b []byte) (m msg, n int, err error) {
 		return msg{}, 0, nil
 	}
 	m.typ = b[0]
-	body := b[hdrLen:n]
-	u64 := func(i int) uint64 { return binary.BigEndian.Uint64(body[i:]) }
-	u32 := func(i int) uint32 { return binary.BigEndian.Uint32(body[i:]) }
+	if err := m.decodeBody(b[hdrLen:n]); err != nil {
+		return msg{}, 0, err
+	}
+	return m, n, nil
+}
+
+// decodeBody decodes and checks the body of a message of type m.typ, whose
+// length msgLen has checked.
+func (m *msg) decodeBody(body []byte) error {
+	be := binary.BigEndian
 	switch m.typ {
 	case msgHello:
 		if string(body[:4]) != helloMagic {
-			return msg{}, 0, errProto("not a kvxfer shm connection (bad hello)")
+			return errProto("not a kvxfer shm connection (bad hello)")
 		}
 		if body[5]|body[6]|body[7] != 0 {
-			return msg{}, 0, errProto("hello with non-zero reserved bytes")
+			return errProto("hello with non-zero reserved bytes")
 		}
 		m.version = body[4]
 	case msgWindow:
-		m.slotLen, m.slots = u32(0), u32(4)
-		switch {
-		case m.slotLen == 0 || m.slotLen > maxSlotBytes:
-			return msg{}, 0, errProto("window slots of %d bytes (want 1..%d)", m.slotLen, maxSlotBytes)
-		case m.slots == 0 || m.slots > maxSlots:
-			return msg{}, 0, errProto("window of %d slots (want 1..%d)", m.slots, maxSlots)
-		case uint64(m.slotLen)*uint64(m.slots) > maxWindow:
-			return msg{}, 0, errProto("window of %d x %d bytes, more than %d", m.slots, m.slotLen, maxWindow)
-		}
+		return m.decodeWindow(body)
 	case msgRead:
-		m.op, m.tag, m.total, m.offset = u64(0), u64(8), u64(16), u64(24)
-		m.slot, m.length = u32(32), u32(36)
-		flags := u32(40)
-		switch {
-		case m.op == 0 || m.tag == 0:
-			return msg{}, 0, errProto("read with op %d, tag %d (want non-zero)", m.op, m.tag)
-		case flags&^flagLast != 0:
-			return msg{}, 0, errProto("read with unknown flags %#x", flags)
-		case u32(44) != 0:
-			return msg{}, 0, errProto("read with non-zero reserved bytes")
-		case m.length == 0:
-			return msg{}, 0, errProto("read part of length 0")
-		case m.total == 0 || m.total > math.MaxInt64 || m.offset >= m.total || uint64(m.length) > m.total-m.offset:
-			return msg{}, 0, errProto("read part [%d, +%d) of an op of %d bytes", m.offset, m.length, m.total)
-		}
-		m.last = flags&flagLast != 0
-		if m.last && m.offset+uint64(m.length) != m.total {
-			return msg{}, 0, errProto("last read part [%d, +%d) does not end the op of %d bytes", m.offset, m.length, m.total)
-		}
+		return m.decodeRead(body)
 	case msgCancel, msgAck, msgDone, msgProbe:
-		m.op = u64(0)
-		if m.op == 0 {
-			return msg{}, 0, errProto("message type %d for op 0", m.typ)
+		if m.op = be.Uint64(body); m.op == 0 {
+			return errProto("message type %d for op 0", m.typ)
 		}
 	case msgAbort:
-		m.tag = u64(0)
-		if m.tag == 0 {
-			return msg{}, 0, errProto("abort of tag 0")
+		if m.tag = be.Uint64(body); m.tag == 0 {
+			return errProto("abort of tag 0")
 		}
 	case msgRelease:
-		m.slot = u32(0)
-		if u32(4) != 0 {
-			return msg{}, 0, errProto("release with non-zero reserved bytes")
+		m.slot = be.Uint32(body)
+		if be.Uint32(body[4:]) != 0 {
+			return errProto("release with non-zero reserved bytes")
 		}
 	case msgErr:
-		m.op, m.code = u64(0), u32(8)
-		k := u32(12)
-		if m.op == 0 || uint64(k) != uint64(len(body)-16) {
-			return msg{}, 0, errProto("malformed error reply")
+		m.op, m.code = be.Uint64(body), be.Uint32(body[8:])
+		if k := be.Uint32(body[12:]); m.op == 0 || uint64(k) != uint64(len(body)-16) {
+			return errProto("malformed error reply")
 		}
 		m.text = string(body[16:])
 	case msgProbeOK:
-		m.op, m.nonce = u64(0), u64(8)
+		m.op, m.nonce = be.Uint64(body), be.Uint64(body[8:])
 		if m.op == 0 {
-			return msg{}, 0, errProto("probe reply for op 0")
+			return errProto("probe reply for op 0")
 		}
 	}
-	return m, n, nil
+	return nil
+}
+
+// decodeWindow decodes and checks a WINDOW body: a geometry within bounds.
+func (m *msg) decodeWindow(body []byte) error {
+	m.slotLen, m.slots = binary.BigEndian.Uint32(body), binary.BigEndian.Uint32(body[4:])
+	switch {
+	case m.slotLen == 0 || m.slotLen > maxSlotBytes:
+		return errProto("window slots of %d bytes (want 1..%d)", m.slotLen, maxSlotBytes)
+	case m.slots == 0 || m.slots > maxSlots:
+		return errProto("window of %d slots (want 1..%d)", m.slots, maxSlots)
+	case uint64(m.slotLen)*uint64(m.slots) > maxWindow:
+		return errProto("window of %d x %d bytes, more than %d", m.slots, m.slotLen, maxWindow)
+	}
+	return nil
+}
+
+// decodeRead decodes and checks a READ body on its own: non-zero ids, known
+// flags, a part within its op, the last part ending it. Whether it fits
+// the window and its op's sequence is checked by the reader.
+func (m *msg) decodeRead(body []byte) error {
+	u64 := func(i int) uint64 { return binary.BigEndian.Uint64(body[i:]) }
+	u32 := func(i int) uint32 { return binary.BigEndian.Uint32(body[i:]) }
+	m.op, m.tag, m.total, m.offset = u64(0), u64(8), u64(16), u64(24)
+	m.slot, m.length = u32(32), u32(36)
+	flags := u32(40)
+	switch {
+	case m.op == 0 || m.tag == 0:
+		return errProto("read with op %d, tag %d (want non-zero)", m.op, m.tag)
+	case flags&^flagLast != 0:
+		return errProto("read with unknown flags %#x", flags)
+	case u32(44) != 0:
+		return errProto("read with non-zero reserved bytes")
+	case m.length == 0:
+		return errProto("read part of length 0")
+	case m.total == 0 || m.total > math.MaxInt64 || m.offset >= m.total || uint64(m.length) > m.total-m.offset:
+		return errProto("read part [%d, +%d) of an op of %d bytes", m.offset, m.length, m.total)
+	}
+	m.last = flags&flagLast != 0
+	if m.last && m.offset+uint64(m.length) != m.total {
+		return errProto("last read part [%d, +%d) does not end the op of %d bytes", m.offset, m.length, m.total)
+	}
+	return nil
 }
 
 // appendMsg appends the encoding of m to b. It is the inverse of decodeMsg
@@ -300,60 +320,22 @@ func appendMsg(b []byte, m *msg) []byte {
 	return b
 }
 
-// descriptor is a decoded transport.Descriptor of this backend.
-type descriptor struct {
-	endpoint string
-	tag      uint64
-	total    int64
-}
-
-func (d descriptor) encode() transport.Descriptor {
-	b := make([]byte, 0, descLen)
-	b = append(b, descKind, descVersion, byte(len(d.endpoint)))
-	b = append(b, d.endpoint...)
-	b = binary.BigEndian.AppendUint64(b, d.tag)
-	b = binary.BigEndian.AppendUint64(b, uint64(d.total))
-	return b
-}
-
-// errDesc reports what is wrong with a descriptor.
-func errDesc(format string, args ...any) error {
-	return fmt.Errorf("shm: %w: %s", transport.ErrBadDescriptor, fmt.Sprintf(format, args...))
-}
-
-// decodeDescriptor decodes a descriptor from the wire, which is untrusted:
-// every field is checked, and the length must match exactly.
-func decodeDescriptor(b transport.Descriptor) (descriptor, error) {
-	switch {
-	case len(b) == 0:
-		return descriptor{}, errDesc("empty")
-	case len(b) > transport.MaxDescriptorBytes:
-		return descriptor{}, errDesc("%d bytes, more than %d", len(b), transport.MaxDescriptorBytes)
-	case b[0] != descKind:
-		return descriptor{}, errDesc("kind %#x, want %#x (not an shm descriptor)", b[0], descKind)
-	case len(b) < 3:
-		return descriptor{}, errDesc("truncated: %d bytes", len(b))
-	case b[1] != descVersion:
-		return descriptor{}, errDesc("version %d, want %d", b[1], descVersion)
-	case len(b) != descLen || int(b[2]) != endpointLen:
-		return descriptor{}, errDesc("%d bytes with an endpoint of %d, want %d and %d", len(b), b[2], descLen, endpointLen)
-	}
-	d := descriptor{
-		endpoint: string(b[3 : 3+endpointLen]),
-		tag:      binary.BigEndian.Uint64(b[3+endpointLen:]),
-	}
-	total := binary.BigEndian.Uint64(b[3+endpointLen+8:])
-	if err := checkEndpoint(d.endpoint); err != nil {
-		return descriptor{}, errDesc("%v", err)
-	}
-	if d.tag == 0 {
-		return descriptor{}, errDesc("zero tag")
-	}
-	if total == 0 || total > math.MaxInt64 {
-		return descriptor{}, errDesc("total length %d out of range", total)
-	}
-	d.total = int64(total)
-	return d, nil
+// descFormat is the layout of this backend's descriptors (see above).
+var descFormat = &receipt.Format{
+	Backend: "shm",
+	Header:  []byte{descKind, descVersion},
+	CheckHeader: func(b []byte) error {
+		switch {
+		case b[0] != descKind:
+			return fmt.Errorf("kind %#x, want %#x (not an shm descriptor)", b[0], descKind)
+		case len(b) < 2:
+			return fmt.Errorf("truncated: %d bytes", len(b))
+		case b[1] != descVersion:
+			return fmt.Errorf("version %d, want %d", b[1], descVersion)
+		}
+		return nil
+	},
+	CheckEndpoint: checkEndpoint,
 }
 
 // checkEndpoint accepts exactly the endpoints Open makes: the prefix and 32

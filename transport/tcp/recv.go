@@ -7,11 +7,11 @@ import (
 	"io"
 	"net"
 	"os"
-	"slices"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/conn"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // prefaceTimeout bounds the wait for a new connection's preface.
@@ -29,26 +29,16 @@ var errLetGo = errors.New("tcp: receipt ended")
 // Read return at once (net/http uses the same trick).
 var aLongTimeAgo = time.Unix(1, 0)
 
-// recv is one armed receipt.
-type recv struct {
-	t     *Transport
-	tag   uint64
-	desc  transport.Descriptor
-	dst   [][]byte
-	ends  []int64 // ends[i]: offset just past dst[i] in the receipt
-	total int64
-	done  chan struct{}
-	// finished is set (under t.mu) when the receipt has ended; readers test
-	// it after every Read without the lock.
-	finished atomic.Bool
-
-	// Guarded by t.mu.
-	err      error
-	received int64    // bytes of completed frames
-	active   int      // readers between frame start and letting go of dst
+// filling is what the backend knows of the filling of a receipt. Guarded
+// by Transport.mu.
+type filling struct {
 	session  *session // the sender session it is bound to; nil before a frame
-	closed   bool     // done is closed
+	received int64    // bytes of completed frames
 }
+
+// recv is one armed receipt. Readers test Ended after every Read without
+// the lock.
+type recv = receipt.Recv[filling]
 
 // session groups the inbound connections of one sending Transport (the id in
 // their preface). Guarded by Transport.mu.
@@ -68,73 +58,26 @@ type inConn struct {
 	scratch []byte
 }
 
-var _ transport.Recv = (*recv)(nil)
-
 // Expect arms a receipt of sum(len(dst[i])) bytes under a fresh random tag.
 func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
-	ends := make([]int64, len(dst))
-	var total int64
-	for i, b := range dst {
-		total += int64(len(b))
-		ends[i] = total
-	}
-	if total == 0 {
-		return nil, errors.New("tcp: expect: nothing to receive (total length 0)")
-	}
-	r := &recv{t: t, dst: dst, ends: ends, total: total, done: make(chan struct{})}
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		return nil, &transport.ClosedError{Op: "expect"}
-	}
-	for r.tag == 0 || t.receipts[r.tag] != nil {
-		r.tag = randUint64()
-	}
-	t.receipts[r.tag] = r
-	t.mu.Unlock()
-	r.desc = descriptor{endpoint: t.endpoint, tag: r.tag, total: total}.encode()
-	return r, nil
+	return t.receipts.Expect(dst)
 }
 
-// Descriptor returns a copy of the receipt's descriptor.
-func (r *recv) Descriptor() transport.Descriptor { return slices.Clone(r.desc) }
-
-// Done is closed when the receipt has ended and no reader writes into dst.
-func (r *recv) Done() <-chan struct{} { return r.done }
-
-// Err returns why the receipt failed, or nil before Done and on success.
-func (r *recv) Err() error {
-	select {
-	case <-r.done:
-		return r.err
-	default:
-		return nil
+// interrupt makes the readers in the middle of a frame for r, which has
+// ended, let go of it after at most the Read in progress: their read
+// deadline is set in the past, and they drop the rest of the frame into
+// scratch, so the connection stays usable. t.mu is held.
+func (t *Transport) interrupt(r *recv) {
+	for c := range t.inbound {
+		if c.cur == r {
+			c.nc.SetReadDeadline(aLongTimeAgo)
+		}
 	}
 }
 
-// Cancel ends the receipt with ErrCanceled unless it has ended, then waits
-// until no reader writes into dst. A reader in the middle of a frame for
-// this receipt is interrupted (its read deadline is set in the past), lets
-// go of dst after at most the Read in progress, and drops the rest of the
-// frame into scratch, so the connection stays usable. Should a reader not
-// let go within cancelGrace, its connection is closed.
-func (r *recv) Cancel() {
-	t := r.t
-	t.mu.Lock()
-	t.finish(r, fmt.Errorf("tcp: receive: %w", transport.ErrCanceled))
-	t.mu.Unlock()
-	select {
-	case <-r.done:
-		return
-	default:
-	}
-	timer := time.NewTimer(cancelGrace)
-	defer timer.Stop()
-	select {
-	case <-r.done:
-		return
-	case <-timer.C:
-	}
+// unstick closes the connections whose readers did not let go of r within
+// cancelGrace of its Cancel.
+func (t *Transport) unstick(r *recv) {
 	t.mu.Lock()
 	var stuck []*inConn
 	for c := range t.inbound {
@@ -147,40 +90,6 @@ func (r *recv) Cancel() {
 		t.log.Warn("tcp: closing a connection whose reader did not let go of a cancelled receipt", "remote", c.remote)
 		c.raw.Close()
 	}
-	<-r.done
-}
-
-// finish ends r with err (nil: success) unless it has ended. Readers in the
-// middle of a frame for r are interrupted; Done closes when the last lets
-// go. t.mu must be held.
-func (t *Transport) finish(r *recv, err error) {
-	if r.finished.Load() {
-		return
-	}
-	r.err = err
-	r.finished.Store(true)
-	delete(t.receipts, r.tag)
-	if r.active == 0 {
-		r.closed = true
-		close(r.done)
-		return
-	}
-	for c := range t.inbound {
-		if c.cur == r {
-			c.nc.SetReadDeadline(aLongTimeAgo)
-		}
-	}
-}
-
-// release is called by a reader that stops writing into r's dst. t.mu must
-// be held.
-func (t *Transport) release(c *inConn, r *recv) {
-	c.cur = nil
-	r.active--
-	if r.active == 0 && r.finished.Load() && !r.closed {
-		r.closed = true
-		close(r.done)
-	}
 }
 
 // serve runs the reader of one accepted connection.
@@ -189,13 +98,10 @@ func (t *Transport) serve(c *inConn) {
 	err := t.readLoop(c)
 	clean := errors.Is(err, io.EOF) // at a frame boundary (else ErrUnexpectedEOF)
 	var herr *handshakeError
-	switch {
-	case errors.As(err, &herr) && !errors.Is(err, net.ErrClosed):
+	if errors.As(err, &herr) && !errors.Is(err, net.ErrClosed) {
 		t.log.Warn("tcp: refused a data connection: TLS handshake failed", "remote", c.remote, "err", herr.err)
-	case errors.Is(err, transport.ErrProtocol):
-		t.log.Warn("tcp: closing data connection", "remote", c.remote, "err", err)
-	case !clean && !errors.Is(err, net.ErrClosed):
-		t.log.Debug("tcp: data connection broke", "remote", c.remote, "err", err)
+	} else {
+		conn.LogEnd(t.log, "tcp", "data connection", c.remote, err)
 	}
 	lost := peerLost("receive from", c.remote, err)
 	t.mu.Lock()
@@ -206,9 +112,9 @@ func (t *Transport) serve(c *inConn) {
 		// have lost bytes of any receipt of its sender; one whose sender
 		// has no connection left has nobody to complete it.
 		if !clean || s.conns == 0 {
-			for _, r := range t.receipts {
-				if r.session == s {
-					t.finish(r, lost)
+			for r := range t.receipts.AllLocked() {
+				if r.Fill.session == s {
+					r.FinishLocked(lost)
 				}
 			}
 		}
@@ -267,8 +173,8 @@ func (t *Transport) readLoop(c *inConn) error {
 		}
 		if h.typ == frameAbort {
 			t.mu.Lock()
-			if r := t.receipts[h.tag]; r != nil {
-				t.finish(r, fmt.Errorf("tcp: receive from %s: %w", c.remote, transport.ErrAborted))
+			if r := t.receipts.LookupLocked(h.tag); r != nil {
+				r.FinishLocked(fmt.Errorf("tcp: receive from %s: %w", c.remote, transport.ErrAborted))
 			}
 			t.mu.Unlock()
 			continue
@@ -285,63 +191,54 @@ func (t *Transport) readData(c *inConn, h frameHeader) error {
 	n, off := int64(h.length), int64(h.offset)
 	pad := padLen(n)
 	t.mu.Lock()
-	r := t.receipts[h.tag]
+	r := t.receipts.LookupLocked(h.tag)
 	switch {
 	case r == nil:
 		t.mu.Unlock()
 		return t.discard(c, n+pad)
-	case n > r.total || off > r.total-n:
-		err := fmt.Errorf("%w: frame [%d, %d) beyond the receipt's %d bytes", transport.ErrProtocol, off, off+n, r.total)
-		t.finish(r, peerLost("receive from", c.remote, err))
+	case n > r.Total() || off > r.Total()-n:
+		err := fmt.Errorf("%w: frame [%d, %d) beyond the receipt's %d bytes", transport.ErrProtocol, off, off+n, r.Total())
+		r.FinishLocked(peerLost("receive from", c.remote, err))
 		t.mu.Unlock()
 		return err
-	case r.session == nil:
-		r.session = c.sess
-	case r.session != c.sess:
+	case r.Fill.session == nil:
+		r.Fill.session = c.sess
+	case r.Fill.session != c.sess:
 		// The descriptor went to two senders; neither can be trusted
 		// with the bytes of the other.
-		t.finish(r, fmt.Errorf("tcp: receive from %s: %w: frames from a second sender", c.remote, transport.ErrProtocol))
+		r.FinishLocked(fmt.Errorf("tcp: receive from %s: %w: frames from a second sender", c.remote, transport.ErrProtocol))
 		t.mu.Unlock()
 		return t.discard(c, n+pad)
 	}
-	r.active++
+	r.HoldLocked()
 	c.cur = r
 	t.mu.Unlock()
 
-	i := pieceAt(r.ends, off)
 	pos, left := off, n
 	var err error
 	for left > 0 && err == nil {
-		start := int64(0)
-		if i > 0 {
-			start = r.ends[i-1]
-		}
-		p := r.dst[i][pos-start:]
-		if int64(len(p)) > left {
-			p = p[:left]
-		}
 		var m int
-		m, err = t.readInto(c, r, p)
+		m, err = t.readInto(c, r, r.Dst().Slice(pos, left))
 		pos += int64(m)
 		left -= int64(m)
-		i++
 	}
 
 	t.mu.Lock()
-	t.release(c, r)
+	c.cur = nil
+	r.ReleaseLocked()
 	switch {
 	case err == nil:
-		if !r.finished.Load() {
-			r.received += n
+		if !r.Ended() {
+			r.Fill.received += n
 			switch {
-			case r.received == r.total:
-				t.finish(r, nil)
-			case r.received > r.total: // overlapping frames: a hole somewhere
-				t.finish(r, fmt.Errorf("tcp: receive from %s: %w: more bytes than the receipt's %d", c.remote, transport.ErrProtocol, r.total))
+			case r.Fill.received == r.Total():
+				r.FinishLocked(nil)
+			case r.Fill.received > r.Total(): // overlapping frames: a hole somewhere
+				r.FinishLocked(fmt.Errorf("tcp: receive from %s: %w: more bytes than the receipt's %d", c.remote, transport.ErrProtocol, r.Total()))
 			}
 		}
 	case err != errLetGo:
-		t.finish(r, peerLost("receive from", c.remote, err))
+		r.FinishLocked(peerLost("receive from", c.remote, err))
 	}
 	t.mu.Unlock()
 	switch {
@@ -368,21 +265,6 @@ func noEOF(err error) error {
 	return err
 }
 
-// pieceAt returns the index of the dst piece that holds offset off: the
-// first i with ends[i] > off.
-func pieceAt(ends []int64, off int64) int {
-	lo, hi := 0, len(ends)
-	for lo < hi {
-		m := int(uint(lo+hi) >> 1)
-		if ends[m] > off {
-			hi = m
-		} else {
-			lo = m + 1
-		}
-	}
-	return lo
-}
-
 // readInto fills p from c for receipt r. It returns errLetGo, with the count
 // read so far, as soon as r has ended.
 func (t *Transport) readInto(c *inConn, r *recv, p []byte) (int, error) {
@@ -390,7 +272,7 @@ func (t *Transport) readInto(c *inConn, r *recv, p []byte) (int, error) {
 	for n < len(p) {
 		m, err := c.nc.Read(p[n:])
 		n += m
-		if r.finished.Load() {
+		if r.Ended() {
 			return n, errLetGo
 		}
 		if err != nil && n < len(p) {
@@ -429,7 +311,7 @@ func (t *Transport) readFull(c *inConn, p []byte) error {
 	return nil
 }
 
-// unkick clears a read deadline set by finish. Under t.mu, so that it
+// unkick clears a read deadline set by interrupt. Under t.mu, so that it
 // cannot undo a later interruption without the reader seeing it: finish
 // sets the flag the reader tests before it sets the deadline.
 func (t *Transport) unkick(c *inConn) {
@@ -453,12 +335,6 @@ func (t *Transport) discard(c *inConn, n int64) error {
 	return nil
 }
 
-// peerLost wraps cause as ErrPeerLost of op with peer; a protocol error stays
-// visible to errors.Is. The cause itself is not wrapped otherwise, so that a
-// local net.ErrClosed is not mistaken for a closed Transport.
-func peerLost(op, peer string, cause error) error {
-	if errors.Is(cause, transport.ErrProtocol) {
-		return fmt.Errorf("tcp: %s %s: %w: %w", op, peer, transport.ErrPeerLost, cause)
-	}
-	return fmt.Errorf("tcp: %s %s: %w: %v", op, peer, transport.ErrPeerLost, cause)
-}
+// peerLost wraps cause as transport.ErrPeerLost of op with peer (see
+// conn.PeerLost).
+func peerLost(op, peer string, cause error) error { return conn.PeerLost("tcp", op, peer, cause) }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // peer is the pool of outbound connections to one receiver endpoint: one
@@ -59,8 +60,7 @@ type sendOp struct {
 	total   int64
 	frame   int64
 	nframes int64
-	src     [][]byte
-	ends    []int64 // ends[i]: offset just past src[i]
+	src     receipt.Pieces
 	ctx     context.Context
 	cancel  context.CancelCauseFunc
 	next    atomic.Int64 // next frame to take
@@ -86,45 +86,40 @@ type sendOp struct {
 // broken connection or a peer that cannot be reached fails Send with
 // transport.ErrPeerLost (after an ABORT on any other live connection).
 func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][]byte) error {
-	d, err := decodeDescriptor(desc)
+	d, err := descFormat.Decode(desc)
 	if err != nil {
 		return err
 	}
-	ends := make([]int64, len(src))
-	var total int64
-	for i, b := range src {
-		total += int64(len(b))
-		ends[i] = total
-	}
-	if total != d.total {
-		return errDesc("the receipt is for %d bytes, src has %d", d.total, total)
+	pieces, total := receipt.MakePieces(src)
+	if total != d.Total {
+		return descFormat.Bad("the receipt is for %d bytes, src has %d", d.Total, total)
 	}
 
 	sctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	frame := int64(t.opts.FrameBytes)
 	op := &sendOp{
-		tag: d.tag, total: total, frame: frame, nframes: (total + frame - 1) / frame,
-		src: src, ends: ends, ctx: sctx, cancel: cancel,
+		tag: d.Tag, total: total, frame: frame, nframes: (total + frame - 1) / frame,
+		src: pieces, ctx: sctx, cancel: cancel,
 	}
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
 		return &transport.ClosedError{Op: "send"}
 	}
-	p := t.peers[d.endpoint]
+	p := t.peers[d.Endpoint]
 	if p == nil {
-		p = &peer{t: t, addr: d.endpoint, slots: make([]*outConn, t.opts.Streams)}
+		p = &peer{t: t, addr: d.Endpoint, slots: make([]*outConn, t.opts.Streams)}
 		if t.cliTLS != nil {
 			p.tls = t.cliTLS
 			if p.tls.ServerName == "" {
 				// Verify the receiver's certificate against the host
 				// of its endpoint (an IP address or a name).
 				p.tls = p.tls.Clone()
-				p.tls.ServerName, _, _ = net.SplitHostPort(d.endpoint)
+				p.tls.ServerName, _, _ = net.SplitHostPort(d.Endpoint)
 			}
 		}
-		t.peers[d.endpoint] = p
+		t.peers[d.Endpoint] = p
 	}
 	op.p = p
 	t.ops[op] = struct{}{}
@@ -155,13 +150,13 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 	dial := true // whether to dial a connection for the ABORT if none is live
 	switch cerr := ctx.Err(); {
 	case errors.Is(cerr, context.DeadlineExceeded):
-		ret = &transport.TimeoutError{Op: "send", Peer: d.endpoint, Err: cerr}
+		ret = &transport.TimeoutError{Op: "send", Peer: d.Endpoint, Err: cerr}
 	case cerr != nil:
-		ret = fmt.Errorf("tcp: send to %s: %w", d.endpoint, cerr)
+		ret = fmt.Errorf("tcp: send to %s: %w", d.Endpoint, cerr)
 	case isClosed(context.Cause(sctx)):
 		ret = &transport.ClosedError{Op: "send"}
 	default:
-		ret, dial = peerLost("send to", d.endpoint, err), false
+		ret, dial = peerLost("send to", d.Endpoint, err), false
 	}
 	op.abort(dial)
 	return ret
@@ -389,7 +384,7 @@ func (oc *outConn) writeFrame(op *sendOp, k int64) error {
 	off := k * op.frame
 	n := min(op.frame, op.total-off)
 	putHeader(oc.hdr[:], frameHeader{typ: frameData, length: uint32(n), tag: op.tag, offset: uint64(off)})
-	oc.vec = op.appendPieces(append(oc.vec[:0], oc.hdr[:]), off, n)
+	oc.vec = op.src.Append(append(oc.vec[:0], oc.hdr[:]), off, n)
 	if pad := padLen(n); pad > 0 {
 		oc.vec = append(oc.vec, zeros[:pad])
 	}
@@ -448,26 +443,4 @@ func (oc *outConn) unlock() {
 	oc.owner = nil
 	oc.mu.Unlock()
 	<-oc.lock
-}
-
-// appendPieces appends the sub-slices of src that hold [off, off+n).
-func (op *sendOp) appendPieces(vec [][]byte, off, n int64) [][]byte {
-	i := pieceAt(op.ends, off)
-	for n > 0 {
-		start := int64(0)
-		if i > 0 {
-			start = op.ends[i-1]
-		}
-		p := op.src[i][off-start:]
-		if int64(len(p)) > n {
-			p = p[:n]
-		}
-		if len(p) > 0 {
-			vec = append(vec, p)
-		}
-		off += int64(len(p))
-		n -= int64(len(p))
-		i++
-	}
-	return vec
 }

@@ -2,9 +2,7 @@ package tcp
 
 import (
 	"context"
-	"crypto/rand"
 	"crypto/tls"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -12,8 +10,10 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/accept"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Grace periods of cancel and close. A frame in flight is given this long to
@@ -66,7 +66,7 @@ type Transport struct {
 
 	mu       sync.Mutex
 	closed   bool
-	receipts map[uint64]*recv     // armed receipts by tag
+	receipts *receipt.Table[filling]
 	ops      map[*sendOp]struct{} // in-flight Sends
 	inbound  map[*inConn]struct{}
 	sessions map[uint64]*session // inbound sender sessions by id
@@ -109,16 +109,23 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		log:      opts.Logger.With("backend", "tcp", "endpoint", ep),
 		ln:       ln,
 		endpoint: ep,
-		session:  randUint64(),
+		session:  receipt.Rand64(),
 		srvTLS:   srvTLS,
 		cliTLS:   cliTLS,
 		done:     make(chan struct{}),
-		receipts: make(map[uint64]*recv),
 		ops:      make(map[*sendOp]struct{}),
 		inbound:  make(map[*inConn]struct{}),
 		sessions: make(map[uint64]*session),
 		peers:    make(map[string]*peer),
 	}
+	t.receipts = receipt.NewTable(receipt.Config[filling]{
+		Format:    descFormat,
+		Endpoint:  ep,
+		Lock:      &t.mu,
+		Interrupt: t.interrupt,
+		Stuck:     t.unstick,
+		Grace:     cancelGrace,
+	})
 	t.wg.Add(1)
 	go t.accept()
 	return t, nil
@@ -145,6 +152,7 @@ func (t *Transport) Close() error {
 	t.closeOnce.Do(func() {
 		t.mu.Lock()
 		t.closed = true
+		t.receipts.CloseLocked()
 		ops := make([]*sendOp, 0, len(t.ops))
 		for op := range t.ops {
 			ops = append(ops, op)
@@ -158,8 +166,8 @@ func (t *Transport) Close() error {
 
 		t.ln.Close()
 		t.mu.Lock()
-		for _, r := range t.receipts {
-			t.finish(r, &transport.ClosedError{Op: "receive"})
+		for r := range t.receipts.AllLocked() {
+			r.FinishLocked(&transport.ClosedError{Op: "receive"})
 		}
 		conns := make([]*inConn, 0, len(t.inbound))
 		for c := range t.inbound {
@@ -188,54 +196,27 @@ func (t *Transport) accept() {
 	defer t.wg.Done()
 	ln := netlimit.NewListener(t.ln, "tcp data "+t.endpoint,
 		netlimit.Limits{MaxConns: t.opts.MaxConns, MaxConnsPerHost: t.opts.MaxConnsPerHost}, t.opts.Logger, nil)
-	var delay time.Duration
-	for {
-		nc, err := ln.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Out of file descriptors and the like: back off as
-			// net/http does instead of spinning.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			t.log.Warn("tcp: accept failed; retrying", "err", err, "delay", delay)
-			timer := time.NewTimer(delay)
-			select {
-			case <-timer.C:
-			case <-t.done:
-				timer.Stop()
-				return
-			}
-			continue
-		}
-		delay = 0
-		c := &inConn{nc: nc, raw: nc, remote: nc.RemoteAddr().String()}
-		if t.srvTLS != nil {
-			// The handshake runs in the connection's reader (readLoop),
-			// bounded by prefaceTimeout, so that a slow or hostile client
-			// does not hold up the accept loop.
-			c.nc = tls.Server(nc, t.srvTLS)
-		}
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			nc.Close()
-			continue
-		}
-		t.inbound[c] = struct{}{}
-		t.wg.Add(1)
-		t.mu.Unlock()
-		go t.serve(c)
-	}
+	accept.Loop("tcp", t.log, t.done, ln.Accept, t.admit)
 }
 
-// randUint64 returns a random non-zero value from crypto/rand.
-func randUint64() uint64 {
-	var b [8]byte
-	for {
-		rand.Read(b[:]) // never fails (see crypto/rand.Read)
-		if v := binary.BigEndian.Uint64(b[:]); v != 0 {
-			return v
-		}
+// admit starts the reader of an accepted connection, unless t is closed.
+func (t *Transport) admit(nc net.Conn) bool {
+	c := &inConn{nc: nc, raw: nc, remote: nc.RemoteAddr().String()}
+	if t.srvTLS != nil {
+		// The handshake runs in the connection's reader (readLoop),
+		// bounded by prefaceTimeout, so that a slow or hostile client
+		// does not hold up the accept loop.
+		c.nc = tls.Server(nc, t.srvTLS)
 	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		nc.Close()
+		return true
+	}
+	t.inbound[c] = struct{}{}
+	t.wg.Add(1)
+	t.mu.Unlock()
+	go t.serve(c)
+	return true
 }

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 	"github.com/kvxfer/kvxfer/transport/transporttest"
 )
 
@@ -243,11 +244,11 @@ func openByPeer(c net.Conn) bool {
 
 func tagOf(t *testing.T, r transport.Recv) uint64 {
 	t.Helper()
-	d, err := decodeDescriptor(r.Descriptor())
+	d, err := descFormat.Decode(r.Descriptor())
 	if err != nil {
 		t.Fatal(err)
 	}
-	return d.tag
+	return d.Tag
 }
 
 func TestMalformedFrames(t *testing.T) {
@@ -382,7 +383,7 @@ func TestConnectionLoss(t *testing.T) {
 		eventually(t, "first frame read", func() bool {
 			b.mu.Lock()
 			defer b.mu.Unlock()
-			return r.(*recv).session != nil
+			return r.(*recv).Fill.session != nil
 		})
 		c2.Write(frame(tagOf(t, r), 50, make([]byte, 50)))
 		within(t, 5*time.Second, "Recv", func() { <-r.Done() })
@@ -418,7 +419,12 @@ func TestCancelMidFrame(t *testing.T) {
 	eventually(t, "reader in the frame", func() bool {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		return r.(*recv).active == 1
+		for c := range b.inbound {
+			if c.cur == r.(*recv) {
+				return true
+			}
+		}
+		return false
 	})
 	start := time.Now()
 	within(t, 5*time.Second, "Cancel", r.Cancel)
@@ -472,7 +478,7 @@ func TestSendStalledPeer(t *testing.T) {
 
 	a := open(t, transport.Options{})
 	const n = 64 << 20
-	desc := descriptor{endpoint: ln.Addr().String(), tag: 7, total: n}.encode()
+	desc := descFormat.Encode(receipt.Descriptor{Endpoint: ln.Addr().String(), Tag: 7, Total: n})
 	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
 	defer cancel()
 	start := time.Now()
@@ -535,25 +541,25 @@ func TestNoAllocsPerFrame(t *testing.T) {
 }
 
 func TestDescriptor(t *testing.T) {
-	good := descriptor{endpoint: "127.0.0.1:5000", tag: 99, total: 1 << 40}
-	d, err := decodeDescriptor(good.encode())
+	good := receipt.Descriptor{Endpoint: "127.0.0.1:5000", Tag: 99, Total: 1 << 40}
+	d, err := descFormat.Decode(descFormat.Encode(good))
 	if err != nil || d != good {
 		t.Fatalf("round trip: %+v, %v", d, err)
 	}
-	bad := []descriptor{
-		{endpoint: "", tag: 1, total: 1},
-		{endpoint: "host", tag: 1, total: 1},
-		{endpoint: ":80", tag: 1, total: 1},
-		{endpoint: "h:0", tag: 1, total: 1},
-		{endpoint: "h:65536", tag: 1, total: 1},
-		{endpoint: "h:http", tag: 1, total: 1},
-		{endpoint: "h\x00:80", tag: 1, total: 1},
-		{endpoint: "h:80", tag: 0, total: 1},
-		{endpoint: "h:80", tag: 1, total: 0},
-		{endpoint: "h:80", tag: 1, total: -1},
+	bad := []receipt.Descriptor{
+		{Endpoint: "", Tag: 1, Total: 1},
+		{Endpoint: "host", Tag: 1, Total: 1},
+		{Endpoint: ":80", Tag: 1, Total: 1},
+		{Endpoint: "h:0", Tag: 1, Total: 1},
+		{Endpoint: "h:65536", Tag: 1, Total: 1},
+		{Endpoint: "h:http", Tag: 1, Total: 1},
+		{Endpoint: "h\x00:80", Tag: 1, Total: 1},
+		{Endpoint: "h:80", Tag: 0, Total: 1},
+		{Endpoint: "h:80", Tag: 1, Total: 0},
+		{Endpoint: "h:80", Tag: 1, Total: -1},
 	}
 	for _, c := range bad {
-		if _, err := decodeDescriptor(c.encode()); !errors.Is(err, transport.ErrBadDescriptor) {
+		if _, err := descFormat.Decode(descFormat.Encode(c)); !errors.Is(err, transport.ErrBadDescriptor) {
 			t.Errorf("%+v: err = %v, want ErrBadDescriptor", c, err)
 		} else {
 			t.Log(err)
@@ -587,22 +593,22 @@ func TestHeader(t *testing.T) {
 }
 
 func FuzzDecodeDescriptor(f *testing.F) {
-	f.Add([]byte(descriptor{endpoint: "127.0.0.1:40000", tag: 1, total: 1}.encode()))
-	f.Add([]byte(descriptor{endpoint: "[::1]:1", tag: ^uint64(0), total: 1<<63 - 1}.encode()))
+	f.Add([]byte(descFormat.Encode(receipt.Descriptor{Endpoint: "127.0.0.1:40000", Tag: 1, Total: 1})))
+	f.Add([]byte(descFormat.Encode(receipt.Descriptor{Endpoint: "[::1]:1", Tag: ^uint64(0), Total: 1<<63 - 1})))
 	f.Add([]byte{})
 	f.Add([]byte{1, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		d, err := decodeDescriptor(b)
+		d, err := descFormat.Decode(b)
 		if err != nil {
 			if !errors.Is(err, transport.ErrBadDescriptor) {
 				t.Fatalf("error %v does not wrap ErrBadDescriptor", err)
 			}
 			return
 		}
-		if d.tag == 0 || d.total <= 0 {
+		if d.Tag == 0 || d.Total <= 0 {
 			t.Fatalf("accepted %+v", d)
 		}
-		if !bytes.Equal(d.encode(), b) {
+		if !bytes.Equal(descFormat.Encode(d), b) {
 			t.Fatalf("re-encoding %+v differs from the input", d)
 		}
 	})

@@ -2,12 +2,14 @@ package tcp
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math"
 	"net"
 	"strconv"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 // Wire formats. All integers are big-endian.
@@ -53,7 +55,6 @@ const (
 	prefaceLen    = 64
 	headerLen     = 64
 	descVersion   = 1
-	descFixedLen  = 2 + 8 + 8
 	maxEndpoint   = 255
 	frameData     = 1
 	frameAbort    = 2
@@ -154,83 +155,40 @@ func decodePreface(b []byte) (uint64, error) {
 	return binary.BigEndian.Uint64(b[8:16]), nil
 }
 
-// descriptor is a decoded transport.Descriptor of this backend.
-type descriptor struct {
-	endpoint string
-	tag      uint64
-	total    int64
-}
-
-func (d descriptor) encode() transport.Descriptor {
-	b := make([]byte, 0, descFixedLen+len(d.endpoint))
-	b = append(b, descVersion, byte(len(d.endpoint)))
-	b = append(b, d.endpoint...)
-	b = binary.BigEndian.AppendUint64(b, d.tag)
-	b = binary.BigEndian.AppendUint64(b, uint64(d.total))
-	return b
-}
-
-// errDesc reports what is wrong with a descriptor.
-func errDesc(format string, args ...any) error {
-	return fmt.Errorf("tcp: %w: %s", transport.ErrBadDescriptor, fmt.Sprintf(format, args...))
-}
-
-// decodeDescriptor decodes a descriptor from the wire, which is untrusted:
-// every field is checked, and the length must match exactly.
-func decodeDescriptor(b transport.Descriptor) (descriptor, error) {
-	switch {
-	case len(b) == 0:
-		return descriptor{}, errDesc("empty")
-	case len(b) > transport.MaxDescriptorBytes:
-		return descriptor{}, errDesc("%d bytes, more than %d", len(b), transport.MaxDescriptorBytes)
-	case b[0] != descVersion:
-		return descriptor{}, errDesc("version %d, want %d (not a tcp descriptor?)", b[0], descVersion)
-	case len(b) < descFixedLen:
-		return descriptor{}, errDesc("truncated: %d bytes", len(b))
-	}
-	n := int(b[1])
-	if len(b) != descFixedLen+n {
-		return descriptor{}, errDesc("%d bytes, want %d for an endpoint of %d bytes", len(b), descFixedLen+n, n)
-	}
-	d := descriptor{
-		endpoint: string(b[2 : 2+n]),
-		tag:      binary.BigEndian.Uint64(b[2+n : 10+n]),
-	}
-	total := binary.BigEndian.Uint64(b[10+n:])
-	if err := checkEndpoint(d.endpoint); err != nil {
-		return descriptor{}, err
-	}
-	if d.tag == 0 {
-		return descriptor{}, errDesc("zero tag")
-	}
-	if total == 0 || total > math.MaxInt64 {
-		return descriptor{}, errDesc("total length %d out of range", total)
-	}
-	d.total = int64(total)
-	return d, nil
+// descFormat is the layout of this backend's descriptors (see above).
+var descFormat = &receipt.Format{
+	Backend: "tcp",
+	Header:  []byte{descVersion},
+	CheckHeader: func(b []byte) error {
+		if b[0] != descVersion {
+			return fmt.Errorf("version %d, want %d (not a tcp descriptor?)", b[0], descVersion)
+		}
+		return nil
+	},
+	CheckEndpoint: checkEndpoint,
 }
 
 // checkEndpoint accepts host:port with a non-empty host and a port in
 // 1..65535; anything a dialler would have to guess at is refused.
 func checkEndpoint(ep string) error {
 	if ep == "" {
-		return errDesc("empty endpoint")
+		return errors.New("empty endpoint")
 	}
 	host, port, err := net.SplitHostPort(ep)
 	if err != nil {
-		return errDesc("endpoint %q: %v", ep, err)
+		return fmt.Errorf("endpoint %q: %v", ep, err)
 	}
 	if host == "" {
-		return errDesc("endpoint %q without a host", ep)
+		return fmt.Errorf("endpoint %q without a host", ep)
 	}
 	for i := 0; i < len(host); i++ {
 		if c := host[i]; c <= ' ' || c >= 0x7f {
-			return errDesc("endpoint %q: bad character in host", ep)
+			return fmt.Errorf("endpoint %q: bad character in host", ep)
 		}
 	}
 	p, err := strconv.ParseUint(port, 10, 16)
 	if err != nil || p == 0 {
-		return errDesc("endpoint %q: bad port", ep)
+		return fmt.Errorf("endpoint %q: bad port", ep)
 	}
 	return nil
 }

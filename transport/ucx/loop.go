@@ -27,8 +27,9 @@ import (
 )
 
 // loop is the state of the progress goroutine: the only goroutine that
-// calls into the UCP worker (UCS_THREAD_MODE_SINGLE). Everything in it is
-// touched only from that goroutine.
+// calls into the UCP worker, one call at a time (the worker is created
+// with UCS_THREAD_MODE_SERIALIZED: see the package documentation).
+// Everything in it is touched only from that goroutine.
 type loop struct {
 	t       *Transport
 	w       *C.kx_worker
@@ -83,12 +84,33 @@ func (l *loop) wake() { C.kx_wake(l.w) }
 
 func ucsString(st C.ucs_status_t) string { return C.GoString(C.ucs_status_string(st)) }
 
-// run is the progress goroutine.
+// run is the progress goroutine: it opens the worker and reports how that
+// went on ready, then turns the loop until Close has finished with it, and
+// shuts down.
 func (t *Transport) run(ready chan<- error) {
 	defer close(t.done)
 
 	w := (*C.kx_worker)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kx_worker{}))))
 	defer C.free(unsafe.Pointer(w))
+	l, err := t.newLoop(w)
+	if err != nil {
+		t.mu.Lock()
+		t.stopped = true
+		t.mu.Unlock()
+		ready <- err
+		return
+	}
+	t.lp = l
+	ready <- nil
+	l.turn()
+	l.shutdown()
+}
+
+// newLoop opens the UCP context and worker in w with the backend's
+// defaults, sets the Transport's endpoint from the worker's address, and
+// readies the wait on the worker's event fd. On failure nothing is left
+// open.
+func (t *Transport) newLoop(w *C.kx_worker) (*loop, error) {
 	l := &loop{
 		t: t, w: w,
 		reqs:       map[uint64]*request{},
@@ -104,41 +126,33 @@ func (t *Transport) run(ready chan<- error) {
 	st := C.kx_open(w, cdefs, C.size_t(len(defs)))
 	C.free(unsafe.Pointer(cdefs))
 	if st != C.UCS_OK {
-		t.mu.Lock()
-		t.stopped = true
-		t.mu.Unlock()
-		ready <- fmt.Errorf("ucx: open: %s", ucsString(st))
-		return
+		return nil, fmt.Errorf("ucx: open: %s", ucsString(st))
 	}
 	var addr unsafe.Pointer
 	var alen C.size_t
 	if st := C.kx_address(w, &addr, &alen); st != C.UCS_OK {
 		C.kx_close(w)
-		t.mu.Lock()
-		t.stopped = true
-		t.mu.Unlock()
-		ready <- fmt.Errorf("ucx: worker address: %s", ucsString(st))
-		return
+		return nil, fmt.Errorf("ucx: worker address: %s", ucsString(st))
 	}
 	t.endpointRaw = encodeEndpoint(t.inst, C.GoBytes(addr, C.int(alen)))
 	C.free(addr)
 	t.endpoint = base64.StdEncoding.EncodeToString(t.endpointRaw)
 	if err := l.initWait(); err != nil {
 		C.kx_close(w)
-		t.mu.Lock()
-		t.stopped = true
-		t.mu.Unlock()
-		ready <- fmt.Errorf("ucx: wakeup fd: %w", err)
-		return
+		return nil, fmt.Errorf("ucx: wakeup fd: %w", err)
 	}
-	t.lp = l
 	t.log.Debug("ucx: open", "instance", fmt.Sprintf("%016x", t.inst), "address_bytes", int(alen))
-	ready <- nil
+	return l, nil
+}
 
+// turn runs rounds (submitted operations, progress, events, stale
+// messages, timers) until Close has finished with the loop. After 64
+// rounds in a row with nothing to do it sleeps on the worker's event fd.
+func (l *loop) turn() {
 	idle := 0
 	for !l.finishing {
 		busy := l.runQueue()
-		if n := C.kx_progress(w, 64); n > 0 {
+		if n := C.kx_progress(l.w, 64); n > 0 {
 			busy = true
 		}
 		if l.handleEvents() {
@@ -163,13 +177,12 @@ func (t *Transport) run(ready chan<- error) {
 		if idle++; idle < 64 {
 			continue
 		}
-		t.sleeping.Store(true)
+		l.t.sleeping.Store(true)
 		if !l.queued() {
 			l.sleep(l.sleepFor())
 		}
-		t.sleeping.Store(false)
+		l.t.sleeping.Store(false)
 	}
-	l.shutdown()
 }
 
 // initWait wraps a dup of UCX's event fd (an epoll fd, readable when the
@@ -359,14 +372,11 @@ func (l *loop) handle(e event) {
 func (l *loop) post(r *recv) {
 	defer l.t.posted(r.tagBase)
 	if l.closing {
-		l.recvClosedEarly(r)
+		l.endRecv(r, &transport.ClosedError{Op: "expect"})
 		return
 	}
 	if l.recvs[r.tagBase] != nil { // 48 random bits collided
-		r.err = errors.New("ucx: expect: tag collision")
-		r.mem.release()
-		close(r.done)
-		l.readied = true
+		l.endRecv(r, errors.New("ucx: expect: tag collision"))
 		return
 	}
 	l.recvs[r.tagBase] = r
@@ -393,10 +403,10 @@ func (l *loop) post(r *recv) {
 	}
 }
 
-func (l *loop) recvClosedEarly(r *recv) {
-	r.err = &transport.ClosedError{Op: "expect"}
+// endRecv ends r with err (nil: success) once UCX has let go of its memory.
+func (l *loop) endRecv(r *recv, err error) {
 	r.mem.release()
-	close(r.done)
+	r.End(err)
 	l.readied = true
 }
 
@@ -439,10 +449,7 @@ func (l *loop) maybeEndRecv(r *recv) {
 	}
 	delete(l.recvs, r.tagBase)
 	l.recent.add(r.tagBase, r.fail == nil)
-	r.err = r.fail
-	r.mem.release()
-	close(r.done)
-	l.readied = true
+	l.endRecv(r, r.fail)
 }
 
 // ---- sends ------------------------------------------------------------
@@ -780,10 +787,7 @@ func (l *loop) shutdown() {
 		if r.fail == nil {
 			r.fail = &transport.ClosedError{Op: "receive"}
 		}
-		r.err = r.fail
-		r.mem.release()
-		close(r.done)
-		l.readied = true
+		l.endRecv(r, r.fail)
 	}
 	// Operations submitted while the loop went away: closing makes each of
 	// them fail at once.

@@ -20,6 +20,7 @@ import (
 	"unsafe"
 
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
 func init() { transport.Register(backend{}) }
@@ -253,9 +254,9 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 		return nil, fmt.Errorf("ucx: expect: %w", err)
 	}
 	r := &recv{
+		Outcome: receipt.MakeOutcome(),
 		t:       t,
 		tagBase: binary.LittleEndian.Uint64(b[:]) &^ indexMask,
-		done:    make(chan struct{}),
 	}
 	groups := planGroups(sizes, maxGroups)
 	var desc []byte
@@ -404,16 +405,16 @@ func (t *Transport) Close() error {
 	return nil
 }
 
-// recv is one receipt.
+// recv is one receipt. Its Outcome is ended by the progress goroutine
+// (endRecv).
 type recv struct {
+	receipt.Outcome
 	t       *Transport
 	tagBase uint64
 	desc    transport.Descriptor
 	lens    []int64  // of each message
 	bufs    []msgBuf // of each message
 	mem     pinned
-	done    chan struct{}
-	err     error // set before done is closed
 
 	// owned by the progress goroutine
 	reqs   []*request // per message; nil once ended
@@ -423,15 +424,6 @@ type recv struct {
 }
 
 func (r *recv) Descriptor() transport.Descriptor { return r.desc }
-func (r *recv) Done() <-chan struct{}            { return r.done }
-func (r *recv) Err() error {
-	select {
-	case <-r.done:
-		return r.err
-	default:
-		return nil
-	}
-}
 
 // Cancel fails the receipt with transport.ErrCanceled unless it has ended,
 // and returns once UCX has let go of every message's memory: a message
@@ -439,12 +431,12 @@ func (r *recv) Err() error {
 // (ucp_request_cancel ignores it), so Cancel waits for it to end.
 func (r *recv) Cancel() {
 	select {
-	case <-r.done:
+	case <-r.Done():
 		return
 	default:
 	}
 	r.t.submit(func() { r.t.lp.failRecv(r, fmt.Errorf("ucx: %w", transport.ErrCanceled)) })
-	<-r.done // the loop, or its shutdown, always ends every receipt
+	<-r.Done() // the loop, or its shutdown, always ends every receipt
 }
 
 // send is one Send in flight.
