@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/accept"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 	"github.com/kvxfer/kvxfer/transport"
@@ -68,45 +69,30 @@ func (r *rank) start() {
 // listener closes the others at once) until the listener closes.
 func (r *rank) acceptLoop() {
 	defer r.wg.Done()
-	var delay time.Duration
-	for {
-		c, err := r.ln.Accept()
-		if errors.Is(err, net.ErrClosed) {
-			return
-		}
-		if err != nil {
-			// Out of file descriptors and the like: back off as net/http
-			// does instead of spinning, or ending the control plane.
-			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-			r.log.Warn("control listener: accept failed; retrying", "err", err, "delay", delay)
-			t := time.NewTimer(delay)
-			select {
-			case <-t.C:
-			case <-r.life.Done():
-				t.Stop()
-				return
-			}
-			continue
-		}
-		delay = 0
-		if !r.set.peers.acceptOK(c.RemoteAddr()) {
-			r.set.peers.logRefusal(r.log, c.RemoteAddr())
-			c.Close()
-			continue
-		}
-		if tc, ok := netlimit.Unwrap(c).(*net.TCPConn); ok {
-			tc.SetNoDelay(true)
-		}
-		cc := newCtrlConn(c, r.set.clock.Now)
-		cc.peer.endpoint = c.RemoteAddr().String()
-		cc.touch()
-		if !r.track(cc) {
-			c.Close()
-			return
-		}
-		r.wg.Add(1)
-		go r.serve(cc, false)
+	accept.Loop("control listener", r.log, r.life.Done(), r.ln.Accept, r.admitConn)
+}
+
+// admitConn starts serving an accepted control connection, or refuses it; it
+// reports false once the rank has closed.
+func (r *rank) admitConn(c net.Conn) bool {
+	if !r.set.peers.acceptOK(c.RemoteAddr()) {
+		r.set.peers.logRefusal(r.log, c.RemoteAddr())
+		c.Close()
+		return true
 	}
+	if tc, ok := netlimit.Unwrap(c).(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	cc := newCtrlConn(c, r.set.clock.Now)
+	cc.peer.endpoint = c.RemoteAddr().String()
+	cc.touch()
+	if !r.track(cc) {
+		c.Close()
+		return false
+	}
+	r.wg.Add(1)
+	go r.serve(cc, false)
+	return true
 }
 
 // track gives cc its id and records it, unless the rank is closed.

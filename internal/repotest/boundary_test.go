@@ -51,17 +51,17 @@ var boundaries = []rule{
 		tests: []string{"transport/..."}, ext: []string{"gonum.org/v1/plot/..."}},
 	// Test helpers of bench reports (the compiled JSON Schema).
 	{pkg: "bench/benchtest", may: []string{"bench"}, ext: []string{"github.com/santhosh-tekuri/jsonschema/v6"}},
-	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit"},
+	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
 		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf"}},
-	{pkg: "transport/...", may: []string{"transport", "internal/netlimit"},
-		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
-	// removed once transport/shm uses internal/memfd (issue #11)
-	{pkg: "transport/shm", may: []string{"transport", "internal/netlimit", "kvcache"},
+	// The backends share the receipt table and connection helpers of
+	// transport/internal, the accept loop and, for shm, memory files.
+	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd"},
 		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
 	// The conformance suite every backend passes: test code, so goleak.
 	{pkg: "transport/transporttest", may: []string{"transport"}, ext: []string{"go.uber.org/goleak"}},
 	{pkg: "layout", may: []string{"kvcache"}},
-	{pkg: "kvcache"},
+	// Shared-memory arenas are memory files (internal/memfd).
+	{pkg: "kvcache", may: []string{"internal/memfd"}},
 	{pkg: "config", ext: []string{"go.yaml.in/yaml/v3"}},
 	{pkg: "metrics", ext: []string{"github.com/prometheus/client_golang/..."}},
 	// Helpers under internal/: each is below everything that uses it.
@@ -69,6 +69,11 @@ var boundaries = []rule{
 	// Config.Transport hands the configs to the data planes.
 	{pkg: "internal/tlsconf", may: []string{"transport"}},
 	{pkg: "internal/buildinfo"},
+	// The accept loop with backoff of every listener (transports and the
+	// transceiver's control plane).
+	{pkg: "internal/accept"},
+	// Memory files, seals and peer mappings on x/sys/unix.
+	{pkg: "internal/memfd", ext: []string{"golang.org/x/sys/..."}},
 	{pkg: "internal/procnet"},
 	{pkg: "internal/syncbuf"},
 	{pkg: "internal/repotest"},
@@ -192,7 +197,13 @@ func TestBoundaryRules(t *testing.T) {
 		{"transport/tcp", "config", false, false}, // nothing below transceiver reads the config
 		{"transport/tcp", "config", true, false},  // not even in tests
 		{"transport/tcp", "kvcache", false, false},
-		{"transport/shm", "kvcache", false, true}, // the one exception, until internal/memfd
+		{"transport/shm", "kvcache", false, false}, // memory files come from internal/memfd
+		{"transport/shm", "internal/memfd", false, true},
+		{"transport/tcp", "transport/internal/receipt", false, true},
+		{"transceiver", "transport/internal/receipt", false, false},
+		{"transceiver", "internal/accept", false, true},
+		{"kvcache", "internal/memfd", false, true},
+		{"internal/memfd", "kvcache", false, false},
 		{"layout", "config", true, false},
 		{"kvcache", "layout", false, false},
 		{"serve", "transport", false, false},
