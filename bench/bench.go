@@ -329,12 +329,12 @@ func (r *transferRun) start(ctx context.Context, ct *config.CacheTransceiver, cs
 	setup := peerSetup{Backend: r.c.Backend, PoolBlocks: poolBlocks, ReferenceFill: r.verifyOn, MaxTokensInBuf: r.c.MaxTokensInBuffer}
 	var genTLS *transport.TLSConfig
 	if r.c.TLS {
-		ctxFiles, gen, cleanup, err := benchTLS()
+		prefillFiles, gen, cleanup, err := benchTLS()
 		if err != nil {
 			return err
 		}
 		r.undo = append(r.undo, cleanup)
-		setup.TLS, genTLS = &ctxFiles, gen
+		setup.TLS, genTLS = &prefillFiles, gen
 	}
 	peer, err := startPeer(ctx, *r.c, setup, cs)
 	if err != nil {
@@ -479,9 +479,9 @@ func checkMemory(cs, gs layout.CacheState, poolBlocks, tokens int, verify bool) 
 	if !ok {
 		return nil
 	}
-	ctxB, genB := poolBytes(cs, poolBlocks), poolBytes(gs, poolBlocks)
-	need := ctxB + genB
-	detail := fmt.Sprintf("context pools %s, generation pools %s", humanBytes(ctxB), humanBytes(genB))
+	prefillB, genB := poolBytes(cs, poolBlocks), poolBytes(gs, poolBlocks)
+	need := prefillB + genB
+	detail := fmt.Sprintf("context pools %s, generation pools %s", humanBytes(prefillB), humanBytes(genB))
 	if verify {
 		// Each side holds a logical cache and its shards while it fills
 		// or checks a request.

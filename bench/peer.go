@@ -310,7 +310,7 @@ func quickFill(b []byte, seed uint64) {
 // benchTLS makes a CA and a certificate for each side of a run in a new
 // private temporary directory: the context process's files, the generation
 // side's configs, and a function that removes the directory.
-func benchTLS() (ctxFiles tlsconf.Files, gen *transport.TLSConfig, cleanup func(), err error) {
+func benchTLS() (prefillFiles tlsconf.Files, gen *transport.TLSConfig, cleanup func(), err error) {
 	dir, err := os.MkdirTemp("", "kvxfer-bench-tls-")
 	if err != nil {
 		return tlsconf.Files{}, nil, nil, fmt.Errorf("bench: TLS: %w", err)

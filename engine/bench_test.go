@@ -34,16 +34,16 @@ func BenchmarkPrefill(b *testing.B) {
 // 256 tokens (TP1 and TP2: the same arithmetic, run rank after rank).
 func BenchmarkDecodeStep(b *testing.B) {
 	for _, tc := range []struct {
-		ctx, tp int
+		seqLen, tp int
 	}{{32, 1}, {256, 1}, {256, 2}} {
-		b.Run(fmt.Sprintf("context=%d/tp=%d", tc.ctx, tc.tp), func(b *testing.B) {
+		b.Run(fmt.Sprintf("context=%d/tp=%d", tc.seqLen, tc.tp), func(b *testing.B) {
 			in := newTestInstance(b, "tiny-gqa", InstanceConfig{TP: tc.tp, PoolTokens: 1024})
 			s := in.NewSequence()
 			defer s.Release()
-			if err := s.Reserve(tc.ctx + 1); err != nil {
+			if err := s.Reserve(tc.seqLen + 1); err != nil {
 				b.Fatal(err)
 			}
-			p := make([]int32, tc.ctx)
+			p := make([]int32, tc.seqLen)
 			for i := range p {
 				p[i] = int32('a' + i%26)
 			}
@@ -51,7 +51,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 				b.Fatal(err)
 			}
 			for b.Loop() {
-				s.SetLen(tc.ctx)
+				s.SetLen(tc.seqLen)
 				if _, err := in.Decode(s, 'x'); err != nil {
 					b.Fatal(err)
 				}

@@ -51,33 +51,33 @@ func newDisaggEngine(t testing.TB, preset string, icfg InstanceConfig, mod ...fu
 	return e
 }
 
-// disaggregate runs req as the router does: context_only on ctxE, then
+// disaggregate runs req as the router does: context_only on prefillE, then
 // generation_only on genE with the context response's params.
-func disaggregate(t testing.TB, ctxE, genE *Engine, req Request) (ctxRes, genRes Result) {
+func disaggregate(t testing.TB, prefillE, genE *Engine, req Request) (prefillRes, genRes Result) {
 	t.Helper()
-	ctxRes, genRes, err := tryDisaggregate(ctxE, genE, req)
+	prefillRes, genRes, err := tryDisaggregate(prefillE, genE, req)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return ctxRes, genRes
+	return prefillRes, genRes
 }
 
 // tryDisaggregate is disaggregate for goroutines other than the test's.
-func tryDisaggregate(ctxE, genE *Engine, req Request) (ctxRes, genRes Result, err error) {
+func tryDisaggregate(prefillE, genE *Engine, req Request) (prefillRes, genRes Result, err error) {
 	creq := req
 	creq.Type = transceiver.ContextOnly
-	cs, err := ctxE.Submit(context.Background(), creq)
+	cs, err := prefillE.Submit(context.Background(), creq)
 	if err != nil {
-		return ctxRes, genRes, fmt.Errorf("context_only: %w", err)
+		return prefillRes, genRes, fmt.Errorf("context_only: %w", err)
 	}
-	ctxRes = cs.Wait()
-	f := ctxRes.Final
+	prefillRes = cs.Wait()
+	f := prefillRes.Final
 	if f.FinishReason != FinishNotFinished && f.FinishReason != FinishLength {
-		return ctxRes, genRes, fmt.Errorf("context_only: finish %q (%v), want not_finished or length", f.FinishReason, f.Err)
+		return prefillRes, genRes, fmt.Errorf("context_only: finish %q (%v), want not_finished or length", f.FinishReason, f.Err)
 	}
-	if f.ContextPhase == nil || len(f.ContextPhase.FirstGenTokens) != 1 || len(ctxRes.Tokens) != 1 ||
-		f.ContextPhase.FirstGenTokens[0] != ctxRes.Tokens[0] || f.State != transceiver.DisaggContextTransInProgress {
-		return ctxRes, genRes, fmt.Errorf("context_only: tokens %v, state %v, params %+v", ctxRes.Tokens, f.State, f.ContextPhase)
+	if f.ContextPhase == nil || len(f.ContextPhase.FirstGenTokens) != 1 || len(prefillRes.Tokens) != 1 ||
+		f.ContextPhase.FirstGenTokens[0] != prefillRes.Tokens[0] || f.State != transceiver.DisaggContextTransInProgress {
+		return prefillRes, genRes, fmt.Errorf("context_only: tokens %v, state %v, params %+v", prefillRes.Tokens, f.State, f.ContextPhase)
 	}
 	greq := req
 	greq.Type = transceiver.GenerationOnly
@@ -85,9 +85,9 @@ func tryDisaggregate(ctxE, genE *Engine, req Request) (ctxRes, genRes Result, er
 	greq.ContextPhase = f.ContextPhase
 	gs, err := genE.Submit(context.Background(), greq)
 	if err != nil {
-		return ctxRes, genRes, fmt.Errorf("generation_only: %w", err)
+		return prefillRes, genRes, fmt.Errorf("generation_only: %w", err)
 	}
-	return ctxRes, gs.Wait(), nil
+	return prefillRes, gs.Wait(), nil
 }
 
 // TestDisaggEquivalence: context_only on one instance and generation_only
@@ -95,10 +95,10 @@ func tryDisaggregate(ctxE, genE *Engine, req Request) (ctxRes, genRes Result, er
 // context_and_generation on either.
 func TestDisaggEquivalence(t *testing.T) {
 	tests := []struct {
-		name     string
-		preset   string
-		dt       kvcache.DType
-		ctx, gen InstanceConfig
+		name         string
+		preset       string
+		dt           kvcache.DType
+		prefill, gen InstanceConfig
 	}{
 		{"GQA TP2 to TP1", "tiny-gqa", kvcache.BF16, InstanceConfig{TP: 2}, InstanceConfig{}},
 		{"GQA TP2 to PP2", "tiny-gqa", kvcache.BF16, InstanceConfig{TP: 2}, InstanceConfig{PP: 2}},
@@ -110,10 +110,10 @@ func TestDisaggEquivalence(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			for _, c := range []*InstanceConfig{&tc.ctx, &tc.gen} {
+			for _, c := range []*InstanceConfig{&tc.prefill, &tc.gen} {
 				c.TokensPerBlock, c.DType, c.PoolTokens = 8, tc.dt, 512
 			}
-			ctxE := newDisaggEngine(t, tc.preset, tc.ctx)
+			prefillE := newDisaggEngine(t, tc.preset, tc.prefill)
 			genE := newDisaggEngine(t, tc.preset, tc.gen)
 			seed := uint64(7)
 			reqs := []Request{
@@ -123,8 +123,8 @@ func TestDisaggEquivalence(t *testing.T) {
 			}
 			for i, req := range reqs {
 				agg := waitResult(t, submit(t, genE, context.Background(), req))
-				aggCtx := waitResult(t, submit(t, ctxE, context.Background(), req))
-				_, gen := disaggregate(t, ctxE, genE, req)
+				aggCtx := waitResult(t, submit(t, prefillE, context.Background(), req))
+				_, gen := disaggregate(t, prefillE, genE, req)
 				if gen.Final.Err != nil || gen.Final.FinishReason != agg.Final.FinishReason {
 					t.Fatalf("request %d: generation_only %q: %v", i, gen.Final.FinishReason, gen.Final.Err)
 				}
@@ -140,7 +140,7 @@ func TestDisaggEquivalence(t *testing.T) {
 					t.Errorf("request %d: timing %+v state %v", i, ft, gen.Final.State)
 				}
 			}
-			waitPoolsFree(t, ctxE)
+			waitPoolsFree(t, prefillE)
 			waitPoolsFree(t, genE)
 		})
 	}
@@ -151,7 +151,7 @@ func TestDisaggEquivalence(t *testing.T) {
 // holds at once) and checks each against a lone aggregated run.
 func TestDisaggConcurrent(t *testing.T) {
 	const n = 32
-	ctxE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TP: 2, TokensPerBlock: 8, PoolTokens: 2048})
+	prefillE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TP: 2, TokensPerBlock: 8, PoolTokens: 2048})
 	genE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 8 * 48}) // 16 requests at a time: the rest queue for blocks
 	ref := newTestInstance(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 256})
 	type out struct {
@@ -163,7 +163,7 @@ func TestDisaggConcurrent(t *testing.T) {
 	for i := range n {
 		wg.Go(func() {
 			p := prompt(fmt.Sprintf("request %02d", i))
-			_, gen, err := tryDisaggregate(ctxE, genE, Request{Prompt: p, MaxTokens: 4 + i%5, IgnoreEOS: true})
+			_, gen, err := tryDisaggregate(prefillE, genE, Request{Prompt: p, MaxTokens: 4 + i%5, IgnoreEOS: true})
 			if err == nil {
 				err = gen.Final.Err
 			}
@@ -177,7 +177,7 @@ func TestDisaggConcurrent(t *testing.T) {
 			t.Errorf("request %d: %v (%v), want %v", i, r.tokens, r.err, want.tokens)
 		}
 	}
-	waitPoolsFree(t, ctxE)
+	waitPoolsFree(t, prefillE)
 	waitPoolsFree(t, genE)
 }
 
@@ -197,10 +197,10 @@ func TestDisaggFailures(t *testing.T) {
 		return waitResult(t, submit(t, e, context.Background(), r))
 	}
 	t.Run("expired", func(t *testing.T) {
-		ctxE := newDisaggEngine(t, "tiny-gqa", icfg, func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 100 })
+		prefillE := newDisaggEngine(t, "tiny-gqa", icfg, func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 100 })
 		genE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 256})
-		c := contextOnly(t, ctxE)
-		waitPoolsFree(t, ctxE) // released at the deadline
+		c := contextOnly(t, prefillE)
+		waitPoolsFree(t, prefillE) // released at the deadline
 		g := generationOnly(t, genE, c)
 		f := g.Final
 		if f.FinishReason != FinishError || !errors.Is(f.Err, ErrTransfer) || !errors.Is(f.Err, transceiver.ErrRefused) ||
@@ -213,15 +213,15 @@ func TestDisaggFailures(t *testing.T) {
 		checkPoolsFree(t, genE.Instance())
 	})
 	t.Run("context cancelled", func(t *testing.T) {
-		ctxE := newDisaggEngine(t, "tiny-gqa2", icfg)
+		prefillE := newDisaggEngine(t, "tiny-gqa2", icfg)
 		genE := newDisaggEngine(t, "tiny-gqa2", InstanceConfig{TP: 4, TokensPerBlock: 8, PoolTokens: 256})
-		c := contextOnly(t, ctxE)
+		c := contextOnly(t, prefillE)
 		id := c.Final.ContextPhase.CtxRequestID
-		if !ctxE.CancelContext(id) {
+		if !prefillE.CancelContext(id) {
 			t.Fatal("CancelContext of a held request returned false")
 		}
-		waitPoolsFree(t, ctxE)
-		if ctxE.CancelContext(id) {
+		waitPoolsFree(t, prefillE)
+		if prefillE.CancelContext(id) {
 			t.Error("second CancelContext returned true")
 		}
 		g := generationOnly(t, genE, c)
@@ -231,10 +231,10 @@ func TestDisaggFailures(t *testing.T) {
 		checkPoolsFree(t, genE.Instance())
 	})
 	t.Run("context instance closed", func(t *testing.T) {
-		ctxE := newDisaggEngine(t, "tiny-mla", icfg)
+		prefillE := newDisaggEngine(t, "tiny-mla", icfg)
 		genE := newDisaggEngine(t, "tiny-mla", InstanceConfig{TokensPerBlock: 8, PoolTokens: 256})
-		c := contextOnly(t, ctxE)
-		if err := ctxE.Close(); err != nil {
+		c := contextOnly(t, prefillE)
+		if err := prefillE.Close(); err != nil {
 			t.Fatal(err)
 		}
 		g := generationOnly(t, genE, c)

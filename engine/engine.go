@@ -481,10 +481,10 @@ func (e *Engine) step() bool {
 // Close interrupts the wait.
 func (e *Engine) idle() {
 	genPending := len(e.transferring) > 0
-	ctxBlocked := e.tr != nil && len(e.waiting) > 0 && e.tr.PendingContext() > 0
+	prefillBlocked := e.tr != nil && len(e.waiting) > 0 && e.tr.PendingContext() > 0
 	var wctx context.Context
 	var cancel context.CancelFunc
-	if len(e.draining) > 0 || (genPending && ctxBlocked) {
+	if len(e.draining) > 0 || (genPending && prefillBlocked) {
 		// Two sources (or a draining request) to watch: poll.
 		wctx, cancel = context.WithTimeout(e.life, pollInterval)
 	} else {
@@ -503,7 +503,7 @@ func (e *Engine) idle() {
 		if done, err := e.tr.CheckGenTransferStatus(wctx, 1); err == nil {
 			e.onGenDone(done)
 		}
-	case ctxBlocked:
+	case prefillBlocked:
 		if done, err := e.tr.CheckContextTransferStatus(wctx, 1); err == nil {
 			e.onCtxDone(done)
 		}

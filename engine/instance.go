@@ -86,7 +86,7 @@ type rankShard struct {
 	// chunk.
 	part []float64
 	// Scratch.
-	q, o, row, qlat, ctxLat, k, v, scores, act []float64
+	q, o, row, qlat, attnLat, k, v, scores, act []float64
 }
 
 // NewInstance shards m over cfg.TP×cfg.PP ranks and allocates one pool per
@@ -508,7 +508,7 @@ func (r *rankShard) attentionMLA(in *Instance, s *Sequence, lw *layerWeights, ll
 	r.k = grow(r.k, N*W)
 	r.q = grow(r.q, T*(Np+R))
 	r.qlat = grow(r.qlat, Lat)
-	r.ctxLat = grow(r.ctxLat, Lat)
+	r.attnLat = grow(r.attnLat, Lat)
 	r.o = grow(r.o, T*Vd)
 	r.scores = grow(r.scores, N)
 	// The latent [c_kv | k_rope] of the new tokens; every TP rank holds
@@ -539,8 +539,8 @@ func (r *rankShard) attentionMLA(in *Instance, s *Sequence, lw *layerWeights, ll
 				sc[j] = (dot(r.qlat, lat[:Lat]) + dot(q[Np:], lat[Lat:])) * scale
 			}
 			softmaxInPlace(sc)
-			weightedSum(r.ctxLat, sc, r.k, W, 0)
-			matVec(r.o[t*Vd:(t+1)*Vd], wuv, r.ctxLat) // value up-projection
+			weightedSum(r.attnLat, sc, r.k, W, 0)
+			matVec(r.o[t*Vd:(t+1)*Vd], wuv, r.attnLat) // value up-projection
 		}
 		lq := qh - r.qLo
 		outProj(r.part[lq*T*H:(lq+1)*T*H], lw.wo[qh*H*Vd:(qh+1)*H*Vd], r.o, T, H, Vd)

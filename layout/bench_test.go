@@ -19,11 +19,11 @@ const (
 )
 
 type benchCase struct {
-	name string
-	ctx  CacheState
-	c    int
-	gen  CacheState
-	g    int
+	name    string
+	prefill CacheState
+	c       int
+	gen     CacheState
+	g       int
 }
 
 func benchCases() []benchCase {
@@ -77,7 +77,7 @@ func reportRatio(b *testing.B, n int64) {
 func BenchmarkPack(b *testing.B) {
 	for _, bc := range benchCases() {
 		b.Run(bc.name, func(b *testing.B) {
-			p := mustPlan(b, bc.ctx, bc.c, bc.gen, bc.g)
+			p := mustPlan(b, bc.prefill, bc.c, bc.gen, bc.g)
 			nb := NumBlocks(benchTokens, llama8B.TokensPerBlock)
 			n := int64(nb) * p.PackedBytesPerBlock()
 			b.Run("pack", func(b *testing.B) {
@@ -114,7 +114,7 @@ func BenchmarkPack(b *testing.B) {
 func BenchmarkUnpack(b *testing.B) {
 	for _, bc := range benchCases() {
 		b.Run(bc.name, func(b *testing.B) {
-			p := mustPlan(b, bc.ctx, bc.c, bc.gen, bc.g)
+			p := mustPlan(b, bc.prefill, bc.c, bc.gen, bc.g)
 			nb := NumBlocks(benchTokens, llama8B.TokensPerBlock)
 			n := int64(nb) * p.PackedBytesPerBlock()
 			b.Run("unpack", func(b *testing.B) {
@@ -151,10 +151,10 @@ func BenchmarkUnpack(b *testing.B) {
 // BenchmarkNewPlan measures plan construction, which the transceiver does
 // once per (request, peer rank) unless it caches plans per layout pair.
 func BenchmarkNewPlan(b *testing.B) {
-	ctx, gen := state(llama8B, 4, 2), state(llama8B, 8, 1)
+	prefill, gen := state(llama8B, 4, 2), state(llama8B, 8, 1)
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := NewPlan(ctx, 0, gen, 0); err != nil {
+		if _, err := NewPlan(prefill, 0, gen, 0); err != nil {
 			b.Fatal(err)
 		}
 	}

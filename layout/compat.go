@@ -65,7 +65,7 @@ func (e *IncompatibleError) Is(target error) bool { return target == ErrIncompat
 // they are reported.
 var shapeFields = []string{"layers", "kv_heads", "head_dim", "tokens_per_block", "kv_factor", "dtype", "attention"}
 
-// Compatible reports whether KV computed under the context state ctx can be
+// Compatible reports whether KV computed under the context state prefill can be
 // transferred into the generation state gen. It returns nil or an
 // *IncompatibleError listing every problem at once: fields that must match
 // but differ (layers, kv_heads, head_dim, tokens_per_block, kv_factor, dtype,
@@ -73,10 +73,10 @@ var shapeFields = []string{"layers", "kv_heads", "head_dim", "tokens_per_block",
 // that do not divide over TP, cp > 1, layers_per_pp not summing to layers,
 // values out of range). Parallel layouts may otherwise differ freely: that is
 // what TargetRanks and NewPlan are for. BlockReuse need not match.
-func Compatible(ctx, gen CacheState) error {
+func Compatible(prefill, gen CacheState) error {
 	var ms []Mismatch
 	for _, f := range shapeFields {
-		c, g := fieldValue(ctx, f), fieldValue(gen, f)
+		c, g := fieldValue(prefill, f), fieldValue(gen, f)
 		if c != g {
 			ms = append(ms, Mismatch{Field: f, Ctx: c, Gen: g})
 		}
@@ -99,9 +99,9 @@ func Compatible(ctx, gen CacheState) error {
 				return
 			}
 		}
-		ms = append(ms, Mismatch{Field: p.field, Ctx: fieldValue(ctx, p.field), Gen: fieldValue(gen, p.field), Reason: side + ": " + p.reason})
+		ms = append(ms, Mismatch{Field: p.field, Ctx: fieldValue(prefill, p.field), Gen: fieldValue(gen, p.field), Reason: side + ": " + p.reason})
 	}
-	for _, p := range ctx.problems() {
+	for _, p := range prefill.problems() {
 		addProblem("ctx", p)
 	}
 	for _, p := range gen.problems() {
@@ -110,5 +110,5 @@ func Compatible(ctx, gen CacheState) error {
 	if len(ms) == 0 {
 		return nil
 	}
-	return &IncompatibleError{Ctx: ctx.clone(), Gen: gen.clone(), Mismatches: ms}
+	return &IncompatibleError{Ctx: prefill.clone(), Gen: gen.clone(), Mismatches: ms}
 }

@@ -13,10 +13,10 @@ import (
 )
 
 func TestCompatibleAccepts(t *testing.T) {
-	ctx, gen := state(llama8B, 2, 1), state(llama8B, 1, 4)
+	prefill, gen := state(llama8B, 2, 1), state(llama8B, 1, 4)
 	gen.Parallel.LayersPerPP = []int{5, 9, 9, 9}
 	gen.BlockReuse = true
-	for _, pair := range [][2]CacheState{{ctx, gen}, {gen, ctx}, {mla(4, 2), mla(1, 1)}} {
+	for _, pair := range [][2]CacheState{{prefill, gen}, {gen, prefill}, {mla(4, 2), mla(1, 1)}} {
 		if err := Compatible(pair[0], pair[1]); err != nil {
 			t.Errorf("Compatible(%v, %v) = %v", pair[0], pair[1], err)
 		}
@@ -33,9 +33,9 @@ func TestCompatibleGolden(t *testing.T) {
 		return s
 	}
 	tests := []struct {
-		name     string
-		ctx, gen CacheState
-		fields   []string
+		name         string
+		prefill, gen CacheState
+		fields       []string
 	}{
 		{"dtype", base, with(base, func(s *CacheState) { s.Shape.DType = kvcache.FP8E4M3 }), []string{"dtype"}},
 		{"every shape field", base, with(base, func(s *CacheState) {
@@ -61,7 +61,7 @@ func TestCompatibleGolden(t *testing.T) {
 	}
 	var b strings.Builder
 	for _, tt := range tests {
-		err := Compatible(tt.ctx, tt.gen)
+		err := Compatible(tt.prefill, tt.gen)
 		var ie *IncompatibleError
 		if !errors.As(err, &ie) {
 			t.Errorf("%s: Compatible = %v, want *IncompatibleError", tt.name, err)
@@ -80,7 +80,7 @@ func TestCompatibleGolden(t *testing.T) {
 		if msg := err.Error(); strings.Contains(msg, "\n") || !strings.HasPrefix(msg, "layout: ") {
 			t.Errorf("%s: message is not one line prefixed with layout: %q", tt.name, msg)
 		}
-		if !ie.Ctx.Equal(tt.ctx) || !ie.Gen.Equal(tt.gen) {
+		if !ie.Ctx.Equal(tt.prefill) || !ie.Gen.Equal(tt.gen) {
 			t.Errorf("%s: error does not carry both states", tt.name)
 		}
 		fmt.Fprintf(&b, "%s\n\t%s\n", tt.name, err)

@@ -54,12 +54,12 @@
 // written exactly once, and some targets send nothing.
 //
 // The transceiver uses this the same way on both sides. A generation rank g
-// computes TargetRanks(ctx, gen, g), sends a request-info to each of those
+// computes TargetRanks(prefill, gen, g), sends a request-info to each of those
 // context ranks (even those whose plan is empty) and, for each, unpacks what
-// arrives with NewPlan(ctx, c, gen, g). A context rank c computes
-// TargetRanks(gen, ctx, c): that is how many generation ranks will ask; it
+// arrives with NewPlan(prefill, c, gen, g). A context rank c computes
+// TargetRanks(gen, prefill, c): that is how many generation ranks will ask; it
 // waits until all of them have asked (or the deadline passes), packs for each
-// with NewPlan(ctx, c, gen, g) (nothing when PackedBytesPerBlock is 0) and
+// with NewPlan(prefill, c, gen, g) (nothing when PackedBytesPerBlock is 0) and
 // releases the request's blocks once every one of them has been served.
 //
 // # Copy plans and run coalescing

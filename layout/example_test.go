@@ -24,21 +24,21 @@ func ExampleCacheState_RankLayout() {
 // How a transceiver uses TargetRanks and NewPlan on both sides, for context
 // TP 2 → generation TP 1 PP 2.
 func ExampleTargetRanks() {
-	ctx := layout.CacheState{Shape: llama, Parallel: layout.ParallelConfig{TP: 2, PP: 1, CP: 1}}
+	prefill := layout.CacheState{Shape: llama, Parallel: layout.ParallelConfig{TP: 2, PP: 1, CP: 1}}
 	gen := layout.CacheState{Shape: llama, Parallel: layout.ParallelConfig{TP: 1, PP: 2, CP: 1}}
 
 	// Generation side: whom each rank asks, and what it receives per block.
 	for g := range gen.Parallel.NumRanks() {
-		ctxRanks, _ := layout.TargetRanks(ctx, gen, g)
-		for _, c := range ctxRanks {
-			p, _ := layout.NewPlan(ctx, c, gen, g)
+		prefillRanks, _ := layout.TargetRanks(prefill, gen, g)
+		for _, c := range prefillRanks {
+			p, _ := layout.NewPlan(prefill, c, gen, g)
 			fmt.Printf("gen %d asks ctx %d: %d bytes per block in %d spans\n", g, c, p.PackedBytesPerBlock(), len(p.DstSpans()))
 		}
 	}
 	// Context side: how many generation ranks will ask before the request's
 	// blocks can be released.
-	for c := range ctx.Parallel.NumRanks() {
-		genRanks, _ := layout.TargetRanks(gen, ctx, c)
+	for c := range prefill.Parallel.NumRanks() {
+		genRanks, _ := layout.TargetRanks(gen, prefill, c)
 		fmt.Printf("ctx %d waits for gen %v\n", c, genRanks)
 	}
 	// Output:
@@ -54,7 +54,7 @@ func ExampleTargetRanks() {
 // a staging buffer of two blocks.
 func ExamplePlan_Pack() {
 	sh := kvcache.Shape{Layers: 2, KVHeads: 4, HeadDim: 4, TokensPerBlock: 2, KVFactor: 2, DType: kvcache.FP16}
-	ctx := layout.CacheState{Shape: sh, Parallel: layout.ParallelConfig{TP: 2, PP: 1, CP: 1}}
+	prefill := layout.CacheState{Shape: sh, Parallel: layout.ParallelConfig{TP: 2, PP: 1, CP: 1}}
 	gen := layout.CacheState{Shape: sh, Parallel: layout.ParallelConfig{TP: 1, PP: 1, CP: 1}}
 	logical, _ := layout.NewLogical(sh, 9) // 5 blocks
 	logical.Fill(1)
@@ -64,15 +64,15 @@ func ExamplePlan_Pack() {
 		genBlocks[i] = make([]byte, gen.RankLayout(0).BlockBytes())
 	}
 	for c := range 2 {
-		ctxBlocks, _ := layout.Shard(logical, ctx, c)
-		p, _ := layout.NewPlan(ctx, c, gen, 0)
+		prefillBlocks, _ := layout.Shard(logical, prefill, c)
+		p, _ := layout.NewPlan(prefill, c, gen, 0)
 		fmt.Println("ctx", c, "runs", p.Runs())
 		stage := make([]byte, 2*p.PackedBytesPerBlock())
-		for i := 0; i < len(ctxBlocks); i += 2 {
-			j := min(i+2, len(ctxBlocks))
+		for i := 0; i < len(prefillBlocks); i += 2 {
+			j := min(i+2, len(prefillBlocks))
 			buf := stage[:int64(j-i)*p.PackedBytesPerBlock()]
-			_ = p.Pack(buf, ctxBlocks[i:j])   // context rank
-			_ = p.Unpack(genBlocks[i:j], buf) // generation rank, after the transport
+			_ = p.Pack(buf, prefillBlocks[i:j]) // context rank
+			_ = p.Unpack(genBlocks[i:j], buf)   // generation rank, after the transport
 		}
 	}
 	want, _ := layout.Shard(logical, gen, 0)

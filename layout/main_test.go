@@ -37,9 +37,9 @@ func mustTargets(t testing.TB, peer, self CacheState, rank int) []int {
 	return r
 }
 
-func mustPlan(t testing.TB, ctx CacheState, c int, gen CacheState, g int) *Plan {
+func mustPlan(t testing.TB, prefill CacheState, c int, gen CacheState, g int) *Plan {
 	t.Helper()
-	p, err := NewPlan(ctx, c, gen, g)
+	p, err := NewPlan(prefill, c, gen, g)
 	if err != nil {
 		t.Fatalf("NewPlan(ctx %d, gen %d): %v", c, g, err)
 	}

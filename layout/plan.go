@@ -53,8 +53,8 @@ type Plan struct {
 	dstSpans []Span
 }
 
-// NewPlan computes the copy plan from rank ctxRank of the context instance
-// (state ctx) to rank genRank of the generation instance (state gen). The
+// NewPlan computes the copy plan from rank prefillRank of the context instance
+// (state prefill) to rank genRank of the generation instance (state gen). The
 // states must be Compatible (else the *IncompatibleError is returned) and the
 // ranks must be targets of each other (else ErrNotTarget).
 //
@@ -66,11 +66,11 @@ type Plan struct {
 // So every byte of every generation block is written exactly once over all
 // the context ranks in its TargetRanks, and a plan may be empty
 // (PackedBytesPerBlock 0).
-func NewPlan(ctx CacheState, ctxRank int, gen CacheState, genRank int) (*Plan, error) {
-	if err := Compatible(ctx, gen); err != nil {
+func NewPlan(prefill CacheState, prefillRank int, gen CacheState, genRank int) (*Plan, error) {
+	if err := Compatible(prefill, gen); err != nil {
 		return nil, err
 	}
-	c, err := ctx.locate("ctx", ctxRank)
+	c, err := prefill.locate("ctx", prefillRank)
 	if err != nil {
 		return nil, err
 	}
@@ -82,13 +82,13 @@ func NewPlan(ctx CacheState, ctxRank int, gen CacheState, genRank int) (*Plan, e
 	cLo, cHi := tpOverlap(g.local, g.tpPerDP, c.tpPerDP)
 	if lo >= hi || c.local < cLo || c.local >= cHi {
 		return nil, fmt.Errorf("%w: ctx rank %d (layers [%d,%d), tp %d of %d) and gen rank %d (layers [%d,%d), tp %d of %d)",
-			ErrNotTarget, ctxRank, c.lo, c.hi, c.local, c.tpPerDP, genRank, g.lo, g.hi, g.local, g.tpPerDP)
+			ErrNotTarget, prefillRank, c.lo, c.hi, c.local, c.tpPerDP, genRank, g.lo, g.hi, g.local, g.tpPerDP)
 	}
-	p := &Plan{src: ctx.rankLayout(ctxRank), dst: gen.rankLayout(genRank)}
+	p := &Plan{src: prefill.rankLayout(prefillRank), dst: gen.rankLayout(genRank)}
 	p.srcBytes, p.dstBytes = p.src.BlockBytes(), p.dst.BlockBytes()
 
-	// sends[j]: whether this ctx rank sends the gen rank's local head j.
-	heads := ctx.Shape.KVHeads
+	// sends[j]: whether this prefill rank sends the gen rank's local head j.
+	heads := prefill.Shape.KVHeads
 	sends := make([]bool, g.hhi-g.hlo)
 	for j := range sends {
 		h := g.hlo + j

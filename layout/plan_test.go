@@ -20,7 +20,7 @@ func TestPlanRuns(t *testing.T) {
 	uneven.Parallel.LayersPerPP = []int{1, 1}
 	tests := []struct {
 		name     string
-		ctx      CacheState
+		prefill  CacheState
 		c        int
 		gen      CacheState
 		g        int
@@ -38,7 +38,7 @@ func TestPlanRuns(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p := mustPlan(t, tt.ctx, tt.c, tt.gen, tt.g)
+			p := mustPlan(t, tt.prefill, tt.c, tt.gen, tt.g)
 			if d := cmp.Diff(tt.runs, p.Runs()); d != "" {
 				t.Errorf("Runs (-want +got):\n%s", d)
 			}
@@ -90,7 +90,7 @@ func TestNewPlanErrors(t *testing.T) {
 	bad.Shape.DType = kvcache.FP32
 	tests := []struct {
 		name     string
-		ctx      CacheState
+		prefill  CacheState
 		c        int
 		gen      CacheState
 		g        int
@@ -105,7 +105,7 @@ func TestNewPlanErrors(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			p, err := NewPlan(tt.ctx, tt.c, tt.gen, tt.g)
+			p, err := NewPlan(tt.prefill, tt.c, tt.gen, tt.g)
 			if err == nil || p != nil {
 				t.Fatalf("NewPlan = %v, %v; want an error", p, err)
 			}
@@ -175,8 +175,8 @@ func TestPackUnpackLengthErrors(t *testing.T) {
 }
 
 func TestPackUnpackDoNotAllocate(t *testing.T) {
-	ctx, gen := state(docShape, 2, 1), state(docShape, 1, 1)
-	p := mustPlan(t, ctx, 1, gen, 0)
+	prefill, gen := state(docShape, 2, 1), state(docShape, 1, 1)
+	p := mustPlan(t, prefill, 1, gen, 0)
 	src, dst := blocks(4, p.SrcBlockBytes(), 3), blocks(4, p.DstBlockBytes(), 0)
 	buf := make([]byte, 4*p.PackedBytesPerBlock())
 	if n := testing.AllocsPerRun(100, func() {

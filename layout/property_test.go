@@ -13,13 +13,13 @@ import (
 
 // pairing is one context/generation layout pair over one request.
 type pairing struct {
-	ctx, gen CacheState
-	tokens   int
-	seed     uint64
+	prefill, gen CacheState
+	tokens       int
+	seed         uint64
 }
 
 func (p pairing) String() string {
-	return fmt.Sprintf("tokens=%d seed=%d\n ctx: %v\n gen: %v", p.tokens, p.seed, p.ctx, p.gen)
+	return fmt.Sprintf("tokens=%d seed=%d\n ctx: %v\n gen: %v", p.tokens, p.seed, p.prefill, p.gen)
 }
 
 // randomSplit splits n layers into parts positive stage sizes.
@@ -80,10 +80,10 @@ func randomPairing(r *rand.Rand) pairing {
 		DType:          dts[r.IntN(len(dts))],
 	}
 	return pairing{
-		ctx:    randomSide(r, sh, att, 0.15),
-		gen:    randomSide(r, sh, att, 0.35),
-		tokens: 1 + r.IntN(4*sh.TokensPerBlock+3),
-		seed:   r.Uint64(),
+		prefill: randomSide(r, sh, att, 0.15),
+		gen:     randomSide(r, sh, att, 0.35),
+		tokens:  1 + r.IntN(4*sh.TokensPerBlock+3),
+		seed:    r.Uint64(),
 	}
 }
 
@@ -143,47 +143,47 @@ func checkPairing(t *testing.T, p pairing) {
 		t.Helper()
 		t.Fatalf("%v\n%s", p, fmt.Sprintf(format, args...))
 	}
-	l, err := NewLogical(p.ctx.Shape, p.tokens)
+	l, err := NewLogical(p.prefill.Shape, p.tokens)
 	if err != nil {
 		fail("%v", err)
 	}
 	l.Fill(p.seed)
 	r := rand.New(rand.NewPCG(p.seed, 1))
-	nb := NumBlocks(p.tokens, p.ctx.Shape.TokensPerBlock)
+	nb := NumBlocks(p.tokens, p.prefill.Shape.TokensPerBlock)
 
-	ctxRanks, genRanks := groupRanks(p.ctx), groupRanks(p.gen)
+	prefillRanks, genRanks := groupRanks(p.prefill), groupRanks(p.gen)
 	got := map[int][][]byte{}   // gen rank → blocks received
 	count := map[int][][]byte{} // gen rank → how often each byte was written
-	asked := map[int][]int{}    // gen rank → ctx ranks that list it
+	asked := map[int][]int{}    // gen rank → prefill ranks that list it
 	for _, g := range genRanks {
 		bb := p.gen.RankLayout(g).BlockBytes()
 		got[g], count[g] = blocks(nb, bb, 0), blocks(nb, bb, 0)
 	}
-	for c := range p.ctx.Parallel.NumRanks() {
-		targets, err := TargetRanks(p.gen, p.ctx, c)
-		if !slices.Contains(ctxRanks, c) {
+	for c := range p.prefill.Parallel.NumRanks() {
+		targets, err := TargetRanks(p.gen, p.prefill, c)
+		if !slices.Contains(prefillRanks, c) {
 			if err == nil {
-				fail("TargetRanks accepted ctx rank %d outside DP group %d", c, p.ctx.Parallel.DPRank)
+				fail("TargetRanks accepted ctx rank %d outside DP group %d", c, p.prefill.Parallel.DPRank)
 			}
 			continue
 		}
 		if err != nil {
 			fail("TargetRanks(ctx %d): %v", c, err)
 		}
-		src, err := Shard(l, p.ctx, c)
+		src, err := Shard(l, p.prefill, c)
 		if err != nil {
 			fail("Shard(ctx %d): %v", c, err)
 		}
 		for _, g := range genRanks {
 			if !slices.Contains(targets, g) {
-				if _, err := NewPlan(p.ctx, c, p.gen, g); !errors.Is(err, ErrNotTarget) {
+				if _, err := NewPlan(p.prefill, c, p.gen, g); !errors.Is(err, ErrNotTarget) {
 					fail("NewPlan(ctx %d, gen %d) for non-targets: %v", c, g, err)
 				}
 			}
 		}
 		for _, g := range targets {
 			asked[g] = append(asked[g], c)
-			plan, err := NewPlan(p.ctx, c, p.gen, g)
+			plan, err := NewPlan(p.prefill, c, p.gen, g)
 			if err != nil {
 				fail("NewPlan(ctx %d, gen %d): %v", c, g, err)
 			}
@@ -220,7 +220,7 @@ func checkPairing(t *testing.T, p pairing) {
 		}
 	}
 	for _, g := range genRanks {
-		targets, err := TargetRanks(p.ctx, p.gen, g)
+		targets, err := TargetRanks(p.prefill, p.gen, g)
 		if err != nil {
 			fail("TargetRanks(gen %d): %v", g, err)
 		}
@@ -244,7 +244,7 @@ func checkPairing(t *testing.T, p pairing) {
 
 func TestPropertyFixed(t *testing.T) {
 	for i, p := range fixedPairings() {
-		if err := Compatible(p.ctx, p.gen); err != nil {
+		if err := Compatible(p.prefill, p.gen); err != nil {
 			t.Fatalf("pairing %d: %v", i, err)
 		}
 		t.Run(fmt.Sprintf("%d", i), func(t *testing.T) { checkPairing(t, p) })
@@ -262,7 +262,7 @@ func TestPropertyRandom(t *testing.T) {
 	seen := map[string]int{}
 	for range n {
 		p := randomPairing(r)
-		for _, s := range []CacheState{p.ctx, p.gen} {
+		for _, s := range []CacheState{p.prefill, p.gen} {
 			seen["dtype "+s.Shape.DType.String()]++
 			seen[fmt.Sprintf("kv_factor %d", s.Shape.KVFactor)]++
 			if s.Parallel.TP%3 == 0 {
@@ -278,10 +278,10 @@ func TestPropertyRandom(t *testing.T) {
 		if p.gen.Parallel.AttentionDP && p.gen.Parallel.DPSize > 1 {
 			seen["gen attention dp"]++
 		}
-		if p.ctx.Attention == AttentionMLA {
+		if p.prefill.Attention == AttentionMLA {
 			seen["mla"]++
 		}
-		if p.ctx.Parallel.TP != p.gen.Parallel.TP && p.ctx.Parallel.PP != p.gen.Parallel.PP {
+		if p.prefill.Parallel.TP != p.gen.Parallel.TP && p.prefill.Parallel.PP != p.gen.Parallel.PP {
 			seen["tp and pp both differ"]++
 		}
 		checkPairing(t, p)

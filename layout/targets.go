@@ -39,8 +39,8 @@ func checkPair(peer, self CacheState) error {
 // the self instance exchanges KV with for one request: every peer rank whose
 // layers overlap selfRank's layers (PP) and whose share of the KV heads
 // overlaps selfRank's share (TP, within the request's DP group on each side).
-// It is symmetric: g is in TargetRanks(gen, ctx, c) exactly when c is in
-// TargetRanks(ctx, gen, g).
+// It is symmetric: g is in TargetRanks(gen, prefill, c) exactly when c is in
+// TargetRanks(prefill, gen, g).
 //
 // The order is TensorRT-LLM's targetIRanks order (CP = 1): peer TP ranks in
 // the outer loop, peer PP stages in the inner loop. Ratios between the TP

@@ -15,11 +15,11 @@ import (
 // upstream's order, and whether the context rank sends anything to each.
 func TestTargetRanksUpstream(t *testing.T) {
 	tests := []struct {
-		name     string
-		ctx, gen CacheState
-		ctxRank  int
-		want     []int
-		sends    []bool
+		name         string
+		prefill, gen CacheState
+		prefillRank  int
+		want         []int
+		sends        []bool
 	}{
 		{"ctx TP4 PP2 to gen TP2 PP2 rank 0", mla(4, 2), mla(2, 2), 0, []int{0}, []bool{true}},
 		{"ctx TP4 PP2 to gen TP2 PP2 rank 1", mla(4, 2), mla(2, 2), 1, []int{0}, []bool{false}},
@@ -35,13 +35,13 @@ func TestTargetRanksUpstream(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			got := mustTargets(t, tt.gen, tt.ctx, tt.ctxRank)
+			got := mustTargets(t, tt.gen, tt.prefill, tt.prefillRank)
 			if d := cmp.Diff(tt.want, got); d != "" {
 				t.Fatalf("TargetRanks (-want +got):\n%s", d)
 			}
 			var sends []bool
 			for _, g := range got {
-				sends = append(sends, mustPlan(t, tt.ctx, tt.ctxRank, tt.gen, g).PackedBytesPerBlock() > 0)
+				sends = append(sends, mustPlan(t, tt.prefill, tt.prefillRank, tt.gen, g).PackedBytesPerBlock() > 0)
 			}
 			if d := cmp.Diff(tt.sends, sends); d != "" {
 				t.Errorf("sends (-want +got):\n%s", d)
@@ -49,7 +49,7 @@ func TestTargetRanksUpstream(t *testing.T) {
 		})
 	}
 
-	// Without MLA and with one head per ctx rank, both ctx ranks of the last
+	// Without MLA and with one head per prefill rank, both prefill ranks of the last
 	// example send (each holds a different head).
 	gqa := func(tp, pp int) CacheState {
 		return state(kvcache.Shape{Layers: 16, KVHeads: 2, HeadDim: 8, TokensPerBlock: 4, KVFactor: 2, DType: kvcache.BF16}, tp, pp)

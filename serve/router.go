@@ -97,11 +97,11 @@ type RouterOptions struct {
 // with the context's disaggregated_params and prompt token ids, and returns
 // (or streams) the generation worker's answer. Safe for concurrent use.
 type Router struct {
-	ctx, gen *group
-	client   *http.Client
-	log      *slog.Logger
-	reg      *prometheus.Registry
-	m        *metrics.Router
+	prefill, gen *group
+	client       *http.Client
+	log          *slog.Logger
+	reg          *prometheus.Registry
+	m            *metrics.Router
 }
 
 // NewRouter builds a router. It starts no goroutines.
@@ -142,7 +142,7 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if client == nil {
 		client = NewHTTPClient(o.TLS)
 	}
-	r := &Router{ctx: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry()}
+	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry()}
 	r.m = metrics.NewRouter(r.reg)
 	return r, nil
 }
@@ -260,16 +260,16 @@ type contextResult struct {
 // request ends there (an error, or an answer that finished in the context
 // phase) it has answered w and returns nil.
 func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path string, orig object, stream bool) *contextResult {
-	ctxReq := maps.Clone(orig)
-	ctxReq.set("stream", false)
-	delete(ctxReq, "stream_options")
-	ctxReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
-	resp, err := r.post(ctx, r.ctx, path, ctxReq)
+	prefillReq := maps.Clone(orig)
+	prefillReq.set("stream", false)
+	delete(prefillReq, "stream_options")
+	prefillReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
+	resp, err := r.post(ctx, r.prefill, path, prefillReq)
 	if err != nil {
 		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
 		return nil
 	}
-	ctxBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	prefillBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
 	resp.Body.Close()
 	if err != nil {
 		writeError(w, http.StatusBadGateway, "upstream_error", "reading the context server's answer: "+err.Error())
@@ -278,7 +278,7 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 	if resp.StatusCode != http.StatusOK {
 		copyHeaders(w, resp)
 		w.WriteHeader(resp.StatusCode)
-		w.Write(ctxBody)
+		w.Write(prefillBody)
 		return nil
 	}
 	var cr struct {
@@ -289,7 +289,7 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 		} `json:"choices"`
 		PromptTokenIDs []int32 `json:"prompt_token_ids"`
 	}
-	if err := json.Unmarshal(ctxBody, &cr); err != nil || len(cr.Choices) == 0 {
+	if err := json.Unmarshal(prefillBody, &cr); err != nil || len(cr.Choices) == 0 {
 		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no choices")
 		return nil
 	}
@@ -297,7 +297,7 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 	if fr := ch.FinishReason; fr == nil || *fr != "length" && *fr != "not_finished" {
 		// Finished in the context phase (EOS or a stop string as the first
 		// token): that is the answer.
-		r.replayFinished(w, ctxBody, stream)
+		r.replayFinished(w, prefillBody, stream)
 		return nil
 	}
 	if ch.DisaggregatedParams == nil {
@@ -447,7 +447,7 @@ func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 		wg.Wait()
 		return out
 	}
-	cs, gs := check(r.ctx), check(r.gen)
+	cs, gs := check(r.prefill), check(r.gen)
 	anyHealthy := func(ss []state) bool {
 		for _, s := range ss {
 			if s.Healthy {

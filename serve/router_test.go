@@ -83,9 +83,9 @@ func (f *fakeWorker) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func newTestRouter(t *testing.T, ctxURLs, genURLs []string, p Policy) *httptest.Server {
+func newTestRouter(t *testing.T, prefillURLs, genURLs []string, p Policy) *httptest.Server {
 	t.Helper()
-	r, err := NewRouter(RouterOptions{Context: ctxURLs, Generation: genURLs, ContextPolicy: p, GenerationPolicy: p})
+	r, err := NewRouter(RouterOptions{Context: prefillURLs, Generation: genURLs, ContextPolicy: p, GenerationPolicy: p})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -117,7 +117,7 @@ func post(t *testing.T, url, body string) (*http.Response, string) {
 }
 
 func TestRouterFlow(t *testing.T) {
-	ctxW, cu := startFake(t, "ctx", "length")
+	prefillW, cu := startFake(t, "ctx", "length")
 	genW, gu := startFake(t, "gen", "")
 	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
 
@@ -135,8 +135,8 @@ func TestRouterFlow(t *testing.T) {
 	if fmt.Sprint(prompt) != "[256 104 105]" || user != "kept" {
 		t.Errorf("generation request: prompt %v user %q", prompt, user)
 	}
-	if ctxW.calls.Load() != 1 || genW.calls.Load() != 1 {
-		t.Errorf("calls ctx %d gen %d", ctxW.calls.Load(), genW.calls.Load())
+	if prefillW.calls.Load() != 1 || genW.calls.Load() != 1 {
+		t.Errorf("calls ctx %d gen %d", prefillW.calls.Load(), genW.calls.Load())
 	}
 
 	// Chat: the ids travel as prompt_token_ids, messages stay.
@@ -203,7 +203,7 @@ func deadURL(t *testing.T) string {
 }
 
 func TestRouterRetriesUnreachable(t *testing.T) {
-	ctxW, cu := startFake(t, "ctx", "length")
+	prefillW, cu := startFake(t, "ctx", "length")
 	_, gu := startFake(t, "gen", "")
 	rs := newTestRouter(t, []string{deadURL(t), cu}, []string{deadURL(t), gu}, RoundRobin)
 	for range 4 {
@@ -212,8 +212,8 @@ func TestRouterRetriesUnreachable(t *testing.T) {
 			t.Fatalf("%d %s", resp.StatusCode, body)
 		}
 	}
-	if ctxW.calls.Load() != 4 {
-		t.Errorf("context calls %d", ctxW.calls.Load())
+	if prefillW.calls.Load() != 4 {
+		t.Errorf("context calls %d", prefillW.calls.Load())
 	}
 	// Nobody reachable: 502 naming the servers.
 	rs2 := newTestRouter(t, []string{deadURL(t)}, []string{gu}, RoundRobin)

@@ -33,9 +33,9 @@ func newSecureWorker(t *testing.T, role string, secret []byte, timeoutMs int, pe
 
 // contextPhase runs a context_only request and returns what the router
 // would forward to a generation worker.
-func contextPhase(t *testing.T, ctxW *testWorker, prompt string) map[string]any {
+func contextPhase(t *testing.T, prefillW *testWorker, prompt string) map[string]any {
 	t.Helper()
-	code, c, raw := postJSON(t, ctxW.srv.URL+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 4,
+	code, c, raw := postJSON(t, prefillW.srv.URL+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 4,
 		"disaggregated_params": map[string]any{"request_type": "context_only"}})
 	if code != 200 || len(c.Choices) == 0 || c.Choices[0].Disagg == nil {
 		t.Fatalf("context phase: %d %s", code, raw)
@@ -71,7 +71,7 @@ func opaqueOf(t *testing.T, body map[string]any) []byte {
 // no blocks for them (the cleanup checks the pools), and keeps serving
 // genuine requests.
 func TestHostileOpaqueStatesHTTP(t *testing.T) {
-	ctxW := newSecureWorker(t, RoleContext, serveSecret, 10_000)
+	prefillW := newSecureWorker(t, RoleContext, serveSecret, 10_000)
 	genW := newSecureWorker(t, RoleGeneration, serveSecret, 10_000)
 	url := genW.srv.URL + "/v1/completions"
 	expect := func(name string, body map[string]any, code int, typ string) {
@@ -83,12 +83,12 @@ func TestHostileOpaqueStatesHTTP(t *testing.T) {
 	}
 	genuine := func(name string) {
 		t.Helper()
-		if code, _, raw := postJSON(t, url, contextPhase(t, ctxW, "genuine after "+name)); code != 200 {
+		if code, _, raw := postJSON(t, url, contextPhase(t, prefillW, "genuine after "+name)); code != 200 {
 			t.Fatalf("genuine request after %s: %d %s", name, code, raw)
 		}
 	}
 
-	body := contextPhase(t, ctxW, "forge me")
+	body := contextPhase(t, prefillW, "forge me")
 	forged := opaqueOf(t, body)
 	i := bytes.Index(forged, []byte("127.0.0.1:"))
 	if i < 0 {

@@ -66,10 +66,10 @@ func TestWorkerTLS(t *testing.T) {
 		return c
 	}
 	var errs syncbuf.Buffer
-	ctxSrv := newTLSWorker(t, RoleContext, party(ca, "ctx"), &errs)
+	prefillSrv := newTLSWorker(t, RoleContext, party(ca, "ctx"), &errs)
 	genSrv := newTLSWorker(t, RoleGeneration, party(ca, "gen"), io.Discard)
-	if !strings.HasPrefix(ctxSrv.URL, "https://") {
-		t.Fatalf("worker URL %s", ctxSrv.URL)
+	if !strings.HasPrefix(prefillSrv.URL, "https://") {
+		t.Fatalf("worker URL %s", prefillSrv.URL)
 	}
 
 	router := party(ca, "router")
@@ -87,9 +87,9 @@ func TestWorkerTLS(t *testing.T) {
 		cfg  *tls.Config
 		log  string // in the worker's error log
 	}{
-		{"plain HTTP", strings.Replace(ctxSrv.URL, "https://", "http://", 1), nil, "client sent an HTTP request to an HTTPS server"},
-		{"no client certificate", ctxSrv.URL, noCert, "client didn't provide a certificate"},
-		{"client certificate of another CA", ctxSrv.URL, stranger, "certificate signed by unknown authority"},
+		{"plain HTTP", strings.Replace(prefillSrv.URL, "https://", "http://", 1), nil, "client sent an HTTP request to an HTTPS server"},
+		{"no client certificate", prefillSrv.URL, noCert, "client didn't provide a certificate"},
+		{"client certificate of another CA", prefillSrv.URL, stranger, "certificate signed by unknown authority"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{TLSClientConfig: tc.cfg}}
@@ -114,7 +114,7 @@ func TestWorkerTLS(t *testing.T) {
 	t.Run("member", func(t *testing.T) {
 		c := NewHTTPClient(router.Client)
 		defer c.CloseIdleConnections()
-		resp, err := c.Get(ctxSrv.URL + "/health")
+		resp, err := c.Get(prefillSrv.URL + "/health")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -126,7 +126,7 @@ func TestWorkerTLS(t *testing.T) {
 
 	t.Run("router", func(t *testing.T) {
 		hostPort := func(u string) string { return strings.TrimPrefix(u, "https://") }
-		r, err := NewRouter(RouterOptions{Context: []string{hostPort(ctxSrv.URL)}, Generation: []string{genSrv.URL}, TLS: router.Client})
+		r, err := NewRouter(RouterOptions{Context: []string{hostPort(prefillSrv.URL)}, Generation: []string{genSrv.URL}, TLS: router.Client})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -138,7 +138,7 @@ func TestWorkerTLS(t *testing.T) {
 		if resp.StatusCode != http.StatusOK || !strings.Contains(body, `"text"`) {
 			t.Fatalf("through the router: %d %s", resp.StatusCode, body)
 		}
-		if _, err := NewRouter(RouterOptions{Context: []string{"http://" + hostPort(ctxSrv.URL)}, Generation: []string{genSrv.URL}, TLS: router.Client}); err == nil ||
+		if _, err := NewRouter(RouterOptions{Context: []string{"http://" + hostPort(prefillSrv.URL)}, Generation: []string{genSrv.URL}, TLS: router.Client}); err == nil ||
 			!strings.Contains(err.Error(), "plain http") {
 			t.Errorf("router with TLS and an http:// worker URL: %v, want a refusal", err)
 		}

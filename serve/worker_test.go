@@ -114,8 +114,8 @@ func postJSON(t *testing.T, url string, body any) (int, completion, string) {
 // the tokens of an aggregated TP1 worker, streamed or not, greedy or seeded.
 func TestDisaggregatedEqualsAggregated(t *testing.T) {
 	tests := []struct {
-		model                      string
-		ctxTP, ctxPP, genTP, genPP int
+		model                              string
+		prefillTP, prefillPP, genTP, genPP int
 	}{
 		{"tiny-gqa", 2, 1, 1, 1},
 		{"tiny-gqa", 1, 1, 2, 1},
@@ -128,11 +128,11 @@ func TestDisaggregatedEqualsAggregated(t *testing.T) {
 		tests = tests[:2]
 	}
 	for _, tc := range tests {
-		t.Run(fmt.Sprintf("%s ctx TP%d PP%d to gen TP%d PP%d", tc.model, tc.ctxTP, tc.ctxPP, tc.genTP, tc.genPP), func(t *testing.T) {
-			ctxW := newTestWorker(t, RoleContext, tc.model, tc.ctxTP, tc.ctxPP)
+		t.Run(fmt.Sprintf("%s ctx TP%d PP%d to gen TP%d PP%d", tc.model, tc.prefillTP, tc.prefillPP, tc.genTP, tc.genPP), func(t *testing.T) {
+			prefillW := newTestWorker(t, RoleContext, tc.model, tc.prefillTP, tc.prefillPP)
 			genW := newTestWorker(t, RoleGeneration, tc.model, tc.genTP, tc.genPP)
 			agg := newTestWorker(t, RoleBoth, tc.model, 1, 1)
-			rs := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
+			rs := newTestRouter(t, []string{prefillW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
 			for i, prompt := range []string{"The quick brown fox", strings.Repeat("a long prompt over several blocks ", 4)} {
 				for _, temp := range []float64{0, 0.9} {
 					body := map[string]any{"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i}
@@ -162,9 +162,9 @@ func TestManyClients(t *testing.T) {
 	if testing.Short() {
 		n, inflight = 64, 16
 	}
-	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
+	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
 	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
-	rs := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, LoadBalancing)
+	rs := newTestRouter(t, []string{prefillW.srv.URL}, []string{genW.srv.URL}, LoadBalancing)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, inflight)
 	errs := make(chan string, n)
@@ -203,7 +203,7 @@ func TestManyClients(t *testing.T) {
 }
 
 func TestWorkerBadRequests(t *testing.T) {
-	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
+	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
 	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
 	id := uint64(1)
 	tests := []struct {
@@ -213,18 +213,18 @@ func TestWorkerBadRequests(t *testing.T) {
 		code int
 		want string
 	}{
-		{"no params on a context worker", ctxW.srv.URL, map[string]any{"prompt": "x"}, 400, "serves context_only requests, not context_and_generation"},
-		{"generation type on a context worker", ctxW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "generation_only"}}, 400, "encoded_opaque_state is required"},
+		{"no params on a context worker", prefillW.srv.URL, map[string]any{"prompt": "x"}, 400, "serves context_only requests, not context_and_generation"},
+		{"generation type on a context worker", prefillW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "generation_only"}}, 400, "encoded_opaque_state is required"},
 		{"context type on a generation worker", genW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "serves generation_only requests"},
-		{"unknown request type", ctxW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "prefill"}}, 400, `is not one of context_only`},
-		{"params not an object", ctxW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": 7}, 400, "disaggregated_params"},
+		{"unknown request type", prefillW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": map[string]any{"request_type": "prefill"}}, 400, `is not one of context_only`},
+		{"params not an object", prefillW.srv.URL, map[string]any{"prompt": "x", "disaggregated_params": 7}, 400, "disaggregated_params"},
 		{"opaque state not base64", genW.srv.URL, map[string]any{"prompt": []int{256, 1}, "disaggregated_params": DisaggregatedParams{RequestType: TypeGenerationOnly, CtxRequestID: &id, FirstGenTokens: []int32{5}, EncodedOpaqueState: "%%%"}}, 400, "not base64"},
 		{"opaque state garbage", genW.srv.URL, map[string]any{"prompt": []int{256, 1}, "disaggregated_params": DisaggregatedParams{RequestType: TypeGenerationOnly, CtxRequestID: &id, FirstGenTokens: []int32{5}, EncodedOpaqueState: "aGVsbG8gd29ybGQ="}}, 400, "bad opaque state"},
-		{"no prompt", ctxW.srv.URL, map[string]any{"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "prompt is required"},
-		{"bad max_tokens", ctxW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 0, "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "max_tokens = 0"},
-		{"wrong model", ctxW.srv.URL, map[string]any{"model": "gpt-4", "prompt": "x"}, 404, `is not served here`},
-		{"prompt too long", ctxW.srv.URL, map[string]any{"prompt": strings.Repeat("x", 5000), "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "context_length_exceeded"},
-		{"not json", ctxW.srv.URL, "garbage", 400, "request body"},
+		{"no prompt", prefillW.srv.URL, map[string]any{"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "prompt is required"},
+		{"bad max_tokens", prefillW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 0, "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "max_tokens = 0"},
+		{"wrong model", prefillW.srv.URL, map[string]any{"model": "gpt-4", "prompt": "x"}, 404, `is not served here`},
+		{"prompt too long", prefillW.srv.URL, map[string]any{"prompt": strings.Repeat("x", 5000), "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "context_length_exceeded"},
+		{"not json", prefillW.srv.URL, "garbage", 400, "request body"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -239,9 +239,9 @@ func TestWorkerBadRequests(t *testing.T) {
 // TestPulledTwice: a context request can be pulled once; the second pull is
 // refused with 409 and a message that says why.
 func TestPulledTwice(t *testing.T) {
-	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
+	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
 	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
-	code, c, raw := postJSON(t, ctxW.srv.URL+"/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 4,
+	code, c, raw := postJSON(t, prefillW.srv.URL+"/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 4,
 		"disaggregated_params": map[string]any{"request_type": "context_only"}})
 	if code != 200 || len(c.Choices) == 0 || c.Choices[0].Disagg == nil || len(c.PromptTokenIDs) == 0 {
 		t.Fatalf("%d %s", code, raw)
@@ -261,9 +261,9 @@ func TestPulledTwice(t *testing.T) {
 // TestPromptMustMatch: a generation_only request whose prompt is not the
 // one the context request was computed for is refused before any decoding.
 func TestPromptMustMatch(t *testing.T) {
-	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
+	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)
 	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
-	code, c, raw := postJSON(t, ctxW.srv.URL+"/v1/completions", map[string]any{"prompt": "hello there", "max_tokens": 4,
+	code, c, raw := postJSON(t, prefillW.srv.URL+"/v1/completions", map[string]any{"prompt": "hello there", "max_tokens": 4,
 		"disaggregated_params": map[string]any{"request_type": "context_only"}})
 	if code != 200 || len(c.Choices) == 0 || c.Choices[0].Disagg == nil {
 		t.Fatalf("%d %s", code, raw)
@@ -285,17 +285,17 @@ func TestPromptMustMatch(t *testing.T) {
 // TestWorkerMetrics: after a few disaggregated requests, both workers'
 // /metrics show non-zero transfer counters with the right labels.
 func TestWorkerMetrics(t *testing.T) {
-	ctxW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
+	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
 	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
-	rs := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
+	rs := newTestRouter(t, []string{prefillW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
 	for i := range 3 {
 		if code, _, raw := postJSON(t, rs.URL+"/v1/completions", map[string]any{"prompt": fmt.Sprint("metrics ", i), "max_tokens": 4}); code != 200 {
 			t.Fatalf("%d %s", code, raw)
 		}
 	}
-	ctxW.waitIdle(t)
+	prefillW.waitIdle(t)
 	scrape := func(url string) string { _, b := get(t, url+"/metrics"); return b }
-	gm, cm := scrape(genW.srv.URL), scrape(ctxW.srv.URL)
+	gm, cm := scrape(genW.srv.URL), scrape(prefillW.srv.URL)
 	for _, want := range []string{
 		`kvxfer_transfers_total{result="ok",role="generation"} 3`,
 		`kvxfer_transfer_bytes_total{backend="tcp",role="generation"}`,

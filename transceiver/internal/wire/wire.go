@@ -93,7 +93,7 @@ type RequestInfo struct {
 	// Backend is the data-plane backend the receiver chose for this pair.
 	Backend string
 	// Desc, when not empty, is a receipt for the whole transfer already armed
-	// straight into the receiver's blocks (zero-copy): no chunks follow.
+	// straight into the receiver's blocks (a direct transfer): no chunks follow.
 	Desc []byte
 }
 
