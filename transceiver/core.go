@@ -142,13 +142,17 @@ func (d *deadline) start(now time.Time, timeout time.Duration) effect {
 	return effArmTimer{at: d.at}
 }
 
-// passed reports whether the deadline has passed at now; if not, rearm is
-// the tick to ask for instead.
-func (d *deadline) passed(now time.Time) (bool, []effect) {
-	if now.Before(d.at) {
-		return false, []effect{effArmTimer{at: d.at}}
+// tick handles a core's evTick: nothing once the core is over (a late
+// tick), a re-armed tick when now is before the deadline (an early one),
+// else the core's expiry.
+func (d *deadline) tick(now time.Time, over bool, expire func() []effect) []effect {
+	switch {
+	case over:
+		return nil
+	case now.Before(d.at):
+		return []effect{effArmTimer{at: d.at}}
 	}
-	return true, nil
+	return expire()
 }
 
 // peerName names the peer of a side's core in scripts and logs: the

@@ -222,13 +222,9 @@ func (g *recvCore) step(ev event) []effect {
 		}
 		return nil
 	case evTick:
-		if g.phase.over() {
-			return nil
-		}
-		if passed, rearm := g.deadline.passed(ev.now); !passed {
-			return rearm
-		}
-		return g.fail(fmt.Errorf("%w: request %d (context request %d) not received within %v", ErrTimeout, g.cfg.reqID, g.cfg.sendID, g.cfg.timeout), -1)
+		return g.deadline.tick(ev.now, g.phase.over(), func() []effect {
+			return g.fail(fmt.Errorf("%w: request %d (context request %d) not received within %v", ErrTimeout, g.cfg.reqID, g.cfg.sendID, g.cfg.timeout), -1)
+		})
 	case evCancel:
 		return g.fail(ev.err, -1)
 	}

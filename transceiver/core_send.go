@@ -223,13 +223,9 @@ func (c *sendCore) step(ev event) []effect {
 		}
 		return nil
 	case evTick:
-		if c.phase.over() {
-			return nil
-		}
-		if passed, rearm := c.deadline.passed(ev.now); !passed {
-			return rearm
-		}
-		return c.fail(fmt.Errorf("%w: context request %d not pulled and sent within %v", ErrTimeout, c.cfg.id, c.cfg.timeout), -1)
+		return c.deadline.tick(ev.now, c.phase.over(), func() []effect {
+			return c.fail(fmt.Errorf("%w: context request %d not pulled and sent within %v", ErrTimeout, c.cfg.id, c.cfg.timeout), -1)
+		})
 	case evCancel:
 		return c.fail(ev.err, -1)
 	}
