@@ -10,16 +10,18 @@ import (
 // parsed; the empty Backend means "not configured".
 type Backend string
 
-// Backends accepted in cache_transceiver_config.backend. DEFAULT, UCX, NIXL
-// and MPI are TensorRT-LLM's; TCP, SHM and AUTO are kvxfer's own.
+// Backends accepted in cache_transceiver_config.backend. DEFAULT, UCX, NIXL,
+// MPI and MOONCAKE are TensorRT-LLM's; TCP, SHM and AUTO are kvxfer's own.
+// NIXL, MPI and MOONCAKE are names kvxfer knows and refuses, saying why.
 const (
-	BackendUnset   Backend = ""
-	BackendDefault Backend = "DEFAULT"
-	BackendUCX     Backend = "UCX"
-	BackendNIXL    Backend = "NIXL"
-	BackendMPI     Backend = "MPI"
-	BackendTCP     Backend = "TCP"
-	BackendSHM     Backend = "SHM"
+	BackendUnset    Backend = ""
+	BackendDefault  Backend = "DEFAULT"
+	BackendUCX      Backend = "UCX"
+	BackendNIXL     Backend = "NIXL"
+	BackendMPI      Backend = "MPI"
+	BackendMooncake Backend = "MOONCAKE"
+	BackendTCP      Backend = "TCP"
+	BackendSHM      Backend = "SHM"
 	// BackendAuto picks, per peer, the fastest backend that works between
 	// the two ranks, in the order of AutoPreference (AutoRule). It is what
 	// DEFAULT resolves to when no environment variable decides.
@@ -42,7 +44,7 @@ func (b Backend) Lower() string { return strings.ToLower(string(b)) }
 
 // ValidBackends lists every name ParseBackend accepts, in the order they
 // are shown to users.
-var ValidBackends = []Backend{BackendDefault, BackendAuto, BackendTCP, BackendSHM, BackendUCX, BackendNIXL, BackendMPI}
+var ValidBackends = []Backend{BackendDefault, BackendAuto, BackendTCP, BackendSHM, BackendUCX, BackendNIXL, BackendMPI, BackendMooncake}
 
 // ParseBackend parses a backend name in any case ("ucx", "Ucx") and returns
 // it in upper case. Mid-2025 TRT-LLM configs used lower case, so both are
@@ -73,6 +75,8 @@ func (b Backend) unsupported() string {
 		return "NIXL is not available in kvxfer: no Go binding exists and no package registry reachable here ships NIXL; use UCX (the library NIXL is built on), TCP, SHM or AUTO"
 	case BackendMPI:
 		return "MPI is deprecated in TensorRT-LLM and not available in kvxfer (it needs one MPI world spanning both instances); use UCX, TCP, SHM or AUTO"
+	case BackendMooncake:
+		return "MOONCAKE (TensorRT-LLM's Mooncake Transfer Engine backend) is not available in kvxfer: no Go binding exists and no package registry reachable here ships it; use UCX, TCP, SHM or AUTO"
 	}
 	return ""
 }

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"errors"
 	"flag"
+	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strings"
 	"testing"
 
@@ -36,13 +38,57 @@ func golden(t *testing.T, name string, got string) {
 	}
 }
 
+// yamlFiles lists the *.yaml and *.yml files of dir.
+func yamlFiles(dir string) []string {
+	var out []string
+	for _, pat := range []string{"*.yaml", "*.yml"} {
+		m, _ := filepath.Glob(filepath.Join(dir, pat))
+		out = append(out, m...)
+	}
+	sort.Strings(out)
+	return out
+}
+
 func files(t *testing.T, dir string) []string {
 	t.Helper()
-	m, err := filepath.Glob(filepath.Join("testdata", dir, "*.yaml"))
-	if err != nil || len(m) == 0 {
-		t.Fatalf("no testdata in %s: %v", dir, err)
+	m := yamlFiles(filepath.Join("testdata", dir))
+	if len(m) == 0 {
+		t.Fatalf("no testdata in %s", dir)
 	}
 	return m
+}
+
+// stem is a file's name without its directory and extension.
+func stem(path string) string {
+	b := filepath.Base(path)
+	return strings.TrimSuffix(b, filepath.Ext(b))
+}
+
+// report is what the golden files hold for a file that loaded (f non-nil):
+// its effective config with the source of every value, what each backend
+// resolves to, every warning and every error.
+func report(t *testing.T, f *File, err error) string {
+	t.Helper()
+	var b bytes.Buffer
+	if f != nil {
+		if ferr := f.Format(&b); ferr != nil {
+			t.Fatal(ferr)
+		}
+		for _, nt := range f.Transceivers() {
+			r := nt.CT.Resolve(nil)
+			fmt.Fprintf(&b, "# %s.backend: %s → %s: %s\n", nt.Path, r.Configured, r.Backend, r.Reason)
+			if r.Warning != "" {
+				fmt.Fprintf(&b, "warning: %s\n", r.Warning)
+			}
+		}
+		for _, w := range f.Warnings {
+			b.WriteString("warning: " + w.String() + "\n")
+		}
+	}
+	if err != nil {
+		b.WriteString("error: " + strings.ReplaceAll(err.Error(), "\n", "\nerror: ") + "\n")
+	}
+	return b.String()
 }
 
 // TestGoodFiles loads every valid file and compares its effective config
@@ -54,14 +100,32 @@ func TestGoodFiles(t *testing.T) {
 			if err != nil {
 				t.Fatalf("LoadFile: %v", err)
 			}
-			var b bytes.Buffer
-			if err := f.Format(&b); err != nil {
-				t.Fatal(err)
+			golden(t, "good_"+stem(path)+".txt", report(t, f, nil))
+		})
+	}
+}
+
+// TestUpstreamCorpus loads every file of testdata/upstream: worker and
+// cluster files written here in the shapes TensorRT-LLM's own take (its
+// examples, its docs, its disaggregated integration tests; current and
+// mid-2025 forms). Each loads, except those named refused_*, which must be
+// refused; the report of each is compared against its golden file.
+func TestUpstreamCorpus(t *testing.T) {
+	paths := files(t, "upstream")
+	if len(paths) < 30 {
+		t.Fatalf("the corpus has %d files, want at least 30", len(paths))
+	}
+	env := Env{}.WithInterfaces("lo", "eth0")
+	for _, path := range paths {
+		t.Run(filepath.Base(path), func(t *testing.T) {
+			f, err := LoadFile(path, env)
+			if refused := strings.HasPrefix(stem(path), "refused_"); refused != (err != nil) {
+				t.Fatalf("refused_ prefix %v, LoadFile error: %v", refused, err)
 			}
-			for _, w := range f.Warnings {
-				b.WriteString("warning: " + w.String() + "\n")
+			if err != nil && !errors.Is(err, ErrInvalid) {
+				t.Errorf("error does not match ErrInvalid: %v", err)
 			}
-			golden(t, "good_"+strings.TrimSuffix(filepath.Base(path), ".yaml")+".txt", b.String())
+			golden(t, "upstream_"+stem(path)+".txt", report(t, f, err))
 		})
 	}
 }
@@ -87,7 +151,7 @@ func TestBadFiles(t *testing.T) {
 					t.Errorf("message looks like a crash: %q", line)
 				}
 			}
-			golden(t, "bad_"+strings.TrimSuffix(filepath.Base(path), ".yaml")+".txt", err.Error()+"\n")
+			golden(t, "bad_"+stem(path)+".txt", err.Error()+"\n")
 		})
 	}
 }
@@ -123,7 +187,7 @@ func TestBackendCase(t *testing.T) {
 		}
 	}
 	_, err := ParseBackend("rdma")
-	if err == nil || !strings.Contains(err.Error(), "DEFAULT, AUTO, TCP, SHM, UCX, NIXL, MPI") {
+	if err == nil || !strings.Contains(err.Error(), "DEFAULT, AUTO, TCP, SHM, UCX, NIXL, MPI, MOONCAKE") {
 		t.Errorf("ParseBackend(rdma) = %v; want the list of valid names", err)
 	}
 }
@@ -152,15 +216,18 @@ func TestResolveDefault(t *testing.T) {
 				}
 				e := EnvFromMap(env)
 
-				// The naive rule, written out independently.
-				want := BackendAuto
+				// The naive rule, written out independently: the first
+				// variable set to 1 decides; one that asks for a backend
+				// kvxfer does not have (NIXL, MPI) gives AUTO with a
+				// warning naming it.
+				want, decided := BackendAuto, ""
 				switch {
 				case u == "1":
-					want = BackendUCX
+					want, decided = BackendUCX, EnvUseUCX
 				case n == "1":
-					want = BackendNIXL
+					decided = EnvUseNIXL
 				case m == "1":
-					want = BackendMPI
+					decided = EnvUseMPI
 				}
 				r := ResolveBackend(BackendDefault, e, builtIn)
 				count++
@@ -170,21 +237,21 @@ func TestResolveDefault(t *testing.T) {
 				if r.Reason == "" {
 					t.Errorf("env %v: no reason", env)
 				}
-				if want != BackendAuto && !strings.Contains(r.Reason, string(want)) {
-					t.Errorf("env %v: reason %q does not name %s", env, r.Reason, want)
+				if decided != "" && !strings.Contains(r.Reason, decided+"=1") {
+					t.Errorf("env %v: reason %q does not name %s", env, r.Reason, decided)
 				}
-				switch want {
-				case BackendUCX, BackendNIXL, BackendMPI:
+				fallback := decided == EnvUseNIXL || decided == EnvUseMPI
+				if fallback != (r.Warning != "") || (fallback && !strings.Contains(r.Warning, decided+"=1")) {
+					t.Errorf("env %v: warning %q", env, r.Warning)
+				}
+				if want == BackendUCX {
 					if !errors.Is(r.Err, ErrBackendUnavailable) {
-						t.Errorf("env %v: %s should be unavailable here, got %v", env, want, r.Err)
+						t.Errorf("env %v: UCX should be unavailable here, got %v", env, r.Err)
 					}
-				default:
-					if r.Err != nil {
-						t.Errorf("env %v: unexpected error %v", env, r.Err)
-					}
+				} else if r.Err != nil {
+					t.Errorf("env %v: unexpected error %v", env, r.Err)
 				}
 				// Every set variable that did not decide is listed as ignored.
-				decided := map[Backend]string{BackendUCX: EnvUseUCX, BackendNIXL: EnvUseNIXL, BackendMPI: EnvUseMPI}[want]
 				if len(r.Ignored) != len(env)-btoi(decided != "") {
 					t.Errorf("env %v: ignored %q", env, r.Ignored)
 				}
@@ -242,9 +309,10 @@ func TestEnvSettings(t *testing.T) {
 		{map[string]string{EnvTimeOutputPath: "/tmp/t", EnvUCXInterface: "eth0", "UCX_TLS": "tcp"}, func(ct *CacheTransceiver) bool {
 			return ct.TimeOutputPath == "/tmp/t" && ct.UCXInterface == "eth0" && ct.Env.Raw["UCX_TLS"] == "tcp"
 		}, ""},
+		{map[string]string{EnvUCXInterface: "ib7"}, nil, `env TRTLLM_UCX_INTERFACE: no network interface "ib7" on this host (it has: lo, eth0)`},
 	}
 	for i, tc := range tests {
-		f, err := LoadBytes("w.yaml", data, EnvFromMap(tc.env))
+		f, err := LoadBytes("w.yaml", data, EnvFromMap(tc.env).WithInterfaces("lo", "eth0"))
 		if tc.wantErr != "" {
 			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 				t.Errorf("%d: env %v: error %v, want %q", i, tc.env, err, tc.wantErr)
@@ -284,7 +352,13 @@ func TestSources(t *testing.T) {
 // TestRoundTrip: the printed effective config loads back to the same value.
 func TestRoundTrip(t *testing.T) {
 	env := EnvFromMap(map[string]string{EnvTransferBuffer: "256MB", EnvRequestConcurrent: "1"})
-	for _, path := range files(t, "good") {
+	var paths []string
+	for _, p := range append(files(t, "good"), files(t, "upstream")...) {
+		if !strings.HasPrefix(stem(p), "refused_") {
+			paths = append(paths, p)
+		}
+	}
+	for _, path := range paths {
 		t.Run(filepath.Base(path), func(t *testing.T) {
 			f1, err := LoadFile(path, env)
 			if err != nil {
@@ -359,9 +433,8 @@ func TestSuggest(t *testing.T) {
 
 // FuzzLoad: the loader never panics, and its errors always name the file.
 func FuzzLoad(f *testing.F) {
-	for _, dir := range []string{"good", "bad"} {
-		m, _ := filepath.Glob(filepath.Join("testdata", dir, "*.yaml"))
-		for _, p := range m {
+	for _, dir := range []string{"good", "bad", "upstream"} {
+		for _, p := range yamlFiles(filepath.Join("testdata", dir)) {
 			if b, err := os.ReadFile(p); err == nil {
 				f.Add(b)
 			}

@@ -54,6 +54,14 @@ func defaultServerGroup() ServerGroup {
 	return ServerGroup{NumInstances: 1, TensorParallelSize: 1, PipelineParallelSize: 1, Router: RouterRoundRobin, KVCache: DefaultKVCache()}
 }
 
+// dynamicGroup is a server group a cluster file with disagg_cluster leaves
+// out: its workers are to register themselves, none is listed.
+func dynamicGroup() ServerGroup {
+	g := defaultServerGroup()
+	g.NumInstances = 0
+	return g
+}
+
 // defaultCluster is a cluster file's top level without keys.
 func defaultCluster() *Cluster {
 	return &Cluster{Hostname: DefaultHostname, Port: DefaultPort}

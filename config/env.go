@@ -3,6 +3,8 @@ package config
 import (
 	"fmt"
 	"math"
+	"net"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -30,14 +32,42 @@ const maxBufferCount = 64
 // transfer path, read once (LoadEnv) and passed around by value. Flags
 // count only when their value is exactly "1", as in TRT-LLM.
 type Env struct {
-	// Raw holds every honoured TRTLLM_* variable that was set, and every
-	// UCX_* variable, by name. It never holds a secret: it is printed in
-	// reports.
+	// Raw holds every honoured TRTLLM_* variable that was set (and those
+	// of the transfer path that kvxfer reads only to say they have no
+	// effect), and every UCX_* variable, by name. It never holds a
+	// secret: it is printed in reports.
 	Raw map[string]string
 	// lookup is the lookup the snapshot was taken with: the cluster secret
 	// is read through it when needed (Security.LoadSecret), never copied
 	// into Raw. Nil: no variable beyond Raw is set.
 	lookup func(string) (string, bool)
+	// interfaces lists the network interfaces of this host, for
+	// TRTLLM_UCX_INTERFACE; nil means net.Interfaces.
+	interfaces func() ([]string, error)
+}
+
+// WithInterfaces returns e with the network interfaces of the host given,
+// instead of read from the system (tests; a check made for another host).
+func (e Env) WithInterfaces(names ...string) Env {
+	names = slices.Clone(names)
+	e.interfaces = func() ([]string, error) { return names, nil }
+	return e
+}
+
+// hostInterfaces lists the names of the network interfaces of this host.
+func (e Env) hostInterfaces() ([]string, error) {
+	if e.interfaces != nil {
+		return e.interfaces()
+	}
+	ifs, err := net.Interfaces()
+	if err != nil {
+		return nil, err
+	}
+	names := make([]string, len(ifs))
+	for i, fi := range ifs {
+		names[i] = fi.Name
+	}
+	return names, nil
 }
 
 // LoadEnv reads the environment through lookup (os.LookupEnv in programs,
@@ -47,6 +77,11 @@ func LoadEnv(lookup func(string) (string, bool), environ []string) Env {
 	e := Env{Raw: map[string]string{}, lookup: lookup}
 	for _, k := range []string{EnvUseUCX, EnvUseNIXL, EnvUseMPI, EnvTransferBuffer, EnvSendConcurrency,
 		EnvRequestConcurrent, EnvRecvBufferCount, EnvTryZeroCopy, EnvTimeOutputPath, EnvUCXInterface, EnvAllowedPeerHosts} {
+		if v, ok := lookup(k); ok {
+			e.Raw[k] = v
+		}
+	}
+	for k := range envNotApplied {
 		if v, ok := lookup(k); ok {
 			e.Raw[k] = v
 		}
@@ -119,9 +154,7 @@ func ParseByteSize(s string) (int64, error) {
 // applyEnv fills ct's environment-derived fields and records their sources.
 // Problems with a variable's value are reported on the variable.
 func applyEnv(ct *CacheTransceiver, env Env, c *collector, src map[string]Source, prefix string) {
-	envProblem := func(name, format string, args ...any) {
-		c.problems = append(c.problems, Problem{Severity: SevError, Path: "env " + name, Msg: fmt.Sprintf(format, args...)})
-	}
+	envProblem := c.envErr
 	set := func(field, name string) { src[prefix+field] = Source{Kind: SourceEnv, Env: name} }
 
 	ct.TransferBufferSize = DefaultTransferBufferSize
@@ -175,8 +208,39 @@ func applyEnv(ct *CacheTransceiver, env Env, c *collector, src map[string]Source
 		set("time_output_path", EnvTimeOutputPath)
 	}
 	if v, ok := env.Raw[EnvUCXInterface]; ok && v != "" {
-		ct.UCXInterface = v
-		set("ucx_interface", EnvUCXInterface)
+		if err := checkInterface(env, v); err != nil {
+			envProblem(EnvUCXInterface, "%v", err)
+		} else {
+			ct.UCXInterface = v
+			set("ucx_interface", EnvUCXInterface)
+		}
 	}
 	ct.Env = env
+}
+
+// checkInterface reports an error naming the interfaces of this host when
+// name is not one of them.
+func checkInterface(env Env, name string) error {
+	names, err := env.hostInterfaces()
+	if err != nil {
+		return fmt.Errorf("cannot list the network interfaces to check %q: %v", name, err)
+	}
+	if slices.Contains(names, name) {
+		return nil
+	}
+	return fmt.Errorf("no network interface %q on this host (it has: %s)", name, strings.Join(names, ", "))
+}
+
+// envNotes warns about the variables of the transfer path that are set
+// but have no effect in kvxfer: those it does not apply yet, and those it
+// reads only to say so. Once per file.
+func envNotes(env Env, c *collector) {
+	for _, name := range env.Names() {
+		if why, ok := notAppliedYet[name]; ok && env.Raw[name] != "" {
+			c.envWarn(KindNotApplied, name, "%s accepted, not applied yet: %s", env.Raw[name], why)
+		}
+		if why, ok := envNotApplied[name]; ok {
+			c.envWarn(KindNotApplied, name, "%s accepted, %s", env.Raw[name], why)
+		}
+	}
 }

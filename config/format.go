@@ -3,6 +3,7 @@ package config
 import (
 	"fmt"
 	"io"
+	"reflect"
 	"strconv"
 	"strings"
 
@@ -41,6 +42,9 @@ func (f *File) formatWorker(m *yaml.Node) {
 	} else {
 		f.addCT(m, "cache_transceiver_config", wk.CacheTransceiver)
 	}
+	if wk.DisaggCluster != nil {
+		f.addDisaggCluster(m, wk.DisaggCluster)
+	}
 	f.addSecurity(m, "security", &wk.Security)
 }
 
@@ -48,33 +52,82 @@ func (f *File) formatCluster(m *yaml.Node) {
 	cl := f.Cluster
 	f.addScalar(m, "", "hostname", "!!str", cl.Hostname)
 	f.addInt(m, "", "port", cl.Port)
+	var left []string
 	for _, g := range []struct {
 		name string
 		g    *ServerGroup
 	}{{"context_servers", &cl.Context}, {"generation_servers", &cl.Generation}} {
+		if cl.DisaggCluster != nil && reflect.DeepEqual(*g.g, dynamicGroup()) && f.Source(join(g.name, "num_instances")).Kind == SourceDefault {
+			left = append(left, g.name)
+			continue
+		}
 		gm := &yaml.Node{Kind: yaml.MappingNode}
 		m.Content = append(m.Content, key(g.name), gm)
-		f.addInt(gm, g.name, "num_instances", g.g.NumInstances)
-		f.addInt(gm, g.name, "tensor_parallel_size", g.g.TensorParallelSize)
-		f.addInt(gm, g.name, "pipeline_parallel_size", g.g.PipelineParallelSize)
-		if len(g.g.URLs) > 0 {
-			seq := &yaml.Node{Kind: yaml.SequenceNode, Style: yaml.FlowStyle, LineComment: f.Source(join(g.name, "urls")).String()}
-			for _, u := range g.g.URLs {
-				seq.Content = append(seq.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: u})
-			}
-			gm.Content = append(gm.Content, key("urls"), seq)
-		} else {
-			gm.Content[0].HeadComment = "urls: none (the launcher picks free ports)"
-		}
-		rm := &yaml.Node{Kind: yaml.MappingNode}
-		gm.Content = append(gm.Content, key("router"), rm)
-		f.addScalar(rm, join(g.name, "router"), "type", "!!str", g.g.Router)
-		f.addKVCache(gm, join(g.name, "kv_cache_config"), g.g.KVCache)
-		if g.g.CacheTransceiver != nil {
-			f.addCT(gm, join(g.name, "cache_transceiver_config"), g.g.CacheTransceiver)
-		}
+		f.formatGroup(gm, g.name, g.g)
+	}
+	if len(left) > 0 {
+		m.Content[len(m.Content)-2].FootComment = strings.Join(left, ", ") + ": not in the file; the workers are to register through disagg_cluster"
+	}
+	if cd := cl.ConditionalDisagg; cd != nil {
+		cm := &yaml.Node{Kind: yaml.MappingNode}
+		m.Content = append(m.Content, key(keyConditionalDisagg), cm)
+		f.addInt(cm, keyConditionalDisagg, "max_local_prefill_length", cd.MaxLocalPrefillLength)
+		cm.Content[0].HeadComment = "accepted, not applied yet"
+	}
+	if cl.DisaggCluster != nil {
+		f.addDisaggCluster(m, cl.DisaggCluster)
 	}
 	f.addSecurity(m, "security", &cl.Security)
+}
+
+// formatGroup writes one server group into gm.
+func (f *File) formatGroup(gm *yaml.Node, name string, g *ServerGroup) {
+	var notes []string
+	f.addInt(gm, name, "num_instances", g.NumInstances)
+	f.addInt(gm, name, "tensor_parallel_size", g.TensorParallelSize)
+	f.addInt(gm, name, "pipeline_parallel_size", g.PipelineParallelSize)
+	if len(g.URLs) > 0 {
+		seq := &yaml.Node{Kind: yaml.SequenceNode, Style: yaml.FlowStyle, LineComment: f.Source(join(name, "urls")).String()}
+		for _, u := range g.URLs {
+			seq.Content = append(seq.Content, &yaml.Node{Kind: yaml.ScalarNode, Tag: "!!str", Value: u})
+		}
+		gm.Content = append(gm.Content, key("urls"), seq)
+	} else {
+		notes = append(notes, "urls: none (kvxfer up picks free ports; kvxfer router needs them)")
+	}
+	rm := &yaml.Node{Kind: yaml.MappingNode}
+	gm.Content = append(gm.Content, key("router"), rm)
+	f.addScalar(rm, join(name, "router"), "type", "!!str", g.Router)
+	if g.Router != RouterRoundRobin && g.Router != RouterLoadBalancing {
+		rm.Content[1].LineComment += "; the router uses " + RouterFallback + " (not implemented yet)"
+	}
+	f.addKVCache(gm, join(name, "kv_cache_config"), g.KVCache)
+	if g.CacheTransceiver != nil {
+		f.addCT(gm, join(name, "cache_transceiver_config"), g.CacheTransceiver)
+	} else {
+		notes = append(notes, "cache_transceiver_config: not set (the workers bring their own worker files; kvxfer up uses backend DEFAULT)")
+	}
+	if len(notes) > 0 {
+		gm.Content[0].HeadComment = strings.Join(notes, "\n")
+	}
+}
+
+// addDisaggCluster writes a disagg_cluster block.
+func (f *File) addDisaggCluster(m *yaml.Node, dc *DisaggCluster) {
+	p := keyDisaggCluster
+	dm := &yaml.Node{Kind: yaml.MappingNode}
+	m.Content = append(m.Content, key(p), dm)
+	f.addScalar(dm, p, "cluster_uri", "!!str", dc.ClusterURI)
+	if dc.ClusterName != "" {
+		f.addScalar(dm, p, "cluster_name", "!!str", dc.ClusterName)
+	}
+	mm := &yaml.Node{Kind: yaml.MappingNode}
+	dm.Content = append(dm.Content, key("minimal_instances"), mm)
+	f.addInt(mm, join(p, "minimal_instances"), "context_servers", dc.MinContext)
+	f.addInt(mm, join(p, "minimal_instances"), "generation_servers", dc.MinGeneration)
+	f.addInt(dm, p, "heartbeat_interval_sec", dc.HeartbeatIntervalSec)
+	f.addInt(dm, p, "inactive_timeout_sec", dc.InactiveTimeoutSec)
+	dm.Content[0].HeadComment = "accepted, not applied yet"
 }
 
 func (f *File) addKVCache(m *yaml.Node, path string, kv KVCache) {
@@ -94,6 +147,16 @@ func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
 		f.addInt(cm, path, "max_tokens_in_buffer", ct.MaxTokensInBuffer)
 	}
 	f.addInt(cm, path, "kv_transfer_timeout_ms", ct.KVTransferTimeoutMs)
+	if ct.SenderFutureTimeoutMs > 0 {
+		f.addInt(cm, path, keySenderTimeout, ct.SenderFutureTimeoutMs)
+		if _, ok := notAppliedYet[keySenderTimeout]; ok {
+			cm.Content[len(cm.Content)-1].LineComment += "; accepted, not applied yet"
+		}
+	}
+	if ct.Runtime != "" {
+		f.addScalar(cm, path, keyRuntime, "!!str", ct.Runtime)
+		cm.Content[len(cm.Content)-1].LineComment += "; not applicable to kvxfer"
+	}
 	src := func(field string) string { return f.Source(join(path, field)).String() }
 	var foot []string
 	if ct.MaxTokensInBuffer == 0 {
@@ -108,7 +171,11 @@ func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
 		foot = append(foot, fmt.Sprintf("timing CSV directory: %s (%s)", ct.TimeOutputPath, src("time_output_path")))
 	}
 	if ct.UCXInterface != "" {
-		foot = append(foot, fmt.Sprintf("UCX bootstrap interface: %s (%s)", ct.UCXInterface, src("ucx_interface")))
+		line := fmt.Sprintf("UCX listener and side channel interface: %s (%s)", ct.UCXInterface, src("ucx_interface"))
+		if _, ok := notAppliedYet[EnvUCXInterface]; ok {
+			line += "; accepted, not applied yet"
+		}
+		foot = append(foot, line)
 	}
 	// A head comment on the mapping's first key renders inside the mapping
 	// at its indentation; yaml.v3 misplaces foot comments of nested maps.

@@ -8,6 +8,7 @@ import (
 	"math"
 	"os"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -100,12 +101,15 @@ func LoadBytes(name string, data []byte, env Env) (*File, error) {
 
 	l := &loader{c: c, src: map[string]Source{}}
 	f := &File{Path: name, Sources: l.src}
-	if hasAnyKey(root, clusterMarkers) {
+	if isCluster(root) {
 		f.Kind = KindCluster
 		f.Cluster = l.cluster(root, env)
 	} else {
 		f.Kind = KindWorker
 		f.Worker = l.worker(root, env)
+	}
+	if len(f.Transceivers()) > 0 {
+		envNotes(env, c)
 	}
 	dedupe(c)
 	sort.SliceStable(c.problems, func(i, j int) bool { return c.problems[i].Line < c.problems[j].Line })
@@ -170,15 +174,24 @@ func deref(n *yaml.Node) *yaml.Node {
 	return n
 }
 
-func hasAnyKey(m *yaml.Node, keys []string) bool {
+// isCluster tells a cluster file by its keys: context_servers or
+// generation_servers, or disagg_cluster among cluster keys only (the router's
+// file of a cluster whose workers register themselves; a worker file may
+// hold disagg_cluster too, beside its LLM API options).
+func isCluster(m *yaml.Node) bool {
+	dynamic, onlyCluster := false, true
 	for i := 0; i+1 < len(m.Content); i += 2 {
-		for _, k := range keys {
-			if m.Content[i].Value == k {
-				return true
-			}
+		k := m.Content[i].Value
+		switch {
+		case slices.Contains(clusterMarkers, k):
+			return true
+		case k == keyDisaggCluster:
+			dynamic = true
+		case !slices.Contains(clusterKeys, k):
+			onlyCluster = false
 		}
 	}
-	return false
+	return dynamic && onlyCluster
 }
 
 func describeNode(n *yaml.Node) string {
@@ -216,14 +229,30 @@ func truncate(s string) string {
 type loader struct {
 	c   *collector
 	src map[string]Source
+	// inherit is set while a server group loads a value it takes from the
+	// cluster file's top level: sources are then recorded under the
+	// group's path (from → to), noted "top level"; problems keep the
+	// top-level path, so that a problem of the value is reported once.
+	inherit *pathAlias
 }
+
+type pathAlias struct{ from, to string }
 
 func (l *loader) errAt(n *yaml.Node, path, format string, args ...any) {
 	l.c.add(SevError, n.Line, n.Column, path, format, args...)
 }
 
-func (l *loader) mark(n *yaml.Node, path string) {
-	l.src[path] = Source{Kind: SourceFile, File: l.c.file, Line: n.Line, Col: n.Column}
+// mark records that the value at path came from node n of the file.
+func (l *loader) mark(n *yaml.Node, path string) { l.markNote(n, path, "") }
+
+// markNote is mark with a note: the older form the value is implied by.
+func (l *loader) markNote(n *yaml.Node, path, note string) {
+	s := Source{Kind: SourceFile, File: l.c.file, Line: n.Line, Col: n.Column, Note: note}
+	if a := l.inherit; a != nil && (path == a.from || strings.HasPrefix(path, a.from+".") || strings.HasPrefix(path, a.from+"[")) {
+		path = a.to + path[len(a.from):]
+		s.Note = strings.TrimPrefix(s.Note+"; top level", "; ")
+	}
+	l.src[path] = s
 }
 
 func join(prefix, key string) string {
@@ -233,10 +262,13 @@ func join(prefix, key string) string {
 	return prefix + "." + key
 }
 
-// fields walks mapping m: each key in used is handed to its function, keys
-// in ignored produce a warning, anything else an error with a suggestion.
-// Duplicate keys are errors. m must already be a mapping.
-func (l *loader) fields(m *yaml.Node, prefix string, used map[string]func(key, val *yaml.Node), ignored []string) {
+// fields walks mapping m. A key in read is handed to its function. Any
+// other key is an error when strict (a block kvxfer owns, or one that
+// TensorRT-LLM keeps strict), or when it is a near miss of a key in read (a
+// typo, reported with the suggestion); else it is a warning: a key kvxfer
+// does not use, known (listed in known) or not. Duplicate keys are errors.
+// m must already be a mapping.
+func (l *loader) fields(m *yaml.Node, prefix string, read map[string]func(key, val *yaml.Node), known []string, strict bool) {
 	seen := map[string]*yaml.Node{}
 	for i := 0; i+1 < len(m.Content); i += 2 {
 		k, v := m.Content[i], deref(m.Content[i+1])
@@ -254,34 +286,39 @@ func (l *loader) fields(m *yaml.Node, prefix string, used map[string]func(key, v
 			continue
 		}
 		seen[k.Value] = k
-		if fn, ok := used[k.Value]; ok {
+		if fn, ok := read[k.Value]; ok {
 			fn(k, v)
 			continue
 		}
-		if contains(ignored, k.Value) {
-			l.c.add(SevWarning, k.Line, k.Column, path, "known TensorRT-LLM key, ignored: it has no effect in kvxfer")
-			continue
-		}
-		known := make([]string, 0, len(used)+len(ignored))
-		for u := range used {
-			known = append(known, u)
-		}
-		known = append(known, ignored...)
-		if s := suggest(k.Value, known); s != "" {
-			l.errAt(k, path, "unknown key; did you mean %q?", s)
-		} else {
-			l.errAt(k, path, "unknown key (valid here: %s)", strings.Join(sortedKeys(used), ", "))
-		}
+		l.unread(k, path, read, known, strict)
 	}
 }
 
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
+// hiddenKeys are keys kvxfer reads only to explain them (older forms, a
+// documented misspelling); they are not offered as valid.
+var hiddenKeys = []string{"max_num_tokens", "enable_cache_transceiver", "inactive_interval_sec"}
+
+// unread reports key k, which kvxfer does not read here.
+func (l *loader) unread(k *yaml.Node, path string, read map[string]func(key, val *yaml.Node), known []string, strict bool) {
+	readKeys := sortedKeys(read)
+	if !strict && slices.Contains(known, k.Value) {
+		l.c.warn(KindNotUsed, k.Line, k.Column, path, "known TensorRT-LLM key, not used by kvxfer")
+		return
 	}
-	return false
+	if s := suggest(k.Value, readKeys); s != "" {
+		l.errAt(k, path, "unknown key; did you mean %q?", s)
+		return
+	}
+	if strict {
+		valid := slices.DeleteFunc(readKeys, func(k string) bool { return slices.Contains(hiddenKeys, k) })
+		l.errAt(k, path, "unknown key (valid here: %s)", strings.Join(valid, ", "))
+		return
+	}
+	msg := "not a key kvxfer knows (a newer TensorRT-LLM option?); not used by kvxfer"
+	if s := suggest(k.Value, known); s != "" {
+		msg += fmt.Sprintf(" (a typo of %q, which kvxfer does not use either?)", s)
+	}
+	l.c.warn(KindNotUsed, k.Line, k.Column, path, "%s", msg)
 }
 
 // mapping checks that n is a mapping (null counts as an empty one).
@@ -298,7 +335,7 @@ func (l *loader) mapping(n *yaml.Node, path string) bool {
 
 // integer decodes n into *dst when it is an integer in [lo, hi]. A null
 // value leaves *dst unchanged (unset). It reports whether *dst was set.
-func (l *loader) integer(k, n *yaml.Node, path string, dst *int, lo, hi int) bool {
+func (l *loader) integer(n *yaml.Node, path string, dst *int, lo, hi int) bool {
 	if n.Kind != yaml.ScalarNode {
 		l.errAt(n, path, "want an integer, got %s", describeNode(n))
 		return false
@@ -327,6 +364,25 @@ func (l *loader) integer(k, n *yaml.Node, path string, dst *int, lo, hi int) boo
 	}
 	l.errAt(n, path, "want an integer, got %s", describeNode(n))
 	return false
+}
+
+// boolean decodes n into *dst when it is true or false (YAML 1.2: True and
+// TRUE too). A null value leaves *dst unchanged. It reports whether *dst
+// was set.
+func (l *loader) boolean(n *yaml.Node, path string, dst *bool) bool {
+	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
+		return false
+	}
+	if n.Kind != yaml.ScalarNode || n.Tag != "!!bool" {
+		l.errAt(n, path, "want true or false, got %s", describeNode(n))
+		return false
+	}
+	if err := n.Decode(dst); err != nil {
+		l.errAt(n, path, "want true or false, got %s", describeNode(n))
+		return false
+	}
+	l.mark(n, path)
+	return true
 }
 
 func (l *loader) str(n *yaml.Node, path string, dst *string) bool {
@@ -376,26 +432,77 @@ func (l *loader) strList(n *yaml.Node, path string, dst *[]string) {
 	l.mark(n, path)
 }
 
+// llmKeys are the LLM API options kvxfer reads, in a worker file and in a
+// server group (where the cluster file's top level may give them too).
+var llmKeys = []string{"tensor_parallel_size", "pipeline_parallel_size", "kv_cache_config", "cache_transceiver_config", "enable_cache_transceiver"}
+
+// entry is one option kvxfer reads, as found in a worker file or a server
+// group, or taken by a group from the cluster file's top level (top).
+type entry struct {
+	key, val *yaml.Node
+	top      bool
+}
+
+// entries holds the options kvxfer reads of one block, by key.
+type entries map[string]entry
+
+// collect adds to read a function for each key that stores its entry.
+func (es entries) collect(read map[string]func(k, v *yaml.Node), keys []string, top bool) {
+	for _, key := range keys {
+		read[key] = func(k, v *yaml.Node) { es[key] = entry{k, v, top} }
+	}
+}
+
+// with runs fn with the path problems of e are reported at: key under
+// prefix, or the top-level key for a value taken from the top level, whose
+// sources are then recorded under prefix (loader.inherit).
+func (l *loader) with(e entry, prefix, key string, fn func(path string)) {
+	if !e.top || prefix == "" {
+		fn(join(prefix, key))
+		return
+	}
+	l.inherit = &pathAlias{from: key, to: join(prefix, key)}
+	defer func() { l.inherit = nil }()
+	fn(key)
+}
+
+// parallel is the layout part of a worker or a server group.
+type parallel struct {
+	tp, pp *int
+	kv     *KVCache
+}
+
+// options loads the LLM API options kvxfer reads from es (see llmKeys)
+// into p and returns the cache transceiver, nil when there is none.
+func (l *loader) options(es entries, prefix string, p parallel, env Env) *CacheTransceiver {
+	for _, f := range []struct {
+		key string
+		dst *int
+	}{{"tensor_parallel_size", p.tp}, {"pipeline_parallel_size", p.pp}} {
+		if e, ok := es[f.key]; ok {
+			l.with(e, prefix, f.key, func(path string) { l.integer(e.val, path, f.dst, 1, MaxParallel) })
+		}
+	}
+	if e, ok := es["kv_cache_config"]; ok {
+		l.with(e, prefix, "kv_cache_config", func(path string) { l.kvCache(e.val, path, p.kv) })
+	}
+	// After kv_cache_config, whatever the key order: validation needs
+	// tokens_per_block.
+	return l.transceiverOf(es, prefix, p.kv.TokensPerBlock, env)
+}
+
 // worker loads the worker file form.
 func (l *loader) worker(root *yaml.Node, env Env) *Worker {
 	w := DefaultWorker()
-	var ctNode, secNode *yaml.Node
-	l.fields(root, "", map[string]func(k, v *yaml.Node){
-		"tensor_parallel_size": func(k, v *yaml.Node) {
-			l.integer(k, v, "tensor_parallel_size", &w.TensorParallelSize, 1, MaxParallel)
-		},
-		"security": func(k, v *yaml.Node) { secNode = v },
-		"pipeline_parallel_size": func(k, v *yaml.Node) {
-			l.integer(k, v, "pipeline_parallel_size", &w.PipelineParallelSize, 1, MaxParallel)
-		},
-		"kv_cache_config":          func(k, v *yaml.Node) { l.kvCache(v, "kv_cache_config", &w.KVCache) },
-		"cache_transceiver_config": func(k, v *yaml.Node) { ctNode = v },
-	}, llmAPIIgnored)
-	if ctNode != nil {
-		// After kv_cache_config, whatever the key order: validation needs
-		// tokens_per_block.
-		w.CacheTransceiver = l.cacheTransceiver(ctNode, "cache_transceiver_config", w.KVCache.TokensPerBlock, env)
+	es := entries{}
+	var secNode *yaml.Node
+	read := map[string]func(k, v *yaml.Node){
+		"security":       func(k, v *yaml.Node) { secNode = v },
+		keyDisaggCluster: func(k, v *yaml.Node) { w.DisaggCluster = l.disaggCluster(k, v, keyDisaggCluster) },
 	}
+	es.collect(read, llmKeys, false)
+	l.fields(root, "", read, llmAPIKnown, false)
+	w.CacheTransceiver = l.options(es, "", parallel{&w.TensorParallelSize, &w.PipelineParallelSize, &w.KVCache}, env)
 	w.Security = l.security(secNode, "security", env)
 	return w
 }
@@ -407,200 +514,12 @@ func (l *loader) kvCache(n *yaml.Node, path string, kv *KVCache) {
 	l.fields(n, path, map[string]func(k, v *yaml.Node){
 		"tokens_per_block": func(k, v *yaml.Node) {
 			p := join(path, "tokens_per_block")
-			if l.integer(k, v, p, &kv.TokensPerBlock, 1, MaxTokensPerBlock) && kv.TokensPerBlock&(kv.TokensPerBlock-1) != 0 {
+			if l.integer(v, p, &kv.TokensPerBlock, 1, MaxTokensPerBlock) && kv.TokensPerBlock&(kv.TokensPerBlock-1) != 0 {
 				l.errAt(v, p, "%d is not a power of two", kv.TokensPerBlock)
 			}
 		},
 		"max_tokens": func(k, v *yaml.Node) {
-			l.integer(k, v, join(path, "max_tokens"), &kv.MaxTokens, 1, MaxPoolTokens)
+			l.integer(v, join(path, "max_tokens"), &kv.MaxTokens, 1, MaxPoolTokens)
 		},
-	}, kvCacheIgnored)
-}
-
-// cacheTransceiver loads a cache_transceiver_config mapping. Unknown keys are
-// errors here (TRT-LLM's model is strict); there are no ignored keys.
-func (l *loader) cacheTransceiver(n *yaml.Node, path string, tokensPerBlock int, env Env) *CacheTransceiver {
-	ct := defaultCacheTransceiver(BackendUnset)
-	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
-		l.c.add(SevWarning, n.Line, n.Column, path, "empty: no transceiver is configured (set backend: DEFAULT to enable one)")
-		return nil
-	}
-	if !l.mapping(n, path) {
-		return nil
-	}
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
-		"backend": func(k, v *yaml.Node) {
-			p := join(path, "backend")
-			var s string
-			if !l.str(v, p, &s) {
-				return
-			}
-			b, err := ParseBackend(s)
-			if err != nil {
-				l.errAt(v, p, "%v", err)
-				delete(l.src, p)
-				return
-			}
-			ct.Backend = b
-		},
-		"max_tokens_in_buffer": func(k, v *yaml.Node) {
-			l.integer(k, v, join(path, "max_tokens_in_buffer"), &ct.MaxTokensInBuffer, 1, MaxTokensInBufferLimit)
-		},
-		"kv_transfer_timeout_ms": func(k, v *yaml.Node) {
-			l.integer(k, v, join(path, "kv_transfer_timeout_ms"), &ct.KVTransferTimeoutMs, 1, MaxKVTransferTimeoutMs)
-		},
-	}, nil)
-	applyEnv(ct, env, l.c, l.src, path+".")
-	validateCT(ct, tokensPerBlock, l.c, path, l.src)
-	return ct
-}
-
-// validateCT applies the cross-field rules. src may be nil (hand-built
-// configs); positions then are unknown.
-func validateCT(ct *CacheTransceiver, tokensPerBlock int, c *collector, path string, src map[string]Source) {
-	at := func(field string) (int, int) {
-		s := src[join(path, field)]
-		return s.Line, s.Col
-	}
-	if ct.Backend != BackendUnset {
-		if _, err := ParseBackend(string(ct.Backend)); err != nil {
-			line, col := at("backend")
-			c.add(SevError, line, col, join(path, "backend"), "%v", err)
-		} else if why := ct.Backend.unsupported(); why != "" {
-			line, col := at("backend")
-			c.add(SevError, line, col, join(path, "backend"), "%s", why)
-		}
-	}
-	if ct.MaxTokensInBuffer != 0 {
-		line, col := at("max_tokens_in_buffer")
-		switch {
-		case ct.MaxTokensInBuffer < 0 || ct.MaxTokensInBuffer > MaxTokensInBufferLimit:
-			c.add(SevError, line, col, join(path, "max_tokens_in_buffer"), "%d is out of range (1..%d)", ct.MaxTokensInBuffer, MaxTokensInBufferLimit)
-		case tokensPerBlock > 0 && ct.MaxTokensInBuffer%tokensPerBlock != 0:
-			c.add(SevError, line, col, join(path, "max_tokens_in_buffer"), "%d is not a multiple of tokens_per_block (%d)", ct.MaxTokensInBuffer, tokensPerBlock)
-		}
-	}
-	if ct.KVTransferTimeoutMs < 0 || ct.KVTransferTimeoutMs > MaxKVTransferTimeoutMs {
-		line, col := at("kv_transfer_timeout_ms")
-		c.add(SevError, line, col, join(path, "kv_transfer_timeout_ms"), "%d is out of range (1..%d)", ct.KVTransferTimeoutMs, MaxKVTransferTimeoutMs)
-	}
-}
-
-// cluster loads the cluster file form.
-func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
-	cl := defaultCluster()
-	var seenCtx, seenGen bool
-	var secNode *yaml.Node
-	l.fields(root, "", map[string]func(k, v *yaml.Node){
-		"security": func(k, v *yaml.Node) { secNode = v },
-		"hostname": func(k, v *yaml.Node) {
-			if l.str(v, "hostname", &cl.Hostname) && strings.TrimSpace(cl.Hostname) == "" {
-				l.errAt(v, "hostname", "must not be empty")
-			}
-		},
-		"port": func(k, v *yaml.Node) { l.integer(k, v, "port", &cl.Port, 1, 65535) },
-		"context_servers": func(k, v *yaml.Node) {
-			seenCtx = true
-			l.serverGroup(v, "context_servers", &cl.Context, env)
-		},
-		"generation_servers": func(k, v *yaml.Node) {
-			seenGen = true
-			l.serverGroup(v, "generation_servers", &cl.Generation, env)
-		},
-	}, clusterIgnored)
-	cl.Security = l.security(secNode, "security", env)
-	for _, g := range []struct {
-		seen bool
-		name string
-	}{{seenCtx, "context_servers"}, {seenGen, "generation_servers"}} {
-		if !g.seen {
-			l.c.add(SevError, 0, 0, g.name, "missing: a cluster file needs both context_servers and generation_servers")
-		}
-	}
-	return cl
-}
-
-func (l *loader) serverGroup(n *yaml.Node, path string, g *ServerGroup, env Env) {
-	*g = defaultServerGroup()
-	if n.Kind == yaml.ScalarNode && n.Tag == "!!null" {
-		l.errAt(n, path, "empty: want a mapping with at least cache_transceiver_config")
-		return
-	}
-	if !l.mapping(n, path) {
-		return
-	}
-	var ctNode, urlsNode *yaml.Node
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
-		"num_instances": func(k, v *yaml.Node) {
-			l.integer(k, v, join(path, "num_instances"), &g.NumInstances, 1, MaxParallel)
-		},
-		"tensor_parallel_size": func(k, v *yaml.Node) {
-			l.integer(k, v, join(path, "tensor_parallel_size"), &g.TensorParallelSize, 1, MaxParallel)
-		},
-		"pipeline_parallel_size": func(k, v *yaml.Node) {
-			l.integer(k, v, join(path, "pipeline_parallel_size"), &g.PipelineParallelSize, 1, MaxParallel)
-		},
-		"urls": func(k, v *yaml.Node) {
-			urlsNode = v
-			l.strList(v, join(path, "urls"), &g.URLs)
-		},
-		"router":                   func(k, v *yaml.Node) { l.router(v, join(path, "router"), g) },
-		"kv_cache_config":          func(k, v *yaml.Node) { l.kvCache(v, join(path, "kv_cache_config"), &g.KVCache) },
-		"cache_transceiver_config": func(k, v *yaml.Node) { ctNode = v },
-	}, llmAPIIgnored)
-	if ctNode != nil {
-		g.CacheTransceiver = l.cacheTransceiver(ctNode, join(path, "cache_transceiver_config"), g.KVCache.TokensPerBlock, env)
-	}
-	if g.CacheTransceiver == nil || g.CacheTransceiver.Backend == BackendUnset {
-		line, col := n.Line, n.Column
-		if ctNode != nil {
-			line, col = ctNode.Line, ctNode.Column
-		}
-		l.c.add(SevError, line, col, join(path, "cache_transceiver_config.backend"),
-			"missing: every server group of a disaggregated cluster needs a transceiver (e.g. cache_transceiver_config: {backend: DEFAULT})")
-	}
-	if urlsNode != nil && len(g.URLs) > 0 && len(g.URLs) != g.NumInstances {
-		l.errAt(urlsNode, join(path, "urls"), "has %d entries but num_instances is %d; give one host:port per instance", len(g.URLs), g.NumInstances)
-	}
-	for i, u := range g.URLs {
-		if err := checkHostPort(u); err != nil {
-			l.errAt(deref(urlsNode.Content[i]), fmt.Sprintf("%s.urls[%d]", path, i), "%v", err)
-		}
-	}
-}
-
-func checkHostPort(u string) error {
-	s := strings.TrimPrefix(strings.TrimPrefix(u, "http://"), "https://")
-	i := strings.LastIndexByte(s, ':')
-	if i <= 0 {
-		return fmt.Errorf("%q is not host:port", u)
-	}
-	p, err := strconv.Atoi(s[i+1:])
-	if err != nil || p < 1 || p > 65535 {
-		return fmt.Errorf("%q has no valid port (1..65535)", u)
-	}
-	return nil
-}
-
-func (l *loader) router(n *yaml.Node, path string, g *ServerGroup) {
-	if !l.mapping(n, path) {
-		return
-	}
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
-		"type": func(k, v *yaml.Node) {
-			p := join(path, "type")
-			var s string
-			if !l.str(v, p, &s) {
-				return
-			}
-			switch s {
-			case RouterRoundRobin, RouterLoadBalancing:
-				g.Router = s
-			case RouterKVCacheAware:
-				l.errAt(v, p, "kv_cache_aware is a TensorRT-LLM policy that kvxfer does not implement; use round_robin or load_balancing")
-			default:
-				l.errAt(v, p, "unknown router type %q (valid: round_robin, load_balancing)", s)
-			}
-		},
-	}, routerIgnored)
+	}, kvCacheKnown, false)
 }

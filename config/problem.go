@@ -25,6 +25,19 @@ func (s Severity) String() string {
 	return "error"
 }
 
+// Kinds of warning, so that a caller can group them (config check lists the
+// settings that are accepted but not applied on their own).
+const (
+	// KindNotUsed marks a TensorRT-LLM key that kvxfer does not read.
+	KindNotUsed = "not-used"
+	// KindNotApplied marks a setting kvxfer reads and checks but that has
+	// no effect (yet, or ever: see the message).
+	KindNotApplied = "not-applied"
+	// KindDeprecated marks an older TensorRT-LLM form, loaded with the
+	// meaning it had; the message names the current form.
+	KindDeprecated = "deprecated"
+)
+
 // Problem is one finding about a config: where it is (file, line, column,
 // field path, or environment variable) and what is wrong.
 type Problem struct {
@@ -34,6 +47,9 @@ type Problem struct {
 	Col      int    // 1-based; 0 when unknown
 	Path     string // dotted field path, e.g. "cache_transceiver_config.backend"
 	Msg      string
+	// Kind groups warnings (KindNotUsed, KindNotApplied, KindDeprecated);
+	// "" for the others and for errors.
+	Kind string
 }
 
 // String formats p on one line: "file:line:col: path: message".
@@ -84,6 +100,22 @@ type collector struct {
 
 func (c *collector) add(sev Severity, line, col int, path, format string, args ...any) {
 	c.problems = append(c.problems, Problem{Severity: sev, File: c.file, Line: line, Col: col, Path: path, Msg: fmt.Sprintf(format, args...)})
+}
+
+// warn adds a warning of a kind.
+func (c *collector) warn(kind string, line, col int, path, format string, args ...any) {
+	c.problems = append(c.problems, Problem{Severity: SevWarning, File: c.file, Line: line, Col: col, Path: path,
+		Msg: fmt.Sprintf(format, args...), Kind: kind})
+}
+
+// envWarn adds a warning about an environment variable (no file position).
+func (c *collector) envWarn(kind, name, format string, args ...any) {
+	c.problems = append(c.problems, Problem{Severity: SevWarning, Path: "env " + name, Msg: fmt.Sprintf(format, args...), Kind: kind})
+}
+
+// envErr adds an error about an environment variable's value.
+func (c *collector) envErr(name, format string, args ...any) {
+	c.problems = append(c.problems, Problem{Severity: SevError, Path: "env " + name, Msg: fmt.Sprintf(format, args...)})
 }
 
 func (c *collector) errs() Problems {

@@ -27,6 +27,10 @@ type Resolution struct {
 	// each with the reason ("TRTLLM_USE_UCX_KVCACHE=1: ignored, explicit
 	// backend TCP").
 	Ignored []string
+	// Warning, when not empty, says why DEFAULT did not become what the
+	// environment asked for (NIXL or MPI, which kvxfer does not have).
+	// Log it as a warning; config check prints it as one.
+	Warning string
 	// Err is non-nil when Backend cannot be used by this binary; it wraps
 	// ErrBackendUnavailable or is ErrNoTransceiver.
 	Err error
@@ -39,6 +43,11 @@ type Resolution struct {
 // TRTLLM_USE_NIXL_KVCACHE=1, else TRTLLM_USE_MPI_KVCACHE=1 (deprecated),
 // else kvxfer's built-in default, AUTO. A flag counts only when its value is
 // exactly "1".
+//
+// DEFAULT means "pick for me": when the variable that decides asks for a
+// backend kvxfer does not have (NIXL, MPI), it resolves to AUTO, with
+// Resolution.Warning naming the variable and why. An explicit NIXL or MPI
+// stays an error.
 //
 // available reports whether a backend can run in this binary (nil) or why
 // not; it is called once, for the final choice. ResolveBackend is pure.
@@ -68,8 +77,12 @@ func ResolveBackend(configured Backend, env Env, available func(Backend) error) 
 				decided = f.name
 				r.Backend = f.b
 				r.Reason = fmt.Sprintf("backend DEFAULT resolved to %s because %s=1", f.b, f.name)
-				if f.b == BackendMPI {
-					r.Reason += " (MPI is deprecated)"
+				if f.b.unsupported() != "" {
+					r.Backend = BackendAuto
+					r.Reason = fmt.Sprintf("backend DEFAULT resolved to AUTO: %s=1 asks for %s, which kvxfer does not have (AUTO picks per peer: %s)",
+						f.name, f.b, AutoRule)
+					r.Warning = fmt.Sprintf("%s=1 asks DEFAULT for %s, which kvxfer does not have; using AUTO instead "+
+						"(unset the variable, or set cache_transceiver_config.backend to UCX, TCP, SHM or AUTO)", f.name, f.b)
 				}
 			}
 		}

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 
 	"go.yaml.in/yaml/v3"
@@ -217,7 +218,7 @@ func (l *loader) security(n *yaml.Node, path string, env Env) Security {
 			},
 			"allowed_peer_hosts": func(k, v *yaml.Node) { l.peerHosts(v, join(path, "allowed_peer_hosts"), &s) },
 			"tls":                func(k, v *yaml.Node) { l.tls(v, join(path, "tls"), &s.TLS) },
-		}, nil)
+		}, nil, true)
 		if fileKey != nil && envKey != nil {
 			later := fileKey
 			if envKey.Line > fileKey.Line || (envKey.Line == fileKey.Line && envKey.Column > fileKey.Column) {
@@ -248,7 +249,7 @@ func (l *loader) peerHosts(n *yaml.Node, path string, s *Security) {
 			l.errAt(e, ep, "%v", err)
 			continue
 		}
-		if contains(s.AllowedPeerHosts, c) {
+		if slices.Contains(s.AllowedPeerHosts, c) {
 			l.c.add(SevWarning, e.Line, e.Column, ep, "%s is listed twice", c)
 			continue
 		}
@@ -274,7 +275,7 @@ func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
 		"cert_file": file("cert_file", &t.CertFile),
 		"key_file":  file("key_file", &t.KeyFile),
 		"ca_file":   file("ca_file", &t.CAFile),
-	}, nil)
+	}, nil, true)
 	switch {
 	case t.CertFile != "" && t.KeyFile == "":
 		l.errAt(n, join(path, "key_file"), "missing: cert_file is set, and a certificate needs its private key")
@@ -296,15 +297,14 @@ func applySecurityEnv(s *Security, env Env, c *collector, src map[string]Source,
 		}
 		ch, err := ParsePeerHost(h)
 		if err != nil {
-			c.problems = append(c.problems, Problem{Severity: SevError, Path: "env " + EnvAllowedPeerHosts, Msg: err.Error()})
+			c.envErr(EnvAllowedPeerHosts, "%v", err)
 			continue
 		}
-		if contains(s.AllowedPeerHosts, ch) {
+		if slices.Contains(s.AllowedPeerHosts, ch) {
 			continue
 		}
 		if len(s.AllowedPeerHosts) >= maxPeerHosts {
-			c.problems = append(c.problems, Problem{Severity: SevError, Path: "env " + EnvAllowedPeerHosts,
-				Msg: fmt.Sprintf("more than %d allowed peer hosts", maxPeerHosts)})
+			c.envErr(EnvAllowedPeerHosts, "more than %d allowed peer hosts", maxPeerHosts)
 			return
 		}
 		src[fmt.Sprintf("%s.allowed_peer_hosts[%d]", path, len(s.AllowedPeerHosts))] = Source{Kind: SourceEnv, Env: EnvAllowedPeerHosts}

@@ -37,6 +37,20 @@ type CacheTransceiver struct {
 	// transfer on either side, counted from the moment the request enters
 	// the transceiver. Default DefaultKVTransferTimeoutMs; 1..one day.
 	KVTransferTimeoutMs int
+	// SenderFutureTimeoutMs is kv_transfer_sender_future_timeout_ms: on
+	// the context side, how long a rank waits for its sends to finish
+	// once the generation side has asked for them, before it ends the
+	// request in error and frees its blocks. 0 means unset: only
+	// KVTransferTimeoutMs bounds the wait. TensorRT-LLM's field of the same
+	// name (default 1000) bounds one poll of its send futures instead;
+	// kvxfer gives it the meaning above and no default, because a
+	// deadline of one second would fail large transfers. Not enforced yet
+	// (the loader says so: notAppliedYet).
+	SenderFutureTimeoutMs int
+	// Runtime is transceiver_runtime (CPP or PYTHON): which of
+	// TensorRT-LLM's implementations runs the transfer. Accepted and
+	// reported as not applicable: kvxfer is its own runtime. "" = unset.
+	Runtime string
 
 	// TransferBufferSize is the size in bytes of each staging buffer when
 	// MaxTokensInBuffer is unset (TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE,
@@ -57,8 +71,10 @@ type CacheTransceiver struct {
 	// TimeOutputPath is a directory for per-rank transfer timing CSV files
 	// (TRTLLM_KVCACHE_TIME_OUTPUT_PATH); empty = none.
 	TimeOutputPath string
-	// UCXInterface is the network interface for UCX's bootstrap
-	// (TRTLLM_UCX_INTERFACE); empty = UCX's choice.
+	// UCXInterface is TRTLLM_UCX_INTERFACE: the network interface the UCX
+	// backend's listener and side channel use; empty = UCX's choice. The
+	// loader checks that the interface exists. Not applied yet (the loader
+	// says so: notAppliedYet).
 	UCXInterface string
 	// Env is the environment snapshot the config was loaded with; DEFAULT
 	// resolution reads it.
@@ -75,6 +91,12 @@ func (ct *CacheTransceiver) Timeout() time.Duration {
 	return time.Duration(ms) * time.Millisecond
 }
 
+// SenderTimeout returns SenderFutureTimeoutMs as a duration, or 0 when it
+// is unset.
+func (ct *CacheTransceiver) SenderTimeout() time.Duration {
+	return time.Duration(max(ct.SenderFutureTimeoutMs, 0)) * time.Millisecond
+}
+
 // Resolve resolves ct's backend against its environment snapshot and the
 // backends of this binary (see ResolveBackend).
 func (ct *CacheTransceiver) Resolve(available func(Backend) error) Resolution {
@@ -85,7 +107,7 @@ func (ct *CacheTransceiver) Resolve(available func(Backend) error) Resolution {
 // rules the loader applies, with tokensPerBlock the pool's block size.
 func (ct *CacheTransceiver) Validate(tokensPerBlock int) error {
 	c := &collector{}
-	validateCT(ct, tokensPerBlock, c, "cache_transceiver_config", nil)
+	validateCT(ct, tokensPerBlock, c, "cache_transceiver_config", "cache_transceiver_config", nil)
 	if errs := c.errs(); len(errs) > 0 {
 		return errs
 	}
@@ -104,7 +126,7 @@ type KVCache struct {
 
 // Worker is the worker file form: TRT-LLM's extra LLM API options file
 // (--extra_llm_api_options / --config), of which kvxfer reads the keys
-// below and lists the other known keys as ignored.
+// below; every other key is a warning ("not used by kvxfer").
 type Worker struct {
 	TensorParallelSize   int // default 1
 	PipelineParallelSize int // default 1
@@ -112,29 +134,49 @@ type Worker struct {
 	// CacheTransceiver is nil when the file has no cache_transceiver_config
 	// (an aggregated worker).
 	CacheTransceiver *CacheTransceiver
+	// DisaggCluster is the worker's disagg_cluster block (dynamic
+	// membership), nil when absent. Checked, not applied yet.
+	DisaggCluster *DisaggCluster
 	// Security is the kvxfer security block with its environment
 	// variables applied (set even when the file has no block).
 	Security Security
 }
 
-// Router policies of a server group.
+// Router policies of a server group: TensorRT-LLM's names.
 const (
 	RouterRoundRobin    = "round_robin"
 	RouterLoadBalancing = "load_balancing"
-	RouterKVCacheAware  = "kv_cache_aware"
+	// RouterKVCacheAware and RouterConversation are TensorRT-LLM policies
+	// kvxfer does not implement yet: a file naming them loads with a
+	// warning, and the router uses RouterFallback instead.
+	RouterKVCacheAware = "kv_cache_aware"
+	RouterConversation = "conversation"
+	// RouterFallback is the policy the router uses for the ones it does
+	// not implement.
+	RouterFallback = RouterLoadBalancing
 )
 
-// ServerGroup is context_servers or generation_servers of a cluster file.
+// ServerGroup is context_servers or generation_servers of a cluster file,
+// with the LLM API options of the file's top level merged in (a group's
+// own value wins).
 type ServerGroup struct {
-	NumInstances         int // default 1
+	// NumInstances is the number of workers (default 1). 0 is TensorRT-LLM's
+	// generation-only benchmark mode for context_servers: it loads, and
+	// kvxfer up refuses to start it.
+	NumInstances         int
 	TensorParallelSize   int // default 1
 	PipelineParallelSize int // default 1
 	// URLs are host:port of each instance; empty means the launcher picks
 	// free ports. When given there is one per instance.
-	URLs             []string
-	Router           string // round_robin (default) or load_balancing
-	KVCache          KVCache
-	CacheTransceiver *CacheTransceiver // never nil after a successful load
+	URLs []string
+	// Router is the policy as written, lower case: round_robin (default),
+	// load_balancing, or one the router replaces by RouterFallback.
+	Router  string
+	KVCache KVCache
+	// CacheTransceiver is nil when neither the group nor the top level has
+	// a cache_transceiver_config: its workers are started separately with
+	// their own worker files. kvxfer up then uses backend DEFAULT.
+	CacheTransceiver *CacheTransceiver
 }
 
 // Cluster is the cluster file form (TRT-LLM's disagg_config.yaml), read by
@@ -144,8 +186,36 @@ type Cluster struct {
 	Port       int    // router port, default DefaultPort (8000)
 	Context    ServerGroup
 	Generation ServerGroup
+	// ConditionalDisagg is conditional_disagg_config, nil when absent.
+	// Checked, not applied yet.
+	ConditionalDisagg *ConditionalDisagg
+	// DisaggCluster is disagg_cluster (dynamic membership), nil when
+	// absent. With it the file may leave out both server groups. Checked,
+	// not applied yet.
+	DisaggCluster *DisaggCluster
 	// Security applies to the router and to every worker of the cluster.
 	Security Security
+}
+
+// ConditionalDisagg is conditional_disagg_config: a request whose uncached
+// prompt part is at most MaxLocalPrefillLength tokens is prefilled on the
+// generation worker itself.
+type ConditionalDisagg struct {
+	MaxLocalPrefillLength int
+}
+
+// DisaggCluster is TensorRT-LLM's disagg_cluster block: workers register
+// themselves in a store instead of being listed in urls.
+type DisaggCluster struct {
+	// ClusterURI is http://host:port (the disaggregated server keeps the
+	// store) or etcd://host:port[,host:port].
+	ClusterURI  string
+	ClusterName string
+	// MinContext and MinGeneration are minimal_instances (default 1 and
+	// 1): below them the router is not ready.
+	MinContext, MinGeneration int
+	HeartbeatIntervalSec      int // default 5
+	InactiveTimeoutSec        int // default 10
 }
 
 // Kind tells the two file forms apart.
@@ -183,13 +253,21 @@ type Source struct {
 	File      string
 	Line, Col int
 	Env       string // variable name, for SourceEnv
+	// Note qualifies a file source: "top level" for a value a server group
+	// took from the cluster file's top level, or the older form a value
+	// was implied by.
+	Note string
 }
 
 // String formats the source as shown by `kvxfer config check`.
 func (s Source) String() string {
 	switch s.Kind {
 	case SourceFile:
-		return fmt.Sprintf("file %s:%d:%d", s.File, s.Line, s.Col)
+		out := fmt.Sprintf("file %s:%d:%d", s.File, s.Line, s.Col)
+		if s.Note != "" {
+			out += " (" + s.Note + ")"
+		}
+		return out
 	case SourceEnv:
 		return "env " + s.Env
 	}
@@ -207,9 +285,22 @@ type File struct {
 	// "context_servers.tensor_parallel_size") to where its value came from.
 	// Fields absent from the map came from defaults.
 	Sources map[string]Source
-	// Warnings are problems of severity SevWarning: ignored keys, and the
-	// like.
+	// Warnings are problems of severity SevWarning: keys kvxfer does not
+	// use, settings it accepts but does not apply, older forms, and the
+	// like (see Problem.Kind).
 	Warnings []Problem
+}
+
+// NotApplied returns the warnings about settings that are accepted but
+// have no effect in kvxfer (Kind KindNotApplied).
+func (f *File) NotApplied() []Problem {
+	var out []Problem
+	for _, w := range f.Warnings {
+		if w.Kind == KindNotApplied {
+			out = append(out, w)
+		}
+	}
+	return out
 }
 
 // Source returns where the value at path came from.
@@ -245,23 +336,4 @@ func (f *File) Transceivers() []NamedTransceiver {
 type NamedTransceiver struct {
 	Path string
 	CT   *CacheTransceiver
-}
-
-// NewCacheTransceiver returns the config of a worker started from flags
-// rather than a file: backend b (parsed, any case), every other file field
-// at its default, the environment applied, validated against
-// tokensPerBlock.
-func NewCacheTransceiver(b string, tokensPerBlock int, env Env) (*CacheTransceiver, error) {
-	backend, err := ParseBackend(b)
-	if err != nil {
-		return nil, fmt.Errorf("config: %w", err)
-	}
-	ct := defaultCacheTransceiver(backend)
-	c := &collector{}
-	applyEnv(ct, env, c, map[string]Source{}, "")
-	validateCT(ct, tokensPerBlock, c, "cache_transceiver_config", nil)
-	if errs := c.errs(); len(errs) > 0 {
-		return nil, errs
-	}
-	return ct, nil
 }

@@ -54,7 +54,7 @@ func TestConfigCheckExamples(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
-	if !strings.Contains(errw, "disable_overlap_scheduler: known TensorRT-LLM key, ignored") {
+	if !strings.Contains(errw, "disable_overlap_scheduler: known TensorRT-LLM key, not used by kvxfer") {
 		t.Errorf("no ignored-key warning:\n%s", errw)
 	}
 }

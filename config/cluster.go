@@ -1,0 +1,248 @@
+package config
+
+import (
+	"fmt"
+	"reflect"
+	"slices"
+	"strconv"
+	"strings"
+
+	"go.yaml.in/yaml/v3"
+)
+
+// cluster loads the cluster file form.
+//
+// As in TensorRT-LLM, every top-level key that is not a cluster key
+// (clusterKeys) is an LLM API option of both server groups, and a group's
+// own value of the key wins. The merge is per key: a group's own
+// kv_cache_config replaces the top-level one as a whole. kvxfer reads the
+// merged options it knows (llmKeys, and the group keys num_instances, urls
+// and router), recording each value's source under the group's path with
+// the note "top level"; the others are reported once, at the top level.
+func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
+	cl := defaultCluster()
+	top := entries{}
+	var secNode *yaml.Node
+	groupNodes := map[string]*yaml.Node{}
+	read := map[string]func(k, v *yaml.Node){
+		"security": func(k, v *yaml.Node) { secNode = v },
+		"hostname": func(k, v *yaml.Node) {
+			if l.str(v, "hostname", &cl.Hostname) && strings.TrimSpace(cl.Hostname) == "" {
+				l.errAt(v, "hostname", "must not be empty")
+			}
+		},
+		"port":               func(k, v *yaml.Node) { l.integer(v, "port", &cl.Port, 1, 65535) },
+		"context_servers":    func(k, v *yaml.Node) { groupNodes["context_servers"] = v },
+		"generation_servers": func(k, v *yaml.Node) { groupNodes["generation_servers"] = v },
+		keyConditionalDisagg: func(k, v *yaml.Node) { cl.ConditionalDisagg = l.conditionalDisagg(k, v) },
+		keyDisaggCluster:     func(k, v *yaml.Node) { cl.DisaggCluster = l.disaggCluster(k, v, keyDisaggCluster) },
+	}
+	top.collect(read, append(slices.Clone(llmKeys), groupKeys...), true)
+	l.fields(root, "", read, append(slices.Clone(clusterKnown), llmAPIKnown...), false)
+	cl.Security = l.security(secNode, "security", env)
+	for _, g := range []struct {
+		name string
+		g    *ServerGroup
+	}{{"context_servers", &cl.Context}, {"generation_servers", &cl.Generation}} {
+		n, ok := groupNodes[g.name]
+		switch {
+		case ok:
+			l.serverGroup(n, g.name, g.g, top, env)
+			l.conflicts(root, n, g.name)
+		case cl.DisaggCluster != nil:
+			// The workers register themselves (not applied yet).
+			*g.g = dynamicGroup()
+		default:
+			*g.g = defaultServerGroup()
+			l.c.add(SevError, 0, 0, g.name, "missing: a cluster file needs both context_servers and generation_servers (or disagg_cluster)")
+		}
+	}
+	return cl
+}
+
+// serverGroup loads context_servers or generation_servers, with the options
+// it takes from the top level (top).
+func (l *loader) serverGroup(n *yaml.Node, path string, g *ServerGroup, top entries, env Env) {
+	*g = defaultServerGroup()
+	own := entries{}
+	if l.mapping(n, path) { // null: an empty group, as in TensorRT-LLM
+		read := map[string]func(k, v *yaml.Node){}
+		own.collect(read, append(slices.Clone(llmKeys), groupKeys...), false)
+		l.fields(n, path, read, llmAPIKnown, false)
+	}
+	for k, e := range top {
+		if _, ok := own[k]; !ok {
+			own[k] = e
+		}
+	}
+	if e, ok := own["num_instances"]; ok {
+		l.with(e, path, "num_instances", func(p string) { l.integer(e.val, p, &g.NumInstances, 0, MaxParallel) })
+	}
+	if e, ok := own["router"]; ok {
+		l.with(e, path, "router", func(p string) { l.router(e.val, p, g) })
+	}
+	var urls entry
+	if e, ok := own["urls"]; ok {
+		urls = e
+		l.with(e, path, "urls", func(p string) { l.urls(e.val, p, g) })
+	}
+	g.CacheTransceiver = l.options(own, path, parallel{&g.TensorParallelSize, &g.PipelineParallelSize, &g.KVCache}, env)
+	if urls.val != nil && len(g.URLs) > 0 && len(g.URLs) != g.NumInstances {
+		l.errAt(urls.val, join(path, "urls"), "has %d entries but num_instances is %d; give one host:port per instance", len(g.URLs), g.NumInstances)
+	}
+	if path == "context_servers" && g.NumInstances == 0 {
+		line, col := l.src[join(path, "num_instances")].Line, l.src[join(path, "num_instances")].Col
+		l.c.warn("", line, col, join(path, "num_instances"),
+			"0: TensorRT-LLM's generation-only benchmark mode; the file loads, kvxfer router and kvxfer up refuse to start without context workers")
+	}
+}
+
+// urls loads a server group's urls, each host:port.
+func (l *loader) urls(n *yaml.Node, path string, g *ServerGroup) {
+	l.strList(n, path, &g.URLs)
+	if n.Kind != yaml.SequenceNode {
+		return
+	}
+	for i, u := range g.URLs {
+		if err := checkHostPort(u); err != nil {
+			l.errAt(deref(n.Content[i]), fmt.Sprintf("%s[%d]", path, i), "%v", err)
+		}
+	}
+}
+
+func checkHostPort(u string) error {
+	s := strings.TrimPrefix(strings.TrimPrefix(u, "http://"), "https://")
+	i := strings.LastIndexByte(s, ':')
+	if i <= 0 {
+		return fmt.Errorf("%q is not host:port", u)
+	}
+	p, err := strconv.Atoi(s[i+1:])
+	if err != nil || p < 1 || p > 65535 {
+		return fmt.Errorf("%q has no valid port (1..65535)", u)
+	}
+	return nil
+}
+
+// router loads a server group's router block. TensorRT-LLM matches the type
+// in any case; the other keys are its policies' arguments.
+func (l *loader) router(n *yaml.Node, path string, g *ServerGroup) {
+	if !l.mapping(n, path) {
+		return
+	}
+	l.fields(n, path, map[string]func(k, v *yaml.Node){
+		"type": func(k, v *yaml.Node) {
+			p := join(path, "type")
+			var s string
+			if !l.str(v, p, &s) {
+				return
+			}
+			switch t := strings.ToLower(strings.TrimSpace(s)); t {
+			case RouterRoundRobin, RouterLoadBalancing:
+				g.Router = t
+			case RouterKVCacheAware, RouterConversation:
+				g.Router = t
+				l.c.warn(KindNotApplied, v.Line, v.Column, p, "%s is a TensorRT-LLM policy kvxfer does not implement yet: the router uses %s instead", t, RouterFallback)
+			default:
+				l.errAt(v, p, "unknown router type %q (valid: %s, %s; TensorRT-LLM's %s and %s load and fall back to %s)",
+					s, RouterRoundRobin, RouterLoadBalancing, RouterKVCacheAware, RouterConversation, RouterFallback)
+			}
+		},
+	}, routerKnown, false)
+}
+
+// conflicts warns about each key a server group sets with a value other
+// than the top level's: kvxfer uses the group's, where TensorRT-LLM refuses
+// the file.
+func (l *loader) conflicts(root, group *yaml.Node, path string) {
+	if group.Kind != yaml.MappingNode {
+		return
+	}
+	for i := 0; i+1 < len(group.Content); i += 2 {
+		k := group.Content[i]
+		if slices.Contains(clusterKeys, k.Value) {
+			continue
+		}
+		for j := 0; j+1 < len(root.Content); j += 2 {
+			if root.Content[j].Value == k.Value && !sameValue(root.Content[j+1], group.Content[i+1]) {
+				l.c.warn("", k.Line, k.Column, join(path, k.Value),
+					"also set at the top level (line %d) with another value: kvxfer uses this group's value (TensorRT-LLM refuses such a file)", root.Content[j].Line)
+			}
+		}
+	}
+}
+
+// sameValue reports whether two nodes hold the same data.
+func sameValue(a, b *yaml.Node) bool {
+	var x, y any
+	if a.Decode(&x) != nil || b.Decode(&y) != nil {
+		return false
+	}
+	return reflect.DeepEqual(x, y)
+}
+
+// conditionalDisagg loads conditional_disagg_config (strict, as
+// TensorRT-LLM's dataclass is).
+func (l *loader) conditionalDisagg(k, n *yaml.Node) *ConditionalDisagg {
+	path := keyConditionalDisagg
+	if !l.mapping(n, path) {
+		return nil
+	}
+	cd := &ConditionalDisagg{}
+	l.fields(n, path, map[string]func(k, v *yaml.Node){
+		"max_local_prefill_length": func(k, v *yaml.Node) {
+			l.integer(v, join(path, "max_local_prefill_length"), &cd.MaxLocalPrefillLength, 0, MaxPoolTokens)
+		},
+	}, nil, true)
+	l.c.warn(KindNotApplied, k.Line, k.Column, path, "accepted, not applied yet: %s", notAppliedYet[keyConditionalDisagg])
+	return cd
+}
+
+// disaggCluster loads a disagg_cluster block (strict: TensorRT-LLM refuses
+// unknown keys here too).
+func (l *loader) disaggCluster(k, n *yaml.Node, path string) *DisaggCluster {
+	if !l.mapping(n, path) {
+		return nil
+	}
+	dc := &DisaggCluster{MinContext: 1, MinGeneration: 1, HeartbeatIntervalSec: 5, InactiveTimeoutSec: 10}
+	var uri *yaml.Node
+	l.fields(n, path, map[string]func(k, v *yaml.Node){
+		"cluster_uri": func(k, v *yaml.Node) {
+			uri = k
+			p := join(path, "cluster_uri")
+			if l.str(v, p, &dc.ClusterURI) && !strings.HasPrefix(dc.ClusterURI, "http://") && !strings.HasPrefix(dc.ClusterURI, "etcd://") {
+				l.errAt(v, p, "%q: want http://host:port (the disaggregated server keeps the store) or etcd://host:port", truncate(dc.ClusterURI))
+			}
+		},
+		"cluster_name": func(k, v *yaml.Node) { l.str(v, join(path, "cluster_name"), &dc.ClusterName) },
+		"minimal_instances": func(k, v *yaml.Node) {
+			p := join(path, "minimal_instances")
+			if !l.mapping(v, p) {
+				return
+			}
+			l.fields(v, p, map[string]func(k, v *yaml.Node){
+				"context_servers":    func(k, v *yaml.Node) { l.integer(v, join(p, "context_servers"), &dc.MinContext, 0, MaxParallel) },
+				"generation_servers": func(k, v *yaml.Node) { l.integer(v, join(p, "generation_servers"), &dc.MinGeneration, 0, MaxParallel) },
+			}, nil, true)
+		},
+		"heartbeat_interval_sec": func(k, v *yaml.Node) {
+			l.integer(v, join(path, "heartbeat_interval_sec"), &dc.HeartbeatIntervalSec, 1, 3600)
+		},
+		"inactive_timeout_sec": func(k, v *yaml.Node) {
+			l.integer(v, join(path, "inactive_timeout_sec"), &dc.InactiveTimeoutSec, 1, 3600)
+		},
+		// TensorRT-LLM's README writes inactive_interval_sec, which its
+		// loader refuses: say which key it means.
+		"inactive_interval_sec": func(k, v *yaml.Node) {
+			l.errAt(k, join(path, k.Value), "unknown key: TensorRT-LLM's README writes it, but its loader refuses it too; the key is inactive_timeout_sec")
+		},
+	}, nil, true)
+	if uri == nil {
+		l.errAt(n, join(path, "cluster_uri"), "missing: disagg_cluster needs cluster_uri (http://host:port or etcd://host:port)")
+	}
+	if dc.InactiveTimeoutSec <= dc.HeartbeatIntervalSec {
+		l.c.warn("", n.Line, n.Column, join(path, "inactive_timeout_sec"),
+			"%d s is not longer than heartbeat_interval_sec (%d s): a live worker would be dropped between two heartbeats", dc.InactiveTimeoutSec, dc.HeartbeatIntervalSec)
+	}
+	l.c.warn(KindNotApplied, k.Line, k.Column, path, "accepted, not applied yet: %s", notAppliedYet[keyDisaggCluster])
+	return dc
+}
