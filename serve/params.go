@@ -18,7 +18,9 @@ type DisaggregatedParams struct {
 	// EncodedOpaqueState is the base64 opaque state (context CacheState,
 	// CommState, transfer token).
 	EncodedOpaqueState string `json:"encoded_opaque_state,omitempty"`
-	// DraftTokens are speculative tokens (accepted, unused by kvxfer).
+	// DraftTokens are speculative tokens. Accepted and passed on with the
+	// context phase, but not used: kvxfer has no speculative decoding (a
+	// worker logs that once, the first time a request carries some).
 	DraftTokens []int32 `json:"draft_tokens"`
 }
 

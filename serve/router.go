@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -30,6 +31,12 @@ type Policy string
 const (
 	RoundRobin    Policy = "round_robin"
 	LoadBalancing Policy = "load_balancing" // fewest requests in flight
+	// KVCacheAware and Conversation are TensorRT-LLM's policies that the
+	// router does not implement yet: a group configured with one is routed
+	// with config.RouterFallback (load_balancing), and NewRouter logs a
+	// warning that says so.
+	KVCacheAware Policy = config.RouterKVCacheAware
+	Conversation Policy = config.RouterConversation
 )
 
 // upstream is one worker URL with its in-flight count.
@@ -109,12 +116,22 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if len(o.Context) == 0 || len(o.Generation) == 0 {
 		return nil, fmt.Errorf("serve: router needs at least one context and one generation server (have %d and %d)", len(o.Context), len(o.Generation))
 	}
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
 	mk := func(name string, urls []string, p Policy) (*group, error) {
-		if p == "" {
+		switch p {
+		case "":
 			p = RoundRobin
-		}
-		if p != RoundRobin && p != LoadBalancing {
-			return nil, fmt.Errorf("serve: %s router policy %q (valid: round_robin, load_balancing)", name, p)
+		case RoundRobin, LoadBalancing:
+		case KVCacheAware, Conversation:
+			fb := Policy(config.RouterFallback)
+			log.Warn("router policy not implemented yet: using "+string(fb)+" instead", "group", name, "policy", string(p), "using", string(fb))
+			p = fb
+		default:
+			return nil, fmt.Errorf("serve: %s router policy %q (valid: %s, %s; %s and %s fall back to %s)",
+				name, p, RoundRobin, LoadBalancing, KVCacheAware, Conversation, config.RouterFallback)
 		}
 		g := &group{name: name, policy: p}
 		for _, u := range urls {
@@ -133,10 +150,6 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	gg, err := mk("generation", o.Generation, o.GenerationPolicy)
 	if err != nil {
 		return nil, err
-	}
-	log := o.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
 	}
 	client := o.Client
 	if client == nil {

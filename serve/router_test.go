@@ -2,9 +2,11 @@ package serve
 
 import (
 	"bufio"
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
+	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -235,6 +237,31 @@ func TestRouterLoadBalancing(t *testing.T) {
 	first, second := rr.order()[0].url, rr.order()[0].url
 	if first == second {
 		t.Error("round robin did not rotate")
+	}
+}
+
+// TestRouterPolicyFallback: TensorRT-LLM's kv_cache_aware and conversation
+// policies, which the router does not implement yet, route with
+// load_balancing and say so; an unknown policy is refused.
+func TestRouterPolicyFallback(t *testing.T) {
+	for _, p := range []Policy{KVCacheAware, Conversation} {
+		var logs bytes.Buffer
+		r, err := NewRouter(RouterOptions{Context: []string{"a:1"}, Generation: []string{"b:2"}, ContextPolicy: p,
+			GenerationPolicy: RoundRobin, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+		if err != nil {
+			t.Fatalf("%s: %v", p, err)
+		}
+		if r.prefill.policy != LoadBalancing || r.gen.policy != RoundRobin {
+			t.Errorf("%s: policies %s, %s", p, r.prefill.policy, r.gen.policy)
+		}
+		if out := logs.String(); !strings.Contains(out, "level=WARN") || !strings.Contains(out, "policy="+string(p)) || !strings.Contains(out, "using=load_balancing") {
+			t.Errorf("%s: log %q", p, out)
+		}
+		r.Close()
+	}
+	if _, err := NewRouter(RouterOptions{Context: []string{"a:1"}, Generation: []string{"b:2"}, ContextPolicy: "random"}); err == nil ||
+		!strings.Contains(err.Error(), `context router policy "random" (valid: round_robin, load_balancing; kv_cache_aware and conversation fall back to load_balancing)`) {
+		t.Errorf("unknown policy: %v", err)
 	}
 }
 

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -75,6 +76,8 @@ type Worker struct {
 	m       *metrics.Set
 	created int64
 	seq     atomic.Uint64
+	// draftOnce logs once that draft_tokens are accepted but not used.
+	draftOnce sync.Once
 }
 
 // NewWorker builds the model, its sharded instance, the transceiver (when
@@ -125,6 +128,10 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 		}
 		res := tr.Resolution()
 		log.Info("transceiver ready", "backend", string(res.Backend), "reason", res.Reason, "endpoints", tr.Endpoints())
+		if res.Warning != "" {
+			// The same warning kvxfer config check prints for this file.
+			log.Warn(res.Warning, "configured", string(res.Configured), "backend", string(res.Backend))
+		}
 		w.m.AddTransceiver(tr.StagingBytesInUse, tr.ControlConnections)
 	}
 	for i, p := range inst.Pools() {
@@ -327,6 +334,12 @@ func (w *Worker) parseDisagg(cr *completionRequest, er *engine.Request) *httpErr
 			return badRequest("%v", err)
 		}
 		typ = cr.Disagg.RequestType
+		if len(cr.Disagg.DraftTokens) > 0 {
+			w.draftOnce.Do(func() {
+				w.log.Warn("disaggregated_params.draft_tokens accepted but not used: kvxfer has no speculative decoding; " +
+					"the tokens ride with the context phase unchanged")
+			})
+		}
 	}
 	allowed := map[string][]string{RoleContext: {TypeContextOnly}, RoleGeneration: {TypeGenerationOnly},
 		RoleBoth: {TypeContextAndGeneration, TypeContextOnly, TypeGenerationOnly}}[w.role]

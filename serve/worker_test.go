@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	_ "github.com/kvxfer/kvxfer/transport/tcp"
 )
 
@@ -233,6 +235,42 @@ func TestWorkerBadRequests(t *testing.T) {
 				t.Fatalf("%d %s, want %d and %q", code, raw, tc.code, tc.want)
 			}
 		})
+	}
+}
+
+// TestDraftTokensAcceptedNotUsed: draft_tokens are accepted, and the worker
+// says once that it does not use them.
+func TestDraftTokensAcceptedNotUsed(t *testing.T) {
+	var logs syncbuf.Buffer
+	wc := &config.Worker{TensorParallelSize: 1, PipelineParallelSize: 1, KVCache: config.KVCache{TokensPerBlock: 16, MaxTokens: 4096}}
+	w := startTestWorker(t, WorkerOptions{Role: RoleBoth, Model: "tiny-gqa", Config: wc, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	for range 2 {
+		code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", map[string]any{"prompt": "x", "max_tokens": 2,
+			"disaggregated_params": map[string]any{"request_type": "context_and_generation", "draft_tokens": []int{3, 4}}})
+		if code != 200 {
+			t.Fatalf("%d %s", code, raw)
+		}
+	}
+	if n := strings.Count(logs.String(), "draft_tokens accepted but not used"); n != 1 {
+		t.Errorf("logged %d times:\n%s", n, logs.String())
+	}
+}
+
+// TestDefaultWithNIXLEnvWarns: DEFAULT under TRTLLM_USE_NIXL_KVCACHE=1
+// serves with AUTO and logs the warning config check prints.
+func TestDefaultWithNIXLEnvWarns(t *testing.T) {
+	var logs syncbuf.Buffer
+	ct, err := config.NewCacheTransceiver("DEFAULT", 16, config.EnvFromMap(map[string]string{config.EnvUseNIXL: "1"}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	wc := &config.Worker{TensorParallelSize: 1, PipelineParallelSize: 1, KVCache: config.KVCache{TokensPerBlock: 16, MaxTokens: 1024}, CacheTransceiver: ct}
+	w := startTestWorker(t, WorkerOptions{Role: RoleContext, Model: "tiny-gqa", Config: wc, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if got := w.w.Transceiver().Resolution().Backend; got != config.BackendAuto {
+		t.Errorf("backend %s, want AUTO", got)
+	}
+	if out := logs.String(); !strings.Contains(out, "level=WARN msg=\"TRTLLM_USE_NIXL_KVCACHE=1 asks DEFAULT for NIXL") {
+		t.Errorf("no warning:\n%s", out)
 	}
 }
 
