@@ -120,6 +120,9 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 	if o.Cluster == nil {
 		return nil, errors.New("launch: no cluster")
 	}
+	if err := Startable(o.Cluster); err != nil {
+		return nil, err
+	}
 	if err := o.defaults(); err != nil {
 		return nil, err
 	}
@@ -133,6 +136,30 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 		return nil, err
 	}
 	return l, nil
+}
+
+// Startable reports why Start cannot start cl yet, or nil: a server group
+// without instances (TensorRT-LLM's generation-only benchmark mode, or a
+// cluster whose workers register themselves through disagg_cluster).
+func Startable(cl *config.Cluster) error {
+	for _, g := range []struct {
+		name string
+		g    *config.ServerGroup
+	}{{"context_servers", &cl.Context}, {"generation_servers", &cl.Generation}} {
+		if g.g.NumInstances > 0 {
+			continue
+		}
+		if cl.DisaggCluster != nil {
+			return fmt.Errorf("launch: %s has no instances to start: the file uses disagg_cluster, whose workers register themselves, "+
+				"which kvxfer up does not support yet; list the server groups with num_instances instead", g.name)
+		}
+		if g.name == "context_servers" {
+			return fmt.Errorf("launch: context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, " +
+				"which kvxfer up does not support yet: a generation worker needs a context worker to prefill; set num_instances: 1 or more")
+		}
+		return fmt.Errorf("launch: generation_servers.num_instances is 0: there would be no worker to decode; set num_instances: 1 or more")
+	}
+	return nil
 }
 
 // defaults fills the unset options.
@@ -194,6 +221,10 @@ func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) er
 		sg   *config.ServerGroup
 		urls *[]string
 	}{{serve.RoleContext, &cl.Context, &l.ContextURLs}, {serve.RoleGeneration, &cl.Generation, &l.GenerationURL}} {
+		if ct := g.sg.CacheTransceiver; ct == nil || ct.Backend == config.BackendUnset {
+			l.log.Info("the cluster file gives no cache_transceiver_config backend for this group: its workers get backend DEFAULT",
+				"group", g.role, "backend", string(config.BackendDefault))
+		}
 		for i := range g.sg.NumInstances {
 			u, err := l.startWorker(o, tlsFiles, g.role, i, g.sg, g.sg.TensorParallelSize, g.sg.PipelineParallelSize)
 			if err != nil {
@@ -311,15 +342,22 @@ func groupAddr(g *config.ServerGroup, idx int) (string, error) {
 
 // workerYAML writes the worker file of one server group, with the cluster's
 // security block less where the secret is (the launcher hands the secret
-// over in the environment).
+// over in the environment). A group without a transceiver backend gets
+// backend DEFAULT: the launcher starts its workers, so it must give them one.
 func workerYAML(g *config.ServerGroup, sec *config.Security, tp, pp int) []byte {
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "tensor_parallel_size: %d\npipeline_parallel_size: %d\n", tp, pp)
 	fmt.Fprintf(&b, "kv_cache_config:\n  tokens_per_block: %d\n  max_tokens: %d\n", g.KVCache.TokensPerBlock, g.KVCache.MaxTokens)
-	if ct := g.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
+	ct := g.CacheTransceiver
+	if ct == nil || ct.Backend == config.BackendUnset {
+		fmt.Fprintf(&b, "cache_transceiver_config:\n  backend: %s\n", config.BackendDefault)
+	} else {
 		fmt.Fprintf(&b, "cache_transceiver_config:\n  backend: %s\n  kv_transfer_timeout_ms: %d\n", ct.Backend, ct.KVTransferTimeoutMs)
 		if ct.MaxTokensInBuffer > 0 {
 			fmt.Fprintf(&b, "  max_tokens_in_buffer: %d\n", ct.MaxTokensInBuffer)
+		}
+		if ct.SenderFutureTimeoutMs > 0 {
+			fmt.Fprintf(&b, "  kv_transfer_sender_future_timeout_ms: %d\n", ct.SenderFutureTimeoutMs)
 		}
 	}
 	if len(sec.AllowedPeerHosts) > 0 || sec.TLS != (config.TLSFiles{}) {

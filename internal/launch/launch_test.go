@@ -1,0 +1,70 @@
+package launch
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kvxfer/kvxfer/config"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func cluster(t *testing.T, text string) *config.Cluster {
+	t.Helper()
+	f, err := config.LoadBytes("c.yaml", []byte(text), config.Env{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f.Cluster
+}
+
+// TestStartable: the shapes kvxfer up refuses, each with a message that
+// names the setting and why, before anything starts.
+func TestStartable(t *testing.T) {
+	for _, tc := range []struct{ text, want string }{
+		{"context_servers: {}\ngeneration_servers: {}\n", ""},
+		{"context_servers: {num_instances: 0}\ngeneration_servers: {}\n", "context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, which kvxfer up does not support yet"},
+		{"context_servers: {}\ngeneration_servers: {num_instances: 0}\n", "generation_servers.num_instances is 0"},
+		{"disagg_cluster: {cluster_uri: 'http://h:8000'}\n", "context_servers has no instances to start: the file uses disagg_cluster"},
+	} {
+		err := Startable(cluster(t, tc.text))
+		if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%q: %v, want %q", tc.text, err, tc.want)
+		}
+		if tc.want != "" {
+			if _, err := Start(t.Context(), Options{Cluster: cluster(t, tc.text)}); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("Start %q: %v", tc.text, err)
+			}
+		}
+	}
+}
+
+// TestWorkerYAMLDefaultBackend: a group without a transceiver config gets
+// backend DEFAULT in the worker files kvxfer up writes; one with a config
+// keeps it, the sender timeout too; each loads as a worker file.
+func TestWorkerYAMLDefaultBackend(t *testing.T) {
+	cl := cluster(t, `context_servers: {urls: ['localhost:9001']}
+generation_servers:
+  cache_transceiver_config: {backend: TCP, max_tokens_in_buffer: 64, kv_transfer_sender_future_timeout_ms: 900}
+`)
+	for _, tc := range []struct {
+		g    *config.ServerGroup
+		want config.CacheTransceiver
+	}{
+		{&cl.Context, config.CacheTransceiver{Backend: config.BackendDefault, KVTransferTimeoutMs: config.DefaultKVTransferTimeoutMs}},
+		{&cl.Generation, config.CacheTransceiver{Backend: config.BackendTCP, KVTransferTimeoutMs: config.DefaultKVTransferTimeoutMs,
+			MaxTokensInBuffer: 64, SenderFutureTimeoutMs: 900}},
+	} {
+		text := workerYAML(tc.g, &cl.Security, 1, 1)
+		f, err := config.LoadBytes("w.yaml", text, config.Env{})
+		if err != nil || f.Kind != config.KindWorker {
+			t.Fatalf("%s: %v", text, err)
+		}
+		ct := f.Worker.CacheTransceiver
+		if ct.Backend != tc.want.Backend || ct.KVTransferTimeoutMs != tc.want.KVTransferTimeoutMs ||
+			ct.MaxTokensInBuffer != tc.want.MaxTokensInBuffer || ct.SenderFutureTimeoutMs != tc.want.SenderFutureTimeoutMs {
+			t.Errorf("%s: loaded %+v", text, *ct)
+		}
+	}
+}
