@@ -92,8 +92,8 @@ func TestConfigCheckFailures(t *testing.T) {
 		{[]string{nixl}, "nixl.yaml:2:12: cache_transceiver_config.backend: NIXL is not available in kvxfer"},
 		{[]string{bad}, "bad.yaml:2:25: cache_transceiver_config.max_tokens_in_buffer: want an integer, got the string \"many\""},
 		{[]string{filepath.Join(dir, "nope.yaml")}, "nope.yaml: no such file or directory"},
-		{[]string{dir}, "is a directory"},
-		{[]string{example("worker.yaml"), nixl}, "NIXL is not available"}, // one bad file fails the run
+		{[]string{dir}, "bad.yaml:2:25: cache_transceiver_config.max_tokens_in_buffer"}, // a directory: each file under it
+		{[]string{example("worker.yaml"), nixl}, "NIXL is not available"},               // one bad file fails the run
 	} {
 		code, _, errw := runWith(t, nil, append([]string{"config", "check"}, tc.args...)...)
 		if code != 1 || !strings.Contains(errw, tc.want) {

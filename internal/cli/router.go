@@ -12,6 +12,21 @@ import (
 	"github.com/spf13/cobra"
 )
 
+// routable reports why the router cannot route for cl, or nil.
+func routable(cl *config.Cluster) error {
+	switch {
+	case cl.Context.NumInstances == 0 && cl.DisaggCluster == nil:
+		return errors.New("context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, which kvxfer router " +
+			"does not support yet: it sends every request to a context worker first")
+	case len(cl.Context.URLs) > 0 && len(cl.Generation.URLs) > 0:
+		return nil
+	case cl.DisaggCluster != nil:
+		return errors.New("disagg_cluster (workers that register themselves) is not supported by kvxfer router yet: " +
+			"list each server group's workers in its urls")
+	}
+	return errors.New("the router needs context_servers.urls and generation_servers.urls (kvxfer up starts workers and picks ports itself)")
+}
+
 func newRouterCmd(e env) *cobra.Command {
 	var (
 		cfgPath, host string
@@ -37,8 +52,8 @@ func newRouterCmd(e env) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			if len(cl.Context.URLs) == 0 || len(cl.Generation.URLs) == 0 {
-				return fmt.Errorf("%s: the router needs context_servers.urls and generation_servers.urls (kvxfer up starts workers and picks ports itself)", cfgPath)
+			if err := routable(cl); err != nil {
+				return fmt.Errorf("%s: %w", cfgPath, err)
 			}
 			tc, err := tf.loadOr(cl.Security.TLS)
 			if err != nil {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/launch"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/serve"
 )
 
@@ -78,6 +80,43 @@ func TestUpSmoke(t *testing.T) {
 	l := launchCluster(t, string(launch.DefaultCluster), true)
 	res := launch.Smoke(context.Background(), l.RouterURL, l.AggregatedURL, 8, 4)
 	if !res.OK() {
+		t.Fatalf("smoke: %d/%d matched: %v", res.Matched, res.Prompts, res.Failures)
+	}
+}
+
+// TestUpUpstreamShape: kvxfer up runs a cluster file in the README's shape,
+// LLM options at the top level for both groups and no transceiver config
+// (TensorRT-LLM's users start such workers with their own worker files):
+// the launcher gives its workers backend DEFAULT, says so, and the answers
+// equal the aggregated worker's.
+func TestUpUpstreamShape(t *testing.T) {
+	const text = `hostname: localhost
+model: TinyLlama/TinyLlama-1.1B-Chat-v1.0
+backend: pytorch
+disable_overlap_scheduler: true
+kv_cache_config: {tokens_per_block: 16, max_tokens: 8192, free_gpu_memory_fraction: 0.5}
+context_servers:
+  num_instances: 1
+  tensor_parallel_size: 2
+generation_servers:
+  num_instances: 1
+`
+	f, err := config.LoadBytes("disagg_config.yaml", []byte(text), config.Env{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Cluster.Port = -1
+	var logs syncbuf.Buffer
+	l, err := launch.Start(context.Background(), launch.Options{Cluster: f.Cluster, Aggregated: true,
+		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatalf("launch: %v", err)
+	}
+	defer l.Stop()
+	if n := strings.Count(logs.String(), "its workers get backend DEFAULT"); n != 2 {
+		t.Errorf("said %d times that the groups get DEFAULT:\n%s", n, logs.String())
+	}
+	if res := launch.Smoke(context.Background(), l.RouterURL, l.AggregatedURL, 4, 2); !res.OK() {
 		t.Fatalf("smoke: %d/%d matched: %v", res.Matched, res.Prompts, res.Failures)
 	}
 }
