@@ -9,6 +9,14 @@
 // and file:line:column, and reported at once as a Problems error; nothing is
 // reported one error at a time.
 //
+// Files carry over from TensorRT-LLM with its meaning (keys.go states the
+// rule): a cluster file's top-level LLM API options apply to both server
+// groups, a group's own value winning key by key; a key kvxfer does not read
+// is a warning, an error only when it is a near miss of a key kvxfer reads
+// or sits in a strict block; older forms load with a warning naming the
+// current one; settings kvxfer accepts but does not apply are warnings of
+// kind KindNotApplied (File.NotApplied), so that config check can list them.
+//
 // The typed CacheTransceiver is the only configuration that travels through
 // the program. It is turned into transport options at exactly one place,
 // transceiver.New; no package below the transceiver (transport, layout,
