@@ -126,10 +126,7 @@ func checkHostPort(u string) error {
 // router loads a server group's router block. TensorRT-LLM matches the type
 // in any case; the other keys are its policies' arguments.
 func (l *loader) router(n *yaml.Node, path string, g *ServerGroup) {
-	if !l.mapping(n, path) {
-		return
-	}
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
+	l.block(n, path, map[string]func(k, v *yaml.Node){
 		"type": func(k, v *yaml.Node) {
 			p := join(path, "type")
 			var s string
@@ -184,15 +181,12 @@ func sameValue(a, b *yaml.Node) bool {
 // TensorRT-LLM's dataclass is).
 func (l *loader) conditionalDisagg(k, n *yaml.Node) *ConditionalDisagg {
 	path := keyConditionalDisagg
-	if !l.mapping(n, path) {
+	cd := &ConditionalDisagg{}
+	if !l.block(n, path, map[string]func(k, v *yaml.Node){
+		"max_local_prefill_length": l.intKey(path, "max_local_prefill_length", &cd.MaxLocalPrefillLength, 0, MaxPoolTokens),
+	}, nil, true) {
 		return nil
 	}
-	cd := &ConditionalDisagg{}
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
-		"max_local_prefill_length": func(k, v *yaml.Node) {
-			l.integer(v, join(path, "max_local_prefill_length"), &cd.MaxLocalPrefillLength, 0, MaxPoolTokens)
-		},
-	}, nil, true)
 	l.c.warn(KindNotApplied, k.Line, k.Column, path, "accepted, not applied yet: %s", notAppliedYet[keyConditionalDisagg])
 	return cd
 }
@@ -200,12 +194,9 @@ func (l *loader) conditionalDisagg(k, n *yaml.Node) *ConditionalDisagg {
 // disaggCluster loads a disagg_cluster block (strict: TensorRT-LLM refuses
 // unknown keys here too).
 func (l *loader) disaggCluster(k, n *yaml.Node, path string) *DisaggCluster {
-	if !l.mapping(n, path) {
-		return nil
-	}
 	dc := &DisaggCluster{MinContext: 1, MinGeneration: 1, HeartbeatIntervalSec: 5, InactiveTimeoutSec: 10}
 	var uri *yaml.Node
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
+	if !l.block(n, path, map[string]func(k, v *yaml.Node){
 		"cluster_uri": func(k, v *yaml.Node) {
 			uri = k
 			p := join(path, "cluster_uri")
@@ -216,26 +207,21 @@ func (l *loader) disaggCluster(k, n *yaml.Node, path string) *DisaggCluster {
 		"cluster_name": func(k, v *yaml.Node) { l.str(v, join(path, "cluster_name"), &dc.ClusterName) },
 		"minimal_instances": func(k, v *yaml.Node) {
 			p := join(path, "minimal_instances")
-			if !l.mapping(v, p) {
-				return
-			}
-			l.fields(v, p, map[string]func(k, v *yaml.Node){
-				"context_servers":    func(k, v *yaml.Node) { l.integer(v, join(p, "context_servers"), &dc.MinContext, 0, MaxParallel) },
-				"generation_servers": func(k, v *yaml.Node) { l.integer(v, join(p, "generation_servers"), &dc.MinGeneration, 0, MaxParallel) },
+			l.block(v, p, map[string]func(k, v *yaml.Node){
+				"context_servers":    l.intKey(p, "context_servers", &dc.MinContext, 0, MaxParallel),
+				"generation_servers": l.intKey(p, "generation_servers", &dc.MinGeneration, 0, MaxParallel),
 			}, nil, true)
 		},
-		"heartbeat_interval_sec": func(k, v *yaml.Node) {
-			l.integer(v, join(path, "heartbeat_interval_sec"), &dc.HeartbeatIntervalSec, 1, 3600)
-		},
-		"inactive_timeout_sec": func(k, v *yaml.Node) {
-			l.integer(v, join(path, "inactive_timeout_sec"), &dc.InactiveTimeoutSec, 1, 3600)
-		},
+		"heartbeat_interval_sec": l.intKey(path, "heartbeat_interval_sec", &dc.HeartbeatIntervalSec, 1, 3600),
+		"inactive_timeout_sec":   l.intKey(path, "inactive_timeout_sec", &dc.InactiveTimeoutSec, 1, 3600),
 		// TensorRT-LLM's README writes inactive_interval_sec, which its
 		// loader refuses: say which key it means.
 		"inactive_interval_sec": func(k, v *yaml.Node) {
 			l.errAt(k, join(path, k.Value), "unknown key: TensorRT-LLM's README writes it, but its loader refuses it too; the key is inactive_timeout_sec")
 		},
-	}, nil, true)
+	}, nil, true) {
+		return nil
+	}
 	if uri == nil {
 		l.errAt(n, join(path, "cluster_uri"), "missing: disagg_cluster needs cluster_uri (http://host:port or etcd://host:port)")
 	}

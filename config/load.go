@@ -321,6 +321,22 @@ func (l *loader) unread(k *yaml.Node, path string, read map[string]func(key, val
 	l.c.warn(KindNotUsed, k.Line, k.Column, path, "%s", msg)
 }
 
+// block walks n as a mapping (see fields) and reports whether it is one;
+// null and anything else are not, and the latter is reported.
+func (l *loader) block(n *yaml.Node, path string, read map[string]func(key, val *yaml.Node), known []string, strict bool) bool {
+	if !l.mapping(n, path) {
+		return false
+	}
+	l.fields(n, path, read, known, strict)
+	return true
+}
+
+// intKey is the function fields calls for an integer key of the block at
+// path, stored into *dst when in [lo, hi].
+func (l *loader) intKey(path, key string, dst *int, lo, hi int) func(k, v *yaml.Node) {
+	return func(_, v *yaml.Node) { l.integer(v, join(path, key), dst, lo, hi) }
+}
+
 // mapping checks that n is a mapping (null counts as an empty one).
 func (l *loader) mapping(n *yaml.Node, path string) bool {
 	if n.Kind == yaml.MappingNode {
@@ -508,18 +524,13 @@ func (l *loader) worker(root *yaml.Node, env Env) *Worker {
 }
 
 func (l *loader) kvCache(n *yaml.Node, path string, kv *KVCache) {
-	if !l.mapping(n, path) {
-		return
-	}
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
+	l.block(n, path, map[string]func(k, v *yaml.Node){
 		"tokens_per_block": func(k, v *yaml.Node) {
 			p := join(path, "tokens_per_block")
 			if l.integer(v, p, &kv.TokensPerBlock, 1, MaxTokensPerBlock) && kv.TokensPerBlock&(kv.TokensPerBlock-1) != 0 {
 				l.errAt(v, p, "%d is not a power of two", kv.TokensPerBlock)
 			}
 		},
-		"max_tokens": func(k, v *yaml.Node) {
-			l.integer(v, join(path, "max_tokens"), &kv.MaxTokens, 1, MaxPoolTokens)
-		},
+		"max_tokens": l.intKey(path, "max_tokens", &kv.MaxTokens, 1, MaxPoolTokens),
 	}, kvCacheKnown, false)
 }

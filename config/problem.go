@@ -119,19 +119,18 @@ func (c *collector) envErr(name, format string, args ...any) {
 }
 
 func (c *collector) errs() Problems {
-	var out Problems
-	for _, p := range c.problems {
-		if p.Severity == SevError {
-			out = append(out, p)
-		}
-	}
-	return out
+	return filter(c.problems, func(p Problem) bool { return p.Severity == SevError })
 }
 
 func (c *collector) warnings() []Problem {
+	return filter(c.problems, func(p Problem) bool { return p.Severity == SevWarning })
+}
+
+// filter returns the problems of ps that keep accepts.
+func filter(ps []Problem, keep func(Problem) bool) []Problem {
 	var out []Problem
-	for _, p := range c.problems {
-		if p.Severity == SevWarning {
+	for _, p := range ps {
+		if keep(p) {
 			out = append(out, p)
 		}
 	}

@@ -260,9 +260,6 @@ func (l *loader) peerHosts(n *yaml.Node, path string, s *Security) {
 }
 
 func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
-	if !l.mapping(n, path) {
-		return
-	}
 	file := func(name string, dst *string) func(k, v *yaml.Node) {
 		return func(k, v *yaml.Node) {
 			p := join(path, name)
@@ -271,11 +268,13 @@ func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
 			}
 		}
 	}
-	l.fields(n, path, map[string]func(k, v *yaml.Node){
+	if !l.block(n, path, map[string]func(k, v *yaml.Node){
 		"cert_file": file("cert_file", &t.CertFile),
 		"key_file":  file("key_file", &t.KeyFile),
 		"ca_file":   file("ca_file", &t.CAFile),
-	}, nil, true)
+	}, nil, true) {
+		return
+	}
 	switch {
 	case t.CertFile != "" && t.KeyFile == "":
 		l.errAt(n, join(path, "key_file"), "missing: cert_file is set, and a certificate needs its private key")

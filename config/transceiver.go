@@ -117,9 +117,7 @@ func (l *loader) cacheTransceiver(n *yaml.Node, path string, en enableFlag) *Cac
 			}
 			l.integer(v, join(path, "max_tokens_in_buffer"), &ct.MaxTokensInBuffer, 1, MaxTokensInBufferLimit)
 		},
-		"kv_transfer_timeout_ms": func(k, v *yaml.Node) {
-			l.integer(v, join(path, "kv_transfer_timeout_ms"), &ct.KVTransferTimeoutMs, 1, MaxKVTransferTimeoutMs)
-		},
+		"kv_transfer_timeout_ms": l.intKey(path, "kv_transfer_timeout_ms", &ct.KVTransferTimeoutMs, 1, MaxKVTransferTimeoutMs),
 		keySenderTimeout: func(k, v *yaml.Node) {
 			p := join(path, keySenderTimeout)
 			if l.integer(v, p, &ct.SenderFutureTimeoutMs, 1, MaxKVTransferTimeoutMs) {

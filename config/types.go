@@ -294,13 +294,7 @@ type File struct {
 // NotApplied returns the warnings about settings that are accepted but
 // have no effect in kvxfer (Kind KindNotApplied).
 func (f *File) NotApplied() []Problem {
-	var out []Problem
-	for _, w := range f.Warnings {
-		if w.Kind == KindNotApplied {
-			out = append(out, w)
-		}
-	}
-	return out
+	return filter(f.Warnings, func(p Problem) bool { return p.Kind == KindNotApplied })
 }
 
 // Source returns where the value at path came from.

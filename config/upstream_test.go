@@ -135,39 +135,73 @@ func TestInheritedProblemReportedOnce(t *testing.T) {
 	}
 }
 
+// loadCase is a text and what loading it gives: a file of kind (0: any),
+// and, when msg is set, a problem of severity sev at path whose message
+// contains msg; without msg, no error.
+type loadCase struct {
+	text string
+	kind Kind
+	sev  Severity
+	path string
+	msg  string
+}
+
+func (tc loadCase) check(t *testing.T) {
+	t.Helper()
+	f, err := loadText(t, tc.text)
+	if f == nil || (tc.kind != 0 && f.Kind != tc.kind) {
+		t.Errorf("%q: file %+v, want kind %v (%v)", tc.text, f, tc.kind, err)
+		return
+	}
+	found := tc.msg == "" && err == nil
+	var ps Problems
+	switch {
+	case tc.msg == "":
+	case tc.sev == SevError && errors.As(err, &ps):
+		for _, p := range ps {
+			found = found || (p.Path == tc.path && strings.Contains(p.Msg, tc.msg))
+		}
+	case tc.sev == SevWarning && err == nil:
+		found = warned(f, tc.path, tc.msg)
+	}
+	if !found {
+		t.Errorf("%q: want %s at %s containing %q; got err %v, warnings %v", tc.text, tc.sev, tc.path, tc.msg, err, f.Warnings)
+	}
+}
+
 // TestKeyRules: a key kvxfer does not read is a warning, unless it is a
 // near miss of one it reads or sits in a strict block.
 func TestKeyRules(t *testing.T) {
-	for _, tc := range []struct {
-		text, path string
-		sev        Severity
-		msg        string
-	}{
-		{"moe_tensor_parallel_size: 2\n", "moe_tensor_parallel_size", SevWarning, "known TensorRT-LLM key, not used"},
-		{"peft_cache_config: {}\n", "peft_cache_config", SevWarning, "known TensorRT-LLM key, not used"},
-		{"brand_new_option: 1\n", "brand_new_option", SevWarning, "not a key kvxfer knows"},
-		{"disable_overlap_schedular: true\n", "disable_overlap_schedular", SevWarning, `a typo of "disable_overlap_scheduler"`},
-		{"tensor_paralel_size: 2\n", "tensor_paralel_size", SevError, `did you mean "tensor_parallel_size"?`},
-		{"kv_cache_config:\n  tokens_per_blok: 16\n", "kv_cache_config.tokens_per_blok", SevError, `did you mean "tokens_per_block"?`},
-		{"kv_cache_config:\n  use_kv_cache_manager_v2: true\n", "kv_cache_config.use_kv_cache_manager_v2", SevWarning, "known"},
-		{"cache_transceiver_config:\n  backend: UCX\n  compression: zstd\n", "cache_transceiver_config.compression", SevError, "unknown key (valid here: backend, kv_transfer_sender_future_timeout_ms, kv_transfer_timeout_ms, max_tokens_in_buffer, transceiver_runtime)"},
-		{"security:\n  secret: x\n", "security.secret", SevError, "unknown key"},
+	for _, tc := range []loadCase{
+		{"moe_tensor_parallel_size: 2\n", 0, SevWarning, "moe_tensor_parallel_size", "known TensorRT-LLM key, not used"},
+		{"peft_cache_config: {}\n", 0, SevWarning, "peft_cache_config", "known TensorRT-LLM key, not used"},
+		{"brand_new_option: 1\n", 0, SevWarning, "brand_new_option", "not a key kvxfer knows"},
+		{"disable_overlap_schedular: true\n", 0, SevWarning, "disable_overlap_schedular", `a typo of "disable_overlap_scheduler"`},
+		{"tensor_paralel_size: 2\n", 0, SevError, "tensor_paralel_size", `did you mean "tensor_parallel_size"?`},
+		{"kv_cache_config:\n  tokens_per_blok: 16\n", 0, SevError, "kv_cache_config.tokens_per_blok", `did you mean "tokens_per_block"?`},
+		{"kv_cache_config:\n  use_kv_cache_manager_v2: true\n", 0, SevWarning, "kv_cache_config.use_kv_cache_manager_v2", "known"},
+		{"cache_transceiver_config:\n  backend: UCX\n  compression: zstd\n", 0, SevError, "cache_transceiver_config.compression",
+			"unknown key (valid here: backend, kv_transfer_sender_future_timeout_ms, kv_transfer_timeout_ms, max_tokens_in_buffer, transceiver_runtime)"},
+		{"security:\n  secret: x\n", 0, SevError, "security.secret", "unknown key"},
 	} {
-		f, err := loadText(t, tc.text)
-		var found bool
-		if tc.sev == SevError {
-			var ps Problems
-			if errors.As(err, &ps) {
-				for _, p := range ps {
-					found = found || (p.Path == tc.path && strings.Contains(p.Msg, tc.msg))
-				}
-			}
-		} else if err == nil {
-			found = warned(f, tc.path, tc.msg)
-		}
-		if !found {
-			t.Errorf("%q: want %s at %s containing %q; got err %v, file %+v", tc.text, tc.sev, tc.path, tc.msg, err, f)
-		}
+		tc.check(t)
+	}
+}
+
+// TestClusterShapes: the shapes a cluster file may take beyond two full
+// groups.
+func TestClusterShapes(t *testing.T) {
+	for _, tc := range []loadCase{
+		{"context_servers: {urls: ['a:1']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, 0, "", ""}, // no transceivers
+		{"context_servers:\ngeneration_servers: {num_instances: 2}\n", KindCluster, 0, "", ""},              // a null group
+		{"context_servers: {num_instances: 0}\ngeneration_servers: {}\n", KindCluster, SevWarning, "context_servers.num_instances", "generation-only benchmark mode"},
+		{"port: 9000\ndisagg_cluster: {cluster_uri: 'etcd://h:2379'}\n", KindCluster, SevWarning, keyDisaggCluster, "not applied yet"},
+		{"disagg_cluster: {cluster_uri: 'http://h:8000'}\ncache_transceiver_config: {backend: TCP}\n", KindWorker, SevWarning, keyDisaggCluster, "not applied yet"},
+		{"hostname: h\ndisagg_cluster: {cluster_name: x}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "missing"},
+		{"context_servers: {}\n", KindCluster, SevError, "generation_servers", "missing"},
+		{"context_servers: {num_instances: 0, urls: ['a:1']}\ngeneration_servers: {}\n", KindCluster, SevError, "context_servers.urls", "has 1 entries but num_instances is 0"},
+	} {
+		tc.check(t)
 	}
 }
 
@@ -316,33 +350,5 @@ generation_servers:
 		"context_servers.cache_transceiver_config.transceiver_runtime", "context_servers.cache_transceiver_config." + keySenderTimeout}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("not applied:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
-	}
-}
-
-// TestClusterShapes: the shapes a cluster file may take beyond two full
-// groups.
-func TestClusterShapes(t *testing.T) {
-	for _, tc := range []struct {
-		name, text string
-		kind       Kind
-		err        string
-	}{
-		{"groups without transceivers", "context_servers: {urls: ['a:1']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, ""},
-		{"null group", "context_servers:\ngeneration_servers: {num_instances: 2}\n", KindCluster, ""},
-		{"generation only", "context_servers: {num_instances: 0}\ngeneration_servers: {}\n", KindCluster, ""},
-		{"disagg_cluster only", "port: 9000\ndisagg_cluster: {cluster_uri: 'etcd://h:2379'}\n", KindCluster, ""},
-		{"worker with disagg_cluster", "disagg_cluster: {cluster_uri: 'http://h:8000'}\ncache_transceiver_config: {backend: TCP}\n", KindWorker, ""},
-		{"disagg_cluster without uri", "hostname: h\ndisagg_cluster: {cluster_name: x}\n", KindCluster, "disagg_cluster.cluster_uri: missing"},
-		{"one group missing", "context_servers: {}\n", KindCluster, "generation_servers: missing"},
-		{"urls and num_instances disagree", "context_servers: {num_instances: 0, urls: ['a:1']}\ngeneration_servers: {}\n", KindCluster, "has 1 entries but num_instances is 0"},
-	} {
-		f, err := loadText(t, tc.text)
-		if f == nil || f.Kind != tc.kind {
-			t.Errorf("%s: kind %v, want %v (%v)", tc.name, f, tc.kind, err)
-			continue
-		}
-		if (tc.err == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.err)) {
-			t.Errorf("%s: error %v, want %q", tc.name, err, tc.err)
-		}
 	}
 }
