@@ -48,7 +48,7 @@ func newRouterCmd(e env) *cobra.Command {
 			if cfgPath == "" {
 				return errors.New("--config: a cluster file with context_servers.urls and generation_servers.urls is required")
 			}
-			cl, err := loadCluster(cfgPath, e)
+			cl, err := loadCluster(cfgPath, e, log)
 			if err != nil {
 				return err
 			}

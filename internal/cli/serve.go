@@ -244,7 +244,9 @@ func loadSecret(sec *config.Security, env config.Env, log *slog.Logger) ([]byte,
 	return secret, nil
 }
 
-func loadCluster(path string, e env) (*config.Cluster, error) {
+// loadCluster loads the cluster file at path (the embedded default for "")
+// and logs its warnings, as serve does a worker file's.
+func loadCluster(path string, e env, log *slog.Logger) (*config.Cluster, error) {
 	envSnap := config.LoadEnv(e.lookup, e.environ)
 	var f *config.File
 	var err error
@@ -258,6 +260,9 @@ func loadCluster(path string, e env) (*config.Cluster, error) {
 	}
 	if f.Kind != config.KindCluster {
 		return nil, fmt.Errorf("%s is a worker file; this verb takes a cluster file (disagg_config.yaml with context_servers and generation_servers)", path)
+	}
+	for _, w := range f.Warnings {
+		log.Warn(w.String())
 	}
 	return f.Cluster, nil
 }

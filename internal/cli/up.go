@@ -54,7 +54,7 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 	if err != nil {
 		return err
 	}
-	cl, err := loadCluster(uf.file, e)
+	cl, err := loadCluster(uf.file, e, log)
 	if err != nil {
 		return err
 	}
