@@ -33,9 +33,12 @@
 //
 // One driver (rank.go) serves both sides: it feeds a request's core each
 // event under the rank's lock and carries out the effects after, in one
-// run; one cancel path, one close. Around it, control.go keeps the control
-// connections (accept loop, dial cache, the one hello both directions send,
-// idle accounting, choice of backend) and mover.go the data mover (one send
+// run; one cancel path, one close. Around it, internal/control keeps the
+// control connections (accept loop, TLS, dial cache, the hello both
+// directions send, handshake and idle timeouts, one reader per
+// connection), handing the driver each frame and each lost connection and
+// asking it whether a connection is busy; control.go builds the rank's
+// hello and chooses a pair's backend; mover.go is the data mover (one send
 // or receive of a pair, direct or in chunks through the staging buffers).
 // The Transceiver feeds the consensus core what the ranks report and
 // carries out its cancels.

@@ -1,6 +1,10 @@
 package transceiver
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/kvxfer/kvxfer/transceiver/internal/control"
+)
 
 // Errors of the transceiver. Failures of a request wrap one of these (or a
 // transport error) with the request id, the peer and what was going on.
@@ -8,7 +12,7 @@ var (
 	// ErrRefused: the context rank refused the request-info (unknown or
 	// expired request, wrong token, incompatible layouts). The reason
 	// follows in the message.
-	ErrRefused = errors.New("transceiver: refused")
+	ErrRefused = control.ErrRefused
 	// ErrPeerAborted: the peer ended the transfer with an error.
 	ErrPeerAborted = errors.New("transceiver: aborted by peer")
 	// ErrTimeout: kv_transfer_timeout_ms passed before the transfer ended.
@@ -16,7 +20,7 @@ var (
 	// ErrCanceled: the request was cancelled locally.
 	ErrCanceled = errors.New("transceiver: transfer cancelled")
 	// ErrClosed: the transceiver was closed.
-	ErrClosed = errors.New("transceiver: closed")
+	ErrClosed = control.ErrClosed
 	// ErrBadOpaqueState: the opaque state does not decode.
 	ErrBadOpaqueState = errors.New("transceiver: bad opaque state")
 	// ErrNoTransceiver: the worker has no cache_transceiver_config.
@@ -25,7 +29,7 @@ var (
 	// context request's KV cache was computed for.
 	ErrPromptMismatch = errors.New("transceiver: prompt does not match the context request")
 	// ErrPeerLost: the control connection to the peer broke.
-	ErrPeerLost = errors.New("transceiver: peer lost")
+	ErrPeerLost = control.ErrPeerLost
 
 	// Refusals of an opaque state by a generation instance, before it dials
 	// anything (see CheckOpaque).

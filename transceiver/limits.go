@@ -72,10 +72,6 @@ func (l ConnLimits) String() string {
 		"; data: " + netlimit.Limits{MaxConns: l.MaxDataConns, MaxConnsPerHost: l.MaxDataConnsPerHost}.String()
 }
 
-// dialIdle is how long a rank keeps a control connection it dialled
-// unused: 3/4 of the idle timeout (see ConnLimits.IdleTimeout).
-func (l ConnLimits) dialIdle() time.Duration { return l.IdleTimeout * 3 / 4 }
-
 // ConnObserver is an optional interface of an Observer: it is told about
 // the inbound control connections of every rank, for metrics. Its methods
 // are called concurrently and must not block.
@@ -101,8 +97,8 @@ const (
 	RefusedHandshakeTimeout = netlimit.ReasonHandshakeTimeout
 )
 
-// connObs adapts a ConnObserver to netlimit.Observer; nil methods do
-// nothing.
+// connObs adapts a ConnObserver to control.Observer; without one, its
+// methods do nothing.
 type connObs struct{ o ConnObserver }
 
 func (c connObs) Opened() {
@@ -123,7 +119,7 @@ func (c connObs) Refused(reason string) {
 	}
 }
 
-func (c connObs) idleClosed() {
+func (c connObs) IdleClosed() {
 	if c.o != nil {
 		c.o.ControlConnIdleClosed()
 	}

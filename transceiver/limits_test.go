@@ -290,11 +290,7 @@ func TestDialledConnIdle(t *testing.T) {
 	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil), withClock(clk))
 	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	r := gen.t.ranks[0]
-	dialled := func() int {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		return len(r.dialed)
-	}
+	dialled := func() int { return r.ctrl.Dialled() }
 	if dialled() != 1 {
 		t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
 	}
@@ -328,11 +324,7 @@ func TestPeerClosedIdleConn(t *testing.T) {
 	r := gen.t.ranks[0]
 	clk.waitArmed(t, 2)
 	clk.Advance(200 * time.Millisecond)
-	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool {
-		r.mu.Lock()
-		defer r.mu.Unlock()
-		return len(r.dialed) == 0
-	})
+	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool { return r.ctrl.Dialled() == 0 })
 	if senderObs.idle.Load() != 1 {
 		t.Errorf("%d idle closes on the context side, want 1", senderObs.idle.Load())
 	}

@@ -30,7 +30,7 @@ type addrLister interface{ ListenAddrs() []string }
 func (t *Transceiver) Listeners() []Listener {
 	var out []Listener
 	for _, r := range t.ranks {
-		out = append(out, Listener{Rank: r.idx, Plane: "control", Addr: r.endpoint()})
+		out = append(out, Listener{Rank: r.idx, Plane: "control", Addr: r.ctrl.Endpoint()})
 		for _, n := range r.backendNames() {
 			tr := r.transports[n]
 			if al, ok := tr.(addrLister); ok {

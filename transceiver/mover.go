@@ -162,7 +162,7 @@ func (w *chunkWindow) fill(total int) error {
 			return err
 		}
 		w.flight = append(w.flight, chunkSlot{buf: buf, rv: rv, lo: lo, hi: hi})
-		if err := w.s.conn.send(&wire.ChunkDesc{CtxRequestID: w.to.sendID, GenRequestID: w.to.recvID, Index: uint32(w.next), Desc: rv.Descriptor()}); err != nil {
+		if err := w.s.conn.Send(&wire.ChunkDesc{CtxRequestID: w.to.sendID, GenRequestID: w.to.recvID, Index: uint32(w.next), Desc: rv.Descriptor()}); err != nil {
 			return err
 		}
 		w.next++

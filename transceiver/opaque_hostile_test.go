@@ -49,9 +49,7 @@ func withPeers(hosts ...string) func(*Options) {
 func dialedCount(in *inst) int {
 	n := 0
 	for _, r := range in.t.ranks {
-		r.mu.Lock()
-		n += len(r.dialed)
-		r.mu.Unlock()
+		n += r.ctrl.Dialled()
 	}
 	return n
 }
@@ -450,7 +448,7 @@ func TestPeerAllowList(t *testing.T) {
 
 	t.Run("the dial itself checks", func(t *testing.T) {
 		gen := newInst(t, s, testCfg(), 16)
-		if _, err := gen.t.ranks[0].dial(context.Background(), "10.255.255.1:9"); !errors.Is(err, ErrPeerNotAllowed) {
+		if _, _, err := gen.t.ranks[0].ctrl.Dial(context.Background(), "10.255.255.1:9"); !errors.Is(err, ErrPeerNotAllowed) {
 			t.Errorf("dial: %v", err)
 		}
 		if dialedCount(gen) != 0 {

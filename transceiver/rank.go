@@ -2,19 +2,16 @@ package transceiver
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"net"
 	"slices"
 	"sync"
 	"sync/atomic"
-	"time"
 
-	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver/internal/control"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 	"github.com/kvxfer/kvxfer/transport"
 )
@@ -23,7 +20,9 @@ import (
 // request's core the events that happen to it (frames, ends of sends and
 // receives, deadline ticks, cancels), one at a time under the rank's lock,
 // and carries out the effects the core returns (run), without the lock.
-// The control connections are in control.go, the data mover in mover.go.
+// It is the Handler of the rank's control connections
+// (internal/control), and dials through them; the choice of backend is in
+// control.go, the data mover in mover.go.
 
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
@@ -31,17 +30,16 @@ type rankDone func(rank int, key instKey, err error, res rankResult)
 // rank is one rank's transceiver: a control listener, the data planes, the
 // staging buffers and the requests in flight.
 //
-// Lock order: rank.mu, then the clock's own (arming and stopping a
-// deadline); ctrlConn.wmu is never taken under rank.mu: effects run after
-// the lock is released.
+// Lock order: rank.mu, then the control plane's (Plane.Conn, Conn.Touch),
+// then the clock's own (arming and stopping a deadline). Conn.Send is
+// never called under rank.mu: effects run after the lock is released.
 type rank struct {
 	idx        int
 	state      layout.CacheState // the instance's state (DP rank 0)
 	pool       *kvcache.Pool
 	set        rankSettings
 	transports map[string]transport.Transport
-	ln         *netlimit.Listener // the control listener, within set.limits
-	refusals   *netlimit.RateLog  // connections dropped at their handshake
+	ctrl       *control.Plane // the control connections
 	sendBufs   *bufPool
 	recvBufs   *bufPool
 	done       rankDone
@@ -49,17 +47,15 @@ type rank struct {
 	nextRecv   atomic.Uint64 // ids of the receives of this rank (wire GenRequestID)
 
 	wg   sync.WaitGroup  // every goroutine of this rank
-	life context.Context // ends when the rank closes: bounds dials and handshakes
+	life context.Context // ends when the rank closes: bounds shm probes
 	obs  Observer        // nil: none
 	csv  *timingCSV      // nil: none
 	stop context.CancelFunc
 
-	mu       sync.Mutex
-	closed   bool
-	reqs     map[reqKey]*rankReq
-	dialed   map[string]*dialEntry // control connection per context endpoint dialled
-	conns    map[connID]*ctrlConn
-	nextConn connID
+	mu     sync.Mutex
+	closed bool
+	reqs   map[reqKey]*rankReq
+	probes map[connID]*shmProbe // shm probe of the peer, per open control connection
 }
 
 // reqKey names a request on a rank: send side by the context request's id,
@@ -96,7 +92,7 @@ type rankReq struct {
 
 // srcIO is the data-plane state of one source of a receive.
 type srcIO struct {
-	conn   *ctrlConn
+	conn   *control.Conn
 	tr     transport.Transport
 	direct transport.Recv // receipt armed for a direct transfer; nil: none
 }
@@ -109,17 +105,39 @@ type chunkDesc struct {
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone) *rank {
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	life, stop := context.WithCancel(context.Background())
-	return &rank{
+	r := &rank{
 		life: life, stop: stop,
 		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done,
-		ln: netlimit.NewListener(ln, fmt.Sprintf("control rank %d", idx), netlimit.Limits{
-			MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost}, set.logger, set.conns),
-		refusals: netlimit.NewRateLog(set.logger, time.Second),
 		sendBufs: newBufPool(set.sendBuffers, int(bb)),
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
-		reqs:     map[reqKey]*rankReq{}, dialed: map[string]*dialEntry{}, conns: map[connID]*ctrlConn{},
+		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
 	}
+	r.ctrl = control.New(control.Config{
+		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
+		Limits: control.Limits{MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost,
+			HandshakeTimeout: set.limits.HandshakeTimeout, IdleTimeout: set.limits.IdleTimeout},
+		Observer: set.conns, Clock: set.clock, Log: r.log, Hello: r.hello(),
+		TLSServer: set.tlsServer, TLSClient: set.tls,
+		AcceptOK: func(a net.Addr) bool {
+			if !set.peers.acceptOK(a) {
+				set.peers.logRefusal(r.log, a)
+				return false
+			}
+			return true
+		},
+		DialCheck: func(endpoint string) error {
+			// RequestAndReceiveAsync has checked every endpoint already;
+			// the dial is the one place that dials, so the rule is
+			// enforced there too.
+			host, _, err := net.SplitHostPort(endpoint)
+			if err != nil {
+				return fmt.Errorf("%w: endpoint %q is not host:port", ErrBadOpaqueState, endpoint)
+			}
+			return set.peers.dialCheck(host)
+		},
+	}, r)
+	return r
 }
 
 // respond holds a context request: its blocks are retained until the
@@ -226,8 +244,8 @@ func (r *rank) stepLocked(q *rankReq, ev event) ([]effect, bool) {
 		q.over = true
 		delete(r.reqs, q.key)
 		for _, id := range q.core.conns() {
-			if cc := r.conns[id]; cc != nil {
-				cc.touch() // idle from now on, if nothing else uses it
+			if cc := r.ctrl.Conn(uint64(id)); cc != nil {
+				cc.Touch() // idle from now on, if nothing else uses it
 			}
 		}
 	}
@@ -252,8 +270,8 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			r.mu.Unlock()
 		case effRefuse:
 			from := ""
-			if cc := r.conn(e.to.conn); cc != nil {
-				from = cc.peer.endpoint
+			if cc := r.ctrl.Conn(uint64(e.to.conn)); cc != nil {
+				from = cc.Peer().Endpoint
 			}
 			r.log.Info("refused request-info", "request", e.to.sendID, "gen_rank", e.gen, "from", from, "reason", e.reason)
 			if e.note != "" {
@@ -306,16 +324,9 @@ func (r *rank) run(q *rankReq, effs []effect) {
 // send writes a frame on the connection of a route; one that is gone (or
 // was never dialled) gets nothing: its own failure is already reported.
 func (r *rank) send(to route, f wire.Frame) {
-	if cc := r.conn(to.conn); cc != nil {
-		cc.send(f)
+	if cc := r.ctrl.Conn(uint64(to.conn)); cc != nil {
+		cc.Send(f)
 	}
-}
-
-// conn returns the connection id names; nil when it is gone.
-func (r *rank) conn(id connID) *ctrlConn {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.conns[id]
 }
 
 // work runs a send or a receive of q in a goroutine, accounts its figures
@@ -362,12 +373,12 @@ func (r *rank) source(q *rankReq, src int) *srcIO {
 // ask reaches context rank src for q (dial, backend) and hands the result
 // to the core, which writes the request-info.
 func (r *rank) ask(q *rankReq, src int) {
-	cc, err := r.dial(q.ctx, q.endpoints[src])
+	cc, release, err := r.ctrl.Dial(q.ctx, q.endpoints[src])
 	if err != nil {
 		r.step(q, evAskFailed{src: src, err: err})
 		return
 	}
-	defer r.undial(cc)
+	defer release()
 	backend, err := r.chooseBackend(cc)
 	if err != nil {
 		r.step(q, evAskFailed{src: src, err: err})
@@ -376,7 +387,7 @@ func (r *rank) ask(q *rankReq, src int) {
 	r.mu.Lock()
 	q.srcs[src] = &srcIO{conn: cc, tr: r.transports[backend]}
 	r.mu.Unlock()
-	r.step(q, evDialled{src: src, conn: cc.id, backend: backend})
+	r.step(q, evDialled{src: src, conn: connID(cc.ID()), backend: backend})
 }
 
 // requestInfo sends the request-info, first arming the receipt of a direct
@@ -393,7 +404,7 @@ func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
 		r.mu.Unlock()
 		e.ri.Desc = rv.Descriptor()
 	}
-	return s.conn.send(&e.ri)
+	return s.conn.Send(&e.ri)
 }
 
 // finish ends q on this rank once nothing touches its blocks any more:
@@ -446,21 +457,23 @@ func (r *rank) deliver(key reqKey, ev event, unknown func() []effect) {
 	}
 }
 
-// frame hands a control frame from cc to the request it is about.
-// dialled: cc is a connection this rank dialled, to a context rank.
-func (r *rank) frame(cc *ctrlConn, f wire.Frame, dialled bool) error {
+// Frame hands a control frame from cc to the request it is about (it
+// implements control.Handler). dialled: cc is a connection this rank
+// dialled, to a context rank.
+func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	if p, ok := f.(*wire.Ping); ok {
-		return cc.send(&wire.Pong{Nonce: p.Nonce})
+		return cc.Send(&wire.Pong{Nonce: p.Nonce})
 	}
+	id, src := connID(cc.ID()), cc.Peer().Rank
 	if dialled {
 		key := func(recvID uint64) reqKey { return reqKey{sideRecv, recvID} }
 		switch f := f.(type) {
 		case *wire.Ready:
-			r.deliver(key(f.GenRequestID), evReady{conn: cc.id, src: cc.peer.rank, chunk: int(f.ChunkBlocks)}, nil)
+			r.deliver(key(f.GenRequestID), evReady{conn: id, src: src, chunk: int(f.ChunkBlocks)}, nil)
 		case *wire.Refused:
-			r.deliver(key(f.GenRequestID), evRefused{conn: cc.id, src: cc.peer.rank, reason: f.Reason}, nil)
+			r.deliver(key(f.GenRequestID), evRefused{conn: id, src: src, reason: f.Reason}, nil)
 		case *wire.Abort:
-			r.deliver(key(f.GenRequestID), evSrcAbort{conn: cc.id, src: cc.peer.rank, reason: f.Reason}, nil)
+			r.deliver(key(f.GenRequestID), evSrcAbort{conn: id, src: src, reason: f.Reason}, nil)
 		case *wire.Pong:
 		default:
 			return fmt.Errorf("%w: unexpected %s frame from a context rank", wire.ErrMalformed, f.Type())
@@ -468,7 +481,7 @@ func (r *rank) frame(cc *ctrlConn, f wire.Frame, dialled bool) error {
 		return nil
 	}
 	key := func(sendID uint64) reqKey { return reqKey{sideSend, sendID} }
-	from := func(sendID, recvID uint64) route { return route{conn: cc.id, sendID: sendID, recvID: recvID} }
+	from := func(sendID, recvID uint64) route { return route{conn: id, sendID: sendID, recvID: recvID} }
 	switch f := f.(type) {
 	case *wire.RequestInfo:
 		at := from(f.CtxRequestID, f.GenRequestID)
@@ -483,34 +496,37 @@ func (r *rank) frame(cc *ctrlConn, f wire.Frame, dialled bool) error {
 	return nil
 }
 
-// connLost fails every transfer that used cc.
-func (r *rank) connLost(cc *ctrlConn, err error) {
-	if err == nil || errors.Is(err, io.EOF) {
-		err = io.EOF
-	}
-	cc.close(err)
+// Lost fails every transfer that used cc (it implements
+// control.Handler).
+func (r *rank) Lost(cc *control.Conn, err error) {
+	id := connID(cc.ID())
 	r.mu.Lock()
-	delete(r.conns, cc.id)
-	for ep, d := range r.dialed {
-		select {
-		case <-d.ready:
-			if d.conn == cc {
-				delete(r.dialed, ep)
-			}
-		default:
-		}
-	}
+	delete(r.probes, id)
 	var hit []*rankReq
 	for _, q := range r.reqs {
-		if slices.Contains(q.core.conns(), cc.id) {
+		if slices.Contains(q.core.conns(), id) {
 			hit = append(hit, q)
 		}
 	}
 	r.mu.Unlock()
-	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.peer.endpoint, err)
+	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
-		r.step(q, evConnLost{conn: cc.id, err: lost})
+		r.step(q, evConnLost{conn: id, err: lost})
 	}
+}
+
+// Busy reports whether a request in flight uses cc (it implements
+// control.Handler): the connection is then not idle.
+func (r *rank) Busy(cc *control.Conn) bool {
+	id := connID(cc.ID())
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, q := range r.reqs {
+		if slices.Contains(q.core.conns(), id) {
+			return true
+		}
+	}
+	return false
 }
 
 // cancel cancels the instance's request reqID of side on this rank. It
@@ -544,16 +560,7 @@ func (r *rank) close() error {
 	for _, q := range qs {
 		r.step(q, evCancel{err: ErrClosed})
 	}
-	err := r.ln.Close()
-	r.mu.Lock()
-	conns := make([]*ctrlConn, 0, len(r.conns))
-	for _, cc := range r.conns {
-		conns = append(conns, cc)
-	}
-	r.mu.Unlock()
-	for _, cc := range conns {
-		cc.close(ErrClosed)
-	}
+	err := r.ctrl.Close()
 	r.stop()
 	r.wg.Wait()
 	for _, tr := range r.transports {

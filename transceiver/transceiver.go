@@ -149,7 +149,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 			return nil, err
 		}
 		t.ranks = append(t.ranks, r)
-		r.start()
+		r.ctrl.Start()
 	}
 	return t, nil
 }
@@ -216,6 +216,7 @@ type rankSettings struct {
 	clock       clock            // for deadlines
 	peers       *peerPolicy      // hosts this rank may dial and accept
 	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
+	tlsServer   *tls.Config      // its server side
 	limits      ConnLimits       // with defaults
 	conns       connObs          // the Observer's ConnObserver, if any
 }
@@ -238,7 +239,7 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 		set.now = set.clock.Now
 	}
 	if opts.TLS != nil {
-		set.tls = opts.TLS.Client
+		set.tls, set.tlsServer = opts.TLS.Client, opts.TLS.Server
 	}
 	if co, ok := opts.Observer.(ConnObserver); ok {
 		set.conns = connObs{co}
@@ -284,9 +285,6 @@ func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTran
 	if err != nil {
 		closeAll()
 		return nil, err
-	}
-	if opts.TLS != nil {
-		ln = &tlsListener{Listener: ln, cfg: opts.TLS.Server, log: set.logger}
 	}
 	r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone)
 	r.obs, r.csv = opts.Observer, t.csv
@@ -371,7 +369,7 @@ func (t *Transceiver) Resolution() config.Resolution { return t.resolution }
 func (t *Transceiver) Endpoints() []string {
 	out := make([]string, len(t.ranks))
 	for i, r := range t.ranks {
-		out[i] = r.endpoint()
+		out[i] = r.ctrl.Endpoint()
 	}
 	return out
 }
@@ -751,9 +749,7 @@ func (t *Transceiver) StagingBytesInUse() (send, recv int64) {
 func (t *Transceiver) ControlConnections() int {
 	n := 0
 	for _, r := range t.ranks {
-		r.mu.Lock()
-		n += len(r.conns)
-		r.mu.Unlock()
+		n += r.ctrl.Len()
 	}
 	return n
 }

@@ -53,6 +53,9 @@ var boundaries = []rule{
 	{pkg: "bench/benchtest", may: []string{"bench"}, ext: []string{"github.com/santhosh-tekuri/jsonschema/v6"}},
 	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
 		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf"}},
+	// The control connections of a rank: frames, the accept loop, the
+	// listener's limits; never requests, layouts or transports.
+	{pkg: "transceiver/internal/control", may: []string{"transceiver/internal/wire", "internal/netlimit", "internal/accept"}},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
 	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd"},
@@ -215,6 +218,11 @@ func TestBoundaryRules(t *testing.T) {
 		{"engine", "config", true, true},
 		{"transceiver", "transceiver/internal/wire", false, true},
 		{"transceiver/internal/wire", "transceiver", false, false},
+		{"transceiver", "transceiver/internal/control", false, true},
+		{"transceiver/internal/control", "transceiver/internal/wire", false, true},
+		{"transceiver/internal/control", "transceiver", false, false},
+		{"transceiver/internal/control", "transport", false, false}, // frames and peers, never data planes
+		{"transceiver/internal/control", "layout", false, false},
 		{"transport/tcp", "transport/shm", false, false},
 		{"transport/tcp", "transport/transporttest", true, true},
 		{"internal/cli", "cmd/kvxfer", false, false},

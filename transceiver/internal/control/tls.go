@@ -1,4 +1,4 @@
-package transceiver
+package control
 
 import (
 	"context"
@@ -8,9 +8,10 @@ import (
 	"net"
 )
 
-// Mutual TLS of the control plane (Options.TLS). The context rank's
-// listener makes every accepted connection a TLS server connection that
-// requires a client certificate of the cluster CA; the generation rank
+// Mutual TLS of the control plane (Config.TLSServer, Config.TLSClient).
+// The context rank's listener makes every accepted connection a TLS server
+// connection that requires a client certificate of the cluster CA; the
+// generation rank
 // dials with the client config and checks the context rank's certificate
 // against the CA and the host of its endpoint. The handshake of an
 // accepted connection runs on its first read, in the connection's own

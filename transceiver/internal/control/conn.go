@@ -1,0 +1,116 @@
+package control
+
+import (
+	"bufio"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
+)
+
+// Conn is one control connection between a generation rank (which dialled
+// it) and a context rank. Frames are written whole under wmu; one reader
+// goroutine per connection, owned by the Plane, reads them.
+type Conn struct {
+	id      uint64 // the Plane's name for it (set by Plane.track)
+	c       net.Conn
+	br      *bufio.Reader
+	wmu     sync.Mutex
+	peer    Peer // from the peer's Hello
+	dialled bool
+
+	closeOnce sync.Once
+	dead      chan struct{} // closed when the connection is closed
+	err       error         // why it died; set before dead is closed
+
+	now   func() time.Time // the Plane's clock: idleness is measured on it
+	used  atomic.Int64     // unix nanoseconds of the last use (see Touch)
+	users int              // dialled: callers of Dial not yet released (guarded by Plane.mu)
+	takes uint64           // dialled: Dials that have returned it (guarded by Plane.mu)
+}
+
+// Peer is what the other side of a Conn told of itself in its Hello, and
+// where it is.
+type Peer struct {
+	Rank      int
+	State     []byte   // its layout.CacheState, marshalled
+	Host      string   // its host identity
+	Backends  []string // the data planes it has open
+	Endpoints []string // data-plane endpoint of each backend
+	Endpoint  string   // the address dialled (dialled Conn) or the remote address (accepted)
+}
+
+// fromHello records what a Hello tells of the peer.
+func (p *Peer) fromHello(h *wire.Hello) {
+	p.Rank, p.State, p.Host, p.Backends, p.Endpoints = int(h.Rank), h.State, h.Host, h.Backends, h.Endpoints
+}
+
+// writeTimeout bounds a write of a frame, a dial with its handshake, and
+// the arrival of a frame whose first byte has come.
+const writeTimeout = 10 * time.Second
+
+func newConn(c net.Conn, now func() time.Time, dialled bool) *Conn {
+	return &Conn{c: c, br: bufio.NewReaderSize(c, 16<<10), dead: make(chan struct{}), now: now, dialled: dialled}
+}
+
+// ID returns the Plane's name for c, unique among the Plane's Conns, never
+// 0.
+func (c *Conn) ID() uint64 { return c.id }
+
+// Peer returns what the peer told of itself. It does not change once the
+// Handler or a caller of Dial has seen c.
+func (c *Conn) Peer() Peer { return c.peer }
+
+// Dialled reports whether this side dialled c.
+func (c *Conn) Dialled() bool { return c.dialled }
+
+// Send writes one frame whole. A write that cannot finish within
+// writeTimeout kills the connection: a control peer that does not read is
+// gone. On a dead Conn it fails with ErrPeerLost.
+func (c *Conn) Send(f wire.Frame) error {
+	b, err := wire.Append(make([]byte, 0, 128), f)
+	if err != nil {
+		return err
+	}
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	select {
+	case <-c.dead:
+		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, c.peer.Endpoint, c.err)
+	default:
+	}
+	c.c.SetWriteDeadline(time.Now().Add(writeTimeout))
+	if _, err := c.c.Write(b); err != nil {
+		c.close(err)
+		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, c.peer.Endpoint, err)
+	}
+	return nil
+}
+
+// Touch records that c is in use now: its idle time starts again.
+func (c *Conn) Touch() { c.used.Store(c.now().UnixNano()) }
+
+// lastUse returns when c was last used (see Touch).
+func (c *Conn) lastUse() time.Time { return time.Unix(0, c.used.Load()) }
+
+// isDead reports whether c has been closed.
+func (c *Conn) isDead() bool {
+	select {
+	case <-c.dead:
+		return true
+	default:
+		return false
+	}
+}
+
+// close closes the connection once, recording why.
+func (c *Conn) close(why error) {
+	c.closeOnce.Do(func() {
+		c.err = why
+		c.c.Close()
+		close(c.dead)
+	})
+}

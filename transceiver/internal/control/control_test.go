@@ -1,0 +1,534 @@
+package control
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+
+	"github.com/kvxfer/kvxfer/internal/netlimit"
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// manualClock is a Clock the test advances by hand.
+type manualClock struct {
+	mu     sync.Mutex
+	now    time.Time
+	timers []*manualTimer
+	armed  chan struct{} // closed and replaced whenever a timer is armed
+}
+
+type manualTimer struct {
+	at   time.Time
+	f    func()
+	done bool
+}
+
+func newManualClock() *manualClock { return &manualClock{now: time.Now(), armed: make(chan struct{})} }
+
+func (c *manualClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *manualClock) AfterFunc(d time.Duration, f func()) func() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	t := &manualTimer{at: c.now.Add(d), f: f}
+	c.timers = append(c.timers, t)
+	close(c.armed)
+	c.armed = make(chan struct{})
+	return func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		stopped := !t.done
+		t.done = true
+		return stopped
+	}
+}
+
+// Advance moves the clock and runs the timers then due; it returns once
+// they have.
+func (c *manualClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	var due []func()
+	live := c.timers[:0]
+	for _, t := range c.timers {
+		switch {
+		case t.done:
+		case !t.at.After(c.now):
+			t.done = true
+			due = append(due, t.f)
+		default:
+			live = append(live, t)
+		}
+	}
+	c.timers = live
+	c.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, f := range due {
+		wg.Go(f)
+	}
+	wg.Wait()
+}
+
+// waitArmed waits until n timers are armed (neither fired nor stopped).
+func (c *manualClock) waitArmed(t *testing.T, n int) {
+	t.Helper()
+	limit := time.NewTimer(5 * time.Second)
+	defer limit.Stop()
+	for {
+		c.mu.Lock()
+		armed := 0
+		for _, tm := range c.timers {
+			if !tm.done {
+				armed++
+			}
+		}
+		next := c.armed
+		c.mu.Unlock()
+		if armed == n {
+			return
+		}
+		select {
+		case <-next:
+		case <-limit.C:
+			t.Fatalf("%d timers armed after 5s, want %d", armed, n)
+		}
+	}
+}
+
+// handler records what a Plane hands it.
+type handler struct {
+	busy   atomic.Bool
+	frames chan wire.Frame
+	lost   chan lostConn
+}
+
+type lostConn struct {
+	c   *Conn
+	err error
+}
+
+func newHandler() *handler {
+	return &handler{frames: make(chan wire.Frame, 64), lost: make(chan lostConn, 64)}
+}
+
+func (h *handler) Frame(c *Conn, f wire.Frame, dialled bool) error {
+	h.frames <- f
+	return nil
+}
+
+func (h *handler) Lost(c *Conn, err error) { h.lost <- lostConn{c, err} }
+
+func (h *handler) Busy(*Conn) bool { return h.busy.Load() }
+
+// waitLost returns the next connection the handler is told is lost.
+func (h *handler) waitLost(t *testing.T) lostConn {
+	t.Helper()
+	select {
+	case l := <-h.lost:
+		return l
+	case <-time.After(5 * time.Second):
+		t.Fatal("no connection lost after 5s")
+		return lostConn{}
+	}
+}
+
+type counter struct{ opened, closed, refused, idle atomic.Int64 }
+
+func (o *counter) Opened() { o.opened.Add(1) }
+func (o *counter) Closed() { o.closed.Add(1) }
+func (o *counter) Refused(reason string) {
+	if reason == netlimit.ReasonHandshakeTimeout {
+		o.refused.Add(1)
+	}
+}
+func (o *counter) IdleClosed() { o.idle.Add(1) }
+
+type testPlane struct {
+	*Plane
+	h   *handler
+	obs *counter
+}
+
+// newPlane starts a Plane on a loopback listener; the test closes it.
+func newPlane(t *testing.T, clk Clock, lim Limits, rank uint32) testPlane {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, obs := newHandler(), &counter{}
+	p := New(Config{Listener: ln, Name: "control test", Limits: lim, Observer: obs, Clock: clk,
+		Log: slog.New(slog.DiscardHandler), Hello: wire.Hello{Rank: rank, Host: "test", Backends: []string{"tcp"}, Endpoints: []string{"tcp-ep"}}}, h)
+	p.Start()
+	t.Cleanup(func() { p.Close() })
+	return testPlane{p, h, obs}
+}
+
+// rawPeer is a listener the test answers by hand: serve runs for each
+// connection it accepts, in the accept goroutine's own goroutine.
+type rawPeer struct {
+	ln      net.Listener
+	accepts atomic.Int64
+	wg      sync.WaitGroup
+	mu      sync.Mutex
+	conns   []net.Conn
+}
+
+func newRawPeer(t *testing.T, serve func(c net.Conn, br *bufio.Reader)) *rawPeer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rp := &rawPeer{ln: ln}
+	rp.wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			rp.accepts.Add(1)
+			rp.mu.Lock()
+			rp.conns = append(rp.conns, c)
+			rp.mu.Unlock()
+			rp.wg.Go(func() { serve(c, bufio.NewReader(c)) })
+		}
+	})
+	t.Cleanup(rp.close)
+	return rp
+}
+
+func (rp *rawPeer) close() {
+	rp.ln.Close()
+	rp.mu.Lock()
+	for _, c := range rp.conns {
+		c.Close()
+	}
+	rp.mu.Unlock()
+	rp.wg.Wait()
+}
+
+// TestDialSharesOneAttempt: concurrent Dials of one endpoint share one
+// connection attempt and get one Conn.
+func TestDialSharesOneAttempt(t *testing.T) {
+	gate := make(chan struct{})
+	rp := newRawPeer(t, func(c net.Conn, br *bufio.Reader) {
+		if _, err := wire.Read(br); err != nil {
+			return
+		}
+		<-gate
+		wire.Write(c, &wire.Hello{Version: wire.Version, Rank: 3, Host: "h", Backends: []string{"tcp"}, Endpoints: []string{"e"}})
+		io.Copy(io.Discard, c)
+	})
+	p := newPlane(t, newManualClock(), Limits{}, 0)
+	const n = 8
+	conns := make([]*Conn, n)
+	var started, wg sync.WaitGroup
+	for i := range n {
+		started.Add(1)
+		wg.Go(func() {
+			started.Done()
+			c, release, err := p.Dial(context.Background(), rp.ln.Addr().String())
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			release()
+			conns[i] = c
+		})
+	}
+	started.Wait()
+	time.Sleep(2 * time.Millisecond) // let the Dials queue on the attempt
+	close(gate)
+	wg.Wait()
+	for i, c := range conns {
+		if c == nil || c != conns[0] {
+			t.Fatalf("Dial %d got %p, Dial 0 %p", i, c, conns[0])
+		}
+	}
+	if a := rp.accepts.Load(); a != 1 {
+		t.Errorf("%d connections made, want 1", a)
+	}
+	if peer := conns[0].Peer(); peer.Rank != 3 || peer.Host != "h" || peer.Endpoint != rp.ln.Addr().String() || !conns[0].Dialled() {
+		t.Errorf("peer %+v", peer)
+	}
+	if p.Dialled() != 1 || p.Len() != 1 {
+		t.Errorf("%d dialled, %d open; want 1, 1", p.Dialled(), p.Len())
+	}
+}
+
+// TestDeadConnRedialled: a cached connection that has died, whether its
+// reader has seen it yet or not, is replaced by a new one.
+func TestDeadConnRedialled(t *testing.T) {
+	clk := newManualClock()
+	s := newPlane(t, clk, Limits{}, 1)
+	c := newPlane(t, clk, Limits{}, 2)
+	ep := s.Endpoint()
+	dial := func() *Conn {
+		t.Helper()
+		cc, release, err := c.Dial(context.Background(), ep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		release()
+		return cc
+	}
+	c1 := dial()
+	if c1.Peer().Rank != 1 {
+		t.Fatalf("peer rank %d, want 1", c1.Peer().Rank)
+	}
+	if again := dial(); again != c1 {
+		t.Fatal("a live cached connection was not reused")
+	}
+
+	t.Run("closed by the peer", func(t *testing.T) {
+		s.mu.Lock()
+		for _, sc := range s.conns {
+			sc.close(errors.New("test"))
+		}
+		s.mu.Unlock()
+		if l := c.h.waitLost(t); l.c != c1 || !errors.Is(l.err, io.EOF) {
+			t.Fatalf("lost %p (%v), want %p (EOF)", l.c, l.err, c1)
+		}
+		if c.Conn(c1.ID()) != nil {
+			t.Error("a lost connection is still looked up")
+		}
+		c2 := dial()
+		if c2 == c1 || c2.ID() == c1.ID() {
+			t.Fatal("the dead connection was dialled again")
+		}
+		c1 = c2
+	})
+
+	t.Run("closed here, before its reader saw it", func(t *testing.T) {
+		c1.close(errors.New("test"))
+		c2 := dial()
+		if c2 == c1 || c2.isDead() {
+			t.Fatal("a dead cached connection was returned")
+		}
+		if err := c1.Send(&wire.Ping{}); !errors.Is(err, ErrPeerLost) {
+			t.Errorf("Send on a dead Conn = %v, want ErrPeerLost", err)
+		}
+		c.h.waitLost(t)
+	})
+	if o := s.obs.opened.Load(); o != 3 {
+		t.Errorf("%d connections accepted, want 3", o)
+	}
+}
+
+// TestHandshakeTimeout: an accepted connection that sends no hello is
+// closed once the handshake timeout has passed on the Plane's clock.
+func TestHandshakeTimeout(t *testing.T) {
+	clk := newManualClock()
+	s := newPlane(t, clk, Limits{HandshakeTimeout: time.Second}, 0)
+	raw, err := net.Dial("tcp", s.Endpoint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer raw.Close()
+	clk.waitArmed(t, 1)
+	clk.Advance(time.Second - time.Millisecond)
+	if s.obs.refused.Load() != 0 || s.Len() != 1 {
+		t.Fatal("closed before the timeout")
+	}
+	clk.Advance(time.Millisecond)
+	raw.SetReadDeadline(time.Now().Add(5 * time.Second))
+	if _, err := raw.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+		t.Fatalf("read = %v, want EOF", err)
+	}
+	if s.obs.refused.Load() != 1 {
+		t.Errorf("%d handshake timeouts counted, want 1", s.obs.refused.Load())
+	}
+	s.h.waitLost(t)
+}
+
+// TestIdleNotWhileBusy: an accepted connection is not closed as idle while
+// the Handler says it is busy, and is at the idle timeout once it is not.
+func TestIdleNotWhileBusy(t *testing.T) {
+	clk := newManualClock()
+	s := newPlane(t, clk, Limits{IdleTimeout: 100 * time.Millisecond}, 0)
+	c := newPlane(t, newManualClock(), Limits{}, 1) // never idle
+	s.h.busy.Store(true)
+	_, release, err := c.Dial(context.Background(), s.Endpoint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	release()
+	clk.waitArmed(t, 1)
+	clk.Advance(100 * time.Millisecond)
+	clk.waitArmed(t, 1) // it waits again
+	if s.obs.idle.Load() != 0 || s.Len() != 1 {
+		t.Fatal("a busy connection was closed as idle")
+	}
+	s.h.busy.Store(false)
+	clk.Advance(100 * time.Millisecond)
+	if l := c.h.waitLost(t); !errors.Is(l.err, io.EOF) {
+		t.Errorf("the dialler lost its connection with %v, want EOF", l.err)
+	}
+	s.h.waitLost(t)
+	if s.obs.idle.Load() != 1 {
+		t.Errorf("%d idle closes, want 1", s.obs.idle.Load())
+	}
+}
+
+// TestDialledIdle: a dialled connection leaves the dial cache and closes at
+// 3/4 of the idle timeout, not while a Dial holds it.
+func TestDialledIdle(t *testing.T) {
+	clk := newManualClock()
+	s := newPlane(t, newManualClock(), Limits{}, 0)
+	c := newPlane(t, clk, Limits{IdleTimeout: 400 * time.Millisecond}, 1)
+	_, release, err := c.Dial(context.Background(), s.Endpoint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	clk.waitArmed(t, 1)
+	clk.Advance(300 * time.Millisecond)
+	clk.waitArmed(t, 1)
+	if c.Dialled() != 1 {
+		t.Fatal("closed while a Dial holds it")
+	}
+	release()
+	clk.Advance(300*time.Millisecond - time.Millisecond)
+	clk.waitArmed(t, 1)
+	if c.Dialled() != 1 {
+		t.Fatal("closed before 3/4 of the idle timeout")
+	}
+	clk.Advance(time.Millisecond)
+	if l := c.h.waitLost(t); !errors.Is(l.err, errIdle) {
+		t.Errorf("lost with %v, want idle", l.err)
+	}
+	if c.Dialled() != 0 {
+		t.Error("the idle connection is still in the dial cache")
+	}
+}
+
+// TestVersionMismatch: a peer of another protocol version is refused, in
+// both directions.
+func TestVersionMismatch(t *testing.T) {
+	t.Run("accepted", func(t *testing.T) {
+		s := newPlane(t, newManualClock(), Limits{}, 0)
+		raw, err := net.Dial("tcp", s.Endpoint())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer raw.Close()
+		raw.SetDeadline(time.Now().Add(5 * time.Second))
+		if err := wire.Write(raw, &wire.Hello{Version: wire.Version + 1}); err != nil {
+			t.Fatal(err)
+		}
+		br := bufio.NewReader(raw)
+		f, err := wire.Read(br)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r, ok := f.(*wire.Refused)
+		if !ok || r.Code != wire.RefusedVersion || !strings.Contains(r.Reason, "control protocol version 2, this context rank speaks 1") {
+			t.Fatalf("got %#v, want a version refusal", f)
+		}
+		if _, err := wire.Read(br); !errors.Is(err, io.EOF) {
+			t.Errorf("after the refusal: %v, want EOF", err)
+		}
+		s.h.waitLost(t)
+	})
+	t.Run("dialled", func(t *testing.T) {
+		rp := newRawPeer(t, func(c net.Conn, br *bufio.Reader) {
+			if _, err := wire.Read(br); err == nil {
+				wire.Write(c, &wire.Refused{Code: wire.RefusedVersion, Reason: "speaks 9"})
+			}
+		})
+		p := newPlane(t, newManualClock(), Limits{}, 0)
+		_, _, err := p.Dial(context.Background(), rp.ln.Addr().String())
+		if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "speaks 9") {
+			t.Fatalf("Dial = %v, want ErrRefused with the reason", err)
+		}
+		if p.Dialled() != 0 {
+			t.Error("a failed attempt stayed in the dial cache")
+		}
+	})
+}
+
+// TestDialCheck: Dial asks the peer policy before it dials anything.
+func TestDialCheck(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	no := errors.New("not allowed")
+	p := New(Config{Listener: ln, Clock: newManualClock(), Log: slog.New(slog.DiscardHandler),
+		DialCheck: func(string) error { return no }}, newHandler())
+	defer p.Close()
+	if _, _, err := p.Dial(context.Background(), ln.Addr().String()); err != no {
+		t.Fatalf("Dial = %v, want the check's error", err)
+	}
+	if p.Dialled() != 0 {
+		t.Error("a refused endpoint entered the dial cache")
+	}
+}
+
+// TestCloseEndsEverything: Close ends the accept loop, every reader, a
+// handshake waiting for its hello and a dial in progress, tells the
+// Handler, and is idempotent; Dial after it fails with ErrClosed.
+func TestCloseEndsEverything(t *testing.T) {
+	silent := newRawPeer(t, func(c net.Conn, br *bufio.Reader) { io.Copy(io.Discard, br) }) // never answers
+	s := newPlane(t, newManualClock(), Limits{HandshakeTimeout: time.Hour}, 0)
+	c := newPlane(t, newManualClock(), Limits{IdleTimeout: time.Hour}, 1)
+	if _, release, err := c.Dial(context.Background(), s.Endpoint()); err != nil {
+		t.Fatal(err)
+	} else {
+		release()
+	}
+	raw, err := net.Dial("tcp", s.Endpoint()) // shakes no hands
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer raw.Close()
+	pending := make(chan error, 1)
+	go func() {
+		_, _, err := c.Dial(context.Background(), silent.ln.Addr().String())
+		pending <- err
+	}()
+	for silent.accepts.Load() == 0 || s.Len() != 2 {
+		time.Sleep(time.Millisecond)
+	}
+	if err := c.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-pending; !errors.Is(err, ErrPeerLost) && !errors.Is(err, ErrClosed) {
+		t.Errorf("the dial in progress ended with %v", err)
+	}
+	if l := c.h.waitLost(t); !errors.Is(l.err, ErrClosed) {
+		t.Errorf("the dialled connection was lost with %v, want ErrClosed", l.err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s.h.waitLost(t)
+	s.h.waitLost(t)
+	if err := s.Close(); err != nil {
+		t.Errorf("second Close = %v", err)
+	}
+	if _, _, err := c.Dial(context.Background(), s.Endpoint()); !errors.Is(err, ErrClosed) {
+		t.Errorf("Dial after Close = %v, want ErrClosed", err)
+	}
+	if s.Len() != 0 || c.Len() != 0 {
+		t.Errorf("%d and %d connections open after Close", s.Len(), c.Len())
+	}
+	silent.close()
+	goleak.VerifyNone(t)
+}
