@@ -149,9 +149,6 @@ func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
 	f.addInt(cm, path, "kv_transfer_timeout_ms", ct.KVTransferTimeoutMs)
 	if ct.SenderFutureTimeoutMs > 0 {
 		f.addInt(cm, path, keySenderTimeout, ct.SenderFutureTimeoutMs)
-		if _, ok := notAppliedYet[keySenderTimeout]; ok {
-			cm.Content[len(cm.Content)-1].LineComment += "; accepted, not applied yet"
-		}
 	}
 	if ct.Runtime != "" {
 		f.addScalar(cm, path, keyRuntime, "!!str", ct.Runtime)

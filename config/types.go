@@ -44,8 +44,7 @@ type CacheTransceiver struct {
 	// KVTransferTimeoutMs bounds the wait. TensorRT-LLM's field of the same
 	// name (default 1000) bounds one poll of its send futures instead;
 	// kvxfer gives it the meaning above and no default, because a
-	// deadline of one second would fail large transfers. Not enforced yet
-	// (the loader says so: notAppliedYet).
+	// deadline of one second would fail large transfers.
 	SenderFutureTimeoutMs int
 	// Runtime is transceiver_runtime (CPP or PYTHON): which of
 	// TensorRT-LLM's implementations runs the transfer. Accepted and

@@ -218,13 +218,18 @@ type rankSettings struct {
 	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
 	limits      ConnLimits       // with defaults
 	conns       connObs          // the Observer's ConnObserver, if any
+
+	// senderTimeout is kv_transfer_sender_future_timeout: how long a
+	// context rank's sends may take once they start (0: no bound of
+	// their own).
+	senderTimeout time.Duration
 }
 
 // settingsOf derives the settings every rank shares from the config and
 // the options; openRank sizes the staging buffers per rank.
 func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Backend, peers *peerPolicy, log *slog.Logger) rankSettings {
 	set := rankSettings{
-		timeout: cfg.Timeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
+		timeout: cfg.Timeout(), senderTimeout: cfg.SenderTimeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
 		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
 		host: opts.Host, logger: log, now: opts.Now, clock: opts.clock, peers: peers, limits: opts.Limits.withDefaults(),
 	}
