@@ -168,11 +168,7 @@ func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
 		foot = append(foot, fmt.Sprintf("timing CSV directory: %s (%s)", ct.TimeOutputPath, src("time_output_path")))
 	}
 	if ct.UCXInterface != "" {
-		line := fmt.Sprintf("UCX listener and side channel interface: %s (%s)", ct.UCXInterface, src("ucx_interface"))
-		if _, ok := notAppliedYet[EnvUCXInterface]; ok {
-			line += "; accepted, not applied yet"
-		}
-		foot = append(foot, line)
+		foot = append(foot, fmt.Sprintf("UCX listener and side channel interface: %s (%s)", ct.UCXInterface, src("ucx_interface")))
 	}
 	// A head comment on the mapping's first key renders inside the mapping
 	// at its indentation; yaml.v3 misplaces foot comments of nested maps.

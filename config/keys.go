@@ -97,8 +97,6 @@ const (
 // with what happens instead; the loader warns about each one that is set.
 // An entry goes away in the change that gives its setting an effect.
 var notAppliedYet = map[string]string{
-	EnvUCXInterface: "the UCX backend does not bind to it yet: its listener and side channel use --transceiver-host, " +
-		"and UCX picks its own devices (UCX_NET_DEVICES)",
 	keyConditionalDisagg: "the router sends every request to a context worker first, whatever its length",
 	keyDisaggCluster:     "kvxfer has no dynamic membership yet: the router uses each server group's urls",
 }

@@ -72,8 +72,8 @@ type CacheTransceiver struct {
 	TimeOutputPath string
 	// UCXInterface is TRTLLM_UCX_INTERFACE: the network interface the UCX
 	// backend's listener and side channel use; empty = UCX's choice. The
-	// loader checks that the interface exists. Not applied yet (the loader
-	// says so: notAppliedYet).
+	// loader checks that the interface exists; the UCX backend binds its
+	// first IPv4 address (transport.Options.Interface).
 	UCXInterface string
 	// Env is the environment snapshot the config was loaded with; DEFAULT
 	// resolution reads it.

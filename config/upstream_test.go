@@ -346,7 +346,7 @@ generation_servers:
 	for _, w := range f.NotApplied() {
 		got = append(got, w.Path)
 	}
-	want := []string{"env TRTLLM_NIXL_KVCACHE_BACKEND", "env TRTLLM_UCX_INTERFACE", keyConditionalDisagg, "context_servers.router.type",
+	want := []string{"env TRTLLM_NIXL_KVCACHE_BACKEND", keyConditionalDisagg, "context_servers.router.type",
 		"context_servers.cache_transceiver_config.transceiver_runtime"}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("not applied:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
