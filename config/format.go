@@ -149,9 +149,6 @@ func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
 	f.addInt(cm, path, "kv_transfer_timeout_ms", ct.KVTransferTimeoutMs)
 	if ct.SenderFutureTimeoutMs > 0 {
 		f.addInt(cm, path, keySenderTimeout, ct.SenderFutureTimeoutMs)
-		if _, ok := notAppliedYet[keySenderTimeout]; ok {
-			cm.Content[len(cm.Content)-1].LineComment += "; accepted, not applied yet"
-		}
 	}
 	if ct.Runtime != "" {
 		f.addScalar(cm, path, keyRuntime, "!!str", ct.Runtime)
@@ -171,11 +168,7 @@ func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {
 		foot = append(foot, fmt.Sprintf("timing CSV directory: %s (%s)", ct.TimeOutputPath, src("time_output_path")))
 	}
 	if ct.UCXInterface != "" {
-		line := fmt.Sprintf("UCX listener and side channel interface: %s (%s)", ct.UCXInterface, src("ucx_interface"))
-		if _, ok := notAppliedYet[EnvUCXInterface]; ok {
-			line += "; accepted, not applied yet"
-		}
-		foot = append(foot, line)
+		foot = append(foot, fmt.Sprintf("UCX listener and side channel interface: %s (%s)", ct.UCXInterface, src("ucx_interface")))
 	}
 	// A head comment on the mapping's first key renders inside the mapping
 	// at its indentation; yaml.v3 misplaces foot comments of nested maps.

@@ -85,7 +85,7 @@ var groupKeys = []string{"num_instances", "urls", "router"}
 // router's file of a cluster whose workers register themselves).
 var clusterMarkers = []string{"context_servers", "generation_servers"}
 
-// Names of settings that have their own entry in notAppliedYet.
+// Names of settings the loader and the annotated output refer to.
 const (
 	keySenderTimeout     = "kv_transfer_sender_future_timeout_ms"
 	keyRuntime           = "transceiver_runtime"
@@ -97,10 +97,6 @@ const (
 // with what happens instead; the loader warns about each one that is set.
 // An entry goes away in the change that gives its setting an effect.
 var notAppliedYet = map[string]string{
-	keySenderTimeout: "the transceiver does not enforce it yet: kv_transfer_timeout_ms alone bounds how long a context rank " +
-		"waits for its sends before it frees the blocks",
-	EnvUCXInterface: "the UCX backend does not bind to it yet: its listener and side channel use --transceiver-host, " +
-		"and UCX picks its own devices (UCX_NET_DEVICES)",
 	keyConditionalDisagg: "the router sends every request to a context worker first, whatever its length",
 	keyDisaggCluster:     "kvxfer has no dynamic membership yet: the router uses each server group's urls",
 }

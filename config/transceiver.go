@@ -118,14 +118,7 @@ func (l *loader) cacheTransceiver(n *yaml.Node, path string, en enableFlag) *Cac
 			l.integer(v, join(path, "max_tokens_in_buffer"), &ct.MaxTokensInBuffer, 1, MaxTokensInBufferLimit)
 		},
 		"kv_transfer_timeout_ms": l.intKey(path, "kv_transfer_timeout_ms", &ct.KVTransferTimeoutMs, 1, MaxKVTransferTimeoutMs),
-		keySenderTimeout: func(k, v *yaml.Node) {
-			p := join(path, keySenderTimeout)
-			if l.integer(v, p, &ct.SenderFutureTimeoutMs, 1, MaxKVTransferTimeoutMs) {
-				if why, ok := notAppliedYet[keySenderTimeout]; ok {
-					l.c.warn(KindNotApplied, k.Line, k.Column, p, "accepted, not applied yet: %s", why)
-				}
-			}
-		},
+		keySenderTimeout:         l.intKey(path, keySenderTimeout, &ct.SenderFutureTimeoutMs, 1, MaxKVTransferTimeoutMs),
 	}, nil, true)
 	l.oldForms(ct, path, n, oldTokens, newTokens, backendGiven, en)
 	if ct.Backend == BackendUnset && !backendGiven && (ct.MaxTokensInBuffer > 0 || ct.SenderFutureTimeoutMs > 0) {

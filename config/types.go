@@ -44,8 +44,7 @@ type CacheTransceiver struct {
 	// KVTransferTimeoutMs bounds the wait. TensorRT-LLM's field of the same
 	// name (default 1000) bounds one poll of its send futures instead;
 	// kvxfer gives it the meaning above and no default, because a
-	// deadline of one second would fail large transfers. Not enforced yet
-	// (the loader says so: notAppliedYet).
+	// deadline of one second would fail large transfers.
 	SenderFutureTimeoutMs int
 	// Runtime is transceiver_runtime (CPP or PYTHON): which of
 	// TensorRT-LLM's implementations runs the transfer. Accepted and
@@ -73,8 +72,8 @@ type CacheTransceiver struct {
 	TimeOutputPath string
 	// UCXInterface is TRTLLM_UCX_INTERFACE: the network interface the UCX
 	// backend's listener and side channel use; empty = UCX's choice. The
-	// loader checks that the interface exists. Not applied yet (the loader
-	// says so: notAppliedYet).
+	// loader checks that the interface exists; the UCX backend binds its
+	// first IPv4 address (transport.Options.Interface).
 	UCXInterface string
 	// Env is the environment snapshot the config was loaded with; DEFAULT
 	// resolution reads it.

@@ -87,7 +87,8 @@ type (
 
 // Effects of both sides.
 type (
-	// effArmTimer: send an evTick at at (the request's deadline).
+	// effArmTimer: send an evTick at at (the request's deadline due
+	// next). It replaces the timer armed before, if any: a request has one.
 	effArmTimer struct{ at time.Time }
 	// effAbort: tell peer (by rank) that the transfer failed. A zero
 	// to.conn: the peer was never reached; nothing to send.
@@ -131,9 +132,14 @@ func (e effComplete) String() string {
 	return "complete ok"
 }
 
-// deadline is a core's deadline, set at its start.
+// deadline is a core's deadline, set at its start, and a second one a
+// core may set later (the send side's sender timeout, from the start of its
+// sends), kept only when it comes first. The driver keeps one timer per
+// request, the one armed last, so the deadline asks for the tick of
+// whichever is due next, and every early tick asks for it again.
 type deadline struct {
-	at time.Time
+	at     time.Time // set at the start
+	second time.Time // zero: none, or not before at
 }
 
 // start sets the deadline timeout after now and asks for its tick.
@@ -142,17 +148,34 @@ func (d *deadline) start(now time.Time, timeout time.Duration) effect {
 	return effArmTimer{at: d.at}
 }
 
+// startSecond sets the second deadline timeout after now and asks for its
+// tick, unless the first one comes no later (then it has no effect).
+func (d *deadline) startSecond(now time.Time, timeout time.Duration) []effect {
+	at := now.Add(timeout)
+	if !d.at.IsZero() && !at.Before(d.at) {
+		return nil
+	}
+	d.second = at
+	return []effect{effArmTimer{at: at}}
+}
+
 // tick handles a core's evTick: nothing once the core is over (a late
-// tick), a re-armed tick when now is before the deadline (an early one),
-// else the core's expiry.
-func (d *deadline) tick(now time.Time, over bool, expire func() []effect) []effect {
+// tick), a re-armed tick for the deadline due next when now is before both
+// (an early one), else the core's expiry, second telling which deadline
+// passed (the second one comes first when set).
+func (d *deadline) tick(now time.Time, over bool, expire func(second bool) []effect) []effect {
 	switch {
 	case over:
 		return nil
+	case !d.second.IsZero() && !now.Before(d.second):
+		return expire(true)
 	case now.Before(d.at):
+		if !d.second.IsZero() {
+			return []effect{effArmTimer{at: d.second}}
+		}
 		return []effect{effArmTimer{at: d.at}}
 	}
-	return expire()
+	return expire(false)
 }
 
 // peerName names the peer of a side's core in scripts and logs: the

@@ -222,7 +222,7 @@ func (g *recvCore) step(ev event) []effect {
 		}
 		return nil
 	case evTick:
-		return g.deadline.tick(ev.now, g.phase.over(), func() []effect {
+		return g.deadline.tick(ev.now, g.phase.over(), func(bool) []effect {
 			return g.fail(fmt.Errorf("%w: request %d (context request %d) not received within %v", ErrTimeout, g.cfg.reqID, g.cfg.sendID, g.cfg.timeout), -1)
 		})
 	case evCancel:

@@ -3,6 +3,7 @@ package transceiver
 import (
 	"crypto/subtle"
 	"fmt"
+	"maps"
 	"slices"
 	"time"
 
@@ -18,7 +19,9 @@ import (
 // has asked, then tells each it is ready and sends to those that need data
 // from it. The request completes when every send has finished, or fails
 // (aborting the peers that asked) at the first error, an abort, a lost
-// connection, a cancel or the deadline.
+// connection, a cancel or a deadline: kv_transfer_timeout from its start,
+// and kv_transfer_sender_future_timeout, when set, from the start of its
+// sends (the last ask).
 //
 // Who may ask is decided here too: a request-info must carry the request's
 // token (compared in constant time; a wrong token gets the answer an unknown
@@ -45,6 +48,10 @@ type sendConfig struct {
 	backends []string          // data backends open on this rank, sorted
 	bufBytes int64             // size of one send staging buffer
 	timeout  time.Duration     // kv_transfer_timeout
+	// senderTimeout is kv_transfer_sender_future_timeout: how long the
+	// sends may take once they start (once every generation rank asked);
+	// 0: no bound of their own.
+	senderTimeout time.Duration
 }
 
 // sendPeer is a generation rank whose ask was accepted.
@@ -86,10 +93,11 @@ func (p sendPlan) String() string {
 
 // Events of the send side.
 type (
-	// evAsk: a request-info arrived (decoded, not yet checked).
+	// evAsk: a request-info arrived at now (decoded, not yet checked).
 	evAsk struct {
 		from route
 		ri   *wire.RequestInfo
+		now  time.Time
 	}
 	// evChunkDesc: the receiver announced the receipt of chunk index.
 	evChunkDesc struct {
@@ -200,7 +208,7 @@ func (c *sendCore) step(ev event) []effect {
 	case evStart:
 		return []effect{c.deadline.start(ev.now, c.cfg.timeout)}
 	case evAsk:
-		return c.ask(ev.from, ev.ri)
+		return c.ask(ev.from, ev.ri, ev.now)
 	case evChunkDesc:
 		return c.chunkDesc(ev)
 	case evDescOverflow:
@@ -223,7 +231,11 @@ func (c *sendCore) step(ev event) []effect {
 		}
 		return nil
 	case evTick:
-		return c.deadline.tick(ev.now, c.phase.over(), func() []effect {
+		return c.deadline.tick(ev.now, c.phase.over(), func(second bool) []effect {
+			if second {
+				return c.fail(fmt.Errorf("%w: context request %d: sends to generation ranks %v not finished within kv_transfer_sender_future_timeout_ms=%d of their asks",
+					ErrTimeout, c.cfg.id, slices.Sorted(maps.Keys(c.sending)), c.cfg.senderTimeout.Milliseconds()), -1)
+			}
 			return c.fail(fmt.Errorf("%w: context request %d not pulled and sent within %v", ErrTimeout, c.cfg.id, c.cfg.timeout), -1)
 		})
 	case evCancel:
@@ -232,8 +244,8 @@ func (c *sendCore) step(ev event) []effect {
 	panic(fmt.Sprintf("transceiver: send core: unexpected event %T", ev))
 }
 
-// ask handles a request-info.
-func (c *sendCore) ask(from route, ri *wire.RequestInfo) []effect {
+// ask handles a request-info that arrived at now.
+func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect {
 	if subtle.ConstantTimeCompare(c.cfg.token[:], ri.Token[:]) != 1 {
 		return []effect{refuseUnknown(c.cfg.rank, from, ri, "wrong transfer token")}
 	}
@@ -278,7 +290,10 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo) []effect {
 	}
 	if len(c.sending) == 0 {
 		c.phase = phaseDone
-		effs = append(effs, effRelease{}, effComplete{})
+		return append(effs, effRelease{}, effComplete{})
+	}
+	if c.cfg.senderTimeout > 0 {
+		effs = append(effs, c.deadline.startSecond(now, c.cfg.senderTimeout)...)
 	}
 	return effs
 }

@@ -111,7 +111,7 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 	switch c.name {
 	case "new-sender":
 		// new-sender [rank=] [tp=] [pp=] [shape] [blocks=4] [hashes=n]
-		// [backends=tcp] [buf=65536] [timeout=10s]
+		// [backends=tcp] [buf=65536] [timeout=10s] [sender-timeout=0]
 		in.base = scriptState(t, c, scriptShape, "")
 		var hashes []kvcache.Hash
 		for i := range c.int(t, "hashes", 0) {
@@ -119,7 +119,8 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 		}
 		in.core = newSendCore(sendConfig{rank: c.int(t, "rank", 0), id: scriptSendID, token: scriptToken, state: in.base,
 			blocks: c.int(t, "blocks", 4), hashes: hashes, backends: strings.Split(c.str("backends", "tcp"), ","),
-			bufBytes: int64(c.int(t, "buf", 64<<10)), timeout: c.dur(t, "timeout", 10*time.Second)})
+			bufBytes: int64(c.int(t, "buf", 64<<10)), timeout: c.dur(t, "timeout", 10*time.Second),
+			senderTimeout: c.dur(t, "sender-timeout", 0)})
 		in.addr = map[int]route{}
 		return ""
 	case "start":
@@ -127,7 +128,7 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 	case "ask":
 		// ask gen= [tp=] [pp=] [shape] [blocks=] [last=h<i>] [backend=tcp]
 		// [max-chunk=64] [direct] [wrong-token] [garbage-state]
-		// [id=7] [conn=gen+1] [req=100+gen]
+		// [id=7] [conn=gen+1] [req=100+gen] [at=0s]
 		from := route{conn: connID(c.int(t, "conn", gen+1)), sendID: uint64(c.int(t, "id", scriptSendID)), recvID: uint64(c.int(t, "req", 100+gen))}
 		st, _ := scriptState(t, c, in.base, "").MarshalBinary()
 		if c.flag("garbage-state") {
@@ -148,7 +149,7 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 			// The driver's answer for a request the rank does not hold.
 			return in.print(from, []effect{refuseUnknown(in.core.cfg.rank, from, ri, "")})
 		}
-		effs := in.core.step(evAsk{from: from, ri: ri})
+		effs := in.core.step(evAsk{from: from, ri: ri, now: scriptAt(t, c)})
 		if _, known := in.addr[gen]; !known && !refused(effs) {
 			in.addr[gen] = from
 		}

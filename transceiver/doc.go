@@ -45,9 +45,11 @@
 //
 // Time reaches the cores as events. A core asks for its deadline with an
 // arm-timer effect; the driver arms it on a clock (clock.go: Now and
-// AfterFunc, the machine's unless a test injects one it advances by hand)
-// and ticks the core when it fires; a tick before the deadline arms it
-// again. The control connections' handshake and idle timeouts are kept on
+// AfterFunc, the machine's unless a test injects one it advances by hand),
+// one timer a request (the one armed last), and ticks the core when it
+// fires; a tick before the deadline arms it again. The send core has a
+// second deadline, kv_transfer_sender_future_timeout from the start of its
+// sends, and asks for the tick of whichever comes first. The control connections' handshake and idle timeouts are kept on
 // the same clock.
 //
 // # Scripts

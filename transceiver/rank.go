@@ -153,7 +153,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks = slices.Clone(blocks)
 	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes,
-		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout})
+		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout})
 	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
 		return err
@@ -265,6 +265,9 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effArmTimer:
 			r.mu.Lock()
 			if !q.over {
+				if q.stopTimer != nil {
+					q.stopTimer() // a request has one timer: the one armed last
+				}
 				q.stopTimer = r.set.clock.AfterFunc(e.at.Sub(r.set.clock.Now()), func() { r.step(q, evTick{now: r.set.clock.Now()}) })
 			}
 			r.mu.Unlock()
@@ -485,7 +488,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	switch f := f.(type) {
 	case *wire.RequestInfo:
 		at := from(f.CtxRequestID, f.GenRequestID)
-		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
+		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: r.set.clock.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
 	case *wire.ChunkDesc:
 		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
 	case *wire.Abort:

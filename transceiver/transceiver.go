@@ -219,15 +219,26 @@ type rankSettings struct {
 	tlsServer   *tls.Config      // its server side
 	limits      ConnLimits       // with defaults
 	conns       connObs          // the Observer's ConnObserver, if any
+
+	// senderTimeout is kv_transfer_sender_future_timeout: how long a
+	// context rank's sends may take once they start (0: no bound of
+	// their own).
+	senderTimeout time.Duration
+	// ucxInterface is TRTLLM_UCX_INTERFACE, for a UCX or AUTO backend: the
+	// network interface the ucx data plane binds ("": the listen host's).
+	ucxInterface string
 }
 
 // settingsOf derives the settings every rank shares from the config and
 // the options; openRank sizes the staging buffers per rank.
 func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Backend, peers *peerPolicy, log *slog.Logger) rankSettings {
 	set := rankSettings{
-		timeout: cfg.Timeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
+		timeout: cfg.Timeout(), senderTimeout: cfg.SenderTimeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
 		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
 		host: opts.Host, logger: log, now: opts.Now, clock: opts.clock, peers: peers, limits: opts.Limits.withDefaults(),
+	}
+	if backend == config.BackendUCX || backend == config.BackendAuto {
+		set.ucxInterface = cfg.UCXInterface
 	}
 	if set.host == "" {
 		set.host = HostIdentity()
@@ -272,8 +283,12 @@ func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTran
 		}
 	}
 	for _, name := range names {
-		tr, err := transport.Open(ctx, name, transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: set.logger, TLS: opts.TLS,
-			MaxConns: set.limits.MaxDataConns, MaxConnsPerHost: set.limits.MaxDataConnsPerHost})
+		o := transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: set.logger, TLS: opts.TLS,
+			MaxConns: set.limits.MaxDataConns, MaxConnsPerHost: set.limits.MaxDataConnsPerHost}
+		if name == "ucx" {
+			o.Interface = set.ucxInterface
+		}
+		tr, err := transport.Open(ctx, name, o)
 		if err != nil {
 			closeAll()
 			return nil, fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)

@@ -27,6 +27,12 @@ type Options struct {
 	// ListenAddr is host:port for the data listener; "" means
 	// "127.0.0.1:0" (loopback, any free port).
 	ListenAddr string
+	// Interface, when set, names the network interface the data listener
+	// uses instead of ListenAddr's host (ucx: TRTLLM_UCX_INTERFACE): the
+	// backend binds its first IPv4 address (its first address when it has
+	// none). An interface this host does not have fails Open with an
+	// error naming those it has. The tcp and shm backends ignore it.
+	Interface string
 	// Streams is the number of parallel data connections per peer a sender
 	// opens (TCP). 0 means DefaultStreams.
 	Streams int

@@ -107,8 +107,9 @@ func TestConfigCheckStrict(t *testing.T) {
 	}
 }
 
-// TestConfigCheckNotApplied: settings accepted without an effect are
-// listed as such, TRTLLM_USE_NIXL_KVCACHE=1 under DEFAULT resolves to AUTO
+// TestConfigCheckNotApplied: kv_transfer_sender_future_timeout_ms and
+// TRTLLM_UCX_INTERFACE are applied, not listed as accepted without an
+// effect, TRTLLM_USE_NIXL_KVCACHE=1 under DEFAULT resolves to AUTO
 // with a warning naming it, and an interface that does not exist is an
 // error naming those that do.
 func TestConfigCheckNotApplied(t *testing.T) {
@@ -121,13 +122,14 @@ func TestConfigCheckNotApplied(t *testing.T) {
 	}
 	for _, want := range []string{
 		"DEFAULT → AUTO: backend DEFAULT resolved to AUTO: TRTLLM_USE_NIXL_KVCACHE=1 asks for NIXL",
-		"# accepted, not applied (2):",
-		"kv_transfer_sender_future_timeout_ms: accepted, not applied yet",
-		"env TRTLLM_UCX_INTERFACE: lo accepted, not applied yet",
+		"UCX listener and side channel interface: lo (env TRTLLM_UCX_INTERFACE)",
 	} {
 		if !strings.Contains(out, want) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
+	}
+	if strings.Contains(out+errw, "not applied") {
+		t.Errorf("kv_transfer_sender_future_timeout_ms or TRTLLM_UCX_INTERFACE listed as not applied:\n%s\n%s", out, errw)
 	}
 	if !strings.Contains(errw, "warning: "+f+": cache_transceiver_config.backend: TRTLLM_USE_NIXL_KVCACHE=1 asks DEFAULT for NIXL") {
 		t.Errorf("no resolution warning:\n%s", errw)

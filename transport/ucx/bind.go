@@ -34,6 +34,36 @@ type netIface struct {
 	addrs []netip.Addr
 }
 
+// bindInterface chooses UCX's binding for the network interface name
+// (Options.Interface): the listen host is the interface's first IPv4
+// address, or its first address when it has no IPv4 one (UCX's tcp binds a
+// device's IPv4 address when it has one), and the devices are bindDevices'
+// for that host. An interface that is not in ifaces is an error naming
+// those that are.
+func bindInterface(ctx context.Context, name string, ifaces []netIface, rdma []string) (binding, error) {
+	i := slices.IndexFunc(ifaces, func(f netIface) bool { return f.name == name })
+	if i < 0 {
+		names := make([]string, len(ifaces))
+		for j, f := range ifaces {
+			names[j] = f.name
+		}
+		return binding{}, fmt.Errorf("no network interface %q on this host (it has: %s)", name, strings.Join(names, ", "))
+	}
+	addrs := ifaces[i].addrs
+	if len(addrs) == 0 {
+		return binding{}, fmt.Errorf("network interface %q has no IP address", name)
+	}
+	host := addrs[0]
+	if v4 := slices.IndexFunc(addrs, netip.Addr.Is4); v4 >= 0 {
+		host = addrs[v4]
+	}
+	b, err := bindDevices(ctx, netip.AddrPortFrom(host, 0).String(), ifaces, rdma)
+	if err != nil {
+		return binding{}, fmt.Errorf("network interface %q: %w", name, err)
+	}
+	return b, nil
+}
+
 // bindDevices chooses UCX's network devices for listenAddr (host:port; the
 // port does not apply). UCX's tcp transport listens on the address of every
 // network device it uses, whatever the caller asked, so the devices are

@@ -53,3 +53,44 @@ func TestBindDevices(t *testing.T) {
 		})
 	}
 }
+
+// TestBindInterface: Options.Interface (TRTLLM_UCX_INTERFACE) binds the
+// interface's first IPv4 address, or its first address without one; an
+// interface the host does not have is an error naming those it has.
+func TestBindInterface(t *testing.T) {
+	ifs := []netIface{
+		{"lo", []netip.Addr{netip.MustParseAddr("::1"), netip.MustParseAddr("127.0.0.1")}},
+		{"eth0", []netip.Addr{netip.MustParseAddr("fd00::2"), netip.MustParseAddr("192.0.2.2"), netip.MustParseAddr("192.0.2.3")}},
+		{"ib0", []netip.Addr{netip.MustParseAddr("fd00::7")}},
+		{"down0", nil},
+	}
+	rdma := []string{"mlx5_0:1"}
+	for _, tc := range []struct {
+		iface   string
+		host    string
+		devices []string
+		err     string
+	}{
+		{iface: "lo", host: "127.0.0.1", devices: []string{"lo"}},
+		{iface: "eth0", host: "192.0.2.2", devices: []string{"eth0", "mlx5_0:1"}},
+		{iface: "ib0", host: "fd00::7", devices: []string{"ib0", "mlx5_0:1"}},
+		{iface: "down0", err: `network interface "down0" has no IP address`},
+		{iface: "nope0", err: `no network interface "nope0" on this host (it has: lo, eth0, ib0, down0)`},
+	} {
+		t.Run(tc.iface, func(t *testing.T) {
+			b, err := bindInterface(context.Background(), tc.iface, ifs, rdma)
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("err = %v, want one containing %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if b.host.String() != tc.host || !slices.Equal(b.devices, tc.devices) {
+				t.Errorf("host %v devices %v, want %v %v", b.host, b.devices, tc.host, tc.devices)
+			}
+		})
+	}
+}

@@ -50,11 +50,15 @@ func rdmaDevices() []string {
 	return out
 }
 
-// resolveBinding is bindDevices on this machine.
-func resolveBinding(ctx context.Context, listenAddr string) (binding, error) {
+// resolveBinding is bindInterface on this machine when iface is set, else
+// bindDevices.
+func resolveBinding(ctx context.Context, listenAddr, iface string) (binding, error) {
 	ifs, err := localIfaces()
 	if err != nil {
 		return binding{}, fmt.Errorf("list network interfaces: %w", err)
+	}
+	if iface != "" {
+		return bindInterface(ctx, iface, ifs, rdmaDevices())
 	}
 	return bindDevices(ctx, listenAddr, ifs, rdmaDevices())
 }

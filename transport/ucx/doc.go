@@ -172,7 +172,12 @@
 // /sys/class/infiniband), which open no socket; an IPv6 host also sets
 // tcp's AF_PRIO to inet6, since UCX binds a device's IPv4 address when it
 // has one. 0.0.0.0, :: or an empty host leave every device. A host that is
-// no interface's address fails Open. UCX binds a device's first address of
+// no interface's address fails Open. Options.Interface (the transceiver
+// passes TRTLLM_UCX_INTERFACE) replaces the host with the interface's first
+// IPv4 address (its first address when it has none); an interface the
+// machine does not have fails Open, naming those it has. The backend has no
+// side channel of its own: worker addresses travel in descriptors over the
+// transceiver's control plane, which listens where the transceiver says. UCX binds a device's first address of
 // the family: a host that is a device's secondary address is not bound as
 // such. UCX_NET_DEVICES in the environment wins (the backend logs a warning
 // when it overrides a specific host). ListenAddrs reports the host and

@@ -4,8 +4,10 @@ package ucx
 
 import (
 	"context"
+	"net"
 	"net/netip"
 	"os"
+	"strings"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/internal/procnet"
@@ -62,4 +64,30 @@ func listenerSet(t *testing.T) map[uint64]bool {
 		m[l.Inode] = true
 	}
 	return m
+}
+
+// TestOpenInterface opens the backend on this machine's loopback interface
+// by name, as TRTLLM_UCX_INTERFACE=lo does, and on an interface that does
+// not exist.
+func TestOpenInterface(t *testing.T) {
+	if _, set := envNetDevices(); set {
+		t.Skip("UCX_NET_DEVICES is set: it chooses the devices")
+	}
+	if _, err := net.InterfaceByName("lo"); err != nil {
+		t.Skip("no interface lo:", err)
+	}
+	// The listen address is ignored for the interface's.
+	tr, err := Open(context.Background(), transport.Options{ListenAddr: "0.0.0.0:0", Interface: "lo"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Close()
+	if got := tr.ListenAddrs(); len(got) != 1 || got[0] != "127.0.0.1 (lo)" {
+		t.Errorf("ListenAddrs() = %q, want [\"127.0.0.1 (lo)\"]", got)
+	}
+	_, err = Open(context.Background(), transport.Options{Interface: "kvxfer-nope0"})
+	if err == nil || !strings.Contains(err.Error(), `no network interface "kvxfer-nope0" on this host (it has: `) ||
+		!strings.Contains(err.Error(), "lo") {
+		t.Errorf("Open on a missing interface: %v", err)
+	}
 }

@@ -108,13 +108,13 @@ var _ transport.Transport = (*Transport)(nil)
 
 // Open creates a UCP context and worker (reading UCX_* from the
 // environment, as UCX does) and starts the progress goroutine. ctx bounds
-// only the opening. The host of opts.ListenAddr chooses the network devices
-// UCX may use (UCX_NET_DEVICES, unless the environment sets it): see
-// "Listening" in the package documentation. Its port, Streams and
+// only the opening. The host of opts.ListenAddr, or opts.Interface when set,
+// chooses the network devices UCX may use (UCX_NET_DEVICES, unless the
+// environment sets it): see "Listening" in the package documentation. Its port, Streams and
 // FrameBytes do not apply.
 func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	opts = opts.WithDefaults()
-	bind, err := resolveBinding(ctx, opts.ListenAddr)
+	bind, err := resolveBinding(ctx, opts.ListenAddr, opts.Interface)
 	if err != nil {
 		return nil, fmt.Errorf("ucx: open: %w", err)
 	}
