@@ -87,7 +87,16 @@ func checkFile(path string, env config.Env) *checked {
 	}
 	for _, nt := range c.f.Transceivers() {
 		r := nt.CT.Resolve(transceiver.Availability)
-		c.resolutions = append(c.resolutions, fmt.Sprintf("# %s: %s → %s: %s", nt.Path+".backend", r.Configured, r.Backend, r.Reason))
+		switch {
+		case r.Configured == "" && c.err != nil:
+			// The file's own error says what is wrong with the backend
+			// (an unknown name loads as none): "not set" would mislead.
+			continue
+		case r.Configured == "":
+			c.resolutions = append(c.resolutions, fmt.Sprintf("# %s: not set: no transceiver, disaggregated requests are refused", nt.Path+".backend"))
+		default:
+			c.resolutions = append(c.resolutions, fmt.Sprintf("# %s: %s → %s: %s", nt.Path+".backend", r.Configured, r.Backend, r.Reason))
+		}
 		for _, ig := range r.Ignored {
 			c.resolutions = append(c.resolutions, "#   env "+ig)
 		}
