@@ -2,8 +2,10 @@ package transceiver
 
 import (
 	"errors"
+	"fmt"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // Errors of the transceiver. Failures of a request wrap one of these (or a
@@ -28,7 +30,9 @@ var (
 	// ErrPromptMismatch: a generation request's prompt is not the one its
 	// context request's KV cache was computed for.
 	ErrPromptMismatch = errors.New("transceiver: prompt does not match the context request")
-	// ErrPeerLost: the control connection to the peer broke.
+	// ErrPeerLost: a connection to the peer broke, the control connection
+	// or a data connection (the failure then wraps transport.ErrPeerLost
+	// too).
 	ErrPeerLost = control.ErrPeerLost
 
 	// Refusals of an opaque state by a generation instance, before it dials
@@ -55,3 +59,14 @@ var (
 	// allow-list (or, without a secret, not loopback and not allowed).
 	ErrPeerNotAllowed = errors.New("transceiver: peer not allowed")
 )
+
+// requestErr is err as a request's failure: a data connection's loss
+// (transport.ErrPeerLost) is the peer's loss, ErrPeerLost, as the control
+// connection's is, so that callers test one error whichever connection
+// saw it first.
+func requestErr(err error) error {
+	if errors.Is(err, transport.ErrPeerLost) && !errors.Is(err, ErrPeerLost) {
+		return fmt.Errorf("%w: %w", ErrPeerLost, err)
+	}
+	return err
+}

@@ -642,7 +642,7 @@ func (t *Transceiver) completeLocked(e instCompleteEffect) {
 	req.stats = e.stats
 	switch {
 	case e.err != nil:
-		req.state, req.err = DisaggTransError, e.err
+		req.state, req.err = DisaggTransError, requestErr(e.err)
 	case e.key.side == sideRecv:
 		req.state = DisaggGenerationTransComplete
 	default:

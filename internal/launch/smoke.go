@@ -1,14 +1,17 @@
 package launch
 
 import (
+	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
+	"strings"
 	"sync"
 	"time"
-
-	"github.com/kvxfer/kvxfer/serve"
 )
 
 // SmokeResult is the outcome of Smoke.
@@ -43,9 +46,15 @@ var SmokePrompts = []string{
 	"A long prompt that spans several blocks of the paged KV cache, so that the transfer moves more than one block per rank and the chunking is exercised.",
 }
 
+// smokeMaxTokens is the length of every smoke answer: the requests ask
+// for ignore_eos, so each answer is exactly this many tokens.
+const smokeMaxTokens = 24
+
 // Smoke sends n prompts, streamed, through the router and to the aggregated
 // worker with the same seed and compares the answers; concurrency prompts
-// run at a time.
+// run at a time. Every answer must be smokeMaxTokens tokens long (the
+// requests ask for ignore_eos) and end by length, and the two answers to a
+// prompt must have the same tokens.
 func Smoke(ctx context.Context, routerURL, aggregatedURL string, n, concurrency int) *SmokeResult {
 	return SmokeWith(ctx, nil, routerURL, aggregatedURL, n, concurrency)
 }
@@ -69,28 +78,133 @@ func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL 
 			defer wg.Done()
 			defer func() { <-sem }()
 			prompt := SmokePrompts[i%len(SmokePrompts)]
-			body := map[string]any{"prompt": prompt, "max_tokens": 24, "temperature": 0, "seed": i, "stream": true}
+			body := map[string]any{"prompt": prompt, "max_tokens": smokeMaxTokens, "temperature": 0, "seed": i, "stream": true,
+				"ignore_eos": true, "stream_options": map[string]any{"include_usage": true}}
 			if i%3 == 1 {
 				body["temperature"] = 0.8 // seeded sampling must match too
 			}
-			dText, dTTFT, derr := serve.StreamCompletion(ctx, client, routerURL, body)
-			aText, aTTFT, aerr := serve.StreamCompletion(ctx, client, aggregatedURL, body)
+			d, derr := streamAnswer(ctx, client, routerURL, body)
+			a, aerr := streamAnswer(ctx, client, aggregatedURL, body)
 			mu.Lock()
 			defer mu.Unlock()
+			fail := func(format string, args ...any) {
+				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d: ", i)+fmt.Sprintf(format, args...))
+			}
 			switch {
 			case derr != nil:
-				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d via the router: %v", i, derr))
+				fail("via the router: %v", derr)
 			case aerr != nil:
-				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d on the aggregated worker: %v", i, aerr))
-			case dText != aText:
-				res.Failures = append(res.Failures, fmt.Sprintf("prompt %d: disaggregated %q != aggregated %q", i, dText, aText))
+				fail("on the aggregated worker: %v", aerr)
+			case d.check() != "":
+				fail("via the router: %s", d.check())
+			case a.check() != "":
+				fail("on the aggregated worker: %s", a.check())
+			case d.text != a.text:
+				fail("disaggregated %q != aggregated %q", d.text, a.text)
 			default:
 				res.Matched++
-				res.TTFTDisagg = append(res.TTFTDisagg, dTTFT)
-				res.TTFTAgg = append(res.TTFTAgg, aTTFT)
+				res.TTFTDisagg = append(res.TTFTDisagg, d.ttft)
+				res.TTFTAgg = append(res.TTFTAgg, a.ttft)
 			}
 		}()
 	}
 	wg.Wait()
 	return res
+}
+
+// answer is what Smoke reads of a streamed completion.
+//
+// The stream carries text, not token ids; with the reference engine's
+// byte-level tokenizer the text is the generated ids below 256 in order,
+// and only where special tokens (BOS, EOS, which ignore_eos lets through)
+// fall is not seen. tokens, from the usage chunk, counts them all.
+type answer struct {
+	text   string
+	finish string // the finish_reason of the last chunk
+	tokens int    // usage.completion_tokens
+	ttft   time.Duration
+}
+
+// check returns what is wrong with an answer to a Smoke request, or "".
+func (a *answer) check() string {
+	switch {
+	case a.tokens != smokeMaxTokens:
+		return fmt.Sprintf("%d completion tokens, want %d (ignore_eos)", a.tokens, smokeMaxTokens)
+	case a.finish != "length":
+		return fmt.Sprintf("finish_reason %q, want \"length\"", a.finish)
+	case a.text == "":
+		return fmt.Sprintf("%d tokens but no text", a.tokens)
+	}
+	return ""
+}
+
+// streamAnswer posts body, a streaming completion request, to the
+// /v1/completions of base and reads the stream: an answer other than 200,
+// an error event, an event that does not decode and a stream that ends
+// without [DONE] are errors.
+func streamAnswer(ctx context.Context, c *http.Client, base string, body map[string]any) (*answer, error) {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	start := time.Now()
+	resp, err := c.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
+		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
+	}
+	var a answer
+	var text strings.Builder
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			a.text = text.String()
+			return &a, nil
+		}
+		var ev struct {
+			Choices []struct {
+				Text         string  `json:"text"`
+				FinishReason *string `json:"finish_reason"`
+			} `json:"choices"`
+			Usage *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			} `json:"usage"`
+			Error *struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil {
+			return nil, fmt.Errorf("bad event %q: %v", data, err)
+		}
+		if ev.Error != nil {
+			return nil, fmt.Errorf("error event: %s", ev.Error.Message)
+		}
+		for _, ch := range ev.Choices {
+			if ch.Text != "" && a.ttft == 0 {
+				a.ttft = time.Since(start)
+			}
+			text.WriteString(ch.Text)
+			if ch.FinishReason != nil {
+				a.finish = *ch.FinishReason
+			}
+		}
+		if ev.Usage != nil {
+			a.tokens = ev.Usage.CompletionTokens
+		}
+	}
+	return nil, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
 }

@@ -613,7 +613,9 @@ func TestPeerKilled(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p.cmdf(t, "send %s %d %d", base64.StdEncoding.EncodeToString(r.Descriptor()), n, 0)
+			// A pattern, not zeros (seed 0), which dst holds already.
+			const seed = 3
+			p.cmdf(t, "send %s %d %d", base64.StdEncoding.EncodeToString(r.Descriptor()), n, seed)
 			p.expect(t, "sending")
 			time.Sleep(20 * time.Millisecond) // the transfer takes 80 ms or more
 			p.kill()
@@ -621,16 +623,27 @@ func TestPeerKilled(t *testing.T) {
 			select {
 			case <-r.Done():
 				t.Logf("Recv after %v: %v", time.Since(t0).Round(time.Millisecond), r.Err())
-				if err := r.Err(); err != nil && !errors.Is(err, transport.ErrPeerLost) {
-					t.Fatalf("Recv from a killed peer = %v, want nil or ErrPeerLost", err)
+				switch err := r.Err(); {
+				case err == nil:
+					// The data got out before the kill: it must be whole.
+					if i := firstDiff(dst, seed); i >= 0 {
+						t.Fatalf("Recv from a killed peer succeeded, but byte %d of %d differs from what was sent", i, n)
+					}
+				case !errors.Is(err, transport.ErrPeerLost):
+					t.Fatalf("Recv from a killed peer = %v, want ErrPeerLost (or nil with every byte)", err)
 				}
 			case <-time.After(5 * time.Second):
-				// The caller's deadline: Cancel must return, promptly.
+				// The caller's deadline (doc.go: a receipt whose sender died
+				// before its messages arrived is bound to nobody): Cancel
+				// must return, promptly, and end the receipt.
 				done := make(chan struct{})
 				go func() { r.Cancel(); close(done) }()
 				select {
 				case <-done:
 					t.Logf("Recv not ended by UCX in 5s; Cancel returned: %v", r.Err())
+					if err := r.Err(); !errors.Is(err, transport.ErrCanceled) && !errors.Is(err, transport.ErrPeerLost) {
+						t.Fatalf("receipt after Cancel = %v, want ErrCanceled (or ErrPeerLost, had UCX just told)", err)
+					}
 				case <-time.After(15 * time.Second):
 					t.Fatal("Cancel of a receipt from a killed peer did not return in 15s")
 				}
@@ -666,16 +679,51 @@ func roundTripPeer(t *testing.T, a *Transport, p *peerProc) {
 	}
 }
 
+// pattern is the generator of fillPattern: a word per 8 bytes.
+type pattern uint64
+
+func newPattern(seed uint64) pattern { return pattern(seed*0x9e3779b97f4a7c15 + 1) }
+
+func (x *pattern) next() (b [8]byte) {
+	*x ^= *x << 13
+	*x ^= *x >> 7
+	*x ^= *x << 17
+	binary.LittleEndian.PutUint64(b[:], uint64(*x))
+	return b
+}
+
 // fillPattern fills p with bytes from seed (the same in every process).
 func fillPattern(seed uint64, p []byte) []byte {
-	x := seed*0x9e3779b97f4a7c15 + 1
-	var b [8]byte
+	x := newPattern(seed)
 	for i := 0; i < len(p); i += 8 {
-		x ^= x << 13
-		x ^= x >> 7
-		x ^= x << 17
-		binary.LittleEndian.PutUint64(b[:], x)
+		b := x.next()
 		copy(p[i:], b[:])
 	}
 	return p
+}
+
+// firstDiff returns the index of the first byte of p that differs from
+// fillPattern(seed), or -1, without a second copy of p.
+func firstDiff(p []byte, seed uint64) int {
+	x := newPattern(seed)
+	for i := 0; i < len(p); i += 8 {
+		b := x.next()
+		for j, c := range b[:min(8, len(p)-i)] {
+			if p[i+j] != c {
+				return i + j
+			}
+		}
+	}
+	return -1
+}
+
+func TestFirstDiff(t *testing.T) {
+	p := fillPattern(3, make([]byte, 1003))
+	if i := firstDiff(p, 3); i != -1 {
+		t.Fatalf("firstDiff of the pattern itself = %d", i)
+	}
+	p[1001]++
+	if i := firstDiff(p, 3); i != 1001 {
+		t.Fatalf("firstDiff = %d, want 1001", i)
+	}
 }
