@@ -326,14 +326,35 @@ func TestConcurrentSubmit(t *testing.T) {
 				cancel()
 			}
 			res := s.Wait()
-			if i%3 != 0 && res.Final.FinishReason != FinishLength {
-				t.Errorf("request %d: %+v", i, res.Final)
+			want := 4 + i%3
+			switch {
+			case i%3 != 0:
+				if res.Final.FinishReason != FinishLength || len(res.Tokens) != want {
+					t.Errorf("request %d: %+v (%d tokens, want %d)", i, res.Final, len(res.Tokens), want)
+				}
+			case res.Final.FinishReason == FinishError:
+				if !errors.Is(res.Final.Err, context.Canceled) {
+					t.Errorf("cancelled request %d: %v, want context.Canceled", i, res.Final.Err)
+				}
+			case res.Final.FinishReason != FinishLength || len(res.Tokens) != want: // it finished before the cancel
+				t.Errorf("cancelled request %d: %+v (%d tokens, want %d)", i, res.Final, len(res.Tokens), want)
 			}
 		})
 	}
 	wg.Wait()
 	checkPoolsFree(t, e.Instance())
-	if st := e.Stats(); st.Waiting+st.Running+st.Transferring != 0 && st.FreeBlocks != st.TotalBlocks {
-		t.Logf("stats %+v", st)
+	// Every request has ended: nothing may be left waiting, running or
+	// transferring, and every block is free (the stats may trail the
+	// results by one scheduler step).
+	deadline := time.Now().Add(2 * time.Second)
+	for {
+		st := e.Stats()
+		if st.Waiting+st.Running+st.Transferring == 0 && st.FreeBlocks == st.TotalBlocks {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("stats after every request ended: %+v", st)
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
