@@ -12,11 +12,13 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -109,6 +111,7 @@ type Router struct {
 	log          *slog.Logger
 	reg          *prometheus.Registry
 	m            *metrics.Router
+	rl           *netlimit.RateLog // repeated warnings, one line per cause per second
 }
 
 // NewRouter builds a router. It starts no goroutines.
@@ -155,7 +158,7 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if client == nil {
 		client = NewHTTPClient(o.TLS)
 	}
-	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry()}
+	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry(), rl: netlimit.NewRateLog(log, time.Second)}
 	r.m = metrics.NewRouter(r.reg)
 	return r, nil
 }
@@ -224,8 +227,46 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 		}
 	}
 	resp, err := r.post(req.Context(), r.gen, path, genReq)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		// Refused, failed, or the client went away: no generation worker
+		// will pull this context request, so the context worker releases
+		// it now instead of at kv_transfer_timeout_ms.
+		r.releaseContext(req.Context(), cr)
+	}
 	relay(w, resp, err, flushCopy)
 }
+
+// releaseContext asks the context worker that served cr to cancel it
+// (CancelContextPath), proving ownership with the opaque state. It runs
+// past the client's cancellation, bounded by its own deadline; a failure
+// only leaves the request to its deadline.
+func (r *Router) releaseContext(ctx context.Context, cr *contextResult) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	b, _ := json.Marshal(cr.params)
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, cr.server+CancelContextPath, bytes.NewReader(b))
+	if err != nil {
+		return
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	resp, err := r.client.Do(hreq)
+	if err != nil {
+		r.warn("release-error:"+cr.server, "cannot release an abandoned context request: it stays until its deadline",
+			"url", cr.server, "err", err)
+		return
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	resp.Body.Close()
+	result := "released"
+	if resp.StatusCode != http.StatusOK {
+		result = "not_held" // pulled, expired or already cancelled
+	}
+	r.m.Upstream.WithLabelValues(r.prefill.name, result).Inc()
+	r.log.Debug("abandoned context request", "url", cr.server, "ctx_request", cr.id(), "result", result)
+}
+
+// releaseTimeout bounds a release call to a context worker.
+const releaseTimeout = 5 * time.Second
 
 // relay answers w with an upstream answer (its headers and status, and its
 // body through copyBody), or with 502 when err says there is none.
@@ -267,6 +308,14 @@ func readRouted(req *http.Request) (object, bool, error) {
 type contextResult struct {
 	params DisaggregatedParams
 	ids    []int32 // the prompt's token ids
+	server string  // the context worker's base URL
+}
+
+func (c *contextResult) id() uint64 {
+	if c.params.CtxRequestID == nil {
+		return 0
+	}
+	return *c.params.CtxRequestID
 }
 
 // contextPhase sends orig to a context server as context_only. When the
@@ -321,7 +370,7 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 	if len(ids) == 0 {
 		ids = ch.PromptTokenIDs
 	}
-	return &contextResult{params: *ch.DisaggregatedParams, ids: ids}
+	return &contextResult{params: *ch.DisaggregatedParams, ids: ids, server: strings.TrimSuffix(resp.Request.URL.String(), path)}
 }
 
 // replayFinished returns a context-phase answer that already finished; a
@@ -393,6 +442,10 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 	}
 	return nil, fmt.Errorf("no %s server reachable: %w", g.name, errors.Join(errs...))
 }
+
+// warn logs a warning, at most one line per key per second (with the
+// count of those left out).
+func (r *Router) warn(key, msg string, args ...any) { r.rl.Warn(key, msg, args...) }
 
 // doneBody runs done once when the body is closed.
 type doneBody struct {
