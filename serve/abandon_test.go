@@ -4,17 +4,20 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
 	"net/url"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/engine"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 )
 
 // Modes of a switchWorker.
@@ -212,4 +215,60 @@ func statsWhen(e *engine.Engine, cond func(engine.Stats) bool) engine.Stats {
 		}
 		time.Sleep(time.Millisecond)
 	}
+}
+
+// TestRouterOutageLogsRateLimited: during a context outage the router used
+// to log one warning per refused request (82,206 lines in 30 s). A burst of
+// 1,000 refused requests is now a few lines, one of which counts the rest.
+func TestRouterOutageLogsRateLimited(t *testing.T) {
+	var logs syncbuf.Buffer
+	_, gen := startFake(t, "gen", "")
+	r, err := NewRouter(RouterOptions{Context: []string{deadURL(t)}, Generation: []string{gen},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	h := r.Handler()
+	var wg sync.WaitGroup
+	var refused atomic.Int64
+	for range 8 {
+		wg.Go(func() {
+			for range 125 {
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/completions", strings.NewReader(`{"prompt":"hi"}`)))
+				if rec.Code == http.StatusBadGateway {
+					refused.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if refused.Load() != 1000 {
+		t.Fatalf("%d of 1000 requests refused with 502", refused.Load())
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(logs.String(), "suppressed=") && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	total := 0
+	for _, l := range lines {
+		n := 1
+		if _, after, ok := strings.Cut(l, "suppressed="); ok {
+			// A line that gets through counts itself and those left
+			// out before it; an interval's summary counts those only.
+			var left int
+			fmt.Sscan(after, &left)
+			n = left
+			if !strings.Contains(l, "interval=") {
+				n++
+			}
+		}
+		total += n
+	}
+	if len(lines) > 4 || total != 1000 {
+		t.Fatalf("%d lines counting %d failures, want at most 4 counting 1000:\n%s", len(lines), total, logs.String())
+	}
+	t.Logf("1000 refused requests: %d log lines", len(lines))
 }

@@ -425,7 +425,7 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 			var op *net.OpError
 			if errors.As(err, &op) && op.Op == "dial" {
 				r.m.Upstream.WithLabelValues(g.name, "connect_error").Inc()
-				r.log.Warn("worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
+				r.warn("unreachable:"+s.url, "worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
 				errs = append(errs, fmt.Errorf("%s: %v", s.url, err))
 				continue
 			}
