@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -33,6 +34,7 @@ type switchWorker struct {
 	mode   atomic.Int32
 	served atomic.Int64 // completions passed to the real worker
 	srv    *httptest.Server
+	quit   chan struct{} // closed at the end of the test: stalled handlers return
 }
 
 func newSwitchWorker(t *testing.T, target string) *switchWorker {
@@ -41,13 +43,18 @@ func newSwitchWorker(t *testing.T, target string) *switchWorker {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sw := &switchWorker{}
+	sw := &switchWorker{quit: make(chan struct{})}
 	proxy := httputil.NewSingleHostReverseProxy(u)
 	proxy.FlushInterval = -1
 	sw.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch sw.mode.Load() {
 		case modeStall:
-			<-r.Context().Done()
+			// The body read, the server notices the client hanging up.
+			io.Copy(io.Discard, r.Body)
+			select {
+			case <-r.Context().Done():
+			case <-sw.quit:
+			}
 			return
 		case modeRefuse:
 			if r.URL.Path != "/health" {
@@ -60,7 +67,10 @@ func newSwitchWorker(t *testing.T, target string) *switchWorker {
 		}
 		proxy.ServeHTTP(w, r)
 	}))
-	t.Cleanup(sw.srv.Close)
+	t.Cleanup(func() {
+		close(sw.quit)
+		sw.srv.Close()
+	})
 	return sw
 }
 
@@ -271,4 +281,162 @@ func TestRouterOutageLogsRateLimited(t *testing.T) {
 		t.Fatalf("%d lines counting %d failures, want at most 4 counting 1000:\n%s", len(lines), total, logs.String())
 	}
 	t.Logf("1000 refused requests: %d log lines", len(lines))
+}
+
+// routerHealth is the router's /health answer.
+type routerHealth struct {
+	Status            string         `json:"status"`
+	ContextServers    []workerHealth `json:"context_servers"`
+	GenerationServers []workerHealth `json:"generation_servers"`
+}
+
+type workerHealth struct {
+	URL        string `json:"url"`
+	Healthy    bool   `json:"healthy"`
+	Error      string `json:"error"`
+	MarkedDown bool   `json:"marked_down"`
+	DownReason string `json:"down_reason"`
+}
+
+func getHealth(t *testing.T, url string) (int, routerHealth, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Get(url + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var h routerHealth
+	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, h, time.Since(start)
+}
+
+// TestStalledWorker is issue #13's third defect: a stalled (SIGSTOPped)
+// generation worker was neither timed out nor ejected, and one stalled
+// worker made /health slow and 503. Now the request that meets it fails
+// with 504 after the header deadline, the worker is marked down and
+// skipped, /health answers within its own deadline naming it, and the
+// worker is re-admitted once it answers again.
+func TestStalledWorker(t *testing.T) {
+	ctxW := newBigWorker(t, RoleContext, 1024)
+	genW := newBigWorker(t, RoleGeneration, 1024)
+	stall := newSwitchWorker(t, genW.srv.URL)
+	stall.mode.Store(modeStall)
+	r, err := NewRouter(RouterOptions{Context: []string{ctxW.srv.URL}, Generation: []string{stall.srv.URL, genW.srv.URL},
+		HeaderTimeout: 500 * time.Millisecond, ChunkTimeout: 500 * time.Millisecond,
+		HealthTimeout: 300 * time.Millisecond, ProbeInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router := httptest.NewServer(r.Handler())
+	t.Cleanup(func() {
+		router.Close()
+		r.Close()
+		http.DefaultClient.CloseIdleConnections()
+	})
+	total := ctxW.w.Engine().Instance().FreeBlocks()
+	stalled := 0
+	for i := range 4 {
+		start := time.Now()
+		resp, body := post(t, router.URL+"/v1/completions", `{"prompt":"stalled workers","max_tokens":4}`)
+		took := time.Since(start)
+		switch resp.StatusCode {
+		case http.StatusOK:
+		case http.StatusGatewayTimeout:
+			stalled++
+			if took > 3*time.Second {
+				t.Errorf("request %d: 504 after %v, want about the 500ms header deadline", i, took)
+			}
+		default:
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	if stalled > 1 {
+		t.Fatalf("%d requests met the stalled worker, want at most 1 (then it is skipped)", stalled)
+	}
+	waitFree(t, ctxW, total, time.Second) // the abandoned context request was released
+	// Make sure it is marked down, whatever round robin did.
+	if stalled == 0 {
+		r.markDown(r.gen, r.gen.servers[0], "marked by the test")
+	}
+	code, h, took := getHealth(t, router.URL)
+	if took > 2*time.Second {
+		t.Errorf("/health took %v with a stalled worker, want about its 300ms deadline", took)
+	}
+	if code != http.StatusOK || h.Status != "ok" || len(h.GenerationServers) != 2 {
+		t.Fatalf("/health: %d %+v, want 200: each group has a healthy worker", code, h)
+	}
+	if g := h.GenerationServers[0]; g.URL != stall.srv.URL || g.Healthy || !g.MarkedDown || g.Error == "" {
+		t.Errorf("/health on the stalled worker: %+v, want unhealthy and marked down with its error", g)
+	}
+	if g := h.GenerationServers[1]; !g.Healthy || g.MarkedDown {
+		t.Errorf("/health on the healthy worker: %+v", g)
+	}
+	// It answers again: the probes re-admit it and it gets work.
+	stall.mode.Store(modePass)
+	deadline := time.Now().Add(5 * time.Second)
+	for stall.served.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the worker that answers again got no request within 5s")
+		}
+		resp, body := post(t, router.URL+"/v1/completions", `{"prompt":"stalled workers","max_tokens":4}`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("after the stall: %d %s", resp.StatusCode, body)
+		}
+	}
+	if _, h, _ := getHealth(t, router.URL); h.GenerationServers[0].MarkedDown || !h.GenerationServers[0].Healthy {
+		t.Errorf("/health after the worker answers again: %+v", h.GenerationServers[0])
+	}
+}
+
+// TestStreamCutEndsWithError is issue #13's second defect, its minimal
+// part: a generation worker that dies mid-stream (or stalls past the chunk
+// deadline) used to leave the client with a silent end of file. The client
+// now gets an OpenAI-style error event and no [DONE]. (Migrating the
+// request to another worker is a later step of the issue.)
+func TestStreamCutEndsWithError(t *testing.T) {
+	_, ctxURL := startFake(t, "ctx", "length")
+	for _, c := range []struct {
+		name string
+		cut  func(w http.ResponseWriter, r *http.Request)
+	}{
+		{"worker dies", func(w http.ResponseWriter, r *http.Request) {
+			conn, _, err := http.NewResponseController(w).Hijack()
+			if err == nil {
+				conn.Close()
+			}
+		}},
+		{"worker stalls", func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			gen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"H\"}]}\n\n")
+				w.(http.Flusher).Flush()
+				c.cut(w, r)
+			}))
+			t.Cleanup(gen.Close)
+			r, err := NewRouter(RouterOptions{Context: []string{ctxURL}, Generation: []string{gen.URL}, ChunkTimeout: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			router := httptest.NewServer(r.Handler())
+			t.Cleanup(func() {
+				router.Close()
+				r.Close()
+				http.DefaultClient.CloseIdleConnections()
+			})
+			resp, body := post(t, router.URL+"/v1/completions", `{"prompt":"hi","stream":true}`)
+			if resp.StatusCode != http.StatusOK || !strings.Contains(body, `"text":"H"`) {
+				t.Fatalf("%d %q, want the first chunk", resp.StatusCode, body)
+			}
+			if !strings.Contains(body, "data: {\"error\":") || strings.Contains(body, "[DONE]") {
+				t.Fatalf("stream cut by the worker ended %q, want an error event and no [DONE]", body)
+			}
+		})
+	}
 }
