@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"crypto/subtle"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -97,6 +98,8 @@ type Engine struct {
 	transferring map[*transceiver.Request]*request
 	draining     []*request // failed to start a transfer that some ranks had begun
 	iterations   uint64
+	prefilled    uint64 // tokens of the prefills that ran to the end
+	stopped      uint64 // prefills stopped because their client went away
 }
 
 // Stats is a snapshot of the engine's queues.
@@ -107,6 +110,11 @@ type Stats struct {
 	FreeBlocks   int    // blocks every rank can allocate
 	TotalBlocks  int    // blocks of each rank's pool
 	Iterations   uint64 // scheduler iterations that did work
+	// PrefillTokens counts the prompt tokens of the prefills that ran to
+	// the end; PrefillsStopped the prefills stopped part-way because their
+	// client went away (their tokens are not counted).
+	PrefillTokens   uint64
+	PrefillsStopped uint64
 }
 
 // request is the scheduler's record of one request.
@@ -370,6 +378,28 @@ func (e *Engine) CancelContext(ctxRequestID uint64) bool {
 	return e.tr.Cancel(treq)
 }
 
+// CancelContextState is CancelContext for a caller that must prove it
+// holds the request: opaque must be the request's encoded opaque state,
+// byte for byte (compared in constant time). The state carries a random
+// transfer token, so only whoever was handed the context phase's answer
+// can present it, and that one could pull the request anyway. It reports
+// whether a held request was cancelled; an unknown id and a wrong state
+// are both false, so a caller cannot learn which ids are held.
+func (e *Engine) CancelContextState(ctxRequestID uint64, opaque []byte) bool {
+	e.mu.Lock()
+	treq := e.held[ctxRequestID]
+	e.mu.Unlock()
+	// ContextPhase was set by RespondAndSendAsync before the request was
+	// put in held, under e.mu.
+	if treq == nil || treq.ContextPhase == nil || len(opaque) == 0 ||
+		subtle.ConstantTimeCompare(treq.ContextPhase.OpaqueState, opaque) != 1 {
+		return false
+	}
+	ok := e.tr.Cancel(treq)
+	e.kick() // collect the ended transfer now: held forgets it
+	return ok
+}
+
 // Close stops the scheduler and ends every request still in the engine
 // with ErrClosed. It closes the transceiver (which fails every transfer in
 // flight and waits until none touches a block) before releasing the blocks
@@ -429,7 +459,8 @@ func (e *Engine) run() {
 
 func (e *Engine) publish() {
 	st := Stats{Waiting: len(e.waiting), Running: len(e.running), Transferring: len(e.transferring) + len(e.draining),
-		FreeBlocks: e.inst.FreeBlocks(), TotalBlocks: e.inst.NumBlocks(), Iterations: e.iterations}
+		FreeBlocks: e.inst.FreeBlocks(), TotalBlocks: e.inst.NumBlocks(), Iterations: e.iterations,
+		PrefillTokens: e.prefilled, PrefillsStopped: e.stopped}
 	e.mu.Lock()
 	e.stats = st
 	e.mu.Unlock()
@@ -586,11 +617,21 @@ func (e *Engine) admit() []*request {
 // its deadline.
 func (e *Engine) prefill(r *request) {
 	start := e.now()
-	logits, err := e.inst.Prefill(r.seq, r.prompt)
+	// The model checks the client between layers: one gone during a long
+	// prefill stops it there, and its blocks go back now.
+	logits, err := e.inst.prefill(r.ctx, r.seq, r.prompt)
+	if err == nil && r.ctx.Err() != nil {
+		err = r.ctx.Err() // gone after the last layer: nobody will pull it
+	}
 	if err != nil {
+		if r.ctx.Err() != nil {
+			e.stopped++
+			err = context.Cause(r.ctx)
+		}
 		e.finish(r, FinishError, err)
 		return
 	}
+	e.prefilled += uint64(len(r.prompt))
 	tok := sampleToken(logits, r.temp, r.seed, 0)
 	r.timing.Prefill = e.now().Sub(start)
 	reason := e.appendToken(r, tok)

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
@@ -285,7 +286,14 @@ func (s *Sequence) Release() error {
 // earlier request travels in a transfer), and returns the logits of the last
 // token. The sequence must have room (Reserve).
 func (in *Instance) Prefill(s *Sequence, tokens []int32) ([]float32, error) {
-	logits, err := in.forward(s, tokens)
+	return in.prefill(context.Background(), s, tokens)
+}
+
+// prefill is Prefill that stops between layers once ctx is done, returning
+// ctx's error; the sequence's length is then unchanged (the blocks hold
+// partial KV of no use, released with the sequence).
+func (in *Instance) prefill(ctx context.Context, s *Sequence, tokens []int32) ([]float32, error) {
+	logits, err := in.forward(ctx, s, tokens)
 	if err != nil {
 		return nil, err
 	}
@@ -296,7 +304,7 @@ func (in *Instance) Prefill(s *Sequence, tokens []int32) ([]float32, error) {
 // Decode runs the model over one token at the end of the sequence and
 // returns the logits of the next.
 func (in *Instance) Decode(s *Sequence, token int32) ([]float32, error) {
-	return in.forward(s, []int32{token})
+	return in.forward(context.Background(), s, []int32{token})
 }
 
 // zeroTail clears the token slots after Len in the block holding the last
@@ -342,7 +350,7 @@ func (s *Sequence) gather(r *rankShard, layer, kv, head, n int, dst []float64) {
 
 // forward runs tokens through every stage, appends their KV and returns the
 // logits of the last token.
-func (in *Instance) forward(s *Sequence, toks []int32) ([]float32, error) {
+func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]float32, error) {
 	if in.closed {
 		return nil, ErrClosed
 	}
@@ -371,6 +379,9 @@ func (in *Instance) forward(s *Sequence, toks []int32) ([]float32, error) {
 	// Stages run in order; x is the activation one stage hands the next.
 	for _, ranks := range in.stages {
 		for l := ranks[0].layerLo; l < ranks[0].layerHi; l++ {
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
 			lw := &m.layers[l]
 			for t := range T {
 				rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], lw.attnNorm, cfg.NormEps)

@@ -2,6 +2,7 @@ package serve
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -43,23 +44,31 @@ func copyHeaders(w http.ResponseWriter, resp *http.Response) {
 	}
 }
 
-// flushCopy copies a (possibly streamed) body, flushing after every read so
-// server-sent events reach the client as they come.
-func flushCopy(w http.ResponseWriter, r io.Reader) {
+// errClientGone: writing to the client failed.
+var errClientGone = errors.New("client gone")
+
+// flushCopyErr copies a (possibly streamed) body, flushing after every read
+// so server-sent events reach the client as they come, and returns why it
+// stopped: nil at the body's end, errClientGone when the client cannot be
+// written to, else the body's read error.
+func flushCopyErr(w http.ResponseWriter, r io.Reader) error {
 	f, _ := w.(http.Flusher)
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := r.Read(buf)
 		if n > 0 {
 			if _, werr := w.Write(buf[:n]); werr != nil {
-				return
+				return errClientGone
 			}
 			if f != nil {
 				f.Flush()
 			}
 		}
+		if err == io.EOF {
+			return nil
+		}
 		if err != nil {
-			return
+			return err
 		}
 	}
 }

@@ -12,11 +12,14 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -39,10 +42,24 @@ const (
 	Conversation Policy = config.RouterConversation
 )
 
-// upstream is one worker URL with its in-flight count.
+// upstream is one worker URL with its in-flight count and its local
+// state: a worker that missed a deadline is down (the policies try it last)
+// until a probe of its /health answers.
 type upstream struct {
 	url      string
 	inflight atomic.Int64
+	down     atomic.Bool
+
+	mu     sync.Mutex
+	reason string    // why it was marked down
+	since  time.Time // when
+}
+
+// state returns whether s is marked down, why and since when.
+func (s *upstream) state() (bool, string, time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.down.Load(), s.reason, s.since
 }
 
 // group is the context or generation servers with their policy.
@@ -80,6 +97,18 @@ func (g *group) order() []*upstream {
 			out = append(out, g.servers[(start+i)%n])
 		}
 	}
+	// Workers marked down go last: tried only when no other can be
+	// reached.
+	slices.SortStableFunc(out, func(a, b *upstream) int {
+		ad, bd := a.down.Load(), b.down.Load()
+		switch {
+		case ad == bd:
+			return 0
+		case bd:
+			return -1
+		}
+		return 1
+	})
 	return out
 }
 
@@ -97,7 +126,28 @@ type RouterOptions struct {
 	// presents the router's certificate and verifies the workers' against
 	// the cluster CA. The router's own listener is not affected.
 	TLS *tls.Config
+	// Per-phase deadlines (zero: the default; see the Default constants).
+	// A worker that misses one is marked down: the policies try it last,
+	// and it is probed (GET /health every ProbeInterval, each within
+	// HealthTimeout) until it answers.
+	//
+	// HeaderTimeout bounds the wait for a worker's response headers; a
+	// context worker sends them after the prefill, so this bounds the
+	// longest prefill too. ChunkTimeout bounds the wait for each read of a
+	// response body (the gap between two stream chunks). HealthTimeout
+	// bounds each worker's answer to a health probe, in the router's
+	// /health as in the probes of workers marked down.
+	HeaderTimeout, ChunkTimeout, HealthTimeout, ProbeInterval time.Duration
 }
+
+// Defaults of RouterOptions' deadlines. DefaultHeaderTimeout is
+// trtllm-serve disaggregated's --request_timeout default.
+const (
+	DefaultHeaderTimeout = 180 * time.Second
+	DefaultChunkTimeout  = 30 * time.Second
+	DefaultHealthTimeout = 2 * time.Second
+	DefaultProbeInterval = time.Second
+)
 
 // Router is the disaggregated router: it sends each request to a context
 // worker as context_only, then to a generation worker as generation_only
@@ -109,6 +159,14 @@ type Router struct {
 	log          *slog.Logger
 	reg          *prometheus.Registry
 	m            *metrics.Router
+	rl           *netlimit.RateLog // repeated warnings, one line per cause per second
+
+	headerTimeout, chunkTimeout, healthTimeout, probeInterval time.Duration
+
+	life      context.Context // cancelled by Close: stops the probes
+	stop      context.CancelFunc
+	probes    sync.WaitGroup
+	closeOnce sync.Once
 }
 
 // NewRouter builds a router. It starts no goroutines.
@@ -155,7 +213,16 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if client == nil {
 		client = NewHTTPClient(o.TLS)
 	}
-	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry()}
+	or := func(d, def time.Duration) time.Duration {
+		if d <= 0 {
+			return def
+		}
+		return d
+	}
+	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry(), rl: netlimit.NewRateLog(log, time.Second),
+		headerTimeout: or(o.HeaderTimeout, DefaultHeaderTimeout), chunkTimeout: or(o.ChunkTimeout, DefaultChunkTimeout),
+		healthTimeout: or(o.HealthTimeout, DefaultHealthTimeout), probeInterval: or(o.ProbeInterval, DefaultProbeInterval)}
+	r.life, r.stop = context.WithCancel(context.Background())
 	r.m = metrics.NewRouter(r.reg)
 	return r, nil
 }
@@ -190,9 +257,15 @@ func (r *Router) Handler() http.Handler {
 	return countCodes(mux, r.m.HTTPRequests)
 }
 
-// Close closes the idle upstream connections. Requests in flight finish.
-// Idempotent.
-func (r *Router) Close() { r.client.CloseIdleConnections() }
+// Close stops the probes of workers marked down and closes the idle
+// upstream connections. Requests in flight finish. Idempotent.
+func (r *Router) Close() {
+	r.closeOnce.Do(func() {
+		r.stop()
+		r.probes.Wait()
+	})
+	r.client.CloseIdleConnections()
+}
 
 // Registry returns the router's metrics registry.
 func (r *Router) Registry() *prometheus.Registry { return r.reg }
@@ -224,14 +297,74 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 		}
 	}
 	resp, err := r.post(req.Context(), r.gen, path, genReq)
-	relay(w, resp, err, flushCopy)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		// Refused, failed, or the client went away: no generation worker
+		// will pull this context request, so the context worker releases
+		// it now instead of at kv_transfer_timeout_ms.
+		r.releaseContext(req.Context(), cr)
+	}
+	relay(w, resp, err, streamCopy)
 }
+
+// streamCopy copies a generation worker's answer (flushCopyErr): a stream the
+// worker cut (it died, or missed the chunk deadline) ends with an
+// OpenAI-style error event and no [DONE], never with a silent end. The
+// client's own departure ends it silently: nobody reads it.
+func streamCopy(w http.ResponseWriter, body io.Reader) {
+	err := flushCopyErr(w, body)
+	if err == nil || errors.Is(err, errClientGone) || !strings.HasPrefix(w.Header().Get("Content-Type"), "text/event-stream") {
+		return
+	}
+	var e APIError
+	e.Error.Message = "the generation worker's stream was cut: " + err.Error()
+	e.Error.Type, e.Error.Code = "upstream_error", http.StatusBadGateway
+	if errors.Is(err, errStalled) {
+		e.Error.Type, e.Error.Code = "upstream_timeout", http.StatusGatewayTimeout
+	}
+	b, _ := json.Marshal(e)
+	fmt.Fprintf(w, "data: %s\n\n", b)
+	if f, ok := w.(http.Flusher); ok {
+		f.Flush()
+	}
+}
+
+// releaseContext asks the context worker that served cr to cancel it
+// (CancelContextPath), proving ownership with the opaque state. It runs
+// past the client's cancellation, bounded by its own deadline; a failure
+// only leaves the request to its deadline.
+func (r *Router) releaseContext(ctx context.Context, cr *contextResult) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+	defer cancel()
+	b, _ := json.Marshal(cr.params)
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, cr.server+CancelContextPath, bytes.NewReader(b))
+	if err != nil {
+		return
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	resp, err := r.client.Do(hreq)
+	if err != nil {
+		r.warn("release-error:"+cr.server, "cannot release an abandoned context request: it stays until its deadline",
+			"url", cr.server, "err", err)
+		return
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	resp.Body.Close()
+	result := "released"
+	if resp.StatusCode != http.StatusOK {
+		result = "not_held" // pulled, expired or already cancelled
+	}
+	r.m.Upstream.WithLabelValues(r.prefill.name, result).Inc()
+	r.log.Debug("abandoned context request", "url", cr.server, "ctx_request", cr.id(), "result", result)
+}
+
+// releaseTimeout bounds a release call to a context worker.
+const releaseTimeout = 5 * time.Second
 
 // relay answers w with an upstream answer (its headers and status, and its
 // body through copyBody), or with 502 when err says there is none.
 func relay(w http.ResponseWriter, resp *http.Response, err error, copyBody func(http.ResponseWriter, io.Reader)) {
 	if err != nil {
-		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+		upstreamFailed(w, err)
 		return
 	}
 	defer resp.Body.Close()
@@ -267,6 +400,14 @@ func readRouted(req *http.Request) (object, bool, error) {
 type contextResult struct {
 	params DisaggregatedParams
 	ids    []int32 // the prompt's token ids
+	server string  // the context worker's base URL
+}
+
+func (c *contextResult) id() uint64 {
+	if c.params.CtxRequestID == nil {
+		return 0
+	}
+	return *c.params.CtxRequestID
 }
 
 // contextPhase sends orig to a context server as context_only. When the
@@ -279,13 +420,13 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 	prefillReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
 	resp, err := r.post(ctx, r.prefill, path, prefillReq)
 	if err != nil {
-		writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
+		upstreamFailed(w, err)
 		return nil
 	}
 	prefillBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
 	resp.Body.Close()
 	if err != nil {
-		writeError(w, http.StatusBadGateway, "upstream_error", "reading the context server's answer: "+err.Error())
+		upstreamFailed(w, fmt.Errorf("reading the context server's answer: %w", err))
 		return nil
 	}
 	if resp.StatusCode != http.StatusOK {
@@ -321,7 +462,7 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 	if len(ids) == 0 {
 		ids = ch.PromptTokenIDs
 	}
-	return &contextResult{params: *ch.DisaggregatedParams, ids: ids}
+	return &contextResult{params: *ch.DisaggregatedParams, ids: ids, server: strings.TrimSuffix(resp.Request.URL.String(), path)}
 }
 
 // replayFinished returns a context-phase answer that already finished; a
@@ -370,13 +511,16 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 		}
 		hreq.Header.Set("Content-Type", "application/json")
 		s.inflight.Add(1)
-		resp, err := r.client.Do(hreq)
+		resp, err := r.do(g, s, hreq)
 		if err != nil {
 			s.inflight.Add(-1)
+			if errors.Is(err, errStalled) {
+				return nil, err
+			}
 			var op *net.OpError
 			if errors.As(err, &op) && op.Op == "dial" {
 				r.m.Upstream.WithLabelValues(g.name, "connect_error").Inc()
-				r.log.Warn("worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
+				r.warn("unreachable:"+s.url, "worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
 				errs = append(errs, fmt.Errorf("%s: %v", s.url, err))
 				continue
 			}
@@ -392,6 +536,157 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 		return resp, nil
 	}
 	return nil, fmt.Errorf("no %s server reachable: %w", g.name, errors.Join(errs...))
+}
+
+// warn logs a warning, at most one line per key per second (with the
+// count of those left out).
+func (r *Router) warn(key, msg string, args ...any) { r.rl.Warn(key, msg, args...) }
+
+// errStalled marks the errors of a worker that missed a deadline.
+var errStalled = errors.New("worker stalled")
+
+// do sends hreq to s under the per-phase deadlines: the response headers
+// within headerTimeout, then each read of the body within chunkTimeout. A
+// worker that misses one is marked down and the request fails with an
+// error wrapping errStalled (a 504 for the client).
+func (r *Router) do(g *group, s *upstream, hreq *http.Request) (*http.Response, error) {
+	ctx, cancel := context.WithCancel(hreq.Context())
+	timer := time.AfterFunc(r.headerTimeout, cancel)
+	resp, err := r.client.Do(hreq.WithContext(ctx))
+	if !timer.Stop() && hreq.Context().Err() == nil {
+		if err == nil {
+			resp.Body.Close()
+		}
+		cancel()
+		why := fmt.Sprintf("no response headers within %v", r.headerTimeout)
+		r.markDown(g, s, why)
+		return nil, fmt.Errorf("%s server %s: %s: %w", g.name, s.url, why, errStalled)
+	}
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	sb := &stallBody{body: resp.Body, cancel: cancel, timeout: r.chunkTimeout,
+		stalled: func() { r.markDown(g, s, fmt.Sprintf("no response data within %v", r.chunkTimeout)) }}
+	sb.timer = time.AfterFunc(time.Hour, sb.fire)
+	sb.timer.Stop()
+	resp.Body = sb
+	return resp, nil
+}
+
+// stallBody is a response body whose every read must return within
+// timeout; one that does not cancels the request (the read fails with an
+// error wrapping errStalled) and calls stalled.
+type stallBody struct {
+	body    io.ReadCloser
+	cancel  context.CancelFunc
+	timeout time.Duration
+	timer   *time.Timer
+	stalled func()
+	fired   atomic.Bool
+}
+
+func (b *stallBody) fire() {
+	b.fired.Store(true)
+	b.cancel()
+	b.stalled()
+}
+
+func (b *stallBody) Read(p []byte) (int, error) {
+	b.timer.Reset(b.timeout)
+	n, err := b.body.Read(p)
+	b.timer.Stop()
+	if err != nil && b.fired.Load() {
+		err = fmt.Errorf("no response data within %v: %w", b.timeout, errStalled)
+	}
+	return n, err
+}
+
+func (b *stallBody) Close() error {
+	b.timer.Stop()
+	err := b.body.Close()
+	b.cancel()
+	return err
+}
+
+// markDown marks s down for why and, if it was up, starts probing it.
+func (r *Router) markDown(g *group, s *upstream, why string) {
+	s.mu.Lock()
+	was := s.down.Swap(true)
+	if !was {
+		s.reason, s.since = why, time.Now()
+	}
+	s.mu.Unlock()
+	if was {
+		return
+	}
+	r.m.Upstream.WithLabelValues(g.name, "stalled").Inc()
+	r.warn("down:"+s.url, "worker missed a deadline: marked down, probing it until it answers", "role", g.name, "url", s.url, "why", why)
+	r.probes.Add(1)
+	go r.probe(g, s)
+}
+
+// markUp re-admits s after a health probe answered.
+func (r *Router) markUp(g *group, s *upstream) {
+	s.mu.Lock()
+	was := s.down.Swap(false)
+	s.reason = ""
+	s.mu.Unlock()
+	if was {
+		r.log.Info("worker answers again: re-admitted", "role", g.name, "url", s.url)
+	}
+}
+
+// probe checks s's /health every probeInterval until it answers 200 (s is
+// re-admitted) or the router closes.
+func (r *Router) probe(g *group, s *upstream) {
+	defer r.probes.Done()
+	t := time.NewTicker(r.probeInterval)
+	defer t.Stop()
+	for s.down.Load() {
+		select {
+		case <-r.life.Done():
+			return
+		case <-t.C:
+		}
+		if err := r.checkHealth(r.life, s); err == nil {
+			r.markUp(g, s)
+			return
+		}
+	}
+}
+
+// checkHealth asks s's /health, within healthTimeout.
+func (r *Router) checkHealth(ctx context.Context, s *upstream) error {
+	ctx, cancel := context.WithTimeout(ctx, r.healthTimeout)
+	defer cancel()
+	hr, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url+"/health", nil)
+	if err != nil {
+		return err
+	}
+	resp, err := r.client.Do(hr)
+	if err != nil {
+		if ctx.Err() != nil {
+			return fmt.Errorf("no answer within %v", r.healthTimeout)
+		}
+		return err
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return errors.New(resp.Status)
+	}
+	return nil
+}
+
+// upstreamFailed answers w for a request no worker answered: 504 when a
+// worker missed a deadline, else 502.
+func upstreamFailed(w http.ResponseWriter, err error) {
+	if errors.Is(err, errStalled) {
+		writeError(w, http.StatusGatewayTimeout, "upstream_timeout", err.Error())
+		return
+	}
+	writeError(w, http.StatusBadGateway, "upstream_error", err.Error())
 }
 
 // doneBody runs done once when the body is closed.
@@ -425,42 +720,45 @@ func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response
 	return nil, errors.Join(errs...)
 }
 
-// health is 200 when at least one context and one generation worker answer
-// their /health with 200, else 503; the body lists every worker.
+// health probes every worker at once, each within healthTimeout (one
+// stalled worker delays no other), and answers 200 when at least one
+// context and one generation worker answered their /health with 200, else
+// 503; the body lists every worker: healthy, its error, and whether the
+// router has it marked down (and why, since when). A worker marked down
+// that answers is re-admitted.
 func (r *Router) health(w http.ResponseWriter, req *http.Request) {
-	ctx, cancel := context.WithTimeout(req.Context(), 2*time.Second)
-	defer cancel()
 	type state struct {
-		URL     string `json:"url"`
-		Healthy bool   `json:"healthy"`
-		Error   string `json:"error,omitempty"`
+		URL        string  `json:"url"`
+		Healthy    bool    `json:"healthy"`
+		Error      string  `json:"error,omitempty"`
+		LatencyMs  float64 `json:"latency_ms"`
+		MarkedDown bool    `json:"marked_down"`
+		DownReason string  `json:"down_reason,omitempty"`
+		DownSince  string  `json:"down_since,omitempty"`
 	}
-	check := func(g *group) []state {
-		out := make([]state, len(g.servers))
-		var wg sync.WaitGroup
+	groups := []*group{r.prefill, r.gen}
+	out := make([][]state, len(groups))
+	var wg sync.WaitGroup
+	for gi, g := range groups {
+		out[gi] = make([]state, len(g.servers))
 		for i, s := range g.servers {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				out[i] = state{URL: s.url}
-				hr, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.url+"/health", nil)
-				resp, err := r.client.Do(hr)
+			wg.Go(func() {
+				start := time.Now()
+				err := r.checkHealth(req.Context(), s)
+				st := state{URL: s.url, Healthy: err == nil, LatencyMs: msOf(time.Since(start))}
 				if err != nil {
-					out[i].Error = err.Error()
-					return
+					st.Error = err.Error()
+				} else {
+					r.markUp(g, s)
 				}
-				io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
-				resp.Body.Close()
-				out[i].Healthy = resp.StatusCode == http.StatusOK
-				if !out[i].Healthy {
-					out[i].Error = resp.Status
+				if down, why, since := s.state(); down {
+					st.MarkedDown, st.DownReason, st.DownSince = true, why, since.UTC().Format(time.RFC3339Nano)
 				}
-			}()
+				out[gi][i] = st
+			})
 		}
-		wg.Wait()
-		return out
 	}
-	cs, gs := check(r.prefill), check(r.gen)
+	wg.Wait()
 	anyHealthy := func(ss []state) bool {
 		for _, s := range ss {
 			if s.Healthy {
@@ -469,12 +767,11 @@ func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 		}
 		return false
 	}
-	ok := anyHealthy(cs) && anyHealthy(gs)
 	code, status := http.StatusOK, "ok"
-	if !ok {
+	if !anyHealthy(out[0]) || !anyHealthy(out[1]) {
 		code, status = http.StatusServiceUnavailable, "unavailable"
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
-	json.NewEncoder(w).Encode(map[string]any{"status": status, "context_servers": cs, "generation_servers": gs})
+	json.NewEncoder(w).Encode(map[string]any{"status": status, "context_servers": out[0], "generation_servers": out[1]})
 }

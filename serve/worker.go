@@ -189,11 +189,56 @@ func (w *Worker) Handler() http.Handler {
 			"waiting": st.Waiting, "running": st.Running, "transferring": st.Transferring,
 			"free_blocks": w.eng.Instance().FreeBlocks(), "total_blocks": w.eng.Instance().NumBlocks()})
 	})
+	mux.HandleFunc("POST "+CancelContextPath, w.cancelContext)
 	mux.Handle("GET /metrics", metrics.Handler(w.reg))
 	mux.HandleFunc("/", func(rw http.ResponseWriter, r *http.Request) {
 		writeError(rw, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s", r.Method, r.URL.Path))
 	})
 	return countCodes(mux, w.m.HTTPRequests)
+}
+
+// CancelContextPath is the worker's route that releases a context request
+// it holds for a generation worker that will not come (the router calls it
+// when the generation phase is refused or fails before the pull, or when
+// its client goes away). The body is the context phase's
+// disaggregated_params, or at least their ctx_request_id and
+// encoded_opaque_state: the state is the proof of ownership. It carries a
+// random transfer token, so only whoever received the context phase's
+// answer holds it, and that one could pull the request anyway; cancelling
+// gives it no power it did not have. The route is behind the worker's
+// mutual TLS like every other one. 200 {"cancelled": true} when a held
+// request was released; 404 when no held request has this id and state
+// (unknown, already pulled, expired, already cancelled, or a wrong state:
+// the answers are the same, so that ids cannot be probed).
+const CancelContextPath = "/v1/disaggregated/cancel"
+
+func (w *Worker) cancelContext(rw http.ResponseWriter, r *http.Request) {
+	body, err := readBody(r)
+	if err != nil {
+		writeError(rw, http.StatusBadRequest, "invalid_request_error", err.Error())
+		return
+	}
+	var dp DisaggregatedParams
+	if err := json.Unmarshal(body, &dp); err != nil {
+		writeError(rw, http.StatusBadRequest, "invalid_request_error", "request body: "+err.Error())
+		return
+	}
+	if dp.CtxRequestID == nil || dp.EncodedOpaqueState == "" {
+		writeError(rw, http.StatusBadRequest, "invalid_request_error", "ctx_request_id and encoded_opaque_state are required")
+		return
+	}
+	opaque, err := base64.StdEncoding.DecodeString(dp.EncodedOpaqueState)
+	if err != nil {
+		writeError(rw, http.StatusBadRequest, "invalid_request_error", "encoded_opaque_state is not base64: "+err.Error())
+		return
+	}
+	if w.tr == nil || !w.eng.CancelContextState(*dp.CtxRequestID, opaque) {
+		writeError(rw, http.StatusNotFound, "not_found", fmt.Sprintf("no held context request %d with this opaque state (pulled, expired, cancelled or never issued)", *dp.CtxRequestID))
+		return
+	}
+	w.log.Debug("context request cancelled", "ctx_request", *dp.CtxRequestID, "from", r.RemoteAddr)
+	rw.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(rw).Encode(map[string]any{"cancelled": true, "ctx_request_id": *dp.CtxRequestID})
 }
 
 func (w *Worker) models(rw http.ResponseWriter, _ *http.Request) {

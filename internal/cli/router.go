@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"time"
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/metrics"
@@ -35,6 +36,7 @@ func newRouterCmd(e env) *cobra.Command {
 		admin         adminFlag
 		tf            tlsFlags
 		hf            httpFlags
+		df            deadlineFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "router",
@@ -60,7 +62,8 @@ func newRouterCmd(e env) *cobra.Command {
 				return err
 			}
 			ro := serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
-				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log}
+				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log,
+				HeaderTimeout: df.header, ChunkTimeout: df.chunk, HealthTimeout: df.health, ProbeInterval: df.probe}
 			if tc != nil {
 				ro.TLS = tc.Client
 			}
@@ -97,5 +100,19 @@ func newRouterCmd(e env) *cobra.Command {
 	lf.add(cmd)
 	admin.add(cmd)
 	hf.add(cmd)
+	df.add(cmd)
 	return cmd
+}
+
+// deadlineFlags are the router's per-phase deadlines (serve.RouterOptions).
+type deadlineFlags struct{ header, chunk, health, probe time.Duration }
+
+func (d *deadlineFlags) add(cmd *cobra.Command) {
+	f := cmd.Flags()
+	f.DurationVar(&d.header, "header-timeout", serve.DefaultHeaderTimeout,
+		"longest wait for a worker's response headers (a context worker sends them after the prefill); a worker that misses it is marked down")
+	f.DurationVar(&d.chunk, "chunk-timeout", serve.DefaultChunkTimeout,
+		"longest wait for data in a worker's answer (the gap between two stream chunks); a worker that misses it is marked down")
+	f.DurationVar(&d.health, "health-timeout", serve.DefaultHealthTimeout, "deadline of each worker's health probe (the router's /health, and the probes of workers marked down)")
+	f.DurationVar(&d.probe, "probe-interval", serve.DefaultProbeInterval, "how often a worker marked down is probed until it answers")
 }

@@ -5,6 +5,7 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"slices"
 	"sync"
 	"time"
 )
@@ -187,14 +188,19 @@ func HostOf(a net.Addr) netip.Addr {
 	return netip.Addr{}
 }
 
-// RateLog writes warnings, at most one per key per interval; each line
-// that gets through counts the lines of its key suppressed since the
-// previous one ("suppressed"). The zero RateLog, and one with a nil
-// logger, writes nothing. Safe for concurrent use.
+// RateLog writes warnings, at most one line per key per interval, with the
+// count of those it left out: the first warning of a key is written at
+// once; the others within the interval are counted, and one line at the
+// interval's end repeats the latest of them with "suppressed" (their count)
+// and "interval". A steady stream of one cause is therefore one line per
+// interval, and a burst two lines, however long it is. The zero RateLog,
+// and one with a nil logger, writes nothing. Safe for concurrent use.
 type RateLog struct {
 	log   *slog.Logger
 	every time.Duration
 	now   func() time.Time
+	// after runs f after d (time.AfterFunc; replaced in tests).
+	after func(d time.Duration, f func())
 
 	mu   sync.Mutex
 	keys map[string]*rateKey
@@ -203,12 +209,17 @@ type RateLog struct {
 type rateKey struct {
 	last       time.Time
 	suppressed int
+	armed      bool   // a summary line is due at the interval's end
+	msg        string // the latest suppressed warning
+	args       []any
 }
 
 // NewRateLog returns a RateLog that writes to log at most once per key
-// per interval every.
+// per interval every. It starts no goroutine: a summary line is written by
+// a timer armed when a warning is first left out in an interval.
 func NewRateLog(log *slog.Logger, every time.Duration) *RateLog {
-	return &RateLog{log: log, every: every, now: time.Now, keys: map[string]*rateKey{}}
+	return &RateLog{log: log, every: every, now: time.Now, keys: map[string]*rateKey{},
+		after: func(d time.Duration, f func()) { time.AfterFunc(d, f) }}
 }
 
 // maxKeys bounds the keys a RateLog remembers; past it, it forgets them
@@ -216,7 +227,8 @@ func NewRateLog(log *slog.Logger, every time.Duration) *RateLog {
 const maxKeys = 1024
 
 // Warn logs msg with args at level Warn unless a line of key was logged
-// less than the interval ago.
+// less than the interval ago; then it is counted, and the interval's
+// summary line repeats it with the count.
 func (r *RateLog) Warn(key, msg string, args ...any) {
 	if r == nil || r.log == nil {
 		return
@@ -230,8 +242,13 @@ func (r *RateLog) Warn(key, msg string, args ...any) {
 		}
 		k = &rateKey{}
 		r.keys[key] = k
-	} else if now.Sub(k.last) < r.every {
+	} else if since := now.Sub(k.last); since < r.every {
 		k.suppressed++
+		k.msg, k.args = msg, args
+		if !k.armed {
+			k.armed = true
+			r.after(r.every-since, func() { r.summarize(k) })
+		}
 		r.mu.Unlock()
 		return
 	}
@@ -239,9 +256,24 @@ func (r *RateLog) Warn(key, msg string, args ...any) {
 	k.last, k.suppressed = now, 0
 	r.mu.Unlock()
 	if n > 0 {
-		args = append(args, "suppressed", n)
+		args = append(slices.Clip(args), "suppressed", n)
 	}
 	r.log.Warn(msg, args...)
+}
+
+// summarize writes the line that counts the warnings of k left out in the
+// interval that just ended, unless a later Warn already did.
+func (r *RateLog) summarize(k *rateKey) {
+	r.mu.Lock()
+	k.armed = false
+	n, msg, args := k.suppressed, k.msg, k.args
+	if n == 0 {
+		r.mu.Unlock()
+		return
+	}
+	k.last, k.suppressed, k.msg, k.args = r.now(), 0, "", nil
+	r.mu.Unlock()
+	r.log.Warn(msg, append(slices.Clip(args), "suppressed", n, "interval", r.every)...)
 }
 
 // String describes l for logs: "127.0.0.1:8001 (max 4096 connections, 1024 per host)".

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -203,5 +204,31 @@ func TestLimitsString(t *testing.T) {
 		if got := tc.lim.String(); got != tc.want {
 			t.Errorf("%+v: %q, want %q", tc.lim, got, tc.want)
 		}
+	}
+}
+
+// TestRateLogBurst: a burst of 1,000 warnings of one cause is one line at
+// once and one line at the end of the interval that counts the rest, even
+// when no warning of that cause follows (issue #13: 82,206 lines in 30 s).
+func TestRateLogBurst(t *testing.T) {
+	var logs syncbuf.Buffer
+	rl := NewRateLog(slog.New(slog.NewTextHandler(&logs, nil)), 50*time.Millisecond)
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for range 250 {
+				rl.Warn("unreachable", "worker unreachable", "url", "http://ctx0")
+			}
+		})
+	}
+	wg.Wait()
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(logs.String(), "suppressed=999") && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // nothing more comes
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	if len(lines) != 2 || !strings.Contains(lines[1], "suppressed=999") || !strings.Contains(lines[1], "url=http://ctx0") {
+		t.Fatalf("%d lines, want 2 (the first, then one with suppressed=999):\n%s", len(lines), logs.String())
 	}
 }

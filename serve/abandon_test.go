@@ -1,0 +1,442 @@
+package serve
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/engine"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
+)
+
+// Modes of a switchWorker.
+const (
+	modePass   = iota // proxy to the real worker
+	modeRefuse        // answer completions with 503 (a generation phase refused)
+	modeStall         // hang every route until the client gives up (a SIGSTOPped worker)
+)
+
+// switchWorker stands in front of a real worker and passes, refuses or
+// stalls, as the test sets.
+type switchWorker struct {
+	mode   atomic.Int32
+	served atomic.Int64 // completions passed to the real worker
+	srv    *httptest.Server
+	quit   chan struct{} // closed at the end of the test: stalled handlers return
+}
+
+func newSwitchWorker(t *testing.T, target string) *switchWorker {
+	t.Helper()
+	u, err := url.Parse(target)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sw := &switchWorker{quit: make(chan struct{})}
+	proxy := httputil.NewSingleHostReverseProxy(u)
+	proxy.FlushInterval = -1
+	sw.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch sw.mode.Load() {
+		case modeStall:
+			// The body read, the server notices the client hanging up.
+			io.Copy(io.Discard, r.Body)
+			select {
+			case <-r.Context().Done():
+			case <-sw.quit:
+			}
+			return
+		case modeRefuse:
+			if r.URL.Path != "/health" {
+				writeError(w, http.StatusServiceUnavailable, "queue_full", "refused by the test")
+				return
+			}
+		}
+		if r.URL.Path != "/health" {
+			sw.served.Add(1)
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(func() {
+		close(sw.quit)
+		sw.srv.Close()
+	})
+	return sw
+}
+
+// newBigWorker is a tcp worker with a pool of maxTokens tokens and the
+// default 60 s kv_transfer_timeout_ms, the deadline nobody should wait for.
+func newBigWorker(t *testing.T, role string, maxTokens int) *testWorker {
+	t.Helper()
+	ct, err := config.NewCacheTransceiver("tcp", 16, config.Env{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ct.KVTransferTimeoutMs = 60_000
+	wc := &config.Worker{TensorParallelSize: 1, PipelineParallelSize: 1, KVCache: config.KVCache{TokensPerBlock: 16, MaxTokens: maxTokens},
+		CacheTransceiver: ct}
+	return startTestWorker(t, WorkerOptions{Role: role, Model: "tiny-gqa", Config: wc})
+}
+
+// waitFree waits until the worker's free block count is back to want, and
+// returns how long that took; it fails the test after limit.
+func waitFree(t *testing.T, tw *testWorker, want int, limit time.Duration) time.Duration {
+	t.Helper()
+	start := time.Now()
+	for tw.w.Engine().Instance().FreeBlocks() != want {
+		if time.Since(start) > limit {
+			t.Fatalf("%d of %d blocks free %v later, want all back", tw.w.Engine().Instance().FreeBlocks(), want, limit)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return time.Since(start)
+}
+
+// TestRefusedGenerationReleasesContext is issue #13's first scenario shrunk:
+// generation requests refused by the generation worker used to leave their
+// context requests pinned for kv_transfer_timeout_ms (60 s) and starve the
+// next request. The router now cancels them on the context worker: the
+// free block count is back within a second, and a legitimate request right
+// after is served at once.
+func TestRefusedGenerationReleasesContext(t *testing.T) {
+	ctxW := newBigWorker(t, RoleContext, 512)
+	genW := newBigWorker(t, RoleGeneration, 512)
+	gen := newSwitchWorker(t, genW.srv.URL)
+	router := newTestRouter(t, []string{ctxW.srv.URL}, []string{gen.srv.URL}, RoundRobin)
+	total := ctxW.w.Engine().Instance().FreeBlocks()
+	prompt := strings.Repeat("abandoned context ", 12) // 217 tokens: two of them fill the pool
+	gen.mode.Store(modeRefuse)
+	var worst time.Duration
+	for i := range 8 {
+		resp, body := post(t, router.URL+"/v1/completions", fmt.Sprintf(`{"prompt":%q,"max_tokens":8}`, prompt))
+		if resp.StatusCode != http.StatusServiceUnavailable {
+			t.Fatalf("request %d: %d %s, want the generation worker's 503", i, resp.StatusCode, body)
+		}
+		worst = max(worst, waitFree(t, ctxW, total, time.Second))
+	}
+	t.Logf("context blocks back at most %v after a refused generation phase", worst)
+	gen.mode.Store(modePass)
+	start := time.Now()
+	resp, body := post(t, router.URL+"/v1/completions", fmt.Sprintf(`{"prompt":%q,"max_tokens":8}`, prompt))
+	if resp.StatusCode != http.StatusOK || time.Since(start) > 5*time.Second {
+		t.Fatalf("legitimate request after the refusals: %d in %v: %s", resp.StatusCode, time.Since(start), body)
+	}
+	waitFree(t, ctxW, total, time.Second)
+}
+
+// TestClientGoneDuringPrefill: a client that disconnects while the context
+// worker prefills a long prompt stops the prefill (the engine counts it as
+// stopped, no tokens prefilled) and its blocks are back within a second.
+func TestClientGoneDuringPrefill(t *testing.T) {
+	ctxW := newBigWorker(t, RoleContext, 8192)
+	genW := newBigWorker(t, RoleGeneration, 1024)
+	router := newTestRouter(t, []string{ctxW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
+	total := ctxW.w.Engine().Instance().FreeBlocks()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	body, _ := json.Marshal(map[string]any{"prompt": strings.Repeat("a long prompt ", 500), "max_tokens": 8})
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, router.URL+"/v1/completions", strings.NewReader(string(body)))
+	req.Header.Set("Content-Type", "application/json")
+	errc := make(chan error, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		errc <- err
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for ctxW.w.Engine().Instance().FreeBlocks() == total {
+		if time.Now().After(deadline) {
+			t.Fatal("the prefill never started")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	back := waitFree(t, ctxW, total, time.Second)
+	<-errc
+	st := statsWhen(ctxW.w.Engine(), func(st engine.Stats) bool { return st.PrefillsStopped > 0 })
+	if st.PrefillsStopped != 1 || st.PrefillTokens != 0 {
+		t.Fatalf("context engine: %d prefills stopped, %d tokens prefilled; want 1 stopped, 0 tokens", st.PrefillsStopped, st.PrefillTokens)
+	}
+	t.Logf("blocks back %v after the client went away", back)
+}
+
+// TestCancelContextEndpoint: POST /v1/disaggregated/cancel releases a held
+// context request for whoever presents its ctx_request_id and its opaque
+// state; a wrong state or id is refused the same way (404) and releases
+// nothing.
+func TestCancelContextEndpoint(t *testing.T) {
+	ctxW := newBigWorker(t, RoleContext, 1024)
+	total := ctxW.w.Engine().Instance().FreeBlocks()
+	gen := contextPhase(t, ctxW, "held for nobody")
+	dp := gen["disaggregated_params"].(DisaggregatedParams)
+	if ctxW.w.Engine().Instance().FreeBlocks() == total {
+		t.Fatal("the context request holds no blocks")
+	}
+	other := *dp.CtxRequestID + 1
+	for _, c := range []struct {
+		name string
+		body any
+		code int
+	}{
+		{"no body", map[string]any{}, http.StatusBadRequest},
+		{"no state", map[string]any{"ctx_request_id": *dp.CtxRequestID}, http.StatusBadRequest},
+		{"bad base64", map[string]any{"ctx_request_id": *dp.CtxRequestID, "encoded_opaque_state": "!!"}, http.StatusBadRequest},
+		{"wrong state", map[string]any{"ctx_request_id": *dp.CtxRequestID, "encoded_opaque_state": "b3BhcXVl"}, http.StatusNotFound},
+		{"other id", map[string]any{"ctx_request_id": other, "encoded_opaque_state": dp.EncodedOpaqueState}, http.StatusNotFound},
+	} {
+		code, _, raw := postJSON(t, ctxW.srv.URL+CancelContextPath, c.body)
+		if code != c.code {
+			t.Errorf("%s: %d %s, want %d", c.name, code, raw, c.code)
+		}
+		if ctxW.w.Engine().Instance().FreeBlocks() == total {
+			t.Fatalf("%s: released the request", c.name)
+		}
+	}
+	code, _, raw := postJSON(t, ctxW.srv.URL+CancelContextPath, dp)
+	if code != http.StatusOK {
+		t.Fatalf("cancel with the right state: %d %s", code, raw)
+	}
+	waitFree(t, ctxW, total, time.Second)
+	if code, _, raw := postJSON(t, ctxW.srv.URL+CancelContextPath, dp); code != http.StatusNotFound {
+		t.Errorf("second cancel: %d %s, want 404", code, raw)
+	}
+}
+
+// statsWhen returns the engine's stats once cond holds of them (the
+// scheduler publishes them after its step), or after a second.
+func statsWhen(e *engine.Engine, cond func(engine.Stats) bool) engine.Stats {
+	deadline := time.Now().Add(time.Second)
+	for {
+		st := e.Stats()
+		if cond(st) || time.Now().After(deadline) {
+			return st
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestRouterOutageLogsRateLimited: during a context outage the router used
+// to log one warning per refused request (82,206 lines in 30 s). A burst of
+// 1,000 refused requests is now a few lines, one of which counts the rest.
+func TestRouterOutageLogsRateLimited(t *testing.T) {
+	var logs syncbuf.Buffer
+	_, gen := startFake(t, "gen", "")
+	r, err := NewRouter(RouterOptions{Context: []string{deadURL(t)}, Generation: []string{gen},
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	h := r.Handler()
+	var wg sync.WaitGroup
+	var refused atomic.Int64
+	for range 8 {
+		wg.Go(func() {
+			for range 125 {
+				rec := httptest.NewRecorder()
+				h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/completions", strings.NewReader(`{"prompt":"hi"}`)))
+				if rec.Code == http.StatusBadGateway {
+					refused.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if refused.Load() != 1000 {
+		t.Fatalf("%d of 1000 requests refused with 502", refused.Load())
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for !strings.Contains(logs.String(), "suppressed=") && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	lines := strings.Split(strings.TrimSpace(logs.String()), "\n")
+	total := 0
+	for _, l := range lines {
+		n := 1
+		if _, after, ok := strings.Cut(l, "suppressed="); ok {
+			// A line that gets through counts itself and those left
+			// out before it; an interval's summary counts those only.
+			var left int
+			fmt.Sscan(after, &left)
+			n = left
+			if !strings.Contains(l, "interval=") {
+				n++
+			}
+		}
+		total += n
+	}
+	if len(lines) > 4 || total != 1000 {
+		t.Fatalf("%d lines counting %d failures, want at most 4 counting 1000:\n%s", len(lines), total, logs.String())
+	}
+	t.Logf("1000 refused requests: %d log lines", len(lines))
+}
+
+// routerHealth is the router's /health answer.
+type routerHealth struct {
+	Status            string         `json:"status"`
+	ContextServers    []workerHealth `json:"context_servers"`
+	GenerationServers []workerHealth `json:"generation_servers"`
+}
+
+type workerHealth struct {
+	URL        string `json:"url"`
+	Healthy    bool   `json:"healthy"`
+	Error      string `json:"error"`
+	MarkedDown bool   `json:"marked_down"`
+	DownReason string `json:"down_reason"`
+}
+
+func getHealth(t *testing.T, url string) (int, routerHealth, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	c := &http.Client{Timeout: 10 * time.Second}
+	resp, err := c.Get(url + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var h routerHealth
+	if err := json.NewDecoder(resp.Body).Decode(&h); err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, h, time.Since(start)
+}
+
+// TestStalledWorker is issue #13's third defect: a stalled (SIGSTOPped)
+// generation worker was neither timed out nor ejected, and one stalled
+// worker made /health slow and 503. Now the request that meets it fails
+// with 504 after the header deadline, the worker is marked down and
+// skipped, /health answers within its own deadline naming it, and the
+// worker is re-admitted once it answers again.
+func TestStalledWorker(t *testing.T) {
+	ctxW := newBigWorker(t, RoleContext, 1024)
+	genW := newBigWorker(t, RoleGeneration, 1024)
+	stall := newSwitchWorker(t, genW.srv.URL)
+	stall.mode.Store(modeStall)
+	r, err := NewRouter(RouterOptions{Context: []string{ctxW.srv.URL}, Generation: []string{stall.srv.URL, genW.srv.URL},
+		HeaderTimeout: 500 * time.Millisecond, ChunkTimeout: 500 * time.Millisecond,
+		HealthTimeout: 300 * time.Millisecond, ProbeInterval: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	router := httptest.NewServer(r.Handler())
+	t.Cleanup(func() {
+		router.Close()
+		r.Close()
+		http.DefaultClient.CloseIdleConnections()
+	})
+	total := ctxW.w.Engine().Instance().FreeBlocks()
+	stalled := 0
+	for i := range 4 {
+		start := time.Now()
+		resp, body := post(t, router.URL+"/v1/completions", `{"prompt":"stalled workers","max_tokens":4}`)
+		took := time.Since(start)
+		switch resp.StatusCode {
+		case http.StatusOK:
+		case http.StatusGatewayTimeout:
+			stalled++
+			if took > 3*time.Second {
+				t.Errorf("request %d: 504 after %v, want about the 500ms header deadline", i, took)
+			}
+		default:
+			t.Fatalf("request %d: %d %s", i, resp.StatusCode, body)
+		}
+	}
+	if stalled > 1 {
+		t.Fatalf("%d requests met the stalled worker, want at most 1 (then it is skipped)", stalled)
+	}
+	waitFree(t, ctxW, total, time.Second) // the abandoned context request was released
+	// Make sure it is marked down, whatever round robin did.
+	if stalled == 0 {
+		r.markDown(r.gen, r.gen.servers[0], "marked by the test")
+	}
+	code, h, took := getHealth(t, router.URL)
+	if took > 2*time.Second {
+		t.Errorf("/health took %v with a stalled worker, want about its 300ms deadline", took)
+	}
+	if code != http.StatusOK || h.Status != "ok" || len(h.GenerationServers) != 2 {
+		t.Fatalf("/health: %d %+v, want 200: each group has a healthy worker", code, h)
+	}
+	if g := h.GenerationServers[0]; g.URL != stall.srv.URL || g.Healthy || !g.MarkedDown || g.Error == "" {
+		t.Errorf("/health on the stalled worker: %+v, want unhealthy and marked down with its error", g)
+	}
+	if g := h.GenerationServers[1]; !g.Healthy || g.MarkedDown {
+		t.Errorf("/health on the healthy worker: %+v", g)
+	}
+	// It answers again: the probes re-admit it and it gets work.
+	stall.mode.Store(modePass)
+	deadline := time.Now().Add(5 * time.Second)
+	for stall.served.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the worker that answers again got no request within 5s")
+		}
+		resp, body := post(t, router.URL+"/v1/completions", `{"prompt":"stalled workers","max_tokens":4}`)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("after the stall: %d %s", resp.StatusCode, body)
+		}
+	}
+	if _, h, _ := getHealth(t, router.URL); h.GenerationServers[0].MarkedDown || !h.GenerationServers[0].Healthy {
+		t.Errorf("/health after the worker answers again: %+v", h.GenerationServers[0])
+	}
+}
+
+// TestStreamCutEndsWithError is issue #13's second defect, its minimal
+// part: a generation worker that dies mid-stream (or stalls past the chunk
+// deadline) used to leave the client with a silent end of file. The client
+// now gets an OpenAI-style error event and no [DONE]. (Migrating the
+// request to another worker is a later step of the issue.)
+func TestStreamCutEndsWithError(t *testing.T) {
+	_, ctxURL := startFake(t, "ctx", "length")
+	for _, c := range []struct {
+		name string
+		cut  func(w http.ResponseWriter, r *http.Request)
+	}{
+		{"worker dies", func(w http.ResponseWriter, r *http.Request) {
+			conn, _, err := http.NewResponseController(w).Hijack()
+			if err == nil {
+				conn.Close()
+			}
+		}},
+		{"worker stalls", func(w http.ResponseWriter, r *http.Request) { <-r.Context().Done() }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			gen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				fmt.Fprint(w, "data: {\"choices\":[{\"text\":\"H\"}]}\n\n")
+				w.(http.Flusher).Flush()
+				c.cut(w, r)
+			}))
+			t.Cleanup(gen.Close)
+			r, err := NewRouter(RouterOptions{Context: []string{ctxURL}, Generation: []string{gen.URL}, ChunkTimeout: 300 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			router := httptest.NewServer(r.Handler())
+			t.Cleanup(func() {
+				router.Close()
+				r.Close()
+				http.DefaultClient.CloseIdleConnections()
+			})
+			resp, body := post(t, router.URL+"/v1/completions", `{"prompt":"hi","stream":true}`)
+			if resp.StatusCode != http.StatusOK || !strings.Contains(body, `"text":"H"`) {
+				t.Fatalf("%d %q, want the first chunk", resp.StatusCode, body)
+			}
+			if !strings.Contains(body, "data: {\"error\":") || strings.Contains(body, "[DONE]") {
+				t.Fatalf("stream cut by the worker ended %q, want an error event and no [DONE]", body)
+			}
+		})
+	}
+}
