@@ -257,7 +257,7 @@ func TestControlHandshakeTimeout(t *testing.T) {
 		}
 		defer c.Close()
 		c.Write(prefix)
-		clk.waitArmed(t, 1) // the rank has the connection, its hello awaited
+		clk.WaitArmed(t, 1) // the rank has the connection, its hello awaited
 		clk.Advance(hs - time.Millisecond)
 		if closedWithin(c, 50*time.Millisecond) {
 			t.Fatal("a connection was closed before its handshake timeout")
@@ -294,7 +294,7 @@ func TestDialledConnIdle(t *testing.T) {
 	if dialled() != 1 {
 		t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
 	}
-	clk.waitArmed(t, 2) // both ends wait for their next frame
+	clk.WaitArmed(t, 2) // both ends wait for their next frame
 	clk.Advance(300*time.Millisecond - time.Millisecond)
 	if dialled() != 1 || senderObs.open.Load() != 1 {
 		t.Fatalf("before 3/4 of the idle timeout: %d dialled, %d accepted", dialled(), senderObs.open.Load())
@@ -322,7 +322,7 @@ func TestPeerClosedIdleConn(t *testing.T) {
 	gen := newInst(t, cs, testCfg(), 64, withClock(clk))
 	transfer(t, sender, gen, 1, 40, 1, 0, 0)
 	r := gen.t.ranks[0]
-	clk.waitArmed(t, 2)
+	clk.WaitArmed(t, 2)
 	clk.Advance(200 * time.Millisecond)
 	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool { return r.ctrl.Dialled() == 0 })
 	if senderObs.idle.Load() != 1 {

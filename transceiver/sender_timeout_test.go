@@ -1,7 +1,6 @@
 package transceiver
 
 import (
-	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -102,23 +101,5 @@ func stallReceives(t *testing.T, in *inst) {
 // waitTimerAt waits until clk has a timer armed for at.
 func waitTimerAt(t *testing.T, clk *manualClock, at time.Time) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-	defer cancel()
-	for {
-		clk.mu.Lock()
-		found := false
-		for _, tm := range clk.timers {
-			found = found || (!tm.done && tm.at.Equal(at))
-		}
-		next := clk.armed
-		clk.mu.Unlock()
-		if found {
-			return
-		}
-		select {
-		case <-next:
-		case <-ctx.Done():
-			t.Fatalf("no timer armed for %v within 5s", at)
-		}
-	}
+	clk.WaitArmedAt(t, at)
 }

@@ -52,10 +52,11 @@ var boundaries = []rule{
 	// Test helpers of bench reports (the compiled JSON Schema).
 	{pkg: "bench/benchtest", may: []string{"bench"}, ext: []string{"github.com/santhosh-tekuri/jsonschema/v6"}},
 	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
-		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf"}},
+		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf", "internal/manualclock"}},
 	// The control connections of a rank: frames, the accept loop, the
 	// listener's limits; never requests, layouts or transports.
-	{pkg: "transceiver/internal/control", may: []string{"transceiver/internal/wire", "internal/netlimit", "internal/accept"}},
+	{pkg: "transceiver/internal/control", may: []string{"transceiver/internal/wire", "internal/netlimit", "internal/accept"},
+		tests: []string{"internal/manualclock"}},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
 	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd"},
@@ -79,6 +80,8 @@ var boundaries = []rule{
 	{pkg: "internal/memfd", ext: []string{"golang.org/x/sys/..."}},
 	{pkg: "internal/procnet"},
 	{pkg: "internal/syncbuf"},
+	// A clock tests advance by hand (test support only).
+	{pkg: "internal/manualclock"},
 	{pkg: "internal/repotest"},
 }
 
@@ -223,6 +226,8 @@ func TestBoundaryRules(t *testing.T) {
 		{"transceiver/internal/control", "transceiver", false, false},
 		{"transceiver/internal/control", "transport", false, false}, // frames and peers, never data planes
 		{"transceiver/internal/control", "layout", false, false},
+		{"transceiver/internal/control", "internal/manualclock", true, true},
+		{"transceiver", "internal/manualclock", false, false}, // test support stays in tests
 		{"transport/tcp", "transport/shm", false, false},
 		{"transport/tcp", "transport/transporttest", true, true},
 		{"internal/cli", "cmd/kvxfer", false, false},

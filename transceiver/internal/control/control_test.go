@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"github.com/kvxfer/kvxfer/internal/manualclock"
 	"io"
 	"log/slog"
 	"net"
@@ -22,94 +23,9 @@ import (
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // manualClock is a Clock the test advances by hand.
-type manualClock struct {
-	mu     sync.Mutex
-	now    time.Time
-	timers []*manualTimer
-	armed  chan struct{} // closed and replaced whenever a timer is armed
-}
+type manualClock = manualclock.Clock
 
-type manualTimer struct {
-	at   time.Time
-	f    func()
-	done bool
-}
-
-func newManualClock() *manualClock { return &manualClock{now: time.Now(), armed: make(chan struct{})} }
-
-func (c *manualClock) Now() time.Time {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.now
-}
-
-func (c *manualClock) AfterFunc(d time.Duration, f func()) func() bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	t := &manualTimer{at: c.now.Add(d), f: f}
-	c.timers = append(c.timers, t)
-	close(c.armed)
-	c.armed = make(chan struct{})
-	return func() bool {
-		c.mu.Lock()
-		defer c.mu.Unlock()
-		stopped := !t.done
-		t.done = true
-		return stopped
-	}
-}
-
-// Advance moves the clock and runs the timers then due; it returns once
-// they have.
-func (c *manualClock) Advance(d time.Duration) {
-	c.mu.Lock()
-	c.now = c.now.Add(d)
-	var due []func()
-	live := c.timers[:0]
-	for _, t := range c.timers {
-		switch {
-		case t.done:
-		case !t.at.After(c.now):
-			t.done = true
-			due = append(due, t.f)
-		default:
-			live = append(live, t)
-		}
-	}
-	c.timers = live
-	c.mu.Unlock()
-	var wg sync.WaitGroup
-	for _, f := range due {
-		wg.Go(f)
-	}
-	wg.Wait()
-}
-
-// waitArmed waits until n timers are armed (neither fired nor stopped).
-func (c *manualClock) waitArmed(t *testing.T, n int) {
-	t.Helper()
-	limit := time.NewTimer(5 * time.Second)
-	defer limit.Stop()
-	for {
-		c.mu.Lock()
-		armed := 0
-		for _, tm := range c.timers {
-			if !tm.done {
-				armed++
-			}
-		}
-		next := c.armed
-		c.mu.Unlock()
-		if armed == n {
-			return
-		}
-		select {
-		case <-next:
-		case <-limit.C:
-			t.Fatalf("%d timers armed after 5s, want %d", armed, n)
-		}
-	}
-}
+func newManualClock() *manualClock { return manualclock.New() }
 
 // handler records what a Plane hands it.
 type handler struct {
@@ -342,7 +258,7 @@ func TestHandshakeTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer raw.Close()
-	clk.waitArmed(t, 1)
+	clk.WaitArmed(t, 1)
 	clk.Advance(time.Second - time.Millisecond)
 	if s.obs.refused.Load() != 0 || s.Len() != 1 {
 		t.Fatal("closed before the timeout")
@@ -370,9 +286,9 @@ func TestIdleNotWhileBusy(t *testing.T) {
 		t.Fatal(err)
 	}
 	release()
-	clk.waitArmed(t, 1)
+	clk.WaitArmed(t, 1)
 	clk.Advance(100 * time.Millisecond)
-	clk.waitArmed(t, 1) // it waits again
+	clk.WaitArmed(t, 1) // it waits again
 	if s.obs.idle.Load() != 0 || s.Len() != 1 {
 		t.Fatal("a busy connection was closed as idle")
 	}
@@ -397,15 +313,15 @@ func TestDialledIdle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	clk.waitArmed(t, 1)
+	clk.WaitArmed(t, 1)
 	clk.Advance(300 * time.Millisecond)
-	clk.waitArmed(t, 1)
+	clk.WaitArmed(t, 1)
 	if c.Dialled() != 1 {
 		t.Fatal("closed while a Dial holds it")
 	}
 	release()
 	clk.Advance(300*time.Millisecond - time.Millisecond)
-	clk.waitArmed(t, 1)
+	clk.WaitArmed(t, 1)
 	if c.Dialled() != 1 {
 		t.Fatal("closed before 3/4 of the idle timeout")
 	}
