@@ -326,8 +326,8 @@ func TestStalledWorker(t *testing.T) {
 	stall := newSwitchWorker(t, genW.srv.URL)
 	stall.mode.Store(modeStall)
 	r, err := NewRouter(RouterOptions{Context: []string{ctxW.srv.URL}, Generation: []string{stall.srv.URL, genW.srv.URL},
-		HeaderTimeout: 500 * time.Millisecond, ChunkTimeout: 500 * time.Millisecond,
-		HealthTimeout: 300 * time.Millisecond, ProbeInterval: 50 * time.Millisecond})
+		RouterDeadlines: RouterDeadlines{HeaderTimeout: 500 * time.Millisecond, ChunkTimeout: 500 * time.Millisecond,
+			HealthTimeout: 300 * time.Millisecond, ProbeInterval: 50 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -420,7 +420,7 @@ func TestStreamCutEndsWithError(t *testing.T) {
 				c.cut(w, r)
 			}))
 			t.Cleanup(gen.Close)
-			r, err := NewRouter(RouterOptions{Context: []string{ctxURL}, Generation: []string{gen.URL}, ChunkTimeout: 300 * time.Millisecond})
+			r, err := NewRouter(RouterOptions{Context: []string{ctxURL}, Generation: []string{gen.URL}, RouterDeadlines: RouterDeadlines{ChunkTimeout: 300 * time.Millisecond}})
 			if err != nil {
 				t.Fatal(err)
 			}

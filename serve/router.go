@@ -126,19 +126,27 @@ type RouterOptions struct {
 	// presents the router's certificate and verifies the workers' against
 	// the cluster CA. The router's own listener is not affected.
 	TLS *tls.Config
-	// Per-phase deadlines (zero: the default; see the Default constants).
-	// A worker that misses one is marked down: the policies try it last,
-	// and it is probed (GET /health every ProbeInterval, each within
-	// HealthTimeout) until it answers.
-	//
-	// HeaderTimeout bounds the wait for a worker's response headers; a
-	// context worker sends them after the prefill, so this bounds the
-	// longest prefill too. ChunkTimeout bounds the wait for each read of a
-	// response body (the gap between two stream chunks). HealthTimeout
-	// bounds each worker's answer to a health probe, in the router's
-	// /health as in the probes of workers marked down.
+	// RouterDeadlines are the per-phase deadlines.
+	RouterDeadlines
+}
+
+// RouterDeadlines are a router's per-phase deadlines (zero: the default;
+// see the Default constants). A worker that misses one is marked down: the policies try it last,
+// and it is probed (GET /health every ProbeInterval, each within
+// HealthTimeout) until it answers.
+//
+// HeaderTimeout bounds the wait for a worker's response headers; a
+// context worker sends them after the prefill, so this bounds the
+// longest prefill too. ChunkTimeout bounds the wait for each read of a
+// response body (the gap between two stream chunks). HealthTimeout
+// bounds each worker's answer to a health probe, in the router's
+// /health as in the probes of workers marked down.
+type RouterDeadlines struct {
 	HeaderTimeout, ChunkTimeout, HealthTimeout, ProbeInterval time.Duration
 }
+
+// Deadlines returns the router's per-phase deadlines, defaults filled in.
+func (r *Router) Deadlines() RouterDeadlines { return r.d }
 
 // Defaults of RouterOptions' deadlines. DefaultHeaderTimeout is
 // trtllm-serve disaggregated's --request_timeout default.
@@ -161,7 +169,7 @@ type Router struct {
 	m            *metrics.Router
 	rl           *netlimit.RateLog // repeated warnings, one line per cause per second
 
-	headerTimeout, chunkTimeout, healthTimeout, probeInterval time.Duration
+	d RouterDeadlines // with the defaults filled in
 
 	life      context.Context // cancelled by Close: stops the probes
 	stop      context.CancelFunc
@@ -220,8 +228,8 @@ func NewRouter(o RouterOptions) (*Router, error) {
 		return d
 	}
 	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry(), rl: netlimit.NewRateLog(log, time.Second),
-		headerTimeout: or(o.HeaderTimeout, DefaultHeaderTimeout), chunkTimeout: or(o.ChunkTimeout, DefaultChunkTimeout),
-		healthTimeout: or(o.HealthTimeout, DefaultHealthTimeout), probeInterval: or(o.ProbeInterval, DefaultProbeInterval)}
+		d: RouterDeadlines{HeaderTimeout: or(o.HeaderTimeout, DefaultHeaderTimeout), ChunkTimeout: or(o.ChunkTimeout, DefaultChunkTimeout),
+			HealthTimeout: or(o.HealthTimeout, DefaultHealthTimeout), ProbeInterval: or(o.ProbeInterval, DefaultProbeInterval)}}
 	r.life, r.stop = context.WithCancel(context.Background())
 	r.m = metrics.NewRouter(r.reg)
 	return r, nil
@@ -546,19 +554,19 @@ func (r *Router) warn(key, msg string, args ...any) { r.rl.Warn(key, msg, args..
 var errStalled = errors.New("worker stalled")
 
 // do sends hreq to s under the per-phase deadlines: the response headers
-// within headerTimeout, then each read of the body within chunkTimeout. A
+// within HeaderTimeout, then each read of the body within ChunkTimeout. A
 // worker that misses one is marked down and the request fails with an
 // error wrapping errStalled (a 504 for the client).
 func (r *Router) do(g *group, s *upstream, hreq *http.Request) (*http.Response, error) {
 	ctx, cancel := context.WithCancel(hreq.Context())
-	timer := time.AfterFunc(r.headerTimeout, cancel)
+	timer := time.AfterFunc(r.d.HeaderTimeout, cancel)
 	resp, err := r.client.Do(hreq.WithContext(ctx))
 	if !timer.Stop() && hreq.Context().Err() == nil {
 		if err == nil {
 			resp.Body.Close()
 		}
 		cancel()
-		why := fmt.Sprintf("no response headers within %v", r.headerTimeout)
+		why := fmt.Sprintf("no response headers within %v", r.d.HeaderTimeout)
 		r.markDown(g, s, why)
 		return nil, fmt.Errorf("%s server %s: %s: %w", g.name, s.url, why, errStalled)
 	}
@@ -566,8 +574,8 @@ func (r *Router) do(g *group, s *upstream, hreq *http.Request) (*http.Response, 
 		cancel()
 		return nil, err
 	}
-	sb := &stallBody{body: resp.Body, cancel: cancel, timeout: r.chunkTimeout,
-		stalled: func() { r.markDown(g, s, fmt.Sprintf("no response data within %v", r.chunkTimeout)) }}
+	sb := &stallBody{body: resp.Body, cancel: cancel, timeout: r.d.ChunkTimeout,
+		stalled: func() { r.markDown(g, s, fmt.Sprintf("no response data within %v", r.d.ChunkTimeout)) }}
 	sb.timer = time.AfterFunc(time.Hour, sb.fire)
 	sb.timer.Stop()
 	resp.Body = sb
@@ -637,11 +645,11 @@ func (r *Router) markUp(g *group, s *upstream) {
 	}
 }
 
-// probe checks s's /health every probeInterval until it answers 200 (s is
+// probe checks s's /health every ProbeInterval until it answers 200 (s is
 // re-admitted) or the router closes.
 func (r *Router) probe(g *group, s *upstream) {
 	defer r.probes.Done()
-	t := time.NewTicker(r.probeInterval)
+	t := time.NewTicker(r.d.ProbeInterval)
 	defer t.Stop()
 	for s.down.Load() {
 		select {
@@ -656,9 +664,9 @@ func (r *Router) probe(g *group, s *upstream) {
 	}
 }
 
-// checkHealth asks s's /health, within healthTimeout.
+// checkHealth asks s's /health, within HealthTimeout.
 func (r *Router) checkHealth(ctx context.Context, s *upstream) error {
-	ctx, cancel := context.WithTimeout(ctx, r.healthTimeout)
+	ctx, cancel := context.WithTimeout(ctx, r.d.HealthTimeout)
 	defer cancel()
 	hr, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url+"/health", nil)
 	if err != nil {
@@ -667,7 +675,7 @@ func (r *Router) checkHealth(ctx context.Context, s *upstream) error {
 	resp, err := r.client.Do(hr)
 	if err != nil {
 		if ctx.Err() != nil {
-			return fmt.Errorf("no answer within %v", r.healthTimeout)
+			return fmt.Errorf("no answer within %v", r.d.HealthTimeout)
 		}
 		return err
 	}
@@ -720,7 +728,7 @@ func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response
 	return nil, errors.Join(errs...)
 }
 
-// health probes every worker at once, each within healthTimeout (one
+// health probes every worker at once, each within HealthTimeout (one
 // stalled worker delays no other), and answers 200 when at least one
 // context and one generation worker answered their /health with 200, else
 // 503; the body lists every worker: healthy, its error, and whether the

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"strconv"
-	"time"
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/metrics"
@@ -63,7 +62,7 @@ func newRouterCmd(e env) *cobra.Command {
 			}
 			ro := serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
 				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log,
-				HeaderTimeout: df.header, ChunkTimeout: df.chunk, HealthTimeout: df.health, ProbeInterval: df.probe}
+				RouterDeadlines: serve.RouterDeadlines(df)}
 			if tc != nil {
 				ro.TLS = tc.Client
 			}
@@ -104,15 +103,16 @@ func newRouterCmd(e env) *cobra.Command {
 	return cmd
 }
 
-// deadlineFlags are the router's per-phase deadlines (serve.RouterOptions).
-type deadlineFlags struct{ header, chunk, health, probe time.Duration }
+// deadlineFlags are the router's per-phase deadlines, for kvxfer router
+// and for the router kvxfer up starts.
+type deadlineFlags serve.RouterDeadlines
 
 func (d *deadlineFlags) add(cmd *cobra.Command) {
 	f := cmd.Flags()
-	f.DurationVar(&d.header, "header-timeout", serve.DefaultHeaderTimeout,
+	f.DurationVar(&d.HeaderTimeout, "header-timeout", serve.DefaultHeaderTimeout,
 		"longest wait for a worker's response headers (a context worker sends them after the prefill); a worker that misses it is marked down")
-	f.DurationVar(&d.chunk, "chunk-timeout", serve.DefaultChunkTimeout,
+	f.DurationVar(&d.ChunkTimeout, "chunk-timeout", serve.DefaultChunkTimeout,
 		"longest wait for data in a worker's answer (the gap between two stream chunks); a worker that misses it is marked down")
-	f.DurationVar(&d.health, "health-timeout", serve.DefaultHealthTimeout, "deadline of each worker's health probe (the router's /health, and the probes of workers marked down)")
-	f.DurationVar(&d.probe, "probe-interval", serve.DefaultProbeInterval, "how often a worker marked down is probed until it answers")
+	f.DurationVar(&d.HealthTimeout, "health-timeout", serve.DefaultHealthTimeout, "deadline of each worker's health probe (the router's /health, and the probes of workers marked down)")
+	f.DurationVar(&d.ProbeInterval, "probe-interval", serve.DefaultProbeInterval, "how often a worker marked down is probed until it answers")
 }

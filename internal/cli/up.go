@@ -19,6 +19,7 @@ type upFlags struct {
 	quiet, genTLS     bool
 	lf                logFlags
 	tf                tlsFlags
+	df                deadlineFlags
 }
 
 func newUpCmd(e env) *cobra.Command {
@@ -44,6 +45,7 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 	f.BoolVar(&uf.genTLS, "tls", false, "mutual TLS between the router and the workers and on their tcp transfer planes, with certificates made for this cluster")
 	uf.tf.add(cmd, "between the router and the workers and on their transfer planes, one certificate for all")
 	uf.lf.add(cmd)
+	uf.df.add(cmd)
 	return cmd
 }
 
@@ -84,7 +86,8 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 		log.Info("cluster secret: generated for this cluster, handed to the workers in their environment")
 	}
 	l, err := launch.Start(cmd.Context(), launch.Options{Cluster: cl, Model: uf.model, Aggregated: uf.smoke > 0,
-		Output: out, Logger: log, Secret: secret, TLS: uf.tf.or(cl.Security.TLS), GenerateTLS: uf.genTLS})
+		Output: out, Logger: log, Secret: secret, TLS: uf.tf.or(cl.Security.TLS), GenerateTLS: uf.genTLS,
+		Deadlines: serve.RouterDeadlines(uf.df)})
 	if err != nil {
 		return err
 	}

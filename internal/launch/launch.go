@@ -49,7 +49,8 @@ type Options struct {
 	// Aggregated also starts one worker with role both (TP1), for
 	// comparisons (up --smoke).
 	Aggregated bool
-	// Port of the router; 0 means the cluster file's port.
+	// Port of the router; 0 means the cluster file's port, a negative one
+	// any free port.
 	Port int
 	// Host the router listens on; "" means the cluster file's hostname.
 	Host string
@@ -64,6 +65,9 @@ type Options struct {
 	// workers only through their environment (KVXFER_CLUSTER_SECRET,
 	// hex), never on a command line or in a file.
 	Secret []byte
+	// Deadlines are the router's per-phase deadlines (zero fields: the
+	// defaults).
+	Deadlines serve.RouterDeadlines
 	// Ready bounds the wait for every worker to become healthy; 0 means
 	// DefaultReady.
 	Ready time.Duration
@@ -296,7 +300,7 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	cl := o.Cluster
 	r, err := serve.NewRouter(serve.RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
 		ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: l.log,
-		Client: l.client, TLS: tlsClient(routerTLS)})
+		Client: l.client, TLS: tlsClient(routerTLS), RouterDeadlines: o.Deadlines})
 	if err != nil {
 		return err
 	}

@@ -1,10 +1,13 @@
 package launch
 
 import (
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/serve"
 	"go.uber.org/goleak"
 )
 
@@ -66,5 +69,24 @@ generation_servers:
 			ct.MaxTokensInBuffer != tc.want.MaxTokensInBuffer || ct.SenderFutureTimeoutMs != tc.want.SenderFutureTimeoutMs {
 			t.Errorf("%s: loaded %+v", text, *ct)
 		}
+	}
+}
+
+// TestRouterDeadlines: the router kvxfer up starts takes the deadlines of
+// its options (kvxfer up's --header-timeout and the others), and the
+// defaults for those left zero.
+func TestRouterDeadlines(t *testing.T) {
+	cl := cluster(t, "context_servers: {urls: ['127.0.0.1:1']}\ngeneration_servers: {urls: ['127.0.0.1:2']}\n")
+	l := &Launched{ContextURLs: []string{"http://127.0.0.1:1"}, GenerationURL: []string{"http://127.0.0.1:2"},
+		log: slog.New(slog.DiscardHandler)}
+	defer l.Stop()
+	d := serve.RouterDeadlines{HeaderTimeout: 7 * time.Second, ProbeInterval: 3 * time.Second}
+	if err := l.startRouter(Options{Cluster: cl, Host: "127.0.0.1", Port: -1, Deadlines: d}, nil); err != nil {
+		t.Fatal(err)
+	}
+	want := serve.RouterDeadlines{HeaderTimeout: 7 * time.Second, ChunkTimeout: serve.DefaultChunkTimeout,
+		HealthTimeout: serve.DefaultHealthTimeout, ProbeInterval: 3 * time.Second}
+	if got := l.router.Deadlines(); got != want {
+		t.Errorf("router deadlines %+v, want %+v", got, want)
 	}
 }
