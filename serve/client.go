@@ -12,30 +12,40 @@ import (
 	"time"
 )
 
+// StreamResult is a streamed completion, collected.
+type StreamResult struct {
+	Text string
+	// TokenIDs are the generated ids, when the request set return_token_ids.
+	TokenIDs []int32
+	// FinishReason is the last finish_reason the stream carried.
+	FinishReason string
+	// TTFT is the time from the request to its first text.
+	TTFT time.Duration
+}
+
 // StreamCompletion posts body, a streaming completion request, to the
 // /v1/completions of base (a worker or a router) through c, and returns the
-// text of the stream and the time to its first text. An answer other than
-// 200, an error event, an event that does not decode and a stream that ends
-// without [DONE] are errors.
-func StreamCompletion(ctx context.Context, c *http.Client, base string, body map[string]any) (string, time.Duration, error) {
+// stream collected. An answer other than 200, an error event, an event that
+// does not decode and a stream that ends without [DONE] are errors.
+func StreamCompletion(ctx context.Context, c *http.Client, base string, body map[string]any) (StreamResult, error) {
+	var res StreamResult
 	b, _ := json.Marshal(body)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
 	if err != nil {
-		return "", 0, err
+		return res, err
 	}
 	req.Header.Set("Content-Type", "application/json")
 	start := time.Now()
 	resp, err := c.Do(req)
 	if err != nil {
-		return "", 0, err
+		return res, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return "", 0, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
+		return res, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
 	}
 	var text strings.Builder
-	var ttft time.Duration
 	sc := bufio.NewScanner(resp.Body)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	done := false
@@ -51,27 +61,34 @@ func StreamCompletion(ctx context.Context, c *http.Client, base string, body map
 		}
 		var ch struct {
 			Choices []struct {
-				Text string `json:"text"`
+				Text         string  `json:"text"`
+				TokenIDs     []int32 `json:"token_ids"`
+				FinishReason *string `json:"finish_reason"`
 			} `json:"choices"`
 			Error *struct {
 				Message string `json:"message"`
 			} `json:"error"`
 		}
 		if err := json.Unmarshal([]byte(data), &ch); err != nil {
-			return "", 0, fmt.Errorf("bad event %q: %v", data, err)
+			return res, fmt.Errorf("bad event %q: %v", data, err)
 		}
 		if ch.Error != nil {
-			return "", 0, fmt.Errorf("error event: %s", ch.Error.Message)
+			return res, fmt.Errorf("error event: %s", ch.Error.Message)
 		}
 		for _, c := range ch.Choices {
-			if c.Text != "" && ttft == 0 {
-				ttft = time.Since(start)
+			if c.Text != "" && res.TTFT == 0 {
+				res.TTFT = time.Since(start)
 			}
 			text.WriteString(c.Text)
+			res.TokenIDs = append(res.TokenIDs, c.TokenIDs...)
+			if c.FinishReason != nil {
+				res.FinishReason = *c.FinishReason
+			}
 		}
 	}
 	if !done {
-		return "", 0, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
+		return res, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
 	}
-	return text.String(), ttft, nil
+	res.Text = text.String()
+	return res, nil
 }

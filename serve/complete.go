@@ -74,18 +74,22 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 		id, object = "chat"+id[4:], "chat.completion"
 	}
 	if cr.Stream {
-		w.streamEvents(rw, stream, id, object, chat, cr.StreamOptions != nil && cr.StreamOptions.IncludeUsage, arrived)
+		w.streamEvents(rw, stream, id, object, chat, streamFlags{usage: cr.StreamOptions != nil && cr.StreamOptions.IncludeUsage, ids: cr.ReturnTokenIDs}, arrived)
 		return
 	}
 	var text []byte
+	ids := []int32{}
 	var final *engine.Final
 	first := true
 	for ev := range stream.Events() {
 		if ev.Final != nil {
 			final = ev.Final
-		} else if first {
-			first = false
-			w.m.TTFT.Observe(time.Since(arrived).Seconds())
+		} else {
+			ids = append(ids, ev.Token)
+			if first {
+				first = false
+				w.m.TTFT.Observe(time.Since(arrived).Seconds())
+			}
 		}
 		text = append(text, ev.Text...)
 	}
@@ -108,9 +112,12 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 	if dp := disaggOf(final); dp != nil {
 		choice["disaggregated_params"] = dp
 	}
+	if cr.ReturnTokenIDs {
+		choice["token_ids"] = ids
+	}
 	resp := map[string]any{"id": id, "object": object, "created": time.Now().Unix(), "model": w.model,
 		"choices": []any{choice}, "usage": usageOf(final)}
-	if er.Type == transceiver.ContextOnly {
+	if er.Type == transceiver.ContextOnly || cr.ReturnTokenIDs {
 		resp["prompt_token_ids"] = final.PromptTokenIDs
 	}
 	rw.Header().Set("Content-Type", "application/json")
@@ -123,11 +130,18 @@ func (w *Worker) observeTPOT(f *engine.Final) {
 	}
 }
 
+// streamFlags are a stream's options: the usage chunk (stream_options.
+// include_usage) and token ids in the chunks (return_token_ids).
+type streamFlags struct{ usage, ids bool }
+
 // streamEvents writes the stream as server-sent events: one chunk per
 // piece of text, a last chunk with the finish reason, the usage chunk when
-// asked, and [DONE]. An error after the stream started is sent as an error
-// event, then the stream ends.
-func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, object string, chat, usage bool, arrived time.Time) {
+// asked, and [DONE]. With return_token_ids a chunk carries the ids of the
+// tokens whose text it completes (a token whose text is held back rides
+// with the next chunk), so the ids a client has seen always match the text
+// it has seen. An error after the stream started is sent as an error event,
+// then the stream ends.
+func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, object string, chat bool, fl streamFlags, arrived time.Time) {
 	rw.Header().Set("Content-Type", "text/event-stream")
 	rw.Header().Set("Cache-Control", "no-cache")
 	flusher, _ := rw.(http.Flusher)
@@ -146,8 +160,13 @@ func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, obje
 		}
 		return true
 	}
+	var pending []int32 // generated ids not yet sent (return_token_ids)
 	chunk := func(text string, finish any) map[string]any {
 		c := map[string]any{"index": 0, "finish_reason": finish, "logprobs": nil}
+		if fl.ids {
+			c["token_ids"] = append([]int32{}, pending...)
+			pending = pending[:0]
+		}
 		if chat {
 			c["delta"] = map[string]any{"content": text}
 		} else {
@@ -168,6 +187,9 @@ func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, obje
 			if firstToken {
 				firstToken = false
 				w.m.TTFT.Observe(time.Since(arrived).Seconds())
+			}
+			if fl.ids {
+				pending = append(pending, ev.Token)
 			}
 			if ev.Text != "" && !send(chunk(ev.Text, nil)) {
 				return // the client left; its context cancels the request
@@ -190,7 +212,7 @@ func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, obje
 		if !send(last) {
 			return
 		}
-		if usage {
+		if fl.usage {
 			send(map[string]any{"id": id, "object": object, "created": created, "model": w.model, "choices": []any{}, "usage": usageOf(f)})
 		}
 	}

@@ -250,19 +250,23 @@ func (w *Worker) models(rw http.ResponseWriter, _ *http.Request) {
 // completionRequest is the part of an OpenAI completion or chat request the
 // worker reads. Other fields are accepted and ignored.
 type completionRequest struct {
-	Model          string               `json:"model"`
-	Prompt         json.RawMessage      `json:"prompt"`
-	Messages       []chatMessage        `json:"messages"`
-	PromptTokenIDs []int32              `json:"prompt_token_ids"`
-	MaxTokens      *int                 `json:"max_tokens"`
-	MaxCompletion  *int                 `json:"max_completion_tokens"`
-	Temperature    *float64             `json:"temperature"`
-	Seed           *uint64              `json:"seed"`
-	Stop           json.RawMessage      `json:"stop"`
-	Stream         bool                 `json:"stream"`
-	StreamOptions  *streamOptions       `json:"stream_options"`
-	N              *int                 `json:"n"`
-	IgnoreEOS      bool                 `json:"ignore_eos"`
+	Model          string          `json:"model"`
+	Prompt         json.RawMessage `json:"prompt"`
+	Messages       []chatMessage   `json:"messages"`
+	PromptTokenIDs []int32         `json:"prompt_token_ids"`
+	MaxTokens      *int            `json:"max_tokens"`
+	MaxCompletion  *int            `json:"max_completion_tokens"`
+	Temperature    *float64        `json:"temperature"`
+	Seed           *uint64         `json:"seed"`
+	Stop           json.RawMessage `json:"stop"`
+	Stream         bool            `json:"stream"`
+	StreamOptions  *streamOptions  `json:"stream_options"`
+	N              *int            `json:"n"`
+	IgnoreEOS      bool            `json:"ignore_eos"`
+	// ReturnTokenIDs adds the generated token ids to each choice (and to
+	// each stream chunk: the ids whose text the chunk completes), and the
+	// prompt's ids to the answer, as vLLM's return_token_ids does.
+	ReturnTokenIDs bool                 `json:"return_token_ids"`
 	Disagg         *DisaggregatedParams `json:"disaggregated_params"`
 }
 

@@ -86,9 +86,13 @@ type completion struct {
 		Text         string               `json:"text"`
 		FinishReason string               `json:"finish_reason"`
 		Disagg       *DisaggregatedParams `json:"disaggregated_params"`
+		TokenIDs     []int32              `json:"token_ids"`
 	} `json:"choices"`
 	PromptTokenIDs []int32 `json:"prompt_token_ids"`
-	Error          *struct {
+	Usage          struct {
+		CompletionTokens int `json:"completion_tokens"`
+	} `json:"usage"`
+	Error *struct {
 		Message string `json:"message"`
 		Type    string `json:"type"`
 	} `json:"error"`
@@ -146,10 +150,10 @@ func TestDisaggregatedEqualsAggregated(t *testing.T) {
 					if code != 200 || len(got.Choices) == 0 || got.Choices[0].Text != want.Choices[0].Text {
 						t.Fatalf("prompt %d temp %v: router %d %s, aggregated %q", i, temp, code, raw, want.Choices[0].Text)
 					}
-					text, _, err := StreamCompletion(context.Background(), http.DefaultClient, rs.URL, map[string]any{
+					sr, err := StreamCompletion(context.Background(), http.DefaultClient, rs.URL, map[string]any{
 						"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i, "stream": true})
-					if err != nil || text != want.Choices[0].Text {
-						t.Fatalf("prompt %d temp %v streamed: %q %v, want %q", i, temp, text, err, want.Choices[0].Text)
+					if err != nil || sr.Text != want.Choices[0].Text {
+						t.Fatalf("prompt %d temp %v streamed: %q %v, want %q", i, temp, sr.Text, err, want.Choices[0].Text)
 					}
 				}
 			}
@@ -180,7 +184,7 @@ func TestManyClients(t *testing.T) {
 			defer func() { <-sem }()
 			body := map[string]any{"prompt": fmt.Sprintf("client %d says", i), "max_tokens": 8, "stream": i%2 == 0}
 			if i%2 == 0 {
-				if _, _, err := StreamCompletion(context.Background(), client, rs.URL, body); err != nil {
+				if _, err := StreamCompletion(context.Background(), client, rs.URL, body); err != nil {
 					errs <- err.Error()
 				}
 				return
