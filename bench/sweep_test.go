@@ -85,7 +85,8 @@ func TestSweepConfigErrors(t *testing.T) {
 }
 
 // fakeIperf3 writes an iperf3 that serves (sleeps briefly) with -s and
-// prints the canned JSON report with -c.
+// prints the canned JSON report with -c: 2.5 GB/s received with -l 128K,
+// twice that with -l 1M, and a refusal of -l 4M as iperf3 3.12 answers.
 func fakeIperf3(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
@@ -93,7 +94,10 @@ func fakeIperf3(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	script := "#!/bin/sh\ncase \"$1\" in\n-s) sleep 0.2 ;;\n*) cat '" + canned + "' ;;\nesac\n"
+	script := "#!/bin/sh\ncase \"$*\" in\n-s*) sleep 0.2 ;;\n" +
+		"*'-l 4M'*) echo 'iperf3: parameter error - block size too large (maximum = 1048576 bytes)' >&2; exit 1 ;;\n" +
+		"*'-l 1M'*) sed 's/20000000000/40000000000/' '" + canned + "' ;;\n" +
+		"*) cat '" + canned + "' ;;\nesac\n"
 	exe := filepath.Join(dir, "iperf3")
 	if err := os.WriteFile(exe, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
@@ -128,14 +132,29 @@ func TestSweepBaselines(t *testing.T) {
 	for _, b := range rep.Baselines {
 		got[b.Name] = b
 	}
-	if b := got[BaselineCopy]; b.GBps <= 0 || b.Bytes != 4<<20 || b.Backends[0] != "shm" {
+	if b := got[BaselineCopy]; b.GBps <= 0 || b.Bytes != 4<<20 || len(b.Backends) != 1 || b.Backends[0] != "shm" {
 		t.Errorf("copy: %+v", b)
 	}
 	if b := got[BaselineRawTCP]; b.GBps <= 0 || b.Error != "" {
 		t.Errorf("raw TCP: %+v", b)
 	}
-	if b := got[BaselineIperf3]; math.Abs(b.GBps-2.5) > 1e-9 || !strings.Contains(b.Command, "-n 4194304 -J") {
-		t.Errorf("iperf3: %+v, want 2.5 GB/s (20e9 bits/s received)", b)
+	for _, name := range []string{BaselineIperf3, BaselineIperf3Multi} {
+		b := got[name]
+		if math.Abs(b.GBps-5) > 1e-9 || b.Best != "-l 1M" || !strings.Contains(b.Command, "-n 4194304 -l 1M") || b.Error != "" {
+			t.Errorf("%s: %+v, want 5 GB/s (40e9 bits/s received) from -l 1M", name, b)
+		}
+		if len(b.Variants) != 3 || b.Variants[0].GBps != 2.5 || b.Variants[2].GBps != 0 || !strings.Contains(b.Variants[2].Error, "block size too large") {
+			t.Errorf("%s: variants %+v, want 128K at 2.5, 1M at 5, 4M refused", name, b.Variants)
+		}
+		if multi := strings.Contains(b.Command, "-P 2"); multi != (name == BaselineIperf3Multi) {
+			t.Errorf("%s: command %q", name, b.Command)
+		}
+	}
+	for _, name := range []string{BaselineCopy, BaselineCopy2} {
+		b := got[name]
+		if len(b.Variants) != 2 || b.Variants[0].GBps <= 0 || b.Variants[1].GBps <= 0 || b.GBps != max(b.Variants[0].GBps, b.Variants[1].GBps) {
+			t.Errorf("%s: %+v, want the best of Go's copy and memcpy", name, b)
+		}
 	}
 	if b := got[BaselineUCXPerftest]; b.GBps != 0 || !strings.Contains(b.Skipped, "not installed") {
 		t.Errorf("ucx_perftest: %+v", b)
@@ -151,7 +170,7 @@ func TestSweepBaselines(t *testing.T) {
 				t.Errorf("%s: ratio %+v", r.Label(), ra)
 			}
 		}
-		want := map[string]string{"tcp": "raw_tcp,iperf3", "shm": "copy"}[r.Backend]
+		want := map[string]string{"tcp": "raw_tcp,iperf3,iperf3_multi", "shm": "copy,copy_2threads"}[r.Backend]
 		if strings.Join(names, ",") != want {
 			t.Errorf("%s over %s: ratios to %v, want %s", r.Label(), r.Backend, names, want)
 		}

@@ -7,6 +7,7 @@ need=()
 command -v gcc >/dev/null 2>&1 || need+=(gcc libc6-dev)   # cgo, for go test -race
 dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)   # the UCX backend (-tags ucx)
 command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils) # its baseline in kvxfer bench
+command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)            # the TCP baselines in kvxfer bench
 
 if ((${#need[@]})); then
 	if [[ $(id -u) -ne 0 ]]; then
