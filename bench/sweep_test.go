@@ -182,10 +182,18 @@ func TestUCXPerftestBaseline(t *testing.T) {
 	if _, err := exec.LookPath("ucx_perftest"); err != nil {
 		t.Skip("ucx_perftest is not installed")
 	}
-	br := &baselineRunner{bytes: 16 << 20, lookPath: exec.LookPath, timeout: time.Minute}
+	br := &baselineRunner{bytes: 32 << 20, lookPath: exec.LookPath, timeout: time.Minute}
 	b := br.ucxPerftest(context.Background())
-	if b.GBps <= 0 || b.Error != "" || b.Bytes != 8*(16<<20) {
+	if b.GBps <= 0 || b.Error != "" || len(b.Variants) != 2 {
 		t.Fatalf("%+v", b)
+	}
+	for _, v := range b.Variants {
+		if v.GBps <= 0 || v.Bytes != 8*map[string]int64{"-s 16 MiB": 16 << 20, "-s 32 MiB": 32 << 20}[v.Setting] {
+			t.Errorf("variant %+v", v)
+		}
+		if v.Setting == b.Best && (v.Bytes != b.Bytes || v.GBps != b.GBps) {
+			t.Errorf("best %q: %+v, baseline %+v", b.Best, v, b)
+		}
 	}
 	t.Logf("%.2f GB/s: %s", b.GBps, b.Command)
 }
