@@ -2,6 +2,7 @@ package tcp
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"testing"
@@ -30,8 +31,29 @@ func BenchmarkSendTLS(b *testing.B) {
 	benchSend(b, transport.Options{TLS: party(b, testCA(), "tx")}, transport.Options{TLS: party(b, testCA(), "rx")})
 }
 
+// BenchmarkSendShape is BenchmarkSend at 512 MiB with each number of
+// streams and frame size worth trying on a small machine: the defaults
+// (transport.DefaultStreams, DefaultFrameBytes) should win or tie.
+func BenchmarkSendShape(b *testing.B) {
+	for _, streams := range []int{1, 2, 4} {
+		for _, frame := range []int{256 << 10, 1 << 20, 4 << 20} {
+			b.Run(fmt.Sprintf("streams=%d/frame=%dKiB", streams, frame>>10), func(b *testing.B) {
+				o := transport.Options{Streams: streams, FrameBytes: frame}
+				benchSendSizes(b, o, transport.Options{}, benchSizes[len(benchSizes)-1:])
+			})
+		}
+	}
+}
+
 func benchSend(b *testing.B, txOpts, rxOpts transport.Options) {
-	for _, sz := range benchSizes {
+	benchSendSizes(b, txOpts, rxOpts, benchSizes)
+}
+
+func benchSendSizes(b *testing.B, txOpts, rxOpts transport.Options, sizes []struct {
+	name string
+	n    int
+}) {
+	for _, sz := range sizes {
 		b.Run(sz.name, func(b *testing.B) {
 			ctx := context.Background()
 			tx, err := Open(ctx, txOpts)
