@@ -9,8 +9,11 @@
 // Run is one run; RunSweep runs every combination of lists of backends,
 // ISLs, concurrencies and dtypes, one after the other (memory stays bounded
 // by the largest run), and with Sweep.Baseline measures the machine's own
-// limits in the same process: a single-thread copy, one raw TCP stream over
-// loopback, and iperf3 and ucx_perftest when they are installed (bench
+// limits in the same process, each the best of the settings worth trying
+// (Baseline.Variants records them): a memory copy on one and on two threads
+// (Go's copy and C's memcpy), one raw TCP stream over loopback, and iperf3
+// (one stream and as many as the tcp backend opens; write lengths 128K, 1M,
+// 4M) and ucx_perftest (two message sizes) when they are installed (bench
 // never installs anything). With Sweep.TLS {false, true} every run is also
 // made with mutual TLS on the transfer planes (certificates made for the
 // run, the context process's handed over as files), and the cipher's limit

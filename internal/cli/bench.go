@@ -25,9 +25,12 @@ combination is one run, with its own context process and warm-up, one after the 
 A backend this binary lacks (ucx without -tags ucx) is a failed run in the report, not
 a stop. With --verify every generation byte is checked against the naive reference
 sharding (requests over 1 GiB are reported as "skipped (too large for the naive
-reference)"). With --baseline the machine's own limits are measured in the same run
-(single-thread copy, one raw TCP stream over loopback, iperf3 and ucx_perftest when
-installed) and every run is compared with those that apply to its backend. With --tls
+reference)"). With --baseline the machine's own limits are measured in the same run,
+each at its best (memory copy on one and two threads, Go's copy or C's memcpy; one raw
+TCP stream over loopback; iperf3 with one stream and with as many as the tcp backend
+opens, best of write lengths 128K, 1M and 4M; ucx_perftest as a user runs it, best of
+two message sizes; iperf3 and ucx_perftest when installed), the JSON recording every
+setting tried, and every run is compared with those that apply to its backend. With --tls
 every run is made twice, without and with mutual TLS (TLS 1.3 on the control and tcp data
 connections, certificates made for the run), and the cipher's limit on one core (openssl
 speed -evp aes-128-gcm, 16 KiB blocks) is measured in the same run and compared with the
@@ -122,7 +125,7 @@ func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
 	f.IntVar(&c.TokensPerBlock, "tokens-per-block", d.TokensPerBlock, "tokens per KV block")
 	f.IntVar(&c.MaxTokensInBuffer, "max-tokens-in-buffer", 0, "staging buffer size in tokens (0: TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE)")
 	f.BoolVar(&c.Verify, "verify", false, "check every received byte against the reference (requests up to 1 GiB)")
-	f.BoolVar(&s.Baseline, "baseline", false, "also measure the machine's limits (copy, raw TCP, iperf3, ucx_perftest) and report kvxfer's ratio to them")
+	f.BoolVar(&s.Baseline, "baseline", false, "also measure the machine's limits at their best (copy, raw TCP, iperf3, ucx_perftest) and report kvxfer's ratio to them")
 	f.Int64Var(&s.BaselineBytes, "baseline-bytes", 0, "bytes each baseline moves (0: the largest request, clamped to 64 MiB..1 GiB)")
 	f.StringVar(&bf.jsonPath, "json", "", "write the report as JSON to this file (schema: --print-schema)")
 	f.StringVar(&bf.mdPath, "md", "", "write the report as Markdown to this file")
