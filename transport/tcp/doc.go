@@ -17,9 +17,12 @@
 // checks the receiver's certificate against the host of the descriptor's
 // endpoint; a failed handshake fails that stream's dial, and Send fails
 // with transport.ErrPeerLost naming the handshake when no stream can dial.
-// Under TLS 1.3 a sender learns that the receiver refused its certificate
-// only on its next read: its watcher logs the alert and drops the
-// connection, and the receipt sees nothing of it. Name reports "tcp(tls)".
+// Under TLS 1.3 a client's handshake ends before the server has checked its
+// certificate, so a sender waits for the receiver's one-byte accept of the
+// preface before it writes a frame: a receiver that refuses the sender's
+// certificate fails the sender's dial ("refused the data connection", with
+// the TLS alert), however small the Send, and the receipt sees nothing of
+// it. Name reports "tcp(tls)".
 //
 // The wire format inside TLS is unchanged. crypto/tls has no vectored
 // write, so a frame is written a piece at a time (header, payload pieces,
@@ -43,6 +46,9 @@
 // A sender dials, lazily, Options.Streams connections per receiver endpoint
 // (TCP_NODELAY) and starts each with a preface: magic, protocol version and
 // a random session id shared by all connections of that sending Transport.
+// The receiver answers a valid preface with one accept byte, and the sender
+// uses the connection only after reading it (one round trip per pooled
+// connection), so a refused connection fails the dial, not a later Send.
 // Send cuts its bytes into frames of at most Options.FrameBytes; each frame
 // is a fixed 64-byte header (type, tag, offset, length, reserved space)
 // followed by the payload and zero padding to a multiple of 64 bytes, written

@@ -148,11 +148,14 @@ func (t *Transport) readLoop(c *inConn) error {
 	if _, err := io.ReadFull(c.nc, pre[:]); err != nil {
 		return err
 	}
-	c.raw.SetDeadline(time.Time{})
 	id, err := decodePreface(pre[:])
 	if err != nil {
 		return err
 	}
+	if _, err := c.nc.Write([]byte{acceptByte}); err != nil {
+		return err
+	}
+	c.raw.SetDeadline(time.Time{})
 	t.mu.Lock()
 	s := t.sessions[id]
 	if s == nil {

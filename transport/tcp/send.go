@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"sync"
@@ -302,6 +303,10 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 		raw.Close()
 		return nil, err
 	}
+	if err := oc.accepted(ctx); err != nil {
+		raw.Close()
+		return nil, err
+	}
 	raw.SetDeadline(time.Time{})
 	p.mu.Lock()
 	if cur := p.slots[i]; cur != nil { // a concurrent Send dialled it first
@@ -318,7 +323,33 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 	return oc, nil
 }
 
-// watch reads from the connection, which a receiver never writes to, so
+// accepted waits, within ctx and prefaceTimeout, for the receiver's accept
+// of a new connection (see wire.go): a receiver that refuses it, a TLS
+// receiver that does not trust this sender's certificate above all, fails
+// the dial here, before any frame is written.
+func (oc *outConn) accepted(ctx context.Context) error {
+	dl := time.Now().Add(prefaceTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
+		dl = d
+	}
+	oc.raw.SetReadDeadline(dl)
+	stop := context.AfterFunc(ctx, func() { oc.raw.SetReadDeadline(time.Now()) })
+	defer stop()
+	var b [1]byte
+	if _, err := io.ReadFull(oc.nc, b[:]); err != nil {
+		if ctx.Err() != nil {
+			return context.Cause(ctx)
+		}
+		return fmt.Errorf("the receiver at %s refused the data connection: %w", oc.p.addr, err)
+	}
+	if b[0] != acceptByte {
+		return fmt.Errorf("%w: the receiver at %s answered the preface with %#x, not its accept", transport.ErrProtocol, oc.p.addr, b[0])
+	}
+	return nil
+}
+
+// watch reads from the connection, which a receiver never writes to
+// after its accept, so
 // that a peer that closes or resets it is noticed at once: the connection
 // is dropped from the pool and writes in progress on it fail.
 func (oc *outConn) watch() {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"net"
 	"os"
 	"testing"
@@ -211,6 +212,14 @@ func rawConn(t *testing.T, tr *Transport, session uint64) net.Conn {
 		if _, err := c.Write(pre[:]); err != nil {
 			t.Fatal(err)
 		}
+		// The receiver's accept: read, as a sender does, so that a close
+		// by the test is a clean end rather than a reset.
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		var b [1]byte
+		if _, err := io.ReadFull(c, b[:]); err != nil || b[0] != acceptByte {
+			t.Fatalf("the receiver's accept: %q, %v", b, err)
+		}
+		c.SetReadDeadline(time.Time{})
 	}
 	return c
 }
@@ -586,9 +595,11 @@ func TestHeader(t *testing.T) {
 	if s, err := decodePreface(pre[:]); err != nil || s != 77 {
 		t.Errorf("preface: %d, %v", s, err)
 	}
-	pre[4] = 2
-	if _, err := decodePreface(pre[:]); !errors.Is(err, transport.ErrProtocol) {
-		t.Errorf("preface of version 2: %v", err)
+	for _, v := range []byte{1, 3} { // 1: before the receiver's accept
+		pre[4] = v
+		if _, err := decodePreface(pre[:]); !errors.Is(err, transport.ErrProtocol) {
+			t.Errorf("preface of version %d: %v", v, err)
+		}
 	}
 }
 

@@ -188,6 +188,56 @@ func TestTLSSenderRefuses(t *testing.T) {
 	}
 }
 
+// TestTLSRefusedSenderLearnsAtOnce: a sender whose certificate the
+// receiver refuses learns it from Send, however small the Send (under TLS
+// 1.3 the client's handshake ends before the server has checked its
+// certificate, so without the receiver's accept a small Send would land in
+// the socket buffer and "succeed"); the receipt is untouched and the
+// receiver keeps serving its cluster.
+func TestTLSRefusedSenderLearnsAtOnce(t *testing.T) {
+	ca := testCA()
+	other, err := tlsconf.NewAuthority("other CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rx := open(t, transport.Options{TLS: party(t, ca, "rx")})
+	strangerTLS := party(t, ca, "tx") // trusts the receiver's CA ...
+	strangerTLS.Client = strangerTLS.Client.Clone()
+	strangerCert := party(t, other, "s").Client.Certificates[0]
+	strangerTLS.Client.Certificates = nil
+	strangerTLS.Client.GetClientCertificate = func(*tls.CertificateRequestInfo) (*tls.Certificate, error) {
+		return &strangerCert, nil // ... but is not of it
+	}
+	stranger := open(t, transport.Options{TLS: strangerTLS})
+	for _, n := range []int{64, 4096} {
+		dst := make([]byte, n)
+		r, err := rx.Expect([][]byte{dst})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		start := time.Now()
+		err = stranger.Send(ctx, r.Descriptor(), [][]byte{bytes.Repeat([]byte{7}, n)})
+		cancel()
+		if !errors.Is(err, transport.ErrPeerLost) || !strings.Contains(err.Error(), "refused") {
+			t.Fatalf("%d-byte Send by a refused sender = %v, want ErrPeerLost saying the receiver refused it", n, err)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Errorf("the refusal took %v", d)
+		}
+		select {
+		case <-r.Done():
+			t.Fatalf("the receipt ended (%v) from a refused sender", r.Err())
+		default:
+		}
+		if !bytes.Equal(dst, make([]byte, n)) {
+			t.Fatal("a refused sender's bytes reached the receipt")
+		}
+		r.Cancel()
+	}
+	moveOne(t, open(t, transport.Options{TLS: party(t, ca, "member")}), rx)
+}
+
 func TestTLSOptions(t *testing.T) {
 	c := party(t, testCA(), "x")
 	for _, o := range []*transport.TLSConfig{{Server: c.Server}, {Client: c.Client}} {

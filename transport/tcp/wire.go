@@ -24,11 +24,19 @@ import (
 // Connection preface, written once by the dialling (sending) side, 64 bytes:
 //
 //	0  4  magic "KVXT"
-//	4  1  protocol version (1)
+//	4  1  protocol version (2)
 //	5  3  reserved, zero
 //	8  8  sender session: random, shared by every connection one sending
 //	      Transport has open to this receiver
 //	16 48 reserved, zero
+//
+// The receiver answers a valid preface with one byte, acceptByte, after
+// which it never writes on the connection; a sender uses a connection only
+// once it has read that byte, so a receiver that refuses it (a client
+// certificate it does not trust, which under TLS 1.3 it checks after the
+// client's handshake has ended; its connection caps; a version it does not
+// speak) fails the sender's dial instead of swallowing a small Send.
+// (Version 1 had no accept.)
 //
 // Frame header, before every frame, 64 bytes:
 //
@@ -50,7 +58,8 @@ import (
 //	.  8  tag (never 0)
 //	.  8  total length in bytes (1..MaxInt64)
 const (
-	protoVersion  = 1
+	protoVersion  = 2
+	acceptByte    = 'A'
 	frameAlign    = 64
 	prefaceLen    = 64
 	headerLen     = 64
