@@ -45,10 +45,11 @@ unit: ## go test -race -shuffle=on
 hostile: ## only the hostile-client suite (README, Security); make test runs it too
 	$(GO) test -race -count=1 -run 'Hostile|PeerAllowList|FloodAfterHello|ControlHandshakeTimeout|KeepAliveFlood|ConnectionCaps?$$|TLSRefus|WorkerTLS|ServeBindsOnlyTheConfiguredHost' ./...
 
-ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx
-	$(GO) vet -tags ucx ./transport/... ./internal/cli/
-	$(GO) tool staticcheck -tags ucx ./transport/ucx/ ./internal/cli/
+ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx, and the transceiver, bench and serve over UCX
+	$(GO) vet -tags ucx ./transport/... ./internal/cli/ ./transceiver/ ./bench/ ./serve/
+	$(GO) tool staticcheck -tags ucx ./transport/ucx/ ./internal/cli/ ./transceiver/ ./bench/ ./serve/
 	$(GO) test -tags ucx -race -shuffle=on -count=1 -timeout 10m ./transport/ucx/
+	$(GO) test -tags ucx -race -count=1 -timeout 10m -run 'UCX|TestPairings|TestAutoPicks' ./transceiver/ ./bench/ ./serve/
 
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \
