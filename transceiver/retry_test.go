@@ -1,0 +1,200 @@
+package transceiver
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
+)
+
+// TestRetryAfterFailedPull: the first pull of a context request fails on
+// the generation side (it is cancelled while the data moves). Only that
+// generation request fails: every context rank abandons the attempt and
+// keeps the blocks, and a second generation request with the same context
+// phase params (opaque state) pulls them bit-exact. With duplicated heads
+// (TP4 to TP1) half of the context ranks have nothing to send: their part
+// of the first attempt is finished at once, and they keep their blocks
+// until every rank has finished the same attempt.
+func TestRetryAfterFailedPull(t *testing.T) {
+	tests := []struct {
+		name        string
+		sender, gen layout.CacheState
+	}{
+		{"TP2 to TP1", state(4, 8, 64, 16, kvcache.BF16, 2, 1, false), state(4, 8, 64, 16, kvcache.BF16, 1, 1, false)},
+		{"duplicated heads TP4 to TP1", state(4, 2, 128, 16, kvcache.BF16, 4, 1, false), state(4, 2, 128, 16, kvcache.BF16, 1, 1, false)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			const blocks = 32
+			sender := newInst(t, tc.sender, testCfg(), blocks+8)
+			gen := newInst(t, tc.gen, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), blocks+8)
+			ranks := tc.sender.Parallel.NumRanks()
+			free := sender.pools[0].FreeBlocks()
+			creq, l := startSend(t, sender, 1, blocks*16)
+
+			// The generation rank has no staging buffer: the first pull
+			// stalls once every context rank has started its sends.
+			giveBack := takeRecvBuffers(gen)
+			greq := genReqFor(gen, t, creq, blocks)
+			if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+				t.Fatal(err)
+			}
+			waitSendPhase(t, sender, creq.ID, phaseMoving, phaseSent)
+			if !gen.t.Cancel(greq) {
+				t.Fatal("Cancel of the stalled pull returned false")
+			}
+			waitDone(t, greq, 5*time.Second)
+			if greq.State() != DisaggTransError || !errors.Is(greq.Err(), ErrCanceled) {
+				t.Fatalf("first generation request: %s %v", greq.State(), greq.Err())
+			}
+			gen.release(t, greq.Blocks)
+			giveBack()
+
+			// The context request is still held, on every rank, waiting
+			// for the next attempt.
+			waitSendPhase(t, sender, creq.ID, phaseWaiting)
+			if n := heldBy(sender, sideSend, creq.ID); n != ranks {
+				t.Fatalf("after the failed attempt: held by %d ranks of %d", n, ranks)
+			}
+			if creq.State() != DisaggContextTransInProgress || creq.Err() != nil {
+				t.Fatalf("context request after the failed attempt: %s %v", creq.State(), creq.Err())
+			}
+			if got := sender.pools[0].FreeBlocks(); got != free-blocks {
+				t.Fatalf("free blocks after the failed attempt: %d, want %d (the request's blocks held)", got, free-blocks)
+			}
+			if got, err := sender.t.CheckContextTransferStatus(context.Background(), 0); err != nil || len(got) != 0 {
+				t.Fatalf("CheckContextTransferStatus after the failed attempt: %v %v", got, err)
+			}
+			if n := sender.t.PendingContext(); n != 1 {
+				t.Fatalf("PendingContext %d, want 1", n)
+			}
+
+			// The owner retries with the same opaque state.
+			retry := genReqFor(gen, t, creq, blocks)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			if err := gen.t.RequestAndReceiveSync(ctx, retry); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+			gen.verify(t, l, 0, retry.Blocks)
+			gen.release(t, retry.Blocks)
+			waitDone(t, creq, 10*time.Second)
+			if creq.State() != DisaggContextComplete || creq.Err() != nil {
+				t.Fatalf("context request after the retry: %s %v", creq.State(), creq.Err())
+			}
+			if got, err := sender.t.CheckContextTransferStatus(ctx, 1); err != nil || len(got) != 1 || got[0] != creq {
+				t.Fatalf("CheckContextTransferStatus: %v %v", got, err)
+			}
+			for r, p := range sender.pools {
+				if got := p.FreeBlocks(); got != free {
+					t.Errorf("rank %d: %d free blocks after the retry, want %d", r, got, free)
+				}
+			}
+			// Pulled: a third pull is refused as unknown.
+			again := genReqFor(gen, t, creq, blocks)
+			if err := gen.t.RequestAndReceiveSync(ctx, again); !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "unknown id or wrong token") {
+				t.Fatalf("pull after completion: %v", err)
+			}
+			gen.release(t, again.Blocks)
+		})
+	}
+}
+
+// TestContextFailureAfterFailedPull: after a failed attempt the request
+// waits; a failure of the context side's own (here a cancel) still ends
+// it at once, blocks released, and the owner's retry is refused as unknown.
+func TestContextFailureAfterFailedPull(t *testing.T) {
+	cs := state(4, 8, 64, 16, kvcache.BF16, 2, 1, false)
+	gs := state(4, 8, 64, 16, kvcache.BF16, 1, 1, false)
+	const blocks = 32
+	sender := newInst(t, cs, testCfg(), blocks+8)
+	gen := newInst(t, gs, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), blocks+8)
+	free := sender.pools[0].FreeBlocks()
+	creq, _ := startSend(t, sender, 1, blocks*16)
+	giveBack := takeRecvBuffers(gen)
+	greq := genReqFor(gen, t, creq, blocks)
+	if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+		t.Fatal(err)
+	}
+	waitSendPhase(t, sender, creq.ID, phaseMoving)
+	if !gen.t.Cancel(greq) {
+		t.Fatal("Cancel of the stalled pull returned false")
+	}
+	waitDone(t, greq, 5*time.Second)
+	gen.release(t, greq.Blocks)
+	giveBack()
+	waitSendPhase(t, sender, creq.ID, phaseWaiting)
+
+	if !sender.t.Cancel(creq) {
+		t.Fatal("Cancel of the waiting context request returned false")
+	}
+	waitDone(t, creq, 5*time.Second)
+	if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrCanceled) {
+		t.Fatalf("context request: %s %v", creq.State(), creq.Err())
+	}
+	if n := heldBy(sender, sideSend, creq.ID); n != 0 {
+		t.Fatalf("held by %d ranks after the cancel", n)
+	}
+	for r, p := range sender.pools {
+		if got := p.FreeBlocks(); got != free {
+			t.Errorf("rank %d: %d free blocks after the cancel, want %d", r, got, free)
+		}
+	}
+	retry := genReqFor(gen, t, creq, blocks)
+	if err := gen.t.RequestAndReceiveSync(context.Background(), retry); !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "unknown id or wrong token") {
+		t.Fatalf("retry after the cancel: %v", err)
+	}
+	gen.release(t, retry.Blocks)
+}
+
+// takeRecvBuffers takes every receive staging buffer of in's ranks, so that
+// a staged receive announces no chunk; giveBack returns them.
+func takeRecvBuffers(in *inst) (giveBack func()) {
+	var taken [][][]byte
+	for _, r := range in.t.ranks {
+		var bs [][]byte
+		for range r.recvBufs.count() {
+			bs = append(bs, <-r.recvBufs.slots)
+		}
+		taken = append(taken, bs)
+	}
+	return func() {
+		for i, r := range in.t.ranks {
+			for _, b := range taken[i] {
+				r.recvBufs.slots <- b
+			}
+		}
+	}
+}
+
+// waitSendPhase waits until every rank of in holding context request id
+// has its send core in one of phases ps.
+func waitSendPhase(t *testing.T, in *inst, id uint64, ps ...phase) {
+	t.Helper()
+	var got []phase
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+		got = got[:0]
+		all := true
+		for _, r := range in.t.ranks {
+			r.mu.Lock()
+			q := r.reqs[reqKey{sideSend, id}]
+			if q == nil {
+				all = false
+			} else {
+				got = append(got, q.core.state())
+				all = all && slices.Contains(ps, q.core.state())
+			}
+			r.mu.Unlock()
+		}
+		if all {
+			return
+		}
+	}
+	t.Fatalf("context request %d: phases %v on the ranks that hold it, want %v on all %d", id, got, ps, len(in.t.ranks))
+}
