@@ -3,14 +3,17 @@ package transceiver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // TestRetryAfterFailedPull: the first pull of a context request fails on
@@ -104,6 +107,131 @@ func TestRetryAfterFailedPull(t *testing.T) {
 			gen.release(t, again.Blocks)
 		})
 	}
+}
+
+// TestRetryAfterSendLostOnOneRank: the defect of issue #13 as it was
+// seen: a pull fails on one context rank only (its send reports the loss
+// of the data connection, injected here), and the generation request
+// fails. The other context rank does not cancel the request: every rank
+// gives the attempt up, keeping the blocks (a rank whose send had finished
+// among them), and the owner's second pull with the same opaque state
+// succeeds bit-exact.
+func TestRetryAfterSendLostOnOneRank(t *testing.T) {
+	cs := state(4, 4, 16, 4, kvcache.BF16, 2, 1, false)
+	gs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, cs, testCfg(), 64)
+	gen := newInst(t, gs, testCfg(), 64)
+	lossy := injectSendLoss(sender.t.ranks[0], 1)
+	free := sender.pools[0].FreeBlocks()
+	const tokens = 150
+	nb := layout.NumBlocks(tokens, cs.Shape.TokensPerBlock)
+	creq, l := startSend(t, sender, 1, tokens)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	greq := genReqFor(gen, t, creq, nb)
+	err := gen.t.RequestAndReceiveSync(ctx, greq)
+	// Told by an abort, or, when context rank 1 heard of the failed
+	// attempt before the generation rank's ask, by its refusal.
+	if err == nil || !(errors.Is(err, ErrPeerAborted) || errors.Is(err, ErrPeerLost) || errors.Is(err, ErrRefused)) {
+		t.Fatalf("first pull: %v, want it failed by the context side's abort or refusal", err)
+	}
+	if lossy.failed.Load() != 1 {
+		t.Fatalf("%d sends failed, want the one injected", lossy.failed.Load())
+	}
+	gen.release(t, greq.Blocks)
+
+	waitSendPhase(t, sender, creq.ID, phaseWaiting)
+	if creq.State() != DisaggContextTransInProgress {
+		t.Fatalf("context request after the failed pull: %s %v", creq.State(), creq.Err())
+	}
+	for r, p := range sender.pools {
+		if got := p.FreeBlocks(); got != free-nb {
+			t.Fatalf("rank %d: %d free blocks after the failed pull, want %d (the request's held)", r, got, free-nb)
+		}
+	}
+
+	retry := genReqFor(gen, t, creq, nb)
+	if err := gen.t.RequestAndReceiveSync(ctx, retry); err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+	gen.verify(t, l, 0, retry.Blocks)
+	gen.release(t, retry.Blocks)
+	waitDone(t, creq, 10*time.Second)
+	if creq.State() != DisaggContextComplete || creq.Err() != nil {
+		t.Fatalf("context request after the retry: %s %v", creq.State(), creq.Err())
+	}
+	for r, p := range sender.pools {
+		if got := p.FreeBlocks(); got != free {
+			t.Errorf("rank %d: %d free blocks after the retry, want %d", r, got, free)
+		}
+	}
+}
+
+// TestPullAttemptBound: a pull that keeps failing (every send of context
+// rank 0 reports the loss of its peer) fails the context request at the
+// maxPullAttempts-th failure, its blocks released on every rank; the next
+// pull is refused as unknown.
+func TestPullAttemptBound(t *testing.T) {
+	cs := state(4, 4, 16, 4, kvcache.BF16, 2, 1, false)
+	gs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, cs, testCfg(), 64)
+	gen := newInst(t, gs, testCfg(), 64)
+	injectSendLoss(sender.t.ranks[0], 1000)
+	free := sender.pools[0].FreeBlocks()
+	creq, _ := startSend(t, sender, 1, 40)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	for i := range maxPullAttempts {
+		if i > 0 {
+			waitSendPhase(t, sender, creq.ID, phaseWaiting)
+		}
+		greq := genReqFor(gen, t, creq, 10)
+		if err := gen.t.RequestAndReceiveSync(ctx, greq); err == nil {
+			t.Fatalf("pull %d succeeded", i+1)
+		}
+		gen.release(t, greq.Blocks)
+	}
+	waitDone(t, creq, 10*time.Second)
+	if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrTooManyAttempts) {
+		t.Fatalf("context request after %d failed pulls: %s %v", maxPullAttempts, creq.State(), creq.Err())
+	}
+	for r, p := range sender.pools {
+		if got := p.FreeBlocks(); got != free {
+			t.Errorf("rank %d: %d free blocks, want %d", r, got, free)
+		}
+	}
+	last := genReqFor(gen, t, creq, 10)
+	if err := gen.t.RequestAndReceiveSync(ctx, last); !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "unknown id or wrong token") {
+		t.Fatalf("pull after the bound: %v", err)
+	}
+	gen.release(t, last.Blocks)
+}
+
+// lossySend is a rank's data plane whose first sends fail with the loss of
+// the peer.
+type lossySend struct {
+	transport.Transport
+	left, failed atomic.Int32
+}
+
+func (l *lossySend) Send(ctx context.Context, d transport.Descriptor, src [][]byte) error {
+	if l.left.Add(-1) >= 0 {
+		l.failed.Add(1)
+		return fmt.Errorf("test: %w: injected loss of the data connection", transport.ErrPeerLost)
+	}
+	return l.Transport.Send(ctx, d, src)
+}
+
+// injectSendLoss makes the first n sends of rank r fail with the loss of
+// the peer.
+func injectSendLoss(r *rank, n int) *lossySend {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	l := &lossySend{Transport: r.transports["tcp"]}
+	l.left.Store(int32(n))
+	r.transports["tcp"] = l
+	return l
 }
 
 // TestContextFailureAfterFailedPull: after a failed attempt the request
