@@ -35,7 +35,7 @@ import (
 // phaseSent reports a failure but keeps waiting for the instance's word. An
 // ask of another attempt abandons the current one (the owner has given it
 // up), or waits for the instance's word in phaseSent. A late report of an
-// abandoned attempt changes nothing, and its asks are refused.
+// abandoned attempt changes nothing, and its late asks are aborted.
 //
 // The request fails (aborting the peers that asked, releasing the blocks)
 // at a failure of the context side's own (a local send error), a cancel,
@@ -361,7 +361,11 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 	case a == 0:
 		return refuse(wire.RefusedBadRequest, "a request-info without a generation request id")
 	case slices.Contains(c.failed, a):
-		return refuse(wire.RefusedBadRequest, "pull attempt %d of context request %d has failed; a new one needs a new generation request", a, c.cfg.id)
+		// A late ask of an attempt that failed (on another rank, or
+		// before this generation rank asked): an abort, as its peers of
+		// the attempt got, not a refusal: the request is still held.
+		return append(effs, effAbort{side: sideSend, peer: g, to: from,
+			reason: fmt.Sprintf("pull attempt %d of context request %d has failed; the request is held for another", a, c.cfg.id)})
 	case c.attempt != 0 && a != c.attempt && c.phase == phaseSent:
 		// This rank has reported its part of the attempt finished: the
 		// instance decides whether it holds. Until then the ask waits.

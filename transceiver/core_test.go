@@ -233,6 +233,9 @@ func (in *sendInterp) print(from route, effs []effect) string {
 			if old, ok := in.before[e.peer]; ok && to == old {
 				want = old // (an abort of the attempt an ask superseded)
 			}
+			if from != (route{}) && to == from {
+				want = from // (the answer to an ask of a failed attempt)
+			}
 		}
 		if to != want {
 			line += fmt.Sprintf(" !! addressed to %+v, want %+v", to, want)

@@ -55,7 +55,7 @@
 // not. A rank whose sends of an attempt finished keeps the blocks until the
 // consensus knows that every rank finished the same attempt, and only then
 // releases them and completes; reports of an attempt that failed change
-// nothing, and its late asks are refused. An ask of a new attempt on a rank
+// nothing, and its late asks are aborted. An ask of a new attempt on a rank
 // still in another gives the other up (the owner has). After
 // maxPullAttempts (3) failed attempts the request fails and releases its
 // blocks, so that a failing or hostile owner cannot hold them in a loop. A
@@ -141,7 +141,10 @@
 // whose MAC does not match (ErrForgedOpaqueState, compared in constant
 // time), that has expired (ErrExpiredOpaqueState) or whose nonce it has
 // already accepted (ErrReplayedOpaqueState). Accepted nonces are kept until
-// their expiry, at most Options.NonceCacheSize of them; when that many are
+// their expiry, but for the nonce of a pull that failed without a refusal
+// from the context side, which is given back so that the owner may pull
+// again (the context instance still holds the request, or refuses the
+// state), at most Options.NonceCacheSize of them; when that many are
 // unexpired, new states are refused (ErrReplayCacheFull) rather than old
 // nonces forgotten. Expiry compares the generation host's clock with the
 // context host's: a clock skew between them shortens or stretches the

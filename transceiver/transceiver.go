@@ -109,6 +109,7 @@ type Transceiver struct {
 	doneRecv []*Request           // ended, not yet returned by CheckGenTransferStatus
 	wake     chan struct{}        // closed and replaced whenever a request completes
 	pulls    uint64               // the last pull id handed out (see pullID)
+	nonces   map[instKey][16]byte // the nonce of the signed state of each pull in flight
 }
 
 // pullID returns the id of a new pull (wire GenRequestID), never 0. The
@@ -159,7 +160,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	set := settingsOf(cfg, &opts, res.Backend, peers, log)
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
 		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
-		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{})}
+		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{}}
 	if cfg.TimeOutputPath != "" {
 		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
 	}
@@ -504,8 +505,10 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 // and returns at once. When the pull fails, only req fails: the context
 // request stays pullable (unless the failure was the context side's), and
 // a new generation request with the same context phase params may pull it
-// again (on an instance with a cluster secret, another instance: this one
-// refuses a signed state it has accepted before).
+// again. With a cluster secret, a signed state accepted by this instance is
+// refused here afterwards (ErrReplayedOpaqueState) once a pull of it has
+// completed or been refused by the context instance; a pull that failed
+// otherwise gives it back.
 func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if req.Type != GenerationOnly {
 		return fmt.Errorf("transceiver: receive: request %d is %s, want generation_only", req.ID, req.Type)
@@ -540,6 +543,11 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	key, err := t.begin(req, sideRecv, ranks, DisaggGenerationTransInProgress)
 	if err != nil {
 		return err
+	}
+	if op.Signed && t.guard.key != nil {
+		t.mu.Lock()
+		t.nonces[key] = op.Nonce
+		t.mu.Unlock()
 	}
 	// One id for the pull on every rank: the context ranks tell the
 	// attempts of a context request apart by it.
@@ -688,6 +696,15 @@ func (t *Transceiver) cancelRanks(effs []instEffect) bool {
 func (t *Transceiver) completeLocked(e instCompleteEffect) {
 	req := t.reqs[e.key]
 	delete(t.reqs, e.key)
+	if n, ok := t.nonces[e.key]; ok {
+		delete(t.nonces, e.key)
+		// A pull that failed without a refusal leaves the context request
+		// held (unless the failure was the context side's, and then it
+		// refuses the state): its owner may pull it again.
+		if e.err != nil && !errors.Is(e.err, ErrRefused) {
+			t.guard.giveBack(n)
+		}
+	}
 	req.mu.Lock()
 	req.stats = e.stats
 	switch {
