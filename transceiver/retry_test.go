@@ -71,6 +71,10 @@ func TestRetryAfterFailedPull(t *testing.T) {
 			if got := sender.pools[0].FreeBlocks(); got != free-blocks {
 				t.Fatalf("free blocks after the failed attempt: %d, want %d (the request's blocks held)", got, free-blocks)
 			}
+			waitFor(t, 5*time.Second, "the given-up sends' staging buffers back", func() bool {
+				send, _ := sender.t.StagingBytesInUse()
+				return send == 0
+			})
 			if got, err := sender.t.CheckContextTransferStatus(context.Background(), 0); err != nil || len(got) != 0 {
 				t.Fatalf("CheckContextTransferStatus after the failed attempt: %v %v", got, err)
 			}
@@ -145,6 +149,10 @@ func TestRetryAfterSendLostOnOneRank(t *testing.T) {
 	if creq.State() != DisaggContextTransInProgress {
 		t.Fatalf("context request after the failed pull: %s %v", creq.State(), creq.Err())
 	}
+	waitFor(t, 5*time.Second, "the given-up sends' staging buffers back", func() bool {
+		send, _ := sender.t.StagingBytesInUse()
+		return send == 0
+	})
 	for r, p := range sender.pools {
 		if got := p.FreeBlocks(); got != free-nb {
 			t.Fatalf("rank %d: %d free blocks after the failed pull, want %d (the request's held)", r, got, free-nb)
