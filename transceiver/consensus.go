@@ -10,11 +10,22 @@ import (
 // Instance consensus: a request completes on the instance when every rank
 // that takes part has completed it; the first rank to fail fails it on all
 // (the others are cancelled); the ranks' figures add up to the request's.
+//
+// A context request's pulls are attempts (see sendCore), named by the
+// generation request's id. The consensus decides each: the attempt holds
+// when every rank reports its sends of it finished (attemptEndEvent
+// without an error), and then every rank releases the blocks and completes
+// (commitEffect); it fails at the first rank that reports it failed (a
+// failure of the generation side or the link), and then every rank
+// abandons it and waits for the next (attemptFailedEffect), the request
+// still held. The first of the two decides; later reports of a decided
+// attempt change nothing.
+//
 // This is a pure state machine like the protocol cores: the Transceiver
 // feeds it events under its lock and carries out its effects after
-// (cancelling a request on ranks, completing the Request). Ranks and
-// requests are named by number, never by pointer, so that the same core can
-// later agree across processes.
+// (cancelling a request on ranks, telling ranks the fate of an attempt,
+// completing the Request). Ranks and requests are named by number, never by
+// pointer, so that the same core can later agree across processes.
 
 // instKey names a request of the instance: its side and its Request.ID.
 type instKey struct {
@@ -56,6 +67,15 @@ type (
 		key   instKey
 		cause error
 	}
+	// attemptEndEvent: rank's part of pull attempt of key (a context
+	// request) ended: its sends finished (err nil), or the attempt failed
+	// (err: a failure of the generation side or the link).
+	attemptEndEvent struct {
+		key     instKey
+		rank    int
+		attempt uint64
+		err     error
+	}
 	// startFailedEvent: ranks could not start their part (the first of
 	// them failed with err; the others were never asked). The request fails
 	// without being reported by the Check calls: the caller got err.
@@ -75,6 +95,21 @@ type (
 		ranks []int
 		cause error
 	}
+	// attemptFailedEffect: pull attempt of key failed: ranks abandon it,
+	// for cause, and wait for the next.
+	attemptFailedEffect struct {
+		key     instKey
+		attempt uint64
+		ranks   []int
+		cause   error
+	}
+	// commitEffect: every rank of key finished the sends of pull attempt:
+	// ranks release the blocks and complete.
+	commitEffect struct {
+		key     instKey
+		attempt uint64
+		ranks   []int
+	}
 	// instCompleteEffect: key is over on the instance. silent: the caller
 	// already had the error; the Check calls do not report it.
 	instCompleteEffect struct {
@@ -88,9 +123,20 @@ type (
 func (rankDoneEvent) isInstEvent()    {}
 func (instCancelEvent) isInstEvent()  {}
 func (startFailedEvent) isInstEvent() {}
+func (attemptEndEvent) isInstEvent()  {}
 
-func (cancelRanksEffect) isInstEffect()  {}
-func (instCompleteEffect) isInstEffect() {}
+func (cancelRanksEffect) isInstEffect()   {}
+func (instCompleteEffect) isInstEffect()  {}
+func (attemptFailedEffect) isInstEffect() {}
+func (commitEffect) isInstEffect()        {}
+
+func (e attemptFailedEffect) String() string {
+	return fmt.Sprintf("attempt-failed %s attempt=%d ranks=%s: %v", e.key, e.attempt, intsString(e.ranks), e.cause)
+}
+
+func (e commitEffect) String() string {
+	return fmt.Sprintf("commit %s attempt=%d ranks=%s", e.key, e.attempt, intsString(e.ranks))
+}
 
 func (e cancelRanksEffect) String() string {
 	return fmt.Sprintf("cancel %s ranks=%s: %v", e.key, intsString(e.ranks), e.cause)
@@ -121,6 +167,11 @@ type instReq struct {
 	stats    Stats
 	start    time.Time
 	end      time.Time // the latest end a rank reported
+
+	// Pull attempts (context requests).
+	sent      map[int]uint64 // by rank: the attempt whose sends it finished, not decided yet
+	failed    []uint64       // the attempts that failed
+	committed uint64         // the attempt that held; 0: none yet
 }
 
 func newConsensus() *consensus { return &consensus{reqs: map[instKey]*instReq{}} }
@@ -133,7 +184,7 @@ func (c *consensus) begin(key instKey, ranks []int, now time.Time) error {
 	if len(ranks) == 0 {
 		return fmt.Errorf("transceiver: request %d has no rank to run on", key.id)
 	}
-	c.reqs[key] = &instReq{ranks: slices.Clone(ranks), reported: map[int]bool{}, start: now}
+	c.reqs[key] = &instReq{ranks: slices.Clone(ranks), reported: map[int]bool{}, start: now, sent: map[int]uint64{}}
 	return nil
 }
 
@@ -172,6 +223,8 @@ func (c *consensus) step(ev instEvent) []instEffect {
 			return nil
 		}
 		return c.cancelOthers(ev.key, r, -1, ev.cause)
+	case attemptEndEvent:
+		return c.attemptEnd(ev)
 	case startFailedEvent:
 		r := c.reqs[ev.key]
 		if r == nil {
@@ -191,6 +244,44 @@ func (c *consensus) step(ev instEvent) []instEffect {
 		return c.cancelOthers(ev.key, r, -1, fmt.Errorf("%w: another rank failed to start: %v", ErrCanceled, ev.err))
 	}
 	panic(fmt.Sprintf("transceiver: consensus: unknown event %T", ev))
+}
+
+// attemptEnd decides a pull attempt: the first failure reported fails it;
+// the last rank to finish its sends makes it hold.
+func (c *consensus) attemptEnd(ev attemptEndEvent) []instEffect {
+	r := c.reqs[ev.key]
+	if r == nil || ev.attempt == 0 || !slices.Contains(r.ranks, ev.rank) || r.reported[ev.rank] || r.err != nil ||
+		r.committed != 0 || slices.Contains(r.failed, ev.attempt) {
+		return nil // not ours, over, failing, or decided already
+	}
+	if ev.err != nil {
+		r.failed = append(r.failed, ev.attempt)
+		for rk, a := range r.sent {
+			if a == ev.attempt {
+				delete(r.sent, rk)
+			}
+		}
+		return []instEffect{attemptFailedEffect{key: ev.key, attempt: ev.attempt, ranks: c.unreported(r), cause: ev.err}}
+	}
+	r.sent[ev.rank] = ev.attempt
+	for _, rk := range r.ranks {
+		if r.sent[rk] != ev.attempt {
+			return nil
+		}
+	}
+	r.committed = ev.attempt
+	return []instEffect{commitEffect{key: ev.key, attempt: ev.attempt, ranks: c.unreported(r)}}
+}
+
+// unreported lists the ranks of r that have not reported its end.
+func (c *consensus) unreported(r *instReq) []int {
+	var ranks []int
+	for _, rk := range r.ranks {
+		if !r.reported[rk] {
+			ranks = append(ranks, rk)
+		}
+	}
+	return ranks
 }
 
 // cancelOthers cancels key on every rank that has not reported, but skip.

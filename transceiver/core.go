@@ -41,12 +41,13 @@ type phase uint8
 const (
 	phaseWaiting phase = iota // send: waiting for the generation ranks to ask; recv: asking
 	phaseMoving               // data is moving
+	phaseSent                 // send: this rank's sends of the attempt finished; the blocks are held until the instance agrees
 	phaseDone                 // every byte moved
 	phaseFailed               // ended with an error
 )
 
 func (p phase) String() string {
-	return [...]string{"waiting", "moving", "done", "failed"}[p]
+	return [...]string{"waiting", "moving", "sent", "done", "failed"}[p]
 }
 
 func (p phase) over() bool { return p == phaseDone || p == phaseFailed }

@@ -17,11 +17,32 @@ import (
 // learns which generation ranks will ask from the first valid request-info
 // (it carries the generation CacheState); it waits until every one of them
 // has asked, then tells each it is ready and sends to those that need data
-// from it. The request completes when every send has finished, or fails
-// (aborting the peers that asked) at the first error, an abort, a lost
-// connection, a cancel or a deadline: kv_transfer_timeout from its start,
-// and kv_transfer_sender_future_timeout, when set, from the start of its
-// sends (the last ask).
+// from it.
+//
+// A pull is an attempt, named by the id its asks carry (wire GenRequestID:
+// one id for every rank of the generation request; see
+// Transceiver.RequestAndReceiveAsync). When this rank's sends of an attempt
+// have finished it reports so to the instance (effAttemptEnded) and holds
+// the blocks (phaseSent) until the instance says that every rank finished
+// the same attempt (evCommit): then it releases them and completes. A
+// failure of the generation side or the link (an abort, a lost connection,
+// a send error that is the peer's, a peer breaking the protocol: see
+// peerCaused) fails the attempt, not the request: the rank aborts the
+// attempt's other peers, stops its sends, reports the failure and waits for
+// the asks of a new attempt, blocks held, expected generation ranks
+// forgotten (a new attempt may come from another generation instance). The
+// instance abandons the attempt on every rank (evAttemptFailed). A rank in
+// phaseSent reports a failure but keeps waiting for the instance's word. An
+// ask of another attempt abandons the current one (the owner has given it
+// up), or waits for the instance's word in phaseSent. A late report of an
+// abandoned attempt changes nothing, and its late asks are aborted.
+//
+// The request fails (aborting the peers that asked, releasing the blocks)
+// at a failure of the context side's own (a local send error), a cancel,
+// the deadline kv_transfer_timeout from its start, the sender timeout
+// kv_transfer_sender_future_timeout, when set, from the start of an
+// attempt's sends (the last ask), or once maxPullAttempts attempts have
+// failed.
 //
 // Who may ask is decided here too: a request-info must carry the request's
 // token (compared in constant time; a wrong token gets the answer an unknown
@@ -32,9 +53,35 @@ type sendCore struct {
 	cfg      sendConfig
 	deadline deadline
 	phase    phase
-	expected []int             // generation ranks that will ask; nil until the first valid ask
-	peers    map[int]*sendPeer // by generation rank: the asks accepted
-	sending  map[int]bool      // sends started and not finished
+	attempt  uint64            // the current attempt (its asks' GenRequestID); 0: no ask accepted yet
+	failed   []uint64          // the attempts that failed, in order
+	doubted  bool              // phaseSent: a failure of the attempt is reported already
+	deferred []deferredAsk     // phaseSent: asks of another attempt, until the instance's word
+	expected []int             // generation ranks that will ask; nil until the first valid ask of the attempt
+	peers    map[int]*sendPeer // by generation rank: the asks of the attempt accepted
+	sending  map[int]bool      // sends of the attempt started and not finished
+}
+
+// maxPullAttempts bounds the pull attempts of a context request: when this
+// many have failed, the request fails and its blocks go back, so that an
+// owner that keeps failing (or a hostile one) cannot hold them in a loop
+// until the deadline.
+const maxPullAttempts = 3
+
+// maxDeferredAsks bounds the asks of a new attempt a rank keeps while it
+// waits for the instance's word on the attempt before (phaseSent); more are
+// refused.
+const maxDeferredAsks = 64
+
+// deferredAsk is an ask kept for later.
+type deferredAsk struct {
+	from route
+	ri   *wire.RequestInfo
+}
+
+// forget drops the deferred asks drop says to (their asker is gone).
+func (c *sendCore) forget(drop func(deferredAsk) bool) {
+	c.deferred = slices.DeleteFunc(c.deferred, drop)
 }
 
 // sendConfig is what a send core knows of its request from the start.
@@ -106,18 +153,32 @@ type (
 		desc  transport.Descriptor
 	}
 	// evDescOverflow: generation rank gen has more chunk descriptors
-	// waiting than the send can hold.
-	evDescOverflow struct{ gen int }
-	// evSent: the send to gen ended.
+	// waiting than the send of attempt can hold.
+	evDescOverflow struct {
+		gen     int
+		attempt uint64
+	}
+	// evSent: the send to gen of attempt ended.
 	evSent struct {
-		gen int
-		err error
+		gen     int
+		attempt uint64
+		err     error
 	}
 	// evGenAbort: the generation rank at from aborted the transfer.
 	evGenAbort struct {
 		from   route
 		reason string
 	}
+	// evAttemptFailed: the instance says that pull attempt failed (on
+	// this rank or another) with err: every rank abandons it.
+	evAttemptFailed struct {
+		attempt uint64
+		err     error
+		now     time.Time
+	}
+	// evCommit: the instance says that every rank finished the sends of
+	// pull attempt: the request is done.
+	evCommit struct{ attempt uint64 }
 )
 
 // Effects of the send side.
@@ -138,30 +199,46 @@ type (
 		to    route
 		chunk int
 	}
-	// effStartSend: start sending pair to gen.
+	// effStartSend: start sending pair to gen, for attempt.
 	effStartSend struct {
-		gen  int
-		to   route
-		pair sendPlan
+		gen     int
+		to      route
+		pair    sendPlan
+		attempt uint64
 	}
-	// effChunk: hand the receipt of chunk index to the send to gen.
+	// effChunk: hand the receipt of chunk index to the send to gen of
+	// attempt.
 	effChunk struct {
-		gen   int
-		index int
-		desc  transport.Descriptor
+		gen     int
+		index   int
+		desc    transport.Descriptor
+		attempt uint64
+	}
+	// effStopAttempt: stop the sends of attempt (and any that starts
+	// later); the blocks stay held.
+	effStopAttempt struct{ attempt uint64 }
+	// effAttemptEnded: tell the instance that this rank's sends of
+	// attempt finished (err nil), or that the attempt failed (err).
+	effAttemptEnded struct {
+		attempt uint64
+		err     error
 	}
 )
 
-func (evAsk) isEvent()          {}
-func (evChunkDesc) isEvent()    {}
-func (evDescOverflow) isEvent() {}
-func (evSent) isEvent()         {}
-func (evGenAbort) isEvent()     {}
+func (evAsk) isEvent()           {}
+func (evChunkDesc) isEvent()     {}
+func (evDescOverflow) isEvent()  {}
+func (evSent) isEvent()          {}
+func (evGenAbort) isEvent()      {}
+func (evAttemptFailed) isEvent() {}
+func (evCommit) isEvent()        {}
 
-func (effRefuse) isEffect()    {}
-func (effReady) isEffect()     {}
-func (effStartSend) isEffect() {}
-func (effChunk) isEffect()     {}
+func (effRefuse) isEffect()       {}
+func (effReady) isEffect()        {}
+func (effStartSend) isEffect()    {}
+func (effChunk) isEffect()        {}
+func (effStopAttempt) isEffect()  {}
+func (effAttemptEnded) isEffect() {}
 
 var refusalCodes = map[uint8]string{
 	wire.RefusedUnknown: "unknown", wire.RefusedIncompatible: "incompatible", wire.RefusedBadRequest: "bad-request",
@@ -178,6 +255,15 @@ func (e effRefuse) String() string {
 func (e effReady) String() string     { return fmt.Sprintf("ready gen=%d chunk=%d", e.gen, e.chunk) }
 func (e effStartSend) String() string { return fmt.Sprintf("start-send gen=%d %v", e.gen, e.pair) }
 func (e effChunk) String() string     { return fmt.Sprintf("chunk gen=%d index=%d", e.gen, e.index) }
+func (e effStopAttempt) String() string {
+	return fmt.Sprintf("stop-sends attempt=%d", e.attempt)
+}
+func (e effAttemptEnded) String() string {
+	if e.err != nil {
+		return fmt.Sprintf("attempt-failed attempt=%d: %v", e.attempt, e.err)
+	}
+	return fmt.Sprintf("attempt-sent attempt=%d", e.attempt)
+}
 
 func newSendCore(cfg sendConfig) *sendCore {
 	return &sendCore{cfg: cfg, peers: map[int]*sendPeer{}, sending: map[int]bool{}}
@@ -191,6 +277,9 @@ func (c *sendCore) conns() []connID {
 		if p := c.peers[g]; p != nil {
 			out = append(out, p.to.conn)
 		}
+	}
+	for _, d := range c.deferred {
+		out = append(out, d.from.conn)
 	}
 	return out
 }
@@ -212,24 +301,30 @@ func (c *sendCore) step(ev event) []effect {
 	case evChunkDesc:
 		return c.chunkDesc(ev)
 	case evDescOverflow:
-		if c.peers[ev.gen] == nil {
+		if c.peers[ev.gen] == nil || ev.attempt != c.attempt {
 			return nil
 		}
-		return c.fail(fmt.Errorf("%w: generation rank %d: %s", ErrPeerAborted, ev.gen, "more chunk descriptors outstanding than any receiver may have"), ev.gen)
+		return c.abandon(fmt.Errorf("%w: generation rank %d: %s", ErrPeerAborted, ev.gen, "more chunk descriptors outstanding than any receiver may have"), ev.gen)
 	case evSent:
-		return c.sent(ev.gen, ev.err)
+		return c.sent(ev.gen, ev.attempt, ev.err)
 	case evGenAbort:
 		if g, ok := c.peerAt(ev.from); ok {
-			return c.fail(fmt.Errorf("%w: generation rank %d: %s", ErrPeerAborted, g, ev.reason), g)
+			return c.abandon(fmt.Errorf("%w: generation rank %d: %s", ErrPeerAborted, g, ev.reason), g)
 		}
+		c.forget(func(d deferredAsk) bool { return d.from.conn == ev.from.conn && d.from.recvID == ev.from.recvID })
 		return nil
 	case evConnLost:
+		c.forget(func(d deferredAsk) bool { return d.from.conn == ev.conn })
 		for _, g := range c.expected {
 			if p := c.peers[g]; p != nil && p.to.conn == ev.conn {
-				return c.fail(ev.err, g)
+				return c.abandon(ev.err, g)
 			}
 		}
 		return nil
+	case evAttemptFailed:
+		return c.attemptFailed(ev.attempt, ev.err, ev.now)
+	case evCommit:
+		return c.commit(ev.attempt)
 	case evTick:
 		return c.deadline.tick(ev.now, c.phase.over(), func(second bool) []effect {
 			if second {
@@ -250,12 +345,41 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 		return []effect{refuseUnknown(c.cfg.rank, from, ri, "wrong transfer token")}
 	}
 	g := int(ri.GenRank)
+	var effs []effect
 	refuse := func(code uint8, format string, args ...any) []effect {
-		return []effect{effRefuse{gen: g, to: from, code: code, reason: fmt.Sprintf(format, args...)}}
+		return append(effs, effRefuse{gen: g, to: from, code: code, reason: fmt.Sprintf(format, args...)})
 	}
 	expected, pair, code, reason := c.checkAsk(ri)
 	if code != 0 {
 		return refuse(code, "%s", reason)
+	}
+	if c.phase.over() {
+		return refuse(wire.RefusedBadRequest, "the transfer is already %s", c.phase)
+	}
+	a := ri.GenRequestID
+	switch {
+	case a == 0:
+		return refuse(wire.RefusedBadRequest, "a request-info without a generation request id")
+	case slices.Contains(c.failed, a):
+		// A late ask of an attempt that failed (on another rank, or
+		// before this generation rank asked): an abort, as its peers of
+		// the attempt got, not a refusal: the request is still held.
+		return append(effs, effAbort{side: sideSend, peer: g, to: from,
+			reason: fmt.Sprintf("pull attempt %d of context request %d has failed; the request is held for another", a, c.cfg.id)})
+	case c.attempt != 0 && a != c.attempt && c.phase == phaseSent:
+		// This rank has reported its part of the attempt finished: the
+		// instance decides whether it holds. Until then the ask waits.
+		if len(c.deferred) >= maxDeferredAsks {
+			return refuse(wire.RefusedUnavailable, "too many asks waiting on context rank %d", c.cfg.rank)
+		}
+		c.deferred = append(c.deferred, deferredAsk{from: from, ri: ri})
+		return c.abandon(fmt.Errorf("%w: generation rank %d: pull attempt %d superseded by pull attempt %d", ErrPeerAborted, g, c.attempt, a), -1)
+	case c.attempt != 0 && a != c.attempt:
+		// The owner has given the attempt up for a new one.
+		effs = c.abandon(fmt.Errorf("%w: generation rank %d: pull attempt %d superseded by pull attempt %d", ErrPeerAborted, g, c.attempt, a), -1)
+		if c.phase.over() {
+			return append(effs, refuseUnknown(c.cfg.rank, from, ri, ""))
+		}
 	}
 	if c.phase != phaseWaiting {
 		return refuse(wire.RefusedBadRequest, "the transfer is already %s", c.phase)
@@ -272,12 +396,12 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 		return refuse(wire.RefusedBadRequest, "generation rank %d asked twice", g)
 	}
 	c.peers[g] = &sendPeer{to: from, pair: pair}
+	c.attempt = a
 	if len(c.peers) < len(c.expected) {
-		return nil
+		return effs
 	}
 	// Everyone asked: serve them, in the order of the target list.
 	c.phase = phaseMoving
-	var effs []effect
 	for _, g := range c.expected {
 		p := c.peers[g]
 		effs = append(effs, effReady{gen: g, to: p.to, chunk: p.pair.chunk})
@@ -285,12 +409,11 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 	for _, g := range c.expected {
 		if p := c.peers[g]; p.pair.plan.PackedBytesPerBlock() > 0 {
 			c.sending[g] = true
-			effs = append(effs, effStartSend{gen: g, to: p.to, pair: p.pair})
+			effs = append(effs, effStartSend{gen: g, to: p.to, pair: p.pair, attempt: a})
 		}
 	}
 	if len(c.sending) == 0 {
-		c.phase = phaseDone
-		return append(effs, effRelease{}, effComplete{})
+		return append(effs, c.sentAll()...)
 	}
 	if c.cfg.senderTimeout > 0 {
 		effs = append(effs, c.deadline.startSecond(now, c.cfg.senderTimeout)...)
@@ -361,10 +484,11 @@ func chunkBlocks(maxChunk, bufBytes, packed int64, n int) int {
 	return int(max(1, min(maxChunk, bufBytes/packed, int64(n))))
 }
 
-// peerAt returns the generation rank whose ask came from from.
+// peerAt returns the generation rank of the attempt whose ask came from
+// from.
 func (c *sendCore) peerAt(from route) (int, bool) {
-	for g, p := range c.peers {
-		if p.to.conn == from.conn && p.to.recvID == from.recvID {
+	for _, g := range c.expected {
+		if p := c.peers[g]; p != nil && p.to.conn == from.conn && p.to.recvID == from.recvID {
 			return g, true
 		}
 	}
@@ -384,37 +508,142 @@ func (c *sendCore) chunkDesc(ev evChunkDesc) []effect {
 		if p.next >= n {
 			want = "none"
 		}
-		return c.fail(fmt.Errorf("send to generation rank %d: %w: chunk descriptor %d, expected %s", g, wire.ErrMalformed, ev.index, want), g)
+		return c.abandon(fmt.Errorf("send to generation rank %d: %w: chunk descriptor %d, expected %s", g, wire.ErrMalformed, ev.index, want), g)
 	}
 	p.next++
-	return []effect{effChunk{gen: g, index: ev.index, desc: ev.desc}}
+	return []effect{effChunk{gen: g, index: ev.index, desc: ev.desc, attempt: c.attempt}}
 }
 
-// sent handles the end of the send to g.
-func (c *sendCore) sent(g int, err error) []effect {
-	if c.phase != phaseMoving || !c.sending[g] {
-		return nil // a late report after failure: nothing to do
+// sent handles the end of the send to g of attempt a.
+func (c *sendCore) sent(g int, a uint64, err error) []effect {
+	if c.phase != phaseMoving || a != c.attempt || !c.sending[g] {
+		return nil // a late report, of an attempt given up or a request over: nothing to do
 	}
 	delete(c.sending, g)
 	if err != nil {
-		return c.fail(fmt.Errorf("send to generation rank %d: %w", g, err), g)
+		err = fmt.Errorf("send to generation rank %d: %w", g, err)
+		if peerCaused(err) {
+			return c.abandon(err, g)
+		}
+		return c.fail(err, g)
 	}
 	if len(c.sending) == 0 {
-		c.phase = phaseDone
-		return []effect{effRelease{}, effComplete{}}
+		return c.sentAll()
 	}
 	return nil
 }
 
-// fail ends the request with err: abort every generation rank that asked
-// (but skip, the one whose failure this is, when >= 0), stop all sends,
-// give the blocks back, complete with the error.
+// sentAll: every send of the attempt has finished. The rank tells the
+// instance and holds the blocks until its word (evCommit, or
+// evAttemptFailed when another rank's part failed).
+func (c *sendCore) sentAll() []effect {
+	c.phase = phaseSent
+	c.deadline.second = time.Time{} // the sender timeout is the attempt's sends'
+	return []effect{effAttemptEnded{attempt: c.attempt}}
+}
+
+// abandon fails the current attempt for err, a failure of the generation
+// side or the link, the fault of generation rank skip (-1: none in
+// particular). While the attempt's sends are under way this rank leaves it
+// at once (see leave), reports the failure, and counts it. Once they have
+// finished (phaseSent) it has reported the attempt finished: it reports the
+// failure, once, and waits for the instance's word, blocks held.
+func (c *sendCore) abandon(err error, skip int) []effect {
+	if c.phase.over() || c.attempt == 0 {
+		return nil
+	}
+	a := c.attempt
+	if c.phase == phaseSent {
+		if c.doubted {
+			return nil
+		}
+		c.doubted = true
+		return []effect{effAttemptEnded{attempt: a, err: err}}
+	}
+	effs := append(c.leave(err, skip), effAttemptEnded{attempt: a, err: err})
+	return append(effs, c.count(a, err, time.Time{})...)
+}
+
+// attemptFailed handles the instance's word that attempt a failed with
+// err: the rank leaves it if it is the current one, and counts it.
+func (c *sendCore) attemptFailed(a uint64, err error, now time.Time) []effect {
+	if c.phase.over() || a == 0 || slices.Contains(c.failed, a) {
+		return nil
+	}
+	var effs []effect
+	if a == c.attempt {
+		effs = c.leave(err, -1)
+	}
+	return append(effs, c.count(a, err, now)...)
+}
+
+// leave gives the current attempt up: its peers (but skip) are told, its
+// sends stopped, and the rank waits for the asks of the next attempt, with
+// the blocks and the request's deadline, the expected generation ranks
+// forgotten.
+func (c *sendCore) leave(err error, skip int) []effect {
+	var effs []effect
+	for _, g := range c.expected {
+		if p := c.peers[g]; p != nil && g != skip {
+			effs = append(effs, effAbort{side: sideSend, peer: g, to: p.to, reason: err.Error()})
+		}
+	}
+	if c.phase == phaseMoving {
+		effs = append(effs, effStopAttempt{attempt: c.attempt})
+	}
+	c.phase, c.attempt, c.doubted, c.expected = phaseWaiting, 0, false, nil
+	c.peers, c.sending = map[int]*sendPeer{}, map[int]bool{}
+	c.deadline.second = time.Time{} // (its timer, if armed, ticks early and is armed again for the deadline)
+	return effs
+}
+
+// count records that attempt a failed with err. The maxPullAttempts-th
+// failure fails the request; before, the asks that waited for the
+// instance's word are taken now (at now; zero: when they came).
+func (c *sendCore) count(a uint64, err error, now time.Time) []effect {
+	c.failed = append(c.failed, a)
+	if len(c.failed) >= maxPullAttempts {
+		return c.fail(fmt.Errorf("%w: context request %d: %d pull attempts failed, the last with: %w", ErrTooManyAttempts, c.cfg.id, len(c.failed), err), -1)
+	}
+	asks := c.deferred
+	c.deferred = nil
+	var effs []effect
+	for _, d := range asks {
+		effs = append(effs, c.ask(d.from, d.ri, now)...)
+	}
+	return effs
+}
+
+// commit handles the instance's word that every rank finished the sends
+// of attempt a: the request is done.
+func (c *sendCore) commit(a uint64) []effect {
+	if c.phase != phaseSent || a != c.attempt {
+		return nil
+	}
+	c.phase = phaseDone
+	return append(c.refuseDeferred(), effRelease{}, effComplete{})
+}
+
+// refuseDeferred answers the asks that waited for the instance's word:
+// the request is no longer held.
+func (c *sendCore) refuseDeferred() []effect {
+	var effs []effect
+	for _, d := range c.deferred {
+		effs = append(effs, refuseUnknown(c.cfg.rank, d.from, d.ri, ""))
+	}
+	c.deferred = nil
+	return effs
+}
+
+// fail ends the request with err: abort every generation rank of the
+// attempt that asked (but skip, the one whose failure this is, when >= 0),
+// stop all sends, give the blocks back, complete with the error.
 func (c *sendCore) fail(err error, skip int) []effect {
 	if c.phase.over() {
 		return nil
 	}
 	c.phase = phaseFailed
-	var effs []effect
+	effs := c.refuseDeferred()
 	for _, g := range c.expected {
 		if p := c.peers[g]; p != nil && g != skip {
 			effs = append(effs, effAbort{side: sideSend, peer: g, to: p.to, reason: err.Error()})

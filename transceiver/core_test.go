@@ -3,6 +3,7 @@ package transceiver
 import (
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"strings"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // The interpreters of the core scripts (testdata/send, testdata/recv,
@@ -64,6 +66,8 @@ func scriptErr(c *scriptCmd, key string) error {
 		return ErrCanceled
 	case "closed":
 		return ErrClosed
+	case "peer-lost": // a data connection's loss, as a transport reports it
+		return fmt.Errorf("tcp: send: %w: connection reset by peer", transport.ErrPeerLost)
 	default:
 		return errors.New(v)
 	}
@@ -101,6 +105,8 @@ type sendInterp struct {
 	core *sendCore
 	base layout.CacheState
 	addr map[int]route // generation rank → where its accepted ask came from
+	// before is addr before the ask being run.
+	before map[int]route
 }
 
 func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
@@ -128,8 +134,10 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 	case "ask":
 		// ask gen= [tp=] [pp=] [shape] [blocks=] [last=h<i>] [backend=tcp]
 		// [max-chunk=64] [direct] [wrong-token] [garbage-state]
-		// [id=7] [conn=gen+1] [req=100+gen] [at=0s]
-		from := route{conn: connID(c.int(t, "conn", gen+1)), sendID: uint64(c.int(t, "id", scriptSendID)), recvID: uint64(c.int(t, "req", 100+gen))}
+		// [id=7] [conn=gen+1] [req=100] [at=0s]
+		// req is the pull (attempt) the ask belongs to, one for every
+		// generation rank of it.
+		from := route{conn: connID(c.int(t, "conn", gen+1)), sendID: uint64(c.int(t, "id", scriptSendID)), recvID: uint64(c.int(t, "req", 100))}
 		st, _ := scriptState(t, c, in.base, "").MarshalBinary()
 		if c.flag("garbage-state") {
 			st = []byte{0xde, 0xad}
@@ -149,17 +157,19 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 			// The driver's answer for a request the rank does not hold.
 			return in.print(from, []effect{refuseUnknown(in.core.cfg.rank, from, ri, "")})
 		}
-		effs := in.core.step(evAsk{from: from, ri: ri, now: scriptAt(t, c)})
-		if _, known := in.addr[gen]; !known && !refused(effs) {
-			in.addr[gen] = from
-		}
-		return in.print(from, effs)
+		return in.step(t, from, evAsk{from: from, ri: ri, now: scriptAt(t, c)})
 	case "desc":
 		return in.step(t, route{}, evChunkDesc{from: in.from(t, c, gen), index: c.int(t, "index", 0), desc: []byte("chunk receipt")})
 	case "overflow":
-		return in.step(t, route{}, evDescOverflow{gen: gen})
+		return in.step(t, route{}, evDescOverflow{gen: gen, attempt: uint64(c.int(t, "attempt", int(in.core.attempt)))})
 	case "sent":
-		return in.step(t, route{}, evSent{gen: gen, err: scriptErr(c, "err")})
+		// sent gen= [attempt=the current one] [err=]
+		return in.step(t, route{}, evSent{gen: gen, attempt: uint64(c.int(t, "attempt", int(in.core.attempt))), err: scriptErr(c, "err")})
+	case "attempt-failed":
+		// The instance's word: attempt-failed attempt= [err=] [at=]
+		return in.step(t, route{}, evAttemptFailed{attempt: uint64(c.int(t, "attempt", 0)), err: cmp(scriptErr(c, "err"), errors.New("failed on another rank")), now: scriptAt(t, c)})
+	case "commit":
+		return in.step(t, route{}, evCommit{attempt: uint64(c.int(t, "attempt", 0))})
 	case "abort":
 		return in.step(t, route{}, evGenAbort{from: in.from(t, c, gen), reason: c.str("reason", "")})
 	case "conn-lost":
@@ -188,8 +198,17 @@ func (in *sendInterp) from(t *testing.T, c *scriptCmd, gen int) route {
 	return r
 }
 
+// step runs ev (from: the route of an ask, else zero) and prints its
+// effects.
 func (in *sendInterp) step(t *testing.T, from route, ev event) string {
-	return in.print(from, in.core.step(ev))
+	in.before = maps.Clone(in.addr)
+	effs := in.core.step(ev)
+	for g, p := range in.core.peers {
+		in.addr[g] = p.to
+	}
+	out := in.print(from, effs)
+	in.before = nil
+	return out
 }
 
 // print shows the effects, checking where each is addressed: a refusal to
@@ -202,12 +221,21 @@ func (in *sendInterp) print(from route, effs []effect) string {
 		switch e := e.(type) {
 		case effRefuse:
 			to, want = e.to, from
+			if from == (route{}) {
+				want = to // (the refusal of an ask that waited)
+			}
 		case effReady:
 			to, want = e.to, in.addr[e.gen]
 		case effStartSend:
 			to, want = e.to, in.addr[e.gen]
 		case effAbort:
 			to, want = e.to, in.addr[e.peer]
+			if old, ok := in.before[e.peer]; ok && to == old {
+				want = old // (an abort of the attempt an ask superseded)
+			}
+			if from != (route{}) && to == from {
+				want = from // (the answer to an ask of a failed attempt)
+			}
 		}
 		if to != want {
 			line += fmt.Sprintf(" !! addressed to %+v, want %+v", to, want)
@@ -356,6 +384,10 @@ func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
 		effs = in.c.step(instCancelEvent{key: key, cause: fmt.Errorf("%w: %s", ErrCanceled, c.str("cause", "cancelled"))})
 	case "start-failed":
 		effs = in.c.step(startFailedEvent{key: key, ranks: c.ints(t, "ranks"), err: scriptErr(c, "err"), now: scriptAt(t, c)})
+	case "attempt":
+		// attempt send id= rank= attempt= [err=]: rank's part of the
+		// attempt ended (err: the attempt failed).
+		effs = in.c.step(attemptEndEvent{key: key, rank: c.int(t, "rank", 0), attempt: uint64(c.int(t, "attempt", 0)), err: scriptErr(c, "err")})
 	case "in-flight":
 		all, reported := in.c.inFlight(key.side)
 		return fmt.Sprintf("in flight: %d, reported by Check: %d", all, reported)

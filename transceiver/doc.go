@@ -14,10 +14,12 @@
 // generation instance, which pulls them into its own. A core takes typed
 // events (a request-info, a Ready, a Refused, an Abort, a chunk descriptor,
 // the end of a send or receive, a lost connection, a deadline tick, a
-// cancel) and returns effects that say all there is to do: refuse with a
-// wire code and a reason, answer Ready with the chunk size, start a send
-// with its chunk plan, reach a context rank and write the request-info,
-// start a receive, abort a peer, stop, release the blocks, complete. The
+// cancel, the consensus' word on a pull attempt) and returns effects that
+// say all there is to do: refuse with a wire code and a reason, answer
+// Ready with the chunk size, start a send with its chunk plan, reach a
+// context rank and write the request-info, start a receive, abort a peer,
+// stop, tell the consensus how a pull attempt went, release the blocks,
+// complete. The
 // rules are the cores': who may ask (the request's token, compared in
 // constant time; an unknown id and a wrong token get one answer), what
 // (compatible states, target ranks, block ranges and reused prefixes, open
@@ -28,8 +30,42 @@
 // A third pure core, the consensus (consensus.go), is the instance's view
 // of a request: it completes when every rank taking part has completed it,
 // the first rank to fail cancels it on the others, the ranks' figures add
-// up. It names ranks and requests by number, never by pointer, so that it
-// can later agree across processes.
+// up; and it decides the pull attempts of a context request (below). It
+// names ranks, requests and attempts by number, never by pointer, so that
+// it can later agree across processes.
+//
+// # Failed pulls and retries
+//
+// A failed pull fails that generation request only. A pull is an attempt,
+// named by the id its request-infos carry (wire GenRequestID: one id for
+// every rank of the generation request, counting up from a random start per
+// instance). A context request stays pullable by its owner (whoever holds
+// its opaque state, and so its token) until its deadline
+// (kv_transfer_timeout), a cancel, a failure of the context side's own, or
+// an attempt that completes on every rank. When an attempt fails for a
+// reason of the generation side or the link (an abort from a generation
+// rank, a lost control or data connection, a peer that breaks the
+// protocol: peerCaused in errors.go), every context rank gives that attempt
+// up, aborting its other peers and stopping its sends, and waits for the
+// asks of another, keeping the blocks; the generation layout it expected is
+// forgotten, since the retry may come from another generation instance. The
+// owner pulls again with a new generation request and the same context
+// phase params. The sender timeout (kv_transfer_sender_future_timeout)
+// starts again with the sends of each attempt; kv_transfer_timeout does
+// not. A rank whose sends of an attempt finished keeps the blocks until the
+// consensus knows that every rank finished the same attempt, and only then
+// releases them and completes; reports of an attempt that failed change
+// nothing, and its late asks are aborted. An ask of a new attempt on a rank
+// still in another gives the other up (the owner has), or, if the rank's
+// sends of the other have finished, waits for the consensus' word on it.
+// After
+// maxPullAttempts (3) failed attempts the request fails and releases its
+// blocks, so that a failing or hostile owner cannot hold them in a loop. A
+// failure of the context side's own (a local send error, a cancel, either
+// deadline, the attempt bound) ends the request on every rank at once, as
+// any failure of a receive does on the generation side. Once a context
+// request is over, completed or not, every ask of it gets the answer an
+// unknown id or a wrong token gets.
 //
 // One driver (rank.go) serves both sides: it feeds a request's core each
 // event under the rank's lock and carries out the effects after, in one
@@ -88,8 +124,10 @@
 // each with its plan: blocks 0 to 3, half the heads of each (2 KiB a block
 // packed), over tcp, in chunks of 4 blocks (all that the receiver takes and
 // a 64 KiB staging buffer holds). When both sends have reported their end,
-// the core says release-blocks and complete ok; the driver gives the
-// blocks back once no send touches them, and reports to the consensus.
+// the core tells the consensus (attempt-sent) and holds the blocks; once
+// the consensus says that every rank has finished the same attempt
+// (commit), it says release-blocks and complete ok, and the driver gives
+// the blocks back once no send touches them and reports to the consensus.
 //
 // # Signed opaque states and allowed peers
 //
@@ -105,7 +143,10 @@
 // whose MAC does not match (ErrForgedOpaqueState, compared in constant
 // time), that has expired (ErrExpiredOpaqueState) or whose nonce it has
 // already accepted (ErrReplayedOpaqueState). Accepted nonces are kept until
-// their expiry, at most Options.NonceCacheSize of them; when that many are
+// their expiry, but for the nonce of a pull that failed without a refusal
+// from the context side, which is given back so that the owner may pull
+// again (the context instance still holds the request, or refuses the
+// state), at most Options.NonceCacheSize of them; when that many are
 // unexpired, new states are refused (ErrReplayCacheFull) rather than old
 // nonces forgotten. Expiry compares the generation host's clock with the
 // context host's: a clock skew between them shortens or stretches the

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -34,6 +35,10 @@ var (
 	// or a data connection (the failure then wraps transport.ErrPeerLost
 	// too).
 	ErrPeerLost = control.ErrPeerLost
+	// ErrTooManyAttempts: a context request ended because maxPullAttempts
+	// pulls of it failed (each for a reason of the generation side or the
+	// link).
+	ErrTooManyAttempts = errors.New("transceiver: too many failed pull attempts")
 
 	// Refusals of an opaque state by a generation instance, before it dials
 	// anything (see CheckOpaque).
@@ -69,4 +74,19 @@ func requestErr(err error) error {
 		return fmt.Errorf("%w: %w", ErrPeerLost, err)
 	}
 	return err
+}
+
+// peerCaused reports whether a failure of a pull is the generation side's
+// or the link's, not the context side's own: a lost connection (control or
+// data), an abort by the peer, a peer that broke the protocol (a malformed
+// frame, a bad descriptor). Such a failure fails the pull attempt, and the
+// context request stays pullable (see sendCore); any other fails the
+// context request.
+func peerCaused(err error) bool {
+	for _, e := range []error{ErrPeerLost, transport.ErrPeerLost, ErrPeerAborted, wire.ErrMalformed, transport.ErrBadDescriptor, transport.ErrProtocol} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }

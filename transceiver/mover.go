@@ -38,9 +38,9 @@ func (r *rank) registerMemory() error {
 // sendPair sends q's bytes for one generation rank: straight from the
 // blocks to the receipt armed for a direct transfer, else chunk by chunk
 // through a send staging buffer, each chunk to the receipt the receiver
-// announced for it (descs, in order: the core checked it).
-func (r *rank) sendPair(q *rankReq, p sendPlan, descs <-chan chunkDesc) (int64, int, error) {
-	ctx := q.ctx
+// announced for it (descs, in order: the core checked it). ctx is the
+// attempt's: it ends when the attempt is given up or the request stops.
+func (r *rank) sendPair(q *rankReq, ctx context.Context, p sendPlan, descs <-chan chunkDesc) (int64, int, error) {
 	tr := r.transports[p.backend]
 	blocks := q.mem[p.first : p.first+p.n]
 	packed := p.plan.PackedBytesPerBlock()

@@ -29,7 +29,10 @@ type Record struct {
 	Rank      int
 	Role      string // RoleContext or RoleGeneration
 	Backend   string // what carried the data ("tcp"); "" when nothing moved
-	Bytes     int64
+	// Bytes are the bytes moved; on the context side, by every pull
+	// attempt of the request (a failed attempt ends no transfer: it is
+	// logged, and the request waits for the next).
+	Bytes int64
 	// Delay is from the request entering the transceiver to its data
 	// starting to move (waiting for the peer); Duration from then to the
 	// end. When no data moved, Delay is the whole time and Duration 0.

@@ -86,7 +86,7 @@ func (g *opaqueGuard) check(op *OpaqueState, consume bool) error {
 	defer g.mu.Unlock()
 	g.prune(now)
 	if _, dup := g.seen[op.Nonce]; dup {
-		return fmt.Errorf("%w: context request %d: this instance has already accepted this opaque state; a state is good for one generation request", ErrReplayedOpaqueState, op.RequestID)
+		return fmt.Errorf("%w: context request %d: this instance has already accepted this opaque state; a state is good for one generation request (or, after a pull of it that failed, another)", ErrReplayedOpaqueState, op.RequestID)
 	}
 	if !consume {
 		return nil
@@ -97,6 +97,26 @@ func (g *opaqueGuard) check(op *OpaqueState, consume bool) error {
 	g.seen[op.Nonce] = op.Expiry
 	heap.Push(&g.exp, nonceAt{op.Nonce, op.Expiry})
 	return nil
+}
+
+// giveBack forgets nonce, of a state accepted for a pull that failed
+// without the context instance refusing it: the state's owner may pull it
+// again, here too. (The context instance holds the request for that, and
+// refuses a state it no longer holds; a state that was pulled keeps its
+// nonce.)
+func (g *opaqueGuard) giveBack(nonce [16]byte) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.seen[nonce]; !ok {
+		return
+	}
+	delete(g.seen, nonce)
+	for i, n := range g.exp {
+		if n.nonce == nonce {
+			heap.Remove(&g.exp, i)
+			break
+		}
+	}
 }
 
 // prune forgets the nonces whose states have expired: an expired state is

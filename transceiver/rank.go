@@ -7,7 +7,6 @@ import (
 	"net"
 	"slices"
 	"sync"
-	"sync/atomic"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
@@ -27,6 +26,11 @@ import (
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
 
+// attemptEnd is how a rank reports that its part of a pull attempt of a
+// context request ended: its sends finished (err nil) or the attempt
+// failed. The instance's word comes back with rank.decide.
+type attemptEnd func(rank int, key instKey, attempt uint64, err error)
+
 // rank is one rank's transceiver: a control listener, the data planes, the
 // staging buffers and the requests in flight.
 //
@@ -43,8 +47,8 @@ type rank struct {
 	sendBufs   *bufPool
 	recvBufs   *bufPool
 	done       rankDone
+	attempt    attemptEnd
 	log        *slog.Logger
-	nextRecv   atomic.Uint64 // ids of the receives of this rank (wire GenRequestID)
 
 	wg   sync.WaitGroup  // every goroutine of this rank
 	life context.Context // ends when the rank closes: bounds shm probes
@@ -84,10 +88,10 @@ type rankReq struct {
 	workers sync.WaitGroup
 
 	// Guarded by rank.mu.
-	over      bool                   // the core completed: later events are dropped
-	stopTimer func() bool            // the deadline's timer
-	descs     map[int]chan chunkDesc // send side: chunk receipts for each send, by generation rank
-	srcs      map[int]*srcIO         // receive side: by context rank
+	over      bool                    // the core completed: later events are dropped
+	stopTimer func() bool             // the deadline's timer
+	attempts  map[uint64]*sendAttempt // send side: the pull attempts' sends, by attempt
+	srcs      map[int]*srcIO          // receive side: by context rank
 }
 
 // srcIO is the data-plane state of one source of a receive.
@@ -97,17 +101,38 @@ type srcIO struct {
 	direct transport.Recv // receipt armed for a direct transfer; nil: none
 }
 
+// sendAttempt is what the sends of one pull attempt share: a context that
+// stops them (a child of the request's), and the chunk receipts for each,
+// by generation rank.
+type sendAttempt struct {
+	ctx    context.Context
+	cancel context.CancelCauseFunc
+	descs  map[int]chan chunkDesc
+}
+
+// sendAttempt returns the sends' state of attempt a of q. Called with
+// r.mu held.
+func (q *rankReq) sendAttempt(a uint64) *sendAttempt {
+	sa := q.attempts[a]
+	if sa == nil {
+		ctx, cancel := context.WithCancelCause(q.ctx)
+		sa = &sendAttempt{ctx: ctx, cancel: cancel, descs: map[int]chan chunkDesc{}}
+		q.attempts[a] = sa
+	}
+	return sa
+}
+
 type chunkDesc struct {
 	index int
 	desc  transport.Descriptor
 }
 
-func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone) *rank {
+func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone, attempt attemptEnd) *rank {
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	life, stop := context.WithCancel(context.Background())
 	r := &rank{
 		life: life, stop: stop,
-		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done,
+		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
 		sendBufs: newBufPool(set.sendBuffers, int(bb)),
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
@@ -162,10 +187,10 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 }
 
 // receive starts pulling context request op into blocks (this rank's, in
-// request order). self is the instance's state with the DP rank of this
-// request.
-func (r *rank) receive(reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash) error {
-	id := r.nextRecv.Add(1)
+// request order). id is the pull's id (wire GenRequestID), the same on
+// every rank of the instance; self is the instance's state with the DP rank
+// of this request.
+func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash) error {
 	core, err := newRecvCore(recvConfig{rank: r.idx, id: id, reqID: reqID, sendID: op.RequestID, token: op.Token,
 		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash,
 		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout})
@@ -186,7 +211,7 @@ func (r *rank) receive(reqID uint64, op *OpaqueState, self layout.CacheState, bl
 func (r *rank) newReq(key reqKey, reqID uint64, mem [][]byte) *rankReq {
 	ctx, cancel := context.WithCancelCause(context.Background())
 	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel,
-		stats: rankStats{start: r.set.now()}, descs: map[int]chan chunkDesc{}}
+		stats: rankStats{start: r.set.now()}, attempts: map[uint64]*sendAttempt{}}
 }
 
 // admit registers q and starts its core.
@@ -284,17 +309,30 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effReady:
 			r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)})
 		case effStartSend:
-			descs := r.descQueue(q, e.gen)
+			ctx, descs := r.descQueue(q, e.attempt, e.gen)
 			r.work(q, func() (int64, int, string, event) {
-				n, chunks, err := r.sendPair(q, e.pair, descs)
-				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, err: err}
+				n, chunks, err := r.sendPair(q, ctx, e.pair, descs)
+				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, attempt: e.attempt, err: err}
 			})
 		case effChunk:
+			_, descs := r.descQueue(q, e.attempt, e.gen)
 			select {
-			case r.descQueue(q, e.gen) <- chunkDesc{index: e.index, desc: e.desc}:
+			case descs <- chunkDesc{index: e.index, desc: e.desc}:
 			default:
-				r.step(q, evDescOverflow{gen: e.gen})
+				r.step(q, evDescOverflow{gen: e.gen, attempt: e.attempt})
 			}
+		case effStopAttempt:
+			r.mu.Lock()
+			sa := q.sendAttempt(e.attempt)
+			r.mu.Unlock()
+			sa.cancel(fmt.Errorf("%w: pull attempt %d of request %d given up", ErrCanceled, e.attempt, q.reqID))
+		case effAttemptEnded:
+			if e.err != nil {
+				r.log.Info("pull attempt failed; the context request stays pullable", "request", q.reqID, "attempt", e.attempt, "err", e.err)
+			} else {
+				r.log.Debug("pull attempt sent", "request", q.reqID, "attempt", e.attempt)
+			}
+			r.attempt(r.idx, instKey{q.key.side, q.reqID}, e.attempt, e.err)
 		case effAsk:
 			r.wg.Add(1)
 			q.workers.Add(1)
@@ -355,16 +393,18 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 	}()
 }
 
-// descQueue returns the queue of chunk receipts of the send to gen.
-func (r *rank) descQueue(q *rankReq, gen int) chan chunkDesc {
+// descQueue returns the context of the sends of attempt a and the queue of
+// chunk receipts of its send to gen.
+func (r *rank) descQueue(q *rankReq, a uint64, gen int) (context.Context, chan chunkDesc) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	ch := q.descs[gen]
+	sa := q.sendAttempt(a)
+	ch := sa.descs[gen]
 	if ch == nil {
 		ch = make(chan chunkDesc, 64)
-		q.descs[gen] = ch
+		sa.descs[gen] = ch
 	}
-	return ch
+	return sa.ctx, ch
 }
 
 func (r *rank) source(q *rankReq, src int) *srcIO {
@@ -544,6 +584,19 @@ func (r *rank) cancel(s side, reqID uint64, why error) bool {
 		return nil
 	}, evCancel{err: why})
 	return n > 0
+}
+
+// decide feeds the instance's word on a pull attempt (evAttemptFailed,
+// evCommit) to context request reqID on this rank.
+func (r *rank) decide(reqID uint64, ev event) {
+	r.feed(func() *rankReq {
+		for k, q := range r.reqs {
+			if k.side == sideSend && q.reqID == reqID {
+				return q
+			}
+		}
+		return nil
+	}, ev)
 }
 
 // close fails everything in flight, closes the listener, the connections

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"crypto/tls"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -107,6 +108,27 @@ type Transceiver struct {
 	doneSend []*Request           // ended, not yet returned by CheckContextTransferStatus
 	doneRecv []*Request           // ended, not yet returned by CheckGenTransferStatus
 	wake     chan struct{}        // closed and replaced whenever a request completes
+	pulls    uint64               // the last pull id handed out (see pullID)
+	nonces   map[instKey][16]byte // the nonce of the signed state of each pull in flight
+}
+
+// pullID returns the id of a new pull (wire GenRequestID), never 0. The
+// ids of an instance count up from a random start, so that the pulls of
+// two generation instances, which a context request's attempts may come
+// from, are not taken for one another.
+func (t *Transceiver) pullID() uint64 {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for t.pulls == 0 {
+		var b [8]byte
+		rand.Read(b[:])
+		t.pulls = binary.LittleEndian.Uint64(b[:])
+	}
+	t.pulls++
+	if t.pulls == 0 {
+		t.pulls++
+	}
+	return t.pulls
 }
 
 // New builds the transceiver of one instance from the public config. It is
@@ -138,7 +160,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	set := settingsOf(cfg, &opts, res.Backend, peers, log)
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
 		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
-		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{})}
+		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{}}
 	if cfg.TimeOutputPath != "" {
 		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
 	}
@@ -301,7 +323,7 @@ func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTran
 		closeAll()
 		return nil, err
 	}
-	r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone)
+	r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone, t.attemptEnded)
 	r.obs, r.csv = opts.Observer, t.csv
 	if err := r.registerMemory(); err != nil {
 		r.close()
@@ -421,8 +443,12 @@ func (t *Transceiver) requestState(dp int) layout.CacheState {
 // RespondAndSendAsync hands a context_only request whose prefill is done to
 // the transceiver: every rank holds the request's blocks (an extra
 // reference; the caller may release its own) until the generation instance
-// has pulled them or kv_transfer_timeout_ms has passed. It sets
-// req.ContextPhase (ctx_request_id and opaque state) and the state
+// has pulled them or kv_transfer_timeout_ms has passed. A pull that fails
+// for a reason of the generation side or the link fails that generation
+// request only: the request stays held for its owner to pull again with the
+// same context phase params, up to maxPullAttempts failed pulls (see the
+// package docs, "Failed pulls and retries"). It sets req.ContextPhase
+// (ctx_request_id and opaque state) and the state
 // DISAGG_CONTEXT_TRANS_IN_PROGRESS, and returns at once.
 func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if req.Type != ContextOnly {
@@ -476,7 +502,13 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 // RequestAndReceiveAsync starts pulling a generation_only request's KV cache
 // into req.Blocks, from the context instance named by
 // req.ContextPhase.OpaqueState. It sets DISAGG_GENERATION_TRANS_IN_PROGRESS
-// and returns at once.
+// and returns at once. When the pull fails, only req fails: the context
+// request stays pullable (unless the failure was the context side's), and
+// a new generation request with the same context phase params may pull it
+// again. With a cluster secret, a signed state accepted by this instance is
+// refused here afterwards (ErrReplayedOpaqueState) once a pull of it has
+// completed or been refused by the context instance; a pull that failed
+// otherwise gives it back.
 func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if req.Type != GenerationOnly {
 		return fmt.Errorf("transceiver: receive: request %d is %s, want generation_only", req.ID, req.Type)
@@ -512,8 +544,16 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if err != nil {
 		return err
 	}
+	if op.Signed && t.guard.key != nil {
+		t.mu.Lock()
+		t.nonces[key] = op.Nonce
+		t.mu.Unlock()
+	}
+	// One id for the pull on every rank: the context ranks tell the
+	// attempts of a context request apart by it.
+	id := t.pullID()
 	for i, r := range ranks {
-		if err := r.receive(req.ID, &op, genState, req.Blocks[r.idx], req.LastBlockHash); err != nil {
+		if err := r.receive(id, req.ID, &op, genState, req.Blocks[r.idx], req.LastBlockHash); err != nil {
 			t.startFailed(key, ranks[i:], err)
 			return err
 		}
@@ -603,32 +643,50 @@ func (t *Transceiver) rankDone(rank int, key instKey, err error, res rankResult)
 	t.cancelRanks(t.step(rankDoneEvent{key: key, rank: rank, err: err, res: res, now: t.now()}))
 }
 
-// step feeds ev to the consensus core. It completes the requests the core
-// completes at once, under the lock (so that the Check calls never see a
-// request neither pending nor done), and returns the cancels to carry out.
-func (t *Transceiver) step(ev instEvent) []cancelRanksEffect {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	var cancels []cancelRanksEffect
-	for _, e := range t.inst.step(ev) {
-		switch e := e.(type) {
-		case cancelRanksEffect:
-			cancels = append(cancels, e)
-		case instCompleteEffect:
-			t.completeLocked(e)
-		}
-	}
-	return cancels
+// attemptEnded is called by a rank when its part of a pull attempt of a
+// context request ends.
+func (t *Transceiver) attemptEnded(rank int, key instKey, attempt uint64, err error) {
+	t.cancelRanks(t.step(attemptEndEvent{key: key, rank: rank, attempt: attempt, err: err}))
 }
 
-// cancelRanks cancels requests on ranks; it reports whether any rank had
-// something to cancel.
-func (t *Transceiver) cancelRanks(cancels []cancelRanksEffect) bool {
+// step feeds ev to the consensus core. It completes the requests the core
+// completes at once, under the lock (so that the Check calls never see a
+// request neither pending nor done), and returns the other effects (for
+// ranks) to carry out.
+func (t *Transceiver) step(ev instEvent) []instEffect {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var out []instEffect
+	for _, e := range t.inst.step(ev) {
+		if c, ok := e.(instCompleteEffect); ok {
+			t.completeLocked(c)
+		} else {
+			out = append(out, e)
+		}
+	}
+	return out
+}
+
+// cancelRanks carries out the consensus' effects for ranks: cancels, and
+// the fate of pull attempts. It reports whether any rank had something to
+// cancel.
+func (t *Transceiver) cancelRanks(effs []instEffect) bool {
 	any := false
-	for _, c := range cancels {
-		for _, i := range c.ranks {
-			if t.ranks[i].cancel(c.key.side, c.key.id, c.cause) {
-				any = true
+	for _, e := range effs {
+		switch e := e.(type) {
+		case cancelRanksEffect:
+			for _, i := range e.ranks {
+				if t.ranks[i].cancel(e.key.side, e.key.id, e.cause) {
+					any = true
+				}
+			}
+		case attemptFailedEffect:
+			for _, i := range e.ranks {
+				t.ranks[i].decide(e.key.id, evAttemptFailed{attempt: e.attempt, err: e.cause, now: t.ranks[i].set.clock.Now()})
+			}
+		case commitEffect:
+			for _, i := range e.ranks {
+				t.ranks[i].decide(e.key.id, evCommit{attempt: e.attempt})
 			}
 		}
 	}
@@ -638,6 +696,15 @@ func (t *Transceiver) cancelRanks(cancels []cancelRanksEffect) bool {
 func (t *Transceiver) completeLocked(e instCompleteEffect) {
 	req := t.reqs[e.key]
 	delete(t.reqs, e.key)
+	if n, ok := t.nonces[e.key]; ok {
+		delete(t.nonces, e.key)
+		// A pull that failed without a refusal leaves the context request
+		// held (unless the failure was the context side's, and then it
+		// refuses the state): its owner may pull it again.
+		if e.err != nil && !errors.Is(e.err, ErrRefused) {
+			t.guard.giveBack(n)
+		}
+	}
 	req.mu.Lock()
 	req.stats = e.stats
 	switch {

@@ -385,15 +385,21 @@ func TestCancel(t *testing.T) {
 		if !errors.Is(greq.Err(), ErrCanceled) || greq.State() != DisaggTransError {
 			t.Fatalf("gen: %s %v", greq.State(), greq.Err())
 		}
-		// The abort reaches the context side, which ends in error too
-		// (DESIGN.md, failure rules), never complete: a staged chunk goes
-		// out only when the generation side asks for it, and the cancel
-		// comes as soon as the first of the 512 moves.
-		waitDone(t, creq, 5*time.Second)
-		if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrPeerAborted) {
-			t.Fatalf("sender: %s %v, want DISAGG_TRANS_ERROR with an abort from the generation side", creq.State(), creq.Err())
-		}
 		gen.release(t, greq.Blocks)
+		// The abort reaches the context side: the pull attempt fails, not
+		// the context request, which waits for its owner to pull again,
+		// never complete (a staged chunk goes out only when the generation
+		// side asks for it, and the cancel comes as soon as the first of
+		// the 512 moves). See TestRetryAfterFailedPull for the retry.
+		waitSendPhase(t, sender, creq.ID, phaseWaiting)
+		if creq.State() != DisaggContextTransInProgress {
+			t.Fatalf("sender: %s %v, want the request still held", creq.State(), creq.Err())
+		}
+		sender.t.Cancel(creq)
+		waitDone(t, creq, 5*time.Second)
+		if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrCanceled) {
+			t.Fatalf("sender after its cancel: %s %v", creq.State(), creq.Err())
+		}
 	})
 	t.Run("context during pull", func(t *testing.T) {
 		sender := newInst(t, s, testCfg(), 600)

@@ -78,7 +78,11 @@ type Hello struct {
 type RequestInfo struct {
 	CtxRequestID uint64
 	Token        [16]byte
-	GenRequestID uint64 // the generation side's id for this transfer; echoed in replies
+	// GenRequestID is the generation side's id for this pull, the same
+	// on every generation rank of the request; echoed in replies. The
+	// context side tells the pull attempts of one context request apart by
+	// it.
+	GenRequestID uint64
 	GenRank      uint32
 	GenState     []byte // the generation instance's CacheState, DP rank included
 	// NumBlocks is how many of the request's blocks are wanted: all of them
