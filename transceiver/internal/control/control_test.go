@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"github.com/kvxfer/kvxfer/internal/manualclock"
 	"io"
 	"log/slog"
@@ -354,7 +355,7 @@ func TestVersionMismatch(t *testing.T) {
 			t.Fatal(err)
 		}
 		r, ok := f.(*wire.Refused)
-		if !ok || r.Code != wire.RefusedVersion || !strings.Contains(r.Reason, "control protocol version 2, this context rank speaks 1") {
+		if !ok || r.Code != wire.RefusedVersion || !strings.Contains(r.Reason, fmt.Sprintf("control protocol version %d, this context rank speaks %d", wire.Version+1, wire.Version)) {
 			t.Fatalf("got %#v, want a version refusal", f)
 		}
 		if _, err := wire.Read(br); !errors.Is(err, io.EOF) {

@@ -9,8 +9,11 @@ import (
 )
 
 // Version is the control protocol version carried in Hello. A peer with
-// another version is refused with both versions named.
-const Version = 1
+// another version is refused with both versions named. Version 2: a
+// generation request's RequestInfo.GenRequestID is the same on all its
+// ranks and names its pull attempt (a context rank serving several of its
+// ranks would take version 1's per-rank ids for competing pulls).
+const Version = 2
 
 // Limits of the control protocol.
 const (
