@@ -155,27 +155,31 @@ func (m *Member) grantPut(ctx context.Context) (LeaseID, time.Time, error) {
 // keepAlive renews the lease every Interval. An attempt that fails is
 // retried at once with backoff, each attempt bounded by half the lease time
 // left (the whole of it when little is left), so that several attempts fit
-// before the lease can expire. A lease lost anyway is granted again.
+// before the lease can expire. Only the store decides that the lease is
+// gone (ErrLeaseNotFound): past the time the lease was sure to last, the
+// worker keeps trying at the interval's pace, since its renewals may have
+// arrived with only their answers lost, and a lease that did expire is
+// granted again and the record put back.
 func (m *Member) keepAlive(ctx context.Context, lease LeaseID, renewed time.Time) {
 	defer close(m.exited)
 	for {
 		if !sleepUntil(ctx, renewed.Add(m.opts.Interval)) {
 			return
 		}
-		lost := true
+		lost := false
 		backoff := min(50*time.Millisecond, m.opts.Interval/4)
-		for ctx.Err() == nil {
+		for {
 			left := time.Until(renewed.Add(m.opts.TTL))
-			if left <= 0 {
-				break
+			attempt := m.opts.Interval
+			if left > 0 {
+				attempt = max(left/2, min(left, 200*time.Millisecond))
 			}
-			attempt := max(left/2, min(left, 200*time.Millisecond))
 			actx, cancel := context.WithTimeout(ctx, attempt)
 			sent := time.Now()
 			_, err := m.store.KeepAlive(actx, lease)
 			cancel()
 			if err == nil {
-				renewed, lost = sent, false
+				renewed = sent
 				m.update(func(s *MemberStatus) { s.Renewals++; s.LastRenewal = sent })
 				break
 			}
@@ -184,10 +188,16 @@ func (m *Member) keepAlive(ctx context.Context, lease LeaseID, renewed time.Time
 			}
 			m.update(func(s *MemberStatus) { s.Failures++; s.LastErr = err })
 			if errors.Is(err, ErrLeaseNotFound) {
+				lost = true
 				break
 			}
-			m.log.Warn("membership: keep-alive failed, retrying before the lease expires", "err", err, "lease_left", time.Until(renewed.Add(m.opts.TTL)).Round(time.Millisecond))
-			if !sleepUntil(ctx, time.Now().Add(min(backoff, max(0, time.Until(renewed.Add(m.opts.TTL))/4)))) {
+			left = time.Until(renewed.Add(m.opts.TTL))
+			m.log.Warn("membership: keep-alive failed, retrying", "err", err, "lease_left", left.Round(time.Millisecond))
+			wait := backoff
+			if left > 0 {
+				wait = min(backoff, left/4)
+			}
+			if !sleepUntil(ctx, time.Now().Add(wait)) {
 				return
 			}
 			backoff = min(2*backoff, m.opts.Interval)

@@ -77,6 +77,10 @@ var boundaries = []rule{
 	// The etcd store, on etcd's client (which brings gRPC and zap).
 	{pkg: "membership/etcdstore", may: []string{"membership"}, tests: []string{"membership/membershiptest"},
 		ext: []string{"go.etcd.io/etcd/...", "go.uber.org/zap"}},
+	// Where the disagg_cluster block meets the stores: it opens the one
+	// the cluster_uri names.
+	{pkg: "membership/connect", may: []string{"config", "membership", "membership/memstore", "membership/etcdstore"},
+		tests: []string{"membership/membershiptest"}},
 	// The conformance suite every store passes: test code, so goleak.
 	{pkg: "membership/membershiptest", may: []string{"membership"}, ext: []string{"go.uber.org/goleak"}},
 	// Helpers under internal/: each is below everything that uses it.

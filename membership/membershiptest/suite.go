@@ -51,6 +51,7 @@ func Run(t *testing.T, h Harness) {
 		{"ViewResyncAfterCompaction", testViewResync},
 		{"ViewStaleDelete", testViewStaleDelete},
 		{"KeepAliveStalledStore", testKeepAliveStalled},
+		{"MemberLifecycle", testMemberLifecycle},
 		{"Close", testClose},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -693,8 +694,8 @@ func testKeepAliveStalled(t *testing.T, h Harness) {
 	}()
 	defer func() { cancel(); <-done }()
 
-	// Replies late by 1.5 intervals, three times in a row.
-	stall := 3 * interval
+	// Replies late by two intervals, three times in a row.
+	stall := 2 * interval
 	for range 3 {
 		proxy.Stall(stall)
 		time.Sleep(stall + interval)
@@ -748,5 +749,57 @@ func testClose(t *testing.T, h Harness) {
 	}
 	if _, _, err := s.List(ctx, "/kvxfer/"); !errors.Is(err, membership.ErrClosed) {
 		t.Errorf("List after Close: %v, want ErrClosed", err)
+	}
+}
+
+// testMemberLifecycle: Deregister deletes the record at once (not at the
+// lease's end), is idempotent, and ends the Member.
+func testMemberLifecycle(t *testing.T, h Harness) {
+	s := dial(t, h, h.Addr)
+	cl := cluster(t)
+	ctx := ctxFor(t, 20*time.Second)
+	ttl := max(h.MinTTL, 10*time.Second)
+	m := newMember(t, s, cl, record(membership.RoleGeneration, "http://127.0.0.1:24001", 9), ttl/4, ttl)
+	if err := m.Register(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Register(ctx); !errors.Is(err, membership.ErrClosed) {
+		t.Errorf("second Register: %v, want ErrClosed", err)
+	}
+	kvs, rev, err := s.List(ctx, membership.Prefix(cl))
+	if err != nil || len(kvs) != 1 || kvs[0].Key != m.Key() {
+		t.Fatalf("List = %v, %v; want %s", kvs, err, m.Key())
+	}
+	rec, err := membership.DecodeRecord(kvs[0].Value)
+	if err != nil || rec.RegisteredAt.IsZero() || rec.URL != "http://127.0.0.1:24001" {
+		t.Fatalf("stored record %+v, %v", rec, err)
+	}
+	if st := m.Status(); !st.Registered || st.Lease == 0 || kvs[0].Lease != st.Lease {
+		t.Errorf("status %+v, key's lease %d", st, kvs[0].Lease)
+	}
+	w, err := s.Watch(ctx, membership.Prefix(cl), rev+1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	start := time.Now()
+	if err := m.Deregister(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitEvents(t, w, 5*time.Second, func(evs []membership.Event) bool { return deletes(evs)[m.Key()] })
+	if el := time.Since(start); el > ttl/2 {
+		t.Errorf("record deleted %v after Deregister: not at once", el)
+	}
+	if err := m.Deregister(ctx); err != nil {
+		t.Errorf("second Deregister: %v", err)
+	}
+	if err := m.Close(); err != nil {
+		t.Errorf("Close after Deregister: %v", err)
+	}
+	if err := m.Register(ctx); !errors.Is(err, membership.ErrClosed) {
+		t.Errorf("Register after Deregister: %v, want ErrClosed", err)
+	}
+	if st := m.Status(); st.Registered {
+		t.Errorf("status after Deregister %+v", st)
 	}
 }

@@ -3,6 +3,8 @@ package memstore
 import (
 	"context"
 	"errors"
+	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -215,6 +217,80 @@ func TestWatchCloseEndsNext(t *testing.T) {
 			}
 		case <-time.After(3 * time.Second):
 			t.Fatalf("%T: Next still running 3 s after Close", st)
+		}
+	}
+}
+
+// TestRouterRestart: the built-in store lives in the router; when the
+// router restarts on the same address with an empty store, every worker
+// finds its lease gone and registers again, and a new View sees them all
+// within about one heartbeat.
+func TestRouterRestart(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	start := func(ln net.Listener) (*Store, *httptest.Server) {
+		s := New(Options{MinTTL: 100 * time.Millisecond})
+		mux := http.NewServeMux()
+		mux.Handle(BasePath+"/", Handler(s, HandlerOptions{}))
+		srv := httptest.NewUnstartedServer(mux)
+		srv.Listener.Close()
+		srv.Listener = ln
+		srv.Start()
+		return s, srv
+	}
+	s1, srv1 := start(ln)
+	c, _ := NewClient("http://"+addr, ClientOptions{PollWait: 200 * time.Millisecond})
+	defer c.Close()
+	interval, ttl := 200*time.Millisecond, time.Second
+	var members []*membership.Member
+	for i := range 3 {
+		rec := membership.Record{Role: membership.RoleContext, URL: fmt.Sprintf("http://127.0.0.1:%d", 25000+i), Layout: membership.Layout{TP: 1, PP: 1, DP: 1}, Incarnation: 5}
+		m, err := membership.NewMember(c, rec, membership.MemberOptions{Cluster: "r", Interval: interval, TTL: ttl})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer m.Close()
+		if err := m.Register(t.Context()); err != nil {
+			t.Fatal(err)
+		}
+		members = append(members, m)
+	}
+	srv1.CloseClientConnections()
+	srv1.Close()
+	s1.Close()
+	time.Sleep(300 * time.Millisecond) // the router is away for more than an interval
+
+	var ln2 net.Listener
+	for range 50 { // the old listener's port is free again
+		if ln2, err = net.Listen("tcp", addr); err == nil {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	s2, srv2 := start(ln2)
+	defer func() { srv2.CloseClientConnections(); srv2.Close(); s2.Close() }()
+	restarted := time.Now()
+	v := membership.NewView(s2, membership.ViewOptions{Cluster: "r"})
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); v.Run(ctx) }() //nolint:errcheck // ends with ctx
+	defer func() { cancel(); <-done }()
+	for len(v.Workers("")) < 3 {
+		if time.Since(restarted) > 5*time.Second {
+			t.Fatalf("after 5 s the restarted router has %d of 3 workers", len(v.Workers("")))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("all 3 workers back %v after the restart (heartbeat %v)", time.Since(restarted).Round(time.Millisecond), interval)
+	for _, m := range members {
+		if st := m.Status(); st.Reregistrations != 1 {
+			t.Errorf("%s: status %+v, want one re-registration", m.Key(), st)
 		}
 	}
 }
