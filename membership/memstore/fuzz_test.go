@@ -54,7 +54,11 @@ func FuzzHandler(f *testing.F) {
 		req := httptest.NewRequest(http.MethodPost, "http://x/", bytes.NewReader(body))
 		req.URL.Path = BasePath + "/" + name
 		w := httptest.NewRecorder()
+		start := time.Now()
 		h.ServeHTTP(w, req)
+		if el := time.Since(start); el > 2*time.Second {
+			t.Fatalf("%s %q: answered after %v", name, body, el)
+		}
 		if w.Code == 0 || w.Code >= 500 {
 			t.Fatalf("%s %q: status %d %s", name, body, w.Code, w.Body)
 		}
