@@ -306,3 +306,24 @@ func (v *View) notify(changes []Change) {
 		v.opts.OnChange(changes)
 	}
 }
+
+// ListWorkers lists cluster's workers once, without watching (for a
+// status command): every record present, older incarnations included,
+// sorted by key, and how many keys did not decode.
+func ListWorkers(ctx context.Context, store Store, cluster string) ([]WorkerInfo, int, error) {
+	kvs, _, err := store.List(ctx, Prefix(cluster))
+	if err != nil {
+		return nil, 0, fmt.Errorf("membership: list %s: %w", Prefix(cluster), err)
+	}
+	v := &View{opts: ViewOptions{Cluster: cluster}, log: slog.New(slog.DiscardHandler)}
+	out := make([]WorkerInfo, 0, len(kvs))
+	bad := 0
+	for _, kv := range kvs {
+		if w, ok := v.decode(kv.Key, kv.Value, kv.ModRev); ok {
+			out = append(out, w)
+		} else {
+			bad++
+		}
+	}
+	return out, bad, nil
+}

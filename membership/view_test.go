@@ -69,6 +69,10 @@ func TestViewRecords(t *testing.T) {
 	if len(ws) != 1 || ws[0].Record.Model != "m2" || len(v.Workers(membership.RoleGeneration)) != 0 {
 		t.Errorf("workers %+v", v.Workers(""))
 	}
+	all, bad, err := membership.ListWorkers(ctx, s, "c")
+	if err != nil || len(all) != 1 || bad != 3 || all[0].Key != key {
+		t.Errorf("ListWorkers = %+v, %d, %v", all, bad, err)
+	}
 	mu.Lock()
 	defer mu.Unlock()
 	// The first put may be seen by the list or the watch, the second as
