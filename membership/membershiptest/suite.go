@@ -52,6 +52,7 @@ func Run(t *testing.T, h Harness) {
 		{"ViewStaleDelete", testViewStaleDelete},
 		{"KeepAliveStalledStore", testKeepAliveStalled},
 		{"MemberLifecycle", testMemberLifecycle},
+		{"JoinLeaveLatency", testJoinLeaveLatency},
 		{"Close", testClose},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -801,5 +802,34 @@ func testMemberLifecycle(t *testing.T, h Harness) {
 	}
 	if st := m.Status(); st.Registered {
 		t.Errorf("status after Deregister %+v", st)
+	}
+}
+
+// testJoinLeaveLatency: a View sees a registration and a deregistration
+// within a second each (issue #15: a new worker takes traffic within 1 s
+// of registering; a worker leaving is dropped at once, not at its lease's
+// end).
+func testJoinLeaveLatency(t *testing.T, h Harness) {
+	s := dial(t, h, h.Addr)
+	joiner := dial(t, h, h.Addr)
+	cl := cluster(t)
+	ctx := ctxFor(t, 20*time.Second)
+	ttl := max(h.MinTTL, 10*time.Second)
+	v, _ := startView(t, s, cl)
+	waitFor(t, 5*time.Second, "the view synced", func() bool { return v.Stats().Synced })
+	for i := range 3 {
+		m := newMember(t, joiner, cl, record(membership.RoleContext, fmt.Sprintf("http://127.0.0.1:%d", 26000+i), 1), ttl/4, ttl)
+		start := time.Now()
+		if err := m.Register(ctx); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, time.Second, "the view saw the join within 1 s", func() bool { return len(v.Workers("")) == 1 })
+		joined := time.Since(start)
+		start = time.Now()
+		if err := m.Deregister(ctx); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, time.Second, "the view saw the leave within 1 s", func() bool { return len(v.Workers("")) == 0 })
+		t.Logf("join seen after %v, leave after %v", joined.Round(time.Microsecond), time.Since(start).Round(time.Microsecond))
 	}
 }
