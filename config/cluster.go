@@ -200,11 +200,20 @@ func (l *loader) disaggCluster(k, n *yaml.Node, path string) *DisaggCluster {
 		"cluster_uri": func(k, v *yaml.Node) {
 			uri = k
 			p := join(path, "cluster_uri")
-			if l.str(v, p, &dc.ClusterURI) && !strings.HasPrefix(dc.ClusterURI, "http://") && !strings.HasPrefix(dc.ClusterURI, "etcd://") {
-				l.errAt(v, p, "%q: want http://host:port (the disaggregated server keeps the store) or etcd://host:port", truncate(dc.ClusterURI))
+			if l.str(v, p, &dc.ClusterURI) {
+				if _, err := ParseClusterURI(dc.ClusterURI); err != nil {
+					l.errAt(v, p, "%v", err)
+				}
 			}
 		},
-		"cluster_name": func(k, v *yaml.Node) { l.str(v, join(path, "cluster_name"), &dc.ClusterName) },
+		"cluster_name": func(k, v *yaml.Node) {
+			p := join(path, "cluster_name")
+			if l.str(v, p, &dc.ClusterName) {
+				if err := CheckClusterName(dc.ClusterName); err != nil {
+					l.errAt(v, p, "%v", err)
+				}
+			}
+		},
 		"minimal_instances": func(k, v *yaml.Node) {
 			p := join(path, "minimal_instances")
 			l.block(v, p, map[string]func(k, v *yaml.Node){
@@ -225,9 +234,12 @@ func (l *loader) disaggCluster(k, n *yaml.Node, path string) *DisaggCluster {
 	if uri == nil {
 		l.errAt(n, join(path, "cluster_uri"), "missing: disagg_cluster needs cluster_uri (http://host:port or etcd://host:port)")
 	}
-	if dc.InactiveTimeoutSec <= dc.HeartbeatIntervalSec {
-		l.c.warn("", n.Line, n.Column, join(path, "inactive_timeout_sec"),
-			"%d s is not longer than heartbeat_interval_sec (%d s): a live worker would be dropped between two heartbeats", dc.InactiveTimeoutSec, dc.HeartbeatIntervalSec)
+	if err := CheckHeartbeat(dc.HeartbeatIntervalSec, dc.InactiveTimeoutSec); err != nil {
+		at := n
+		if s, ok := l.src[join(path, "heartbeat_interval_sec")]; ok && s.Kind == SourceFile {
+			at = &yaml.Node{Line: s.Line, Column: s.Col}
+		}
+		l.errAt(at, join(path, "heartbeat_interval_sec"), "%v", err)
 	}
 	l.c.warn(KindNotApplied, k.Line, k.Column, path, "accepted, not applied yet: %s", notAppliedYet[keyDisaggCluster])
 	return dc

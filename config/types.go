@@ -207,14 +207,17 @@ type ConditionalDisagg struct {
 // themselves in a store instead of being listed in urls.
 type DisaggCluster struct {
 	// ClusterURI is http://host:port (the disaggregated server keeps the
-	// store) or etcd://host:port[,host:port].
-	ClusterURI  string
+	// store) or etcd://host:port[,host:port]; ParseClusterURI reads it.
+	ClusterURI string
+	// ClusterName is one element of the store's keys (CheckClusterName).
 	ClusterName string
 	// MinContext and MinGeneration are minimal_instances (default 1 and
 	// 1): below them the router is not ready.
 	MinContext, MinGeneration int
-	HeartbeatIntervalSec      int // default 5
-	InactiveTimeoutSec        int // default 10
+	// HeartbeatIntervalSec (default 5) and InactiveTimeoutSec (default 10,
+	// the lease's TTL) meet CheckHeartbeat: 2 × interval ≤ timeout.
+	HeartbeatIntervalSec int
+	InactiveTimeoutSec   int
 }
 
 // Kind tells the two file forms apart.

@@ -68,6 +68,21 @@ var boundaries = []rule{
 	{pkg: "kvcache", may: []string{"internal/memfd"}},
 	{pkg: "config", ext: []string{"go.yaml.in/yaml/v3"}},
 	{pkg: "metrics", ext: []string{"github.com/prometheus/client_golang/..."}},
+	// Dynamic membership (disagg_cluster): the contract, Member and View,
+	// on nothing of the module.
+	{pkg: "membership"},
+	// The built-in store and its HTTP service; its tests run the
+	// conformance suite.
+	{pkg: "membership/memstore", may: []string{"membership"}, tests: []string{"membership/membershiptest"}},
+	// The etcd store, on etcd's client (which brings gRPC and zap).
+	{pkg: "membership/etcdstore", may: []string{"membership"}, tests: []string{"membership/membershiptest"},
+		ext: []string{"go.etcd.io/etcd/...", "go.uber.org/zap"}},
+	// Where the disagg_cluster block meets the stores: it opens the one
+	// the cluster_uri names.
+	{pkg: "membership/connect", may: []string{"config", "membership", "membership/memstore", "membership/etcdstore"},
+		tests: []string{"membership/membershiptest"}},
+	// The conformance suite every store passes: test code, so goleak.
+	{pkg: "membership/membershiptest", may: []string{"membership"}, ext: []string{"go.uber.org/goleak"}},
 	// Helpers under internal/: each is below everything that uses it.
 	{pkg: "internal/netlimit", tests: []string{"internal/syncbuf"}},
 	// Config.Transport hands the configs to the data planes.
@@ -241,6 +256,12 @@ func TestBoundaryRules(t *testing.T) {
 		{"serve", "github.com/prometheus/client_golang/prometheus", false, true},
 		{"serve", "github.com/prometheus/client_golang/prometheus/promhttp", false, false},
 		{"layout", "go.uber.org/goleak", true, true},
+		{"membership", "config", false, false}, // the contract reads no file
+		{"membership", "membership/memstore", true, true},
+		{"membership/memstore", "membership/etcdstore", false, false},
+		{"membership/memstore", "go.etcd.io/etcd/client/v3", false, false},
+		{"membership/etcdstore", "go.etcd.io/etcd/client/v3", false, true},
+		{"serve", "go.etcd.io/etcd/client/v3", false, false}, // the router reaches etcd through membership
 		{"layout", "go.uber.org/goleak", false, false},
 	} {
 		r, ok := ruleFor(tc.dir)

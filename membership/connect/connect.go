@@ -1,0 +1,77 @@
+package connect
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/etcdstore"
+	"github.com/kvxfer/kvxfer/membership/memstore"
+)
+
+// Options are the connections' settings beyond the block.
+type Options struct {
+	// HTTPClient reaches an http(s):// store (the router's built-in
+	// one); nil: a client of the store's own. Give one with the TLS
+	// config for https.
+	HTTPClient *http.Client
+	// Token is the built-in store's bearer token, if it wants one.
+	Token string
+	// Etcd are the etcd client's settings.
+	Etcd etcdstore.Options
+}
+
+// Open returns a client of the store dc.ClusterURI names: etcdstore for
+// etcd://, a memstore.Client for http(s)://. The caller closes it. For
+// etcd it connects (and starts the client's goroutines); for http it
+// dials nothing until the first call.
+func Open(ctx context.Context, dc config.DisaggCluster, opts Options) (membership.Store, error) {
+	u, err := config.ParseClusterURI(dc.ClusterURI)
+	if err != nil {
+		return nil, fmt.Errorf("membership: cluster_uri: %w", err)
+	}
+	switch u.Scheme {
+	case config.SchemeEtcd:
+		return etcdstore.Dial(ctx, u.Endpoints, opts.Etcd)
+	default:
+		return memstore.NewClient(u.Scheme+"://"+u.Endpoints[0], memstore.ClientOptions{HTTPClient: opts.HTTPClient, Token: opts.Token})
+	}
+}
+
+// IsBuiltIn reports whether dc names the built-in store (http:// or
+// https://), which the router serves itself with memstore.Handler.
+func IsBuiltIn(dc config.DisaggCluster) bool {
+	u, err := config.ParseClusterURI(dc.ClusterURI)
+	return err == nil && u.Scheme != config.SchemeEtcd
+}
+
+// MemberOptions are a worker's registration settings from dc:
+// heartbeat_interval_sec and inactive_timeout_sec (the lease's TTL).
+func MemberOptions(dc config.DisaggCluster) membership.MemberOptions {
+	return membership.MemberOptions{
+		Cluster:  dc.ClusterName,
+		Interval: time.Duration(dc.HeartbeatIntervalSec) * time.Second,
+		TTL:      time.Duration(dc.InactiveTimeoutSec) * time.Second,
+	}
+}
+
+// ViewOptions are the router's view settings from dc.
+func ViewOptions(dc config.DisaggCluster) membership.ViewOptions {
+	return membership.ViewOptions{Cluster: dc.ClusterName}
+}
+
+// Ready reports whether the view holds at least minimal_instances of each
+// role, and if not, which role is short: the router answers 503 naming it.
+func Ready(v *membership.View, dc config.DisaggCluster) (bool, string) {
+	c, g := len(v.Workers(membership.RoleContext)), len(v.Workers(membership.RoleGeneration))
+	switch {
+	case c < dc.MinContext:
+		return false, fmt.Sprintf("%d of the %d context workers minimal_instances asks for", c, dc.MinContext)
+	case g < dc.MinGeneration:
+		return false, fmt.Sprintf("%d of the %d generation workers minimal_instances asks for", g, dc.MinGeneration)
+	}
+	return true, ""
+}

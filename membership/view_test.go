@@ -1,0 +1,83 @@
+package membership_test
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/memstore"
+)
+
+// TestViewRecords: what the View makes of records it is given directly:
+// an update of the same member, a record that does not decode, a record
+// under another member's key, and a role filter.
+func TestViewRecords(t *testing.T) {
+	s := memstore.New(memstore.Options{})
+	defer s.Close()
+	ctx := t.Context()
+	var mu sync.Mutex
+	var got []string
+	v := membership.NewView(s, membership.ViewOptions{Cluster: "c", OnChange: func(cs []membership.Change) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range cs {
+			got = append(got, c.Kind.String()+" "+c.Worker.Record.URL)
+		}
+	}})
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); v.Run(rctx) }() //nolint:errcheck // ends with ctx
+	defer func() { cancel(); <-done }()
+
+	rec := membership.Record{Role: membership.RoleContext, URL: "http://10.1.1.1:80", Layout: membership.Layout{TP: 1, PP: 1, DP: 1}, Incarnation: 3}
+	id, _ := rec.ID()
+	key := membership.Key("c", rec.Role, id)
+	put := func(key string, r membership.Record) {
+		b, err := membership.EncodeRecord(&r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := s.Put(ctx, key, b, 0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(key, rec)
+	rec.Model = "m2"
+	put(key, rec) // same member, new record
+	if _, err := s.Put(ctx, membership.Key("c", membership.RoleGeneration, "x_1-0000000000000001"), []byte("{not json"), 0); err != nil {
+		t.Fatal(err)
+	}
+	other := rec
+	other.URL = "http://10.1.1.2:80"
+	put(membership.Key("c", membership.RoleGeneration, id), other) // record and key disagree
+	if _, err := s.Put(ctx, "/kvxfer/c/workers/bogus", []byte("{}"), 0); err != nil {
+		t.Fatal(err)
+	}
+	rev := s.Rev()
+	deadline := time.Now().Add(5 * time.Second)
+	for v.Stats().Rev < rev && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	st := v.Stats()
+	if st.Rev < rev || !st.Synced || st.BadRecords != 3 {
+		t.Errorf("stats %+v: want rev %d, synced, 3 bad records", st, rev)
+	}
+	ws := v.Workers(membership.RoleContext)
+	if len(ws) != 1 || ws[0].Record.Model != "m2" || len(v.Workers(membership.RoleGeneration)) != 0 {
+		t.Errorf("workers %+v", v.Workers(""))
+	}
+	all, bad, err := membership.ListWorkers(ctx, s, "c")
+	if err != nil || len(all) != 1 || bad != 3 || all[0].Key != key {
+		t.Errorf("ListWorkers = %+v, %d, %v", all, bad, err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	// The first put may be seen by the list or the watch, the second as
+	// an update or within the list.
+	if !slices.Equal(got, []string{"joined http://10.1.1.1:80", "updated http://10.1.1.1:80"}) && !slices.Equal(got, []string{"joined http://10.1.1.1:80"}) {
+		t.Errorf("changes %v", got)
+	}
+}
