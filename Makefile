@@ -40,7 +40,7 @@ staticcheck: ## staticcheck, pinned by the tool directive in go.mod
 	$(GO) tool staticcheck $(PKGS)
 
 unit: ## go test -race -shuffle=on
-	KVXFER_REQUIRE_NODE=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
+	KVXFER_REQUIRE_NODE=1 KVXFER_REQUIRE_ETCD=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
 
 hostile: ## only the hostile-client suite (README, Security); make test runs it too
 	$(GO) test -race -count=1 -run 'Hostile|PeerAllowList|FloodAfterHello|ControlHandshakeTimeout|KeepAliveFlood|ConnectionCaps?$$|TLSRefus|WorkerTLS|ServeBindsOnlyTheConfiguredHost' ./...

@@ -8,6 +8,7 @@ command -v gcc >/dev/null 2>&1 || need+=(gcc libc6-dev)   # cgo, for go test -ra
 dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)   # the UCX backend (-tags ucx)
 command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils) # its baseline in kvxfer bench
 command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)            # the TCP baselines in kvxfer bench
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)          # membership's etcd store, tested against a real etcd
 
 if ((${#need[@]})); then
 	if [[ $(id -u) -ne 0 ]]; then
