@@ -39,9 +39,10 @@ var boundaries = []rule{
 	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf"}},
 	// serve names prometheus.Registry (Worker.Registry, Router.Registry);
 	// the collectors themselves are package metrics'. Its tests register
-	// the tcp data plane that their workers use, as kvxfer's main does.
+	// the data planes that their workers use (tcp; ucx with -tags ucx), as
+	// kvxfer's main does.
 	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf"},
-		tests: []string{"transport/tcp", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
+		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
 	{pkg: "engine", may: []string{"transceiver", "kvcache", "layout"}, tests: []string{"config", "transport/tcp"}},
