@@ -123,7 +123,8 @@ type request struct {
 	ctx       context.Context
 	stopAfter func() bool
 	typ       transceiver.RequestType
-	prompt    []int32
+	prompt    []int32 // the prompt and the resumed tokens: the KV cache's tokens before generation
+	promptLen int     // the prompt's tokens alone
 	maxTokens int
 	temp      float64
 	seed      uint64
@@ -263,11 +264,14 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	if err := e.checkRequest(req); err != nil {
 		return nil, err
 	}
-	r := &request{ctx: ctx, typ: req.Type, prompt: slices.Clone(req.Prompt), maxTokens: req.MaxTokens,
-		temp: req.Sampling.Temperature, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
+	r := &request{ctx: ctx, typ: req.Type, prompt: append(slices.Clone(req.Prompt), req.Resume...), promptLen: len(req.Prompt),
+		maxTokens: req.MaxTokens, temp: req.Sampling.Temperature, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
 		text: newTextStream(req.Stop), state: transceiver.ContextInit}
 	if r.maxTokens == 0 {
 		r.maxTokens = e.opts.DefaultMaxTokens
+	}
+	if err := r.replay(req.Resume); err != nil {
+		return nil, err
 	}
 	if req.Sampling.Seed != nil {
 		r.seed = *req.Sampling.Seed
@@ -275,8 +279,9 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 		r.seed = rand.Uint64()
 	}
 	P := len(r.prompt)
-	r.reserve = P + r.maxTokens - 1
-	events := r.maxTokens + 1
+	left := r.maxTokens - len(r.generated) // tokens still to generate
+	r.reserve = P + left - 1
+	events := left + 1
 	switch req.Type {
 	case transceiver.ContextOnly:
 		r.reserve, events = P, 2
@@ -297,6 +302,31 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	}
 	r.out = make(chan Event, events)
 	return r, nil
+}
+
+// replay records the tokens of a resumed request as generated and runs
+// the detokenizer over them without emitting anything, so that the text
+// emitted from here on is what the uninterrupted request emits after them.
+// Tokens that would have ended the request, or leave nothing to generate,
+// are refused.
+func (r *request) replay(resume []int32) error {
+	if len(resume) == 0 {
+		return nil
+	}
+	if len(resume) >= r.maxTokens {
+		return badRequest("%d resumed tokens leave nothing to generate within max_tokens %d", len(resume), r.maxTokens)
+	}
+	r.generated = slices.Clone(resume)
+	for i, tok := range resume {
+		if tok < 0 || tok >= VocabSize {
+			return badRequest("resumed token %d is %d, out of the vocabulary [0,%d)", i, tok, VocabSize)
+		}
+		_, hitStop := r.text.push(tok)
+		if hitStop || tok == EOS && !r.ignoreEOS || slices.Contains(r.stopToks, tok) {
+			return badRequest("resumed token %d (%d) ends the request: nothing to resume", i, tok)
+		}
+	}
+	return nil
 }
 
 // badRequest is an ErrBadRequest saying what is wrong.
@@ -632,7 +662,7 @@ func (e *Engine) prefill(r *request) {
 		return
 	}
 	e.prefilled += uint64(len(r.prompt))
-	tok := sampleToken(logits, r.temp, r.seed, 0)
+	tok := sampleToken(logits, r.temp, r.seed, len(r.generated))
 	r.timing.Prefill = e.now().Sub(start)
 	reason := e.appendToken(r, tok)
 	if r.typ != transceiver.ContextOnly {
@@ -818,7 +848,7 @@ func (e *Engine) finish(r *request, reason string, err error) {
 	}
 	r.timing.Total = e.now().Sub(r.submitted)
 	f := &Final{FinishReason: reason, Err: err, State: r.state, Timing: r.timing,
-		Usage: Usage{PromptTokens: len(r.prompt), CompletionTokens: len(r.generated)}, PromptTokenIDs: r.prompt}
+		Usage: Usage{PromptTokens: r.promptLen, CompletionTokens: len(r.generated)}, PromptTokenIDs: r.prompt[:r.promptLen:r.promptLen]}
 	if r.typ == transceiver.ContextOnly && r.treq != nil && err == nil {
 		cp := r.treq.ContextPhase
 		f.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID,
