@@ -395,8 +395,9 @@ func TestStalledWorker(t *testing.T) {
 // TestStreamCutEndsWithError is issue #13's second defect, its minimal
 // part: a generation worker that dies mid-stream (or stalls past the chunk
 // deadline) used to leave the client with a silent end of file. The client
-// now gets an OpenAI-style error event and no [DONE]. (Migrating the
-// request to another worker is a later step of the issue.)
+// now gets an OpenAI-style error event and no [DONE]. (Here the stream
+// cannot migrate: its text came without token ids; TestMigration and
+// TestMigrationFails cover migration.)
 func TestStreamCutEndsWithError(t *testing.T) {
 	_, ctxURL := startFake(t, "ctx", "length")
 	for _, c := range []struct {
