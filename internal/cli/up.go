@@ -20,6 +20,7 @@ type upFlags struct {
 	lf                logFlags
 	tf                tlsFlags
 	df                deadlineFlags
+	mf                migrationFlag
 }
 
 func newUpCmd(e env) *cobra.Command {
@@ -46,6 +47,7 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 	uf.tf.add(cmd, "between the router and the workers and on their transfer planes, one certificate for all")
 	uf.lf.add(cmd)
 	uf.df.add(cmd)
+	uf.mf.add(cmd)
 	return cmd
 }
 
@@ -87,7 +89,7 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 	}
 	l, err := launch.Start(cmd.Context(), launch.Options{Cluster: cl, Model: uf.model, Aggregated: uf.smoke > 0,
 		Output: out, Logger: log, Secret: secret, TLS: uf.tf.or(cl.Security.TLS), GenerateTLS: uf.genTLS,
-		Deadlines: serve.RouterDeadlines(uf.df)})
+		Deadlines: serve.RouterDeadlines(uf.df), MigrationLimit: uf.mf.limit()})
 	if err != nil {
 		return err
 	}
