@@ -29,7 +29,17 @@ type cutter struct {
 	die   bool
 	dead  atomic.Bool
 	cuts  atomic.Int64
+	// how is how the cut happens: cutClose (the default), cutStall (the
+	// worker stops sending, as a SIGSTOPped one) or cut502 (the worker
+	// answers 502 at once, as for a failed KV transfer).
+	how atomic.Int32
 }
+
+const (
+	cutClose = iota
+	cutStall
+	cut502
+)
 
 func newCutter(t *testing.T, target string, arms *atomic.Int64, die bool) *cutter {
 	t.Helper()
@@ -46,6 +56,14 @@ func newCutter(t *testing.T, target string, arms *atomic.Int64, die bool) *cutte
 			return
 		}
 		body, _ := io.ReadAll(r.Body)
+		if c.how.Load() == cut502 && r.URL.Path != "/health" {
+			if c.arms.Add(-1) >= 0 {
+				c.cuts.Add(1)
+				writeError(w, http.StatusBadGateway, "kv_transfer_failed", "cut by the test")
+				return
+			}
+			c.arms.Add(1)
+		}
 		ureq, _ := http.NewRequestWithContext(r.Context(), r.Method, target+r.URL.Path, bytes.NewReader(body))
 		ureq.Header.Set("Content-Type", "application/json")
 		resp, err := client.Do(ureq)
@@ -83,6 +101,10 @@ func newCutter(t *testing.T, target string, arms *atomic.Int64, die bool) *cutte
 		} else {
 			io.Copy(io.Discard, resp.Body) // the answer is lost with the worker
 		}
+		if c.how.Load() == cutStall {
+			<-r.Context().Done()
+			return
+		}
 		hijack(w)
 		if c.die {
 			c.dead.Store(true)
@@ -109,6 +131,11 @@ type migrationCluster struct {
 
 func newMigrationCluster(t *testing.T, n, limit int, die bool) *migrationCluster {
 	t.Helper()
+	return newMigrationClusterDeadlines(t, n, limit, die, RouterDeadlines{ProbeInterval: 50 * time.Millisecond})
+}
+
+func newMigrationClusterDeadlines(t *testing.T, n, limit int, die bool, d RouterDeadlines) *migrationCluster {
+	t.Helper()
 	mc := &migrationCluster{ctxW: newTestWorker(t, RoleContext, "tiny-gqa", 1, 1)}
 	var urls []string
 	for range n {
@@ -117,8 +144,7 @@ func newMigrationCluster(t *testing.T, n, limit int, die bool) *migrationCluster
 		mc.gens, mc.cutters = append(mc.gens, g), append(mc.cutters, c)
 		urls = append(urls, c.srv.URL)
 	}
-	r, err := NewRouter(RouterOptions{Context: []string{mc.ctxW.srv.URL}, Generation: urls, MigrationLimit: limit,
-		RouterDeadlines: RouterDeadlines{ProbeInterval: 50 * time.Millisecond}})
+	r, err := NewRouter(RouterOptions{Context: []string{mc.ctxW.srv.URL}, Generation: urls, MigrationLimit: limit, RouterDeadlines: d})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -332,6 +358,34 @@ func TestMigration(t *testing.T) {
 	}
 	if n := metricValue(t, mc.router.Registry(), "kvxfer_router_migrations_total", map[string]string{"result": "failed"}); n != 0 {
 		t.Errorf("kvxfer_router_migrations_total{result=failed} = %v, want 0", n)
+	}
+}
+
+// TestMigrationStallAnd502: a generation worker that stops sending
+// mid-stream (past the chunk deadline) or answers 502 before any output
+// (a failed KV transfer) hands the request over too (a non-streamed answer
+// stalls before its headers: the header deadline); the unpulled context
+// request of the 502 is released.
+func TestMigrationStallAnd502(t *testing.T) {
+	mc := newMigrationClusterDeadlines(t, 2, 1, false, RouterDeadlines{HeaderTimeout: 2 * time.Second, ChunkTimeout: 300 * time.Millisecond, ProbeInterval: 50 * time.Millisecond})
+	for _, how := range []int32{cutStall, cut502} {
+		for _, c := range mc.cutters {
+			c.how.Store(how)
+		}
+		for _, stream := range []bool{true, false} {
+			body := map[string]any{"prompt": "Stalled or failed", "max_tokens": 20, "ignore_eos": true, "temperature": 0.7, "seed": 3,
+				"return_token_ids": true, "stream": stream}
+			mc.cut(0, 0)
+			want := ask(t, mc.url, "/v1/completions", body)
+			before := mc.cuts()
+			mc.cut(1, 4)
+			got := ask(t, mc.url, "/v1/completions", body)
+			if mc.cuts() != before+1 || got.Code != 200 || got.Error != "" || got.Text != want.Text || !slices.Equal(got.IDs, want.IDs) ||
+				len(got.IDs) != 20 || got.Done != stream {
+				t.Fatalf("cut %d, stream %v: %+v after %d cuts\nwant %+v", how, stream, got, mc.cuts()-before, want)
+			}
+			mc.allFree(t)
+		}
 	}
 }
 
