@@ -70,6 +70,9 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 			}
 			return
 		}
+		if r.afterContext != nil {
+			r.afterContext(ctx)
+		}
 		genReq := generationRequest(path, orig, cr)
 		if stream {
 			genReq.set("return_token_ids", true)

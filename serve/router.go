@@ -191,6 +191,10 @@ type Router struct {
 	d         RouterDeadlines // with the defaults filled in
 	migration int             // MigrationLimit resolved: 0 is off
 
+	// afterContext, when set (by tests), runs between the context and the
+	// generation phases of each request.
+	afterContext func(ctx context.Context)
+
 	life      context.Context // cancelled by Close: stops the probes
 	stop      context.CancelFunc
 	probes    sync.WaitGroup
@@ -321,6 +325,9 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	cr := r.contextPhase(req.Context(), w, path, orig, stream)
 	if cr == nil {
 		return
+	}
+	if r.afterContext != nil {
+		r.afterContext(req.Context())
 	}
 	// 2. Generation phase.
 	genReq := generationRequest(path, orig, cr)
