@@ -276,6 +276,8 @@ func (cs *clientStream) relay(body io.Reader) error {
 			if !cs.write(data) {
 				return errClientGone
 			}
+			// Read the answer's end so that the connection is reused.
+			io.Copy(io.Discard, io.LimitReader(br, 4<<10))
 			return nil
 		}
 		out, err := cs.event(data)

@@ -245,6 +245,14 @@ func TestWorkerBadRequests(t *testing.T) {
 		{"wrong model", prefillW.srv.URL, map[string]any{"model": "gpt-4", "prompt": "x"}, 404, `is not served here`},
 		{"prompt too long", prefillW.srv.URL, map[string]any{"prompt": strings.Repeat("x", 5000), "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "context_length_exceeded"},
 		{"not json", prefillW.srv.URL, "garbage", 400, "request body"},
+		{"resumed token out of the vocabulary", prefillW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 4, ResumeField: []int{72, 999},
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "resumed token 1 is 999"},
+		{"resumed tokens fill max_tokens", prefillW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 2, ResumeField: []int{72, 73},
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "nothing to generate"},
+		{"resumed tokens not a list", prefillW.srv.URL, map[string]any{"prompt": "x", ResumeField: "abc",
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, ResumeField},
+		{"too many resumed tokens", prefillW.srv.URL, map[string]any{"prompt": "x", ResumeField: make([]int, MaxResumeTokens),
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "at most"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
