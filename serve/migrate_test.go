@@ -457,6 +457,12 @@ func TestMigrationFails(t *testing.T) {
 		mc := newMigrationCluster(t, 1, 1, true)
 		mc.cut(1, 3)
 		streamFails(t, mc, "the only generation worker dead")
+		if got := ask(t, mc.url, "/v1/completions", body(false)); got.Code != http.StatusBadGateway || got.Error == "" {
+			t.Fatalf("the only generation worker dead, non-streamed: %+v, want a 502", got)
+		}
+		if got := ask(t, mc.url, "/v1/chat/completions", map[string]any{"messages": []map[string]string{{"role": "user", "content": "x"}}, "stream": true}); got.Code != http.StatusBadGateway || got.Error == "" {
+			t.Fatalf("the only generation worker dead, a new stream: %+v, want a 502 (nothing was sent)", got)
+		}
 		mc.allFree(t)
 	})
 }
