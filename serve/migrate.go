@@ -87,9 +87,14 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 			r.releaseContext(ctx, cr)
 			return
 		case err != nil && srv == nil:
-			// No generation worker could be reached: nothing to migrate to.
+			// No generation worker could be reached (post logged each):
+			// nothing to migrate to.
 			r.releaseContext(ctx, cr)
-			r.migrationFailed(cs, srv, err, "no generation worker reachable")
+			if migrating {
+				r.migrationFailed(cs, srv, err, "no generation worker reachable")
+			} else {
+				upstreamFailed(w, err)
+			}
 			return
 		case err != nil:
 			fail = &retryable{err: err}

@@ -480,3 +480,28 @@ func TestRouterRefusesResume(t *testing.T) {
 		}
 	}
 }
+
+// TestNoGenerationWorkerIsNoMigration: when no generation worker can be
+// reached at all, the request fails with a 502 naming the group, as
+// without migration, and counts no migration.
+func TestNoGenerationWorkerIsNoMigration(t *testing.T) {
+	_, cu := startFake(t, "ctx", "length")
+	r, err := NewRouter(RouterOptions{Context: []string{cu}, Generation: []string{deadURL(t)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	h := r.Handler()
+	for _, stream := range []string{"false", "true"} {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodPost, "/v1/completions", strings.NewReader(`{"prompt":"hi","stream":`+stream+`}`)))
+		if rec.Code != http.StatusBadGateway || !strings.Contains(rec.Body.String(), "no generation server reachable") {
+			t.Errorf("stream %s: %d %s", stream, rec.Code, rec.Body.String())
+		}
+	}
+	for _, result := range []string{"ok", "failed"} {
+		if n := metricValue(t, r.Registry(), "kvxfer_router_migrations_total", map[string]string{"result": result}); n != 0 {
+			t.Errorf("kvxfer_router_migrations_total{result=%q} = %v, want 0", result, n)
+		}
+	}
+}
