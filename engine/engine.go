@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver"
@@ -71,6 +72,7 @@ type Engine struct {
 	tr   *transceiver.Transceiver
 	opts Options
 	log  *slog.Logger
+	rl   *netlimit.RateLog // per-request warnings: one line per cause per second
 	now  func() time.Time
 
 	life   context.Context // cancelled by Close
@@ -91,6 +93,7 @@ type Engine struct {
 	waitCancel context.CancelFunc // interrupts the scheduler's idle wait
 	stats      Stats
 	held       map[uint64]*transceiver.Request // context_only requests the transceiver holds, by ctx_request_id
+	released   map[uint64]bool                 // held requests cancelled by CancelContext: their end is no failure
 
 	// Owned by the scheduler goroutine.
 	waiting      []*request
@@ -123,7 +126,8 @@ type request struct {
 	ctx       context.Context
 	stopAfter func() bool
 	typ       transceiver.RequestType
-	prompt    []int32
+	prompt    []int32 // the prompt and the resumed tokens: the KV cache's tokens before generation
+	promptLen int     // the prompt's tokens alone
 	maxTokens int
 	temp      float64
 	seed      uint64
@@ -166,10 +170,12 @@ func New(inst *Instance, opts Options) (*Engine, error) {
 		opts.DefaultMaxTokens = DefaultMaxTokens
 	}
 	e := &Engine{inst: inst, tr: opts.Transceiver, opts: opts, log: opts.Logger, now: opts.Now,
-		done: make(chan struct{}), transferring: map[*transceiver.Request]*request{}, held: map[uint64]*transceiver.Request{}}
+		done: make(chan struct{}), transferring: map[*transceiver.Request]*request{}, held: map[uint64]*transceiver.Request{},
+		released: map[uint64]bool{}}
 	if e.log == nil {
 		e.log = slog.New(slog.DiscardHandler)
 	}
+	e.rl = netlimit.NewRateLog(e.log, time.Second)
 	if e.now == nil {
 		e.now = time.Now
 	}
@@ -263,11 +269,14 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	if err := e.checkRequest(req); err != nil {
 		return nil, err
 	}
-	r := &request{ctx: ctx, typ: req.Type, prompt: slices.Clone(req.Prompt), maxTokens: req.MaxTokens,
-		temp: req.Sampling.Temperature, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
+	r := &request{ctx: ctx, typ: req.Type, prompt: append(slices.Clone(req.Prompt), req.Resume...), promptLen: len(req.Prompt),
+		maxTokens: req.MaxTokens, temp: req.Sampling.Temperature, stopToks: slices.Clone(req.StopTokenIDs), ignoreEOS: req.IgnoreEOS,
 		text: newTextStream(req.Stop), state: transceiver.ContextInit}
 	if r.maxTokens == 0 {
 		r.maxTokens = e.opts.DefaultMaxTokens
+	}
+	if err := r.replay(req.Resume); err != nil {
+		return nil, err
 	}
 	if req.Sampling.Seed != nil {
 		r.seed = *req.Sampling.Seed
@@ -275,8 +284,9 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 		r.seed = rand.Uint64()
 	}
 	P := len(r.prompt)
-	r.reserve = P + r.maxTokens - 1
-	events := r.maxTokens + 1
+	left := r.maxTokens - len(r.generated) // tokens still to generate
+	r.reserve = P + left - 1
+	events := left + 1
 	switch req.Type {
 	case transceiver.ContextOnly:
 		r.reserve, events = P, 2
@@ -297,6 +307,31 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	}
 	r.out = make(chan Event, events)
 	return r, nil
+}
+
+// replay records the tokens of a resumed request as generated and runs
+// the detokenizer over them without emitting anything, so that the text
+// emitted from here on is what the uninterrupted request emits after them.
+// Tokens that would have ended the request, or leave nothing to generate,
+// are refused.
+func (r *request) replay(resume []int32) error {
+	if len(resume) == 0 {
+		return nil
+	}
+	if len(resume) >= r.maxTokens {
+		return badRequest("%d resumed tokens leave nothing to generate within max_tokens %d", len(resume), r.maxTokens)
+	}
+	r.generated = slices.Clone(resume)
+	for i, tok := range resume {
+		if tok < 0 || tok >= VocabSize {
+			return badRequest("resumed token %d is %d, out of the vocabulary [0,%d)", i, tok, VocabSize)
+		}
+		_, hitStop := r.text.push(tok)
+		if hitStop || tok == EOS && !r.ignoreEOS || slices.Contains(r.stopToks, tok) {
+			return badRequest("resumed token %d (%d) ends the request: nothing to resume", i, tok)
+		}
+	}
+	return nil
 }
 
 // badRequest is an ErrBadRequest saying what is wrong.
@@ -375,7 +410,22 @@ func (e *Engine) CancelContext(ctxRequestID uint64) bool {
 	if treq == nil {
 		return false
 	}
-	return e.tr.Cancel(treq)
+	return e.release(treq)
+}
+
+// release cancels a held context request for its owner, remembering that
+// its end is a release, not a failure.
+func (e *Engine) release(treq *transceiver.Request) bool {
+	e.mu.Lock()
+	e.released[treq.ID] = true
+	e.mu.Unlock()
+	ok := e.tr.Cancel(treq)
+	if !ok {
+		e.mu.Lock()
+		delete(e.released, treq.ID)
+		e.mu.Unlock()
+	}
+	return ok
 }
 
 // CancelContextState is CancelContext for a caller that must prove it
@@ -395,7 +445,7 @@ func (e *Engine) CancelContextState(ctxRequestID uint64, opaque []byte) bool {
 		subtle.ConstantTimeCompare(treq.ContextPhase.OpaqueState, opaque) != 1 {
 		return false
 	}
-	ok := e.tr.Cancel(treq)
+	ok := e.release(treq)
 	e.kick() // collect the ended transfer now: held forgets it
 	return ok
 }
@@ -632,7 +682,7 @@ func (e *Engine) prefill(r *request) {
 		return
 	}
 	e.prefilled += uint64(len(r.prompt))
-	tok := sampleToken(logits, r.temp, r.seed, 0)
+	tok := sampleToken(logits, r.temp, r.seed, len(r.generated))
 	r.timing.Prefill = e.now().Sub(start)
 	reason := e.appendToken(r, tok)
 	if r.typ != transceiver.ContextOnly {
@@ -709,7 +759,7 @@ func (e *Engine) onGenDone(done []*transceiver.Request) {
 	for _, treq := range done {
 		r := e.transferring[treq]
 		if r == nil {
-			e.log.Warn("transfer of an unknown request reported", "request", treq.ID)
+			e.rl.Warn("unknown-transfer", "transfer of an unknown request reported", "request", treq.ID)
 			continue
 		}
 		delete(e.transferring, treq)
@@ -744,19 +794,46 @@ func (e *Engine) onCtxDone(done []*transceiver.Request) {
 	if len(done) == 0 {
 		return
 	}
+	released := make([]bool, len(done))
 	e.mu.Lock()
-	for _, treq := range done {
+	for i, treq := range done {
 		delete(e.held, treq.ID)
+		released[i] = e.released[treq.ID]
+		delete(e.released, treq.ID)
 	}
 	e.mu.Unlock()
-	for _, treq := range done {
-		if err := treq.Err(); err != nil {
-			e.log.Warn("context transfer failed", "ctx_request", treq.ID, "err", err)
-		} else {
+	for i, treq := range done {
+		switch err := treq.Err(); {
+		case released[i] && errors.Is(err, transceiver.ErrCanceled):
+			// Released by its owner (the router: its generation phase
+			// will not come): nothing went wrong here.
+			e.log.Debug("context request released", "ctx_request", treq.ID, "err", err)
+		case err != nil:
+			// One line per cause per second: an outage of the generation
+			// side fails every held request alike.
+			e.rl.Warn("context-transfer:"+transferCause(err), "context transfer failed", "ctx_request", treq.ID, "cause", transferCause(err), "err", err)
+		default:
 			st := treq.Stats()
 			e.log.Debug("context transfer done", "ctx_request", treq.ID, "bytes", st.Bytes, "duration", st.Duration, "backend", st.Backend)
 		}
 	}
+}
+
+// transferCause names the cause of a transfer failure, for the rate
+// limit of its warnings.
+func transferCause(err error) string {
+	for _, c := range []struct {
+		err  error
+		name string
+	}{
+		{transceiver.ErrTimeout, "timeout"}, {transceiver.ErrPeerLost, "peer_lost"}, {transceiver.ErrPeerAborted, "peer_aborted"},
+		{transceiver.ErrRefused, "refused"}, {transceiver.ErrClosed, "closed"}, {transceiver.ErrCanceled, "cancelled"},
+	} {
+		if errors.Is(err, c.err) {
+			return c.name
+		}
+	}
+	return "other"
 }
 
 // decodeStep runs one token of a running request.
@@ -818,7 +895,7 @@ func (e *Engine) finish(r *request, reason string, err error) {
 	}
 	r.timing.Total = e.now().Sub(r.submitted)
 	f := &Final{FinishReason: reason, Err: err, State: r.state, Timing: r.timing,
-		Usage: Usage{PromptTokens: len(r.prompt), CompletionTokens: len(r.generated)}, PromptTokenIDs: r.prompt}
+		Usage: Usage{PromptTokens: r.promptLen, CompletionTokens: len(r.generated)}, PromptTokenIDs: r.prompt[:r.promptLen:r.promptLen]}
 	if r.typ == transceiver.ContextOnly && r.treq != nil && err == nil {
 		cp := r.treq.ContextPhase
 		f.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID,

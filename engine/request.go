@@ -29,6 +29,20 @@ type Request struct {
 	// ContextPhase is required for generation_only: the context instance's
 	// ctx_request_id, first_gen_tokens (one: beam width 1) and opaque state.
 	ContextPhase *transceiver.ContextPhaseParams
+	// Resume continues a request after these tokens, which it generated
+	// and delivered before (on an instance that died: the router migrates
+	// the request). The KV cache is the prompt's and theirs; the k-th token
+	// generated from here is the request's (len(Resume)+k)-th, sampled with
+	// PCG(seed, len(Resume)+k) exactly as the uninterrupted request would;
+	// MaxTokens, the stop strings and the stop tokens count them; the text
+	// emitted is what the uninterrupted request emits after them (text it
+	// held back at their end comes first). Usage counts them as completion
+	// tokens, and PromptTokenIDs is the prompt alone. For context_only, the
+	// first token sampled is the (len(Resume))-th; for generation_only,
+	// the context instance's KV cache covers the prompt and Resume. Resume
+	// must be shorter than MaxTokens, and must not have ended the request
+	// (EOS, a stop token or a stop string).
+	Resume []int32
 }
 
 // Finish reasons, as in OpenAI responses plus TensorRT-LLM's

@@ -28,6 +28,7 @@ type Router struct {
 	HTTPRequests *prometheus.CounterVec   // kvxfer_http_requests_total{route,code}
 	Upstream     *prometheus.CounterVec   // kvxfer_router_upstream_requests_total{role,result}
 	Latency      *prometheus.HistogramVec // kvxfer_router_request_duration_seconds{route}
+	Migrations   *prometheus.CounterVec   // kvxfer_router_migrations_total{result}
 }
 
 // NewRouter creates a router's metrics and registers them on reg.
@@ -39,7 +40,11 @@ func NewRouter(reg prometheus.Registerer) *Router {
 			Help: "Requests the router sent to workers, by server role and result (ok, http_error, connect_error, error)."}, []string{"role", "result"}),
 		Latency: prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvxfer_router_request_duration_seconds",
 			Help: "Duration of routed requests until the answer (or its stream) ended.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, []string{"route"}),
+		Migrations: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_router_migrations_total",
+			Help: "Requests whose generation worker failed mid-request, by result: ok (migrated: another generation worker took the request over), failed (not migrated: the limit was reached, no worker could take it, or the stream could not be resumed; the client got an error)."}, []string{"result"}),
 	}
-	reg.MustRegister(r.HTTPRequests, r.Upstream, r.Latency)
+	r.Migrations.WithLabelValues("ok")
+	r.Migrations.WithLabelValues("failed")
+	reg.MustRegister(r.HTTPRequests, r.Upstream, r.Latency, r.Migrations)
 	return r
 }

@@ -27,6 +27,9 @@ func TestRouterAndRegistry(t *testing.T) {
 	}{
 		{rreg, "kvxfer_http_requests_total", map[string]string{"route": "/v1/completions", "code": "200"}, 1},
 		{rreg, "kvxfer_router_upstream_requests_total", map[string]string{"role": "context", "result": "ok"}, 2},
+		// Both results are there from the start, at 0 until a migration.
+		{rreg, "kvxfer_router_migrations_total", map[string]string{"result": "ok"}, 0},
+		{rreg, "kvxfer_router_migrations_total", map[string]string{"result": "failed"}, 0},
 		{wreg, "kvxfer_staging_buffer_bytes_in_use", map[string]string{"role": "send"}, 3},
 		{wreg, "kvxfer_staging_buffer_bytes_in_use", map[string]string{"role": "recv"}, 5},
 		{wreg, "kvxfer_peer_connections", map[string]string{"backend": "control"}, 7},

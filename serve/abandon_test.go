@@ -1,10 +1,12 @@
 package serve
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
+	"log"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -395,8 +397,9 @@ func TestStalledWorker(t *testing.T) {
 // TestStreamCutEndsWithError is issue #13's second defect, its minimal
 // part: a generation worker that dies mid-stream (or stalls past the chunk
 // deadline) used to leave the client with a silent end of file. The client
-// now gets an OpenAI-style error event and no [DONE]. (Migrating the
-// request to another worker is a later step of the issue.)
+// now gets an OpenAI-style error event and no [DONE]. (Here the stream
+// cannot migrate: its text came without token ids; TestMigration and
+// TestMigrationFails cover migration.)
 func TestStreamCutEndsWithError(t *testing.T) {
 	_, ctxURL := startFake(t, "ctx", "length")
 	for _, c := range []struct {
@@ -439,4 +442,92 @@ func TestStreamCutEndsWithError(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestClientGoneBetweenPhases: a client that leaves after the context
+// phase answered, before the generation request is sent, while it is
+// sent, or while the generation worker pulls, leaves nothing behind: the
+// context request's blocks are back within a second, and no generation
+// request remains; with migration on and off.
+func TestClientGoneBetweenPhases(t *testing.T) {
+	ctxW := newBigWorker(t, RoleContext, 1024)
+	genW := newBigWorker(t, RoleGeneration, 1024)
+	ctxTotal, genTotal := ctxW.w.Engine().Instance().FreeBlocks(), genW.w.Engine().Instance().FreeBlocks()
+	var leave atomic.Pointer[context.CancelFunc] // the client of the request in flight
+	clientLeaves := func() {
+		if c := leave.Load(); c != nil {
+			(*c)()
+		}
+	}
+	// waitGone waits (at most 2 s) until the router has seen its client go.
+	waitGone := func(ctx context.Context) {
+		select {
+		case <-ctx.Done():
+		case <-time.After(2 * time.Second):
+			t.Error("the router did not see its client go within 2s")
+		}
+	}
+	var genMode atomic.Int32 // 0: pass; 1: the client leaves as the request arrives; 2: as it is forwarded
+	gu, _ := url.Parse(genW.srv.URL)
+	proxy := httputil.NewSingleHostReverseProxy(gu)
+	proxy.FlushInterval = -1
+	proxy.ErrorLog = log.New(io.Discard, "", 0) // the proxied request is cancelled: expected
+	gen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch genMode.Load() {
+		case 1:
+			io.Copy(io.Discard, r.Body)
+			clientLeaves()
+			waitGone(r.Context())
+			return
+		case 2:
+			go func() {
+				time.Sleep(2 * time.Millisecond)
+				clientLeaves()
+			}()
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(gen.Close)
+	for _, limit := range []int{MigrationOff, 1} {
+		r, err := NewRouter(RouterOptions{Context: []string{ctxW.srv.URL}, Generation: []string{gen.URL}, MigrationLimit: limit})
+		if err != nil {
+			t.Fatal(err)
+		}
+		between := atomic.Bool{}
+		r.afterContext = func(ctx context.Context) {
+			if between.Load() {
+				clientLeaves()
+				waitGone(ctx)
+			}
+		}
+		router := httptest.NewServer(r.Handler())
+		for _, when := range []string{"before the generation request", "while it is sent", "while the generation worker pulls"} {
+			between.Store(when == "before the generation request")
+			genMode.Store(map[string]int32{"while it is sent": 1, "while the generation worker pulls": 2}[when])
+			for _, stream := range []bool{false, true} {
+				name := fmt.Sprintf("limit %d, %s, stream %v", limit, when, stream)
+				ctx, cancel := context.WithCancel(context.Background())
+				leave.Store(&cancel)
+				body, _ := json.Marshal(map[string]any{"prompt": strings.Repeat("between the phases ", 8), "max_tokens": 64, "ignore_eos": true, "stream": stream})
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, router.URL+"/v1/completions", bytes.NewReader(body))
+				req.Header.Set("Content-Type", "application/json")
+				resp, err := http.DefaultClient.Do(req)
+				if err == nil {
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+				}
+				cancel()
+				leave.Store(nil)
+				waitFree(t, ctxW, ctxTotal, time.Second)
+				waitFree(t, genW, genTotal, time.Second)
+				st := statsWhen(genW.w.Engine(), func(st engine.Stats) bool { return st.Waiting+st.Running+st.Transferring == 0 })
+				if st.Waiting+st.Running+st.Transferring != 0 {
+					t.Fatalf("%s: generation requests remain: %+v", name, st)
+				}
+			}
+		}
+		router.Close()
+		r.Close()
+	}
+	http.DefaultClient.CloseIdleConnections()
 }

@@ -20,6 +20,17 @@
 // --tls) makes a CA and a certificate per process for the cluster it
 // starts.
 //
+// Migration: when a generation worker fails mid-request (its stream cut,
+// its connection lost, the chunk deadline missed, or a 502/504 or an error
+// before any output), the router sends the request again, context phase
+// included, resumed after the tokens its client already has
+// (ResumeField, engine.Request.Resume), to another generation worker, and
+// the client's stream continues as if nothing happened; at most
+// RouterOptions.MigrationLimit times (DefaultMigrationLimit; kvxfer
+// router's and kvxfer up's --migration-limit, 0 for off). A request that
+// cannot migrate ends with an error event and no [DONE] (a 502 or 504
+// when not streamed).
+//
 // HTTP servers (worker, router) run within HTTPLimits: a total and a
 // per-client-host cap on open connections (the excess is refused at once),
 // a keep-alive idle timeout and a header timeout; kvxfer_connections_*

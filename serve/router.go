@@ -128,7 +128,19 @@ type RouterOptions struct {
 	TLS *tls.Config
 	// RouterDeadlines are the per-phase deadlines.
 	RouterDeadlines
+	// MigrationLimit is the most times one request migrates to another
+	// generation worker when its generation worker fails mid-request (as
+	// Dynamo's --migration-limit): 0 means DefaultMigrationLimit,
+	// MigrationOff (or any negative value) turns migration off.
+	MigrationLimit int
 }
+
+// DefaultMigrationLimit is RouterOptions.MigrationLimit's default, and
+// that of kvxfer router's and kvxfer up's --migration-limit.
+const DefaultMigrationLimit = 1
+
+// MigrationOff in RouterOptions.MigrationLimit turns migration off.
+const MigrationOff = -1
 
 // RouterDeadlines are a router's per-phase deadlines (zero: the default;
 // see the Default constants). A worker that misses one is marked down: the policies try it last,
@@ -148,6 +160,10 @@ type RouterDeadlines struct {
 // Deadlines returns the router's per-phase deadlines, defaults filled in.
 func (r *Router) Deadlines() RouterDeadlines { return r.d }
 
+// MigrationLimit returns the most migrations of one request; 0 when
+// migration is off.
+func (r *Router) MigrationLimit() int { return r.migration }
+
 // Defaults of RouterOptions' deadlines. DefaultHeaderTimeout is
 // trtllm-serve disaggregated's --request_timeout default.
 const (
@@ -160,7 +176,10 @@ const (
 // Router is the disaggregated router: it sends each request to a context
 // worker as context_only, then to a generation worker as generation_only
 // with the context's disaggregated_params and prompt token ids, and returns
-// (or streams) the generation worker's answer. Safe for concurrent use.
+// (or streams) the generation worker's answer. When the generation worker
+// fails mid-request, the request migrates to another one
+// (RouterOptions.MigrationLimit; see routeMigrating). Safe for concurrent
+// use.
 type Router struct {
 	prefill, gen *group
 	client       *http.Client
@@ -169,7 +188,12 @@ type Router struct {
 	m            *metrics.Router
 	rl           *netlimit.RateLog // repeated warnings, one line per cause per second
 
-	d RouterDeadlines // with the defaults filled in
+	d         RouterDeadlines // with the defaults filled in
+	migration int             // MigrationLimit resolved: 0 is off
+
+	// afterContext, when set (by tests), runs between the context and the
+	// generation phases of each request.
+	afterContext func(ctx context.Context)
 
 	life      context.Context // cancelled by Close: stops the probes
 	stop      context.CancelFunc
@@ -230,6 +254,12 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry(), rl: netlimit.NewRateLog(log, time.Second),
 		d: RouterDeadlines{HeaderTimeout: or(o.HeaderTimeout, DefaultHeaderTimeout), ChunkTimeout: or(o.ChunkTimeout, DefaultChunkTimeout),
 			HealthTimeout: or(o.HealthTimeout, DefaultHealthTimeout), ProbeInterval: or(o.ProbeInterval, DefaultProbeInterval)}}
+	switch {
+	case o.MigrationLimit == 0:
+		r.migration = DefaultMigrationLimit
+	case o.MigrationLimit > 0:
+		r.migration = o.MigrationLimit
+	}
 	r.life, r.stop = context.WithCancel(context.Background())
 	r.m = metrics.NewRouter(r.reg)
 	return r, nil
@@ -287,12 +317,33 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
 		return
 	}
+	if r.migration > 0 {
+		r.routeMigrating(w, req, path, orig, stream)
+		return
+	}
 	// 1. Context phase: context_only, never streamed.
 	cr := r.contextPhase(req.Context(), w, path, orig, stream)
 	if cr == nil {
 		return
 	}
+	if r.afterContext != nil {
+		r.afterContext(req.Context())
+	}
 	// 2. Generation phase.
+	genReq := generationRequest(path, orig, cr)
+	resp, _, err := r.post(req.Context(), r.gen, path, genReq, nil)
+	if err != nil || resp.StatusCode != http.StatusOK {
+		// Refused, failed, or the client went away: no generation worker
+		// will pull this context request, so the context worker releases
+		// it now instead of at kv_transfer_timeout_ms.
+		r.releaseContext(req.Context(), cr)
+	}
+	relay(w, resp, err, streamCopy)
+}
+
+// generationRequest is orig as a generation_only request of the context
+// phase cr.
+func generationRequest(path string, orig object, cr *contextResult) object {
 	genReq := maps.Clone(orig)
 	dp := cr.params
 	dp.RequestType = TypeGenerationOnly
@@ -304,14 +355,7 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 			genReq.set("prompt_token_ids", cr.ids)
 		}
 	}
-	resp, err := r.post(req.Context(), r.gen, path, genReq)
-	if err != nil || resp.StatusCode != http.StatusOK {
-		// Refused, failed, or the client went away: no generation worker
-		// will pull this context request, so the context worker releases
-		// it now instead of at kv_transfer_timeout_ms.
-		r.releaseContext(req.Context(), cr)
-	}
-	relay(w, resp, err, streamCopy)
+	return genReq
 }
 
 // streamCopy copies a generation worker's answer (flushCopyErr): a stream the
@@ -396,6 +440,9 @@ func readRouted(req *http.Request) (object, bool, error) {
 	if _, ok := orig["disaggregated_params"]; ok {
 		return nil, false, errors.New("disaggregated_params is set by the router; send the plain OpenAI request")
 	}
+	if _, ok := orig[ResumeField]; ok {
+		return nil, false, errors.New(ResumeField + " is set by the router when it migrates a request; send the plain OpenAI request")
+	}
 	var stream bool
 	if _, err := orig.get("stream", &stream); err != nil {
 		return nil, false, err
@@ -422,26 +469,58 @@ func (c *contextResult) id() uint64 {
 // request ends there (an error, or an answer that finished in the context
 // phase) it has answered w and returns nil.
 func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path string, orig object, stream bool) *contextResult {
+	cr, out := r.runContext(ctx, path, orig, nil)
+	if cr == nil {
+		r.writeOutcome(w, out, stream)
+	}
+	return cr
+}
+
+// contextOutcome is how a context phase ended the request: an error (no
+// answer, or one the router cannot use), a worker's answer other than 200,
+// or an answer that finished in the context phase.
+type contextOutcome struct {
+	err      error
+	resp     *http.Response // the answer's status and headers (body read)
+	body     []byte
+	finished bool
+}
+
+// writeOutcome answers w with a context phase's outcome.
+func (r *Router) writeOutcome(w http.ResponseWriter, o *contextOutcome, stream bool) {
+	switch {
+	case o.err != nil:
+		upstreamFailed(w, o.err)
+	case o.finished:
+		r.replayFinished(w, o.body, stream)
+	default:
+		copyHeaders(w, o.resp)
+		w.WriteHeader(o.resp.StatusCode)
+		w.Write(o.body)
+	}
+}
+
+// runContext sends orig to a context server as context_only (resumed
+// after resume, when set). It returns the context phase to pull, or how the request ended.
+func (r *Router) runContext(ctx context.Context, path string, orig object, resume []int32) (*contextResult, *contextOutcome) {
 	prefillReq := maps.Clone(orig)
 	prefillReq.set("stream", false)
 	delete(prefillReq, "stream_options")
 	prefillReq.set("disaggregated_params", DisaggregatedParams{RequestType: TypeContextOnly})
-	resp, err := r.post(ctx, r.prefill, path, prefillReq)
+	if len(resume) > 0 {
+		prefillReq.set(ResumeField, resume)
+	}
+	resp, _, err := r.post(ctx, r.prefill, path, prefillReq, nil)
 	if err != nil {
-		upstreamFailed(w, err)
-		return nil
+		return nil, &contextOutcome{err: err}
 	}
 	prefillBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
 	resp.Body.Close()
 	if err != nil {
-		upstreamFailed(w, fmt.Errorf("reading the context server's answer: %w", err))
-		return nil
+		return nil, &contextOutcome{err: fmt.Errorf("reading the context server's answer: %w", err)}
 	}
 	if resp.StatusCode != http.StatusOK {
-		copyHeaders(w, resp)
-		w.WriteHeader(resp.StatusCode)
-		w.Write(prefillBody)
-		return nil
+		return nil, &contextOutcome{resp: resp, body: prefillBody}
 	}
 	var cr struct {
 		Choices []struct {
@@ -452,25 +531,22 @@ func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path s
 		PromptTokenIDs []int32 `json:"prompt_token_ids"`
 	}
 	if err := json.Unmarshal(prefillBody, &cr); err != nil || len(cr.Choices) == 0 {
-		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no choices")
-		return nil
+		return nil, &contextOutcome{err: errors.New("the context server's answer has no choices")}
 	}
 	ch := cr.Choices[0]
 	if fr := ch.FinishReason; fr == nil || *fr != "length" && *fr != "not_finished" {
 		// Finished in the context phase (EOS or a stop string as the first
 		// token): that is the answer.
-		r.replayFinished(w, prefillBody, stream)
-		return nil
+		return nil, &contextOutcome{resp: resp, body: prefillBody, finished: true}
 	}
 	if ch.DisaggregatedParams == nil {
-		writeError(w, http.StatusBadGateway, "upstream_error", "the context server's answer has no disaggregated_params")
-		return nil
+		return nil, &contextOutcome{err: errors.New("the context server's answer has no disaggregated_params")}
 	}
 	ids := cr.PromptTokenIDs
 	if len(ids) == 0 {
 		ids = ch.PromptTokenIDs
 	}
-	return &contextResult{params: *ch.DisaggregatedParams, ids: ids, server: strings.TrimSuffix(resp.Request.URL.String(), path)}
+	return &contextResult{params: *ch.DisaggregatedParams, ids: ids, server: strings.TrimSuffix(resp.Request.URL.String(), path)}, nil
 }
 
 // replayFinished returns a context-phase answer that already finished; a
@@ -504,18 +580,24 @@ func (r *Router) replayFinished(w http.ResponseWriter, body []byte, stream bool)
 	fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", chunk)
 }
 
-// post sends body to the group's servers in policy order, moving to the next
-// server only when one cannot be reached (nothing was sent).
-func (r *Router) post(ctx context.Context, g *group, path string, body object) (*http.Response, error) {
+// post sends body to the group's servers in policy order (avoid, when set,
+// last), moving to the next server only when one cannot be reached
+// (nothing was sent). It returns the server it sent body to, also with an
+// error after sending.
+func (r *Router) post(ctx context.Context, g *group, path string, body object, avoid *upstream) (*http.Response, *upstream, error) {
 	b, err := json.Marshal(body)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	var errs []error
-	for _, s := range g.order() {
+	order := g.order()
+	if i := slices.Index(order, avoid); i >= 0 {
+		order = append(slices.Delete(order, i, i+1), avoid)
+	}
+	for _, s := range order {
 		hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, s.url+path, bytes.NewReader(b))
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		hreq.Header.Set("Content-Type", "application/json")
 		s.inflight.Add(1)
@@ -523,7 +605,7 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 		if err != nil {
 			s.inflight.Add(-1)
 			if errors.Is(err, errStalled) {
-				return nil, err
+				return nil, s, err
 			}
 			var op *net.OpError
 			if errors.As(err, &op) && op.Op == "dial" {
@@ -533,7 +615,7 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 				continue
 			}
 			r.m.Upstream.WithLabelValues(g.name, "error").Inc()
-			return nil, fmt.Errorf("%s server %s: %w", g.name, s.url, err)
+			return nil, s, fmt.Errorf("%s server %s: %w", g.name, s.url, err)
 		}
 		result := "ok"
 		if resp.StatusCode != http.StatusOK {
@@ -541,9 +623,9 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object) (
 		}
 		r.m.Upstream.WithLabelValues(g.name, result).Inc()
 		resp.Body = &doneBody{ReadCloser: resp.Body, done: func() { s.inflight.Add(-1) }}
-		return resp, nil
+		return resp, s, nil
 	}
-	return nil, fmt.Errorf("no %s server reachable: %w", g.name, errors.Join(errs...))
+	return nil, nil, fmt.Errorf("no %s server reachable: %w", g.name, errors.Join(errs...))
 }
 
 // warn logs a warning, at most one line per key per second (with the

@@ -3,6 +3,7 @@ package serve
 import (
 	"context"
 	"crypto/tls"
+	"encoding/json"
 	"io"
 	"log"
 	"net/http"
@@ -134,9 +135,11 @@ func TestWorkerTLS(t *testing.T) {
 		rs := httptest.NewServer(r.Handler())
 		defer rs.Close()
 		defer http.DefaultClient.CloseIdleConnections()
-		resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"The quick brown fox","max_tokens":8,"temperature":0}`)
-		if resp.StatusCode != http.StatusOK || !strings.Contains(body, `"text"`) {
-			t.Fatalf("through the router: %d %s", resp.StatusCode, body)
+		resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"The quick brown fox","max_tokens":8,"temperature":0,"ignore_eos":true,"return_token_ids":true}`)
+		var c completion
+		json.Unmarshal([]byte(body), &c)
+		if resp.StatusCode != http.StatusOK || len(c.Choices) != 1 || len(c.Choices[0].TokenIDs) != 8 || c.Usage.CompletionTokens != 8 {
+			t.Fatalf("through the router: %d %s, want 8 token ids", resp.StatusCode, body)
 		}
 		if _, err := NewRouter(RouterOptions{Context: []string{"http://" + hostPort(prefillSrv.URL)}, Generation: []string{genSrv.URL}, TLS: router.Client}); err == nil ||
 			!strings.Contains(err.Error(), "plain http") {

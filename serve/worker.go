@@ -268,7 +268,21 @@ type completionRequest struct {
 	// prompt's ids to the answer, as vLLM's return_token_ids does.
 	ReturnTokenIDs bool                 `json:"return_token_ids"`
 	Disagg         *DisaggregatedParams `json:"disaggregated_params"`
+	// ResumeTokenIDs (kvxfer's extension, ResumeField) continue the
+	// request after these generated tokens (engine.Request.Resume): the
+	// router sets them when it migrates a request off a generation worker
+	// that died mid-stream. The answer carries what follows them; usage
+	// counts them.
+	ResumeTokenIDs []int32 `json:"kvxfer_resume_token_ids"`
 }
+
+// ResumeField is the request field that carries the resumed tokens of a
+// migrated request (completionRequest.ResumeTokenIDs). The router sets it;
+// a client's request to the router may not.
+const ResumeField = "kvxfer_resume_token_ids"
+
+// MaxResumeTokens bounds ResumeField: fewer than the most max_tokens.
+const MaxResumeTokens = 1 << 16
 
 type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
@@ -316,6 +330,10 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 	if herr := parseSampling(&cr, &er); herr != nil {
 		return nil, er, herr
 	}
+	if len(cr.ResumeTokenIDs) >= MaxResumeTokens {
+		return nil, er, badRequest("%s has %d tokens, at most %d", ResumeField, len(cr.ResumeTokenIDs), MaxResumeTokens-1)
+	}
+	er.Resume = cr.ResumeTokenIDs
 	if herr := w.parseDisagg(&cr, &er); herr != nil {
 		return nil, er, herr
 	}

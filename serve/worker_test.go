@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -117,7 +118,8 @@ func postJSON(t *testing.T, url string, body any) (int, completion, string) {
 }
 
 // TestDisaggregatedEqualsAggregated: through the router, every pairing gives
-// the tokens of an aggregated TP1 worker, streamed or not, greedy or seeded.
+// the tokens of an aggregated TP1 worker, streamed or not, greedy or seeded:
+// the same token ids, max_tokens of them (ignore_eos), and the same text.
 func TestDisaggregatedEqualsAggregated(t *testing.T) {
 	tests := []struct {
 		model                              string
@@ -133,6 +135,7 @@ func TestDisaggregatedEqualsAggregated(t *testing.T) {
 	if testing.Short() {
 		tests = tests[:2]
 	}
+	const maxTokens = 12
 	for _, tc := range tests {
 		t.Run(fmt.Sprintf("%s ctx TP%d PP%d to gen TP%d PP%d", tc.model, tc.prefillTP, tc.prefillPP, tc.genTP, tc.genPP), func(t *testing.T) {
 			prefillW := newTestWorker(t, RoleContext, tc.model, tc.prefillTP, tc.prefillPP)
@@ -141,19 +144,22 @@ func TestDisaggregatedEqualsAggregated(t *testing.T) {
 			rs := newTestRouter(t, []string{prefillW.srv.URL}, []string{genW.srv.URL}, RoundRobin)
 			for i, prompt := range []string{"The quick brown fox", strings.Repeat("a long prompt over several blocks ", 4)} {
 				for _, temp := range []float64{0, 0.9} {
-					body := map[string]any{"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i}
+					body := map[string]any{"prompt": prompt, "max_tokens": maxTokens, "temperature": temp, "seed": i,
+						"ignore_eos": true, "return_token_ids": true}
 					_, want, raw := postJSON(t, agg.srv.URL+"/v1/completions", body)
-					if len(want.Choices) == 0 {
-						t.Fatalf("aggregated: %s", raw)
+					if len(want.Choices) == 0 || len(want.Choices[0].TokenIDs) != maxTokens || want.Usage.CompletionTokens != maxTokens {
+						t.Fatalf("aggregated: want %d token ids: %s", maxTokens, raw)
 					}
+					wantIDs, wantText := want.Choices[0].TokenIDs, want.Choices[0].Text
 					code, got, raw := postJSON(t, rs.URL+"/v1/completions", body)
-					if code != 200 || len(got.Choices) == 0 || got.Choices[0].Text != want.Choices[0].Text {
-						t.Fatalf("prompt %d temp %v: router %d %s, aggregated %q", i, temp, code, raw, want.Choices[0].Text)
+					if code != 200 || len(got.Choices) == 0 || !slices.Equal(got.Choices[0].TokenIDs, wantIDs) ||
+						got.Choices[0].Text != wantText || got.Usage.CompletionTokens != maxTokens {
+						t.Fatalf("prompt %d temp %v: router %d %s, aggregated %v %q", i, temp, code, raw, wantIDs, wantText)
 					}
-					sr, err := StreamCompletion(context.Background(), http.DefaultClient, rs.URL, map[string]any{
-						"prompt": prompt, "max_tokens": 12, "temperature": temp, "seed": i, "stream": true})
-					if err != nil || sr.Text != want.Choices[0].Text {
-						t.Fatalf("prompt %d temp %v streamed: %q %v, want %q", i, temp, sr.Text, err, want.Choices[0].Text)
+					body["stream"] = true
+					sr, err := StreamCompletion(context.Background(), http.DefaultClient, rs.URL, body)
+					if err != nil || !slices.Equal(sr.TokenIDs, wantIDs) || sr.Text != wantText || sr.FinishReason != "length" {
+						t.Fatalf("prompt %d temp %v streamed: %v %q %q %v, want %v %q length", i, temp, sr.TokenIDs, sr.Text, sr.FinishReason, err, wantIDs, wantText)
 					}
 				}
 			}
@@ -182,10 +188,14 @@ func TestManyClients(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			defer func() { <-sem }()
-			body := map[string]any{"prompt": fmt.Sprintf("client %d says", i), "max_tokens": 8, "stream": i%2 == 0}
+			body := map[string]any{"prompt": fmt.Sprintf("client %d says", i), "max_tokens": 8, "stream": i%2 == 0,
+				"ignore_eos": true, "return_token_ids": true}
 			if i%2 == 0 {
-				if _, err := StreamCompletion(context.Background(), client, rs.URL, body); err != nil {
+				sr, err := StreamCompletion(context.Background(), client, rs.URL, body)
+				if err != nil {
 					errs <- err.Error()
+				} else if len(sr.TokenIDs) != 8 {
+					errs <- fmt.Sprintf("client %d: %d token ids streamed, want 8", i, len(sr.TokenIDs))
 				}
 				return
 			}
@@ -195,9 +205,13 @@ func TestManyClients(t *testing.T) {
 				errs <- err.Error()
 				return
 			}
-			resp.Body.Close()
+			defer resp.Body.Close()
+			var c completion
+			json.NewDecoder(resp.Body).Decode(&c)
 			if resp.StatusCode != 200 {
 				errs <- resp.Status
+			} else if len(c.Choices) != 1 || len(c.Choices[0].TokenIDs) != 8 {
+				errs <- fmt.Sprintf("client %d: %+v, want 8 token ids", i, c.Choices)
 			}
 		}()
 	}
@@ -231,6 +245,14 @@ func TestWorkerBadRequests(t *testing.T) {
 		{"wrong model", prefillW.srv.URL, map[string]any{"model": "gpt-4", "prompt": "x"}, 404, `is not served here`},
 		{"prompt too long", prefillW.srv.URL, map[string]any{"prompt": strings.Repeat("x", 5000), "disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "context_length_exceeded"},
 		{"not json", prefillW.srv.URL, "garbage", 400, "request body"},
+		{"resumed token out of the vocabulary", prefillW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 4, ResumeField: []int{72, 999},
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "resumed token 1 is 999"},
+		{"resumed tokens fill max_tokens", prefillW.srv.URL, map[string]any{"prompt": "x", "max_tokens": 2, ResumeField: []int{72, 73},
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "nothing to generate"},
+		{"resumed tokens not a list", prefillW.srv.URL, map[string]any{"prompt": "x", ResumeField: "abc",
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, ResumeField},
+		{"too many resumed tokens", prefillW.srv.URL, map[string]any{"prompt": "x", ResumeField: make([]int, MaxResumeTokens),
+			"disaggregated_params": map[string]any{"request_type": "context_only"}}, 400, "at most"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

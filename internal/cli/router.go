@@ -36,6 +36,7 @@ func newRouterCmd(e env) *cobra.Command {
 		tf            tlsFlags
 		hf            httpFlags
 		df            deadlineFlags
+		mf            migrationFlag
 	)
 	cmd := &cobra.Command{
 		Use:   "router",
@@ -62,7 +63,7 @@ func newRouterCmd(e env) *cobra.Command {
 			}
 			ro := serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
 				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log,
-				RouterDeadlines: serve.RouterDeadlines(df)}
+				RouterDeadlines: serve.RouterDeadlines(df), MigrationLimit: mf.limit()}
 			if tc != nil {
 				ro.TLS = tc.Client
 			}
@@ -88,7 +89,8 @@ func newRouterCmd(e env) *cobra.Command {
 				return err
 			}
 			defer wait()
-			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs)
+			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs,
+				"migration_limit", r.MigrationLimit())
 			return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), hf.lim), log)
 		},
 	}
@@ -100,6 +102,7 @@ func newRouterCmd(e env) *cobra.Command {
 	admin.add(cmd)
 	hf.add(cmd)
 	df.add(cmd)
+	mf.add(cmd)
 	return cmd
 }
 
@@ -115,4 +118,23 @@ func (d *deadlineFlags) add(cmd *cobra.Command) {
 		"longest wait for data in a worker's answer (the gap between two stream chunks); a worker that misses it is marked down")
 	f.DurationVar(&d.HealthTimeout, "health-timeout", serve.DefaultHealthTimeout, "deadline of each worker's health probe (the router's /health, and the probes of workers marked down)")
 	f.DurationVar(&d.ProbeInterval, "probe-interval", serve.DefaultProbeInterval, "how often a worker marked down is probed until it answers")
+}
+
+// migrationFlag is --migration-limit, for kvxfer router and for the router
+// kvxfer up starts.
+type migrationFlag int
+
+func (m *migrationFlag) add(cmd *cobra.Command) {
+	cmd.Flags().IntVar((*int)(m), "migration-limit", serve.DefaultMigrationLimit,
+		"how many times one request may migrate to another generation worker when its generation worker dies or fails mid-request "+
+			"(the client's stream continues where it was cut); 0 turns migration off: the client gets an error event")
+}
+
+// limit is the flag as serve.RouterOptions.MigrationLimit: 0 there means
+// the default, off is serve.MigrationOff.
+func (m migrationFlag) limit() int {
+	if m <= 0 {
+		return serve.MigrationOff
+	}
+	return int(m)
 }

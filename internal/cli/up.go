@@ -20,6 +20,7 @@ type upFlags struct {
 	lf                logFlags
 	tf                tlsFlags
 	df                deadlineFlags
+	mf                migrationFlag
 }
 
 func newUpCmd(e env) *cobra.Command {
@@ -30,8 +31,10 @@ func newUpCmd(e env) *cobra.Command {
 		Long: `up starts the workers of a cluster file (default: context TP2 -> generation TP1 with the
 GQA model, backend DEFAULT) as separate processes, waits until they are healthy, and serves
 the OpenAI-compatible router until Ctrl-C, when it stops every worker. With --smoke N it
-also starts an aggregated worker, sends N prompts through the router and to it, checks that
-every answer is the same, prints TTFT with and without disaggregation, and exits 0 or 1.`,
+also starts an aggregated worker, sends N prompts through the router and to it, streamed and
+not, checks that every answer has the same token ids (max_tokens of them, with ignore_eos)
+and text, prints TTFT with and without disaggregation, and exits 0 or 1. When a generation
+worker dies mid-request, the router migrates the request to another one (--migration-limit).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runUp(cmd, e, &uf) },
 	}
@@ -46,6 +49,7 @@ every answer is the same, prints TTFT with and without disaggregation, and exits
 	uf.tf.add(cmd, "between the router and the workers and on their transfer planes, one certificate for all")
 	uf.lf.add(cmd)
 	uf.df.add(cmd)
+	uf.mf.add(cmd)
 	return cmd
 }
 
@@ -87,7 +91,7 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 	}
 	l, err := launch.Start(cmd.Context(), launch.Options{Cluster: cl, Model: uf.model, Aggregated: uf.smoke > 0,
 		Output: out, Logger: log, Secret: secret, TLS: uf.tf.or(cl.Security.TLS), GenerateTLS: uf.genTLS,
-		Deadlines: serve.RouterDeadlines(uf.df)})
+		Deadlines: serve.RouterDeadlines(uf.df), MigrationLimit: uf.mf.limit()})
 	if err != nil {
 		return err
 	}

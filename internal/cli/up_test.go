@@ -5,12 +5,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -182,6 +184,104 @@ func TestGenerationWorkerKilledMidStream(t *testing.T) {
 			t.Fatalf("context pool: %d of %d blocks free", free, total)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestGenerationWorkerKilledMigrates: with two generation workers, one
+// SIGKILLed mid-stream hands its request over to the other (migration, on
+// by default): the client's stream goes on to [DONE], and its token ids
+// are the aggregated worker's, max_tokens of them.
+func TestGenerationWorkerKilledMigrates(t *testing.T) {
+	l := launchCluster(t, smallCluster+"  num_instances: 2\n", true)
+	const maxTokens = 240
+	body := map[string]any{"prompt": "a prompt for a long answer", "max_tokens": maxTokens, "ignore_eos": true, "temperature": 0.8, "seed": 9,
+		"return_token_ids": true}
+	b, _ := json.Marshal(body)
+	start := time.Now()
+	resp, err := http.Post(l.AggregatedURL+"/v1/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var want struct {
+		Choices []struct {
+			TokenIDs []int32 `json:"token_ids"`
+		} `json:"choices"`
+	}
+	json.NewDecoder(resp.Body).Decode(&want)
+	resp.Body.Close()
+	if len(want.Choices) != 1 || len(want.Choices[0].TokenIDs) != maxTokens {
+		t.Fatalf("aggregated answer: %+v", want)
+	}
+	t.Logf("aggregated answer in %v", time.Since(start))
+	start = time.Now()
+	body["stream"] = true
+	body["stream_options"] = map[string]any{"include_usage": true}
+	b, _ = json.Marshal(body)
+	resp, err = http.Post(l.RouterURL+"/v1/completions", "application/json", bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	var ids []int32
+	usage, done, chunks, killed := 0, false, 0, ""
+	for sc.Scan() {
+		data, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if data == "[DONE]" {
+			done = true
+			break
+		}
+		var ev struct {
+			Choices []struct {
+				TokenIDs []int32 `json:"token_ids"`
+			} `json:"choices"`
+			Usage *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			} `json:"usage"`
+			Error *struct {
+				Message string `json:"message"`
+			} `json:"error"`
+		}
+		if err := json.Unmarshal([]byte(data), &ev); err != nil || ev.Error != nil {
+			t.Fatalf("event %s: %v", data, err)
+		}
+		for _, c := range ev.Choices {
+			ids = append(ids, c.TokenIDs...)
+		}
+		if ev.Usage != nil {
+			usage = ev.Usage.CompletionTokens
+		}
+		if chunks++; chunks == 5 {
+			// Kill the generation worker that serves the stream.
+			for i, u := range l.GenerationURL {
+				r, err := http.Get(u + "/health")
+				if err != nil {
+					t.Fatal(err)
+				}
+				var h struct {
+					Running int `json:"running"`
+				}
+				json.NewDecoder(r.Body).Decode(&h)
+				r.Body.Close()
+				if h.Running > 0 {
+					killed = fmt.Sprint("generation-", i)
+					syscall.Kill(l.Workers()[killed], syscall.SIGKILL)
+					break
+				}
+			}
+			if killed == "" {
+				t.Fatal("no generation worker is running the request")
+			}
+			t.Logf("%s killed after %v", killed, time.Since(start))
+		}
+	}
+	t.Logf("stream done after %v", time.Since(start))
+	if !done || len(ids) != maxTokens || usage != maxTokens || !slices.Equal(ids, want.Choices[0].TokenIDs) {
+		t.Fatalf("after %s was killed: [DONE] %v, %d token ids (usage %d), equal to the aggregated worker's: %v; want %d",
+			killed, done, len(ids), usage, slices.Equal(ids, want.Choices[0].TokenIDs), maxTokens)
 	}
 }
 

@@ -68,6 +68,10 @@ type Options struct {
 	// Deadlines are the router's per-phase deadlines (zero fields: the
 	// defaults).
 	Deadlines serve.RouterDeadlines
+	// MigrationLimit is the router's (serve.RouterOptions.MigrationLimit):
+	// 0 means serve.DefaultMigrationLimit, serve.MigrationOff turns
+	// migration off.
+	MigrationLimit int
 	// Ready bounds the wait for every worker to become healthy; 0 means
 	// DefaultReady.
 	Ready time.Duration
@@ -300,7 +304,7 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	cl := o.Cluster
 	r, err := serve.NewRouter(serve.RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
 		ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: l.log,
-		Client: l.client, TLS: tlsClient(routerTLS), RouterDeadlines: o.Deadlines})
+		Client: l.client, TLS: tlsClient(routerTLS), RouterDeadlines: o.Deadlines, MigrationLimit: o.MigrationLimit})
 	if err != nil {
 		return err
 	}

@@ -89,4 +89,24 @@ func TestRouterDeadlines(t *testing.T) {
 	if got := l.router.Deadlines(); got != want {
 		t.Errorf("router deadlines %+v, want %+v", got, want)
 	}
+	if got := l.router.MigrationLimit(); got != serve.DefaultMigrationLimit {
+		t.Errorf("router migration limit %d, want the default %d", got, serve.DefaultMigrationLimit)
+	}
+}
+
+// TestRouterMigrationLimit: the router kvxfer up starts takes the
+// migration limit of its options (kvxfer up's --migration-limit).
+func TestRouterMigrationLimit(t *testing.T) {
+	cl := cluster(t, "context_servers: {urls: ['127.0.0.1:1']}\ngeneration_servers: {urls: ['127.0.0.1:2']}\n")
+	for _, c := range []struct{ set, want int }{{0, serve.DefaultMigrationLimit}, {3, 3}, {serve.MigrationOff, 0}} {
+		l := &Launched{ContextURLs: []string{"http://127.0.0.1:1"}, GenerationURL: []string{"http://127.0.0.1:2"},
+			log: slog.New(slog.DiscardHandler)}
+		if err := l.startRouter(Options{Cluster: cl, Host: "127.0.0.1", Port: -1, MigrationLimit: c.set}, nil); err != nil {
+			t.Fatal(err)
+		}
+		if got := l.router.MigrationLimit(); got != c.want {
+			t.Errorf("MigrationLimit %d: the router's limit is %d, want %d", c.set, got, c.want)
+		}
+		l.Stop()
+	}
 }

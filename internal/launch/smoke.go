@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"slices"
 	"strings"
@@ -50,11 +51,12 @@ var SmokePrompts = []string{
 // for ignore_eos, so each answer is exactly this many tokens.
 const smokeMaxTokens = 24
 
-// Smoke sends n prompts, streamed, through the router and to the aggregated
-// worker with the same seed and compares the answers; concurrency prompts
-// run at a time. Every answer must be smokeMaxTokens tokens long (the
-// requests ask for ignore_eos) and end by length, and the two answers to a
-// prompt must have the same tokens.
+// Smoke sends n prompts, streamed and not, through the router and to the
+// aggregated worker with the same seed and compares the answers;
+// concurrency prompts run at a time. The requests ask for ignore_eos and
+// return_token_ids: every answer must carry smokeMaxTokens token ids (and
+// count as many in its usage), end by length and have text, and the four
+// answers to a prompt must have the same token ids and the same text.
 func Smoke(ctx context.Context, routerURL, aggregatedURL string, n, concurrency int) *SmokeResult {
 	return SmokeWith(ctx, nil, routerURL, aggregatedURL, n, concurrency)
 }
@@ -79,12 +81,17 @@ func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL 
 			defer func() { <-sem }()
 			prompt := SmokePrompts[i%len(SmokePrompts)]
 			body := map[string]any{"prompt": prompt, "max_tokens": smokeMaxTokens, "temperature": 0, "seed": i, "stream": true,
-				"ignore_eos": true, "stream_options": map[string]any{"include_usage": true}}
+				"ignore_eos": true, "return_token_ids": true, "stream_options": map[string]any{"include_usage": true}}
 			if i%3 == 1 {
 				body["temperature"] = 0.8 // seeded sampling must match too
 			}
 			d, derr := streamAnswer(ctx, client, routerURL, body)
 			a, aerr := streamAnswer(ctx, client, aggregatedURL, body)
+			plain := maps.Clone(body)
+			plain["stream"] = false
+			delete(plain, "stream_options")
+			dp, dperr := plainAnswer(ctx, client, routerURL, plain)
+			ap, aperr := plainAnswer(ctx, client, aggregatedURL, plain)
 			mu.Lock()
 			defer mu.Unlock()
 			fail := func(format string, args ...any) {
@@ -95,12 +102,24 @@ func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL 
 				fail("via the router: %v", derr)
 			case aerr != nil:
 				fail("on the aggregated worker: %v", aerr)
+			case dperr != nil:
+				fail("via the router, not streamed: %v", dperr)
+			case aperr != nil:
+				fail("on the aggregated worker, not streamed: %v", aperr)
 			case d.check() != "":
 				fail("via the router: %s", d.check())
 			case a.check() != "":
 				fail("on the aggregated worker: %s", a.check())
-			case d.text != a.text:
-				fail("disaggregated %q != aggregated %q", d.text, a.text)
+			case dp.check() != "":
+				fail("via the router, not streamed: %s", dp.check())
+			case ap.check() != "":
+				fail("on the aggregated worker, not streamed: %s", ap.check())
+			case !slices.Equal(d.ids, a.ids):
+				fail("disaggregated token ids %v != aggregated %v", d.ids, a.ids)
+			case !slices.Equal(dp.ids, a.ids) || !slices.Equal(ap.ids, a.ids):
+				fail("not streamed, token ids %v via the router and %v aggregated != streamed %v", dp.ids, ap.ids, a.ids)
+			case d.text != a.text || dp.text != a.text || ap.text != a.text:
+				fail("texts differ: disaggregated %q (not streamed %q), aggregated %q (not streamed %q)", d.text, dp.text, a.text, ap.text)
 			default:
 				res.Matched++
 				res.TTFTDisagg = append(res.TTFTDisagg, d.ttft)
@@ -112,22 +131,20 @@ func SmokeWith(ctx context.Context, base *http.Client, routerURL, aggregatedURL 
 	return res
 }
 
-// answer is what Smoke reads of a streamed completion.
-//
-// The stream carries text, not token ids; with the reference engine's
-// byte-level tokenizer the text is the generated ids below 256 in order,
-// and only where special tokens (BOS, EOS, which ignore_eos lets through)
-// fall is not seen. tokens, from the usage chunk, counts them all.
+// answer is what Smoke reads of a completion, streamed or not.
 type answer struct {
 	text   string
-	finish string // the finish_reason of the last chunk
-	tokens int    // usage.completion_tokens
+	ids    []int32 // the generated token ids (return_token_ids)
+	finish string  // the finish_reason of the last chunk
+	tokens int     // usage.completion_tokens
 	ttft   time.Duration
 }
 
 // check returns what is wrong with an answer to a Smoke request, or "".
 func (a *answer) check() string {
 	switch {
+	case len(a.ids) != smokeMaxTokens:
+		return fmt.Sprintf("%d token ids, want %d (ignore_eos)", len(a.ids), smokeMaxTokens)
 	case a.tokens != smokeMaxTokens:
 		return fmt.Sprintf("%d completion tokens, want %d (ignore_eos)", a.tokens, smokeMaxTokens)
 	case a.finish != "length":
@@ -178,6 +195,7 @@ func streamAnswer(ctx context.Context, c *http.Client, base string, body map[str
 		var ev struct {
 			Choices []struct {
 				Text         string  `json:"text"`
+				TokenIDs     []int32 `json:"token_ids"`
 				FinishReason *string `json:"finish_reason"`
 			} `json:"choices"`
 			Usage *struct {
@@ -198,6 +216,7 @@ func streamAnswer(ctx context.Context, c *http.Client, base string, body map[str
 				a.ttft = time.Since(start)
 			}
 			text.WriteString(ch.Text)
+			a.ids = append(a.ids, ch.TokenIDs...)
 			if ch.FinishReason != nil {
 				a.finish = *ch.FinishReason
 			}
@@ -207,4 +226,46 @@ func streamAnswer(ctx context.Context, c *http.Client, base string, body map[str
 		}
 	}
 	return nil, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
+}
+
+// plainAnswer posts body, a completion request that does not stream, to
+// the /v1/completions of base and reads the answer: one other than 200, or
+// without one choice, is an error.
+func plainAnswer(ctx context.Context, c *http.Client, base string, body map[string]any) (*answer, error) {
+	b, err := json.Marshal(body)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := c.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(raw)))
+	}
+	var v struct {
+		Choices []struct {
+			Text         string  `json:"text"`
+			TokenIDs     []int32 `json:"token_ids"`
+			FinishReason string  `json:"finish_reason"`
+		} `json:"choices"`
+		Usage struct {
+			CompletionTokens int `json:"completion_tokens"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(raw, &v); err != nil || len(v.Choices) != 1 {
+		return nil, fmt.Errorf("answer %q: want one choice (%v)", raw, err)
+	}
+	ch := v.Choices[0]
+	return &answer{text: ch.Text, ids: ch.TokenIDs, finish: ch.FinishReason, tokens: v.Usage.CompletionTokens}, nil
 }
