@@ -41,7 +41,11 @@ var boundaries = []rule{
 	// the collectors themselves are package metrics'. Its tests register
 	// the data planes that their workers use (tcp; ucx with -tags ucx), as
 	// kvxfer's main does.
-	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf"},
+	// With disagg_cluster the router watches the membership (a View on a
+	// Store the CLI opens) and serves the built-in store's handler
+	// (memstore) on its own listener; a worker builds its Record.
+	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
+		"membership", "membership/memstore", "layout"},
 		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
