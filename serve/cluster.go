@@ -240,6 +240,9 @@ func (r *Router) clusterState() ClusterInfo {
 	return ci
 }
 
+// ClusterInfo returns what /cluster_info shows.
+func (r *Router) ClusterInfo() ClusterInfo { return r.clusterState() }
+
 // clusterInfo serves /cluster_info: 200 with ClusterInfo (is_ready says
 // whether the router routes).
 func (r *Router) clusterInfo(w http.ResponseWriter, _ *http.Request) {

@@ -36,7 +36,10 @@ var boundaries = []rule{
 	{pkg: "cmd/kvxfer", may: []string{"internal/cli"}},
 	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
 	// The launcher behind `kvxfer up`: worker processes and the router.
-	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf"}},
+	// With disagg_cluster it opens the router's membership store
+	// (connect for etcd, memstore for the built-in one).
+	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf", "membership/connect", "membership/memstore"},
+		tests: []string{"membership", "membership/membershiptest"}},
 	// serve names prometheus.Registry (Worker.Registry, Router.Registry);
 	// the collectors themselves are package metrics'. Its tests register
 	// the data planes that their workers use (tcp; ucx with -tags ucx), as
