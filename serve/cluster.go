@@ -4,7 +4,9 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"slices"
+	"strconv"
 	"time"
 
 	"github.com/kvxfer/kvxfer/membership"
@@ -170,15 +172,19 @@ func writeNotReady(w http.ResponseWriter, role, why string) {
 	json.NewEncoder(w).Encode(e)
 }
 
-// ClusterWorker is one worker in /cluster_info.
+// ClusterWorker is one worker in /cluster_info: TensorRT-LLM's worker_id,
+// host, port and role, and kvxfer's own fields.
 type ClusterWorker struct {
+	WorkerID   string `json:"worker_id,omitempty"` // the member id of a registered worker
+	Host       string `json:"host"`
+	Port       int    `json:"port"`
+	Role       string `json:"role"` // context or generation
 	URL        string `json:"url"`
 	Static     bool   `json:"static"` // from the cluster file's urls, not registered
 	MarkedDown bool   `json:"marked_down"`
 	DownReason string `json:"down_reason,omitempty"`
 	DownSince  string `json:"down_since,omitempty"`
 	// Of a registered worker:
-	Member            string   `json:"member,omitempty"`
 	Model             string   `json:"model,omitempty"`
 	TP                int      `json:"tp,omitempty"`
 	PP                int      `json:"pp,omitempty"`
@@ -220,13 +226,17 @@ func (r *Router) clusterState() ClusterInfo {
 		ws := []ClusterWorker{}
 		for _, s := range g.g.list() {
 			m := s.member.Load()
-			cw := ClusterWorker{URL: s.url, Static: m == nil}
+			cw := ClusterWorker{URL: s.url, Static: m == nil, Role: g.g.name}
+			if u, err := url.Parse(s.url); err == nil {
+				cw.Host = u.Hostname()
+				cw.Port, _ = strconv.Atoi(u.Port())
+			}
 			if down, why, since := s.state(); down {
 				cw.MarkedDown, cw.DownReason, cw.DownSince = true, why, since.UTC().Format(time.RFC3339Nano)
 			}
 			if m != nil {
 				rec := m.Record
-				cw.Member, cw.Model, cw.LayoutFingerprint, cw.Backends = m.ID, rec.Model, rec.LayoutFingerprint, slices.Clone(rec.Backends)
+				cw.WorkerID, cw.Model, cw.LayoutFingerprint, cw.Backends = m.ID, rec.Model, rec.LayoutFingerprint, slices.Clone(rec.Backends)
 				cw.TP, cw.PP, cw.DP = rec.Layout.TP, rec.Layout.PP, rec.Layout.DP
 				if !rec.RegisteredAt.IsZero() {
 					cw.RegisteredAt = rec.RegisteredAt.UTC().Format(time.RFC3339Nano)

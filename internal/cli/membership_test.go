@@ -446,6 +446,46 @@ func TestDynamicMembershipBuiltIn(t *testing.T) {
 	c.waitMembers(1, 1, 30*time.Second)
 	t.Logf("built-in store: restarted router: the workers registered again %v after its start", time.Since(start))
 	c.noLeaks(ctx1, gen1)
+
+	// SIGINT: the same leave within intDrain.
+	start = time.Now()
+	ctx1.cmd.Process.Signal(syscall.SIGINT)
+	select {
+	case <-ctx1.done:
+	case <-time.After(intDrain + 3*time.Second):
+		t.Fatalf("context-1 still running %v after SIGINT", time.Since(start))
+	}
+	logs := ctx1.logs.String()
+	if !strings.Contains(logs, "left the cluster") || !strings.Contains(logs, "signal=SIGINT") {
+		t.Errorf("context-1 after SIGINT:\n%s", lastLines(logs, 10))
+	}
+	t.Logf("built-in store: SIGINT context-1: exited after %v", time.Since(start))
+	c.waitMembers(0, 1, 2*time.Second)
+}
+
+func TestAdvertiseHost(t *testing.T) {
+	for _, tc := range []struct{ flag, listen, want string }{
+		{"gen-1.internal", "0.0.0.0", "gen-1.internal"},
+		{"", "10.1.2.3", "10.1.2.3"},
+		{"", "127.0.0.1", "127.0.0.1"},
+	} {
+		if got, err := advertiseHost(tc.flag, tc.listen); err != nil || got != tc.want {
+			t.Errorf("advertiseHost(%q, %q) = %q, %v; want %q", tc.flag, tc.listen, got, err, tc.want)
+		}
+	}
+	if _, err := advertiseHost("0.0.0.0", ""); err == nil {
+		t.Error("--advertise-host 0.0.0.0 accepted")
+	}
+	for _, listen := range []string{"0.0.0.0", "", "::"} {
+		got, err := advertiseHost("", listen)
+		if err != nil {
+			t.Logf("advertiseHost(%q): %v (no non-loopback address here)", listen, err)
+			continue
+		}
+		if ip := net.ParseIP(got); got == "" || (ip != nil && (ip.IsUnspecified() || ip.IsLoopback())) {
+			t.Errorf("advertiseHost(%q) = %q: not an address a peer can reach", listen, got)
+		}
+	}
 }
 
 // TestUpDynamic: kvxfer up with disagg_cluster (the built-in store of its
