@@ -50,7 +50,7 @@ func (l *loader) cluster(root *yaml.Node, env Env) *Cluster {
 			l.serverGroup(n, g.name, g.g, top, env)
 			l.conflicts(root, n, g.name)
 		case cl.DisaggCluster != nil:
-			// The workers register themselves (not applied yet).
+			// The workers register themselves.
 			*g.g = dynamicGroup()
 		default:
 			*g.g = defaultServerGroup()
@@ -241,6 +241,5 @@ func (l *loader) disaggCluster(k, n *yaml.Node, path string) *DisaggCluster {
 		}
 		l.errAt(at, join(path, "heartbeat_interval_sec"), "%v", err)
 	}
-	l.c.warn(KindNotApplied, k.Line, k.Column, path, "accepted, not applied yet: %s", notAppliedYet[keyDisaggCluster])
 	return dc
 }

@@ -64,7 +64,7 @@ func TestCheckHeartbeat(t *testing.T) {
 // what the loader refuses.
 func TestDisaggClusterBlock(t *testing.T) {
 	for _, tc := range []loadCase{
-		{"disagg_cluster: {cluster_uri: 'etcd://h1:2379,h2:2379'}\n", KindCluster, SevWarning, keyDisaggCluster, "not applied yet"},
+		{"disagg_cluster: {cluster_uri: 'etcd://h1:2379,h2:2379'}\n", KindCluster, 0, "", ""}, // applied: no warning
 		{"disagg_cluster: {cluster_uri: 'redis://h:1'}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "etcd://"},
 		{"disagg_cluster: {cluster_uri: 'redis://h:1'}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "http://"},
 		{"disagg_cluster: {cluster_uri: 'etcd://h'}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "not host:port"},
@@ -72,7 +72,7 @@ func TestDisaggClusterBlock(t *testing.T) {
 		{"disagg_cluster: {cluster_uri: 'etcd://h:1', heartbeat_interval_sec: 6}\n", KindCluster, SevError, "disagg_cluster.heartbeat_interval_sec",
 			"heartbeat_interval_sec 6 and inactive_timeout_sec 10: need 2 × heartbeat_interval_sec ≤ inactive_timeout_sec"},
 		{"disagg_cluster: {cluster_uri: 'etcd://h:1', inactive_timeout_sec: 9}\n", KindCluster, SevError, "disagg_cluster.heartbeat_interval_sec", "inactive_timeout_sec 9"},
-		{"disagg_cluster: {cluster_uri: 'etcd://h:1', heartbeat_interval_sec: 2, inactive_timeout_sec: 4}\n", KindCluster, SevWarning, keyDisaggCluster, "not applied yet"},
+		{"disagg_cluster: {cluster_uri: 'etcd://h:1', heartbeat_interval_sec: 2, inactive_timeout_sec: 4}\n", KindCluster, 0, "", ""},
 		{"cache_transceiver_config: {backend: TCP}\ndisagg_cluster: {cluster_uri: 'http://r:8000', inactive_timeout_sec: 6}\n", KindWorker, SevError,
 			"disagg_cluster.heartbeat_interval_sec", "need 2 × heartbeat_interval_sec"},
 		{"disagg_cluster: {cluster_uri: 'etcd://h:1', minimal_instances: {context_servers: 2, decoders: 1}}\n", KindCluster, SevError,

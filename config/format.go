@@ -127,7 +127,6 @@ func (f *File) addDisaggCluster(m *yaml.Node, dc *DisaggCluster) {
 	f.addInt(mm, join(p, "minimal_instances"), "generation_servers", dc.MinGeneration)
 	f.addInt(dm, p, "heartbeat_interval_sec", dc.HeartbeatIntervalSec)
 	f.addInt(dm, p, "inactive_timeout_sec", dc.InactiveTimeoutSec)
-	dm.Content[0].HeadComment = "accepted, not applied yet"
 }
 
 func (f *File) addKVCache(m *yaml.Node, path string, kv KVCache) {

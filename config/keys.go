@@ -98,7 +98,6 @@ const (
 // An entry goes away in the change that gives its setting an effect.
 var notAppliedYet = map[string]string{
 	keyConditionalDisagg: "the router sends every request to a context worker first, whatever its length",
-	keyDisaggCluster:     "kvxfer has no dynamic membership yet: the router uses each server group's urls",
 }
 
 // envNotApplied are TensorRT-LLM variables of the transfer path that

@@ -195,8 +195,8 @@ func TestClusterShapes(t *testing.T) {
 		{"context_servers: {urls: ['a:1']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, 0, "", ""}, // no transceivers
 		{"context_servers:\ngeneration_servers: {num_instances: 2}\n", KindCluster, 0, "", ""},              // a null group
 		{"context_servers: {num_instances: 0}\ngeneration_servers: {}\n", KindCluster, SevWarning, "context_servers.num_instances", "generation-only benchmark mode"},
-		{"port: 9000\ndisagg_cluster: {cluster_uri: 'etcd://h:2379'}\n", KindCluster, SevWarning, keyDisaggCluster, "not applied yet"},
-		{"disagg_cluster: {cluster_uri: 'http://h:8000'}\ncache_transceiver_config: {backend: TCP}\n", KindWorker, SevWarning, keyDisaggCluster, "not applied yet"},
+		{"port: 9000\ndisagg_cluster: {cluster_uri: 'etcd://h:2379'}\n", KindCluster, 0, "", ""},
+		{"disagg_cluster: {cluster_uri: 'http://h:8000'}\ncache_transceiver_config: {backend: TCP}\n", KindWorker, 0, "", ""},
 		{"hostname: h\ndisagg_cluster: {cluster_name: x}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "missing"},
 		{"context_servers: {}\n", KindCluster, SevError, "generation_servers", "missing"},
 		{"context_servers: {num_instances: 0, urls: ['a:1']}\ngeneration_servers: {}\n", KindCluster, SevError, "context_servers.urls", "has 1 entries but num_instances is 0"},

@@ -29,6 +29,7 @@ type Router struct {
 	Upstream     *prometheus.CounterVec   // kvxfer_router_upstream_requests_total{role,result}
 	Latency      *prometheus.HistogramVec // kvxfer_router_request_duration_seconds{route}
 	Migrations   *prometheus.CounterVec   // kvxfer_router_migrations_total{result}
+	Workers      *prometheus.GaugeVec     // kvxfer_router_workers{role,state}
 }
 
 // NewRouter creates a router's metrics and registers them on reg.
@@ -42,9 +43,16 @@ func NewRouter(reg prometheus.Registerer) *Router {
 			Help: "Duration of routed requests until the answer (or its stream) ended.", Buckets: prometheus.ExponentialBuckets(0.001, 2, 16)}, []string{"route"}),
 		Migrations: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_router_migrations_total",
 			Help: "Requests whose generation worker failed mid-request, by result: ok (migrated: another generation worker took the request over), failed (not migrated: the limit was reached, no worker could take it, or the stream could not be resumed; the client got an error)."}, []string{"result"}),
+		Workers: prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "kvxfer_router_workers",
+			Help: "Workers the router routes to, by role (context, generation) and state: up (routable), down (marked down by the router after a failed request or probe; tried last and probed until it answers)."}, []string{"role", "state"}),
 	}
 	r.Migrations.WithLabelValues("ok")
 	r.Migrations.WithLabelValues("failed")
-	reg.MustRegister(r.HTTPRequests, r.Upstream, r.Latency, r.Migrations)
+	for _, role := range []string{"context", "generation"} {
+		for _, st := range []string{"up", "down"} {
+			r.Workers.WithLabelValues(role, st)
+		}
+	}
+	reg.MustRegister(r.HTTPRequests, r.Upstream, r.Latency, r.Migrations, r.Workers)
 	return r
 }

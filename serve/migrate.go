@@ -145,6 +145,11 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 			if !errors.As(err, &fail) {
 				fail = &retryable{err: err}
 			}
+			if srv != nil && !errors.Is(err, errStalled) && fail.event == nil {
+				// Cut without a word from the worker (it died, or its
+				// connection was reset): stop routing to it now.
+				r.markDown(r.gen, srv, "stream cut: "+err.Error())
+			}
 		}
 		// The generation failed: migrate, or end the request.
 		r.releaseContext(ctx, cr) // when it was never pulled

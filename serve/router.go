@@ -20,6 +20,8 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/memstore"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -53,6 +55,13 @@ type upstream struct {
 	mu     sync.Mutex
 	reason string    // why it was marked down
 	since  time.Time // when
+
+	// Dynamic membership (disagg_cluster): member is the worker's record
+	// when it registered itself (nil for a static url of the cluster
+	// file); removed is set when it left the membership (its lease ended
+	// or it deregistered): its probes stop.
+	member  atomic.Pointer[membership.WorkerInfo]
+	removed atomic.Bool
 }
 
 // state returns whether s is marked down, why and since when.
@@ -64,19 +73,33 @@ func (s *upstream) state() (bool, string, time.Time) {
 
 // group is the context or generation servers with their policy.
 type group struct {
-	name    string
-	policy  Policy
+	name   string
+	policy Policy
+	mu     sync.RWMutex // guards servers (replaced, never changed in place, when members join or leave)
+	// servers are the static urls of the cluster file, then the workers
+	// that registered themselves.
 	servers []*upstream
 	next    atomic.Uint64
 }
 
+// list returns the group's servers now.
+func (g *group) list() []*upstream {
+	g.mu.RLock()
+	defer g.mu.RUnlock()
+	return g.servers
+}
+
 // order returns the servers to try, best first.
 func (g *group) order() []*upstream {
-	n := len(g.servers)
+	servers := g.list()
+	n := len(servers)
+	if n == 0 {
+		return nil
+	}
 	out := make([]*upstream, 0, n)
 	switch g.policy {
 	case LoadBalancing:
-		out = append(out, g.servers...)
+		out = append(out, servers...)
 		// Fewest in flight first; ties by round robin so load spreads.
 		start := int(g.next.Add(1) % uint64(n))
 		rot := append(out[start:], out[:start]...)
@@ -94,7 +117,7 @@ func (g *group) order() []*upstream {
 	default:
 		start := int(g.next.Add(1) % uint64(n))
 		for i := range n {
-			out = append(out, g.servers[(start+i)%n])
+			out = append(out, servers[(start+i)%n])
 		}
 	}
 	// Workers marked down go last: tried only when no other can be
@@ -133,6 +156,10 @@ type RouterOptions struct {
 	// Dynamo's --migration-limit): 0 means DefaultMigrationLimit,
 	// MigrationOff (or any negative value) turns migration off.
 	MigrationLimit int
+	// Cluster, when set, is the disagg_cluster whose workers register
+	// themselves: the router watches its store and routes to its members
+	// besides Context and Generation (which may then be empty).
+	Cluster *ClusterOptions
 }
 
 // DefaultMigrationLimit is RouterOptions.MigrationLimit's default, and
@@ -199,11 +226,16 @@ type Router struct {
 	stop      context.CancelFunc
 	probes    sync.WaitGroup
 	closeOnce sync.Once
+
+	cluster *routerCluster // nil without disagg_cluster
+	tls     bool           // worker URLs need https://
 }
 
-// NewRouter builds a router. It starts no goroutines.
+// NewRouter builds a router. It starts no goroutines, except with
+// RouterOptions.Cluster the one that watches the membership (Close stops
+// it).
 func NewRouter(o RouterOptions) (*Router, error) {
-	if len(o.Context) == 0 || len(o.Generation) == 0 {
+	if o.Cluster == nil && (len(o.Context) == 0 || len(o.Generation) == 0) {
 		return nil, fmt.Errorf("serve: router needs at least one context and one generation server (have %d and %d)", len(o.Context), len(o.Generation))
 	}
 	log := o.Logger
@@ -262,6 +294,11 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	}
 	r.life, r.stop = context.WithCancel(context.Background())
 	r.m = metrics.NewRouter(r.reg)
+	r.tls = o.TLS != nil
+	r.updateWorkerGauge()
+	if o.Cluster != nil {
+		r.startCluster(*o.Cluster)
+	}
 	return r, nil
 }
 
@@ -288,9 +325,13 @@ func (r *Router) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, req *http.Request) { r.route(w, req, "/v1/chat/completions") })
 	mux.HandleFunc("GET /v1/models", r.models)
 	mux.HandleFunc("GET /health", r.health)
+	mux.HandleFunc("GET /cluster_info", r.clusterInfo)
+	if r.cluster != nil && r.cluster.handler != nil {
+		mux.Handle(memstore.BasePath+"/", r.cluster.handler)
+	}
 	mux.Handle("GET /metrics", metrics.Handler(r.reg))
 	mux.HandleFunc("/", func(w http.ResponseWriter, req *http.Request) {
-		writeError(w, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s (routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics)", req.Method, req.URL.Path))
+		writeError(w, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s (routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /cluster_info, GET /metrics)", req.Method, req.URL.Path))
 	})
 	return countCodes(mux, r.m.HTTPRequests)
 }
@@ -315,6 +356,10 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	orig, stream, err := readRouted(req)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+		return
+	}
+	if ok, role, why := r.ready(); !ok {
+		writeNotReady(w, role, why)
 		return
 	}
 	if r.migration > 0 {
@@ -610,11 +655,15 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object, a
 			var op *net.OpError
 			if errors.As(err, &op) && op.Op == "dial" {
 				r.m.Upstream.WithLabelValues(g.name, "connect_error").Inc()
+				r.markDown(g, s, whyConnect+err.Error())
 				r.warn("unreachable:"+s.url, "worker unreachable, trying the next", "role", g.name, "url", s.url, "err", err)
 				errs = append(errs, fmt.Errorf("%s: %v", s.url, err))
 				continue
 			}
 			r.m.Upstream.WithLabelValues(g.name, "error").Inc()
+			if ctx.Err() == nil {
+				r.markDown(g, s, "request failed: "+err.Error())
+			}
 			return nil, s, fmt.Errorf("%s server %s: %w", g.name, s.url, err)
 		}
 		result := "ok"
@@ -649,6 +698,7 @@ func (r *Router) do(g *group, s *upstream, hreq *http.Request) (*http.Response, 
 		}
 		cancel()
 		why := fmt.Sprintf("no response headers within %v", r.d.HeaderTimeout)
+		r.m.Upstream.WithLabelValues(g.name, "stalled").Inc()
 		r.markDown(g, s, why)
 		return nil, fmt.Errorf("%s server %s: %s: %w", g.name, s.url, why, errStalled)
 	}
@@ -657,7 +707,10 @@ func (r *Router) do(g *group, s *upstream, hreq *http.Request) (*http.Response, 
 		return nil, err
 	}
 	sb := &stallBody{body: resp.Body, cancel: cancel, timeout: r.d.ChunkTimeout,
-		stalled: func() { r.markDown(g, s, fmt.Sprintf("no response data within %v", r.d.ChunkTimeout)) }}
+		stalled: func() {
+			r.m.Upstream.WithLabelValues(g.name, "stalled").Inc()
+			r.markDown(g, s, fmt.Sprintf("no response data within %v", r.d.ChunkTimeout))
+		}}
 	sb.timer = time.AfterFunc(time.Hour, sb.fire)
 	sb.timer.Stop()
 	resp.Body = sb
@@ -699,6 +752,10 @@ func (b *stallBody) Close() error {
 	return err
 }
 
+// whyConnect starts the reason of a worker marked down because it could
+// not be reached.
+const whyConnect = "connection failed: "
+
 // markDown marks s down for why and, if it was up, starts probing it.
 func (r *Router) markDown(g *group, s *upstream, why string) {
 	s.mu.Lock()
@@ -710,8 +767,13 @@ func (r *Router) markDown(g *group, s *upstream, why string) {
 	if was {
 		return
 	}
-	r.m.Upstream.WithLabelValues(g.name, "stalled").Inc()
-	r.warn("down:"+s.url, "worker missed a deadline: marked down, probing it until it answers", "role", g.name, "url", s.url, "why", why)
+	r.updateWorkerGauge()
+	if strings.HasPrefix(why, whyConnect) {
+		// "worker unreachable" says it already, rate-limited.
+		r.log.Debug("worker unreachable: marked down, probing it until it answers", "role", g.name, "url", s.url, "why", why)
+	} else {
+		r.warn("down:"+s.url, "worker failed or missed a deadline: marked down, probing it until it answers", "role", g.name, "url", s.url, "why", why)
+	}
 	r.probes.Add(1)
 	go r.probe(g, s)
 }
@@ -723,6 +785,7 @@ func (r *Router) markUp(g *group, s *upstream) {
 	s.reason = ""
 	s.mu.Unlock()
 	if was {
+		r.updateWorkerGauge()
 		r.log.Info("worker answers again: re-admitted", "role", g.name, "url", s.url)
 	}
 }
@@ -733,7 +796,7 @@ func (r *Router) probe(g *group, s *upstream) {
 	defer r.probes.Done()
 	t := time.NewTicker(r.d.ProbeInterval)
 	defer t.Stop()
-	for s.down.Load() {
+	for s.down.Load() && !s.removed.Load() {
 		select {
 		case <-r.life.Done():
 			return
@@ -830,8 +893,9 @@ func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 	out := make([][]state, len(groups))
 	var wg sync.WaitGroup
 	for gi, g := range groups {
-		out[gi] = make([]state, len(g.servers))
-		for i, s := range g.servers {
+		servers := g.list()
+		out[gi] = make([]state, len(servers))
+		for i, s := range servers {
 			wg.Go(func() {
 				start := time.Now()
 				err := r.checkHealth(req.Context(), s)
@@ -861,7 +925,16 @@ func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 	if !anyHealthy(out[0]) || !anyHealthy(out[1]) {
 		code, status = http.StatusServiceUnavailable, "unavailable"
 	}
+	body := map[string]any{"status": status, "context_servers": out[0], "generation_servers": out[1]}
+	if r.cluster != nil {
+		ci := r.clusterState()
+		body["cluster"] = ci
+		if !ci.IsReady {
+			code, status = http.StatusServiceUnavailable, "unavailable"
+			body["status"] = status
+		}
+	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(code)
-	json.NewEncoder(w).Encode(map[string]any{"status": status, "context_servers": out[0], "generation_servers": out[1]})
+	json.NewEncoder(w).Encode(body)
 }

@@ -58,7 +58,7 @@ with TensorRT-LLM's cache_transceiver_config.`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(newVersionCmd(), newBackendsCmd(), newConfigCmd(e), newBenchCmd(e), newBenchPeerCmd(e),
+	root.AddCommand(newVersionCmd(), newBackendsCmd(), newConfigCmd(e), newBenchCmd(e), newBenchPeerCmd(e), newClusterCmd(e),
 		newServeCmd(e), newRouterCmd(e), newUpCmd(e), newCertsCmd())
 	return root
 }

@@ -150,8 +150,8 @@ func TestRouterAndUpRefuse(t *testing.T) {
 		want string
 	}{
 		{[]string{"router", "--config", up("cluster_gen_only.yaml"), "--port", "0"}, "context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, which kvxfer router does not support yet"},
-		{[]string{"router", "--config", up("cluster_disagg_cluster.yaml"), "--port", "0"}, "disagg_cluster (workers that register themselves) is not supported by kvxfer router yet"},
-		{[]string{"router", "--config", up("cluster_disagg_cluster.yaml"), "--port", "0"}, "disagg_cluster: accepted, not applied yet"}, // the file's warnings are logged
+		// The built-in store on every interface without a cluster secret.
+		{[]string{"router", "--config", up("cluster_disagg_cluster.yaml"), "--port", "0", "--host", "0.0.0.0"}, "on a non-loopback address needs a cluster secret"},
 		{[]string{"up", "-f", up("cluster_gen_only_moe.yaml"), "--port", "0"}, "context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, which kvxfer up does not support yet"},
 		{[]string{"up", "-f", up("cluster_disagg_cluster.yaml"), "--port", "0"}, "the file uses disagg_cluster"},
 	} {

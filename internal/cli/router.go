@@ -18,11 +18,8 @@ func routable(cl *config.Cluster) error {
 	case cl.Context.NumInstances == 0 && cl.DisaggCluster == nil:
 		return errors.New("context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, which kvxfer router " +
 			"does not support yet: it sends every request to a context worker first")
-	case len(cl.Context.URLs) > 0 && len(cl.Generation.URLs) > 0:
+	case len(cl.Context.URLs) > 0 && len(cl.Generation.URLs) > 0, cl.DisaggCluster != nil:
 		return nil
-	case cl.DisaggCluster != nil:
-		return errors.New("disagg_cluster (workers that register themselves) is not supported by kvxfer router yet: " +
-			"list each server group's workers in its urls")
 	}
 	return errors.New("the router needs context_servers.urls and generation_servers.urls (kvxfer up starts workers and picks ports itself)")
 }
@@ -40,7 +37,7 @@ func newRouterCmd(e env) *cobra.Command {
 	)
 	cmd := &cobra.Command{
 		Use:   "router",
-		Short: "Run the disaggregated router in front of running workers (cluster file with urls)",
+		Short: "Run the disaggregated router in front of running workers (cluster file with urls, or disagg_cluster)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			log, err := lf.logger(cmd)
@@ -48,7 +45,7 @@ func newRouterCmd(e env) *cobra.Command {
 				return err
 			}
 			if cfgPath == "" {
-				return errors.New("--config: a cluster file with context_servers.urls and generation_servers.urls is required")
+				return errors.New("--config: a cluster file with context_servers.urls and generation_servers.urls, or disagg_cluster, is required")
 			}
 			cl, err := loadCluster(cfgPath, e, log)
 			if err != nil {
@@ -67,17 +64,29 @@ func newRouterCmd(e env) *cobra.Command {
 			if tc != nil {
 				ro.TLS = tc.Client
 			}
-			r, err := serve.NewRouter(ro)
-			if err != nil {
-				return err
-			}
-			defer r.Close()
 			if host == "" {
 				host = cl.Hostname
 			}
 			if !cmd.Flags().Changed("port") {
 				port = cl.Port
 			}
+			if dc := cl.DisaggCluster; dc != nil {
+				secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
+				if err != nil {
+					return err
+				}
+				co, closeStore, err := routerMembership(cmd.Context(), dc, secret, host, port, log)
+				if err != nil {
+					return fmt.Errorf("%s: %w", cfgPath, err)
+				}
+				defer closeStore()
+				ro.Cluster = co
+			}
+			r, err := serve.NewRouter(ro)
+			if err != nil {
+				return err
+			}
+			defer r.Close()
 			ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
 			if err != nil {
 				return err

@@ -8,7 +8,10 @@ import (
 	"net"
 	"net/http"
 	"net/http/pprof"
+	"os"
+	"os/signal"
 	"strconv"
+	"syscall"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
@@ -97,6 +100,7 @@ func serveHTTP(ctx context.Context, ln net.Listener, srv *http.Server, log *slog
 // serveFlags are kvxfer serve's flags.
 type serveFlags struct {
 	role, cfgPath, model, host, dtype, txHost string
+	advertise                                 string
 	port, tp, pp                              int
 	lf                                        logFlags
 	admin                                     adminFlag
@@ -131,6 +135,7 @@ func (sf *serveFlags) add(cmd *cobra.Command) {
 	f.IntVar(&sf.pp, "pp", 1, "pipeline parallel size (overrides the file)")
 	f.StringVar(&sf.dtype, "dtype", "bf16", "KV cache dtype: fp32, fp16, bf16, fp8")
 	f.StringVar(&sf.txHost, "transceiver-host", "127.0.0.1", "address the transceiver's control and data listeners bind to")
+	f.StringVar(&sf.advertise, "advertise-host", "", "host of the URL the worker registers in its disagg_cluster (default: --host; for 0.0.0.0, this host's name or first non-loopback IPv4)")
 	sf.tf.add(cmd, "on the HTTP API (clients need a certificate of the CA) and the transceiver's control and tcp data connections")
 	sf.lf.add(cmd)
 	sf.admin.add(cmd)
@@ -190,7 +195,96 @@ func runServe(cmd *cobra.Command, e env, sf *serveFlags) error {
 	defer wait()
 	log.Info("worker listening", "role", sf.role, "model", sf.model, "url", scheme+ln.Addr().String(),
 		"tp", wc.TensorParallelSize, "pp", wc.PipelineParallelSize, "mutual_tls", tc != nil)
-	return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(w.Handler(), sf.hf.lim), log)
+	return serveWorker(cmd.Context(), sf, wc, w, ln, scheme, secret, log)
+}
+
+// serveWorker serves the worker's HTTP API on ln until ctx ends. With
+// disagg_cluster it registers once the server runs, and on SIGTERM leaves
+// gracefully (see leaveGrace): deregisters first, then drains.
+func serveWorker(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serve.Worker, ln net.Listener, scheme string, secret []byte, log *slog.Logger) error {
+	// Which signal ended ctx (kvxfer's main cancels it on both).
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
+	srv := serve.NewHTTPServer(w.Handler(), sf.hf.lim)
+	errc := make(chan error, 1)
+	go func() { errc <- srv.Serve(ln) }()
+	var j *joiner
+	if dc := wc.DisaggCluster; dc != nil {
+		host, err := advertiseHost(sf.advertise, sf.host)
+		if err != nil {
+			srv.Close()
+			return err
+		}
+		_, port, _ := net.SplitHostPort(ln.Addr().String())
+		rec, err := w.MemberRecord(scheme + net.JoinHostPort(host, port))
+		if err != nil {
+			srv.Close()
+			return err
+		}
+		if j, err = startJoin(ctx, dc, rec, secret, log); err != nil {
+			srv.Close()
+			return err
+		}
+		log.Info("joining the cluster", "cluster_uri", dc.ClusterURI, "cluster_name", dc.ClusterName, "advertised_url", rec.URL,
+			"layout_fingerprint", rec.LayoutFingerprint, "backends", rec.Backends)
+	}
+	select {
+	case err := <-errc:
+		if j != nil {
+			j.leave(2 * time.Second)
+		}
+		return err
+	case <-ctx.Done():
+	}
+	sig := "SIGTERM"
+	select {
+	case s := <-sigs:
+		sig = s.String()
+		if s == syscall.SIGINT {
+			sig = "SIGINT"
+		}
+	case <-time.After(50 * time.Millisecond):
+		sig = "cancel"
+	}
+	drain := termDrain
+	if sig == "SIGINT" {
+		drain = intDrain
+	}
+	deadline := time.Now().Add(drain)
+	log.Info("leaving: deregistering, then finishing what is in flight", "signal", sig, "drain", drain)
+	if j != nil && j.leave(min(2*time.Second, drain/2)) {
+		// Requests the router sent before it saw the leave still land.
+		time.Sleep(min(leaveGrace, time.Until(deadline)/2))
+	}
+	sctx, cancel := context.WithDeadline(context.Background(), deadline)
+	err := srv.Shutdown(sctx)
+	cancel()
+	if err != nil {
+		log.Warn("requests still in flight at the drain deadline: closed", "err", err)
+		srv.Close()
+	}
+	<-errc
+	if tr := w.Transceiver(); tr != nil {
+		// Context requests whose KV is not pulled yet stay until pulled or
+		// expired (kv_transfer_timeout_ms), within the drain deadline of a
+		// SIGINT.
+		held := deadline
+		if sig != "SIGINT" && wc.CacheTransceiver != nil && wc.CacheTransceiver.KVTransferTimeoutMs > 0 {
+			held = time.Now().Add(time.Duration(wc.CacheTransceiver.KVTransferTimeoutMs) * time.Millisecond)
+		}
+		if n := tr.PendingContext(); n > 0 {
+			log.Info("waiting for held context requests to be pulled", "held", n, "until", held.Format(time.RFC3339))
+		}
+		for tr.PendingContext() > 0 && time.Now().Before(held) {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if n := tr.PendingContext(); n > 0 {
+			log.Warn("context requests still held at exit: their generation workers will not get their KV", "held", n)
+		}
+	}
+	log.Info("worker stopped", "signal", sig)
+	return nil
 }
 
 // workerConfig is the worker file of --config; without one, the default

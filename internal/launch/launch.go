@@ -24,6 +24,8 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
+	"github.com/kvxfer/kvxfer/membership/connect"
+	"github.com/kvxfer/kvxfer/membership/memstore"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/kvxfer/kvxfer/serve"
 )
@@ -108,10 +110,14 @@ type Launched struct {
 	server  *http.Server
 	ln      net.Listener
 	workers []*worker
-	dir     string
-	log     *slog.Logger
-	wg      sync.WaitGroup
-	stopped sync.Once
+	// With disagg_cluster: the workers' cluster_uri, and the stores to
+	// close after the router.
+	clusterURI string
+	closers    []func()
+	dir        string
+	log        *slog.Logger
+	wg         sync.WaitGroup
+	stopped    sync.Once
 }
 
 type worker struct {
@@ -158,8 +164,8 @@ func Startable(cl *config.Cluster) error {
 			continue
 		}
 		if cl.DisaggCluster != nil {
-			return fmt.Errorf("launch: %s has no instances to start: the file uses disagg_cluster, whose workers register themselves, "+
-				"which kvxfer up does not support yet; list the server groups with num_instances instead", g.name)
+			return fmt.Errorf("launch: %s has no instances to start: the file uses disagg_cluster, whose workers register themselves; "+
+				"give the server groups num_instances for kvxfer up to start (they register themselves), or run kvxfer router and start the workers with kvxfer serve", g.name)
 		}
 		if g.name == "context_servers" {
 			return fmt.Errorf("launch: context_servers.num_instances is 0, TensorRT-LLM's generation-only benchmark mode, " +
@@ -211,6 +217,20 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 	if routerTLS != nil {
 		l.client, l.scheme = serve.NewHTTPClient(routerTLS.Client), "https://"
 	}
+	if o.Cluster.DisaggCluster != nil {
+		// The workers register themselves: the router (and for http://
+		// its built-in store) comes first, the workers join it.
+		if err := l.startRouter(o, routerTLS); err != nil {
+			return err
+		}
+		if err := l.startWorkers(o, tlsFiles); err != nil {
+			return err
+		}
+		if err := l.waitHealthy(ctx, o.Ready); err != nil {
+			return err
+		}
+		return l.waitMembers(ctx, o.Ready)
+	}
 	if err := l.startWorkers(o, tlsFiles); err != nil {
 		return err
 	}
@@ -218,6 +238,50 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 		return err
 	}
 	return l.startRouter(o, routerTLS)
+}
+
+// openMembership opens the router's membership of a disagg_cluster: for
+// http:// the built-in store the router serves (behind the cluster
+// secret's token; kvxfer up always has a secret), for etcd:// a client.
+// The workers' cluster_uri is the returned one: the router's own URL for
+// the built-in store.
+func (l *Launched) openMembership(ctx context.Context, o Options, routerURL string) (*serve.ClusterOptions, error) {
+	dc := o.Cluster.DisaggCluster
+	co := &serve.ClusterOptions{Name: dc.ClusterName, MinContext: dc.MinContext, MinGeneration: dc.MinGeneration, URI: dc.ClusterURI}
+	if connect.IsBuiltIn(*dc) {
+		st := memstore.New(memstore.Options{})
+		l.closers = append(l.closers, func() { st.Close() })
+		co.Store, co.Handler, co.URI = st, memstore.Handler(st, memstore.HandlerOptions{Token: connect.Token(o.Secret)}), routerURL
+		l.clusterURI = routerURL
+		return co, nil
+	}
+	st, err := connect.Open(ctx, *dc, connect.Options{})
+	if err != nil {
+		return nil, fmt.Errorf("launch: disagg_cluster: %w", err)
+	}
+	l.closers = append(l.closers, func() { st.Close() })
+	co.Store = st
+	l.clusterURI = dc.ClusterURI
+	return co, nil
+}
+
+// waitMembers waits until the router has every started worker as a member.
+func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for {
+		ci := l.router.ClusterInfo()
+		if len(ci.CurrentWorkers["context_servers"]) >= len(l.ContextURLs) && len(ci.CurrentWorkers["generation_servers"]) >= len(l.GenerationURL) && ci.IsReady {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("launch: the workers did not all register within %v: %s", within, ci.Reason)
+		}
+		select {
+		case <-ctx.Done():
+			return context.Cause(ctx)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
 }
 
 // startWorkers starts the processes of every server group (and the
@@ -262,7 +326,11 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 	}
 	name := fmt.Sprintf("%s-%d", role, idx)
 	cfgPath := filepath.Join(l.dir, name+".yaml")
-	if err := os.WriteFile(cfgPath, workerYAML(g, &o.Cluster.Security, tp, pp), 0o600); err != nil {
+	y := workerYAML(g, &o.Cluster.Security, tp, pp)
+	if dc := o.Cluster.DisaggCluster; dc != nil && role != serve.RoleBoth {
+		y = append(y, disaggYAML(dc, l.clusterURI)...)
+	}
+	if err := os.WriteFile(cfgPath, y, 0o600); err != nil {
 		return "", err
 	}
 	host, port, _ := net.SplitHostPort(addr)
@@ -302,13 +370,6 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 // the cluster's (or the options') host and port.
 func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	cl := o.Cluster
-	r, err := serve.NewRouter(serve.RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
-		ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: l.log,
-		Client: l.client, TLS: tlsClient(routerTLS), RouterDeadlines: o.Deadlines, MigrationLimit: o.MigrationLimit})
-	if err != nil {
-		return err
-	}
-	l.router = r
 	host := o.Host
 	if host == "" {
 		host = cl.Hostname
@@ -321,9 +382,24 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	if err != nil {
 		return fmt.Errorf("launch: router listen: %w", err)
 	}
+	l.RouterURL = "http://" + ln.Addr().String()
+	ro := serve.RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
+		ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: l.log,
+		Client: l.client, TLS: tlsClient(routerTLS), RouterDeadlines: o.Deadlines, MigrationLimit: o.MigrationLimit}
+	if cl.DisaggCluster != nil {
+		if ro.Cluster, err = l.openMembership(context.Background(), o, l.RouterURL); err != nil {
+			ln.Close()
+			return err
+		}
+	}
+	r, err := serve.NewRouter(ro)
+	if err != nil {
+		ln.Close()
+		return err
+	}
+	l.router = r
 	l.log.Info("listening", "plane", "router http", "addr", ln.Addr().String())
 	l.ln = serve.LimitListener(ln, "router http", o.HTTP, l.log, metrics.NewConns(r.Registry()))
-	l.RouterURL = "http://" + ln.Addr().String()
 	l.server = serve.NewHTTPServer(r.Handler(), o.HTTP)
 	l.wg.Add(1)
 	go func() {
@@ -383,6 +459,13 @@ func workerYAML(g *config.ServerGroup, sec *config.Security, tp, pp int) []byte 
 		}
 	}
 	return b.Bytes()
+}
+
+// disaggYAML is a worker file's disagg_cluster block: the cluster's, with
+// uri as its cluster_uri.
+func disaggYAML(dc *config.DisaggCluster, uri string) []byte {
+	return fmt.Appendf(nil, "disagg_cluster:\n  cluster_uri: %s\n  cluster_name: %s\n  heartbeat_interval_sec: %d\n  inactive_timeout_sec: %d\n",
+		strconv.Quote(uri), strconv.Quote(dc.ClusterName), dc.HeartbeatIntervalSec, dc.InactiveTimeoutSec)
 }
 
 // yamlFlowList writes strings as a YAML flow list of double-quoted strings
@@ -500,6 +583,9 @@ func (l *Launched) Stop() {
 		}
 		if l.router != nil {
 			l.router.Close()
+		}
+		for _, c := range l.closers {
+			c()
 		}
 		if l.client != nil {
 			l.client.CloseIdleConnections()

@@ -36,16 +36,24 @@ var boundaries = []rule{
 	{pkg: "cmd/kvxfer", may: []string{"internal/cli"}},
 	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
 	// The launcher behind `kvxfer up`: worker processes and the router.
-	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf"}},
+	// With disagg_cluster it opens the router's membership store
+	// (connect for etcd, memstore for the built-in one).
+	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf", "membership/connect", "membership/memstore"},
+		tests: []string{"membership", "membership/membershiptest"}},
 	// serve names prometheus.Registry (Worker.Registry, Router.Registry);
 	// the collectors themselves are package metrics'. Its tests register
 	// the data planes that their workers use (tcp; ucx with -tags ucx), as
 	// kvxfer's main does.
-	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf"},
+	// With disagg_cluster the router watches the membership (a View on a
+	// Store the CLI opens) and serves the built-in store's handler
+	// (memstore) on its own listener; a worker builds its Record.
+	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
+		"membership", "membership/memstore", "layout"},
 		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
-	// Its repeated per-request warnings go through netlimit.RateLog.
+	// Its transfer-failure logs are rate-limited (netlimit.RateLog), which
+	// its tests read from a syncbuf.
 	{pkg: "engine", may: []string{"transceiver", "kvcache", "layout", "internal/netlimit"}, tests: []string{"config", "transport/tcp", "internal/syncbuf"}},
 	// bench builds the CacheTransceiver each side's transceiver.New reads,
 	// as serve does (hence config, which DESIGN.md's row omits).

@@ -2,6 +2,9 @@ package connect
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/hex"
 	"fmt"
 	"net/http"
 	"time"
@@ -74,4 +77,17 @@ func Ready(v *membership.View, dc config.DisaggCluster) (bool, string) {
 		return false, fmt.Sprintf("%d of the %d generation workers minimal_instances asks for", g, dc.MinGeneration)
 	}
 	return true, ""
+}
+
+// Token is the built-in store's bearer token of a cluster secret: an HMAC
+// of a fixed label under the secret (hex), so that the secret itself never
+// travels in a header. The router's store and its workers derive the same
+// one; "" for no secret.
+func Token(secret []byte) string {
+	if len(secret) == 0 {
+		return ""
+	}
+	m := hmac.New(sha256.New, secret)
+	m.Write([]byte("kvxfer membership store token v1"))
+	return hex.EncodeToString(m.Sum(nil))
 }

@@ -86,3 +86,10 @@ func TestOpenRefuses(t *testing.T) {
 		t.Errorf("Open(redis://): %v", err)
 	}
 }
+
+func TestToken(t *testing.T) {
+	a, b := Token([]byte("0123456789abcdef0123456789abcdef")), Token([]byte("0123456789abcdef0123456789abcdeX"))
+	if Token(nil) != "" || len(a) != 64 || a == b || strings.Contains(a, "0123456789abcdef") {
+		t.Errorf("Token: %q %q", a, b)
+	}
+}

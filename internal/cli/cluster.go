@@ -1,0 +1,148 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/connect"
+	"github.com/kvxfer/kvxfer/membership/memstore"
+	"github.com/kvxfer/kvxfer/serve"
+	"github.com/spf13/cobra"
+)
+
+// isLoopback reports whether host (a name or an address; "" is every
+// interface) can only be reached from this machine.
+func isLoopback(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
+}
+
+// routerMembership opens the membership of a disagg_cluster for the router
+// listening on listenHost:listenPort: for an http(s):// cluster_uri the
+// built-in store, which the router serves itself behind the cluster
+// secret's token; for etcd:// a client of etcd. close releases it after
+// the router closed.
+//
+// A built-in store without a cluster secret is refused unless both the
+// cluster_uri and the listener are loopback: whoever can reach the store
+// can register a worker, and the router would send it prompts.
+func routerMembership(ctx context.Context, dc *config.DisaggCluster, secret []byte, listenHost string, listenPort int, log *slog.Logger) (*serve.ClusterOptions, func(), error) {
+	co := &serve.ClusterOptions{Name: dc.ClusterName, MinContext: dc.MinContext, MinGeneration: dc.MinGeneration, URI: dc.ClusterURI}
+	if !connect.IsBuiltIn(*dc) {
+		st, err := connect.Open(ctx, *dc, connect.Options{})
+		if err != nil {
+			return nil, nil, fmt.Errorf("disagg_cluster: %w", err)
+		}
+		co.Store = st
+		log.Info("cluster membership: etcd", "cluster_uri", dc.ClusterURI, "cluster_name", dc.ClusterName,
+			"minimal_instances", fmt.Sprintf("context %d, generation %d", dc.MinContext, dc.MinGeneration))
+		return co, func() { st.Close() }, nil
+	}
+	u, err := config.ParseClusterURI(dc.ClusterURI)
+	if err != nil {
+		return nil, nil, fmt.Errorf("disagg_cluster.cluster_uri: %w", err)
+	}
+	uriHost, uriPort, _ := net.SplitHostPort(u.Endpoints[0])
+	if len(secret) == 0 && (!isLoopback(uriHost) || !isLoopback(listenHost)) {
+		return nil, nil, fmt.Errorf("disagg_cluster: the built-in store (cluster_uri %s) on a non-loopback address needs a cluster secret: "+
+			"without one, anyone who reaches the router could register a worker and receive prompts; set security.secret_file or "+
+			"%s (the router and every worker), use etcd://, or keep the router and cluster_uri on 127.0.0.1", dc.ClusterURI, config.EnvClusterSecret)
+	}
+	if uriPort != fmt.Sprint(listenPort) && listenPort != 0 {
+		log.Warn("disagg_cluster: cluster_uri names another port than the router listens on: workers register at the cluster_uri",
+			"cluster_uri", dc.ClusterURI, "router_port", listenPort)
+	}
+	st := memstore.New(memstore.Options{})
+	co.Store = st
+	co.Handler = memstore.Handler(st, memstore.HandlerOptions{Token: connect.Token(secret)})
+	log.Info("cluster membership: the router serves the built-in store", "cluster_uri", dc.ClusterURI, "path", memstore.BasePath,
+		"cluster_name", dc.ClusterName, "token", len(secret) > 0,
+		"minimal_instances", fmt.Sprintf("context %d, generation %d", dc.MinContext, dc.MinGeneration))
+	return co, func() { st.Close() }, nil
+}
+
+func newClusterCmd(e env) *cobra.Command {
+	cmd := &cobra.Command{
+		Use:   "cluster",
+		Short: "Inspect a disagg_cluster membership (workers that register themselves)",
+		Args:  cobra.NoArgs,
+	}
+	var uri, name string
+	var timeout time.Duration
+	status := &cobra.Command{
+		Use:   "status",
+		Short: "List the workers registered in a cluster: role, URL, model, layout, backends, age",
+		Long: `status lists every worker registered under the cluster's name in the store of --uri
+(etcd://host:port[,host:port] or http://router-host:port, the router's built-in store). The
+built-in store's token comes from the cluster secret (security.secret_* of the cluster file is
+not read here: set KVXFER_CLUSTER_SECRET).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if uri == "" {
+				return errors.New("--uri is required (etcd://host:port or http://router-host:port)")
+			}
+			if err := config.CheckClusterName(name); err != nil {
+				return fmt.Errorf("--cluster: %w", err)
+			}
+			envSnap := config.LoadEnv(e.lookup, e.environ)
+			sec, err := config.SecurityFromEnv(envSnap)
+			if err != nil {
+				return err
+			}
+			secret, _, err := sec.LoadSecret(envSnap)
+			if err != nil {
+				return err
+			}
+			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
+			defer cancel()
+			st, err := connect.Open(ctx, config.DisaggCluster{ClusterURI: uri, ClusterName: name}, connect.Options{Token: connect.Token(secret)})
+			if err != nil {
+				return err
+			}
+			defer st.Close()
+			ws, bad, err := membership.ListWorkers(ctx, st, name)
+			if err != nil {
+				return err
+			}
+			printMembers(cmd, ws, bad, time.Now())
+			return nil
+		},
+	}
+	status.Flags().StringVar(&uri, "uri", "", "cluster_uri: etcd://host:port[,host:port] or http://router-host:port")
+	status.Flags().StringVar(&name, "cluster", "", "cluster_name")
+	status.Flags().DurationVar(&timeout, "timeout", 10*time.Second, "deadline of the whole listing")
+	cmd.AddCommand(status)
+	return cmd
+}
+
+// printMembers writes the members as a table.
+func printMembers(cmd *cobra.Command, ws []membership.WorkerInfo, bad int, now time.Time) {
+	w := tabwriter.NewWriter(cmd.OutOrStdout(), 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "ROLE\tURL\tMODEL\tTP/PP/DP\tLAYOUT\tBACKENDS\tAGE\tMEMBER")
+	for _, m := range ws {
+		r := m.Record
+		age := "-"
+		if !r.RegisteredAt.IsZero() {
+			age = now.Sub(r.RegisteredAt).Round(time.Second).String()
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%d/%d/%d\t%s\t%s\t%s\t%s\n", r.Role, r.URL, r.Model, r.Layout.TP, r.Layout.PP, r.Layout.DP,
+			r.LayoutFingerprint, strings.Join(r.Backends, ","), age, m.ID)
+	}
+	w.Flush()
+	fmt.Fprintf(cmd.OutOrStdout(), "%d workers", len(ws))
+	if bad > 0 {
+		fmt.Fprintf(cmd.OutOrStdout(), " (%d records that did not decode left out)", bad)
+	}
+	fmt.Fprintln(cmd.OutOrStdout())
+}
