@@ -65,6 +65,9 @@ var boundaries = []rule{
 	// The fault-injecting wrapper of any backend (the chaos suite's): it
 	// wraps transports by their interface only; its tests run it over tcp.
 	{pkg: "transport/faultinject", may: []string{"transport"}, tests: []string{"transport/tcp", "transport/transporttest"}},
+	// The chaos suite: real worker and router processes under faults, and
+	// engines over the faulty data plane in process. Test code only.
+	{pkg: "tests/chaos", may: []string{"*"}},
 	// The conformance suite every backend passes: test code, so goleak.
 	{pkg: "transport/transporttest", may: []string{"transport"}, ext: []string{"go.uber.org/goleak"}},
 	{pkg: "layout", may: []string{"kvcache"}},
