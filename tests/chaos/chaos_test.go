@@ -54,6 +54,11 @@ func (cl *cluster) routerURL() string { return "http://127.0.0.1:" + strconv.Ito
 func startCluster(t *testing.T, seed uint64, race bool) *cluster {
 	dir := t.TempDir()
 	bin := buildKvxfer(t, dir, race)
+	// The reference worker is not under test: without -race it is faster.
+	refBin := bin
+	if race {
+		refBin = buildKvxfer(t, dir, false)
+	}
 	certs := filepath.Join(dir, "certs")
 	if out, err := exec.Command(bin, "certs", "--out", certs, "--names", "ctx0,gen0,gen1,router,harness").CombinedOutput(); err != nil {
 		t.Fatalf("kvxfer certs: %v\n%s", err, out)
@@ -71,18 +76,23 @@ func startCluster(t *testing.T, seed uint64, race bool) *cluster {
 		}
 		return p
 	}
+	secret := fmt.Sprintf("%016x%016x%016x%016x", newRng(seed).next(), newRng(seed+1).next(), newRng(seed+2).next(), newRng(seed+3).next())
 	worker := func(name, role string, tp int, tlsOn bool) *proc {
 		p := &proc{name: name, bin: bin, port: freePort(t), tls: tlsOn, logDir: dir}
 		p.args = []string{"serve", "--role", role, "--config", workerFile(name, tp), "--model", "tiny-gqa",
 			"--host", "127.0.0.1", "--port", strconv.Itoa(p.port), "--log-level", "warn", "--admin-addr", ""}
 		if tlsOn {
+			// The cluster's workers sign and check opaque states, as
+			// kvxfer up's do.
 			p.args = append(p.args, tlsArgs(name)...)
+			p.env = []string{"KVXFER_CLUSTER_SECRET=" + secret}
 		}
 		return p
 	}
 	cl.ctx = worker("ctx0", "context", 2, true)
 	cl.gens = []*proc{worker("gen0", "generation", 1, true), worker("gen1", "generation", 1, true)}
 	cl.ref = worker("ref", "both", 1, false)
+	cl.ref.bin = refBin
 	t.Cleanup(func() {
 		for _, p := range cl.all() {
 			if p != nil {
@@ -112,7 +122,7 @@ func startCluster(t *testing.T, seed uint64, race bool) *cluster {
 	}
 	cl.router = &proc{name: "router", bin: bin, port: freePort(t), logDir: dir}
 	cl.router.args = append([]string{"router", "--config", cluster, "--host", "127.0.0.1", "--port", strconv.Itoa(cl.router.port),
-		"--header-timeout", "4s", "--chunk-timeout", "2s", "--probe-interval", "200ms", "--health-timeout", "1s",
+		"--header-timeout", "6s", "--chunk-timeout", "3s", "--probe-interval", "200ms", "--health-timeout", "1s",
 		"--log-level", "warn", "--admin-addr", ""}, tlsArgs("router")...)
 	if cl.migration {
 		cl.router.args = append(cl.router.args, "--migration-limit", "1")
@@ -156,7 +166,7 @@ type faultKind string
 const (
 	faultNone    faultKind = "none"
 	faultKill    faultKind = "kill generation worker (SIGKILL, restart)"
-	faultStall   faultKind = "stall a worker (SIGSTOP 1.5-3 s, SIGCONT)"
+	faultStall   faultKind = "stall a worker (SIGSTOP 2-4 s, SIGCONT)"
 	faultDrop    faultKind = "drop router-worker connections"
 	faultCorrupt faultKind = "corrupt a byte router<-worker (TLS)"
 )
@@ -202,7 +212,7 @@ func (cl *cluster) inject(k faultKind, r *rng) (event, error) {
 		w := cl.workers()[r.intn(len(cl.workers()))]
 		ev := event{at: time.Now(), target: w.name}
 		w.signal(syscall.SIGSTOP)
-		time.Sleep(r.duration(1500*time.Millisecond, 3*time.Second))
+		time.Sleep(r.duration(2*time.Second, 4*time.Second))
 		w.signal(syscall.SIGCONT)
 		return ev, nil
 	case faultDrop:
@@ -596,13 +606,23 @@ func runSuite(t *testing.T, s suite) {
 	}
 	table := figures(rows, s, mid, migrated, cl.migration, abandonWorst, abandonN, seed, time.Since(began))
 	t.Logf("figures:\n%s", table)
-	if *long {
-		fmt.Println(table)
+	appendTable(t, table)
+}
+
+// appendTable appends table to the -chaos.table file, when set.
+func appendTable(t *testing.T, table string) {
+	if *tableOut == "" {
+		return
 	}
-	if *tableOut != "" {
-		if err := os.WriteFile(*tableOut, []byte(table), 0o644); err != nil {
-			t.Error(err)
+	f, err := os.OpenFile(*tableOut, os.O_APPEND|os.O_CREATE|os.O_WRONLY, 0o644)
+	if err == nil {
+		_, err = f.WriteString(table + "\n")
+		if cerr := f.Close(); err == nil {
+			err = cerr
 		}
+	}
+	if err != nil {
+		t.Error(err)
 	}
 }
 
@@ -657,6 +677,6 @@ func TestChaosLong(t *testing.T) {
 	if !*long {
 		t.Skip("the long chaos suite runs with -chaos.long (make chaos)")
 	}
-	runSuite(t, suite{requests: 120, concurrency: 6, faults: 6, maxTokens: 16, kinds: kinds,
-		migrationStreams: 6, migrationTokens: 1024, abandon: 10, race: true})
+	runSuite(t, suite{requests: 160, concurrency: 6, faults: 8, maxTokens: 16, kinds: kinds,
+		migrationStreams: 6, migrationTokens: 256, abandon: 10, race: true})
 }

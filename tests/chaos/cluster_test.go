@@ -29,6 +29,9 @@ func buildKvxfer(t *testing.T, dir string, race bool) string {
 		goBin = "/usr/local/go/bin/go"
 	}
 	bin := filepath.Join(dir, "kvxfer")
+	if race {
+		bin += "-race"
+	}
 	args := []string{"build", "-tags", "chaos", "-o", bin}
 	if race {
 		args = append(args, "-race")
@@ -59,8 +62,9 @@ type proc struct {
 	name   string
 	bin    string
 	args   []string
-	port   int  // its HTTP port
-	tls    bool // whether its HTTP API is mutual TLS
+	env    []string // added to this process's environment
+	port   int      // its HTTP port
+	tls    bool     // whether its HTTP API is mutual TLS
 	logDir string
 
 	mu       sync.Mutex
@@ -87,6 +91,7 @@ func (p *proc) start() error {
 		return err
 	}
 	cmd := exec.Command(p.bin, p.args...)
+	cmd.Env = append(os.Environ(), p.env...)
 	cmd.Stdout, cmd.Stderr = f, f
 	if err := cmd.Start(); err != nil {
 		f.Close()

@@ -275,7 +275,5 @@ func TestFaultyTransceiver(t *testing.T) {
 		fmt.Fprintf(&b, "| `%s` | %d | %d | %d | %d | %d | %s |\n", r.plan, r.requests, r.ok, r.failed, r.wrong, r.stranded, wf)
 	}
 	t.Logf("figures:\n%s", b.String())
-	if *long {
-		fmt.Println(b.String())
-	}
+	appendTable(t, b.String())
 }
