@@ -414,7 +414,7 @@ func (p *proxy) cut() int {
 // worker.
 func (p *proxy) flip(n int) {
 	p.mu.Lock()
-	p.corrupt += n
+	p.corrupt = max(0, p.corrupt+n)
 	p.mu.Unlock()
 }
 

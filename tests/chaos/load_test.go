@@ -98,8 +98,9 @@ type apiError struct {
 }
 
 // complete posts spec to base's /v1/completions and reads the answer.
-// onFirst, when set, is called when a stream's first token arrives.
-func complete(ctx context.Context, hc *http.Client, base string, spec reqSpec, onFirst func()) result {
+// onChunk, when set, is called for each stream event that carries tokens,
+// with whether it is the first.
+func complete(ctx context.Context, hc *http.Client, base string, spec reqSpec, onChunk func(first bool)) result {
 	b, _ := json.Marshal(spec.body())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
 	if err != nil {
@@ -164,11 +165,15 @@ func complete(ctx context.Context, hc *http.Client, base string, spec reqSpec, o
 			return result{err: fmt.Errorf("error event: %s: %s", ch.Error.Type, ch.Error.Message), clear: true, firstChunk: r.firstChunk}
 		}
 		for _, c := range ch.Choices {
-			if len(c.TokenIDs) > 0 && r.firstChunk.IsZero() {
+			if len(c.TokenIDs) == 0 {
+				continue
+			}
+			first := r.firstChunk.IsZero()
+			if first {
 				r.firstChunk = time.Now()
-				if onFirst != nil {
-					onFirst()
-				}
+			}
+			if onChunk != nil {
+				onChunk(first)
 			}
 			ids = append(ids, c.TokenIDs...)
 		}
