@@ -167,7 +167,7 @@ type faultKind string
 
 const (
 	faultNone    faultKind = "none"
-	faultKill    faultKind = "kill generation worker (SIGKILL, restart)"
+	faultKill    faultKind = "kill a busy generation worker (SIGKILL, restart)"
 	faultStall   faultKind = "stall a worker (SIGSTOP 2-4 s, SIGCONT)"
 	faultDrop    faultKind = "drop router-worker connections"
 	faultCorrupt faultKind = "corrupt a byte router<-worker (TLS)"
@@ -197,7 +197,7 @@ type event struct {
 func (cl *cluster) inject(k faultKind, r *rng) (event, error) {
 	switch k {
 	case faultKill:
-		g := cl.gens[r.intn(len(cl.gens))]
+		g := cl.busyGen(r)
 		px := cl.proxies[g]
 		ev := event{at: time.Now(), target: g.name}
 		g.kill()
@@ -239,6 +239,24 @@ func (cl *cluster) inject(k faultKind, r *rng) (event, error) {
 		}
 	}
 	return event{}, fmt.Errorf("unknown fault %q", k)
+}
+
+// busyGen returns a generation worker that holds blocks (a request
+// transferring or decoding), waiting for one up to 1.5 s; else one at
+// random. Killing an idle worker tests less.
+func (cl *cluster) busyGen(r *rng) *proc {
+	first := r.intn(len(cl.gens))
+	deadline := time.Now().Add(1500 * time.Millisecond)
+	for time.Now().Before(deadline) {
+		for i := range cl.gens {
+			g := cl.gens[(first+i)%len(cl.gens)]
+			if m, err := cl.c.metrics(g); err == nil && m.pinned > 0 {
+				return g
+			}
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	return cl.gens[first]
 }
 
 // waitRecovered waits until every worker and the router answer /health.
