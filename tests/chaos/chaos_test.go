@@ -42,6 +42,8 @@ type cluster struct {
 	base    map[*proc]procMetrics // goroutines and open files after the warm-up
 	// migration is whether the router has --migration-limit.
 	migration bool
+	// stall is the shortest and longest SIGSTOP.
+	stall [2]time.Duration
 }
 
 func (cl *cluster) workers() []*proc { return append([]*proc{cl.ctx}, cl.gens...) }
@@ -53,7 +55,8 @@ func (cl *cluster) routerURL() string { return "http://127.0.0.1:" + strconv.Ito
 
 // startCluster builds kvxfer and starts every process; they stop at the
 // end of the test.
-func startCluster(t *testing.T, seed uint64, race bool) *cluster {
+func startCluster(t *testing.T, seed uint64, s suite) *cluster {
+	race := s.race
 	dir := t.TempDir()
 	bin := buildKvxfer(t, dir, race)
 	// The reference worker is not under test: without -race it is faster.
@@ -65,7 +68,7 @@ func startCluster(t *testing.T, seed uint64, race bool) *cluster {
 	if out, err := exec.Command(bin, "certs", "--out", certs, "--names", "ctx0,gen0,gen1,router,harness").CombinedOutput(); err != nil {
 		t.Fatalf("kvxfer certs: %v\n%s", err, out)
 	}
-	cl := &cluster{t: t, dir: dir, c: newClients(t, certs), proxies: map[*proc]*proxy{}, base: map[*proc]procMetrics{}}
+	cl := &cluster{t: t, dir: dir, c: newClients(t, certs), proxies: map[*proc]*proxy{}, base: map[*proc]procMetrics{}, stall: s.stall}
 	tlsArgs := func(name string) []string {
 		return []string{"--tls-cert", filepath.Join(certs, name+".pem"), "--tls-key", filepath.Join(certs, name+"-key.pem"), "--tls-ca", filepath.Join(certs, "ca.pem")}
 	}
@@ -124,7 +127,7 @@ func startCluster(t *testing.T, seed uint64, race bool) *cluster {
 	}
 	cl.router = &proc{name: "router", bin: bin, port: freePort(t), logDir: dir}
 	cl.router.args = append([]string{"router", "--config", cluster, "--host", "127.0.0.1", "--port", strconv.Itoa(cl.router.port),
-		"--header-timeout", "6s", "--chunk-timeout", "3s", "--probe-interval", "200ms", "--health-timeout", "1s",
+		"--header-timeout", s.headerTimeout.String(), "--chunk-timeout", s.chunkTimeout.String(), "--probe-interval", "200ms", "--health-timeout", "1s",
 		"--log-level", "warn", "--admin-addr", ""}, tlsArgs("router")...)
 	if cl.migration {
 		cl.router.args = append(cl.router.args, "--migration-limit", "1")
@@ -168,7 +171,7 @@ type faultKind string
 const (
 	faultNone    faultKind = "none"
 	faultKill    faultKind = "kill a busy generation worker (SIGKILL, restart)"
-	faultStall   faultKind = "stall a worker (SIGSTOP 2-4 s, SIGCONT)"
+	faultStall   faultKind = "stall a worker (SIGSTOP, SIGCONT)"
 	faultDrop    faultKind = "drop router-worker connections"
 	faultCorrupt faultKind = "corrupt a byte router<-worker (TLS)"
 )
@@ -214,7 +217,7 @@ func (cl *cluster) inject(k faultKind, r *rng) (event, error) {
 		w := cl.workers()[r.intn(len(cl.workers()))]
 		ev := event{at: time.Now(), target: w.name}
 		w.signal(syscall.SIGSTOP)
-		time.Sleep(r.duration(2*time.Second, 4*time.Second))
+		time.Sleep(r.duration(cl.stall[0], cl.stall[1]))
 		w.signal(syscall.SIGCONT)
 		return ev, nil
 	case faultDrop:
@@ -572,6 +575,11 @@ type suite struct {
 	migrationStreams, migrationTokens        int
 	abandon                                  int
 	race                                     bool
+	// The router's deadlines (long enough for the load's queueing, so
+	// that they fire only for faults) and the stalls, which outlast the
+	// chunk deadline or not.
+	headerTimeout, chunkTimeout time.Duration
+	stall                       [2]time.Duration
 }
 
 var kinds = []faultKind{faultNone, faultKill, faultStall, faultDrop, faultCorrupt}
@@ -583,7 +591,7 @@ func runSuite(t *testing.T, s suite) {
 	}
 	t.Logf("chaos seed %d (rerun with -chaos.seed=%d)", seed, seed)
 	began := time.Now()
-	cl := startCluster(t, seed, s.race)
+	cl := startCluster(t, seed, s)
 	t.Logf("cluster up in %v (router migration flag: %v)", time.Since(began).Round(time.Millisecond), cl.migration)
 	r := newRng(seed)
 	pool := makeSpecs(r, 2*s.concurrency+4, s.maxTokens)
@@ -703,8 +711,8 @@ func figures(rows []row, s suite, mid, migrated int, migGap time.Duration, hasMi
 			fmt.Fprintf(&b, "  The longest a migrated stream waited from the kill to its next tokens: %v.\n", migGap.Round(time.Millisecond))
 		}
 	}
-	fmt.Fprintf(&b, "- %d requests per fault kind at concurrency %d, max_tokens %d, up to %d faults per kind; kv_transfer_timeout_ms %d; seed %d; %v in all.\n",
-		s.requests, s.concurrency, s.maxTokens, s.faults, transferTimeoutMs, seed, took.Round(time.Second))
+	fmt.Fprintf(&b, "- %d requests per fault kind at concurrency %d, max_tokens %d, up to %d faults per kind; SIGSTOP %v-%v; router --header-timeout %v --chunk-timeout %v; kv_transfer_timeout_ms %d; binaries with -race: %v; seed %d; %v in all.\n",
+		s.requests, s.concurrency, s.maxTokens, s.faults, s.stall[0], s.stall[1], s.headerTimeout, s.chunkTimeout, transferTimeoutMs, s.race, seed, took.Round(time.Second))
 	return b.String()
 }
 
@@ -717,7 +725,8 @@ func TestChaosShort(t *testing.T) {
 		t.Skip("-short")
 	}
 	runSuite(t, suite{requests: 16, concurrency: 4, faults: 2, maxTokens: 6, kinds: kinds,
-		migrationStreams: 3, migrationTokens: 768, abandon: 3, race: *raceBin})
+		migrationStreams: 3, migrationTokens: 768, abandon: 3, race: *raceBin,
+		headerTimeout: 6 * time.Second, chunkTimeout: 3 * time.Second, stall: [2]time.Duration{2 * time.Second, 4 * time.Second}})
 }
 
 // TestChaosLong is make chaos: more requests and faults, binaries built
@@ -727,5 +736,8 @@ func TestChaosLong(t *testing.T) {
 		t.Skip("the long chaos suite runs with -chaos.long (make chaos)")
 	}
 	runSuite(t, suite{requests: 160, concurrency: 6, faults: 8, maxTokens: 16, kinds: kinds,
-		migrationStreams: 6, migrationTokens: 256, abandon: 10, race: true})
+		migrationStreams: 6, migrationTokens: 256, abandon: 10, race: true,
+		// Workers built with -race on a shared 2-core machine queue
+		// prefills for seconds.
+		headerTimeout: 20 * time.Second, chunkTimeout: 5 * time.Second, stall: [2]time.Duration{3 * time.Second, 7 * time.Second}})
 }
