@@ -726,7 +726,7 @@ func TestChaosShort(t *testing.T) {
 	}
 	runSuite(t, suite{requests: 16, concurrency: 4, faults: 2, maxTokens: 6, kinds: kinds,
 		migrationStreams: 3, migrationTokens: 768, abandon: 3, race: *raceBin,
-		headerTimeout: 6 * time.Second, chunkTimeout: 3 * time.Second, stall: [2]time.Duration{2 * time.Second, 4 * time.Second}})
+		headerTimeout: 10 * time.Second, chunkTimeout: 3 * time.Second, stall: [2]time.Duration{2 * time.Second, 4 * time.Second}})
 }
 
 // TestChaosLong is make chaos: more requests and faults, binaries built
