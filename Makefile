@@ -12,7 +12,9 @@ FUZZTIME  ?= 5s
 # The UCX backend is cgo on libucx; make deps installs libucx-dev, so builds include it.
 TAGS      := ucx
 
-.PHONY: help run test hostile bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+CHAOS_SEED ?= 0
+
+.PHONY: help run test hostile chaos bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -33,17 +35,25 @@ fmt-check: ## fail if any file is not gofmt-ed
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
 	if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
-vet: ## go vet
+vet: ## go vet (and of the chaos suite's build of kvxfer, -tags chaos)
 	$(GO) vet $(PKGS)
+	$(GO) vet -tags chaos ./cmd/kvxfer/
 
 staticcheck: ## staticcheck, pinned by the tool directive in go.mod
 	$(GO) tool staticcheck $(PKGS)
+	$(GO) tool staticcheck -tags chaos ./cmd/kvxfer/
 
-unit: ## go test -race -shuffle=on
+unit: ## go test -race -shuffle=on (with the short chaos suite, tests/chaos: about a minute)
 	KVXFER_REQUIRE_NODE=1 KVXFER_REQUIRE_ETCD=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
 
 hostile: ## only the hostile-client suite (README, Security); make test runs it too
 	$(GO) test -race -count=1 -run 'Hostile|PeerAllowList|FloodAfterHello|ControlHandshakeTimeout|KeepAliveFlood|ConnectionCaps?$$|TLSRefus|WorkerTLS|ServeBindsOnlyTheConfiguredHost' ./...
+
+chaos: ## the long chaos suite (README, Reliability): workers and router under faults, about 8 minutes; prints the figures table (CHAOS_SEED=N repeats a run)
+	@mkdir -p bin && rm -f bin/chaos-figures.md
+	$(GO) test -count=1 -timeout 15m -run 'TestChaosLong|TestFaultyTransceiver' ./tests/chaos/ \
+		-args -chaos.long -chaos.seed=$(CHAOS_SEED) -chaos.table=$(CURDIR)/bin/chaos-figures.md
+	@cat bin/chaos-figures.md
 
 ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx, and the transceiver, bench and serve over UCX
 	$(GO) vet -tags ucx ./transport/... ./internal/cli/ ./transceiver/ ./bench/ ./serve/

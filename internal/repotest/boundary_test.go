@@ -33,7 +33,8 @@ var testExt = []string{"go.uber.org/goleak", "github.com/google/go-cmp/..."}
 // boundaries is the table. Every package of the module has one row (the
 // most specific that names it); a row that names no package fails too.
 var boundaries = []rule{
-	{pkg: "cmd/kvxfer", may: []string{"internal/cli"}},
+	// Its chaos-tagged file registers the fault-injecting data plane.
+	{pkg: "cmd/kvxfer", may: []string{"internal/cli", "transport/faultinject"}},
 	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
 	// The launcher behind `kvxfer up`: worker processes and the router.
 	// With disagg_cluster it opens the router's membership store
@@ -71,6 +72,12 @@ var boundaries = []rule{
 	// transport/internal, the accept loop and, for shm, memory files.
 	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd"},
 		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
+	// The fault-injecting wrapper of any backend (the chaos suite's): it
+	// wraps transports by their interface only; its tests run it over tcp.
+	{pkg: "transport/faultinject", may: []string{"transport"}, tests: []string{"transport/tcp", "transport/transporttest"}},
+	// The chaos suite: real worker and router processes under faults, and
+	// engines over the faulty data plane in process. Test code only.
+	{pkg: "tests/chaos", may: []string{"*"}},
 	// The conformance suite every backend passes: test code, so goleak.
 	{pkg: "transport/transporttest", may: []string{"transport"}, ext: []string{"go.uber.org/goleak"}},
 	{pkg: "layout", may: []string{"kvcache"}},

@@ -1,0 +1,293 @@
+package faultinject
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// Transport is a transport.Transport with faults. Its methods are safe for
+// concurrent use.
+type Transport struct {
+	inner transport.Transport
+	plan  Plan
+
+	count    [numOps]atomic.Uint64
+	injected [numOps][numKinds]atomic.Uint64
+
+	mu   sync.Mutex
+	done [numOps]chan struct{} // closed (and replaced) when an operation of the kind completes
+}
+
+// Wrap returns inner with the faults of plan. Closing the result closes
+// inner.
+func Wrap(inner transport.Transport, plan Plan) *Transport {
+	t := &Transport{inner: inner, plan: plan}
+	for i := range t.done {
+		t.done[i] = make(chan struct{})
+	}
+	return t
+}
+
+// Inner returns the wrapped transport.
+func (t *Transport) Inner() transport.Transport { return t.inner }
+
+// Injected returns how many faults of kind k have hit operation op.
+func (t *Transport) Injected(op Op, k Kind) uint64 { return t.injected[op][k].Load() }
+
+// Name is "faulty+" and the wrapped transport's name.
+func (t *Transport) Name() string { return "faulty+" + t.inner.Name() }
+
+// Endpoint is the wrapped transport's.
+func (t *Transport) Endpoint() string { return t.inner.Endpoint() }
+
+// Close closes the wrapped transport.
+func (t *Transport) Close() error { return t.inner.Close() }
+
+// RegisterMemory passes mem on when the wrapped transport registers memory.
+func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
+	if r, ok := t.inner.(transport.MemoryRegistrar); ok {
+		return r.RegisterMemory(mem, f)
+	}
+	return nil
+}
+
+// Error is an injected fault's error. It unwraps to Err
+// (transport.ErrPeerLost, or the wrapped backend's refusal of a truncated
+// Send).
+type Error struct {
+	Op   Op
+	Kind Kind
+	N    uint64 // the operation's number on this transport, from 1
+	Err  error
+}
+
+func (e *Error) Error() string {
+	return fmt.Sprintf("faultinject: %s #%d: injected %s: %v", e.Op, e.N, e.Kind, e.Err)
+}
+
+// Unwrap returns Err.
+func (e *Error) Unwrap() error { return e.Err }
+
+// next numbers an operation and returns the rule that hits it, if any.
+func (t *Transport) next(op Op) (uint64, Rule, bool) {
+	n := t.count[op].Add(1)
+	r, ok := t.plan.Hit(op, n)
+	if ok {
+		t.injected[op][r.Kind].Add(1)
+	}
+	return n, r, ok
+}
+
+// completed wakes the operations of kind op held back for reordering.
+func (t *Transport) completed(op Op) {
+	t.mu.Lock()
+	close(t.done[op])
+	t.done[op] = make(chan struct{})
+	t.mu.Unlock()
+}
+
+// wait waits d, or until ctx ends (false).
+func wait(ctx context.Context, d time.Duration) bool {
+	tm := time.NewTimer(d)
+	defer tm.Stop()
+	select {
+	case <-tm.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// hold waits until another operation op completes, at most d, or until
+// ctx ends (false).
+func (t *Transport) hold(ctx context.Context, op Op, d time.Duration) bool {
+	if d <= 0 {
+		d = DefaultHold
+	}
+	t.mu.Lock()
+	ch := t.done[op]
+	t.mu.Unlock()
+	tm := time.NewTimer(d)
+	defer tm.Stop()
+	select {
+	case <-ch:
+	case <-tm.C:
+	case <-ctx.Done():
+		return false
+	}
+	return true
+}
+
+// Send is the wrapped transport's Send, unless a rule hits it.
+func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][]byte) error {
+	n, r, hit := t.next(OpSend)
+	defer t.completed(OpSend)
+	if !hit {
+		return t.inner.Send(ctx, desc, src)
+	}
+	switch r.Kind {
+	case Fail:
+		return &Error{Op: OpSend, Kind: Fail, N: n, Err: fmt.Errorf("send to %s: %w", t.inner.Endpoint(), transport.ErrPeerLost)}
+	case Delay:
+		if !wait(ctx, orDefault(r.Duration, DefaultDelay)) {
+			return &transport.TimeoutError{Op: "send", Peer: "(delayed by faultinject)", Err: ctx.Err()}
+		}
+	case Reorder:
+		if !t.hold(ctx, OpSend, r.Duration) {
+			return &transport.TimeoutError{Op: "send", Peer: "(held by faultinject)", Err: ctx.Err()}
+		}
+	case Truncate:
+		short := truncated(src)
+		if short == nil {
+			return &Error{Op: OpSend, Kind: Truncate, N: n, Err: transport.ErrPeerLost}
+		}
+		err := t.inner.Send(ctx, desc, short)
+		if err == nil {
+			// A backend that delivered a short transfer as if it were
+			// whole would be a bug of that backend; say so loudly.
+			err = fmt.Errorf("backend %s accepted a send one byte short of its descriptor: %w", t.inner.Name(), transport.ErrProtocol)
+		}
+		return &Error{Op: OpSend, Kind: Truncate, N: n, Err: err}
+	}
+	return t.inner.Send(ctx, desc, src)
+}
+
+// truncated returns src without its last byte, sharing its memory, or nil
+// when src holds no byte.
+func truncated(src [][]byte) [][]byte {
+	out := append([][]byte(nil), src...)
+	for i := len(out) - 1; i >= 0; i-- {
+		if len(out[i]) > 0 {
+			out[i] = out[i][:len(out[i])-1]
+			return out
+		}
+	}
+	return nil
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d > 0 {
+		return d
+	}
+	return def
+}
+
+// Expect is the wrapped transport's Expect, unless a rule hits it.
+func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
+	n, r, hit := t.next(OpExpect)
+	defer t.completed(OpExpect)
+	if !hit {
+		return t.inner.Expect(dst)
+	}
+	switch r.Kind {
+	case Fail:
+		return nil, &Error{Op: OpExpect, Kind: Fail, N: n, Err: fmt.Errorf("expect on %s: %w", t.inner.Endpoint(), transport.ErrPeerLost)}
+	case Delay:
+		time.Sleep(orDefault(r.Duration, DefaultDelay))
+	case Reorder:
+		t.hold(context.Background(), OpExpect, r.Duration)
+	case Truncate:
+		in, err := t.inner.Expect(dst)
+		if err != nil {
+			return nil, err
+		}
+		return newShortRecv(in, dst, n), nil
+	}
+	return t.inner.Expect(dst)
+}
+
+// shortRecv is a receipt that loses its tail: when the wrapped receipt has
+// every byte in place, it zeroes the last bytes of dst and fails.
+type shortRecv struct {
+	in   transport.Recv
+	dst  [][]byte
+	n    uint64
+	done chan struct{}
+	err  error
+}
+
+// tailBytes is how many bytes a truncated receipt loses (fewer when it
+// has fewer).
+const tailBytes = 64
+
+func newShortRecv(in transport.Recv, dst [][]byte, n uint64) *shortRecv {
+	r := &shortRecv{in: in, dst: dst, n: n, done: make(chan struct{})}
+	go func() {
+		<-in.Done()
+		if err := in.Err(); err != nil {
+			r.err = err
+		} else {
+			lost := zeroTail(dst, tailBytes)
+			r.err = &Error{Op: OpExpect, Kind: Truncate, N: n,
+				Err: fmt.Errorf("receipt lost its last %d bytes: %w", lost, transport.ErrPeerLost)}
+		}
+		close(r.done)
+	}()
+	return r
+}
+
+// zeroTail zeroes up to n bytes at the end of dst and returns how many.
+func zeroTail(dst [][]byte, n int) int {
+	z := 0
+	for i := len(dst) - 1; i >= 0 && z < n; i-- {
+		b := dst[i]
+		k := min(len(b), n-z)
+		clear(b[len(b)-k:])
+		z += k
+	}
+	return z
+}
+
+func (r *shortRecv) Descriptor() transport.Descriptor { return r.in.Descriptor() }
+func (r *shortRecv) Done() <-chan struct{}            { return r.done }
+
+func (r *shortRecv) Err() error {
+	select {
+	case <-r.done:
+		return r.err
+	default:
+		return nil
+	}
+}
+
+// Cancel cancels the wrapped receipt and waits until this one has ended,
+// so that dst is the caller's again.
+func (r *shortRecv) Cancel() {
+	r.in.Cancel()
+	<-r.done
+}
+
+// Backend is the data-plane backend "faulty+" Inner: it opens Inner and
+// wraps it with the plan in KVXFER_FAULTS.
+type Backend struct{ Inner string }
+
+// Name is "faulty+" and Inner.
+func (b Backend) Name() string { return "faulty+" + strings.ToLower(b.Inner) }
+
+// Open opens Inner with opts and wraps it with the plan that
+// KVXFER_FAULTS holds; a plan that does not parse fails Open.
+func (b Backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
+	plan, err := ParsePlan(os.Getenv(EnvPlan))
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", b.Name(), EnvPlan, err)
+	}
+	inner, err := transport.Open(ctx, b.Inner, opts)
+	if err != nil {
+		return nil, err
+	}
+	if opts.Logger != nil {
+		opts.Logger.Warn("data plane with injected faults", "backend", b.Name(), "plan", plan.String())
+	}
+	return Wrap(inner, plan), nil
+}
+
+// Register registers Backend{inner} with package transport, as
+// "faulty+" inner. Call it once per name (from an init function).
+func Register(inner string) { transport.Register(Backend{Inner: inner}) }
