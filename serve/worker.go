@@ -19,6 +19,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/metrics"
 	"github.com/kvxfer/kvxfer/transceiver"
+	"github.com/kvxfer/kvxfer/transport"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -62,6 +63,9 @@ type WorkerOptions struct {
 	// tcp data plane mutual TLS (shm and ucx are not covered). The HTTP
 	// listener is the caller's: kvxfer serve wraps it with TLS.Server.
 	TLS *tlsconf.Config
+	// WrapDataPlane wraps the transceiver's data planes (fault injection:
+	// kvxfer built with -tags chaos; see transceiver.Options).
+	WrapDataPlane func(name string, t transport.Transport) transport.Transport
 }
 
 // Worker is an OpenAI-compatible HTTP worker around one engine instance.
@@ -121,7 +125,7 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 	if ct := wc.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
 		tr, err = transceiver.New(ctx, ct, transceiver.Options{State: inst.State(), Pools: inst.Pools(),
 			ListenHost: o.TransceiverHost, Logger: log, Observer: observer{w.m},
-			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts, TLS: o.TLS.Transport()})
+			Secret: o.Secret, AllowedPeerHosts: o.AllowedPeerHosts, TLS: o.TLS.Transport(), WrapDataPlane: o.WrapDataPlane})
 		if err != nil {
 			inst.Close()
 			return nil, err

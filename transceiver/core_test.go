@@ -245,15 +245,6 @@ func (in *sendInterp) print(from route, effs []effect) string {
 	return strings.Join(lines, "\n")
 }
 
-func refused(effs []effect) bool {
-	for _, e := range effs {
-		if _, ok := e.(effRefuse); ok {
-			return true
-		}
-	}
-	return false
-}
-
 func cmp(err, def error) error {
 	if err == nil {
 		return def

@@ -78,6 +78,11 @@ type Options struct {
 	// Limits bound the connections each rank accepts (control and data);
 	// zero fields take the defaults (see ConnLimits).
 	Limits ConnLimits
+	// WrapDataPlane, when non-nil, wraps every data plane a rank opens
+	// (its name is the registry's, "tcp"); what it returns carries the
+	// rank's data. For fault injection (transport/faultinject, the chaos
+	// suite); nil leaves the data planes as opened.
+	WrapDataPlane func(name string, t transport.Transport) transport.Transport
 
 	// clock, when set, is where deadlines come from (tests: a clock they
 	// advance by hand); nil means the machine's.
@@ -314,6 +319,9 @@ func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTran
 		if err != nil {
 			closeAll()
 			return nil, fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
+		}
+		if opts.WrapDataPlane != nil {
+			tr = opts.WrapDataPlane(name, tr)
 		}
 		trs[name] = tr
 	}

@@ -166,8 +166,16 @@ func runServe(cmd *cobra.Command, e env, sf *serveFlags) error {
 	if err != nil {
 		return err
 	}
+	faults, err := dataPlaneFaults()
+	if err != nil {
+		return err
+	}
+	if faults != nil {
+		log.Warn("data planes with injected faults (a chaos build)", "plan", os.Getenv("KVXFER_FAULTS"))
+	}
 	w, err := serve.NewWorker(cmd.Context(), serve.WorkerOptions{Role: sf.role, Model: sf.model, Config: wc, DType: dt,
-		TransceiverHost: sf.txHost, Logger: log, Secret: secret, AllowedPeerHosts: wc.Security.AllowedPeerHosts, TLS: tc})
+		TransceiverHost: sf.txHost, Logger: log, Secret: secret, AllowedPeerHosts: wc.Security.AllowedPeerHosts, TLS: tc,
+		WrapDataPlane: faults})
 	if err != nil {
 		return err
 	}

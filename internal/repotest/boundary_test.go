@@ -48,8 +48,10 @@ var boundaries = []rule{
 	// With disagg_cluster the router watches the membership (a View on a
 	// Store the CLI opens) and serves the built-in store's handler
 	// (memstore) on its own listener; a worker builds its Record.
+	// It names transport.Transport only to pass a data-plane wrapper
+	// (WorkerOptions.WrapDataPlane, fault injection) to the transceiver.
 	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
-		"membership", "membership/memstore", "layout"},
+		"membership", "membership/memstore", "layout", "transport"},
 		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
@@ -244,7 +246,7 @@ func TestBoundaryRules(t *testing.T) {
 		{"internal/memfd", "kvcache", false, false},
 		{"layout", "config", true, false},
 		{"kvcache", "layout", false, false},
-		{"serve", "transport", false, false},
+		{"serve", "transport", false, true}, // WorkerOptions.WrapDataPlane
 		{"serve", "transport/tcp", false, false},
 		{"serve", "transport/tcp", true, true},
 		{"serve", "kvcache", false, false},

@@ -14,8 +14,9 @@
 // files of every process return to their starting level, and no process
 // crashed, panicked or reported a data race.
 //
-// TestFaultyTransceiver runs engines in process over the data plane
-// faulty+tcp (package transport/faultinject): every request completes
+// TestFaultyTransceiver runs engines in process over tcp data planes
+// wrapped with faults (transceiver.Options.WrapDataPlane with package
+// transport/faultinject, one plan per fault kind): every request completes
 // bit-exact or fails with a clear error, and no block stays pinned.
 //
 // make chaos runs the long suite and prints the figures table (README,

@@ -7,7 +7,7 @@ import (
 )
 
 // TestFaultInjectionOnlyWithTag: kvxfer contains package faultinject (and
-// so the backend faulty+tcp) only when built with -tags chaos.
+// so the data-plane faults of KVXFER_FAULTS) only when built with -tags chaos.
 func TestFaultInjectionOnlyWithTag(t *testing.T) {
 	goBin, err := exec.LookPath("go")
 	if err != nil {

@@ -3,6 +3,7 @@ package chaos
 import (
 	"context"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -15,10 +16,6 @@ import (
 	"github.com/kvxfer/kvxfer/transport/faultinject"
 	_ "github.com/kvxfer/kvxfer/transport/tcp"
 )
-
-// The test binary has the data plane faulty+tcp, as kvxfer built with
-// -tags chaos does.
-func init() { faultinject.Register("tcp") }
 
 var (
 	modelOnce sync.Once
@@ -44,8 +41,9 @@ func tinyModel(t *testing.T) *engine.Model {
 
 var instanceCfg = engine.InstanceConfig{TokensPerBlock: 8, PoolTokens: 2048}
 
-// faultyEngine is an engine with a transceiver over faulty+tcp (the plan
-// comes from KVXFER_FAULTS, which the caller sets). Its closing is the
+// faultyEngine is an engine with a transceiver over tcp wrapped with
+// faults (faulty+tcp; the plan comes from KVXFER_FAULTS, which the caller
+// sets). Its closing is the
 // caller's.
 func faultyEngine(t *testing.T, tp int) *engine.Engine {
 	t.Helper()
@@ -59,18 +57,19 @@ func faultyEngine(t *testing.T, tp int) *engine.Engine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// config's parser knows only the backends of TensorRT-LLM's files;
-	// the transceiver opens whatever the registry has under the name.
-	cfg.Backend = config.Backend("FAULTY+TCP")
 	cfg.KVTransferTimeoutMs = transferTimeoutMs
 	cfg.MaxTokensInBuffer = 4 * in.TokensPerBlock() // staged in chunks: many Sends per request
-	tr, err := transceiver.New(context.Background(), cfg, transceiver.Options{State: in.State(), Pools: in.Pools()})
+	// The data plane is tcp, as the config says, wrapped with the plan in
+	// KVXFER_FAULTS, as kvxfer built with -tags chaos wraps a worker's.
+	wrap, err := faultinject.FromEnv(os.Getenv)
+	if err != nil || wrap == nil {
+		in.Close()
+		t.Fatalf("the plan in %s: %v", faultinject.EnvPlan, err)
+	}
+	tr, err := transceiver.New(context.Background(), cfg, transceiver.Options{State: in.State(), Pools: in.Pools(), WrapDataPlane: wrap})
 	if err != nil {
 		in.Close()
 		t.Fatal(err)
-	}
-	if got := tr.Resolution().Backend; got != cfg.Backend {
-		t.Fatalf("transceiver resolved %s, want %s", got, cfg.Backend)
 	}
 	e, err := engine.New(in, engine.Options{Transceiver: tr})
 	if err != nil {
@@ -137,14 +136,7 @@ func disagg(ctxE, genE *engine.Engine, req engine.Request) ([]int32, error, bool
 // data plane faulty+tcp, one plan per fault kind. Every request ends with
 // the aggregated tokens or a clear error; no block stays pinned past the
 // transfer deadline; the engines close clean.
-//
-// It needs package config to accept the backend name FAULTY+TCP (which the
-// transceiver validates); until it does, the test skips and says so.
 func TestFaultyTransceiver(t *testing.T) {
-	if _, err := config.ParseBackend("faulty+tcp"); err != nil {
-		t.Skipf("the transceiver's config refuses the data plane faulty+tcp (%v): "+
-			"package config must accept the names of registered backends for this test to run", err)
-	}
 	n := 12
 	if *long {
 		n = 60

@@ -22,12 +22,12 @@
 //     kind on this transport has completed (at most the rule's duration,
 //     default 50 ms), then runs.
 //
-// Tests wrap a transport with Wrap. A binary selects the wrapper as the
-// data-plane backend "faulty+NAME" (NAME: the wrapped backend, e.g.
-// "faulty+tcp") once Register has run; kvxfer calls it only in binaries
-// built with the build tag chaos (cmd/kvxfer/chaos.go), so a normal binary
-// does not contain this package. The registered backend reads its plan
-// from the environment variable KVXFER_FAULTS (see ParsePlan) when it opens.
+// Tests wrap a transport with Wrap, or a transceiver's data planes with
+// transceiver.Options.WrapDataPlane. kvxfer built with the build tag chaos
+// (internal/cli/chaos.go) wraps its worker's data planes with the plan in
+// the environment variable KVXFER_FAULTS (FromEnv), so a worker's config
+// stays as upstream writes it (backend TCP, UCX, ...); a normal binary does
+// not contain this package.
 //
 // faultinject imports only package transport.
 package faultinject

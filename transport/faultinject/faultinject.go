@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -264,30 +263,18 @@ func (r *shortRecv) Cancel() {
 	<-r.done
 }
 
-// Backend is the data-plane backend "faulty+" Inner: it opens Inner and
-// wraps it with the plan in KVXFER_FAULTS.
-type Backend struct{ Inner string }
-
-// Name is "faulty+" and Inner.
-func (b Backend) Name() string { return "faulty+" + strings.ToLower(b.Inner) }
-
-// Open opens Inner with opts and wraps it with the plan that
-// KVXFER_FAULTS holds; a plan that does not parse fails Open.
-func (b Backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
-	plan, err := ParsePlan(os.Getenv(EnvPlan))
+// FromEnv reads a plan from the environment variable EnvPlan through
+// getenv and returns a wrapper of data planes with it (the shape of
+// transceiver.Options.WrapDataPlane), or nil when the variable is unset or
+// empty. A plan that does not parse is an error naming the variable.
+func FromEnv(getenv func(string) string) (func(name string, t transport.Transport) transport.Transport, error) {
+	v := getenv(EnvPlan)
+	if v == "" {
+		return nil, nil
+	}
+	plan, err := ParsePlan(v)
 	if err != nil {
-		return nil, fmt.Errorf("%s %s: %w", b.Name(), EnvPlan, err)
+		return nil, fmt.Errorf("faultinject: %s: %w", EnvPlan, err)
 	}
-	inner, err := transport.Open(ctx, b.Inner, opts)
-	if err != nil {
-		return nil, err
-	}
-	if opts.Logger != nil {
-		opts.Logger.Warn("data plane with injected faults", "backend", b.Name(), "plan", plan.String())
-	}
-	return Wrap(inner, plan), nil
+	return func(_ string, t transport.Transport) transport.Transport { return Wrap(t, plan) }, nil
 }
-
-// Register registers Backend{inner} with package transport, as
-// "faulty+" inner. Call it once per name (from an init function).
-func Register(inner string) { transport.Register(Backend{Inner: inner}) }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -287,17 +288,18 @@ func TestPlanDeterministic(t *testing.T) {
 	}
 }
 
-func TestBackend(t *testing.T) {
-	t.Setenv(faultinject.EnvPlan, "seed=1;send:fail/1")
-	b := faultinject.Backend{Inner: "tcp"}
-	if b.Name() != "faulty+tcp" {
-		t.Fatalf("name %q", b.Name())
+func TestFromEnv(t *testing.T) {
+	env := map[string]string{}
+	getenv := func(k string) string { return env[k] }
+	if w, err := faultinject.FromEnv(getenv); w != nil || err != nil {
+		t.Fatalf("unset: %v, %v; want no wrapper", w != nil, err)
 	}
-	tr, err := b.Open(context.Background(), transport.Options{}.WithDefaults())
-	if err != nil {
-		t.Fatal(err)
+	env[faultinject.EnvPlan] = "seed=1;send:fail/1"
+	w, err := faultinject.FromEnv(getenv)
+	if err != nil || w == nil {
+		t.Fatalf("FromEnv: %v", err)
 	}
-	defer tr.Close()
+	tr := w("tcp", openTCP(t))
 	if tr.Name() != "faulty+tcp" {
 		t.Errorf("transport name %q", tr.Name())
 	}
@@ -309,8 +311,8 @@ func TestBackend(t *testing.T) {
 	if err := tr.Send(context.Background(), r.Descriptor(), [][]byte{payload(8)}); !errors.Is(err, transport.ErrPeerLost) {
 		t.Errorf("Send with send:fail/1: %v", err)
 	}
-	t.Setenv(faultinject.EnvPlan, "send:nope/1")
-	if _, err := b.Open(context.Background(), transport.Options{}.WithDefaults()); err == nil {
-		t.Error("Open with a bad plan succeeded")
+	env[faultinject.EnvPlan] = "send:nope/1"
+	if _, err := faultinject.FromEnv(getenv); err == nil || !strings.Contains(err.Error(), faultinject.EnvPlan) {
+		t.Errorf("FromEnv with a bad plan: %v, want an error naming %s", err, faultinject.EnvPlan)
 	}
 }

@@ -70,8 +70,8 @@ type Plan struct {
 	Rules []Rule
 }
 
-// EnvPlan is the environment variable the registered backend reads its
-// plan from.
+// EnvPlan is the environment variable FromEnv reads a plan from (kvxfer
+// built with -tags chaos: its worker's data planes).
 const EnvPlan = "KVXFER_FAULTS"
 
 // Default durations.
