@@ -243,3 +243,43 @@ func noPinned(t *testing.T, c *http.Client, name, url string) {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// bytesByBackend is kvxfer_transfer_bytes_total at url by its backend
+// label ("tcp", "shm", "ucx(tcp)": UCX names the UCX transports it used).
+func bytesByBackend(c *http.Client, url string) map[string]float64 {
+	resp, err := c.Get(url + "/metrics")
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	m := map[string]float64{}
+	for l := range strings.SplitSeq(string(b), "\n") {
+		rest, ok := strings.CutPrefix(l, `kvxfer_transfer_bytes_total{backend="`)
+		if !ok {
+			continue
+		}
+		be, _, _ := strings.Cut(rest, `"`)
+		var v float64
+		fmt.Sscan(l[strings.LastIndexByte(l, ' ')+1:], &v)
+		m[be] += v
+	}
+	return m
+}
+
+// metricLines returns the samples of name at url, for messages.
+func metricLines(c *http.Client, url, name string) string {
+	resp, err := c.Get(url + "/metrics")
+	if err != nil {
+		return err.Error()
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	var out []string
+	for l := range strings.SplitSeq(string(b), "\n") {
+		if strings.HasPrefix(l, name) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "; ")
+}

@@ -64,7 +64,8 @@ func (cl *cluster) faults(next int) {
 		{"latency 20 ms each way", faults{Latency: 20 * time.Millisecond}, 8, true},
 		{"bandwidth 256 KiB/s each way per connection", faults{Rate: 256 << 10}, 8, true},
 		{"latency 20 ms + 1 MiB/s", faults{Latency: 20 * time.Millisecond, Rate: 1 << 20}, 8, true},
-		{"resets (half the connections reset after 1–64 KiB)", faults{ResetP: 0.5}, 12, false},
+		{"reset of every open connection after 1–64 KiB", faults{ResetOpen: true}, 8, false},
+		{"resets: 30% of the connections, new ones too, after 1–64 KiB", faults{ResetP: 0.3}, 12, false},
 		{"stall (nothing forwarded, connections kept open)", faults{Stall: true}, 4, false},
 	}
 	for _, ph := range phases {

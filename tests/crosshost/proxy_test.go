@@ -19,7 +19,10 @@ type faults struct {
 	// set, or new) is reset (RST on both sides) after a random 1–64 KiB
 	// more forwarded.
 	ResetP float64
-	Stall  bool // forward nothing (connections stay open) until cleared
+	// ResetOpen resets every connection open when the faults are set,
+	// after a random 1–64 KiB more forwarded (new ones as ResetP says).
+	ResetOpen bool
+	Stall     bool // forward nothing (connections stay open) until cleared
 }
 
 // proxy is a userspace TCP fault proxy: listeners (in any namespace) each
@@ -51,7 +54,11 @@ func (p *proxy) set(f faults) {
 	p.f = f
 	for pc := range p.conns {
 		pc.resetAt.Store(0)
-		p.armReset(pc)
+		if f.ResetOpen {
+			pc.resetAt.Store(pc.forwarded.Load() + 1024 + rand.Int64N(63*1024))
+		} else {
+			p.armReset(pc)
+		}
 	}
 	p.mu.Unlock()
 }
