@@ -1,6 +1,9 @@
 package crosshost
 
-import "time"
+import (
+	"os/exec"
+	"time"
+)
 
 // faults runs the TCP backend with every transceiver connection between
 // the generation worker's namespace and the context worker's through the
@@ -24,9 +27,9 @@ func (cl *cluster) faults(next int) {
 	cl.c.ip("addr", "add", P+"/32", "dev", "eth0")
 	cl.g.ip("addr", "add", Q+"/32", "dev", "eth0")
 	run(t, "ip", "route", "add", P+"/32", "via", cl.c.addr)
-	t.Cleanup(func() { run(t, "ip", "route", "delete", P+"/32") })
+	t.Cleanup(func() { exec.Command("ip", "route", "delete", P+"/32").Run() })
 	run(t, "ip", "route", "add", Q+"/32", "via", cl.g.addr)
-	t.Cleanup(func() { run(t, "ip", "route", "delete", Q+"/32") })
+	t.Cleanup(func() { exec.Command("ip", "route", "delete", Q+"/32").Run() })
 	cl.g.ip("addr", "add", P+"/32", "dev", "lo")
 	cl.c.ip("addr", "add", Q+"/32", "dev", "lo")
 

@@ -100,6 +100,23 @@ func sweepStale() {
 			exec.Command("ip", "netns", "delete", name).Run()
 		}
 	}
+	// And their bridges (kxb<pid>); their veths went with the namespaces.
+	out, err = exec.Command("ip", "-o", "link", "show", "type", "bridge").Output()
+	if err != nil {
+		return
+	}
+	for l := range strings.SplitSeq(string(out), "\n") {
+		f := strings.Fields(l)
+		if len(f) < 2 {
+			continue
+		}
+		name := strings.TrimSuffix(f[1], ":")
+		pidS, ok := strings.CutPrefix(name, "kxb")
+		pid, err := strconv.Atoi(pidS)
+		if ok && err == nil && pid != os.Getpid() && syscall.Kill(pid, 0) == syscall.ESRCH {
+			exec.Command("ip", "link", "delete", name).Run()
+		}
+	}
 }
 
 // lab is a bridge in this (the test's) namespace with a /24 of 10.x.y.0 on
@@ -124,7 +141,7 @@ func newLab(t *testing.T) *lab {
 	t.Helper()
 	skipNoNetns(t)
 	sweepStale()
-	l := &lab{t: t, id: strconv.Itoa(os.Getpid() % 100000)}
+	l := &lab{t: t, id: strconv.Itoa(os.Getpid())} // ≤ 7 digits: interface names stay within 15 bytes
 	l.bridge = "kxb" + l.id
 	// A /24 no route of this namespace covers.
 	routes, _ := exec.Command("ip", "-4", "route", "show", "table", "all").Output()
@@ -175,8 +192,11 @@ func (h *host) ip(args ...string) {
 	run(h.lab.t, append([]string{"ip", "-n", h.name}, args...)...)
 }
 
-// listen opens a TCP listener inside h's namespace (from a thread that
-// enters it and is then thrown away): the socket stays in that namespace.
+// listen opens a TCP listener inside h's namespace: a thread enters it,
+// opens the socket (which stays in that namespace) and goes back. The
+// thread must not end while in another namespace, nor end at all: the
+// processes started from it get SIGKILL (Pdeathsig) when it does, which
+// is what Go does to a thread whose goroutine exits locked to it.
 func (h *host) listen(addr string) (net.Listener, error) {
 	type res struct {
 		ln  net.Listener
@@ -184,18 +204,32 @@ func (h *host) listen(addr string) (net.Listener, error) {
 	}
 	ch := make(chan res, 1)
 	go func() {
-		runtime.LockOSThread() // never unlocked: the thread ends with the goroutine
+		runtime.LockOSThread()
+		orig, err := os.Open("/proc/thread-self/ns/net")
+		if err != nil {
+			runtime.UnlockOSThread()
+			ch <- res{err: err}
+			return
+		}
+		defer orig.Close()
 		f, err := os.Open(filepath.Join("/var/run/netns", h.name))
 		if err != nil {
+			runtime.UnlockOSThread()
 			ch <- res{err: err}
 			return
 		}
 		defer f.Close()
 		if err := unix.Setns(int(f.Fd()), unix.CLONE_NEWNET); err != nil {
+			runtime.UnlockOSThread()
 			ch <- res{err: fmt.Errorf("setns %s: %w", h.name, err)}
 			return
 		}
 		ln, err := net.Listen("tcp", addr)
+		if berr := unix.Setns(int(orig.Fd()), unix.CLONE_NEWNET); berr != nil {
+			ch <- res{ln, err}
+			select {} // stuck in h's namespace: keep the thread, and this goroutine, for good
+		}
+		runtime.UnlockOSThread()
 		ch <- res{ln, err}
 	}()
 	r := <-ch
