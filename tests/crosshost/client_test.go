@@ -168,7 +168,7 @@ func metric(c *http.Client, url, name string, labels ...string) (float64, error)
 		if !strings.HasPrefix(l, name+"{") && !strings.HasPrefix(l, name+" ") {
 			continue
 		}
-		lbl, _, _ := strings.Cut(l, " ")
+		lbl := l[:max(strings.LastIndexByte(l, ' '), 0)] // label values may hold spaces ("POST /v1/completions")
 		if !slices.ContainsFunc(labels, func(x string) bool { return !strings.Contains(lbl, x) }) {
 			var v float64
 			fmt.Sscan(l[strings.LastIndexByte(l, ' ')+1:], &v)

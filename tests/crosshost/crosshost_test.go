@@ -229,8 +229,8 @@ func txListeners(t *testing.T, p *proc, addr string, want ...string) []netip.Add
 }
 
 // TestCrossHost runs the disaggregated flow between network namespaces
-// over each transceiver backend, then through a fault proxy between the
-// context and generation workers' namespaces.
+// over each transceiver backend, then with 2 + 2 workers, then through a
+// fault proxy between the context and generation workers' namespaces.
 func TestCrossHost(t *testing.T) {
 	if testing.Short() {
 		t.Skip("process-level: network namespaces, etcd, a router and workers")
@@ -311,8 +311,51 @@ func TestCrossHost(t *testing.T) {
 	if t.Failed() {
 		return
 	}
+	next = cl.twoByTwo(next)
 	cl.faults(next)
 	t.Logf("TestCrossHost took %v", time.Since(start).Round(time.Millisecond))
+}
+
+// twoByTwo runs 2 context (TP2) + 2 generation (TP1) workers, each in a
+// namespace of its own (c, c2, g, g2), over TCP: 16 requests, 8 at a
+// time, each worker must serve some and every answer be bit-exact.
+func (cl *cluster) twoByTwo(next int) int {
+	t := cl.t
+	c2, g2 := cl.lab.addHost("c2", 5), cl.lab.addHost("g2", 6)
+	wf := cl.workerFile("TCP")
+	var all []*proc
+	start := func(name, role string, h *host, port int, tp string) *proc {
+		p := cl.ps.start(name, h.name, "", "serve", "--role", role, "--tp", tp, "--config", wf,
+			"--host", h.addr, "--port", fmt.Sprint(port), "--advertise-host", h.addr, "--transceiver-host", h.addr, "--admin-addr", "")
+		p.url = fmt.Sprintf("http://%s:%d", h.addr, port)
+		all = append(all, p)
+		return p
+	}
+	ctx := []*proc{start("context-a", "context", cl.c, ctxPort, "2"), start("context-b", "context", c2, ctxPort, "2")}
+	gen := []*proc{start("generation-a", "generation", cl.g, genPort, "1"), start("generation-b", "generation", g2, genPort, "1")}
+	took := waitMembers(t, cl.client, cl.router, 60*time.Second, []string{ctx[0].url, ctx[1].url}, []string{gen[0].url, gen[1].url})
+	tl := burst(t, cl.client, cl.router, next, 16, 8, reqDeadline, cl.want)
+	served := map[string]float64{}
+	for _, p := range all {
+		served[p.name], _ = metric(cl.client, p.url, "kvxfer_http_requests_total", `/v1/completions`)
+	}
+	t.Logf("2+2 across hosts (TCP, 4 worker namespaces, routable %v after start): %s; requests served per worker %v", took.Round(time.Millisecond), tl, served)
+	if tl.n[okExact] != 16 {
+		t.Errorf("2+2: want 16 bit-exact: %v", tl.errs)
+	}
+	for _, p := range all {
+		if served[p.name] == 0 {
+			t.Errorf("2+2: %s served no request", p.name)
+		}
+		noPinned(t, cl.client, p.name, p.url)
+	}
+	for _, p := range all {
+		if took, ok := p.stop(syscall.SIGTERM, 40*time.Second); !ok {
+			t.Errorf("%s did not exit within %v of SIGTERM", p.name, took)
+		}
+	}
+	waitMembers(t, cl.client, cl.router, 10*time.Second, nil, nil)
+	return next + 16
 }
 
 // versionBackends is the "backends:" line of `kvxfer version`.
