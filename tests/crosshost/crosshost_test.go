@@ -69,7 +69,7 @@ func newCluster(t *testing.T) *cluster {
 		t.Logf("no etcd binary on PATH: the router's built-in store (%s) instead", uri)
 	}
 	cl.dc = fmt.Sprintf("disagg_cluster:\n  cluster_uri: %q\n  cluster_name: xh\n  minimal_instances: {context_servers: 1, generation_servers: 1}\n"+
-		"  heartbeat_interval_sec: 1\n  inactive_timeout_sec: 3\n", uri)
+		"  heartbeat_interval_sec: 1\n  inactive_timeout_sec: 5\n", uri)
 	cy := filepath.Join(cl.dir, "cluster.yaml")
 	os.WriteFile(cy, fmt.Appendf(nil, "hostname: %s\nport: %d\n%s", cl.r.addr, routerPort, cl.dc), 0o600)
 	cl.ps.start("router", cl.r.name, "", "router", "--config", cy, "--admin-addr", "", "--probe-interval", "100ms")
