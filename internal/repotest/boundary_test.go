@@ -117,6 +117,10 @@ var boundaries = []rule{
 	// A clock tests advance by hand (test support only).
 	{pkg: "internal/manualclock"},
 	{pkg: "internal/repotest"},
+	// Cross-host tests (test code only): the CLI in child processes
+	// spread over network namespaces (entered with x/sys/unix's Setns),
+	// their listeners read from /proc.
+	{pkg: "tests/crosshost", tests: []string{"internal/cli", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
 }
 
 // matches reports whether path is pattern's package (or, for "x/...", x or
