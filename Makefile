@@ -55,11 +55,12 @@ chaos: ## the long chaos suite (README, Reliability): workers and router under f
 		-args -chaos.long -chaos.seed=$(CHAOS_SEED) -chaos.table=$(CURDIR)/bin/chaos-figures.md
 	@cat bin/chaos-figures.md
 
-ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx, and the transceiver, bench and serve over UCX
+ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx, and the transceiver, bench, serve and the cross-host test over UCX
 	$(GO) vet -tags ucx ./transport/... ./internal/cli/ ./transceiver/ ./bench/ ./serve/
 	$(GO) tool staticcheck -tags ucx ./transport/ucx/ ./internal/cli/ ./transceiver/ ./bench/ ./serve/
 	$(GO) test -tags ucx -race -shuffle=on -count=1 -timeout 10m ./transport/ucx/
 	$(GO) test -tags ucx -race -count=1 -timeout 10m -run 'UCX|TestPairings|TestAutoPicks' ./transceiver/ ./bench/ ./serve/
+	$(GO) test -tags ucx -count=1 -timeout 10m -run 'TestCrossHost' ./tests/crosshost/
 
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \

@@ -9,6 +9,7 @@ dpkg -s libucx-dev >/dev/null 2>&1 || need+=(libucx-dev)   # the UCX backend (-t
 command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils) # its baseline in kvxfer bench
 command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)            # the TCP baselines in kvxfer bench
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)          # membership's etcd store, tested against a real etcd
+command -v ip >/dev/null 2>&1 || need+=(iproute2)               # the cross-host test's network namespaces
 
 if ((${#need[@]})); then
 	if [[ $(id -u) -ne 0 ]]; then
