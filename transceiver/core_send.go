@@ -366,16 +366,23 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 		// the attempt got, not a refusal: the request is still held.
 		return append(effs, effAbort{side: sideSend, peer: g, to: from,
 			reason: fmt.Sprintf("pull attempt %d of context request %d has failed; the request is held for another", a, c.cfg.id)})
-	case c.attempt != 0 && a != c.attempt && c.phase == phaseSent:
-		// This rank has reported its part of the attempt finished: the
-		// instance decides whether it holds. Until then the ask waits.
+	case c.attempt != 0 && a != c.attempt && (c.phase == phaseMoving || c.phase == phaseSent):
+		// Another attempt is under way, or has finished here and waits
+		// for the instance's word. The ask waits until that attempt is
+		// decided: if it holds, the request is over and the ask gets the
+		// unknown answer (a pull that succeeded is not served twice, even
+		// to its owner); if it fails (its generation side's abort or lost
+		// connection, a deadline), the ask is taken then. A new ask never
+		// gives a live attempt up: a generation side that completed its
+		// receive may ask again before this rank's sends have returned.
 		if len(c.deferred) >= maxDeferredAsks {
 			return refuse(wire.RefusedUnavailable, "too many asks waiting on context rank %d", c.cfg.rank)
 		}
 		c.deferred = append(c.deferred, deferredAsk{from: from, ri: ri})
-		return c.abandon(fmt.Errorf("%w: generation rank %d: pull attempt %d superseded by pull attempt %d", ErrPeerAborted, g, c.attempt, a), -1)
+		return effs
 	case c.attempt != 0 && a != c.attempt:
-		// The owner has given the attempt up for a new one.
+		// An attempt whose asks have not all come, nothing sent yet: the
+		// owner has given it up for a new one.
 		effs = c.abandon(fmt.Errorf("%w: generation rank %d: pull attempt %d superseded by pull attempt %d", ErrPeerAborted, g, c.attempt, a), -1)
 		if c.phase.over() {
 			return append(effs, refuseUnknown(c.cfg.rank, from, ri, ""))

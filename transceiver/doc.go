@@ -56,9 +56,10 @@
 // consensus knows that every rank finished the same attempt, and only then
 // releases them and completes; reports of an attempt that failed change
 // nothing, and its late asks are aborted. An ask of a new attempt on a rank
-// still in another gives the other up (the owner has), or, if the rank's
-// sends of the other have finished, waits for the consensus' word on it.
-// After
+// whose sends of another are under way or finished waits until that one is
+// decided: a pull that succeeded is not served twice, even to its owner (a
+// generation side may have all its bytes before the sends return). One on
+// a rank still waiting for the other's asks gives that one up. After
 // maxPullAttempts (3) failed attempts the request fails and releases its
 // blocks, so that a failing or hostile owner cannot hold them in a loop. A
 // failure of the context side's own (a local send error, a cancel, either
