@@ -19,6 +19,9 @@ type StreamResult struct {
 	TokenIDs []int32
 	// FinishReason is the last finish_reason the stream carried.
 	FinishReason string
+	// CompletionTokens is usage.completion_tokens, when the stream carried
+	// a usage chunk (stream_options.include_usage).
+	CompletionTokens int
 	// TTFT is the time from the request to its first text.
 	TTFT time.Duration
 }
@@ -65,6 +68,9 @@ func StreamCompletion(ctx context.Context, c *http.Client, base string, body map
 				TokenIDs     []int32 `json:"token_ids"`
 				FinishReason *string `json:"finish_reason"`
 			} `json:"choices"`
+			Usage *struct {
+				CompletionTokens int `json:"completion_tokens"`
+			} `json:"usage"`
 			Error *struct {
 				Message string `json:"message"`
 			} `json:"error"`
@@ -84,6 +90,9 @@ func StreamCompletion(ctx context.Context, c *http.Client, base string, body map
 			if c.FinishReason != nil {
 				res.FinishReason = *c.FinishReason
 			}
+		}
+		if ch.Usage != nil {
+			res.CompletionTokens = ch.Usage.CompletionTokens
 		}
 	}
 	if !done {

@@ -38,10 +38,15 @@ func TestReturnTokenIDs(t *testing.T) {
 			t.Errorf("temp %v: prompt_token_ids %v, want %v", temp, got.PromptTokenIDs, want)
 		}
 		body["stream"] = true
+		body["stream_options"] = map[string]any{"include_usage": true}
 		sr, err := StreamCompletion(context.Background(), http.DefaultClient, agg.srv.URL, body)
 		if err != nil {
 			t.Fatal(err)
 		}
+		if sr.CompletionTokens != 24 {
+			t.Errorf("temp %v: streamed usage.completion_tokens %d, want 24", temp, sr.CompletionTokens)
+		}
+		delete(body, "stream_options")
 		if !slices.Equal(sr.TokenIDs, ids) || sr.Text != got.Choices[0].Text || sr.FinishReason != "length" {
 			t.Errorf("temp %v: streamed ids %v text %q finish %q, want %v %q length", temp, sr.TokenIDs, sr.Text, sr.FinishReason, ids, got.Choices[0].Text)
 		}

@@ -1,7 +1,6 @@
 package launch
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -13,6 +12,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/kvxfer/kvxfer/serve"
 )
 
 // SmokeResult is the outcome of Smoke.
@@ -156,76 +157,15 @@ func (a *answer) check() string {
 }
 
 // streamAnswer posts body, a streaming completion request, to the
-// /v1/completions of base and reads the stream: an answer other than 200,
-// an error event, an event that does not decode and a stream that ends
-// without [DONE] are errors.
+// /v1/completions of base and reads the stream (serve.StreamCompletion: an
+// answer other than 200, an error event, an event that does not decode and
+// a stream that ends without [DONE] are errors).
 func streamAnswer(ctx context.Context, c *http.Client, base string, body map[string]any) (*answer, error) {
-	b, err := json.Marshal(body)
+	r, err := serve.StreamCompletion(ctx, c, base, body)
 	if err != nil {
 		return nil, err
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(b))
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Content-Type", "application/json")
-	start := time.Now()
-	resp, err := c.Do(req)
-	if err != nil {
-		return nil, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))
-	}
-	var a answer
-	var text strings.Builder
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
-		}
-		if data == "[DONE]" {
-			a.text = text.String()
-			return &a, nil
-		}
-		var ev struct {
-			Choices []struct {
-				Text         string  `json:"text"`
-				TokenIDs     []int32 `json:"token_ids"`
-				FinishReason *string `json:"finish_reason"`
-			} `json:"choices"`
-			Usage *struct {
-				CompletionTokens int `json:"completion_tokens"`
-			} `json:"usage"`
-			Error *struct {
-				Message string `json:"message"`
-			} `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(data), &ev); err != nil {
-			return nil, fmt.Errorf("bad event %q: %v", data, err)
-		}
-		if ev.Error != nil {
-			return nil, fmt.Errorf("error event: %s", ev.Error.Message)
-		}
-		for _, ch := range ev.Choices {
-			if ch.Text != "" && a.ttft == 0 {
-				a.ttft = time.Since(start)
-			}
-			text.WriteString(ch.Text)
-			a.ids = append(a.ids, ch.TokenIDs...)
-			if ch.FinishReason != nil {
-				a.finish = *ch.FinishReason
-			}
-		}
-		if ev.Usage != nil {
-			a.tokens = ev.Usage.CompletionTokens
-		}
-	}
-	return nil, fmt.Errorf("stream ended without [DONE]: %v", sc.Err())
+	return &answer{text: r.Text, ids: r.TokenIDs, finish: r.FinishReason, tokens: r.CompletionTokens, ttft: r.TTFT}, nil
 }
 
 // plainAnswer posts body, a completion request that does not stream, to
