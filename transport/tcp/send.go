@@ -329,14 +329,21 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 // the dial here, before any frame is written.
 func (oc *outConn) accepted(ctx context.Context) error {
 	dl := time.Now().Add(prefaceTimeout)
+	ctxDeadline := false
 	if d, ok := ctx.Deadline(); ok && d.Before(dl) {
-		dl = d
+		dl, ctxDeadline = d, true
 	}
 	oc.raw.SetReadDeadline(dl)
 	stop := context.AfterFunc(ctx, func() { oc.raw.SetReadDeadline(time.Now()) })
 	defer stop()
 	var b [1]byte
 	if _, err := io.ReadFull(oc.nc, b[:]); err != nil {
+		var ne net.Error
+		if ctxDeadline && errors.As(err, &ne) && ne.Timeout() {
+			// The socket's deadline is ctx's: its timer may fire a moment
+			// before ctx's own. The Send timed out; it was not refused.
+			<-ctx.Done()
+		}
 		if ctx.Err() != nil {
 			return context.Cause(ctx)
 		}
