@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/kvxfer/kvxfer/internal/memcopy"
 	"github.com/kvxfer/kvxfer/kvcache"
 )
 
@@ -198,11 +199,12 @@ func (p *Plan) Pack(dst []byte, src [][]byte) error {
 			return fmt.Errorf("%w: pack: src block %d is %d bytes, want %d", ErrBufferSize, i, len(b), p.srcBytes)
 		}
 	}
+	cp := copierFor(len(dst), p.srcSpans)
 	off := 0
 	for _, b := range src {
 		for _, r := range p.srcSpans {
 			s := int(r.Off)
-			off += copy(dst[off:off+int(r.Len)], b[s:s+int(r.Len)])
+			off += cp(dst[off:off+int(r.Len)], b[s:s+int(r.Len)])
 		}
 	}
 	return nil
@@ -222,15 +224,38 @@ func (p *Plan) Unpack(dst [][]byte, src []byte) error {
 			return fmt.Errorf("%w: unpack: dst block %d is %d bytes, want %d", ErrBufferSize, i, len(b), p.dstBytes)
 		}
 	}
+	cp := copierFor(len(src), p.dstSpans)
 	off := 0
 	for _, b := range dst {
 		for _, r := range p.dstSpans {
 			d := int(r.Off)
-			off += copy(b[d:d+int(r.Len)], src[off:off+int(r.Len)])
+			off += cp(b[d:d+int(r.Len)], src[off:off+int(r.Len)])
 		}
 	}
 	return nil
 }
+
+// copierFor returns how Pack and Unpack copy each span of an operation
+// that moves total bytes in the given spans. Past what the caches hold,
+// spans shorter than memcopy.StreamMin are copied with non-temporal stores
+// (memcopy.Stream), which spare each destination line its read for
+// ownership, so that many short spans move about as fast as one long copy
+// (Go's copy() does the same by itself for a span of StreamMin or more).
+// Otherwise copy(), so that a small chunk stays in cache for whoever reads
+// it next.
+func copierFor(total int, spans []Span) func(dst, src []byte) int {
+	if total < memcopy.StreamMin {
+		return copyBytes
+	}
+	for _, r := range spans {
+		if r.Len >= memcopy.StreamMin {
+			return copyBytes
+		}
+	}
+	return memcopy.Stream
+}
+
+func copyBytes(dst, src []byte) int { return copy(dst, src) }
 
 // checkPacked checks that a packed buffer of n bytes holds exactly blocks
 // blocks of per bytes each, without overflowing.

@@ -94,6 +94,10 @@ func fixedPairings() []pairing {
 	h12 := kvcache.Shape{Layers: 5, KVHeads: 12, HeadDim: 3, TokensPerBlock: 3, KVFactor: 2, DType: kvcache.BF16}
 	h2 := kvcache.Shape{Layers: 4, KVHeads: 2, HeadDim: 2, TokensPerBlock: 2, KVFactor: 2, DType: kvcache.FP32}
 	m := kvcache.Shape{Layers: 6, KVHeads: 1, HeadDim: 5, TokensPerBlock: 2, KVFactor: 1, DType: kvcache.FP8E4M3}
+	// Requests of a few MiB a rank, past memcopy.StreamMin, so that Pack and
+	// Unpack take their non-temporal path; odd row sizes misalign the spans.
+	big := kvcache.Shape{Layers: 4, KVHeads: 8, HeadDim: 64, TokensPerBlock: 16, KVFactor: 2, DType: kvcache.FP32}
+	odd := kvcache.Shape{Layers: 2, KVHeads: 6, HeadDim: 37, TokensPerBlock: 7, KVFactor: 2, DType: kvcache.BF16}
 	s := func(sh kvcache.Shape, tp, pp int, split ...int) CacheState {
 		c := state(sh, tp, pp)
 		c.Parallel.LayersPerPP = split
@@ -119,6 +123,10 @@ func fixedPairings() []pairing {
 		{s(m, 2, 1), s(m, 1, 4, 1, 2, 2, 1), 3, 10},
 		{s(m, 8, 1), dp(s(m, 4, 2), 4, 2), 4, 11},
 		{s(h12, 2, 1), dp(s(h12, 6, 1), 2, 1), 6, 12},
+		{s(big, 1, 1), s(big, 2, 1), 160, 13},
+		{s(big, 4, 1), s(big, 1, 2), 160, 14},
+		{s(odd, 3, 1), s(odd, 2, 1), 700, 15},
+		{s(odd, 1, 1), s(odd, 6, 1), 1400, 16},
 	}
 }
 

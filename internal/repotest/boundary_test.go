@@ -82,7 +82,7 @@ var boundaries = []rule{
 	{pkg: "tests/chaos", may: []string{"*"}},
 	// The conformance suite every backend passes: test code, so goleak.
 	{pkg: "transport/transporttest", may: []string{"transport"}, ext: []string{"go.uber.org/goleak"}},
-	{pkg: "layout", may: []string{"kvcache"}},
+	{pkg: "layout", may: []string{"kvcache", "internal/memcopy"}},
 	// Shared-memory arenas are memory files (internal/memfd).
 	{pkg: "kvcache", may: []string{"internal/memfd"}},
 	{pkg: "config", ext: []string{"go.yaml.in/yaml/v3"}},
@@ -113,6 +113,8 @@ var boundaries = []rule{
 	// Memory files, seals and peer mappings on x/sys/unix.
 	{pkg: "internal/memfd", ext: []string{"golang.org/x/sys/..."}},
 	{pkg: "internal/procnet"},
+	// Copies with non-temporal stores (layout's packing, shm's receiver).
+	{pkg: "internal/memcopy"},
 	{pkg: "internal/syncbuf"},
 	// A clock tests advance by hand (test support only).
 	{pkg: "internal/manualclock"},

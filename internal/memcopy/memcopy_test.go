@@ -1,0 +1,90 @@
+package memcopy
+
+import (
+	"bytes"
+	"math/rand/v2"
+	"strconv"
+	"testing"
+)
+
+// TestStreamEqualsCopy checks Stream against copy() for every head
+// misalignment of dst and src and lengths around the 64-byte unit,
+// including the bytes just outside the destination, which must stay.
+func TestStreamEqualsCopy(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	src := make([]byte, 4096+64)
+	for i := range src {
+		src[i] = byte(r.Uint32())
+	}
+	lengths := []int{0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4096}
+	for dOff := range 17 {
+		for sOff := range 17 {
+			for _, n := range lengths {
+				want := bytes.Repeat([]byte{0xa5}, 4096+64)
+				got := bytes.Clone(want)
+				wn := copy(want[dOff:dOff+n], src[sOff:sOff+n])
+				gn := Stream(got[dOff:dOff+n], src[sOff:sOff+n])
+				if gn != wn || !bytes.Equal(got, want) {
+					t.Fatalf("dst+%d src+%d n=%d: Stream copied %d bytes, differs from copy (%d)", dOff, sOff, n, gn, wn)
+				}
+			}
+		}
+	}
+}
+
+func TestStreamShorterSide(t *testing.T) {
+	src := bytes.Repeat([]byte{1}, 300)
+	dst := make([]byte, 200)
+	if n := Stream(dst, src); n != 200 || !bytes.Equal(dst, src[:200]) {
+		t.Fatalf("Stream into a shorter dst copied %d bytes", n)
+	}
+	if n := Stream(make([]byte, 500), src); n != 300 {
+		t.Fatalf("Stream from a shorter src copied %d bytes, want 300", n)
+	}
+}
+
+func FuzzStream(f *testing.F) {
+	f.Add([]byte("some bytes to copy, more than sixty-four of them, so the bulk loop runs once at least"), uint8(3), uint8(5))
+	f.Fuzz(func(t *testing.T, data []byte, dOff, sOff uint8) {
+		d, s := int(dOff%32), int(sOff%32)
+		if s > len(data) {
+			return
+		}
+		src := data[s:]
+		want := make([]byte, d+len(src)+8)
+		got := make([]byte, d+len(src)+8)
+		copy(want[d:], src)
+		Stream(got[d:d+len(src)], src)
+		if !bytes.Equal(got, want) {
+			t.Fatalf("Stream(dst+%d, %d bytes) differs from copy", d, len(src))
+		}
+	})
+}
+
+// BenchmarkSpans copies 64 MiB in spans of 8 and 32 KiB, into a contiguous
+// destination, with copy() and with Stream: the work of a Pack.
+func BenchmarkSpans(b *testing.B) {
+	const total = 64 << 20
+	src, dst := make([]byte, 2*total), make([]byte, total)
+	for i := range src {
+		src[i] = byte(i)
+	}
+	for i := range dst {
+		dst[i] = byte(i)
+	}
+	for _, span := range []int{8 << 10, 32 << 10} {
+		for _, c := range []struct {
+			name string
+			f    func(d, s []byte) int
+		}{{"copy", func(d, s []byte) int { return copy(d, s) }}, {"stream", Stream}} {
+			b.Run(c.name+"/span="+strconv.Itoa(span>>10)+"KiB", func(b *testing.B) {
+				b.SetBytes(total)
+				for b.Loop() {
+					for off, o := 0, 0; off < total; off, o = off+span, o+2*span {
+						c.f(dst[off:off+span], src[o:o+span])
+					}
+				}
+			})
+		}
+	}
+}

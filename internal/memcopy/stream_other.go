@@ -1,0 +1,11 @@
+//go:build !amd64
+
+package memcopy
+
+import "unsafe"
+
+func headLen(*byte) int { return 0 }
+
+func streamBulk(dst, src *byte, n int) {
+	copy(unsafe.Slice(dst, n), unsafe.Slice(src, n))
+}
