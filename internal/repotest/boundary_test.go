@@ -72,7 +72,7 @@ var boundaries = []rule{
 		tests: []string{"internal/manualclock"}},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
-	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd"},
+	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd", "internal/memcopy"},
 		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
 	// The fault-injecting wrapper of any backend (the chaos suite's): it
 	// wraps transports by their interface only; its tests run it over tcp.
@@ -113,7 +113,7 @@ var boundaries = []rule{
 	// Memory files, seals and peer mappings on x/sys/unix.
 	{pkg: "internal/memfd", ext: []string{"golang.org/x/sys/..."}},
 	{pkg: "internal/procnet"},
-	// Copies with non-temporal stores (layout's packing, shm's receiver).
+	// Copies with non-temporal stores (layout's packing, the receipts' scatter).
 	{pkg: "internal/memcopy"},
 	{pkg: "internal/syncbuf"},
 	// A clock tests advance by hand (test support only).

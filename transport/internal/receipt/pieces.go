@@ -1,5 +1,7 @@
 package receipt
 
+import "github.com/kvxfer/kvxfer/internal/memcopy"
+
 // Pieces is buffers addressed as one run of bytes, in order: the dst of a
 // receipt, the src of a Send.
 type Pieces struct {
@@ -47,9 +49,21 @@ func (p Pieces) Append(vec [][]byte, off, n int64) [][]byte {
 }
 
 // CopyAt copies src into the pieces from offset off on; it must fit.
+// Into pieces that add up to memcopy.StreamMin or more (a request's
+// blocks, which nobody reads until the receive ends), a copy shorter than
+// that is made with non-temporal stores, as layout's Unpack does: a
+// receive that scatters into many short spans then moves about as fast as
+// one into a single buffer.
 func (p Pieces) CopyAt(off int64, src []byte) {
+	stream := len(p.ends) > 0 && p.ends[len(p.ends)-1] >= memcopy.StreamMin
 	for i := p.at(off); len(src) > 0; i++ {
-		k := copy(p.bufs[i][off-(p.ends[i]-int64(len(p.bufs[i]))):], src)
+		dst := p.bufs[i][off-(p.ends[i]-int64(len(p.bufs[i]))):]
+		var k int
+		if stream && min(len(dst), len(src)) < memcopy.StreamMin {
+			k = memcopy.Stream(dst, src)
+		} else {
+			k = copy(dst, src)
+		}
 		src = src[k:]
 		off += int64(k)
 	}

@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"sync"
 	"testing"
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/kvxfer/kvxfer/internal/memcopy"
 
 	"github.com/kvxfer/kvxfer/transport"
 )
@@ -286,5 +289,33 @@ func TestRand64(t *testing.T) {
 			t.Fatalf("Rand64 = %d (repeated or zero)", v)
 		}
 		seen[v] = true
+	}
+}
+
+// TestPiecesCopyAtStream checks CopyAt into pieces past memcopy.StreamMin,
+// where short copies take non-temporal stores: many odd-sized pieces,
+// copies at odd offsets and lengths, compared with the flat reference.
+func TestPiecesCopyAtStream(t *testing.T) {
+	var lens []int
+	for total := 0; total < memcopy.StreamMin+5000; {
+		n := 1 + (len(lens)*7919)%40000
+		lens, total = append(lens, n), total+n
+	}
+	r := rand.New(rand.NewPCG(3, 4))
+	for range 20 {
+		dst := makeDst(lens)
+		p, total := MakePieces(dst)
+		off := r.Int64N(total)
+		n := 1 + r.Int64N(total-off)
+		src := make([]byte, n)
+		for i := range src {
+			src[i] = byte(r.Uint32() | 1)
+		}
+		p.CopyAt(off, src)
+		want := make([]byte, total)
+		copy(want[off:], src)
+		if got := bytes.Join(dst, nil); !bytes.Equal(got, want) {
+			t.Fatalf("CopyAt(%d, %d bytes) into %d pieces of %d bytes differs from the reference", off, n, len(lens), total)
+		}
 	}
 }
