@@ -73,9 +73,8 @@ nocgo: ## the binary builds without cgo (UCX then reports itself as not built in
 	CGO_ENABLED=0 $(GO) build $(PKGS)
 	CGO_ENABLED=0 $(GO) build -tags ucx $(PKGS)
 
-bench-report: build ## regenerate the README's performance report (docs/perf.*)
-	./$(BIN) bench --model llama-3.1-8b --isl 1024,4096,16384 --backend tcp,auto --baseline \
-		--json docs/perf.json --md docs/perf.md --png docs/perf.png
+bench-report: build ## run every transfer and layout benchmark with its baselines (docs/perf*) and rewrite the README's performance summary
+	BIN=$(BIN) GO=$(GO) scripts/bench-report.sh
 
 clean: ## remove build outputs
 	rm -rf bin

@@ -60,6 +60,11 @@ var boundaries = []rule{
 	{pkg: "engine", may: []string{"transceiver", "kvcache", "layout", "internal/netlimit"}, tests: []string{"config", "transport/tcp", "internal/syncbuf"}},
 	// bench builds the CacheTransceiver each side's transceiver.New reads,
 	// as serve does (hence config, which DESIGN.md's row omits).
+	// The speed targets, read from the bench's JSON reports: on nothing of
+	// the module (it decodes the reports' schema itself).
+	{pkg: "bench/perfreport"},
+	// make bench-report's last step.
+	{pkg: "cmd/perfreport", may: []string{"bench/perfreport"}},
 	{pkg: "bench", may: []string{"transceiver", "kvcache", "layout", "transport", "config", "internal/buildinfo", "internal/tlsconf"},
 		tests: []string{"transport/..."}, ext: []string{"gonum.org/v1/plot/..."}},
 	// Test helpers of bench reports (the compiled JSON Schema).

@@ -1,0 +1,287 @@
+package perfreport
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+)
+
+// ErrInput is wrapped by every error about a report or benchmark output
+// that cannot be read or lacks a figure a target needs.
+var ErrInput = errors.New("perfreport: bad input")
+
+// Report is the part of a kvxfer bench JSON report (bench/report.schema.json)
+// that the targets read.
+type Report struct {
+	Args      []string   `json:"command"`
+	Started   string     `json:"started"`
+	Build     Build      `json:"build"`
+	Baselines []Baseline `json:"baselines"`
+	Runs      []Run      `json:"runs"`
+}
+
+// Command returns the command line of the report, as a shell would take
+// it, with env (NAME=value words, may be empty) in front: the bench does
+// not record the environment it ran in.
+func (r *Report) Command(env string) string {
+	var b strings.Builder
+	if env != "" {
+		b.WriteString(env + " ")
+	}
+	for i, a := range r.Args {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		if a == "" || strings.ContainsAny(a, " \t'\"$`\\|&;<>()*?[]#~") {
+			a = "'" + strings.ReplaceAll(a, "'", `'\''`) + "'"
+		}
+		b.WriteString(a)
+	}
+	return b.String()
+}
+
+// baseline returns the baseline of r named name.
+func (r *Report) baseline(name string) (Baseline, bool) {
+	for _, b := range r.Baselines {
+		if b.Name == name {
+			return b, true
+		}
+	}
+	return Baseline{}, false
+}
+
+// Build is the report's build section.
+type Build struct {
+	Revision string `json:"revision"`
+}
+
+// Baseline is one machine limit measured in the run.
+type Baseline struct {
+	Name        string  `json:"name"`
+	Description string  `json:"description"`
+	GBps        float64 `json:"gbps"`
+	Best        string  `json:"best"`
+}
+
+// Run is one measured run of a report.
+type Run struct {
+	BackendRequested string  `json:"backend_requested"`
+	Backend          string  `json:"backend"`
+	ISL              int     `json:"isl"`
+	Concurrency      int     `json:"concurrency"`
+	Ctx              TPPP    `json:"ctx"`
+	Gen              TPPP    `json:"gen"`
+	GBps             float64 `json:"gbps"`
+	TransfersPerS    float64 `json:"transfers_per_s"`
+	P50Ms            float64 `json:"p50_ms"`
+	Errors           int     `json:"errors"`
+	Ratios           []Ratio `json:"ratios"`
+}
+
+// TPPP is one side's parallel layout.
+type TPPP struct {
+	TP int `json:"tp"`
+	PP int `json:"pp"`
+}
+
+// Ratio is a run's throughput over one baseline's.
+type Ratio struct {
+	Baseline string  `json:"baseline"`
+	Ratio    float64 `json:"ratio"`
+}
+
+// ReadReport reads one JSON report from path.
+func ReadReport(path string) (*Report, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInput, err)
+	}
+	var r Report
+	if err := json.Unmarshal(b, &r); err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrInput, path, err)
+	}
+	if len(r.Args) == 0 || len(r.Runs) == 0 {
+		return nil, fmt.Errorf("%w: %s: not a kvxfer bench report (no command or no runs)", ErrInput, path)
+	}
+	return &r, nil
+}
+
+// LayoutCase is one pack or unpack benchmark of package layout, as a
+// multiple of a plain copy of the same bytes measured right after it.
+type LayoutCase struct {
+	Name   string
+	XCopy  float64
+	Source string // the output line it was read from
+}
+
+var benchLine = regexp.MustCompile(`^(Benchmark(?:Pack|Unpack)/\S+?)(?:-\d+)?\s`)
+
+// ReadLayout reads the x-copy metric of every Pack and Unpack benchmark
+// from go test -bench output (the copy sub-benchmarks, which have none,
+// are skipped). With -count above 1 a case appears several times; each is
+// kept.
+func ReadLayout(r io.Reader) ([]LayoutCase, error) {
+	var out []LayoutCase
+	sc := bufio.NewScanner(r)
+	for sc.Scan() {
+		line := sc.Text()
+		m := benchLine.FindStringSubmatch(line)
+		if m == nil {
+			continue
+		}
+		f := strings.Fields(line)
+		for i := 1; i < len(f); i++ {
+			if f[i] != "x-copy" {
+				continue
+			}
+			v, err := strconv.ParseFloat(f[i-1], 64)
+			if err != nil {
+				return nil, fmt.Errorf("%w: layout benchmark %s: x-copy %q: %w", ErrInput, m[1], f[i-1], err)
+			}
+			out = append(out, LayoutCase{Name: m[1], XCopy: v, Source: line})
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("%w: layout benchmarks: %w", ErrInput, err)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("%w: layout benchmarks: no Pack/Unpack line with an x-copy metric", ErrInput)
+	}
+	return out, nil
+}
+
+// Inputs are the reports of one make bench-report, by what they measured.
+type Inputs struct {
+	Main   *Report      // llama-3.1-8b, 4096 tokens, identical layouts: tcp, shm, ucx with the baselines
+	TP2    *Report      // the same with context TP2 → generation TP1, tcp
+	UCXTCP *Report      // ucx with UCX_TLS=tcp (its ucx_perftest baseline with the same)
+	Small  *Report      // tiny model, 32 tokens (one 64 KiB block): tcp and shm, concurrency 1 and 8
+	Layout []LayoutCase // go test -bench 'Pack|Unpack' ./layout/
+	// LayoutCommand is the command that produced Layout.
+	LayoutCommand string
+}
+
+// Result is one target, evaluated.
+type Result struct {
+	Target   string // what is required, in words
+	Measured string // the figure, in words
+	Met      bool
+	Command  string // the command whose output holds the figure
+}
+
+// find returns the first run of r that matches.
+func find(r *Report, match func(Run) bool) (Run, bool) {
+	if r == nil {
+		return Run{}, false
+	}
+	for _, run := range r.Runs {
+		if match(run) {
+			return run, true
+		}
+	}
+	return Run{}, false
+}
+
+func ratio(run Run, baseline string) (float64, bool) {
+	for _, q := range run.Ratios {
+		if q.Baseline == baseline {
+			return q.Ratio, true
+		}
+	}
+	return 0, false
+}
+
+func backend(name string) func(Run) bool {
+	return func(r Run) bool { return r.BackendRequested == name && r.Errors == 0 }
+}
+
+// The prompt lengths the targets are stated for.
+const (
+	bigISL   = 4096 // llama-3.1-8b: 512 MiB a request
+	smallISL = 32   // tiny: one 64 KiB block
+)
+
+// Evaluate checks every target on ins. A target whose report or figure is
+// missing is reported as not met, saying what is missing, never skipped.
+func Evaluate(ins Inputs) []Result {
+	var out []Result
+	ratioTarget := func(rep *Report, env, label, be, baseline string, min float64, extra func(Run) bool) {
+		res := Result{Target: fmt.Sprintf("%s ≥ %.2f× %s", label, min, baseline)}
+		if rep != nil {
+			res.Command = rep.Command(env)
+		}
+		if rep != nil && env != "" {
+			// The baseline must have run in the same environment: the
+			// bench records UCX_TLS in the ucx_perftest description.
+			if bl, ok := rep.baseline(baseline); ok && !strings.Contains(bl.Description, env) {
+				res.Measured = fmt.Sprintf("the report's %s did not run with %s (%q)", baseline, env, bl.Description)
+				out = append(out, res)
+				return
+			}
+		}
+		run, ok := find(rep, func(r Run) bool { return backend(be)(r) && r.ISL == bigISL && (extra == nil || extra(r)) })
+		if !ok {
+			res.Measured = fmt.Sprintf("no error-free %s run of %d tokens in the report", be, bigISL)
+			out = append(out, res)
+			return
+		}
+		q, ok := ratio(run, baseline)
+		if !ok {
+			res.Measured = "no " + baseline + " baseline in the report"
+			out = append(out, res)
+			return
+		}
+		res.Measured = fmt.Sprintf("%.2f GB/s = %.2f×", run.GBps, q)
+		res.Met = q >= min
+		out = append(out, res)
+	}
+	ratioTarget(ins.Main, "", "tcp, identical layouts", "tcp", "iperf3", 0.9, nil)
+	ratioTarget(ins.Main, "", "tcp, identical layouts", "tcp", "iperf3_multi", 0.9, nil)
+	ratioTarget(ins.TP2, "", "tcp, context TP2 → generation TP1", "tcp", "iperf3", 0.85, func(r Run) bool { return r.Ctx.TP == 2 && r.Gen.TP == 1 })
+	ratioTarget(ins.UCXTCP, "UCX_TLS=tcp", "ucx, UCX_TLS=tcp", "ucx", "ucx_perftest", 0.9, nil)
+	ratioTarget(ins.Main, "", "ucx, UCX's own choice of transports", "ucx", "ucx_perftest", 0.95, nil)
+	ratioTarget(ins.Main, "", "shm", "shm", "copy", 0.9, nil)
+
+	for _, be := range []string{"tcp", "shm"} {
+		res := Result{Target: be + ", one 64 KiB block, one at a time: p50 ≤ 0.100 ms"}
+		if ins.Small != nil {
+			res.Command = ins.Small.Command("")
+		}
+		if run, ok := find(ins.Small, func(r Run) bool { return backend(be)(r) && r.ISL == smallISL && r.Concurrency == 1 }); ok {
+			res.Measured, res.Met = fmt.Sprintf("p50 %.3f ms", run.P50Ms), run.P50Ms <= 0.1
+		} else {
+			res.Measured = "no error-free " + be + " run at concurrency 1 in the report"
+		}
+		out = append(out, res)
+		res = Result{Target: be + ", one 64 KiB block, 8 at a time: ≥ 10,000 transfers/s", Command: res.Command}
+		if run, ok := find(ins.Small, func(r Run) bool { return backend(be)(r) && r.ISL == smallISL && r.Concurrency == 8 }); ok {
+			res.Measured, res.Met = fmt.Sprintf("%.0f transfers/s", run.TransfersPerS), run.TransfersPerS >= 10000
+		} else {
+			res.Measured = "no error-free " + be + " run at concurrency 8 in the report"
+		}
+		out = append(out, res)
+	}
+
+	res := Result{Target: "layout Pack/Unpack, every pairing: ≥ 0.80× copy", Command: ins.LayoutCommand}
+	if len(ins.Layout) == 0 {
+		res.Measured = "no layout benchmark output"
+	} else {
+		worst := ins.Layout[0]
+		for _, c := range ins.Layout[1:] {
+			if c.XCopy < worst.XCopy {
+				worst = c
+			}
+		}
+		res.Measured = fmt.Sprintf("lowest %.2f× (%s)", worst.XCopy, worst.Name)
+		res.Met = worst.XCopy >= 0.8 && !math.IsNaN(worst.XCopy)
+	}
+	out = append(out, res)
+	return out
+}

@@ -1,0 +1,204 @@
+package perfreport
+
+import (
+	"errors"
+	"flag"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+var update = flag.Bool("update", false, "rewrite testdata/summary.golden")
+
+func TestReadReport(t *testing.T) {
+	r, err := ReadReport(filepath.Join("testdata", "main.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "kvxfer bench --backend tcp,shm --baseline --isl 4096 --json /tmp/br/a.json --md /tmp/br/a.md --model llama-3.1-8b"; r.Command("") != want {
+		t.Errorf("Command = %q, want %q", r.Command(""), want)
+	}
+	if got := (&Report{Args: []string{"a b", "it's", "x"}}).Command("E=1"); got != `E=1 'a b' 'it'\''s' x` {
+		t.Errorf("quoting: %s", got)
+	}
+	if len(r.Runs) != 2 || r.Runs[0].BackendRequested != "tcp" || r.Runs[1].BackendRequested != "shm" {
+		t.Fatalf("runs = %+v, want tcp then shm", r.Runs)
+	}
+	if q, ok := ratio(r.Runs[0], "iperf3"); !ok || q < 0.98 || q > 1 {
+		t.Fatalf("tcp vs iperf3 = %v, %v; want the report's 0.99", q, ok)
+	}
+	bad := filepath.Join(t.TempDir(), "bad.json")
+	os.WriteFile(bad, []byte(`{"command": ["x"], "runs": []}`), 0o600)
+	for _, p := range []string{bad, filepath.Join(t.TempDir(), "missing.json")} {
+		if _, err := ReadReport(p); !errors.Is(err, ErrInput) {
+			t.Errorf("ReadReport(%s) = %v, want ErrInput", p, err)
+		}
+	}
+}
+
+func TestReadLayout(t *testing.T) {
+	f, err := os.Open(filepath.Join("testdata", "layout.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got, err := ReadLayout(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []LayoutCase{
+		{Name: "BenchmarkPack/ctxTP2-genTP1/pack", XCopy: 0.8046},
+		{Name: "BenchmarkPack/ctxTP1-genTP2/pack-staged", XCopy: 0.5322},
+		{Name: "BenchmarkUnpack/identical/unpack", XCopy: 0.8216},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("got %d cases, want %d: %+v", len(got), len(want), got)
+	}
+	for i := range want {
+		if got[i].Name != want[i].Name || got[i].XCopy != want[i].XCopy {
+			t.Errorf("case %d = %s %v, want %s %v", i, got[i].Name, got[i].XCopy, want[i].Name, want[i].XCopy)
+		}
+	}
+	if _, err := ReadLayout(strings.NewReader("PASS\n")); !errors.Is(err, ErrInput) {
+		t.Errorf("output without benchmarks: %v, want ErrInput", err)
+	}
+	if _, err := ReadLayout(strings.NewReader("BenchmarkPack/a/pack-2 1 2 ns/op x x-copy\n")); !errors.Is(err, ErrInput) {
+		t.Errorf("a bad x-copy figure: %v, want ErrInput", err)
+	}
+}
+
+// rep builds a one-run report.
+func rep(cmd string, runs ...Run) *Report { return &Report{Args: []string{cmd}, Runs: runs} }
+
+func run(be string, conc int, ratios ...Ratio) Run {
+	isl := bigISL
+	if len(ratios) == 0 {
+		isl = smallISL
+	}
+	return Run{BackendRequested: be, Backend: be, ISL: isl, Concurrency: conc, Ctx: TPPP{1, 1}, Gen: TPPP{1, 1}, GBps: 1, Ratios: ratios}
+}
+
+func TestEvaluate(t *testing.T) {
+	tp2 := run("tcp", 1, Ratio{"iperf3", 0.86})
+	tp2.Ctx.TP = 2
+	smallTCP, smallTCP8 := run("tcp", 1), run("tcp", 8)
+	smallTCP.P50Ms, smallTCP8.TransfersPerS = 0.1, 12000
+	smallSHM, smallSHM8 := run("shm", 1), run("shm", 8)
+	smallSHM.P50Ms, smallSHM8.TransfersPerS = 0.2, 9999
+	failed := run("ucx", 1, Ratio{"ucx_perftest", 2})
+	failed.Errors = 1
+	ucxTCP := rep("ucxtcp", run("ucx", 1, Ratio{"ucx_perftest", 0.95}))
+	ucxTCP.Baselines = []Baseline{{Name: "ucx_perftest", Description: "ucx_perftest tag_bw, UCX_TLS=tcp"}}
+	ins := Inputs{
+		Main: rep("main",
+			run("tcp", 1, Ratio{"iperf3", 0.9}, Ratio{"iperf3_multi", 0.89}),
+			run("shm", 1, Ratio{"copy", 0.5}),
+			failed),
+		TP2:    rep("tp2", tp2),
+		UCXTCP: ucxTCP,
+		Small:  rep("small", smallTCP, smallTCP8, smallSHM, smallSHM8),
+		Layout: []LayoutCase{{Name: "a", XCopy: 0.9}, {Name: "b", XCopy: 0.79}},
+	}
+	got := Evaluate(ins)
+	want := []struct {
+		target string
+		met    bool
+		cmd    string
+	}{
+		{"tcp, identical layouts ≥ 0.90× iperf3", true, "main"},
+		{"tcp, identical layouts ≥ 0.90× iperf3_multi", false, "main"},
+		{"tcp, context TP2 → generation TP1 ≥ 0.85× iperf3", true, "tp2"},
+		{"ucx, UCX_TLS=tcp ≥ 0.90× ucx_perftest", true, "UCX_TLS=tcp ucxtcp"},
+		{"ucx, UCX's own choice of transports ≥ 0.95× ucx_perftest", false, "main"}, // the only ucx run failed
+		{"shm ≥ 0.90× copy", false, "main"},
+		{"tcp, one 64 KiB block, one at a time: p50 ≤ 0.100 ms", true, "small"},
+		{"tcp, one 64 KiB block, 8 at a time: ≥ 10,000 transfers/s", true, "small"},
+		{"shm, one 64 KiB block, one at a time: p50 ≤ 0.100 ms", false, "small"},
+		{"shm, one 64 KiB block, 8 at a time: ≥ 10,000 transfers/s", false, "small"},
+		{"layout Pack/Unpack, every pairing: ≥ 0.80× copy", false, ""},
+	}
+	if len(got) != len(want) {
+		t.Fatalf("%d results, want %d", len(got), len(want))
+	}
+	for i, w := range want {
+		g := got[i]
+		if g.Target != w.target || g.Met != w.met || g.Command != w.cmd {
+			t.Errorf("result %d = %q met=%v cmd=%q (%s), want %q met=%v cmd=%q", i, g.Target, g.Met, g.Command, g.Measured, w.target, w.met, w.cmd)
+		}
+	}
+	if m := got[4].Measured; !strings.Contains(m, "no error-free ucx run of 4096 tokens") {
+		t.Errorf("a failed run is taken as a figure: %q", m)
+	}
+	if m := got[10].Measured; !strings.Contains(m, "0.79") || !strings.Contains(m, "b") {
+		t.Errorf("layout: %q, want the lowest case named", m)
+	}
+	// A run of another prompt length does not count.
+	ins.Main.Runs[0].ISL = 1024
+	if r := Evaluate(ins)[0]; r.Met {
+		t.Errorf("a 1024-token run was taken for the 4096-token target: %+v", r)
+	}
+	ins.Main.Runs[0].ISL = bigISL
+	// A ucx_perftest that ran with other transports is no baseline for
+	// UCX_TLS=tcp.
+	ucxTCP.Baselines[0].Description = "ucx_perftest tag_bw, UCX_TLS unset (UCX chooses)"
+	if r := Evaluate(ins)[3]; r.Met || !strings.Contains(r.Measured, "did not run with UCX_TLS=tcp") {
+		t.Errorf("a baseline from another UCX_TLS was taken: %+v", r)
+	}
+	// Nothing at all: every target is reported, none met.
+	for _, r := range Evaluate(Inputs{}) {
+		if r.Met || r.Measured == "" {
+			t.Errorf("empty inputs: %+v", r)
+		}
+	}
+}
+
+func TestRenderGolden(t *testing.T) {
+	main, err := ReadReport(filepath.Join("testdata", "main.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ins := Inputs{Main: main, Layout: []LayoutCase{{Name: "BenchmarkPack/x/pack", XCopy: 0.81}}, LayoutCommand: "go test -bench . ./layout/"}
+	got := Render(ins, Evaluate(ins))
+	golden := filepath.Join("testdata", "summary.golden")
+	if *update {
+		if err := os.WriteFile(golden, []byte(got), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(golden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != string(want) {
+		t.Errorf("Render differs from %s (go test -run RenderGolden -update rewrites it):\n%s", golden, got)
+	}
+}
+
+func TestSplice(t *testing.T) {
+	doc := "# T\n\nbefore\n" + BeginMarker + "\nold 1\nold 2\n" + EndMarker + "\nafter\n"
+	out, err := Splice([]byte(doc), "new")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "# T\n\nbefore\n" + BeginMarker + "\nnew\n" + EndMarker + "\nafter\n"
+	if string(out) != want {
+		t.Fatalf("Splice =\n%s\nwant\n%s", out, want)
+	}
+	again, err := Splice(out, "new")
+	if err != nil || string(again) != want {
+		t.Fatalf("Splice is not idempotent: %v\n%s", err, again)
+	}
+	for name, bad := range map[string]string{
+		"no markers":     "# T\n",
+		"no end":         BeginMarker + "\n",
+		"reversed":       EndMarker + "\n" + BeginMarker + "\n",
+		"begin twice":    BeginMarker + "\n" + BeginMarker + "\n" + EndMarker + "\n",
+		"end twice":      BeginMarker + "\n" + EndMarker + "\n" + EndMarker + "\n",
+		"marker in text": "see " + BeginMarker + " here\n" + EndMarker + "\n",
+	} {
+		if _, err := Splice([]byte(bad), "x"); !errors.Is(err, ErrInput) {
+			t.Errorf("%s: %v, want ErrInput", name, err)
+		}
+	}
+}

@@ -1,0 +1,114 @@
+package perfreport
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+)
+
+// The README lines between which Splice writes.
+const (
+	BeginMarker = "<!-- bench-report:begin (written by make bench-report; edits here are lost) -->"
+	EndMarker   = "<!-- bench-report:end -->"
+)
+
+// Render writes the summary: the targets with their figures and commands,
+// then the baselines of the runs with the settings that won.
+func Render(ins Inputs, results []Result) string {
+	var b strings.Builder
+	if ins.Main != nil {
+		fmt.Fprintf(&b, "Written by `make bench-report`, started %s at revision %s. ", ins.Main.Started, short(ins.Main.Build.Revision))
+	}
+	met := 0
+	for _, r := range results {
+		if r.Met {
+			met++
+		}
+	}
+	fmt.Fprintf(&b, "%d of %d targets met in this run. Every ratio divides two figures of one run of the command beside it.\n\n", met, len(results))
+	b.WriteString("| target | measured | met | command |\n|---|---|---|---|\n")
+	for _, r := range results {
+		ok := "**no**"
+		if r.Met {
+			ok = "yes"
+		}
+		cmd := "–"
+		if r.Command != "" {
+			cmd = "`" + r.Command + "`"
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s |\n", cell(r.Target), cell(r.Measured), ok, cell(cmd))
+	}
+	b.WriteString("\nThe baselines, at their best settings, from the same runs:\n\n| run | baseline | GB/s | best setting |\n|---|---|--:|---|\n")
+	for _, in := range []struct {
+		name string
+		rep  *Report
+	}{{"identical layouts", ins.Main}, {"context TP2 → generation TP1", ins.TP2}, {"UCX_TLS=tcp", ins.UCXTCP}} {
+		if in.rep == nil {
+			continue
+		}
+		for _, bl := range in.rep.Baselines {
+			best := bl.Best
+			if best == "" {
+				best = "–"
+			}
+			fmt.Fprintf(&b, "| %s | %s | %.2f | %s |\n", in.name, bl.Name, bl.GBps, cell(best))
+		}
+	}
+	return b.String()
+}
+
+func short(rev string) string {
+	if len(rev) > 12 {
+		return rev[:12]
+	}
+	if rev == "" {
+		return "(unknown)"
+	}
+	return rev
+}
+
+// cell keeps a table cell on one line and its pipes from ending it.
+func cell(s string) string {
+	s = strings.ReplaceAll(s, "\n", " ")
+	return strings.ReplaceAll(s, "|", `\|`)
+}
+
+// Splice returns readme with the lines between BeginMarker and EndMarker
+// replaced by section. Each marker must stand on a line of its own, once,
+// begin before end.
+func Splice(readme []byte, section string) ([]byte, error) {
+	lines := bytes.SplitAfter(readme, []byte("\n"))
+	begin, end := -1, -1
+	for i, l := range lines {
+		switch strings.TrimSpace(string(l)) {
+		case BeginMarker:
+			if begin >= 0 {
+				return nil, fmt.Errorf("%w: README: the begin marker appears twice (lines %d and %d)", ErrInput, begin+1, i+1)
+			}
+			begin = i
+		case EndMarker:
+			if end >= 0 {
+				return nil, fmt.Errorf("%w: README: the end marker appears twice (lines %d and %d)", ErrInput, end+1, i+1)
+			}
+			end = i
+		}
+	}
+	switch {
+	case begin < 0 || end < 0:
+		return nil, fmt.Errorf("%w: README: no %q and %q lines to write between", ErrInput, BeginMarker, EndMarker)
+	case end < begin:
+		return nil, fmt.Errorf("%w: README: the end marker (line %d) comes before the begin marker (line %d)", ErrInput, end+1, begin+1)
+	}
+	var out bytes.Buffer
+	for _, l := range lines[:begin+1] {
+		out.Write(l)
+	}
+	out.WriteString(section)
+	if !strings.HasSuffix(section, "\n") {
+		out.WriteByte('\n')
+	}
+	for _, l := range lines[end:] {
+		out.Write(l)
+	}
+	return out.Bytes(), nil
+}
