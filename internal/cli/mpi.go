@@ -2,5 +2,10 @@
 
 package cli
 
-// Builds with -tags mpi (and cgo, libopenmpi-dev) get the MPI backend.
-import _ "github.com/kvxfer/kvxfer/transport/mpi"
+// Builds with -tags mpi (and cgo, libopenmpi-dev) get the MPI backend and
+// kvxfer serve-mpi's world.
+import "github.com/kvxfer/kvxfer/transport/mpi"
+
+func init() {
+	mpiWorld = &mpiFuncs{init: mpi.Init, world: mpi.World, finalize: mpi.Finalize}
+}
