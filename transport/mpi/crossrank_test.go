@@ -230,14 +230,28 @@ func TestCrossRankRefusals(t *testing.T) {
 // TestCrossRankBandwidth measures rank 0 sending to rank 1 at the sizes of
 // KVXFER_MPI_BW (for example "64KiB,512MiB"; unset: skipped), in rounds of
 // concurrent transfers that move at least 256 MiB per size, and logs
-// GB/s. Compare with testdata/bw.c, the same sizes in plain C MPI.
+// GB/s; KVXFER_MPI_BW_FRAME sets the frame size (default
+// transport.DefaultFrameBytes). Compare with testdata/bw.c, the same sizes
+// in plain C MPI.
 func TestCrossRankBandwidth(t *testing.T) {
 	spec := os.Getenv("KVXFER_MPI_BW")
 	if spec == "" {
 		t.Skip("set KVXFER_MPI_BW=64KiB,512MiB to measure")
 	}
 	l := crossRanks(t)
-	tr := open(t)
+	var opts transport.Options
+	if fb := os.Getenv("KVXFER_MPI_BW_FRAME"); fb != "" { // the receiver's frame size
+		n, err := parseSize(fb)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opts.FrameBytes = n
+	}
+	tr, err := transport.Open(context.Background(), "mpi", opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Close()
 	for _, s := range strings.Split(spec, ",") {
 		n, err := parseSize(s)
 		if err != nil {

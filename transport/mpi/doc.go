@@ -32,9 +32,10 @@
 // MPI. Every MPI call after Init is made by that goroutine, locked to its
 // OS thread: Expect, Send, Cancel and Close hand it closures and wait on
 // channels. It tests every posted request with MPI_Testsome, runs the
-// handlers of those that completed, yields while data is in flight and
-// sleeps (in Go, at most 2 ms) when only its standing control receives are
-// posted. Open makes a Transport on that world; several may be open in one
+// handlers of those that completed, yields while data is in flight, and
+// otherwise sleeps in Go: at most 250 µs while receipts are armed or Sends
+// wait for their receiver, at most 2 ms when only its standing control
+// receives are posted (a control message waits that long at worst). Open makes a Transport on that world; several may be open in one
 // process, each named by its Endpoint "mpi:RANK.ID".
 //
 // # Protocol

@@ -27,9 +27,11 @@ const (
 	// spinRounds is how many empty rounds the goroutine spins (yielding)
 	// while data is in flight before it starts sleeping.
 	spinRounds = 2000
-	// busyNap and idleNap bound a sleep of the goroutine: with data in
-	// flight, and with only the standing control receives posted.
+	// busyNap, waitNap and idleNap bound a sleep of the goroutine: with
+	// data in flight; with receipts armed or Sends waiting for their
+	// receiver (a control message may come); with neither.
 	busyNap = 20 * time.Microsecond
+	waitNap = 250 * time.Microsecond
 	idleNap = 2 * time.Millisecond
 	// standingCtl is the number of control receives kept posted.
 	standingCtl = 16
@@ -228,6 +230,12 @@ func (w *world) run(ready chan<- error) {
 		}
 		empty++
 		d := idleNap
+		w.mu.Lock()
+		waiting := len(w.recvs)+len(w.sends) > 0
+		w.mu.Unlock()
+		if waiting {
+			d = waitNap
+		}
 		if w.busy > 0 {
 			if empty < spinRounds {
 				runtime.Gosched()
