@@ -2,14 +2,18 @@ package cli
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -111,4 +115,133 @@ func mpiBytes(t *testing.T, url string) float64 {
 		t.Fatalf("%s/metrics: %q: %v", url, m[0], err)
 	}
 	return v
+}
+
+// TestServeMPIUpstreamShape runs a cluster file in the shape of
+// TensorRT-LLM's MPI worker test (LLM options at the top level, backend
+// MPI, a TP2 context server and a TP1 generation server) as TensorRT-LLM
+// runs it: mpirun with one rank per model rank (3) running serve-mpi, the
+// router started on its own. The context instance's second rank holds its
+// place; the answers through the router equal an aggregated worker's.
+func TestServeMPIUpstreamShape(t *testing.T) {
+	if mpiWorld == nil {
+		t.Skip("needs the MPI backend: go test -tags mpi (make mpi)")
+	}
+	mpirun, err := exec.LookPath("mpirun")
+	if err != nil {
+		t.Fatalf("mpirun: %v (make deps installs openmpi-bin)", err)
+	}
+	ports := freePorts(t, 4)
+	addr := func(i int) string { return "127.0.0.1:" + strconv.Itoa(ports[i]) }
+	file := filepath.Join(t.TempDir(), "disagg_config.yaml")
+	text := fmt.Sprintf(`hostname: 127.0.0.1
+port: %d
+model: meta-llama/Llama-3.1-8B-Instruct
+backend: "pytorch"
+disable_overlap_scheduler: True
+kv_cache_config: {tokens_per_block: 16, max_tokens: 8192}
+context_servers:
+  num_instances: 1
+  tensor_parallel_size: 2
+  cache_transceiver_config:
+    backend: MPI
+  urls:
+      - "%s"
+generation_servers:
+  num_instances: 1
+  tensor_parallel_size: 1
+  cache_transceiver_config:
+    backend: MPI
+  urls:
+      - "%s"
+`, ports[2], addr(0), addr(1))
+	if err := os.WriteFile(file, []byte(text), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var out syncbuf.Buffer
+	start := func(name string, c *exec.Cmd) {
+		c.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
+		if os.Geteuid() == 0 {
+			c.Env = append(c.Env, launch.MPIRootEnv...)
+		}
+		c.Stdout, c.Stderr = &out, &out
+		c.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+		if err := c.Start(); err != nil {
+			t.Fatalf("start %s: %v", name, err)
+		}
+		done := make(chan struct{})
+		go func() { c.Wait(); close(done) }()
+		t.Cleanup(func() {
+			c.Process.Signal(syscall.SIGTERM)
+			select {
+			case <-done:
+			case <-time.After(15 * time.Second):
+				c.Process.Kill()
+				<-done
+			}
+		})
+	}
+	start("mpirun", exec.Command(mpirun, "-np", "3", "--oversubscribe", "--bind-to", "none", "--tag-output",
+		os.Args[0], "serve-mpi", "-c", file))
+	start("router", exec.Command(os.Args[0], "router", "--config", file, "--port", strconv.Itoa(ports[2])))
+	start("aggregated", exec.Command(os.Args[0], "serve", "--role", "both", "--host", "127.0.0.1", "--port", strconv.Itoa(ports[3])))
+	defer func() {
+		if t.Failed() {
+			t.Logf("logs:\n%s", out.String())
+		}
+	}()
+	for _, a := range []string{addr(0), addr(1), addr(3)} {
+		waitHTTP(t, "http://"+a+"/health", 90*time.Second)
+	}
+	router := "http://" + addr(2)
+	waitHTTP(t, router+"/health", 30*time.Second)
+	res := launch.Smoke(context.Background(), router, "http://"+addr(3), 8, 4)
+	if !res.OK() {
+		t.Fatalf("smoke: %d/%d matched: %v", res.Matched, res.Prompts, res.Failures)
+	}
+	if !strings.Contains(out.String(), "holds its place in the world") {
+		t.Errorf("the context instance's second rank did not say it holds its place")
+	}
+	for _, u := range []string{"http://" + addr(0), "http://" + addr(1)} {
+		if mpiBytes(t, u) == 0 {
+			t.Errorf("%s moved no KV cache over MPI", u)
+		}
+	}
+}
+
+func freePorts(t *testing.T, n int) []int {
+	t.Helper()
+	var out []int
+	var lns []net.Listener
+	for range n {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lns = append(lns, ln)
+		out = append(out, ln.Addr().(*net.TCPAddr).Port)
+	}
+	for _, ln := range lns {
+		ln.Close()
+	}
+	return out
+}
+
+// waitHTTP waits until url answers 200, failing t after within.
+func waitHTTP(t *testing.T, url string, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		resp, err := http.Get(url)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s not healthy after %v (last: %v)", url, within, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
