@@ -6,10 +6,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -30,7 +32,7 @@ type link struct {
 
 // crossRanks returns the link between ranks 0 and 1, skipping the test on
 // a world of one rank and on ranks above 1.
-func crossRanks(t *testing.T) link {
+func crossRanks(t testing.TB) link {
 	t.Helper()
 	w, err := current()
 	if err != nil {
@@ -61,7 +63,7 @@ func crossRanks(t *testing.T) link {
 	return l
 }
 
-func (l link) put(t *testing.T, name string, data []byte) {
+func (l link) put(t testing.TB, name string, data []byte) {
 	t.Helper()
 	tmp := filepath.Join(l.dir, fmt.Sprintf(".%s.%d", name, l.rank))
 	if err := os.WriteFile(tmp, data, 0o600); err != nil {
@@ -72,7 +74,7 @@ func (l link) put(t *testing.T, name string, data []byte) {
 	}
 }
 
-func (l link) get(t *testing.T, name string) []byte {
+func (l link) get(t testing.TB, name string) []byte {
 	t.Helper()
 	deadline := time.Now().Add(transporttest.Limit)
 	for {
@@ -227,82 +229,95 @@ func TestCrossRankRefusals(t *testing.T) {
 	l.put(t, "finished", nil)
 }
 
-// TestCrossRankBandwidth measures rank 0 sending to rank 1 at the sizes of
-// KVXFER_MPI_BW (for example "64KiB,512MiB"; unset: skipped), in rounds of
-// concurrent transfers that move at least 256 MiB per size, and logs
-// GB/s; KVXFER_MPI_BW_FRAME sets the frame size (default
-// transport.DefaultFrameBytes). Compare with testdata/bw.c, the same sizes
-// in plain C MPI.
-func TestCrossRankBandwidth(t *testing.T) {
-	spec := os.Getenv("KVXFER_MPI_BW")
-	if spec == "" {
-		t.Skip("set KVXFER_MPI_BW=64KiB,512MiB to measure")
+// BenchmarkCrossRank measures rank 0 sending to rank 1: each iteration
+// moves a batch of concurrent transfers (64 of 64 KiB, 1 of 512 MiB, and
+// so on: 16 MiB or one message), whose descriptors rank 1 hands over
+// (outside the timer). Both ranks must loop the same number of times: run
+// it with a fixed -test.benchtime=Nx,
+//
+//	mpirun -np 2 ./mpi.test -test.run '^$' -test.bench CrossRank -test.benchtime 20x
+//
+// KVXFER_MPI_BW_FRAME sets the receipts' frame size (default
+// transport.DefaultFrameBytes). testdata/bw.c is the same in plain C MPI.
+func BenchmarkCrossRank(b *testing.B) {
+	for _, n := range []int{64 << 10, 512 << 20} {
+		b.Run(sizeName(n), func(b *testing.B) { benchCrossRank(b, n) })
 	}
-	l := crossRanks(t)
+}
+
+func benchCrossRank(b *testing.B, n int) {
+	if !benchtimeFixed() {
+		b.Skip("needs a fixed iteration count on both ranks: -test.benchtime=Nx")
+	}
+	l := crossRanks(b)
 	var opts transport.Options
-	if fb := os.Getenv("KVXFER_MPI_BW_FRAME"); fb != "" { // the receiver's frame size
-		n, err := parseSize(fb)
+	if fb := os.Getenv("KVXFER_MPI_BW_FRAME"); fb != "" {
+		v, err := parseSize(fb)
 		if err != nil {
-			t.Fatal(err)
+			b.Fatal(err)
 		}
-		opts.FrameBytes = n
+		opts.FrameBytes = v
 	}
 	tr, err := transport.Open(context.Background(), "mpi", opts)
 	if err != nil {
-		t.Fatal(err)
+		b.Fatal(err)
 	}
 	defer tr.Close()
-	for _, s := range strings.Split(spec, ",") {
-		n, err := parseSize(s)
-		if err != nil {
-			t.Fatal(err)
-		}
-		conc := max(1, min(64, (16<<20)/n))
-		rounds := max(3, (256<<20)/(n*conc))
-		src := make([]byte, n)
-		fillSeed(1, [][]byte{src})
-		var busy time.Duration
-		for round := range rounds + 1 { // round 0 warms up
-			step := fmt.Sprintf("%s-%d", s, round)
-			if l.rank == 1 {
-				rs := make([]transport.Recv, conc)
-				var descs [][]byte
-				for i := range rs {
-					if rs[i], err = tr.Expect([][]byte{make([]byte, n)}); err != nil {
-						t.Fatal(err)
-					}
-					descs = append(descs, rs[i].Descriptor())
+	conc := max(1, min(64, (16<<20)/n))
+	src := make([]byte, n)
+	fillSeed(1, [][]byte{src})
+	dst := cut(slices.Repeat([]int{n}, conc))
+	b.SetBytes(int64(n) * int64(conc))
+	round := 0
+	for b.Loop() {
+		b.StopTimer()
+		step := strconv.Itoa(round)
+		round++
+		if l.rank == 1 {
+			rs := make([]transport.Recv, conc)
+			var descs [][]byte
+			for i := range rs {
+				if rs[i], err = tr.Expect(dst[i : i+1]); err != nil {
+					b.Fatal(err)
 				}
-				l.put(t, "bw-"+step, bytes.Join(descs, nil))
-				for _, r := range rs {
-					<-r.Done()
-					if r.Err() != nil {
-						t.Fatal(r.Err())
-					}
+				descs = append(descs, rs[i].Descriptor())
+			}
+			l.put(b, "bw-"+step, bytes.Join(descs, nil))
+			b.StartTimer()
+			for _, r := range rs {
+				<-r.Done()
+				if r.Err() != nil {
+					b.Fatal(r.Err())
 				}
-				continue
 			}
-			all := l.get(t, "bw-"+step)
-			start := time.Now()
-			var wg sync.WaitGroup
-			for i := range conc {
-				d := all[i*descLen : (i+1)*descLen]
-				wg.Go(func() {
-					if err := tr.Send(context.Background(), d, [][]byte{src}); err != nil {
-						t.Error(err)
-					}
-				})
-			}
-			wg.Wait()
-			if round > 0 {
-				busy += time.Since(start)
-			}
+			continue
 		}
-		if l.rank == 0 {
-			bytes := float64(n) * float64(conc) * float64(rounds)
-			t.Logf("mpi transport: %s messages, %d at once, %d rounds: %.2f GB/s", s, conc, rounds, bytes/busy.Seconds()/1e9)
+		all := l.get(b, "bw-"+step)
+		b.StartTimer()
+		var wg sync.WaitGroup
+		for i := range conc {
+			d := all[i*descLen : (i+1)*descLen]
+			wg.Go(func() {
+				if err := tr.Send(context.Background(), d, [][]byte{src}); err != nil {
+					b.Error(err)
+				}
+			})
 		}
+		wg.Wait()
 	}
+}
+
+// benchtimeFixed reports whether -test.benchtime is an iteration count.
+func benchtimeFixed() bool {
+	f := flag.Lookup("test.benchtime")
+	return f != nil && strings.HasSuffix(f.Value.String(), "x")
+}
+
+func sizeName(n int) string {
+	if n >= 1<<20 {
+		return strconv.Itoa(n>>20) + "MiB"
+	}
+	return strconv.Itoa(n>>10) + "KiB"
 }
 
 func parseSize(s string) (int, error) {
