@@ -137,24 +137,27 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 	}
 	w := t.w
 	r := &recv{t: t, dst: dst, total: total, done: make(chan struct{})}
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		return nil, &transport.ClosedError{Op: "expect"}
-	}
-	w.mu.Lock()
-	w.nextRID++
-	r.id = w.nextRID
-	w.recvs[r.id] = r
-	w.mu.Unlock()
-	t.recvs[r.id] = r
-	t.mu.Unlock()
+	// Pinned before the receipt is findable: the progress goroutine
+	// unpins it when it ends.
 	for _, p := range dst {
 		if len(p) > 0 {
 			r.pin.Pin(&p[0])
 		}
 	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		r.pin.Unpin()
+		return nil, &transport.ClosedError{Op: "expect"}
+	}
+	w.mu.Lock()
+	w.nextRID++
+	r.id = w.nextRID
 	r.d = desc{Epoch: w.epoch, Rank: w.rank, Transport: t.id, Receipt: r.id, Total: total}.encode()
+	w.recvs[r.id] = r
+	w.mu.Unlock()
+	t.recvs[r.id] = r
+	t.mu.Unlock()
 	return r, nil
 }
 
