@@ -7,5 +7,5 @@ package cli
 import "github.com/kvxfer/kvxfer/transport/mpi"
 
 func init() {
-	mpiWorld = &mpiFuncs{init: mpi.Init, world: mpi.World, finalize: mpi.Finalize}
+	mpiWorld = &mpiFuncs{init: mpi.Init, world: mpi.World, finalize: mpi.Finalize, abort: mpi.Abort}
 }

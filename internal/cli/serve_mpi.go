@@ -22,6 +22,7 @@ type mpiFuncs struct {
 	init     func(*slog.Logger) error
 	world    func() (rank, size int, ok bool)
 	finalize func() error
+	abort    func(code int)
 }
 
 // serveMPIFlags are kvxfer serve-mpi's flags.
@@ -85,6 +86,19 @@ func runServeMPI(cmd *cobra.Command, e env, mf *serveMPIFlags) error {
 		}
 	}()
 	rank, size, _ := mpiWorld.world()
+	err = serveRank(cmd, e, mf, cl, rank, size, log)
+	if err != nil && cmd.Context().Err() == nil {
+		// The other ranks would wait for this one (in MPI_Finalize, or
+		// for its data): take the world down, as a dead rank does.
+		log.Error("serve-mpi: this rank cannot go on; aborting the MPI world", "world_rank", rank, "err", err)
+		mpiWorld.abort(1)
+	}
+	return err
+}
+
+// serveRank runs what world rank rank of size runs: its worker, or, for
+// an instance's rank other than the first, nothing until ctx ends.
+func serveRank(cmd *cobra.Command, e env, mf *serveMPIFlags, cl *config.Cluster, rank, size int, log *slog.Logger) error {
 	r, err := launch.AssignMPIRank(cl, rank, size)
 	if err != nil {
 		return fmt.Errorf("serve-mpi: %w", err)

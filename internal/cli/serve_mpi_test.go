@@ -245,3 +245,42 @@ func waitHTTP(t *testing.T, url string, within time.Duration) {
 		time.Sleep(100 * time.Millisecond)
 	}
 }
+
+// TestServeMPIRankFails: a rank that cannot serve (its port is taken)
+// aborts the MPI world, so mpirun ends promptly with an error instead of
+// the other ranks waiting for it.
+func TestServeMPIRankFails(t *testing.T) {
+	if mpiWorld == nil {
+		t.Skip("needs the MPI backend: go test -tags mpi (make mpi)")
+	}
+	mpirun, err := exec.LookPath("mpirun")
+	if err != nil {
+		t.Fatalf("mpirun: %v (make deps installs openmpi-bin)", err)
+	}
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	free := freePorts(t, 1)[0]
+	file := filepath.Join(t.TempDir(), "disagg_config.yaml")
+	text := fmt.Sprintf("context_servers:\n  cache_transceiver_config: {backend: MPI}\n  urls: [\"127.0.0.1:%d\"]\n"+
+		"generation_servers:\n  cache_transceiver_config: {backend: MPI}\n  urls: [%q]\n", free, taken.Addr().String())
+	if err := os.WriteFile(file, []byte(text), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := exec.CommandContext(ctx, mpirun, "-np", "2", "--oversubscribe", "--bind-to", "none", os.Args[0], "serve-mpi", "-c", file)
+	c.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
+	if os.Geteuid() == 0 {
+		c.Env = append(c.Env, launch.MPIRootEnv...)
+	}
+	out, err := c.CombinedOutput()
+	if ctx.Err() != nil {
+		t.Fatalf("mpirun still running after 60 s: the failed rank did not take the world down\n%s", out)
+	}
+	if err == nil || !strings.Contains(string(out), "aborting the MPI world") {
+		t.Fatalf("mpirun: %v, want a failure that says the world was aborted\n%s", err, out)
+	}
+}

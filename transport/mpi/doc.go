@@ -20,7 +20,9 @@
 // backend therefore fails as a whole, where tcp, shm and ucx lose only the
 // transfers of the peer that went away; kvxfer backends, the README and the
 // log line that says why MPI was chosen say so. What the package reports as
-// transport.ErrPeerLost is a closed Transport of a live rank.
+// transport.ErrPeerLost is a closed Transport of a live rank. A rank that
+// cannot go on calls Abort (kvxfer serve-mpi does), so that the others do
+// not wait for it.
 //
 // # The world
 //

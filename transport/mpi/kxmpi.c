@@ -107,3 +107,5 @@ void kxm_errstr(int code, char *buf, int len) {
 }
 
 int kxm_request_null(MPI_Request *req) { *req = MPI_REQUEST_NULL; return MPI_UNDEFINED; }
+
+void kxm_abort(int code) { MPI_Abort(MPI_COMM_WORLD, code); }

@@ -18,5 +18,6 @@ void kxm_status(MPI_Status *st, int *source, int *count, int *cancelled, int *er
 int kxm_any_source(void);
 void kxm_errstr(int code, char *buf, int len);
 int kxm_request_null(MPI_Request *req);
+void kxm_abort(int code);
 
 #endif

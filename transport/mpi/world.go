@@ -12,6 +12,7 @@ import "C"
 import (
 	"fmt"
 	"log/slog"
+	"os"
 	"runtime"
 	"sync"
 	"time"
@@ -158,6 +159,20 @@ func Finalize() error {
 		return mpiErr("MPI_Finalize", rc)
 	}
 	return nil
+}
+
+// Abort takes the whole MPI world down (MPI_Abort on MPI_COMM_WORLD):
+// mpirun ends every rank with code. A rank that cannot go on calls it so
+// that the others do not wait for it (in MPI_Finalize, or for its data).
+// Without Init it exits the process with code.
+func Abort(code int) {
+	the.mu.Lock()
+	w := the.w
+	the.mu.Unlock()
+	if w == nil {
+		os.Exit(code)
+	}
+	C.kxm_abort(C.int(code))
 }
 
 // World reports this process's world rank and size; ok is false before
