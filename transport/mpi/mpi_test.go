@@ -4,6 +4,7 @@ package mpi
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"testing"
@@ -26,6 +27,19 @@ func TestMain(m *testing.M) {
 		if code == 0 {
 			code = 2
 		}
+	}
+	// After Finalize: no world to open on, and none to start again.
+	if _, err := Open(context.Background(), transport.Options{}); !errors.Is(err, ErrNotInitialised) {
+		fmt.Fprintf(os.Stderr, "Open after Finalize = %v, want ErrNotInitialised\n", err)
+		code = 2
+	}
+	if err := Init(nil); !errors.Is(err, ErrFinalized) {
+		fmt.Fprintf(os.Stderr, "Init after Finalize = %v, want ErrFinalized\n", err)
+		code = 2
+	}
+	if err := Finalize(); err != nil {
+		fmt.Fprintf(os.Stderr, "Finalize again = %v, want nil (idempotent)\n", err)
+		code = 2
 	}
 	os.Exit(code)
 }
