@@ -75,8 +75,11 @@
 //   - A sender or receiver that dies is not one of these cases: see above.
 //
 // The conformance suite of transport/transporttest passes between two
-// Transports of one rank (MPI's self component) under go test, and between
-// ranks under mpirun -np 2 (make mpi), where the cross-rank tests also
-// run; see the suite's list of backend exceptions for what it does not
-// ask of MPI.
+// Transports of one rank (its messages go through OpenMPI's self
+// component): in a world of one under plain go test, and on each rank of
+// mpirun -np 2 under make mpi, where the cross-rank tests (round trips
+// both ways, scattered pieces, refusals) run between the two ranks over
+// the component OpenMPI picks (vader, shared memory, on one host; tcp with
+// --mca btl self,tcp), and BenchmarkCrossRank measures them. See the
+// suite's list of backend exceptions for what it does not ask of MPI.
 package mpi
