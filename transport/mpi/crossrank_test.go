@@ -9,6 +9,7 @@ import (
 	"flag"
 	"fmt"
 	"math/rand/v2"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -227,6 +228,128 @@ func TestCrossRankRefusals(t *testing.T) {
 		t.Errorf("Send after the refusals: %v", err)
 	}
 	l.put(t, "finished", nil)
+}
+
+// TestCrossRankEarlyEnds ends transfers between the ranks early, from
+// either side, in the middle: the receiver cancels (the sender's frames in
+// flight are drained into scratch memory; dst is not written after
+// Cancel), the sender's ctx ends (the receipt fails with ErrAborted), the
+// receiving transport closes (the Send fails with ErrPeerLost). After each,
+// transfers both ways still work.
+func TestCrossRankEarlyEnds(t *testing.T) {
+	l := crossRanks(t)
+	tr := open(t)
+	const n = 64 << 20
+	src := make([]byte, n)
+	fillSeed(7, [][]byte{src})
+	healthy := func(step string) {
+		t.Helper()
+		for from := range 2 {
+			st := fmt.Sprintf("%s-healthy-%d", step, from)
+			if l.rank == from {
+				ctx, cancel := context.WithTimeout(context.Background(), transporttest.Limit)
+				err := tr.Send(ctx, l.get(t, "desc-"+st), [][]byte{src[:5<<20]})
+				cancel()
+				if err != nil {
+					t.Fatalf("%s: rank %d: Send after: %v", step, l.rank, err)
+				}
+				continue
+			}
+			dst := make([]byte, 5<<20)
+			r, err := tr.Expect([][]byte{dst})
+			if err != nil {
+				t.Fatal(err)
+			}
+			l.put(t, "desc-"+st, r.Descriptor())
+			select {
+			case <-r.Done():
+			case <-time.After(transporttest.Limit):
+				r.Cancel()
+				t.Fatalf("%s: rank %d: receipt after not done", step, l.rank)
+			}
+			if r.Err() != nil || !bytes.Equal(dst, src[:5<<20]) {
+				t.Fatalf("%s: rank %d: receipt after: %v (or bytes differ)", step, l.rank, r.Err())
+			}
+		}
+	}
+	for _, step := range []string{"receiver-cancels", "sender-cancels", "receiver-closes"} {
+		if l.rank == 1 { // the receiver
+			rt := tr
+			if step == "receiver-closes" {
+				rt = open(t)
+			}
+			dst := make([]byte, n)
+			r, err := rt.Expect([][]byte{dst})
+			if err != nil {
+				t.Fatal(err)
+			}
+			l.put(t, "desc-"+step, r.Descriptor())
+			l.get(t, "started-"+step)
+			time.Sleep(2 * time.Millisecond)
+			switch step {
+			case "receiver-cancels":
+				r.Cancel()
+				if err := r.Err(); err != nil && !errors.Is(err, transport.ErrCanceled) {
+					t.Errorf("%s: Err after Cancel = %v, want nil or ErrCanceled", step, err)
+				}
+				for i := range dst { // the caller owns dst again
+					dst[i] = 0xa5
+				}
+			case "receiver-closes":
+				rt.Close()
+			}
+			select {
+			case <-r.Done():
+			case <-time.After(transporttest.Limit):
+				t.Fatalf("%s: receipt not done after %v", step, transporttest.Limit)
+			}
+			sent := string(l.get(t, "sent-"+step))
+			switch err := r.Err(); {
+			case step == "sender-cancels" && sent != "ok" && !errors.Is(err, transport.ErrAborted):
+				t.Errorf("%s: receipt of a cancelled Send = %v, want ErrAborted", step, err)
+			case step == "sender-cancels" && sent == "ok" && err != nil:
+				t.Errorf("%s: the Send finished but the receipt failed: %v", step, err)
+			case step == "receiver-closes" && err != nil && !errors.Is(err, net.ErrClosed):
+				t.Errorf("%s: receipt on a closed transport = %v, want net.ErrClosed", step, err)
+			}
+			healthy(step)
+			if step == "receiver-cancels" && !bytes.Equal(dst, bytes.Repeat([]byte{0xa5}, n)) {
+				t.Errorf("%s: dst written after Cancel returned", step)
+			}
+			continue
+		}
+		d := l.get(t, "desc-"+step)
+		ctx, cancel := context.WithTimeout(context.Background(), transporttest.Limit)
+		res := make(chan error, 1)
+		go func() { res <- tr.Send(ctx, d, [][]byte{src}) }()
+		l.put(t, "started-"+step, nil)
+		if step == "sender-cancels" {
+			time.Sleep(2 * time.Millisecond)
+			cancel()
+		}
+		var err error
+		select {
+		case err = <-res:
+		case <-time.After(transporttest.Limit + time.Second):
+			t.Fatalf("%s: Send not returned", step)
+		}
+		cancel()
+		msg := "ok"
+		if err != nil {
+			msg = err.Error()
+		}
+		l.put(t, "sent-"+step, []byte(msg))
+		switch {
+		case step == "sender-cancels" && err != nil && !errors.Is(err, context.Canceled):
+			t.Errorf("%s: Send = %v, want nil or context.Canceled", step, err)
+		case step == "receiver-closes" && err != nil && !errors.Is(err, transport.ErrPeerLost):
+			t.Errorf("%s: Send = %v, want nil or ErrPeerLost", step, err)
+		case step == "receiver-cancels" && err != nil && !errors.Is(err, ErrReceiptGone):
+			t.Errorf("%s: Send = %v, want nil or ErrReceiptGone", step, err)
+		}
+		t.Logf("%s: Send: %v", step, err)
+		healthy(step)
+	}
 }
 
 // BenchmarkCrossRank measures rank 0 sending to rank 1: each iteration
