@@ -31,8 +31,9 @@
 // provide it, duplicates MPI_COMM_WORLD twice (a data and a control
 // communicator, so that kvxfer's messages never match anyone else's) and
 // starts the world's progress goroutine; Finalize stops it and finalizes
-// MPI. Every MPI call after Init is made by that goroutine, locked to its
-// OS thread: Expect, Send, Cancel and Close hand it closures and wait on
+// MPI. Every MPI call, MPI_Init_thread and MPI_Finalize included (MPI wants
+// both on one thread), is made by that goroutine, locked to its OS thread
+// (Abort excepted): Expect, Send, Cancel and Close hand it closures and wait on
 // channels. It tests every posted request with MPI_Testsome, runs the
 // handlers of those that completed, yields while data is in flight, and
 // otherwise sleeps in Go: at most 250 µs while receipts are armed or Sends

@@ -59,6 +59,7 @@ type world struct {
 	wake       chan struct{}
 	stop       chan struct{}
 	stopped    chan struct{}
+	finalErr   error // MPI_Finalize's, set before stopped closes
 
 	// Owned by the progress goroutine.
 	reqs     []C.MPI_Request
@@ -103,13 +104,6 @@ func Init(logger *slog.Logger) error {
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	var provided C.int
-	if rc := C.kxm_init(&provided); rc != 0 {
-		return mpiErr("MPI_Init_thread", rc)
-	}
-	if provided < C.MPI_THREAD_MULTIPLE {
-		return fmt.Errorf("mpi: init: %w (the library provides level %d; OpenMPI must be built with thread support)", ErrThreadLevel, int(provided))
-	}
 	w := &world{
 		log:        logger,
 		transports: map[uint32]*Transport{},
@@ -119,12 +113,9 @@ func Init(logger *slog.Logger) error {
 		stop:       make(chan struct{}),
 		stopped:    make(chan struct{}),
 	}
-	var rank, size, tagUB C.int
-	var epoch C.ulonglong
-	if rc := C.kxm_setup(&w.data, &w.ctl, &rank, &size, &tagUB, &epoch); rc != 0 {
-		return mpiErr("MPI_Comm_dup", rc)
-	}
-	w.rank, w.size, w.tagUB, w.epoch = int(rank), int(size), int(tagUB), uint64(epoch)
+	// The progress goroutine initialises MPI on its locked OS thread, and
+	// finalizes it there: MPI wants MPI_Finalize on the thread that
+	// initialised it.
 	ready := make(chan error, 1)
 	go w.run(ready)
 	if err := <-ready; err != nil {
@@ -155,10 +146,7 @@ func Finalize() error {
 	close(w.stop)
 	<-w.stopped
 	the.w, the.final = nil, true
-	if rc := C.kxm_finalize(&w.data, &w.ctl); rc != 0 {
-		return mpiErr("MPI_Finalize", rc)
-	}
-	return nil
+	return w.finalErr
 }
 
 // Abort takes the whole MPI world down (MPI_Abort on MPI_COMM_WORLD):
@@ -206,11 +194,40 @@ func (w *world) do(fn func()) {
 	}
 }
 
-// run is the progress goroutine.
+// start initialises MPI and the world's communicators (progress
+// goroutine, before its loop).
+func (w *world) start() error {
+	var provided C.int
+	if rc := C.kxm_init(&provided); rc != 0 {
+		return mpiErr("MPI_Init_thread", rc)
+	}
+	if provided < C.MPI_THREAD_MULTIPLE {
+		return fmt.Errorf("mpi: init: %w (the library provides level %d; OpenMPI must be built with thread support)", ErrThreadLevel, int(provided))
+	}
+	var rank, size, tagUB C.int
+	var epoch C.ulonglong
+	if rc := C.kxm_setup(&w.data, &w.ctl, &rank, &size, &tagUB, &epoch); rc != 0 {
+		return mpiErr("MPI_Comm_dup", rc)
+	}
+	w.rank, w.size, w.tagUB, w.epoch = int(rank), int(size), int(tagUB), uint64(epoch)
+	return nil
+}
+
+// run is the progress goroutine: it initialises MPI, makes progress until
+// Finalize, and finalizes MPI.
 func (w *world) run(ready chan<- error) {
 	defer close(w.stopped)
+	// The thread stays locked to the end: MPI keeps thread-local state.
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
+	if err := w.start(); err != nil {
+		ready <- err
+		return
+	}
+	defer func() {
+		if rc := C.kxm_finalize(&w.data, &w.ctl); rc != 0 {
+			w.finalErr = mpiErr("MPI_Finalize", rc)
+		}
+	}()
 	ctlBufs := make([]unsafe.Pointer, standingCtl)
 	for i := range ctlBufs {
 		ctlBufs[i] = C.malloc(ctlLen)
