@@ -9,12 +9,15 @@ REVISION  := $(shell git rev-parse --short=12 HEAD 2>/dev/null)
 DIRTY     := $(shell git status --porcelain 2>/dev/null | grep -q . && echo -dirty)
 LDFLAGS   := -X github.com/kvxfer/kvxfer/internal/buildinfo.Revision=$(REVISION)$(DIRTY)
 FUZZTIME  ?= 5s
-# The UCX backend is cgo on libucx; make deps installs libucx-dev, so builds include it.
-TAGS      := ucx
+# The UCX and MPI backends are cgo on libucx and OpenMPI; make deps installs
+# libucx-dev and libopenmpi-dev, so builds include them.
+TAGS      := ucx,mpi
+# mpirun, allowed to run as root only through OpenMPI's own variables.
+MPIRUN    := $(if $(filter 0,$(shell id -u)),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 )mpirun
 
 CHAOS_SEED ?= 0
 
-.PHONY: help run test hostile chaos bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: help run test hostile chaos bench-report ucx mpi deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -22,7 +25,7 @@ help: ## list the targets
 run: build ## the main job: start a local disaggregated cluster (context TP2 -> generation TP1) behind an OpenAI-compatible router on :8000
 	./$(BIN) up
 
-test: deps fmt-check vet staticcheck unit ucx invariants fuzz-short nocgo ## every check and test (installs what it needs)
+test: deps fmt-check vet staticcheck unit ucx mpi invariants fuzz-short nocgo ## every check and test (installs what it needs)
 	@echo "make test: all checks passed"
 
 deps: ## install missing system packages (root, non-interactive, only when missing)
@@ -62,6 +65,14 @@ ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx, an
 	$(GO) test -tags ucx -race -count=1 -timeout 10m -run 'UCX|TestPairings|TestAutoPicks' ./transceiver/ ./bench/ ./serve/
 	$(GO) test -tags ucx -count=1 -timeout 10m -run 'TestCrossHost' ./tests/crosshost/
 
+mpi: deps ## the MPI backend: vet, staticcheck, its transport's race tests on two ranks of mpirun, and kvxfer up --smoke over one MPI world
+	$(GO) vet -tags mpi ./transport/... ./internal/cli/ ./internal/launch/
+	$(GO) tool staticcheck -tags mpi ./transport/mpi/ ./internal/cli/ ./internal/launch/
+	@mkdir -p bin
+	$(GO) test -tags mpi -race -c -o bin/mpi.test ./transport/mpi/
+	cd transport/mpi && $(MPIRUN) -np 2 --bind-to none --oversubscribe ../../bin/mpi.test -test.count=1 -test.timeout=5m
+	$(GO) test -tags mpi -race -count=1 -timeout 10m -run 'TestUpSmokeMPI|TestVersionAndBackends|TestServeMPI' ./internal/cli/
+
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \
 	if [ -n "$$pkgs" ]; then echo "go test -tags invariants $$pkgs"; $(GO) test -tags invariants -count=1 $$pkgs; fi
@@ -69,9 +80,9 @@ invariants: ## the packages that have an invariants build tag, tested with it
 fuzz-short: ## every fuzz target for FUZZTIME (default 5s)
 	@FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
 
-nocgo: ## the binary builds without cgo (UCX then reports itself as not built in)
+nocgo: ## the binary builds without cgo (UCX and MPI then report themselves as not built in)
 	CGO_ENABLED=0 $(GO) build $(PKGS)
-	CGO_ENABLED=0 $(GO) build -tags ucx $(PKGS)
+	CGO_ENABLED=0 $(GO) build -tags ucx,mpi $(PKGS)
 
 bench-report: build ## run every transfer and layout benchmark with its baselines (docs/perf*) and rewrite the README's performance summary
 	BIN=$(BIN) GO=$(GO) scripts/bench-report.sh

@@ -12,7 +12,9 @@ type Backend string
 
 // Backends accepted in cache_transceiver_config.backend. DEFAULT, UCX, NIXL,
 // MPI and MOONCAKE are TensorRT-LLM's; TCP, SHM and AUTO are kvxfer's own.
-// NIXL, MPI and MOONCAKE are names kvxfer knows and refuses, saying why.
+// NIXL and MOONCAKE are names kvxfer knows and refuses, saying why. MPI
+// (deprecated in TensorRT-LLM) runs only between the ranks of one MPI world
+// (kvxfer up launches every worker under one mpirun for it): MPIWorldNote.
 const (
 	BackendUnset    Backend = ""
 	BackendDefault  Backend = "DEFAULT"
@@ -37,6 +39,11 @@ var AutoPreference = []Backend{BackendSHM, BackendUCX, BackendTCP}
 // AutoRule says in one phrase how AUTO chooses (AutoPreference), for
 // messages and listings.
 const AutoRule = "SHM on the same host, else UCX when built in, else TCP"
+
+// MPIWorldNote says what choosing MPI implies, for the log line that says
+// why it was chosen and for listings.
+const MPIWorldNote = "MPI moves data only between the ranks of one MPI world started by one mpirun " +
+	"(kvxfer up launches every worker that way; kvxfer serve-mpi runs one), and a rank that dies takes the whole world down"
 
 // Lower returns b in lower case, as kvxfer's flags, its bench reports and
 // the transport registry spell backend names ("tcp", "auto").
@@ -73,8 +80,6 @@ func (b Backend) unsupported() string {
 	switch b {
 	case BackendNIXL:
 		return "NIXL is not available in kvxfer: no Go binding exists and no package registry reachable here ships NIXL; use UCX (the library NIXL is built on), TCP, SHM or AUTO"
-	case BackendMPI:
-		return "MPI is deprecated in TensorRT-LLM and not available in kvxfer (it needs one MPI world spanning both instances); use UCX, TCP, SHM or AUTO"
 	case BackendMooncake:
 		return "MOONCAKE (TensorRT-LLM's Mooncake Transfer Engine backend) is not available in kvxfer: no Go binding exists and no package registry reachable here ships it; use UCX, TCP, SHM or AUTO"
 	}

@@ -218,8 +218,8 @@ func TestResolveDefault(t *testing.T) {
 
 				// The naive rule, written out independently: the first
 				// variable set to 1 decides; one that asks for a backend
-				// kvxfer does not have (NIXL, MPI) gives AUTO with a
-				// warning naming it.
+				// kvxfer does not have (NIXL) gives AUTO with a warning
+				// naming it; MPI is MPI.
 				want, decided := BackendAuto, ""
 				switch {
 				case u == "1":
@@ -227,7 +227,7 @@ func TestResolveDefault(t *testing.T) {
 				case n == "1":
 					decided = EnvUseNIXL
 				case m == "1":
-					decided = EnvUseMPI
+					want, decided = BackendMPI, EnvUseMPI
 				}
 				r := ResolveBackend(BackendDefault, e, builtIn)
 				count++
@@ -240,7 +240,7 @@ func TestResolveDefault(t *testing.T) {
 				if decided != "" && !strings.Contains(r.Reason, decided+"=1") {
 					t.Errorf("env %v: reason %q does not name %s", env, r.Reason, decided)
 				}
-				fallback := decided == EnvUseNIXL || decided == EnvUseMPI
+				fallback := decided == EnvUseNIXL
 				if fallback != (r.Warning != "") || (fallback && !strings.Contains(r.Warning, decided+"=1")) {
 					t.Errorf("env %v: warning %q", env, r.Warning)
 				}
@@ -272,8 +272,12 @@ func TestResolveDefault(t *testing.T) {
 	if r := ResolveBackend(BackendUnset, Env{}, nil); !errors.Is(r.Err, ErrNoTransceiver) {
 		t.Errorf("unset backend: %v", r.Err)
 	}
-	if r := ResolveBackend(BackendMPI, Env{}, nil); !strings.Contains(r.Err.Error(), "deprecated") {
-		t.Errorf("MPI: %v", r.Err)
+	if r := ResolveBackend(BackendMPI, Env{}, nil); r.Err != nil || r.Backend != BackendMPI || !strings.Contains(r.Reason, "takes the whole world down") {
+		t.Errorf("MPI: %+v, want MPI with the world's note in its reason", r)
+	}
+	notBuilt := func(Backend) error { return errors.New("not built in this binary: build with -tags mpi") }
+	if r := ResolveBackend(BackendMPI, Env{}, notBuilt); !errors.Is(r.Err, ErrBackendUnavailable) || !strings.Contains(r.Err.Error(), "-tags mpi") {
+		t.Errorf("MPI not built: %v", r.Err)
 	}
 }
 

@@ -28,7 +28,7 @@ type Resolution struct {
 	// backend TCP").
 	Ignored []string
 	// Warning, when not empty, says why DEFAULT did not become what the
-	// environment asked for (NIXL or MPI, which kvxfer does not have).
+	// environment asked for (NIXL, which kvxfer does not have).
 	// Log it as a warning; config check prints it as one.
 	Warning string
 	// Err is non-nil when Backend cannot be used by this binary; it wraps
@@ -45,9 +45,10 @@ type Resolution struct {
 // exactly "1".
 //
 // DEFAULT means "pick for me": when the variable that decides asks for a
-// backend kvxfer does not have (NIXL, MPI), it resolves to AUTO, with
-// Resolution.Warning naming the variable and why. An explicit NIXL or MPI
-// stays an error.
+// backend kvxfer does not have (NIXL), it resolves to AUTO, with
+// Resolution.Warning naming the variable and why. An explicit NIXL stays an
+// error. MPI (explicit, or DEFAULT with TRTLLM_USE_MPI_KVCACHE=1) is
+// kvxfer's MPI backend; its Reason ends with MPIWorldNote.
 //
 // available reports whether a backend can run in this binary (nil) or why
 // not; it is called once, for the final choice. ResolveBackend is pure.
@@ -98,6 +99,9 @@ func ResolveBackend(configured Backend, env Env, available func(Backend) error) 
 				r.Ignored = append(r.Ignored, fmt.Sprintf("%s=%s: ignored, backend %s is set explicitly", f.name, v, configured))
 			}
 		}
+	}
+	if r.Backend == BackendMPI {
+		r.Reason += "; " + MPIWorldNote
 	}
 	if why := r.Backend.unsupported(); why != "" {
 		r.Err = fmt.Errorf("%w: %s", ErrBackendUnavailable, why)

@@ -245,6 +245,7 @@ func TestBackendForms(t *testing.T) {
 		{"V2", BackendDefault, "older TensorRT-LLM form", false},
 		{"MOONCAKE", BackendMooncake, "MOONCAKE (TensorRT-LLM's Mooncake Transfer Engine backend) is not available in kvxfer", true},
 		{"NIXL", BackendNIXL, "NIXL is not available in kvxfer", true},
+		{"MPI", BackendMPI, "", false},
 		{"RDMA", BackendUnset, `unknown backend "RDMA"`, true},
 	} {
 		for _, text := range []string{
@@ -277,11 +278,20 @@ func TestBackendForms(t *testing.T) {
 }
 
 // TestDefaultWithNIXLEnv: DEFAULT resolved through TRTLLM_USE_NIXL_KVCACHE=1
-// (or MPI) is AUTO with a warning naming the variable, the same answer for
-// config check and serve (both call Resolve); an explicit NIXL stays an
-// error.
+// is AUTO with a warning naming the variable, the same answer for config
+// check and serve (both call Resolve); an explicit NIXL stays an error.
+// Through TRTLLM_USE_MPI_KVCACHE=1 it is MPI, saying why and what it means.
 func TestDefaultWithNIXLEnv(t *testing.T) {
-	for _, v := range []string{EnvUseNIXL, EnvUseMPI} {
+	env := EnvFromMap(map[string]string{EnvUseMPI: "1"})
+	f, err := LoadBytes("w.yaml", []byte("cache_transceiver_config:\n  backend: DEFAULT\n"), env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := f.Worker.CacheTransceiver.Resolve(func(Backend) error { return nil })
+	if r.Backend != BackendMPI || r.Err != nil || r.Warning != "" || !strings.Contains(r.Reason, EnvUseMPI+"=1") || !strings.Contains(r.Reason, "takes the whole world down") {
+		t.Errorf("%s=1: %+v", EnvUseMPI, r)
+	}
+	for _, v := range []string{EnvUseNIXL} {
 		env := EnvFromMap(map[string]string{v: "1"})
 		f, err := LoadBytes("w.yaml", []byte("cache_transceiver_config:\n  backend: DEFAULT\n"), env)
 		if err != nil {

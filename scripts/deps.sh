@@ -10,6 +10,8 @@ command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils) # its baseline in k
 command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)            # the TCP baselines in kvxfer bench
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)          # membership's etcd store, tested against a real etcd
 command -v ip >/dev/null 2>&1 || need+=(iproute2)               # the cross-host test's network namespaces
+dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev) # the MPI backend (-tags mpi)
+command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)          # its world: kvxfer up with backend MPI, make mpi
 
 if ((${#need[@]})); then
 	if [[ $(id -u) -ne 0 ]]; then

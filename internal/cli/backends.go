@@ -23,9 +23,12 @@ func newBackendsCmd() *cobra.Command {
 				if s.Err != nil {
 					avail, detail = "no", s.Err.Error()
 				}
+				if s.Name == config.BackendMPI.Lower() {
+					detail += "; " + config.MPIWorldNote
+				}
 				fmt.Fprintf(tw, "%s\t%s\t%s\n", strings.ToUpper(s.Name), avail, detail)
 			}
-			for _, b := range []config.Backend{config.BackendNIXL, config.BackendMPI} {
+			for _, b := range []config.Backend{config.BackendNIXL} {
 				r := config.ResolveBackend(b, config.Env{}, nil)
 				fmt.Fprintf(tw, "%s\tno\t%s\n", b, strings.TrimPrefix(r.Err.Error(), config.ErrBackendUnavailable.Error()+": "))
 			}

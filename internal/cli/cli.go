@@ -59,6 +59,6 @@ with TensorRT-LLM's cache_transceiver_config.`,
 		SilenceErrors: true,
 	}
 	root.AddCommand(newVersionCmd(), newBackendsCmd(), newConfigCmd(e), newBenchCmd(e), newBenchPeerCmd(e), newClusterCmd(e),
-		newServeCmd(e), newRouterCmd(e), newUpCmd(e), newCertsCmd())
+		newServeCmd(e), newServeMPICmd(e), newRouterCmd(e), newUpCmd(e), newCertsCmd())
 	return root
 }

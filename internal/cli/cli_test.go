@@ -123,7 +123,11 @@ func TestVersionAndBackends(t *testing.T) {
 	if _, err := transport.Get("ucx"); err == nil {
 		ucxLine = "built in"
 	}
-	for _, want := range []string{"TCP", "SHM", "UCX", ucxLine, "NIXL", "MPI", "AUTO"} {
+	mpiLine := "build with -tags mpi (needs libopenmpi-dev)"
+	if _, err := transport.Get("mpi"); err == nil {
+		mpiLine = "built in; MPI moves data"
+	}
+	for _, want := range []string{"TCP", "SHM", "UCX", ucxLine, "NIXL", "MPI", mpiLine, "a rank that dies takes the whole world down", "AUTO"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("backends lacks %q:\n%s", want, out)
 		}

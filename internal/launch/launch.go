@@ -288,6 +288,16 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 // aggregated worker when asked).
 func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) error {
 	cl := o.Cluster
+	env := workerEnv(o.Env)
+	mpi, reason, err := UsesMPI(cl, env)
+	if err != nil {
+		return err
+	}
+	if mpi {
+		if err := l.startMPIWorkers(o, reason); err != nil {
+			return err
+		}
+	}
 	for _, g := range []struct {
 		role string
 		sg   *config.ServerGroup
@@ -298,6 +308,9 @@ func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) er
 				"group", g.role, "backend", string(config.BackendDefault))
 		}
 		for i := range g.sg.NumInstances {
+			if mpi {
+				break
+			}
 			u, err := l.startWorker(o, tlsFiles, g.role, i, g.sg, g.sg.TensorParallelSize, g.sg.PipelineParallelSize)
 			if err != nil {
 				return err
@@ -308,6 +321,14 @@ func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) er
 	if o.Aggregated {
 		agg := cl.Generation
 		agg.URLs = nil
+		if mpi {
+			// Outside the MPI world; it moves no KV cache.
+			ct, err := config.NewCacheTransceiver(string(config.BackendTCP), agg.KVCache.TokensPerBlock, env)
+			if err != nil {
+				return err
+			}
+			agg.CacheTransceiver = ct
+		}
 		u, err := l.startWorker(o, tlsFiles, serve.RoleBoth, 0, &agg, 1, 1)
 		if err != nil {
 			return err

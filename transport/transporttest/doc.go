@@ -33,4 +33,20 @@
 //   - anything that is not a descriptor of the backend for exactly the
 //     bytes offered (garbage, truncated, extended, wrong total) fails Send
 //     with ErrBadDescriptor.
+//
+// Backend exceptions: what a backend cannot do as the suite asks, and how
+// it passes anyway (each backend's documentation says more).
+//   - mpi: MPI cannot cancel a send in flight. A Send whose ctx ends
+//     stops between frames and returns once the (at most four) frames in
+//     flight are drained, so "Send cancelled during the transfer" returns
+//     up to four frames late; a Send that had posted every frame finishes
+//     normally (the suite accepts a Send done before its cancel). A
+//     receive is cancelled with MPI_Cancel, and the receiving world drains
+//     the frames the sender had already posted into scratch memory.
+//   - mpi: the suite's "peer death" is a Transport that closes in a live
+//     process (the receiving world refuses its receipts: ErrPeerLost). A
+//     rank that dies takes the whole MPI world down (mpirun aborts every
+//     rank), which the suite cannot run; nor can it run two ranks, so
+//     transport/mpi runs it between two Transports of one rank, on every
+//     rank of mpirun -np 2, beside cross-rank tests of its own.
 package transporttest

@@ -1,0 +1,86 @@
+// Package mpi is kvxfer's MPI data plane, TensorRT-LLM's deprecated
+// `backend: MPI`: non-blocking tagged point-to-point messages (MPI_Isend,
+// MPI_Irecv) on OpenMPI, between the ranks of one MPI world that a single
+// mpirun started (kvxfer up launches every worker that way, and kvxfer
+// serve-mpi gives each world rank its worker). It is cgo, built only with
+// the build tag mpi (and cgo, and libopenmpi-dev); without them the package
+// is this documentation and the pure-Go wire formats, and package transport
+// reports "mpi" as not built in this binary. It registers the backend "mpi"
+// from its init function (import it for that effect).
+//
+// It owns moving bytes between a Send and the memory of an armed receipt;
+// it knows nothing of requests, layouts or config, and it does not
+// authenticate peers: any rank of the world may send to a descriptor it
+// holds.
+//
+// # A dead peer takes the world down
+//
+// MPI has no notion of a peer that leaves: when one rank of the world dies,
+// OpenMPI's runtime (mpirun) aborts every other rank. A cluster on this
+// backend therefore fails as a whole, where tcp, shm and ucx lose only the
+// transfers of the peer that went away; kvxfer backends, the README and the
+// log line that says why MPI was chosen say so. What the package reports as
+// transport.ErrPeerLost is a closed Transport of a live rank. A rank that
+// cannot go on calls Abort (kvxfer serve-mpi does), so that the others do
+// not wait for it.
+//
+// # The world
+//
+// Init (every rank calls it once, first) initialises MPI at
+// MPI_THREAD_MULTIPLE, refusing with ErrThreadLevel a library that cannot
+// provide it, duplicates MPI_COMM_WORLD twice (a data and a control
+// communicator, so that kvxfer's messages never match anyone else's) and
+// starts the world's progress goroutine; Finalize stops it and finalizes
+// MPI. Every MPI call, MPI_Init_thread and MPI_Finalize included (MPI wants
+// both on one thread), is made by that goroutine, locked to its OS thread
+// (Abort excepted): Expect, Send, Cancel and Close hand it closures and wait on
+// channels. It tests every posted request with MPI_Testsome, runs the
+// handlers of those that completed, yields while data is in flight, and
+// otherwise sleeps in Go: at most 250 µs while receipts are armed or Sends
+// wait for their receiver, at most 2 ms when only its standing control
+// receives are posted (a control message waits that long at worst). Open makes a Transport on that world; several may be open in one
+// process, each named by its Endpoint "mpi:RANK.ID".
+//
+// # Protocol
+//
+// A descriptor names the world (an epoch rank 0 broadcasts at Init), the
+// receiving rank, transport and receipt, and the total, with a CRC32-C.
+// A Send asks the receiving rank for the receipt with a control message
+// (rts); the receiving world claims the receipt for that Send, posts one
+// receive per frame on a fresh data tag, from that rank only, and answers
+// (cts) with the tag and the frame size (its Options.FrameBytes, 4 MiB by
+// default). Frame i is bytes [i*F, (i+1)*F) of both sides' concatenated
+// pieces; a frame that spans several pieces is one message of an hindexed
+// MPI datatype over their addresses (MPI_BOTTOM), so there is no staging
+// copy on either side. The Send keeps four frames in flight. The pieces are
+// pinned (runtime.Pinner) while MPI holds them. A receipt that is closed,
+// cancelled, done, or claimed by another Send answers rts with a refusal
+// (nack): a closed one fails the Send with transport.ErrPeerLost, the
+// others with ErrReceiptGone.
+//
+// # Cancel and failure
+//
+// MPI can cancel a receive but not a send in flight. So:
+//   - Recv.Cancel (and Close, for every pending receipt) cancels the
+//     receipt's frame receives (MPI_Cancel), waits for those already
+//     matched to complete, and tells the sender to stop; when Cancel
+//     returns nothing writes into dst. The sender answers with how many
+//     frames it posted, and the receiving world drains those whose receive
+//     was cancelled into scratch memory, so the sender's MPI_Isend
+//     complete.
+//   - A Send whose ctx ends (or whose transport closes) posts no more
+//     frames, tells the receiver how many it posted (the receipt then
+//     fails with transport.ErrAborted once those arrived), and returns
+//     once the frames in flight are drained: up to four frames later, not
+//     at once. A Send that had posted every frame finishes normally.
+//   - A sender or receiver that dies is not one of these cases: see above.
+//
+// The conformance suite of transport/transporttest passes between two
+// Transports of one rank (its messages go through OpenMPI's self
+// component): in a world of one under plain go test, and on each rank of
+// mpirun -np 2 under make mpi, where the cross-rank tests (round trips
+// both ways, scattered pieces, refusals) run between the two ranks over
+// the component OpenMPI picks (vader, shared memory, on one host; tcp with
+// --mca btl self,tcp), and BenchmarkCrossRank measures them. See the
+// suite's list of backend exceptions for what it does not ask of MPI.
+package mpi

@@ -1,0 +1,511 @@
+//go:build mpi && cgo
+
+package mpi
+
+/*
+#cgo pkg-config: ompi
+#include <stdlib.h>
+#include "kxmpi.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"runtime"
+	"sync"
+	"time"
+	"unsafe"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+func init() { transport.Register(backend{}) }
+
+// Timing of the progress goroutine.
+const (
+	// spinRounds is how many empty rounds the goroutine spins (yielding)
+	// while data is in flight before it starts sleeping.
+	spinRounds = 2000
+	// busyNap, waitNap and idleNap bound a sleep of the goroutine: with
+	// data in flight; with receipts armed or Sends waiting for their
+	// receiver (a control message may come); with neither.
+	busyNap = 20 * time.Microsecond
+	waitNap = 250 * time.Microsecond
+	idleNap = 2 * time.Millisecond
+	// standingCtl is the number of control receives kept posted.
+	standingCtl = 16
+)
+
+// world is the process's MPI world: its two communicators (data and
+// control, duplicates of MPI_COMM_WORLD) and the goroutine that makes
+// progress on them. Every MPI call after Init is made by that goroutine.
+type world struct {
+	rank, size int
+	tagUB      int
+	epoch      uint64
+	data, ctl  C.MPI_Comm
+	log        *slog.Logger
+
+	mu         sync.Mutex
+	cmds       []func()
+	transports map[uint32]*Transport
+	recvs      map[uint64]*recv // armed, claimed, or ended but not yet counted
+	sends      map[uint64]*send
+	nextTID    uint32
+	nextRID    uint64
+	nextSID    uint64
+	wake       chan struct{}
+	stop       chan struct{}
+	stopped    chan struct{}
+	finalErr   error // MPI_Finalize's, set before stopped closes
+
+	// Owned by the progress goroutine.
+	reqs     []C.MPI_Request
+	handlers []func(st completion)
+	freeSlot []int
+	active   int // slots in use
+	busy     int // of them, data requests
+	indices  []C.int
+	statuses []C.MPI_Status
+	nextTag  int
+}
+
+// completion is what a finished request reports.
+type completion struct {
+	Source    int
+	Count     int
+	Cancelled bool
+	Err       error
+}
+
+var the struct {
+	mu    sync.Mutex
+	w     *world
+	final bool
+}
+
+// Init initialises MPI at MPI_THREAD_MULTIPLE, duplicates MPI_COMM_WORLD
+// twice (the data and the control communicators) and starts the world's
+// progress goroutine, which Finalize stops. Every rank of the world must
+// call it (MPI_Comm_dup is collective), once; a second call returns nil.
+// logger receives the world's logs (nil: discarded). Init fails with
+// ErrThreadLevel when the library cannot provide MPI_THREAD_MULTIPLE.
+func Init(logger *slog.Logger) error {
+	the.mu.Lock()
+	defer the.mu.Unlock()
+	if the.w != nil {
+		return nil
+	}
+	if the.final {
+		return fmt.Errorf("mpi: init: %w", ErrFinalized)
+	}
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	w := &world{
+		log:        logger,
+		transports: map[uint32]*Transport{},
+		recvs:      map[uint64]*recv{},
+		sends:      map[uint64]*send{},
+		wake:       make(chan struct{}, 1),
+		stop:       make(chan struct{}),
+		stopped:    make(chan struct{}),
+	}
+	// The progress goroutine initialises MPI on its locked OS thread, and
+	// finalizes it there: MPI wants MPI_Finalize on the thread that
+	// initialised it.
+	ready := make(chan error, 1)
+	go w.run(ready)
+	if err := <-ready; err != nil {
+		return err
+	}
+	the.w = w
+	logger.Info("mpi: world initialised", "rank", w.rank, "size", w.size, "tag_ub", w.tagUB,
+		"note", "a rank that dies takes the whole MPI world down")
+	return nil
+}
+
+// Finalize stops the world's progress goroutine and calls MPI_Finalize.
+// Every Transport must be closed first. MPI cannot be initialised again in
+// the process. Idempotent.
+func Finalize() error {
+	the.mu.Lock()
+	defer the.mu.Unlock()
+	w := the.w
+	if w == nil {
+		return nil
+	}
+	w.mu.Lock()
+	open := len(w.transports)
+	w.mu.Unlock()
+	if open > 0 {
+		return fmt.Errorf("mpi: finalize: %d transports still open", open)
+	}
+	close(w.stop)
+	<-w.stopped
+	the.w, the.final = nil, true
+	return w.finalErr
+}
+
+// Abort takes the whole MPI world down (MPI_Abort on MPI_COMM_WORLD):
+// mpirun ends every rank with code. A rank that cannot go on calls it so
+// that the others do not wait for it (in MPI_Finalize, or for its data).
+// Without Init it exits the process with code.
+func Abort(code int) {
+	the.mu.Lock()
+	w := the.w
+	the.mu.Unlock()
+	if w == nil {
+		os.Exit(code)
+	}
+	C.kxm_abort(C.int(code))
+}
+
+// World reports this process's world rank and size; ok is false before
+// Init.
+func World() (rank, size int, ok bool) {
+	the.mu.Lock()
+	defer the.mu.Unlock()
+	if the.w == nil {
+		return 0, 0, false
+	}
+	return the.w.rank, the.w.size, true
+}
+
+func current() (*world, error) {
+	the.mu.Lock()
+	defer the.mu.Unlock()
+	if the.w == nil {
+		return nil, ErrNotInitialised
+	}
+	return the.w, nil
+}
+
+// do queues fn for the progress goroutine.
+func (w *world) do(fn func()) {
+	w.mu.Lock()
+	w.cmds = append(w.cmds, fn)
+	w.mu.Unlock()
+	select {
+	case w.wake <- struct{}{}:
+	default:
+	}
+}
+
+// start initialises MPI and the world's communicators (progress
+// goroutine, before its loop).
+func (w *world) start() error {
+	var provided C.int
+	if rc := C.kxm_init(&provided); rc != 0 {
+		return mpiErr("MPI_Init_thread", rc)
+	}
+	if provided < C.MPI_THREAD_MULTIPLE {
+		return fmt.Errorf("mpi: init: %w (the library provides level %d; OpenMPI must be built with thread support)", ErrThreadLevel, int(provided))
+	}
+	var rank, size, tagUB C.int
+	var epoch C.ulonglong
+	if rc := C.kxm_setup(&w.data, &w.ctl, &rank, &size, &tagUB, &epoch); rc != 0 {
+		return mpiErr("MPI_Comm_dup", rc)
+	}
+	w.rank, w.size, w.tagUB, w.epoch = int(rank), int(size), int(tagUB), uint64(epoch)
+	return nil
+}
+
+// run is the progress goroutine: it initialises MPI, makes progress until
+// Finalize, and finalizes MPI.
+func (w *world) run(ready chan<- error) {
+	defer close(w.stopped)
+	// The thread stays locked to the end: MPI keeps thread-local state.
+	runtime.LockOSThread()
+	if err := w.start(); err != nil {
+		ready <- err
+		return
+	}
+	defer func() {
+		if rc := C.kxm_finalize(&w.data, &w.ctl); rc != 0 {
+			w.finalErr = mpiErr("MPI_Finalize", rc)
+		}
+	}()
+	ctlBufs := make([]unsafe.Pointer, standingCtl)
+	for i := range ctlBufs {
+		ctlBufs[i] = C.malloc(ctlLen)
+		if err := w.postCtlRecv(ctlBufs[i]); err != nil {
+			ready <- err
+			return
+		}
+	}
+	ready <- nil
+	nap := time.NewTimer(time.Hour)
+	defer nap.Stop()
+	empty := 0
+	var cmds []func()
+	for {
+		w.mu.Lock()
+		cmds, w.cmds = w.cmds, cmds[:0]
+		w.mu.Unlock()
+		for _, fn := range cmds {
+			fn()
+		}
+		clear(cmds)
+		n := w.testsome()
+		if len(cmds) > 0 || n > 0 {
+			empty = 0
+			continue
+		}
+		select {
+		case <-w.stop:
+			w.shutdown(ctlBufs)
+			return
+		default:
+		}
+		empty++
+		d := idleNap
+		w.mu.Lock()
+		waiting := len(w.recvs)+len(w.sends) > 0
+		w.mu.Unlock()
+		if waiting {
+			d = waitNap
+		}
+		if w.busy > 0 {
+			if empty < spinRounds {
+				runtime.Gosched()
+				continue
+			}
+			d = busyNap
+		}
+		nap.Reset(d)
+		select {
+		case <-w.wake:
+		case <-nap.C:
+		case <-w.stop:
+		}
+		if !nap.Stop() {
+			select {
+			case <-nap.C:
+			default:
+			}
+		}
+	}
+}
+
+// shutdown cancels the standing control receives and waits for them.
+func (w *world) shutdown(ctlBufs []unsafe.Pointer) {
+	for i := range w.reqs {
+		if w.handlers[i] != nil {
+			C.kxm_cancel(&w.reqs[i])
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for w.active > 0 && time.Now().Before(deadline) {
+		if w.testsome() == 0 {
+			time.Sleep(100 * time.Microsecond)
+		}
+	}
+	if w.active == 0 {
+		for _, p := range ctlBufs {
+			C.free(p)
+		}
+	}
+}
+
+// slot reserves a request slot for h; data marks a data request (the
+// goroutine spins while any is active).
+func (w *world) slot(h func(completion), data bool) int {
+	var i int
+	if n := len(w.freeSlot); n > 0 {
+		i = w.freeSlot[n-1]
+		w.freeSlot = w.freeSlot[:n-1]
+	} else {
+		i = len(w.reqs)
+		w.reqs = append(w.reqs, nil)
+		C.kxm_request_null(&w.reqs[i])
+		w.handlers = append(w.handlers, nil)
+		w.indices = append(w.indices, 0)
+		w.statuses = append(w.statuses, C.MPI_Status{})
+	}
+	if data {
+		h = w.dataHandler(h)
+		w.busy++
+	}
+	w.handlers[i] = h
+	w.active++
+	return i
+}
+
+func (w *world) dataHandler(h func(completion)) func(completion) {
+	return func(c completion) { w.busy--; h(c) }
+}
+
+// unslot returns slot i after a failed post.
+func (w *world) unslot(i int, data bool) {
+	w.handlers[i] = nil
+	C.kxm_request_null(&w.reqs[i])
+	w.freeSlot = append(w.freeSlot, i)
+	w.active--
+	if data {
+		w.busy--
+	}
+}
+
+// testsome tests every posted request once and runs the handlers of those
+// that completed; it returns how many did.
+func (w *world) testsome() int {
+	if w.active == 0 {
+		return 0
+	}
+	var out C.int
+	rc := C.kxm_testsome(C.int(len(w.reqs)), &w.reqs[0], &out, &w.indices[0], &w.statuses[0])
+	if out == C.MPI_UNDEFINED || out <= 0 {
+		if rc != 0 {
+			w.log.Error("mpi: MPI_Testsome failed", "err", mpiErr("MPI_Testsome", rc))
+		}
+		return 0
+	}
+	n := int(out)
+	done := make([]struct {
+		h func(completion)
+		c completion
+	}, n)
+	for k := range n {
+		i := int(w.indices[k])
+		var src, count, cancelled, errc C.int
+		C.kxm_status(&w.statuses[k], &src, &count, &cancelled, &errc)
+		c := completion{Source: int(src), Count: int(count), Cancelled: cancelled != 0}
+		if rc != 0 && errc != 0 {
+			c.Err = mpiErr("request", errc)
+		}
+		done[k].h, done[k].c = w.handlers[i], c
+		w.handlers[i] = nil
+		w.freeSlot = append(w.freeSlot, i)
+		w.active--
+	}
+	for _, d := range done {
+		d.h(d.c)
+	}
+	return n
+}
+
+// postCtlRecv posts one standing control receive into buf (ctlLen bytes
+// of C memory); its handler dispatches the message and posts it again.
+func (w *world) postCtlRecv(buf unsafe.Pointer) error {
+	i := w.slot(func(c completion) {
+		if c.Cancelled {
+			return
+		}
+		if c.Err == nil {
+			m, err := parseCtl(unsafe.Slice((*byte)(buf), c.Count))
+			if err != nil {
+				w.log.Warn("mpi: dropped a control message", "from", c.Source, "err", err)
+			} else {
+				w.dispatch(c.Source, m)
+			}
+		} else {
+			w.log.Warn("mpi: control receive failed", "err", c.Err)
+		}
+		select {
+		case <-w.stop:
+			return
+		default:
+		}
+		if err := w.postCtlRecv(buf); err != nil {
+			w.log.Error("mpi: cannot post a control receive", "err", err)
+		}
+	}, false)
+	if rc := C.kxm_irecv(buf, ctlLen, C.kxm_any_source(), 0, w.ctl, &w.reqs[i]); rc != 0 {
+		w.unslot(i, false)
+		return mpiErr("MPI_Irecv", rc)
+	}
+	return nil
+}
+
+// sendCtl sends m to rank dest on the control communicator.
+func (w *world) sendCtl(dest int, m ctlMsg) {
+	buf := C.malloc(ctlLen)
+	m.put(unsafe.Slice((*byte)(buf), ctlLen))
+	i := w.slot(func(c completion) {
+		C.free(buf)
+		if c.Err != nil {
+			w.log.Warn("mpi: control send failed", "to", dest, "kind", m.Kind, "err", c.Err)
+		}
+	}, false)
+	if rc := C.kxm_isend(buf, ctlLen, C.int(dest), 0, w.ctl, &w.reqs[i]); rc != 0 {
+		w.unslot(i, false)
+		C.free(buf)
+		w.log.Error("mpi: control send failed", "to", dest, "kind", m.Kind, "err", mpiErr("MPI_Isend", rc))
+	}
+}
+
+// postData posts one frame: a send to (or, recv, a receive from) peer on
+// the data communicator, of the blocks of pieces. It returns the slot.
+func (w *world) postData(recv bool, peer, tag int, pieces [][]byte, blocks []block, h func(completion)) (int, error) {
+	i := w.slot(h, true)
+	var rc C.int
+	if len(blocks) == 1 {
+		b := blocks[0]
+		p := unsafe.Pointer(&pieces[b.Piece][b.Off])
+		if recv {
+			rc = C.kxm_irecv(p, C.int(b.Len), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+		} else {
+			rc = C.kxm_isend(p, C.int(b.Len), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+		}
+	} else {
+		addrs := make([]C.MPI_Aint, len(blocks))
+		lens := make([]C.int, len(blocks))
+		for k, b := range blocks {
+			addrs[k] = C.MPI_Aint(uintptr(unsafe.Pointer(&pieces[b.Piece][b.Off])))
+			lens[k] = C.int(b.Len)
+		}
+		if recv {
+			rc = C.kxm_irecvv(&addrs[0], &lens[0], C.int(len(blocks)), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+		} else {
+			rc = C.kxm_isendv(&addrs[0], &lens[0], C.int(len(blocks)), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+		}
+	}
+	if rc != 0 {
+		w.unslot(i, true)
+		op := "MPI_Isend"
+		if recv {
+			op = "MPI_Irecv"
+		}
+		return 0, mpiErr(op, rc)
+	}
+	return i, nil
+}
+
+// postSink posts a receive of n bytes from peer at tag into scratch memory
+// that is freed when it completes: a frame of a receipt that ended early.
+func (w *world) postSink(peer, tag, n int) {
+	buf := C.malloc(C.size_t(max(n, 1)))
+	i := w.slot(func(completion) { C.free(buf) }, true)
+	if rc := C.kxm_irecv(buf, C.int(n), C.int(peer), C.int(tag), w.data, &w.reqs[i]); rc != 0 {
+		w.unslot(i, true)
+		C.free(buf)
+		w.log.Error("mpi: cannot drain a frame of an ended receipt", "from", peer, "tag", tag, "err", mpiErr("MPI_Irecv", rc))
+	}
+}
+
+// cancelReq cancels the request in slot i (a receive); its handler runs
+// when MPI completes it, cancelled or not.
+func (w *world) cancelReq(i int) {
+	if rc := C.kxm_cancel(&w.reqs[i]); rc != 0 {
+		w.log.Warn("mpi: MPI_Cancel failed", "err", mpiErr("MPI_Cancel", rc))
+	}
+}
+
+// tag returns a fresh data tag.
+func (w *world) tag() int {
+	w.nextTag++
+	if w.nextTag > w.tagUB || w.nextTag <= 0 {
+		w.nextTag = 1
+	}
+	return w.nextTag
+}
+
+// mpiErr turns an MPI error code into an *Error.
+func mpiErr(op string, rc C.int) error {
+	var buf [256]C.char
+	C.kxm_errstr(rc, &buf[0], C.int(len(buf)))
+	return &Error{Op: op, Code: int(rc), Msg: C.GoString(&buf[0])}
+}
