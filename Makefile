@@ -14,7 +14,7 @@ TAGS      := ucx
 
 CHAOS_SEED ?= 0
 
-.PHONY: help run test hostile chaos bench-report ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: help run test hostile chaos bench-report bench-serve ucx deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -76,6 +76,10 @@ nocgo: ## the binary builds without cgo (UCX then reports itself as not built in
 bench-report: build ## regenerate the README's performance report (docs/perf.*)
 	./$(BIN) bench --model llama-3.1-8b --isl 1024,4096,16384 --backend tcp,auto --baseline \
 		--json docs/perf.json --md docs/perf.md --png docs/perf.png
+
+bench-serve: build ## the README's serving figures (kvxfer bench serve): the default cluster and an aggregated worker at 1, 2, 4 and 8 requests/s; bin/bench-serve.{json,md,png}
+	./$(BIN) bench serve --compare-aggregated --rates 1,2,4,8 --num-prompts 32 --input-len 128 --output-len 32 --duration 30s \
+		--json bin/bench-serve.json --md bin/bench-serve.md --png bin/bench-serve.png
 
 clean: ## remove build outputs
 	rm -rf bin

@@ -71,9 +71,24 @@ type Result struct {
 	records []Record
 }
 
-// Label names the run: its target, and its rate in a sweep.
+// Label names the run: its target and its load, the rate or, for one
+// that starts everything at once, the concurrency.
 func (r *Result) Label() string {
-	return r.Target.Name + " @ " + rateText(r.Rate)
+	return r.Target.Name + " @ " + loadText(r.Rate, r.MaxConcurrency)
+}
+
+// loadText is a run's load: "4/s", "4/s, concurrency 8", "concurrency 1"
+// or "all at once".
+func loadText(rate float64, maxc int) string {
+	switch {
+	case rate > 0 && !math.IsInf(rate, 1) && maxc > 0:
+		return fmt.Sprintf("%s, concurrency %d", rateText(rate), maxc)
+	case rate > 0 && !math.IsInf(rate, 1):
+		return rateText(rate)
+	case maxc > 0:
+		return fmt.Sprintf("concurrency %d", maxc)
+	}
+	return "all at once"
 }
 
 func rateText(rate float64) string {
@@ -196,10 +211,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintln(w, r.setupLine())
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "TARGET\tRATE\tDONE\tFAILED\tREQ/s\tOUT TOK/s\tGOODPUT\tTTFT ms p50/p90/p99\tTPOT ms p50/p99\tITL ms p50/p99\tE2EL ms p50/p99\tKV/REQ\tKV SHARE OF TTFT p50")
+	fmt.Fprintln(tw, "TARGET\tRATE\tCONC\tDONE\tFAILED\tREQ/s\tOUT TOK/s\tGOODPUT\tTTFT ms p50/p90/p99\tTPOT ms p50/p99\tITL ms p50/p99\tE2EL ms p50/p99\tKV/REQ\tKV SHARE OF TTFT p50")
 	for _, run := range r.Runs {
 		m := &run.Metrics
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", run.Target.Name, rateText(run.Rate), m.Completed,
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", run.Target.Name, rateText(run.Rate),
+			concText(run.MaxConcurrency), m.Completed,
 			m.Failed, m.RequestThroughput, m.OutputThroughput, goodputCell(m), dist3(m.TTFT), dist2(m.TPOT), dist2(m.ITL),
 			dist2(m.E2EL), kvBytesCell(m), kvShareCell(m))
 	}
@@ -322,7 +338,7 @@ func (r *Report) overheadLines() []string {
 			continue
 		}
 		out = append(out, fmt.Sprintf("disaggregation overhead @ %s: TTFT p50 %+.1f ms (%.1f disaggregated − %.1f aggregated); KV transfer p50 %.2f ms, %s per request",
-			rateText(rate), dis.TTFT.P50-agg.TTFT.P50, dis.TTFT.P50, agg.TTFT.P50, dis.KVTransferMs.P50, kvBytesCell(&dis.Metrics)))
+			loadText(rate, r.Config.MaxConcurrency), dis.TTFT.P50-agg.TTFT.P50, dis.TTFT.P50, agg.TTFT.P50, dis.KVTransferMs.P50, kvBytesCell(&dis.Metrics)))
 	}
 	return out
 }
@@ -370,6 +386,13 @@ func (r *Report) setupLine() string {
 	return s + "."
 }
 
+func concText(maxc int) string {
+	if maxc <= 0 {
+		return "–"
+	}
+	return strconv.Itoa(maxc)
+}
+
 func dist3(d Dist) string {
 	if d.N == 0 {
 		return "–"
@@ -409,5 +432,5 @@ func kvShareCell(m *Metrics) string {
 	if m.KVShareTTFT.N == 0 {
 		return "–"
 	}
-	return fmt.Sprintf("%.1f%%", 100*m.KVShareTTFT.P50)
+	return fmt.Sprintf("%.2f%%", 100*m.KVShareTTFT.P50)
 }

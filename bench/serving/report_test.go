@@ -67,7 +67,7 @@ func sweepReport(t *testing.T) *Report {
 // back; the table, the Markdown and the PNG carry every run.
 func TestReportOutputs(t *testing.T) {
 	rep := sweepReport(t)
-	if len(rep.Runs) != 4 || rep.Runs[0].Label() != "disaggregated @ inf" || rep.Runs[3].Label() != "aggregated @ 200/s" {
+	if len(rep.Runs) != 4 || rep.Runs[0].Label() != "disaggregated @ all at once" || rep.Runs[3].Label() != "aggregated @ 200/s" {
 		t.Fatalf("runs %d, first %q", len(rep.Runs), rep.Runs[0].Label())
 	}
 	var buf bytes.Buffer
@@ -91,7 +91,7 @@ func TestReportOutputs(t *testing.T) {
 	if err := rep.WritePNG(&img); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"disaggregated", "aggregated", "200/s", "disaggregation overhead @ inf", "goodput SLO ttft ≤ 1000 ms"} {
+	for _, want := range []string{"disaggregated", "aggregated", "200/s", "disaggregation overhead @ all at once", "goodput SLO ttft ≤ 1000 ms"} {
 		if !strings.Contains(table.String(), want) || !strings.Contains(md.String(), want) {
 			t.Errorf("table or Markdown lacks %q:\n%s\n%s", want, table.String(), md.String())
 		}

@@ -194,7 +194,8 @@ func (d *driver) conversation(ctx context.Context, idx int, c Conversation) []Re
 				return out
 			}
 		}
-		if ctx.Err() != nil || (t > 0 && d.expired()) {
+		// A start that waited for a slot past Duration is not sent.
+		if ctx.Err() != nil || d.expired() {
 			if d.sem != nil {
 				<-d.sem
 			}

@@ -190,6 +190,24 @@ func TestRunDuration(t *testing.T) {
 	}
 }
 
+// TestRunDurationWaiting: with every conversation started at once and a
+// bound on concurrency, those still waiting for a slot at Duration are
+// not sent.
+func TestRunDurationWaiting(t *testing.T) {
+	f := &fakeServer{gap: 20 * time.Millisecond}
+	o := testOptions(t, startFake(t, f), 200)
+	o.MaxConcurrency, o.Duration = 2, 150*time.Millisecond
+	o.Workload.Output = mustLengths(t, "3", true)
+	recs, _, err := Run(context.Background(), o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 2 slots × 150 ms / 60 ms per request: about 6 requests.
+	if n := len(recs); n < 2 || n > 20 {
+		t.Errorf("%d requests sent in 150 ms with 2 slots of 60 ms requests", n)
+	}
+}
+
 // TestRunErrors: failed requests are recorded by kind, and a failed turn
 // ends its conversation.
 func TestRunErrors(t *testing.T) {
