@@ -24,6 +24,9 @@
 // burstiness other than 1 gamma-distributed gaps, as vllm's --burstiness)
 // or all at once, with at most MaxConcurrency requests in flight, until
 // NumPrompts requests were sent or Duration has passed (Arrivals, Run).
+// Before each run, Warmup requests are sent one after the other and not
+// measured: the first request through a fresh cluster also opens the KV
+// transfer's connections, which is not what a steady state is like.
 //
 // Definitions, as vllm's: TTFT is the time from sending a request to the
 // first chunk that carries a token; TPOT is (E2EL − TTFT) / (output

@@ -101,3 +101,38 @@ func TestBenchServeCluster(t *testing.T) {
 		t.Errorf("the table lacks the overhead line:\n%s", out)
 	}
 }
+
+// TestBenchServeURL is bench serve against running servers (--url, and
+// --aggregated-url for the comparison): a cluster this test started, with
+// an SLO no request can meet (goodput 0) and one every request meets.
+func TestBenchServeURL(t *testing.T) {
+	l := launchCluster(t, smallCluster, true)
+	dir := t.TempDir()
+	for _, tc := range []struct {
+		slo  string
+		good int
+	}{{"ttft:0.001", 0}, {"e2el:600000", 4}} {
+		code, out, errOut := runWith(t, nil, "bench", "serve", "--url", l.RouterURL, "--compare-aggregated", "--aggregated-url",
+			l.AggregatedURL, "--num-prompts", "4", "--input-len", "32", "--output-len", "4", "--max-concurrency", "2",
+			"--goodput", tc.slo, "--json", filepath.Join(dir, "r.json"))
+		if code != 0 {
+			t.Fatalf("%s: exit %d\n%s\n%s", tc.slo, code, out, errOut)
+		}
+		b, err := os.ReadFile(filepath.Join(dir, "r.json"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var rep serving.Report
+		if err := json.Unmarshal(b, &rep); err != nil {
+			t.Fatal(err)
+		}
+		if len(rep.Runs) != 2 || rep.Runs[0].Target.URL != l.RouterURL || rep.Runs[1].Target.URL != l.AggregatedURL {
+			t.Fatalf("%s: runs %+v", tc.slo, rep.Runs)
+		}
+		for _, run := range rep.Runs {
+			if run.Completed != 4 || run.GoodRequests != tc.good || run.Goodput == nil {
+				t.Errorf("%s: %s: %d completed, %d good; want 4, %d", tc.slo, run.Target.Name, run.Completed, run.GoodRequests, tc.good)
+			}
+		}
+	}
+}
