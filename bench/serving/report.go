@@ -42,6 +42,9 @@ type Config struct {
 	// target; 0 means all at once.
 	Rates      []float64 `json:"rates"`
 	Burstiness float64   `json:"burstiness"`
+	// Paired: each conversation went to every target in turn, one
+	// request at a time (RunPaired), rather than a run per target.
+	Paired bool `json:"paired"`
 	// Warmup is the unmeasured requests before each run.
 	Warmup         int `json:"warmup"`
 	MaxConcurrency int `json:"max_concurrency"`
@@ -113,6 +116,9 @@ type Sweep struct {
 	Rates   []float64
 	Command []string
 	Setup   string
+	// Paired runs each rate as RunPaired does: every conversation to
+	// every target in turn, one request at a time (Rates must be {0}).
+	Paired bool
 	// Progress, when set, receives the sweep's events.
 	Progress func(Event)
 }
@@ -139,9 +145,17 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 	}
 	rep := &Report{Version: ReportVersion, Command: s.Command, Started: time.Now(), Build: buildinfo.Read(),
 		Machine: bench.ReadMachine(), Runs: []*Result{},
-		Config: Config{Workload: b.Workload, Model: b.Model, Rates: s.Rates, Burstiness: b.Burstiness, Warmup: b.Warmup,
+		Config: Config{Workload: b.Workload, Model: b.Model, Rates: s.Rates, Burstiness: b.Burstiness, Warmup: b.Warmup, Paired: s.Paired,
 			MaxConcurrency: b.MaxConcurrency, DurationS: b.Duration.Seconds(), TimeoutS: timeout.Seconds(), SLO: b.SLO,
 			Targets: s.Targets, Setup: s.Setup}}
+	if s.Paired {
+		if len(s.Rates) != 1 || s.Rates[0] != 0 {
+			return nil, fmt.Errorf("%w: a paired sweep sends one request at a time: it has no rate (rates %v)", ErrBadOptions, s.Rates)
+		}
+		rep.Config.MaxConcurrency = 1
+		runPaired(ctx, s, rep)
+		return rep, nil
+	}
 	runs := len(s.Rates) * len(s.Targets)
 	for _, rate := range s.Rates {
 		for _, t := range s.Targets {
@@ -183,6 +197,44 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 		rep.Command = []string{}
 	}
 	return rep, nil
+}
+
+// runPaired runs a paired sweep (Sweep.Paired) into rep: one Result per
+// target, from the records of one RunPaired.
+func runPaired(ctx context.Context, s Sweep, rep *Report) {
+	label := "all targets, paired"
+	o := s.Base
+	if s.Progress != nil {
+		s.Progress(Event{Run: 1, Runs: 1, Label: label, Total: o.Workload.NumPrompts * len(s.Targets)})
+		o.Progress = func(done, total int) { s.Progress(Event{Run: 1, Runs: 1, Label: label, Done: done, Total: total}) }
+	}
+	records, spent, err := RunPaired(ctx, o, s.Targets)
+	done := 0
+	for i, t := range s.Targets {
+		res := &Result{Target: t, MaxConcurrency: 1, ErrorExamples: map[string]string{}}
+		if err != nil {
+			res.Error = err.Error()
+			res.Metrics = Compute(nil, 0, o.SLO)
+		} else {
+			res.records = records[i]
+			res.Metrics = Compute(records[i], spent[i], o.SLO)
+			done += len(records[i])
+		}
+		for _, r := range res.records {
+			if !r.OK() && res.ErrorExamples[r.ErrorKind] == "" {
+				res.ErrorExamples[r.ErrorKind] = r.Error
+			}
+		}
+		rep.Runs = append(rep.Runs, res)
+		rep.Failed += res.Failed
+	}
+	if s.Progress != nil {
+		s.Progress(Event{Run: 1, Runs: 1, Label: label, Done: done, Total: o.Workload.NumPrompts * len(s.Targets), Result: rep.Runs[0]})
+	}
+	rep.DurationS = time.Since(rep.Started).Seconds()
+	if rep.Command == nil {
+		rep.Command = []string{}
+	}
 }
 
 // OK reports whether the run ran and every request completed.
@@ -338,9 +390,17 @@ func (r *Report) overheadLines() []string {
 			continue
 		}
 		out = append(out, fmt.Sprintf("disaggregation overhead @ %s: TTFT p50 %+.1f ms (%.1f disaggregated − %.1f aggregated); KV transfer p50 %.2f ms, %s per request",
-			loadText(rate, r.Config.MaxConcurrency), dis.TTFT.P50-agg.TTFT.P50, dis.TTFT.P50, agg.TTFT.P50, dis.KVTransferMs.P50, kvBytesCell(&dis.Metrics)))
+			r.overheadLoad(rate), dis.TTFT.P50-agg.TTFT.P50, dis.TTFT.P50, agg.TTFT.P50, dis.KVTransferMs.P50, kvBytesCell(&dis.Metrics)))
 	}
 	return out
+}
+
+// overheadLoad names the load of an overhead line.
+func (r *Report) overheadLoad(rate float64) string {
+	if r.Config.Paired {
+		return "concurrency 1, paired"
+	}
+	return loadText(rate, r.Config.MaxConcurrency)
 }
 
 // The names of the targets kvxfer bench serve measures.
@@ -365,7 +425,10 @@ func (r *Report) setupLine() string {
 	if c.Warmup > 0 {
 		s += fmt.Sprintf(", after %d unmeasured warm-up requests", c.Warmup)
 	}
-	if c.MaxConcurrency > 0 {
+	switch {
+	case c.Paired:
+		s += ", paired: every conversation sent to each target in turn (the order rotating), one request at a time"
+	case c.MaxConcurrency > 0:
 		s += fmt.Sprintf(", at most %d in flight", c.MaxConcurrency)
 	}
 	if c.DurationS > 0 {

@@ -145,3 +145,31 @@ func TestReportSchemaRejects(t *testing.T) {
 		}
 	}
 }
+
+// TestPairedSweep: a paired sweep has a run per target, validates, and
+// says it was paired; it refuses a rate.
+func TestPairedSweep(t *testing.T) {
+	url := startFake(t, &fakeServer{gap: time.Millisecond})
+	o := testOptions(t, url, 4)
+	targets := []Target{{Name: TargetDisaggregated, URL: url}, {Name: TargetAggregated, URL: url}}
+	rep, err := RunSweep(context.Background(), Sweep{Base: o, Rates: []float64{0}, Targets: targets, Paired: true, Setup: "fake"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Runs) != 2 || !rep.Config.Paired || rep.Runs[0].Completed != 4 || rep.Runs[1].Completed != 4 || rep.Runs[1].DurationS <= 0 {
+		t.Fatalf("runs %d, paired %v", len(rep.Runs), rep.Config.Paired)
+	}
+	var buf, table bytes.Buffer
+	if err := rep.WriteJSON(&buf); err != nil {
+		t.Fatal(err)
+	}
+	if err := validate(compileSchema(t), buf.Bytes()); err != nil {
+		t.Fatalf("the report does not validate: %v", err)
+	}
+	if err := rep.WriteTable(&table); err != nil || !strings.Contains(table.String(), "overhead @ concurrency 1, paired") {
+		t.Errorf("table: %v\n%s", err, table.String())
+	}
+	if _, err := RunSweep(context.Background(), Sweep{Base: o, Rates: []float64{2}, Targets: targets, Paired: true}); err == nil {
+		t.Error("a paired sweep at a rate ran")
+	}
+}

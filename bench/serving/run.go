@@ -240,3 +240,63 @@ func (d *driver) progress() {
 	d.done++
 	d.o.Progress(d.done, d.total)
 }
+
+// RunPaired sends each conversation of o's workload to every target, one
+// request at a time: the whole conversation to one target, then to the
+// next, the targets' order rotating from one conversation to the next
+// (A B, B A, ...). It returns each target's records and the time spent on
+// its requests. Paired runs compare targets on a machine whose load
+// drifts: each target gets the same prompts under the same conditions, a
+// few hundred milliseconds apart, rather than in runs minutes apart.
+// o.Rate and o.MaxConcurrency are not used; o.Duration bounds the whole.
+func RunPaired(ctx context.Context, o Options, targets []Target) ([][]Record, []time.Duration, error) {
+	if len(targets) == 0 {
+		return nil, nil, fmt.Errorf("%w: a paired run needs a target", ErrBadOptions)
+	}
+	for _, t := range targets {
+		ot := o
+		ot.Target = t
+		if err := ot.validate(); err != nil {
+			return nil, nil, err
+		}
+	}
+	if o.Timeout == 0 {
+		o.Timeout = DefaultTimeout
+	}
+	client := o.Client
+	if client == nil {
+		client = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 16}}
+		defer client.CloseIdleConnections()
+	}
+	system := o.Workload.SystemPrompt()
+	start := time.Now()
+	drivers := make([]*driver, len(targets))
+	for i, t := range targets {
+		ot := o
+		ot.Target, ot.Progress = t, nil
+		if err := warmup(ctx, client, &ot, system); err != nil {
+			return nil, nil, err
+		}
+		drivers[i] = &driver{o: &ot, client: client, system: system, start: start}
+	}
+	records := make([][]Record, len(targets))
+	spent := make([]time.Duration, len(targets))
+	done, total := 0, o.Workload.NumPrompts*len(targets)
+	for i, conv := range o.Workload.Conversations() {
+		if ctx.Err() != nil || (o.Duration > 0 && time.Since(start) >= o.Duration) {
+			break
+		}
+		for k := range targets {
+			t := (i + k) % len(targets)
+			before := time.Now()
+			rs := drivers[t].conversation(ctx, i, conv)
+			spent[t] += time.Since(before)
+			records[t] = append(records[t], rs...)
+			done += len(rs)
+			if o.Progress != nil {
+				o.Progress(done, total)
+			}
+		}
+	}
+	return records, spent, nil
+}

@@ -24,6 +24,9 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 type fakeServer struct {
 	gap  time.Duration
 	fail func(prompt []int32) string // "", "400", "500", "event", "cut"
+	// enter and leave, when set, are called as a request comes in and
+	// just before its last write.
+	enter, leave func()
 
 	mu       sync.Mutex
 	inflight int
@@ -52,6 +55,9 @@ func (f *fakeServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, fmt.Sprintf("bad request %+v: %v", req, err), http.StatusBadRequest)
 		return
 	}
+	if f.enter != nil {
+		f.enter()
+	}
 	f.mu.Lock()
 	f.inflight++
 	f.maxIn = max(f.maxIn, f.inflight)
@@ -62,6 +68,9 @@ func (f *fakeServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	var once sync.Once
 	leave := func() {
 		once.Do(func() {
+			if f.leave != nil {
+				f.leave()
+			}
 			f.mu.Lock()
 			f.inflight--
 			f.mu.Unlock()
@@ -108,7 +117,7 @@ func (f *fakeServer) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	fl.Flush()
 }
 
-func startFake(t *testing.T, f *fakeServer) string {
+func startFake(t *testing.T, f http.Handler) string {
 	t.Helper()
 	srv := httptest.NewServer(f)
 	t.Cleanup(srv.Close)
@@ -288,5 +297,44 @@ func TestOptionsValidate(t *testing.T) {
 	}
 	if err := good.validate(); err != nil {
 		t.Errorf("good options refused: %v", err)
+	}
+}
+
+// TestRunPaired: every conversation goes to each target, one request at a
+// time, the order rotating; both targets get the same prompts.
+func TestRunPaired(t *testing.T) {
+	var mu sync.Mutex
+	var order []string
+	var inflight, maxIn int
+	mk := func(name string) string {
+		return startFake(t, &fakeServer{gap: time.Millisecond, enter: func() {
+			mu.Lock()
+			order = append(order, name)
+			inflight++
+			maxIn = max(maxIn, inflight)
+			mu.Unlock()
+		}, leave: func() {
+			mu.Lock()
+			inflight--
+			mu.Unlock()
+		}})
+	}
+	a, b := mk("a"), mk("b")
+	o := testOptions(t, a, 6)
+	o.Workload.Turns = 2
+	recs, spent, err := RunPaired(context.Background(), o, []Target{{Name: TargetDisaggregated, URL: a}, {Name: TargetAggregated, URL: b}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []string{"a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"}; !slices.Equal(order, want) {
+		t.Errorf("order %v, want %v", order, want)
+	}
+	if maxIn != 1 || len(recs) != 2 || len(recs[0]) != 6 || len(recs[1]) != 6 || spent[0] <= 0 || spent[1] <= 0 {
+		t.Fatalf("%d in flight at most, records %d/%d, spent %v", maxIn, len(recs[0]), len(recs[1]), spent)
+	}
+	for i := range recs[0] {
+		if recs[0][i].PromptTokens != recs[1][i].PromptTokens || recs[0][i].Conversation != recs[1][i].Conversation {
+			t.Errorf("request %d: prompts of %d and %d tokens", i, recs[0][i].PromptTokens, recs[1][i].PromptTokens)
+		}
 	}
 }

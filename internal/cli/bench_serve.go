@@ -29,7 +29,10 @@ Target: with --url a running router or worker; otherwise the cluster of -f (defa
 embedded one of kvxfer up), started as kvxfer up starts it, on free ports, and stopped at
 the end. --compare-aggregated runs the same workload (same seed) against an aggregated
 worker of the same model as well (started with the cluster, or --aggregated-url), each
-rate's runs one after the other, and reports them side by side.
+rate's runs one after the other, and reports them side by side; with --paired instead
+every conversation goes to both, one request at a time, alternating which goes first, so
+that both see the same load (the fair way to measure the disaggregation overhead on a
+shared machine).
 
 Workload: --input-len and --output-len take N (or fixed:N), uniform:A-B, or chat (the shape
 of a public chat dataset's prompt or reply lengths). Lengths are tokens, and the tokenizer
@@ -57,7 +60,7 @@ type benchServeFlags struct {
 	burstiness                         float64
 	duration, timeout                  time.Duration
 	jsonPath, mdPath, pngPath          string
-	printSchema, showLogs              bool
+	printSchema, showLogs, paired      bool
 }
 
 func newBenchServeCmd(e env) *cobra.Command {
@@ -81,6 +84,7 @@ func newBenchServeCmd(e env) *cobra.Command {
 	f.StringVarP(&sf.file, "file", "f", "", "cluster file (disagg_config.yaml) to start and measure; default: the embedded one of kvxfer up")
 	f.StringVar(&sf.model, "model", "", "model: the preset the started workers serve (default "+serve.DefaultModel+") and the requests' model field (with --url, left out unless set)")
 	f.BoolVar(&sf.compare, "compare-aggregated", false, "also run the same workload against an aggregated worker of the same model, side by side")
+	f.BoolVar(&sf.paired, "paired", false, "with --compare-aggregated: send every conversation to both, one request at a time, alternating which goes first (a fair TTFT comparison on a machine whose load drifts)")
 	f.IntVar(&sf.numPrompts, "num-prompts", 100, "requests to send per run (turns, over every conversation)")
 	f.StringVar(&sf.inputLen, "input-len", "128", "prompt length in tokens (per turn): N, fixed:N, uniform:A-B or chat")
 	f.StringVar(&sf.outputLen, "output-len", "32", "output length in tokens (max_tokens, with ignore_eos): N, fixed:N, uniform:A-B or chat")
@@ -164,6 +168,9 @@ func (sf *benchServeFlags) options() (serving.Options, []float64, error) {
 	if sf.compare && sf.url != "" && sf.aggURL == "" {
 		bad("--compare-aggregated with --url needs --aggregated-url (the aggregated worker to compare with)")
 	}
+	if sf.paired && (!sf.compare || len(sf.rates) > 0 || sf.rate != "inf" || sf.maxC > 1) {
+		bad("--paired goes with --compare-aggregated and sends one request at a time: not with --rates, --request-rate or --max-concurrency above 1")
+	}
 	if sf.url != "" && sf.file != "" {
 		bad("--url and -f exclude each other: measure a running server, or start the cluster of a file")
 	}
@@ -209,7 +216,7 @@ func runBenchServe(cmd *cobra.Command, e env, sf *benchServeFlags) error {
 	if err != nil {
 		return err
 	}
-	s := serving.Sweep{Base: base, Rates: rates, Command: commandLine(cmd)}
+	s := serving.Sweep{Base: base, Rates: rates, Command: commandLine(cmd), Paired: sf.paired}
 	s.Command = append([]string{"kvxfer", "bench", "serve"}, s.Command[2:]...)
 	for i, w := range s.Command {
 		if w == "--goodput" && i+1 < len(s.Command) { // a StringArray prints as [a,b]

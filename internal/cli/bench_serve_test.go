@@ -35,6 +35,9 @@ func TestBenchServeBadFlags(t *testing.T) {
 		{[]string{"stray"}, `unexpected argument "stray"`},
 		{[]string{"--url", "http://localhost:1", "--compare-aggregated"}, "--aggregated-url"},
 		{[]string{"--url", "http://localhost:1", "-f", "x.yaml"}, "--url and -f"},
+		{[]string{"--paired"}, "--paired goes with --compare-aggregated"},
+		{[]string{"--paired", "--compare-aggregated", "--rates", "1,2"}, "--paired goes with"},
+		{[]string{"--paired", "--compare-aggregated", "--max-concurrency", "4"}, "--paired goes with"},
 	} {
 		code, _, errOut := runWith(t, nil, append([]string{"bench", "serve"}, tc.args...)...)
 		if code != 2 || !strings.Contains(errOut, tc.want) {
