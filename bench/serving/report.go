@@ -32,6 +32,43 @@ type Report struct {
 	Runs      []*Result      `json:"runs"`
 	// Failed is the sum of the runs' failed requests.
 	Failed int `json:"failed"`
+	// PairedTTFTDeltaMs is, for a paired sweep of a disaggregated and an
+	// aggregated target, the TTFT of each request through the first minus
+	// that of the same request to the second, over the requests both
+	// completed: the disaggregation overhead, request by request.
+	PairedTTFTDeltaMs *Delta `json:"paired_ttft_delta_ms,omitempty"`
+}
+
+// Delta summarizes differences, which may be negative.
+type Delta struct {
+	Mean float64 `json:"mean"`
+	P10  float64 `json:"p10"`
+	P50  float64 `json:"p50"`
+	P90  float64 `json:"p90"`
+	N    int     `json:"n"`
+}
+
+// pairedDelta is the Delta of disaggregated minus aggregated TTFT over
+// the requests (conversation and turn) that both completed.
+func pairedDelta(dis, agg []Record) *Delta {
+	type key struct{ c, t int }
+	aggTTFT := map[key]float64{}
+	for _, r := range agg {
+		if r.OK() {
+			aggTTFT[key{r.Conversation, r.Turn}] = ms(r.TTFT)
+		}
+	}
+	var diffs []float64
+	for _, r := range dis {
+		if a, ok := aggTTFT[key{r.Conversation, r.Turn}]; ok && r.OK() {
+			diffs = append(diffs, ms(r.TTFT)-a)
+		}
+	}
+	if len(diffs) == 0 {
+		return nil
+	}
+	d := Summarize(diffs)
+	return &Delta{Mean: d.Mean, P10: Percentile(diffs, 10), P50: d.P50, P90: d.P90, N: d.N}
 }
 
 // Config is the effective configuration of a sweep.
@@ -228,6 +265,9 @@ func runPaired(ctx context.Context, s Sweep, rep *Report) {
 		rep.Runs = append(rep.Runs, res)
 		rep.Failed += res.Failed
 	}
+	if err == nil && len(s.Targets) == 2 && s.Targets[0].Name == TargetDisaggregated && s.Targets[1].Name == TargetAggregated {
+		rep.PairedTTFTDeltaMs = pairedDelta(records[0], records[1])
+	}
 	if s.Progress != nil {
 		s.Progress(Event{Run: 1, Runs: 1, Label: label, Done: done, Total: o.Workload.NumPrompts * len(s.Targets), Result: rep.Runs[0]})
 	}
@@ -391,6 +431,10 @@ func (r *Report) overheadLines() []string {
 		}
 		out = append(out, fmt.Sprintf("disaggregation overhead @ %s: TTFT p50 %+.1f ms (%.1f disaggregated − %.1f aggregated); KV transfer p50 %.2f ms, %s per request",
 			r.overheadLoad(rate), dis.TTFT.P50-agg.TTFT.P50, dis.TTFT.P50, agg.TTFT.P50, dis.KVTransferMs.P50, kvBytesCell(&dis.Metrics)))
+		if d := r.PairedTTFTDeltaMs; d != nil {
+			out = append(out, fmt.Sprintf("request by request (%d pairs), TTFT disaggregated − aggregated: p50 %+.1f ms, p10 %+.1f ms, p90 %+.1f ms, mean %+.1f ms",
+				d.N, d.P50, d.P10, d.P90, d.Mean))
+		}
 	}
 	return out
 }

@@ -166,10 +166,31 @@ func TestPairedSweep(t *testing.T) {
 	if err := validate(compileSchema(t), buf.Bytes()); err != nil {
 		t.Fatalf("the report does not validate: %v", err)
 	}
-	if err := rep.WriteTable(&table); err != nil || !strings.Contains(table.String(), "overhead @ concurrency 1, paired") {
+	if d := rep.PairedTTFTDeltaMs; d == nil || d.N != 4 || d.P10 > d.P50 || d.P50 > d.P90 {
+		t.Errorf("paired TTFT delta %+v, want 4 ordered pairs", d)
+	}
+	if err := rep.WriteTable(&table); err != nil || !strings.Contains(table.String(), "overhead @ concurrency 1, paired") ||
+		!strings.Contains(table.String(), "request by request (4 pairs)") {
 		t.Errorf("table: %v\n%s", err, table.String())
 	}
 	if _, err := RunSweep(context.Background(), Sweep{Base: o, Rates: []float64{2}, Targets: targets, Paired: true}); err == nil {
 		t.Error("a paired sweep at a rate ran")
+	}
+}
+
+// TestPairedDelta: differences of TTFT matched by conversation and turn,
+// over the requests both sides completed, against a hand count.
+func TestPairedDelta(t *testing.T) {
+	dis := []Record{{Conversation: 0, TTFT: msd(110)}, {Conversation: 1, TTFT: msd(90)}, {Conversation: 2, TTFT: msd(200)},
+		{Conversation: 3, TTFT: msd(50), ErrorKind: ErrorEvent}}
+	agg := []Record{{Conversation: 2, TTFT: msd(150)}, {Conversation: 0, TTFT: msd(100)}, {Conversation: 1, TTFT: msd(100)},
+		{Conversation: 3, TTFT: msd(10)}}
+	d := pairedDelta(dis, agg)
+	// +10, -10, +50
+	if d == nil || d.N != 3 || d.P50 != 10 || d.Mean != 50.0/3 || d.P10 != -6 || d.P90 != 42 {
+		t.Errorf("delta %+v, want n 3, p50 10, mean 16.67, p10 -6, p90 42", d)
+	}
+	if pairedDelta(dis[3:], agg) != nil {
+		t.Error("a delta without pairs")
 	}
 }
