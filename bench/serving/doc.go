@@ -37,6 +37,14 @@
 // default). Goodput is the number of completed requests that meet every
 // SLO of the run per second of the run.
 //
+// RunSweep runs a run per rate and target, the targets of a rate one
+// after the other with the same workload; with Sweep.Paired instead every
+// conversation goes to each target in turn, one request at a time, the
+// order rotating (RunPaired), so that a comparison of a disaggregated
+// cluster with an aggregated worker is not skewed by load that drifts
+// between runs, and the report adds the TTFT difference request by
+// request (Report.PairedTTFTDeltaMs).
+//
 // The statistics, the workload and the arrival generator are pure (no
 // goroutines, clocks or I/O); Run is the driver around them and Report
 // writes the results as a text table, JSON (ReportSchema), Markdown and a
