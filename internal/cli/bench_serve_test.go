@@ -108,8 +108,14 @@ func TestBenchServeCluster(t *testing.T) {
 // TestBenchServeURL is bench serve against running servers (--url, and
 // --aggregated-url for the comparison): a cluster this test started, with
 // an SLO no request can meet (goodput 0) and one every request meets.
+// The cluster is bench/serving's TP1 -> TP1 file, the one for the
+// disaggregation overhead next to an aggregated worker of the same layout.
 func TestBenchServeURL(t *testing.T) {
-	l := launchCluster(t, smallCluster, true)
+	y, err := os.ReadFile("../../bench/serving/testdata/disagg_tp1.yaml")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := launchCluster(t, string(y), true)
 	dir := t.TempDir()
 	for _, tc := range []struct {
 		slo  string
