@@ -17,7 +17,7 @@ MPIRUN    := $(if $(filter 0,$(shell id -u)),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW
 
 CHAOS_SEED ?= 0
 
-.PHONY: help run test hostile chaos bench-report ucx mpi deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: help run test hostile chaos bench-report bench-serve ucx mpi deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -86,6 +86,10 @@ nocgo: ## the binary builds without cgo (UCX and MPI then report themselves as n
 
 bench-report: build ## run every transfer and layout benchmark with its baselines (docs/perf*) and rewrite the README's performance summary
 	BIN=$(BIN) GO=$(GO) scripts/bench-report.sh
+
+bench-serve: build ## the README's serving figures (kvxfer bench serve): the default cluster and an aggregated worker at 1, 2, 4 and 8 requests/s; bin/bench-serve.{json,md,png}
+	./$(BIN) bench serve --compare-aggregated --rates 1,2,4,8 --num-prompts 32 --input-len 128 --output-len 32 --duration 30s \
+		--json bin/bench-serve.json --md bin/bench-serve.md --png bin/bench-serve.png
 
 clean: ## remove build outputs
 	rm -rf bin

@@ -278,3 +278,13 @@ func tokens(n int64) string {
 	}
 	return fmt.Sprint(n)
 }
+
+// SeriesStyle returns the colour and glyph of the i-th line of a chart,
+// as this package's charts draw them (for the serving benchmark's).
+func SeriesStyle(i int) (color.Color, draw.GlyphDrawer) {
+	return seriesColors[i%len(seriesColors)], seriesGlyphs[i%len(seriesGlyphs)]
+}
+
+// LinearTicks labels 4 to 8 round values in [lo, hi], as this package's
+// charts do.
+func LinearTicks(lo, hi float64) []plot.Tick { return linearTicks(lo, hi) }

@@ -76,8 +76,7 @@ func (p *progress) event(e Event) {
 	if e.Phase == PhaseDone {
 		frac = float64(e.Run) / float64(e.Runs)
 	}
-	filled := int(frac*barWidth + 0.5)
-	bar := strings.Repeat("█", filled) + strings.Repeat("░", barWidth-filled)
+	bar := Bar(frac)
 	step := string(e.Phase)
 	if e.Total > 0 && e.Phase != PhaseDone {
 		step = fmt.Sprintf("%s %d/%d", e.Phase, e.Done, e.Total)
@@ -131,4 +130,12 @@ func plainLine(e Event) string {
 func firstLine(s string) string {
 	s, _, _ = strings.Cut(s, "\n")
 	return s
+}
+
+// Bar draws a progress bar of frac (0..1) as the progress display does,
+// for other benchmarks' displays.
+func Bar(frac float64) string {
+	frac = min(1, max(0, frac))
+	filled := int(frac*barWidth + 0.5)
+	return strings.Repeat("█", filled) + strings.Repeat("░", barWidth-filled)
 }

@@ -289,3 +289,13 @@ func humanBytes(n int64) string {
 	}
 	return fmt.Sprintf("%.1f %ciB", v, "KMGTP"[exp])
 }
+
+// HumanBytes formats n in binary units ("128 MiB", "1.5 GiB"), as the
+// reports of package bench do (for the serving benchmark's reports).
+func HumanBytes(n int64) string { return humanBytes(n) }
+
+// MDCell makes s safe inside a Markdown table cell.
+func MDCell(s string) string { return mdCell(s) }
+
+// ReadMachine describes this machine as a Report's Machine does.
+func ReadMachine() Machine { return readMachine() }

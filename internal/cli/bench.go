@@ -58,6 +58,7 @@ func newBenchCmd(e env) *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error { return runBench(cmd, e, &s, &bf) },
 	}
 	addBenchFlags(cmd.Flags(), &s, &bf)
+	cmd.AddCommand(newBenchServeCmd(e))
 	return cmd
 }
 

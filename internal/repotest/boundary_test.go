@@ -69,6 +69,12 @@ var boundaries = []rule{
 		tests: []string{"transport/..."}, ext: []string{"gonum.org/v1/plot/..."}},
 	// Test helpers of bench reports (the compiled JSON Schema).
 	{pkg: "bench/benchtest", may: []string{"bench"}, ext: []string{"github.com/santhosh-tekuri/jsonschema/v6"}},
+	// The serving benchmark (kvxfer bench serve): HTTP clients of a router
+	// or worker, never the serving code itself; bench's report machinery
+	// (machine, progress bar, chart styles); its tests check the report's
+	// JSON Schema.
+	{pkg: "bench/serving", may: []string{"bench", "internal/buildinfo"},
+		ext: []string{"gonum.org/v1/plot/...", "github.com/santhosh-tekuri/jsonschema/v6"}},
 	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
 		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf", "internal/manualclock"}},
 	// The control connections of a rank: frames, the accept loop, the
@@ -277,6 +283,8 @@ func TestBoundaryRules(t *testing.T) {
 		{"transport/tcp", "transport/transporttest", true, true},
 		{"internal/cli", "cmd/kvxfer", false, false},
 		{"internal/cli", "bench", false, true},
+		{"bench/serving", "serve", false, false}, // a client over HTTP only
+		{"bench/serving", "bench", false, true},
 		{"cmd/kvxfer", "serve", false, false},
 		{"metrics", "serve", false, false},
 		{"config", "go.yaml.in/yaml/v3", false, true},

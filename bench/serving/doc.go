@@ -1,0 +1,53 @@
+// Package serving is kvxfer's serving benchmark (`kvxfer bench serve`):
+// it sends a synthetic workload to an OpenAI-compatible /v1/completions
+// endpoint (the router of a disaggregated cluster, or a worker) as
+// streamed requests, times every chunk of every answer, and reports what
+// users of `vllm bench serve`, genai-perf or aiperf read: TTFT, TPOT,
+// inter-token latency and end-to-end latency (mean, p50, p90, p99),
+// request and output-token throughput, goodput under an SLO, errors by
+// kind, and from kvxfer's usage.kvxfer_timing the KV bytes moved per
+// request and the share of TTFT spent moving them.
+//
+// The workload is a pure function of a seed (Workload.Conversations): no
+// dataset is downloaded. Prompt and output lengths come from a Lengths
+// distribution (fixed, uniform, or a chat-dataset-shaped histogram);
+// conversations have one or more turns after a system prompt shared by
+// all of them, and turn n resends the whole history, the answers of the
+// earlier turns included. Prompts are token ids (the engine's tokenizer is
+// byte-level: ids 0..255 are bytes, 256 is BOS), so a prompt of N tokens
+// is N ids, BOS first; outputs are asked for with max_tokens and
+// ignore_eos, so an answer has exactly its requested length unless the
+// server ends it early, and the report counts the tokens that came
+// (usage.completion_tokens), not the ones asked for.
+//
+// Conversations start at a request rate (a Poisson process, or with
+// burstiness other than 1 gamma-distributed gaps, as vllm's --burstiness)
+// or all at once, with at most MaxConcurrency requests in flight, until
+// NumPrompts requests were sent or Duration has passed (Arrivals, Run).
+// Before each run, Warmup requests are sent one after the other and not
+// measured: the first request through a fresh cluster also opens the KV
+// transfer's connections, which is not what a steady state is like.
+//
+// Definitions, as vllm's: TTFT is the time from sending a request to the
+// first chunk that carries a token; TPOT is (E2EL − TTFT) / (output
+// tokens − 1) per request with more than one token; ITL is the gap between
+// successive token-carrying chunks of one answer (every gap of every
+// request is a sample); E2EL is the time from sending to the stream's
+// end. Percentiles interpolate linearly between the closest ranks (numpy's
+// default). Goodput is the number of completed requests that meet every
+// SLO of the run per second of the run.
+//
+// RunSweep runs a run per rate and target, the targets of a rate one
+// after the other with the same workload; with Sweep.Paired instead every
+// conversation goes to each target in turn, one request at a time, the
+// order rotating (RunPaired), so that a comparison of a disaggregated
+// cluster with an aggregated worker is not skewed by load that drifts
+// between runs, and the report adds the TTFT difference request by
+// request (Report.PairedTTFTDeltaMs).
+//
+// The statistics, the workload and the arrival generator are pure (no
+// goroutines, clocks or I/O); Run is the driver around them and Report
+// writes the results as a text table, JSON (ReportSchema), Markdown and a
+// PNG chart, with the report machinery of package bench. Starting a
+// cluster to measure (internal/launch) and the flags are internal/cli's.
+package serving
