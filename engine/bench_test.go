@@ -5,27 +5,35 @@ import (
 	"testing"
 )
 
-// BenchmarkPrefill: one prompt's forward pass on tiny-gqa (TP1, bf16 KV).
+func benchPrompt(n int) []int32 {
+	p := make([]int32, n)
+	for i := range p {
+		p[i] = int32('a' + (i*7)%26)
+	}
+	return p
+}
+
+// BenchmarkPrefill: one prompt's forward pass on tiny-gqa (bf16 KV), TP1
+// and, for the long prompt, TP2 in one process. tokens/s counts prompt
+// tokens.
 func BenchmarkPrefill(b *testing.B) {
-	for _, n := range []int{32, 128} {
-		b.Run(fmt.Sprintf("tokens=%d", n), func(b *testing.B) {
-			in := newTestInstance(b, "tiny-gqa", InstanceConfig{PoolTokens: 1024})
-			p := make([]int32, n)
-			for i := range p {
-				p[i] = int32('a' + i%26)
-			}
+	for _, tc := range []struct{ n, tp int }{{32, 1}, {128, 1}, {4000, 1}, {4000, 2}} {
+		b.Run(fmt.Sprintf("tokens=%d/tp=%d", tc.n, tc.tp), func(b *testing.B) {
+			in := newTestInstance(b, "tiny-gqa", InstanceConfig{TP: tc.tp, PoolTokens: 4096})
+			p := benchPrompt(tc.n)
 			s := in.NewSequence()
 			defer s.Release()
-			if err := s.Reserve(n); err != nil {
+			if err := s.Reserve(tc.n); err != nil {
 				b.Fatal(err)
 			}
+			b.ReportAllocs()
 			for b.Loop() {
 				s.SetLen(0)
 				if _, err := in.Prefill(s, p); err != nil {
 					b.Fatal(err)
 				}
 			}
-			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n)/1e3, "µs/token")
+			b.ReportMetric(float64(b.N*tc.n)/b.Elapsed().Seconds(), "tokens/s")
 		})
 	}
 }
@@ -43,19 +51,53 @@ func BenchmarkDecodeStep(b *testing.B) {
 			if err := s.Reserve(tc.seqLen + 1); err != nil {
 				b.Fatal(err)
 			}
-			p := make([]int32, tc.seqLen)
-			for i := range p {
-				p[i] = int32('a' + i%26)
-			}
-			if _, err := in.Prefill(s, p); err != nil {
+			if _, err := in.Prefill(s, benchPrompt(tc.seqLen)); err != nil {
 				b.Fatal(err)
 			}
+			b.ReportAllocs()
 			for b.Loop() {
 				s.SetLen(tc.seqLen)
 				if _, err := in.Decode(s, 'x'); err != nil {
 					b.Fatal(err)
 				}
 			}
+			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "tokens/s")
+		})
+	}
+}
+
+// BenchmarkDecodeBatch: one decode step of a batch of sequences, each
+// after a context of 32 to 63 tokens (tiny-gqa, TP1). tokens/s counts the
+// tokens generated over the whole batch.
+func BenchmarkDecodeBatch(b *testing.B) {
+	for _, batch := range []int{1, 8, 32} {
+		b.Run(fmt.Sprintf("batch=%d", batch), func(b *testing.B) {
+			in := newTestInstance(b, "tiny-gqa", InstanceConfig{PoolTokens: 64 * 64})
+			seqs := make([]*Sequence, batch)
+			toks := make([]int32, batch)
+			lens := make([]int, batch)
+			for i := range seqs {
+				s := in.NewSequence()
+				defer s.Release()
+				lens[i] = 32 + (i*13)%32
+				if err := s.Reserve(lens[i] + 1); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := in.Prefill(s, benchPrompt(lens[i])); err != nil {
+					b.Fatal(err)
+				}
+				seqs[i], toks[i] = s, int32('a'+i%26)
+			}
+			b.ReportAllocs()
+			for b.Loop() {
+				for i, s := range seqs {
+					s.SetLen(lens[i])
+				}
+				if _, err := in.DecodeBatch(seqs, toks); err != nil {
+					b.Fatal(err)
+				}
+			}
+			b.ReportMetric(float64(b.N*batch)/b.Elapsed().Seconds(), "tokens/s")
 		})
 	}
 }

@@ -307,6 +307,23 @@ func (in *Instance) Decode(s *Sequence, token int32) ([]float32, error) {
 	return in.forward(context.Background(), s, []int32{token})
 }
 
+// DecodeBatch runs one token at the end of each sequence and returns the
+// logits of the next token of each.
+func (in *Instance) DecodeBatch(seqs []*Sequence, tokens []int32) ([][]float32, error) {
+	if len(seqs) != len(tokens) {
+		return nil, fmt.Errorf("%w: %d sequences, %d tokens", ErrBadRequest, len(seqs), len(tokens))
+	}
+	out := make([][]float32, len(seqs))
+	for i, s := range seqs {
+		lg, err := in.Decode(s, tokens[i])
+		if err != nil {
+			return nil, err
+		}
+		out[i] = lg
+	}
+	return out, nil
+}
+
 // zeroTail clears the token slots after Len in the block holding the last
 // token, on every rank, layer, kv and head.
 func (s *Sequence) zeroTail() {
