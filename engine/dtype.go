@@ -206,3 +206,34 @@ func decodeRow(dt kvcache.DType, dst []float64, src []byte) {
 		panic(fmt.Sprintf("engine: decode %v", dt))
 	}
 }
+
+// decodeRow32 is decodeRow into float32 (every dtype's values are float32
+// values).
+func decodeRow32(dt kvcache.DType, dst []float32, src []byte) {
+	switch dt {
+	case kvcache.FP32:
+		src = src[:4*len(dst)]
+		for i := range dst {
+			dst[i] = math.Float32frombits(binary.LittleEndian.Uint32(src[4*i:]))
+		}
+	case kvcache.BF16:
+		src = src[:2*len(dst)]
+		for i := range dst {
+			dst[i] = BF16ToFloat32(binary.LittleEndian.Uint16(src[2*i:]))
+		}
+	case kvcache.FP16:
+		t := fp16Table()
+		src = src[:2*len(dst)]
+		for i := range dst {
+			dst[i] = t[binary.LittleEndian.Uint16(src[2*i:])]
+		}
+	case kvcache.FP8E4M3:
+		t := fp8Table()
+		src = src[:len(dst)]
+		for i := range dst {
+			dst[i] = t[src[i]]
+		}
+	default:
+		panic(fmt.Sprintf("engine: decode %v", dt))
+	}
+}
