@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"fmt"
 	"testing"
 )
@@ -98,6 +99,31 @@ func BenchmarkDecodeBatch(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.N*batch)/b.Elapsed().Seconds(), "tokens/s")
+		})
+	}
+}
+
+// BenchmarkEngineDecode: the executor's continuous batching end to end:
+// concurrent requests (16-token prompts, 64 tokens generated each) through
+// an Engine on tiny-gqa, TP1. tokens/s counts generated tokens over all
+// requests.
+func BenchmarkEngineDecode(b *testing.B) {
+	const gen = 64
+	for _, conc := range []int{1, 32} {
+		b.Run(fmt.Sprintf("concurrency=%d", conc), func(b *testing.B) {
+			e := newTestEngine(b, "tiny-gqa", InstanceConfig{PoolTokens: conc * 128}, Options{MaxBatch: conc})
+			streams := make([]*Stream, conc)
+			for b.Loop() {
+				for i := range streams {
+					streams[i] = submit(b, e, context.Background(), Request{Prompt: benchPrompt(16), MaxTokens: gen, IgnoreEOS: true})
+				}
+				for _, s := range streams {
+					if res := s.Wait(); res.Final.Err != nil || len(res.Tokens) != gen {
+						b.Fatalf("%d tokens, %v", len(res.Tokens), res.Final.Err)
+					}
+				}
+			}
+			b.ReportMetric(float64(b.N*conc*gen)/b.Elapsed().Seconds(), "tokens/s")
 		})
 	}
 }

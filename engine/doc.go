@@ -116,9 +116,11 @@
 //     the prompt's token ids: the client gets its answer before any KV
 //     moves, and the engine drops its reference to the blocks, which the
 //     transceiver holds until the pull or its deadline.
-//  5. Every running request decodes one token; a generation_only request
-//     joins them when its pull completes, after emitting the context
-//     instance's first token.
+//  5. Every running request decodes one token, all of them in one batch
+//     (Instance.DecodeBatch: one pass over the weights for the batch, each
+//     request's logits bit-identical to a decode on its own); a
+//     generation_only request joins them when its pull completes, after
+//     emitting the context instance's first token.
 //
 // When nothing can run, the scheduler blocks: on CheckGenTransferStatus(1)
 // when pulls are in flight (the generation side blocks on transfers only
