@@ -617,19 +617,24 @@ func (r *rankShard) attentionGQA(ctx context.Context, in *Instance, segs []segme
 	outProj(r.part, lw.wo[r.qLo*H*D:r.qHi*H*D], nq, H, D, r.o, qw, T)
 }
 
+// attendBlock is the number of queries whose scores are computed together.
+const attendBlock = 8
+
 // attend computes one head's attention of the T query rows q[t×qs:][:D]
 // (positions n0..n0+T-1) over the keys and values of positions 0..n0+t in
-// sc.k and sc.v, into o[t×qs:][:D]. The scores of two queries are computed
-// together, against the keys the later one sees; each score is the same
-// dot product whatever it is computed with. It returns early, leaving o
-// partly computed, once ctx is done.
+// sc.k and sc.v, into o[t×qs:][:D]. The scores of attendBlock queries are
+// computed together, against the keys the last one sees (sc.k has zero
+// rows up to a multiple of four beyond them); each score is the same dot
+// product whatever it is computed with, and each query's softmax and
+// weighted sum take only its own keys. It returns early, leaving o partly
+// computed, once ctx is done.
 func (sc *attnScratch) attend(ctx context.Context, o, q []float64, qs, n0, T, D int, scale float64) {
-	sc.scores = grow(sc.scores, 2*(n0+T+4))
-	for t0 := 0; t0 < T; t0 += 2 {
-		if t0%64 == 62 && ctx.Err() != nil {
+	sc.scores = grow(sc.scores, attendBlock*(n0+T+4))
+	for t0 := 0; t0 < T; t0 += attendBlock {
+		if t0%256 == 256-attendBlock && ctx.Err() != nil {
 			return
 		}
-		nb := min(2, T-t0)
+		nb := min(attendBlock, T-t0)
 		nk := n0 + t0 + nb
 		stride := (nk + 3) &^ 3
 		gemm(sc.scores, stride, sc.k[:stride*D], stride, D, q[t0*qs:], qs, nb, false)
