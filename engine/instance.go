@@ -725,13 +725,11 @@ func (r *rankShard) mlp(in *Instance, lw *layerWeights, h []float64, T int) {
 	cs := cfg.FFN / cfg.MLPChunks
 	nc := r.chunkHi - r.chunkLo
 	fw := nc * cs
-	r.act = grow(r.act, 2*T*fw)
-	gate, up := r.act[:T*fw], r.act[T*fw:]
+	r.act = grow(r.act, 3*T*fw)
+	gate, up, e := r.act[:T*fw], r.act[T*fw:2*T*fw], r.act[2*T*fw:]
 	gemmPar(gate, fw, lw.wg[r.chunkLo*cs*H:r.chunkHi*cs*H], fw, H, h, H, T, true)
 	gemmPar(up, fw, lw.wu[r.chunkLo*cs*H:r.chunkHi*cs*H], fw, H, h, H, T, true)
-	for i, g := range gate {
-		gate[i] = r32(silu(g) * up[i])
-	}
+	siluMul(gate, up, e)
 	r.part = grow(r.part, nc*T*H)
 	outProj(r.part, lw.wd[r.chunkLo*H*cs:r.chunkHi*H*cs], nc, H, cs, gate, fw, T)
 }

@@ -367,6 +367,38 @@ func weightedSumWith(simd bool, out, p []float64, rows []float32, stride, off in
 
 func silu(x float64) float64 { return x / (1 + expKernel(-x)) }
 
+// siluMul sets gate[i] = float32(silu(gate[i]) × up[i]), using e as
+// scratch (len(gate)).
+func siluMul(gate, up, e []float64) { siluMulWith(haveSIMD, gate, up, e) }
+
+//go:norace
+func siluMulWith(simd bool, gate, up, e []float64) {
+	n := len(gate)
+	up, e = up[:n], e[:n]
+	for i, g := range gate {
+		e[i] = -g
+	}
+	i := 0
+	if simd {
+		n4 := n &^ 3
+		for i < n4 {
+			i += expVec(&e[i], n4-i)
+			if i < n4 {
+				// A group of four the SIMD kernel leaves to expKernel.
+				for end := i + 4; i < end; i++ {
+					e[i] = expKernel(e[i])
+				}
+			}
+		}
+	}
+	for ; i < n; i++ {
+		e[i] = expKernel(e[i])
+	}
+	for i, g := range gate {
+		gate[i] = r32(g / (1 + e[i]) * up[i])
+	}
+}
+
 // grow returns s resized to n, reusing its storage when it is large enough.
 // The contents are not cleared.
 func grow[E any](s []E, n int) []E {

@@ -51,3 +51,6 @@ func mulScalar(s *float64, n int, f float64)
 
 //go:noescape
 func expSum(s *float64, n int, m, sum float64) (done int, total float64)
+
+//go:noescape
+func expVec(s *float64, n int) (done int)

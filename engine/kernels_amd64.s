@@ -322,7 +322,8 @@ DATA expconst<>+88(SB)/8, $1.0
 DATA expconst<>+96(SB)/8, $2.0
 DATA expconst<>+104(SB)/8, $-700.0
 DATA expconst<>+112(SB)/8, $1023
-GLOBL expconst<>(SB), RODATA, $120
+DATA expconst<>+120(SB)/8, $700.0
+GLOBL expconst<>(SB), RODATA, $128
 
 // func expSum(s *float64, n int, m, sum float64) (done int, total float64)
 // For j < n (n%4 == 0), four at a time: s[j] = expKernel(s[j]-m) and
@@ -404,5 +405,75 @@ expSumLoop:
 expSumDone:
 	MOVQ AX, done+32(FP)
 	VMOVSD X14, total+40(FP)
+	VZEROUPPER
+	RET
+
+// func expVec(s *float64, n int) (done int)
+// s[j] = expKernel(s[j]) for j < n (n%4 == 0), four at a time, with
+// expSum's operations. It stops before the first group of four with an
+// argument outside [-700, 700] (or NaN), which the caller computes with
+// expKernel, and returns how far it got.
+TEXT ·expVec(SB), NOSPLIT, $0-24
+	MOVQ s+0(FP), SI
+	MOVQ n+8(FP), CX
+	VBROADCASTSD expconst<>+104(SB), Y13 // -700
+	VBROADCASTSD expconst<>+120(SB), Y12 // 700
+	VBROADCASTSD expconst<>+96(SB), Y11  // 2
+	VBROADCASTSD expconst<>+88(SB), Y10  // 1
+	XORQ AX, AX
+	CMPQ AX, CX
+	JGE  expVecDone
+expVecLoop:
+	VMOVUPD (SI)(AX*8), Y0
+	VCMPPD  $0x1d, Y13, Y0, Y1   // x >= -700
+	VCMPPD  $0x12, Y12, Y0, Y2   // x <= 700
+	VANDPD  Y2, Y1, Y1
+	VMOVMSKPD Y1, DX
+	CMPQ DX, $15
+	JNE  expVecDone
+	VBROADCASTSD expconst<>+0(SB), Y1
+	VMULPD  Y1, Y0, Y1           // t = x·log2(e)
+	VCVTPD2DQY Y1, X2            // k = round(t), as CVTSD2SL
+	VCVTDQ2PD X2, Y3             // float64(k)
+	VBROADCASTSD expconst<>+8(SB), Y4
+	VFNMADD231PD Y4, Y3, Y0      // x -= k·ln2 (upper), fused
+	VBROADCASTSD expconst<>+16(SB), Y4
+	VFNMADD231PD Y4, Y3, Y0      // x -= k·ln2 (lower), fused
+	VBROADCASTSD expconst<>+24(SB), Y4
+	VMULPD  Y4, Y0, Y0           // x /= 16
+	VBROADCASTSD expconst<>+32(SB), Y5
+	VBROADCASTSD expconst<>+40(SB), Y4
+	VFMADD213PD Y4, Y0, Y5       // p = p·x + c
+	VBROADCASTSD expconst<>+48(SB), Y4
+	VFMADD213PD Y4, Y0, Y5
+	VBROADCASTSD expconst<>+56(SB), Y4
+	VFMADD213PD Y4, Y0, Y5
+	VBROADCASTSD expconst<>+64(SB), Y4
+	VFMADD213PD Y4, Y0, Y5
+	VBROADCASTSD expconst<>+72(SB), Y4
+	VFMADD213PD Y4, Y0, Y5
+	VBROADCASTSD expconst<>+80(SB), Y4
+	VFMADD213PD Y4, Y0, Y5
+	VFMADD213PD Y10, Y0, Y5
+	VMULPD  Y5, Y0, Y0           // x = x·p
+	VADDPD  Y11, Y0, Y6          // x = x·(x+2), three times
+	VMULPD  Y6, Y0, Y0
+	VADDPD  Y11, Y0, Y6
+	VMULPD  Y6, Y0, Y0
+	VADDPD  Y11, Y0, Y6
+	VMULPD  Y6, Y0, Y0
+	VADDPD  Y11, Y0, Y6
+	VFMADD213PD Y10, Y6, Y0      // x = x·(x+2) + 1, fused
+	VPMOVSXDQ X2, Y3             // 2^k: (k+1023) << 52
+	VPBROADCASTQ expconst<>+112(SB), Y4
+	VPADDQ  Y4, Y3, Y3
+	VPSLLQ  $52, Y3, Y3
+	VMULPD  Y3, Y0, Y0
+	VMOVUPD Y0, (SI)(AX*8)
+	ADDQ $4, AX
+	CMPQ AX, CX
+	JLT  expVecLoop
+expVecDone:
+	MOVQ AX, done+16(FP)
 	VZEROUPPER
 	RET

@@ -24,3 +24,5 @@ func scaleMax(s *float64, n int, f float64) float64 { panic("engine: scaleMax wi
 func mulScalar(s *float64, n int, f float64) { panic("engine: mulScalar without SIMD") }
 
 func expSum(s *float64, n int, m, sum float64) (int, float64) { panic("engine: expSum without SIMD") }
+
+func expVec(s *float64, n int) int { panic("engine: expVec without SIMD") }

@@ -203,6 +203,29 @@ func TestSoftmax(t *testing.T) {
 	}
 }
 
+// TestSiluMul: both kernels against silu, with arguments beyond the SIMD
+// kernel's range.
+func TestSiluMul(t *testing.T) {
+	r := rand.New(rand.NewPCG(11, 12))
+	for _, n := range []int{1, 4, 7, 64, 513} {
+		for _, spread := range []float64{1, 10, 1000} {
+			gate, up := make([]float64, n), make([]float64, n)
+			for i := range gate {
+				gate[i], up[i] = float64(float32(r.NormFloat64()*spread)), float64(randF32(r))
+			}
+			for _, simd := range []bool{false, haveSIMD} {
+				got := append([]float64(nil), gate...)
+				siluMulWith(simd, got, up, make([]float64, n))
+				for i, g := range gate {
+					if want := r32(silu(g) * up[i]); !sameBits(got[i], want) {
+						t.Fatalf("simd=%v n=%d: silu(%v)·%v = %v, want %v", simd, n, g, up[i], got[i], want)
+					}
+				}
+			}
+		}
+	}
+}
+
 // TestExpKernel: expKernel is the runtime's math.Exp where that one runs
 // its FMA path (amd64 with AVX and FMA, which haveSIMD implies), over the
 // whole range, the subnormal results and the special values; elsewhere it
@@ -265,6 +288,17 @@ func FuzzKernels(f *testing.F) {
 				if !sameBits(a[i], b[i]) && !(math.IsNaN(a[i]) && math.IsNaN(b[i])) {
 					t.Fatalf("gemm rows=%d K=%d T=%d round=%v: element %d portable %v, simd %v", rows, K, T, round, i, a[i], b[i])
 				}
+			}
+		}
+		g1, g2, up := append([]float64(nil), x...), append([]float64(nil), x...), make([]float64, len(x))
+		for i := range up {
+			up[i] = float64(w[i%len(w)])
+		}
+		siluMulWith(false, g1, up, make([]float64, len(x)))
+		siluMulWith(true, g2, up, make([]float64, len(x)))
+		for i := range g1 {
+			if !sameBits(g1[i], g2[i]) && !(math.IsNaN(g1[i]) && math.IsNaN(g2[i])) {
+				t.Fatalf("silu of %v: portable %v, simd %v", x[i], g1[i], g2[i])
 			}
 		}
 		s := make([]float64, len(x))
