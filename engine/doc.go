@@ -67,11 +67,14 @@
 //     portable Go ones (the only ones with -tags purego or off amd64), on
 //     whichever core; tests check the kernels against each other and a
 //     naive reference bit for bit, and a fuzz target keeps at it.
-//   - Softmax exponentials use the engine's own exp (expKernel: the
-//     algorithm of the Go runtime's amd64 math.Exp on a CPU with FMA,
-//     written with math.FMA), so they are the same bits on every machine
-//     and identical to what math.Exp gave this engine before; the
-//     probabilities are summed in order of position.
+//   - Softmax and SiLU exponentials use the engine's own exp (expKernel:
+//     the algorithm of the Go runtime's amd64 math.Exp on a CPU with FMA,
+//     written with math.FMA, which is exact everywhere), so they are the
+//     same bits on every machine, and the bits math.Exp gives on amd64
+//     with FMA (this engine's numerics before it had its own exp). The
+//     SIMD softmax computes four exponentials at a time with the same
+//     operations and still sums the probabilities one after another in
+//     order of position.
 //   - Anything computed per head (q, k, v, RoPE, attention) is computed
 //     wholly on one rank by the same code, so the KV bytes written to the
 //     cache do not depend on the layout.

@@ -681,8 +681,9 @@ func (e *Engine) admit() []*request {
 // its deadline.
 func (e *Engine) prefill(r *request) {
 	start := e.now()
-	// The model checks the client between layers: one gone during a long
-	// prefill stops it there, and its blocks go back now.
+	// The model checks the client between layers and at least every 256
+	// queries of the attention: one gone during a long prefill stops it there, and
+	// its blocks go back now.
 	logits, err := e.inst.prefill(r.ctx, r.seq, r.prompt)
 	if err == nil && r.ctx.Err() != nil {
 		err = r.ctx.Err() // gone after the last layer: nobody will pull it

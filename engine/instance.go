@@ -307,7 +307,8 @@ func (in *Instance) Prefill(s *Sequence, tokens []int32) ([]float32, error) {
 	return in.prefill(context.Background(), s, tokens)
 }
 
-// prefill is Prefill that stops between layers once ctx is done, returning
+// prefill is Prefill that stops once ctx is done (checked between layers
+// and at least every 256 queries of the attention), returning
 // ctx's error; the sequence's length is then unchanged (the blocks hold
 // partial KV of no use, released with the sequence).
 func (in *Instance) prefill(ctx context.Context, s *Sequence, tokens []int32) ([]float32, error) {
