@@ -4,7 +4,25 @@ import (
 	"context"
 	"fmt"
 	"testing"
+	"time"
 )
+
+// cpuMeter reports, next to a benchmark's wall-clock rate, its rate per
+// CPU-second of the whole process (every core's): on a shared machine the
+// wall-clock figures move with the load and the CPU ones much less.
+type cpuMeter struct{ start time.Duration }
+
+func startCPU() cpuMeter { return cpuMeter{processCPU()} }
+
+// report adds tokens/cpu-s and cpu-ms/op for b.N ops of tokens tokens.
+func (m cpuMeter) report(b *testing.B, tokens int) {
+	cpu := processCPU() - m.start
+	if cpu <= 0 {
+		return
+	}
+	b.ReportMetric(float64(b.N*tokens)/cpu.Seconds(), "tokens/cpu-s")
+	b.ReportMetric(float64(cpu.Milliseconds())/float64(b.N), "cpu-ms/op")
+}
 
 func benchPrompt(n int) []int32 {
 	p := make([]int32, n)
@@ -27,7 +45,12 @@ func BenchmarkPrefill(b *testing.B) {
 			if err := s.Reserve(tc.n); err != nil {
 				b.Fatal(err)
 			}
+			// One prefill first, so that the scratch has grown.
+			if _, err := in.Prefill(s, p); err != nil {
+				b.Fatal(err)
+			}
 			b.ReportAllocs()
+			cpu := startCPU()
 			for b.Loop() {
 				s.SetLen(0)
 				if _, err := in.Prefill(s, p); err != nil {
@@ -35,6 +58,7 @@ func BenchmarkPrefill(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.N*tc.n)/b.Elapsed().Seconds(), "tokens/s")
+			cpu.report(b, tc.n)
 		})
 	}
 }
@@ -56,6 +80,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.ReportAllocs()
+			cpu := startCPU()
 			for b.Loop() {
 				s.SetLen(tc.seqLen)
 				if _, err := in.Decode(s, 'x'); err != nil {
@@ -63,6 +88,7 @@ func BenchmarkDecodeStep(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "tokens/s")
+			cpu.report(b, 1)
 		})
 	}
 }
@@ -90,6 +116,7 @@ func BenchmarkDecodeBatch(b *testing.B) {
 				seqs[i], toks[i] = s, int32('a'+i%26)
 			}
 			b.ReportAllocs()
+			cpu := startCPU()
 			for b.Loop() {
 				for i, s := range seqs {
 					s.SetLen(lens[i])
@@ -99,6 +126,7 @@ func BenchmarkDecodeBatch(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.N*batch)/b.Elapsed().Seconds(), "tokens/s")
+			cpu.report(b, batch)
 		})
 	}
 }
@@ -113,6 +141,7 @@ func BenchmarkEngineDecode(b *testing.B) {
 		b.Run(fmt.Sprintf("concurrency=%d", conc), func(b *testing.B) {
 			e := newTestEngine(b, "tiny-gqa", InstanceConfig{PoolTokens: conc * 128}, Options{MaxBatch: conc})
 			streams := make([]*Stream, conc)
+			cpu := startCPU()
 			for b.Loop() {
 				for i := range streams {
 					streams[i] = submit(b, e, context.Background(), Request{Prompt: benchPrompt(16), MaxTokens: gen, IgnoreEOS: true})
@@ -124,6 +153,7 @@ func BenchmarkEngineDecode(b *testing.B) {
 				}
 			}
 			b.ReportMetric(float64(b.N*conc*gen)/b.Elapsed().Seconds(), "tokens/s")
+			cpu.report(b, conc*gen)
 		})
 	}
 }
