@@ -463,9 +463,7 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 				return nil, err
 			}
 			lw := &m.layers[l]
-			for t := range T {
-				rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], lw.attnNorm, cfg.NormEps)
-			}
+			normRows(h, x, lw.attnNorm, cfg.NormEps, T, H)
 			for _, r := range ranks {
 				if cfg.Attention == layout.AttentionMLA {
 					r.attentionMLA(ctx, in, segs, lw, l-r.layerLo, h, T)
@@ -478,9 +476,7 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 				return nil, err
 			}
 			in.allReduceAdd(ranks, T)
-			for t := range T {
-				rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], lw.mlpNorm, cfg.NormEps)
-			}
+			normRows(h, x, lw.mlpNorm, cfg.NormEps, T, H)
 			for _, r := range ranks {
 				r.mlp(in, lw, h, T)
 			}
@@ -520,22 +516,48 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 // local order; it starts from zero and is rounded to float32 once, at the
 // end. Every layout therefore adds the same float64 numbers in the same
 // order, whatever the TP size.
+// Large batches are split over cores by tokens.
 func (in *Instance) allReduceAdd(ranks []*rankShard, T int) {
 	H := in.cfg.Hidden
 	in.acc = grow(in.acc, T*H)
-	acc := in.acc
-	clear(acc)
+	groups := 0
 	for _, r := range ranks {
-		for g := range len(r.part) / (T * H) {
-			for i, v := range r.part[g*T*H : (g+1)*T*H] {
-				acc[i] += v
+		groups += len(r.part) / (T * H)
+	}
+	rowChunks(T, H*groups, func(lo, hi int) {
+		acc := in.acc[lo*H : hi*H]
+		clear(acc)
+		for _, r := range ranks {
+			for g := range len(r.part) / (T * H) {
+				for i, v := range r.part[g*T*H+lo*H : g*T*H+hi*H] {
+					acc[i] += v
+				}
 			}
 		}
-	}
-	x := in.x[:T*H]
-	for i, v := range acc {
-		x[i] = r32(x[i] + r32(v))
-	}
+		x := in.x[lo*H : hi*H]
+		for i, v := range acc {
+			x[i] = r32(x[i] + r32(v))
+		}
+	})
+}
+
+// normRows sets h[t] = rmsNorm(x[t]) for the T rows of width H, split over
+// cores by tokens when there are many.
+func normRows(h, x, w []float64, eps float64, T, H int) {
+	rowChunks(T, 8*H, func(lo, hi int) {
+		for t := lo; t < hi; t++ {
+			rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], w, eps)
+		}
+	})
+}
+
+// rowChunks runs fn over [0,T) in chunks of 64 rows, split over cores when
+// T rows of perRow operations are enough work.
+func rowChunks(T, perRow int, fn func(lo, hi int)) {
+	const chunk = 64
+	parallel(workers(T*perRow), (T+chunk-1)/chunk, func(_, i int) {
+		fn(i*chunk, min(T, (i+1)*chunk))
+	})
 }
 
 // outProj sets part[g][t][i] = dot32(w_g[i], a[t×as+g×D:][:D]) for the
