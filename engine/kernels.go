@@ -25,7 +25,8 @@ import (
 // dot32 and the other portable kernels are exempt from the race detector:
 // their operands are the model's immutable weights and the calling
 // instance's own scratch, never pool memory (the cache is copied into
-// scratch by decodeRow32, which is instrumented), and instrumenting their
+// scratch by decodeRow32, which under the race detector is always
+// instrumented Go), and instrumenting their
 // loads makes -race runs of the model some twenty times slower.
 //
 //go:norace

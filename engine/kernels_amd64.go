@@ -54,3 +54,6 @@ func expSum(s *float64, n int, m, sum float64) (done int, total float64)
 
 //go:noescape
 func expVec(s *float64, n int) (done int)
+
+//go:noescape
+func bf16ToF32(dst *float32, src *byte, n int)

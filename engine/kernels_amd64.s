@@ -477,3 +477,24 @@ expVecDone:
 	MOVQ AX, done+16(FP)
 	VZEROUPPER
 	RET
+
+// func bf16ToF32(dst *float32, src *byte, n int)
+// dst[i] = the float32 of the little-endian bf16 at src[2i:], for i < n
+// (n%8 == 0): the 16 bits shifted into the top of the float32.
+TEXT ·bf16ToF32(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), CX
+	XORQ AX, AX
+	CMPQ AX, CX
+	JGE  bf16done
+bf16loop:
+	VPMOVZXWD (SI)(AX*2), Y0
+	VPSLLD    $16, Y0, Y0
+	VMOVDQU   Y0, (DI)(AX*4)
+	ADDQ $8, AX
+	CMPQ AX, CX
+	JLT  bf16loop
+bf16done:
+	VZEROUPPER
+	RET

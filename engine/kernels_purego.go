@@ -26,3 +26,5 @@ func mulScalar(s *float64, n int, f float64) { panic("engine: mulScalar without 
 func expSum(s *float64, n int, m, sum float64) (int, float64) { panic("engine: expSum without SIMD") }
 
 func expVec(s *float64, n int) int { panic("engine: expVec without SIMD") }
+
+func bf16ToF32(dst *float32, src *byte, n int) { panic("engine: bf16ToF32 without SIMD") }
