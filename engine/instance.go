@@ -341,6 +341,7 @@ func (in *Instance) DecodeBatch(seqs []*Sequence, tokens []int32) ([][]float32, 
 		segs = append(segs, segment{s: s, row0: i, T: 1})
 	}
 	in.segs = segs
+	defer clear(segs) // hold no sequence after the call
 	return in.forwardBatch(context.Background(), segs, tokens)
 }
 
@@ -390,6 +391,7 @@ func (s *Sequence) gather(r *rankShard, layer, kv, head, n int, dst []float32) {
 func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]float32, error) {
 	segs := append(in.segs[:0], segment{s: s, T: len(toks)})
 	in.segs = segs
+	defer clear(segs)
 	lg, err := in.forwardBatch(ctx, segs, toks)
 	if err != nil {
 		return nil, err
