@@ -3,8 +3,8 @@
 package engine
 
 // The AVX2/FMA kernels of kernels_amd64.s compute exactly what the
-// portable kernels of kernels.go compute, in the same order (see dot): the
-// SIMD lanes are dot's four partial sums. TestKernelsAgree and
+// portable kernels of kernels.go compute, in the same order (see dot32): the
+// SIMD lanes are dot32's four partial sums. TestGemm, TestSoftmax and
 // FuzzKernels check it bit for bit. They are used when the CPU has AVX2
 // and FMA and the OS saves the YMM registers; build with -tags purego to
 // use the portable kernels everywhere.

@@ -2,13 +2,12 @@
 
 #include "textflag.h"
 
-// The AVX2 kernels of kernels_amd64.go. Each float64 lane k of an
-// accumulator sums the products of the elements i ≡ k (mod 4) in order of
-// i: the four partial sums s0..s3 of dotGeneric, computed side by side.
-// The products of float32 values are exact in float64, so the fused
+// The AVX2 kernels of kernels_amd64.go. Each float64 lane k of a dot
+// product's accumulator sums the products of the elements i ≡ k (mod 4) in
+// order of i: the four partial sums s0..s3 of dot32, computed side by
+// side. The products of float32 values are exact in float64, so the fused
 // multiply-add rounds exactly as the separate multiply and add of the Go
-// code. HSUM reduces a lane vector as (s0+s1)+(s2+s3) into the low
-// element of X(acc).
+// code. RED4 combines the lanes as (s0+s1)+(s2+s3).
 
 // RED4 reduces the lane vectors a, b, c, d of four dot products to one
 // vector [a, b, c, d] in a, each as (s0+s1)+(s2+s3); t is a temporary.
