@@ -97,7 +97,9 @@ type rankShard struct {
 // attnScratch is one worker's scratch for the attention of one sequence.
 type attnScratch struct {
 	k, v                 []float32 // the cached K and V (GQA) or latents (MLA)
+	v64                  []float64 // the cached V widened (GQA, SIMD)
 	scores, qlat, attLat []float64
+	acc                  []float64 // weighted sums of a block of queries
 }
 
 // segment is one sequence's run of rows in a batch.
@@ -632,6 +634,12 @@ func (r *rankShard) attentionGQA(ctx context.Context, in *Instance, segs []segme
 		sg.s.gather(r, ll, 0, hh, N, sc.k)
 		clear(sc.k[N*D:])
 		sg.s.gather(r, ll, 1, hh, N, sc.v)
+		if haveSIMD {
+			sc.v64 = grow(sc.v64, N*D)
+			for i, x := range sc.v {
+				sc.v64[i] = float64(x)
+			}
+		}
 		for qh := max(r.qLo, kh*group); qh < min(r.qHi, (kh+1)*group); qh++ {
 			lq := qh - r.qLo
 			off := sg.row0*qw + lq*D
@@ -647,14 +655,31 @@ const attendBlock = 8
 
 // attend computes one head's attention of the T query rows q[t×qs:][:D]
 // (positions n0..n0+T-1) over the keys and values of positions 0..n0+t in
-// sc.k and sc.v, into o[t×qs:][:D]. The scores of attendBlock queries are
-// computed together, against the keys the last one sees (sc.k has zero
-// rows up to a multiple of four beyond them); each score is the same dot
-// product whatever it is computed with, and each query's softmax and
-// weighted sum take only its own keys. It returns early, leaving o partly
-// computed, once ctx is done.
+// sc.k and sc.v (and, with the SIMD kernels, sc.v64), into o[t×qs:][:D].
+// The scores of attendBlock queries are computed together, against the
+// keys the last one sees (sc.k has zero rows up to a multiple of four
+// beyond them); each score is the same dot product whatever it is computed
+// with, and each query's softmax takes only its own keys. With the SIMD
+// kernels the block's weighted sums go through the values in tiles of
+// attendTile positions, every query's sum continuing in order of position
+// from one tile to the next, so that each tile is read from cache once per
+// block; each output is the sum weightedSum gives. It returns early,
+// leaving o partly computed, once ctx is done.
 func (sc *attnScratch) attend(ctx context.Context, o, q []float64, qs, n0, T, D int, scale float64) {
+	sc.attendWith(haveSIMD, ctx, o, q, qs, n0, T, D, scale)
+}
+
+// attendTile is the number of value rows a block's weighted sums take
+// from cache at a time.
+const attendTile = 128
+
+func (sc *attnScratch) attendWith(simd bool, ctx context.Context, o, q []float64, qs, n0, T, D int, scale float64) {
 	sc.scores = grow(sc.scores, attendBlock*(n0+T+4))
+	tiled := simd && D%32 == 0
+	if tiled {
+		sc.acc = grow(sc.acc, attendBlock*D)
+		_ = sc.v64[(n0+T)*D-1]
+	}
 	for t0 := 0; t0 < T; t0 += attendBlock {
 		if t0%256 == 256-attendBlock && ctx.Err() != nil {
 			return
@@ -667,7 +692,28 @@ func (sc *attnScratch) attend(ctx context.Context, o, q []float64, qs, n0, T, D 
 			t := t0 + u
 			row := sc.scores[u*stride : u*stride+n0+t+1]
 			softmax(row, scale)
-			weightedSum(o[t*qs:t*qs+D], row, sc.v, D, 0)
+			if !tiled {
+				weightedSum(o[t*qs:t*qs+D], row, sc.v, D, 0)
+			}
+		}
+		if !tiled {
+			continue
+		}
+		acc := sc.acc[:nb*D]
+		clear(acc)
+		for j0 := 0; j0 < nk; j0 += attendTile {
+			for u := range nb {
+				j1 := min(j0+attendTile, n0+t0+u+1)
+				for d := 0; d < D && j1 > j0; d += 32 {
+					wsum64(&acc[u*D+d], &sc.scores[u*stride+j0], j1-j0, &sc.v64[j0*D+d], D)
+				}
+			}
+		}
+		for u := range nb {
+			t := t0 + u
+			for d, v := range acc[u*D : (u+1)*D] {
+				o[t*qs+d] = r32(v)
+			}
 		}
 	}
 }

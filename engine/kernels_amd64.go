@@ -18,6 +18,9 @@ func panel8(w *float32, k int, x *float64, out *float64, round int)
 //go:noescape
 func wsum32(acc *float64, p *float64, n int, v *float32, vs int)
 
+//go:noescape
+func wsum64(acc *float64, p *float64, n int, v *float64, vs int)
+
 func cpuid(eaxArg, ecxArg uint32) (eax, ebx, ecx, edx uint32)
 
 func xgetbv() (eax, edx uint32)

@@ -237,6 +237,61 @@ wsum32done:
 	VZEROUPPER
 	RET
 
+// func wsum64(acc *float64, p *float64, n int, v *float64, vs int)
+// wsum32 with float64 rows: acc[d] += float64(p[j]·v[j*vs+d]) for j < n
+// in order, d < 32.
+TEXT ·wsum64(SB), NOSPLIT, $0-40
+	MOVQ acc+0(FP), R8
+	MOVQ p+8(FP), SI
+	MOVQ n+16(FP), CX
+	MOVQ v+24(FP), DI
+	MOVQ vs+32(FP), BX
+	SHLQ $3, BX
+	VMOVUPD 0(R8), Y0
+	VMOVUPD 32(R8), Y1
+	VMOVUPD 64(R8), Y2
+	VMOVUPD 96(R8), Y3
+	VMOVUPD 128(R8), Y4
+	VMOVUPD 160(R8), Y5
+	VMOVUPD 192(R8), Y6
+	VMOVUPD 224(R8), Y7
+	XORQ AX, AX
+	CMPQ AX, CX
+	JGE  wsum64done
+wsum64loop:
+	VBROADCASTSD (SI)(AX*8), Y8
+	VMULPD 0(DI), Y8, Y9
+	VMULPD 32(DI), Y8, Y10
+	VMULPD 64(DI), Y8, Y11
+	VMULPD 96(DI), Y8, Y12
+	VADDPD Y9, Y0, Y0
+	VADDPD Y10, Y1, Y1
+	VADDPD Y11, Y2, Y2
+	VADDPD Y12, Y3, Y3
+	VMULPD 128(DI), Y8, Y9
+	VMULPD 160(DI), Y8, Y10
+	VMULPD 192(DI), Y8, Y11
+	VMULPD 224(DI), Y8, Y12
+	VADDPD Y9, Y4, Y4
+	VADDPD Y10, Y5, Y5
+	VADDPD Y11, Y6, Y6
+	VADDPD Y12, Y7, Y7
+	ADDQ BX, DI
+	INCQ AX
+	CMPQ AX, CX
+	JLT  wsum64loop
+wsum64done:
+	VMOVUPD Y0, 0(R8)
+	VMOVUPD Y1, 32(R8)
+	VMOVUPD Y2, 64(R8)
+	VMOVUPD Y3, 96(R8)
+	VMOVUPD Y4, 128(R8)
+	VMOVUPD Y5, 160(R8)
+	VMOVUPD Y6, 192(R8)
+	VMOVUPD Y7, 224(R8)
+	VZEROUPPER
+	RET
+
 // func cpuid(eaxArg, ecxArg uint32) (eax, ebx, ecx, edx uint32)
 TEXT ·cpuid(SB), NOSPLIT, $0-24
 	MOVL eaxArg+0(FP), AX

@@ -19,6 +19,10 @@ func wsum32(acc *float64, p *float64, n int, v *float32, vs int) {
 	panic("engine: wsum32 without SIMD")
 }
 
+func wsum64(acc *float64, p *float64, n int, v *float64, vs int) {
+	panic("engine: wsum64 without SIMD")
+}
+
 func scaleMax(s *float64, n int, f float64) float64 { panic("engine: scaleMax without SIMD") }
 
 func mulScalar(s *float64, n int, f float64) { panic("engine: mulScalar without SIMD") }

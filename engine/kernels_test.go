@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"encoding/binary"
 	"math"
 	"math/rand/v2"
@@ -154,6 +155,40 @@ func TestWeightedSum(t *testing.T) {
 				if !sameBits(got[i], want[i]) {
 					t.Fatalf("simd=%v d=%d n=%d: out[%d] = %v, want %v", simd, d, n, i, got[i], want[i])
 				}
+			}
+		}
+	}
+}
+
+// TestAttendTiled: a head's attention with the SIMD kernels (the weighted
+// sums tiled over positions) equals the portable one bit for bit, for
+// blocks cut anywhere and contexts over several tiles.
+func TestAttendTiled(t *testing.T) {
+	if !haveSIMD {
+		t.Skip("no SIMD kernels on this machine")
+	}
+	r := rand.New(rand.NewPCG(15, 16))
+	const D = 32
+	for _, sh := range [][2]int{{0, 1}, {0, 13}, {5, 1}, {100, 9}, {0, 300}, {250, 17}, {127, 2}} {
+		n0, T := sh[0], sh[1]
+		N := n0 + T
+		var sc attnScratch
+		sc.k, sc.v, sc.v64 = make([]float32, (N+4)*D), make([]float32, N*D), make([]float64, N*D)
+		for i := range N * D {
+			sc.k[i], sc.v[i] = randF32(r)/4, randF32(r)
+			sc.v64[i] = float64(sc.v[i])
+		}
+		qs := 3 * D
+		q := make([]float64, T*qs)
+		for i := range q {
+			q[i] = float64(randF32(r))
+		}
+		want, got := make([]float64, T*qs), make([]float64, T*qs)
+		sc.attendWith(false, context.Background(), want, q, qs, n0, T, D, 0.17677669529663687)
+		sc.attendWith(true, context.Background(), got, q, qs, n0, T, D, 0.17677669529663687)
+		for i := range want {
+			if !sameBits(got[i], want[i]) {
+				t.Fatalf("n0=%d T=%d: o[%d] = %v tiled, %v portable", n0, T, i, got[i], want[i])
 			}
 		}
 	}
