@@ -67,8 +67,8 @@ func gemmWith(simd bool, out []float64, os int, w []float32, rows, K int, x []fl
 	}
 	// Bounds, checked once for the kernels that take pointers.
 	_ = out[(T-1)*os+rows-1]
-	_ = w[rows*K-1]
 	if K > 0 {
+		_ = w[rows*K-1]
 		_ = x[(T-1)*xs+K-1]
 	}
 	j := 0

@@ -88,7 +88,7 @@ func (c gemmCase) check(t *testing.T, got []float64, what string) {
 // reference of dot's order, whatever the shape, strides and blocking.
 func TestGemm(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
-	shapes := [][3]int{{1, 1, 1}, {4, 4, 1}, {8, 4, 1}, {8, 32, 1}, {16, 256, 1}, {4, 32, 2}, {4, 32, 3},
+	shapes := [][3]int{{3, 0, 2}, {1, 1, 1}, {4, 4, 1}, {8, 4, 1}, {8, 32, 1}, {16, 256, 1}, {4, 32, 2}, {4, 32, 3},
 		{13, 36, 5}, {258, 256, 1}, {258, 256, 3}, {64, 64, 33}, {9, 7, 4}, {12, 40, 70}}
 	for range 40 {
 		shapes = append(shapes, [3]int{1 + r.IntN(24), 1 + r.IntN(80), 1 + r.IntN(40)})
