@@ -342,7 +342,7 @@ func weightedSum(out, p []float64, rows []float32, stride, off int) {
 func weightedSumWith(simd bool, out, p []float64, rows []float32, stride, off int) {
 	clear(out)
 	n := len(p)
-	if n == 0 {
+	if n == 0 || len(out) == 0 {
 		return
 	}
 	_ = rows[(n-1)*stride+off+len(out)-1]
