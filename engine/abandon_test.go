@@ -10,7 +10,7 @@ import (
 )
 
 // TestPrefillStopsOnCancel: a client that goes away during a long
-// context_only prefill stops it (the model stops between layers, the
+// context_only prefill stops it (the model stops part-way through a layer, the
 // request is never handed to the transceiver) and its blocks are back
 // within a second, not at kv_transfer_timeout_ms.
 func TestPrefillStopsOnCancel(t *testing.T) {

@@ -44,17 +44,37 @@
 // MLA every rank holds, and computes, the whole latent), the MLP in
 // MLPChunks fixed chunks of its intermediate width, and the LM head by
 // vocabulary rows. PP runs the stages in order, handing the hidden states
-// on. Ranks of a stage run one after another in this process.
+// on. Ranks of a stage run one after another in this process; inside a
+// rank, large operations are split over the cores (rows of a projection,
+// query heads or MLP chunks of the output projection, sequence × KV head
+// of the attention), which never changes what any element is.
 //
 // The tokens generated, every logit and every KV byte are identical, bit
 // for bit, whatever the layout. The rules that make it so:
 //
-//   - Weights and activations are float32 values (weights are stored widened
-//     to float64). Every product of two of them is exact in float64, so a
-//     fused multiply-add cannot change a result either.
+//   - Weights are stored as float32, row-major with one row per output;
+//     activations are float32 values held in float64. Every product of two
+//     of them is exact in float64, so a fused multiply-add cannot change a
+//     result either.
 //   - Every dot product accumulates in float64 in an order fixed by its
-//     length (dot), and is rounded to float32 at defined points: after each
-//     projection, RMSNorm, RoPE, attention output and residual add.
+//     length alone (dot32: four interleaved partial sums, which are the
+//     four lanes of an AVX2 register), and is rounded to float32 at
+//     defined points: after each projection, RMSNorm, RoPE, attention
+//     output and residual add. A dot product is the same whether it is
+//     computed alone or blocked with other rows and tokens (prefill runs
+//     many tokens through one pass over the weights, decode batches many
+//     sequences), by the AVX2/FMA kernels of kernels_amd64.s or the
+//     portable Go ones (the only ones with -tags purego or off amd64), on
+//     whichever core; tests check the kernels against each other and a
+//     naive reference bit for bit, and a fuzz target keeps at it.
+//   - Softmax and SiLU exponentials use the engine's own exp (expKernel:
+//     the algorithm of the Go runtime's amd64 math.Exp on a CPU with FMA,
+//     written with math.FMA, which is exact everywhere), so they are the
+//     same bits on every machine, and the bits math.Exp gives on amd64
+//     with FMA (this engine's numerics before it had its own exp). The
+//     SIMD softmax computes four exponentials at a time with the same
+//     operations and still sums the probabilities one after another in
+//     order of position.
 //   - Anything computed per head (q, k, v, RoPE, attention) is computed
 //     wholly on one rank by the same code, so the KV bytes written to the
 //     cache do not depend on the layout.
@@ -70,9 +90,9 @@
 //     a context instance drawing the first token and a generation instance
 //     drawing the rest draw what one instance would.
 //
-// Results are bit-identical across layouts and between processes on one
-// architecture; math.Exp and math.Sincos may differ in the last bit across
-// architectures.
+// Results are bit-identical across layouts, batch compositions and
+// between processes on one architecture; math.Sincos (RoPE) may differ in
+// the last bit across architectures.
 //
 // # Executor
 //
@@ -99,9 +119,11 @@
 //     the prompt's token ids: the client gets its answer before any KV
 //     moves, and the engine drops its reference to the blocks, which the
 //     transceiver holds until the pull or its deadline.
-//  5. Every running request decodes one token; a generation_only request
-//     joins them when its pull completes, after emitting the context
-//     instance's first token.
+//  5. Every running request decodes one token, all of them in one batch
+//     (Instance.DecodeBatch: one pass over the weights for the batch, each
+//     request's logits bit-identical to a decode on its own); a
+//     generation_only request joins them when its pull completes, after
+//     emitting the context instance's first token.
 //
 // When nothing can run, the scheduler blocks: on CheckGenTransferStatus(1)
 // when pulls are in flight (the generation side blocks on transfers only

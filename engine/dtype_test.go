@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"encoding/binary"
 	"math"
 	"math/rand/v2"
 	"sort"
@@ -211,17 +212,17 @@ func TestAgainstNaiveRounding(t *testing.T) {
 	}
 }
 
-// TestRows: encodeRow/decodeRow round-trip values representable in each
+// TestRows: encodeRow/decodeRow32 round-trip values representable in each
 // dtype, little-endian.
 func TestRows(t *testing.T) {
 	vals := []float64{1, -2, 0.5, 0.1015625, 448, -0x1p-9, 0}
 	for _, dt := range []kvcache.DType{kvcache.FP32, kvcache.FP16, kvcache.BF16, kvcache.FP8E4M3} {
 		buf := make([]byte, len(vals)*dt.Size())
 		encodeRow(dt, buf, vals)
-		got := make([]float64, len(vals))
-		decodeRow(dt, got, buf)
+		got := make([]float32, len(vals))
+		decodeRow32(dt, got, buf)
 		for i := range vals {
-			if got[i] != vals[i] {
+			if float64(got[i]) != vals[i] {
 				t.Errorf("%v: element %d = %g, want %g", dt, i, got[i], vals[i])
 			}
 		}
@@ -233,5 +234,26 @@ func TestRows(t *testing.T) {
 	}
 	if err := kvDTypeSupported(kvcache.INT8); err == nil {
 		t.Error("int8 accepted")
+	}
+}
+
+// TestDecodeRow32: every bf16 bit pattern, in rows of every length mod 8,
+// decodes to BF16ToFloat32's bits with the SIMD kernel and without.
+func TestDecodeRow32(t *testing.T) {
+	src := make([]byte, 2*65536)
+	for h := range 65536 {
+		binary.LittleEndian.PutUint16(src[2*h:], uint16(h))
+	}
+	for _, simd := range []bool{false, haveSIMD} {
+		for _, n := range []int{65536, 65535, 8, 7, 1, 17} {
+			off := 65536 - n
+			dst := make([]float32, n)
+			decodeRow32With(simd, kvcache.BF16, dst, src[2*off:])
+			for i, v := range dst {
+				if want := BF16ToFloat32(uint16(off + i)); math.Float32bits(v) != math.Float32bits(want) {
+					t.Fatalf("simd=%v n=%d: element %d (bf16 %#04x) = %#08x, want %#08x", simd, n, i, off+i, math.Float32bits(v), math.Float32bits(want))
+				}
+			}
+		}
 	}
 }

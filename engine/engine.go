@@ -62,7 +62,8 @@ type Options struct {
 // Engine is the executor of one instance: it admits requests while the KV
 // pool has room, prefills them, hands context_only requests to the
 // transceiver, pulls generation_only requests' KV caches, and decodes every
-// running request one token per iteration (continuous batching). One
+// running request one token per iteration, all of them in one batched
+// forward pass (continuous batching). One
 // scheduler goroutine does all of it; it is started by Start or by the
 // first Submit, and stopped by Close.
 //
@@ -103,6 +104,10 @@ type Engine struct {
 	iterations   uint64
 	prefilled    uint64 // tokens of the prefills that ran to the end
 	stopped      uint64 // prefills stopped because their client went away
+	// Scratch of a decode batch.
+	batch     []*request
+	batchSeqs []*Sequence
+	batchToks []int32
 }
 
 // Stats is a snapshot of the engine's queues.
@@ -539,13 +544,22 @@ func (e *Engine) step() bool {
 		worked = true
 	}
 	// One decode step for every request that was running before this
-	// iteration's prefills (those join the next iteration).
-	keep := e.running[:0]
-	for i, r := range e.running {
-		if i < decoding && !r.finished {
-			e.decodeStep(r)
-			worked = true
+	// iteration's prefills (those join the next iteration), all of them
+	// in one batch.
+	batch := e.batch[:0]
+	for _, r := range e.running[:decoding] {
+		if !r.finished {
+			batch = append(batch, r)
 		}
+	}
+	if len(batch) > 0 {
+		e.decodeBatch(batch)
+		worked = true
+	}
+	clear(batch)
+	e.batch = batch[:0]
+	keep := e.running[:0]
+	for _, r := range e.running {
 		if !r.finished {
 			keep = append(keep, r)
 		}
@@ -667,8 +681,9 @@ func (e *Engine) admit() []*request {
 // its deadline.
 func (e *Engine) prefill(r *request) {
 	start := e.now()
-	// The model checks the client between layers: one gone during a long
-	// prefill stops it there, and its blocks go back now.
+	// The model checks the client between layers and at least every 256
+	// queries of the attention: one gone during a long prefill stops it there, and
+	// its blocks go back now.
 	logits, err := e.inst.prefill(r.ctx, r.seq, r.prompt)
 	if err == nil && r.ctx.Err() != nil {
 		err = r.ctx.Err() // gone after the last layer: nobody will pull it
@@ -836,6 +851,36 @@ func transferCause(err error) string {
 	return "other"
 }
 
+// decodeBatch runs one token of every request of rs in one forward pass
+// (Instance.DecodeBatch: each request's logits are those of a decode on
+// its own). A batch the instance refuses whole runs request by request,
+// so that only the requests at fault end.
+func (e *Engine) decodeBatch(rs []*request) {
+	if len(rs) == 1 {
+		e.decodeStep(rs[0])
+		return
+	}
+	start := e.now()
+	seqs, toks := e.batchSeqs[:0], e.batchToks[:0]
+	for _, r := range rs {
+		seqs = append(seqs, r.seq)
+		toks = append(toks, r.generated[len(r.generated)-1])
+	}
+	lgs, err := e.inst.DecodeBatch(seqs, toks)
+	clear(seqs)
+	e.batchSeqs, e.batchToks = seqs[:0], toks[:0]
+	if err != nil {
+		for _, r := range rs {
+			e.decodeStep(r)
+		}
+		return
+	}
+	d := e.now().Sub(start)
+	for i, r := range rs {
+		e.decoded(r, lgs[i], d)
+	}
+}
+
 // decodeStep runs one token of a running request.
 func (e *Engine) decodeStep(r *request) {
 	start := e.now()
@@ -844,8 +889,13 @@ func (e *Engine) decodeStep(r *request) {
 		e.finish(r, FinishError, err)
 		return
 	}
+	e.decoded(r, logits, e.now().Sub(start))
+}
+
+// decoded samples a request's next token from the logits of a decode step
+// that took d and emits it.
+func (e *Engine) decoded(r *request, logits []float32, d time.Duration) {
 	tok := sampleToken(logits, r.temp, r.seed, len(r.generated))
-	d := e.now().Sub(start)
 	if r.decodes == 0 {
 		r.timing.FirstDecode = d
 	}

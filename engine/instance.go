@@ -66,8 +66,10 @@ type Instance struct {
 
 	closed bool
 	// Scratch reused between forward passes.
-	x, h, hf []float64
-	rope     ropeTable
+	x, h, hf, acc, lg []float64
+	pos               []int
+	rope              ropeTable
+	segs              []segment
 }
 
 // rankShard is one rank: which part of the model it holds and its pool.
@@ -86,8 +88,26 @@ type rankShard struct {
 	// [local group][token][hidden], a group being a query head or an MLP
 	// chunk.
 	part []float64
-	// Scratch.
-	q, o, row, qlat, attnLat, k, v, scores, act []float64
+	// Scratch of the batch's projections.
+	q, kv, o, act []float64
+	// Scratch of the attention of each worker goroutine.
+	ws []attnScratch
+}
+
+// attnScratch is one worker's scratch for the attention of one sequence.
+type attnScratch struct {
+	k, v                 []float32 // the cached K and V (GQA) or latents (MLA)
+	v64                  []float64 // the cached V widened (GQA, SIMD)
+	scores, qlat, attLat []float64
+	acc                  []float64 // weighted sums of a block of queries
+}
+
+// segment is one sequence's run of rows in a batch.
+type segment struct {
+	s    *Sequence
+	n0   int // tokens in the cache before the batch
+	row0 int // first row of the batch
+	T    int // rows (new tokens)
 }
 
 // NewInstance shards m over cfg.TP×cfg.PP ranks and allocates one pool per
@@ -289,7 +309,8 @@ func (in *Instance) Prefill(s *Sequence, tokens []int32) ([]float32, error) {
 	return in.prefill(context.Background(), s, tokens)
 }
 
-// prefill is Prefill that stops between layers once ctx is done, returning
+// prefill is Prefill that stops once ctx is done (checked between layers
+// and at least every 256 queries of the attention), returning
 // ctx's error; the sequence's length is then unchanged (the blocks hold
 // partial KV of no use, released with the sequence).
 func (in *Instance) prefill(ctx context.Context, s *Sequence, tokens []int32) ([]float32, error) {
@@ -305,6 +326,25 @@ func (in *Instance) prefill(ctx context.Context, s *Sequence, tokens []int32) ([
 // returns the logits of the next.
 func (in *Instance) Decode(s *Sequence, token int32) ([]float32, error) {
 	return in.forward(context.Background(), s, []int32{token})
+}
+
+// DecodeBatch runs one token at the end of each sequence (tokens[i] after
+// seqs[i]) in one pass over the weights, and returns the logits of the
+// next token of each. The results are those of Decode on each sequence
+// alone, bit for bit: every row of the batch is computed by the same
+// dot products in the same order. The sequences must be distinct and have
+// room for one more token; on error none of them changes.
+func (in *Instance) DecodeBatch(seqs []*Sequence, tokens []int32) ([][]float32, error) {
+	if len(seqs) != len(tokens) {
+		return nil, fmt.Errorf("%w: decode batch of %d sequences and %d tokens", ErrBadRequest, len(seqs), len(tokens))
+	}
+	segs := in.segs[:0]
+	for i, s := range seqs {
+		segs = append(segs, segment{s: s, row0: i, T: 1})
+	}
+	in.segs = segs
+	defer clear(segs) // hold no sequence after the call
+	return in.forwardBatch(context.Background(), segs, tokens)
 }
 
 // zeroTail clears the token slots after Len in the block holding the last
@@ -338,29 +378,65 @@ func (s *Sequence) write(r *rankShard, layer, kv, head, pos int, vals []float64)
 
 // gather reads the first n tokens of one head from the cache of rank r into
 // dst ([n][HeadDim]).
-func (s *Sequence) gather(r *rankShard, layer, kv, head, n int, dst []float64) {
+func (s *Sequence) gather(r *rankShard, layer, kv, head, n int, dst []float32) {
 	tpb, d := s.in.tpb, r.bl.HeadDim
 	for b := 0; b*tpb < n; b++ {
 		cnt := min(tpb, n-b*tpb)
 		mem := r.pool.Block(s.blocks[r.idx][b])
 		off := int(r.bl.Offset(layer, kv, head, 0))
-		decodeRow(s.in.dt, dst[b*tpb*d:(b*tpb+cnt)*d], mem[off:off+cnt*r.rowBytes])
+		decodeRow32(s.in.dt, dst[b*tpb*d:(b*tpb+cnt)*d], mem[off:off+cnt*r.rowBytes])
 	}
 }
 
-// forward runs tokens through every stage, appends their KV and returns the
-// logits of the last token.
+// forward runs tokens at the end of one sequence and returns the logits of
+// the last token.
 func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]float32, error) {
+	segs := append(in.segs[:0], segment{s: s, T: len(toks)})
+	in.segs = segs
+	defer clear(segs)
+	lg, err := in.forwardBatch(ctx, segs, toks)
+	if err != nil {
+		return nil, err
+	}
+	return lg[0], nil
+}
+
+// forwardBatch runs a batch through every stage: the rows of segs (each a
+// run of toks at the end of its sequence, in order) go through every
+// projection together, one pass over the weights, and each segment's rows
+// attend to their own sequence. It appends their KV and returns the logits
+// of each segment's last token. A row's results do not depend on the
+// other rows of the batch.
+func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int32) ([][]float32, error) {
 	if in.closed {
 		return nil, ErrClosed
 	}
 	T := len(toks)
-	if T == 0 {
+	if T == 0 || len(segs) == 0 {
 		return nil, fmt.Errorf("%w: no tokens to run", ErrBadRequest)
 	}
-	n0 := s.n
-	if n0+T > s.Capacity() {
-		return nil, fmt.Errorf("engine: %d tokens do not fit: the sequence holds %d of %d", T, n0, s.Capacity())
+	row := 0
+	for i := range segs {
+		sg := &segs[i]
+		s := sg.s
+		switch {
+		case s == nil || s.in != in:
+			return nil, fmt.Errorf("%w: sequence %d of the batch is not of this instance", ErrBadRequest, i)
+		case sg.T <= 0 || sg.row0 != row:
+			return nil, fmt.Errorf("%w: sequence %d of the batch has rows %d..%d, want from %d", ErrBadRequest, i, sg.row0, sg.row0+sg.T, row)
+		case s.n+sg.T > s.Capacity():
+			return nil, fmt.Errorf("engine: %d tokens do not fit: the sequence holds %d of %d", sg.T, s.n, s.Capacity())
+		}
+		for _, o := range segs[:i] {
+			if o.s == s {
+				return nil, fmt.Errorf("%w: sequence %d of the batch appears twice", ErrBadRequest, i)
+			}
+		}
+		sg.n0 = s.n
+		row += sg.T
+	}
+	if row != T {
+		return nil, fmt.Errorf("%w: the batch's sequences have %d rows, %d tokens given", ErrBadRequest, row, T)
 	}
 	for _, t := range toks {
 		if t < 0 || t >= VocabSize {
@@ -373,9 +449,17 @@ func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]f
 	in.h = grow(in.h, T*H)
 	x, h := in.x, in.h
 	for t, tok := range toks {
-		copy(x[t*H:(t+1)*H], m.embed[int(tok)*H:])
+		for i, w := range m.embed[int(tok)*H : (int(tok)+1)*H] {
+			x[t*H+i] = float64(w)
+		}
 	}
-	in.rope.fill(m.invFreq, n0, T)
+	in.pos = grow(in.pos, T)
+	for _, sg := range segs {
+		for t := range sg.T {
+			in.pos[sg.row0+t] = sg.n0 + t
+		}
+	}
+	in.rope.fill(m.invFreq, in.pos)
 	// Stages run in order; x is the activation one stage hands the next.
 	for _, ranks := range in.stages {
 		for l := ranks[0].layerLo; l < ranks[0].layerHi; l++ {
@@ -383,37 +467,51 @@ func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]f
 				return nil, err
 			}
 			lw := &m.layers[l]
-			for t := range T {
-				rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], lw.attnNorm, cfg.NormEps)
-			}
+			normRows(h, x, lw.attnNorm, cfg.NormEps, T, H)
 			for _, r := range ranks {
 				if cfg.Attention == layout.AttentionMLA {
-					r.attentionMLA(in, s, lw, l-r.layerLo, h, T, n0)
+					r.attentionMLA(ctx, in, segs, lw, l-r.layerLo, h, T)
 				} else {
-					r.attentionGQA(in, s, lw, l-r.layerLo, h, T, n0)
+					r.attentionGQA(ctx, in, segs, lw, l-r.layerLo, h, T)
 				}
 			}
-			allReduceAdd(ranks, x, T, H)
-			for t := range T {
-				rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], lw.mlpNorm, cfg.NormEps)
+			// A long prompt's attention stops part-way once ctx is done.
+			if err := ctx.Err(); err != nil {
+				return nil, err
 			}
+			in.allReduceAdd(ranks, T)
+			normRows(h, x, lw.mlpNorm, cfg.NormEps, T, H)
 			for _, r := range ranks {
 				r.mlp(in, lw, h, T)
 			}
-			allReduceAdd(ranks, x, T, H)
+			in.allReduceAdd(ranks, T)
 		}
 	}
-	s.n = n0 + T
-	// LM head of the last token, vocabulary-parallel over the last stage.
-	in.hf = grow(in.hf, H)
-	rmsNorm(in.hf, x[(T-1)*H:T*H], m.finalNorm, cfg.NormEps)
-	logits := make([]float32, VocabSize)
+	for _, sg := range segs {
+		sg.s.n = sg.n0 + sg.T
+	}
+	// LM head of each segment's last token, vocabulary-parallel over the
+	// last stage.
+	S := len(segs)
+	in.hf = grow(in.hf, S*H)
+	for i, sg := range segs {
+		last := sg.row0 + sg.T - 1
+		rmsNorm(in.hf[i*H:(i+1)*H], x[last*H:(last+1)*H], m.finalNorm, cfg.NormEps)
+	}
+	in.lg = grow(in.lg, S*VocabSize)
 	for _, r := range in.stages[len(in.stages)-1] {
-		for v := r.vocabLo; v < r.vocabHi; v++ {
-			logits[v] = float32(dot(m.lmHead[v*H:(v+1)*H], in.hf) + m.lmBias[v])
-		}
+		gemmPar(in.lg[r.vocabLo:], VocabSize, m.lmHead[r.vocabLo*H:r.vocabHi*H], r.vocabHi-r.vocabLo, H, in.hf, H, S, false)
 	}
-	return logits, nil
+	out := make([][]float32, S)
+	flat := make([]float32, S*VocabSize)
+	for i := range out {
+		lg := flat[i*VocabSize : (i+1)*VocabSize : (i+1)*VocabSize]
+		for v := range lg {
+			lg[v] = float32(in.lg[i*VocabSize+v] + m.lmBias[v])
+		}
+		out[i] = lg
+	}
+	return out, nil
 }
 
 // allReduceAdd sums the partial results of the ranks of a stage and adds
@@ -422,140 +520,274 @@ func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]f
 // local order; it starts from zero and is rounded to float32 once, at the
 // end. Every layout therefore adds the same float64 numbers in the same
 // order, whatever the TP size.
-func allReduceAdd(ranks []*rankShard, x []float64, T, H int) {
-	for t := range T {
-		for i := range H {
-			var acc float64
-			for _, r := range ranks {
-				groups := len(r.part) / (T * H)
-				for g := range groups {
-					acc += r.part[(g*T+t)*H+i]
+// Large batches are split over cores by tokens.
+func (in *Instance) allReduceAdd(ranks []*rankShard, T int) {
+	H := in.cfg.Hidden
+	in.acc = grow(in.acc, T*H)
+	groups := 0
+	for _, r := range ranks {
+		groups += len(r.part) / (T * H)
+	}
+	rowChunks(T, H*groups, func(lo, hi int) {
+		acc := in.acc[lo*H : hi*H]
+		clear(acc)
+		for _, r := range ranks {
+			for g := range len(r.part) / (T * H) {
+				for i, v := range r.part[g*T*H+lo*H : g*T*H+hi*H] {
+					acc[i] += v
 				}
 			}
-			x[t*H+i] = r32(x[t*H+i] + r32(acc))
 		}
-	}
+		x := in.x[lo*H : hi*H]
+		for i, v := range acc {
+			x[i] = r32(x[i] + r32(v))
+		}
+	})
 }
 
-// matRows sets out[t×ostride+j] = float32(w[j] · x[t]) for every row j of w
-// ([rows][K]) and token t of x ([T][K]). Rows are the outer loop so that a
-// row stays in cache across the tokens of a prefill.
-func matRows(out []float64, ostride int, w []float64, rows int, x []float64, T, K int) {
-	for j := range rows {
-		wr := w[j*K : (j+1)*K]
-		for t := range T {
-			out[t*ostride+j] = r32(dot(wr, x[t*K:(t+1)*K]))
+// normRows sets h[t] = rmsNorm(x[t]) for the T rows of width H, split over
+// cores by tokens when there are many.
+func normRows(h, x, w []float64, eps float64, T, H int) {
+	rowChunks(T, 8*H, func(lo, hi int) {
+		for t := lo; t < hi; t++ {
+			rmsNorm(h[t*H:(t+1)*H], x[t*H:(t+1)*H], w, eps)
 		}
-	}
+	})
 }
 
-// outProj sets part[t][i] = Σ_d wo[i][d]·o[t][d]: one head's (or chunk's)
-// contribution to the all-reduce, not rounded.
-func outProj(part, wo, o []float64, T, H, D int) {
-	for i := range H {
-		wr := wo[i*D : (i+1)*D]
-		for t := range T {
-			part[t*H+i] = dot(wr, o[t*D:(t+1)*D])
-		}
-	}
+// rowChunks runs fn over [0,T) in chunks of 64 rows, split over cores when
+// T rows of perRow operations are enough work.
+func rowChunks(T, perRow int, fn func(lo, hi int)) {
+	const chunk = 64
+	parallel(workers(T*perRow), (T+chunk-1)/chunk, func(_, i int) {
+		fn(i*chunk, min(T, (i+1)*chunk))
+	})
 }
 
-func (r *rankShard) attentionGQA(in *Instance, s *Sequence, lw *layerWeights, ll int, h []float64, T, n0 int) {
+// outProj sets part[g][t][i] = dot32(w_g[i], a[t×as+g×D:][:D]) for the
+// groups g < ng (query heads or MLP chunks), where w_g = w[g×H×D:] is the
+// group's [H][D] output projection: each group's contribution to the
+// all-reduce, not rounded. The groups are split over cores.
+func outProj(part []float64, w []float32, ng, H, D int, a []float64, as, T int) {
+	parallel(workers(ng*H*D*T), ng, func(_, g int) {
+		gemm(part[g*T*H:(g+1)*T*H], H, w[g*H*D:(g+1)*H*D], H, D, a[g*D:], as, T, false)
+	})
+}
+
+// scratch returns worker scratch for nw workers.
+func (r *rankShard) scratch(nw int) []attnScratch {
+	if len(r.ws) < nw {
+		r.ws = append(r.ws, make([]attnScratch, nw-len(r.ws))...)
+	}
+	return r.ws
+}
+
+func (r *rankShard) attentionGQA(ctx context.Context, in *Instance, segs []segment, lw *layerWeights, ll int, h []float64, T int) {
 	cfg := in.cfg
 	H, D := cfg.Hidden, cfg.HeadDim
-	N := n0 + T
 	group := cfg.QHeads / cfg.KVHeads
 	scale := 1 / math.Sqrt(float64(D))
-	r.part = grow(r.part, (r.qHi-r.qLo)*T*H)
-	r.row = grow(r.row, T*D)
-	r.k = grow(r.k, N*D)
-	r.v = grow(r.v, N*D)
-	r.q = grow(r.q, T*D)
-	r.o = grow(r.o, T*D)
-	r.scores = grow(r.scores, N)
-	for kh := r.kvLo; kh < r.kvHi; kh++ {
-		local := kh - r.kvLo
-		// K and V of the new tokens: computed wholly on this rank, so the
-		// bytes cached are the same on every layout.
-		matRows(r.row, D, lw.wk[kh*D*H:(kh+1)*D*H], D, h, T, H)
-		for t := range T {
-			in.rope.rotate(r.row[t*D:(t+1)*D], t)
-			s.write(r, ll, 0, local, n0+t, r.row[t*D:(t+1)*D])
+	nkv, nq := r.kvHi-r.kvLo, r.qHi-r.qLo
+	kw, qw := nkv*D, nq*D
+	// Q, K and V of the new tokens: computed wholly on this rank, so the
+	// bytes cached are the same on every layout.
+	r.kv = grow(r.kv, 2*T*kw)
+	kn, vn := r.kv[:T*kw], r.kv[T*kw:]
+	r.q = grow(r.q, T*qw)
+	gemmPar(kn, kw, lw.wk[r.kvLo*D*H:r.kvHi*D*H], kw, H, h, H, T, true)
+	gemmPar(vn, kw, lw.wv[r.kvLo*D*H:r.kvHi*D*H], kw, H, h, H, T, true)
+	gemmPar(r.q, qw, lw.wq[r.qLo*D*H:r.qHi*D*H], qw, H, h, H, T, true)
+	for t := range T {
+		for hh := range nkv {
+			in.rope.rotate(kn[t*kw+hh*D:t*kw+(hh+1)*D], t)
 		}
-		matRows(r.row, D, lw.wv[kh*D*H:(kh+1)*D*H], D, h, T, H)
-		for t := range T {
-			s.write(r, ll, 1, local, n0+t, r.row[t*D:(t+1)*D])
+		for hh := range nq {
+			in.rope.rotate(r.q[t*qw+hh*D:t*qw+(hh+1)*D], t)
 		}
-		// Attention reads K and V back from the cache: the same quantized
-		// values a generation instance reads after a transfer.
-		s.gather(r, ll, 0, local, N, r.k)
-		s.gather(r, ll, 1, local, N, r.v)
-		for qh := max(r.qLo, kh*group); qh < min(r.qHi, (kh+1)*group); qh++ {
-			matRows(r.q, D, lw.wq[qh*D*H:(qh+1)*D*H], D, h, T, H)
-			for t := range T {
-				q := r.q[t*D : (t+1)*D]
-				in.rope.rotate(q, t)
-				sc := r.scores[:n0+t+1]
-				for j := range sc {
-					sc[j] = dot(q, r.k[j*D:(j+1)*D]) * scale
-				}
-				softmaxInPlace(sc)
-				weightedSum(r.o[t*D:(t+1)*D], sc, r.v, D, 0)
+	}
+	for _, sg := range segs {
+		for t := range sg.T {
+			row := sg.row0 + t
+			for hh := range nkv {
+				sg.s.write(r, ll, 0, hh, sg.n0+t, kn[row*kw+hh*D:row*kw+(hh+1)*D])
+				sg.s.write(r, ll, 1, hh, sg.n0+t, vn[row*kw+hh*D:row*kw+(hh+1)*D])
 			}
+		}
+	}
+	// Attention reads K and V back from the cache: the same quantized
+	// values a generation instance reads after a transfer. One task per
+	// sequence and KV head, split over cores.
+	r.o = grow(r.o, T*qw)
+	work := 0
+	for _, sg := range segs {
+		work += sg.T * (sg.n0 + sg.T) * 2 * D * nq
+	}
+	nw := workers(work)
+	ws := r.scratch(nw)
+	parallel(nw, len(segs)*nkv, func(w, i int) {
+		sg, hh := segs[i/nkv], i%nkv
+		kh := r.kvLo + hh
+		sc := &ws[w]
+		N := sg.n0 + sg.T
+		sc.k = grow(sc.k, (N+4)*D)
+		sc.v = grow(sc.v, N*D)
+		sg.s.gather(r, ll, 0, hh, N, sc.k)
+		clear(sc.k[N*D:])
+		sg.s.gather(r, ll, 1, hh, N, sc.v)
+		if haveSIMD {
+			sc.v64 = grow(sc.v64, N*D)
+			for i, x := range sc.v {
+				sc.v64[i] = float64(x)
+			}
+		}
+		for qh := max(r.qLo, kh*group); qh < min(r.qHi, (kh+1)*group); qh++ {
 			lq := qh - r.qLo
-			outProj(r.part[lq*T*H:(lq+1)*T*H], lw.wo[qh*H*D:(qh+1)*H*D], r.o, T, H, D)
+			off := sg.row0*qw + lq*D
+			sc.attend(ctx, r.o[off:], r.q[off:], qw, sg.n0, sg.T, D, scale)
+		}
+	})
+	r.part = grow(r.part, nq*T*H)
+	outProj(r.part, lw.wo[r.qLo*H*D:r.qHi*H*D], nq, H, D, r.o, qw, T)
+}
+
+// attendBlock is the number of queries whose scores are computed together.
+const attendBlock = 8
+
+// attend computes one head's attention of the T query rows q[t×qs:][:D]
+// (positions n0..n0+T-1) over the keys and values of positions 0..n0+t in
+// sc.k and sc.v (and, with the SIMD kernels, sc.v64), into o[t×qs:][:D].
+// The scores of attendBlock queries are computed together, against the
+// keys the last one sees (sc.k has zero rows up to a multiple of four
+// beyond them); each score is the same dot product whatever it is computed
+// with, and each query's softmax takes only its own keys. With the SIMD
+// kernels the block's weighted sums go through the values in tiles of
+// attendTile positions, every query's sum continuing in order of position
+// from one tile to the next, so that each tile is read from cache once per
+// block; each output is the sum weightedSum gives. It returns early,
+// leaving o partly computed, once ctx is done.
+func (sc *attnScratch) attend(ctx context.Context, o, q []float64, qs, n0, T, D int, scale float64) {
+	sc.attendWith(haveSIMD, ctx, o, q, qs, n0, T, D, scale)
+}
+
+// attendTile is the number of value rows a block's weighted sums take
+// from cache at a time.
+const attendTile = 128
+
+func (sc *attnScratch) attendWith(simd bool, ctx context.Context, o, q []float64, qs, n0, T, D int, scale float64) {
+	sc.scores = grow(sc.scores, attendBlock*(n0+T+4))
+	tiled := simd && D%32 == 0
+	if tiled {
+		sc.acc = grow(sc.acc, attendBlock*D)
+		_ = sc.v64[(n0+T)*D-1]
+	}
+	for t0 := 0; t0 < T; t0 += attendBlock {
+		if t0%256 == 256-attendBlock && ctx.Err() != nil {
+			return
+		}
+		nb := min(attendBlock, T-t0)
+		nk := n0 + t0 + nb
+		stride := (nk + 3) &^ 3
+		gemm(sc.scores, stride, sc.k[:stride*D], stride, D, q[t0*qs:], qs, nb, false)
+		for u := range nb {
+			t := t0 + u
+			row := sc.scores[u*stride : u*stride+n0+t+1]
+			softmax(row, scale)
+			if !tiled {
+				weightedSum(o[t*qs:t*qs+D], row, sc.v, D, 0)
+			}
+		}
+		if !tiled {
+			continue
+		}
+		acc := sc.acc[:nb*D]
+		clear(acc)
+		for j0 := 0; j0 < nk; j0 += attendTile {
+			for u := range nb {
+				j1 := min(j0+attendTile, n0+t0+u+1)
+				for d := 0; d < D && j1 > j0; d += 32 {
+					wsum64(&acc[u*D+d], &sc.scores[u*stride+j0], j1-j0, &sc.v64[j0*D+d], D)
+				}
+			}
+		}
+		for u := range nb {
+			t := t0 + u
+			for d, v := range acc[u*D : (u+1)*D] {
+				o[t*qs+d] = r32(v)
+			}
 		}
 	}
 }
 
-func (r *rankShard) attentionMLA(in *Instance, s *Sequence, lw *layerWeights, ll int, h []float64, T, n0 int) {
+func (r *rankShard) attentionMLA(ctx context.Context, in *Instance, segs []segment, lw *layerWeights, ll int, h []float64, T int) {
 	cfg := in.cfg
 	H, Lat, R, Np, Vd := cfg.Hidden, cfg.KVLatent, cfg.RopeDim, cfg.NopeDim, cfg.VHeadDim
-	W := Lat + R
-	N := n0 + T
+	W, qw := Lat+R, Np+R
 	scale := 1 / math.Sqrt(float64(Np+R))
-	r.part = grow(r.part, (r.qHi-r.qLo)*T*H)
-	r.row = grow(r.row, T*W)
-	r.k = grow(r.k, N*W)
-	r.q = grow(r.q, T*(Np+R))
-	r.qlat = grow(r.qlat, Lat)
-	r.attnLat = grow(r.attnLat, Lat)
-	r.o = grow(r.o, T*Vd)
-	r.scores = grow(r.scores, N)
+	nq := r.qHi - r.qLo
 	// The latent [c_kv | k_rope] of the new tokens; every TP rank holds
 	// (and computes) the whole latent.
-	matRows(r.row, W, lw.wdkv, Lat, h, T, H)
-	matRows(r.row[Lat:], W, lw.wkr, R, h, T, H)
+	r.kv = grow(r.kv, T*W)
+	gemmPar(r.kv, W, lw.wdkv, Lat, H, h, H, T, true)
+	gemmPar(r.kv[Lat:], W, lw.wkr, R, H, h, H, T, true)
 	for t := range T {
-		row := r.row[t*W : (t+1)*W]
+		row := r.kv[t*W : (t+1)*W]
 		rmsNorm(row[:Lat], row[:Lat], lw.kvNorm, cfg.NormEps)
 		in.rope.rotate(row[Lat:], t)
-		s.write(r, ll, 0, 0, n0+t, row)
 	}
-	s.gather(r, ll, 0, 0, N, r.k)
-	for qh := r.qLo; qh < r.qHi; qh++ {
-		qw := Np + R
-		matRows(r.q, qw, lw.wqMLA[qh*qw*H:(qh+1)*qw*H], qw, h, T, H)
+	for _, sg := range segs {
+		for t := range sg.T {
+			row := sg.row0 + t
+			sg.s.write(r, ll, 0, 0, sg.n0+t, r.kv[row*W:(row+1)*W])
+		}
+	}
+	r.q = grow(r.q, T*nq*qw)
+	gemmPar(r.q, nq*qw, lw.wqMLA[r.qLo*qw*H:r.qHi*qw*H], nq*qw, H, h, H, T, true)
+	for t := range T {
+		for hh := range nq {
+			in.rope.rotate(r.q[t*nq*qw+hh*qw+Np:t*nq*qw+(hh+1)*qw], t)
+		}
+	}
+	r.o = grow(r.o, T*nq*Vd)
+	work := 0
+	for _, sg := range segs {
+		work += sg.T * (sg.n0 + sg.T) * (2*W + Lat) * nq
+	}
+	nw := workers(work)
+	ws := r.scratch(nw)
+	parallel(nw, len(segs)*nq, func(w, i int) {
+		sg, lq := segs[i/nq], i%nq
+		qh := r.qLo + lq
+		sc := &ws[w]
+		N := sg.n0 + sg.T
+		sc.k = grow(sc.k, N*W)
+		sg.s.gather(r, ll, 0, 0, N, sc.k)
+		sc.qlat = grow(sc.qlat, Lat)
+		sc.attLat = grow(sc.attLat, Lat)
+		sc.scores = grow(sc.scores, N)
 		wukT := lw.wukT[qh*Lat*Np : (qh+1)*Lat*Np]
 		wuv := lw.wuv[qh*Vd*Lat : (qh+1)*Vd*Lat]
-		for t := range T {
-			q := r.q[t*qw : (t+1)*qw]
-			in.rope.rotate(q[Np:], t)
+		for t := range sg.T {
+			if t%64 == 63 && ctx.Err() != nil {
+				return
+			}
+			row := sg.row0 + t
+			q := r.q[row*nq*qw+lq*qw : row*nq*qw+(lq+1)*qw]
 			// Absorbed key up-projection: q_lat = W_UK(h)ᵀ q_nope, so that
 			// scores are taken against the cached latent directly.
-			matVec(r.qlat, wukT, q[:Np])
-			sc := r.scores[:n0+t+1]
-			for j := range sc {
-				lat := r.k[j*W : (j+1)*W]
-				sc[j] = (dot(r.qlat, lat[:Lat]) + dot(q[Np:], lat[Lat:])) * scale
+			gemm(sc.qlat, Lat, wukT, Lat, Np, q[:Np], Np, 1, true)
+			s := sc.scores[:sg.n0+t+1]
+			for j := range s {
+				lat := sc.k[j*W : (j+1)*W]
+				s[j] = dot32(lat[:Lat], sc.qlat) + dot32(lat[Lat:], q[Np:])
 			}
-			softmaxInPlace(sc)
-			weightedSum(r.attnLat, sc, r.k, W, 0)
-			matVec(r.o[t*Vd:(t+1)*Vd], wuv, r.attnLat) // value up-projection
+			softmax(s, scale)
+			weightedSum(sc.attLat, s, sc.k, W, 0)
+			// Value up-projection.
+			gemm(r.o[row*nq*Vd+lq*Vd:], Vd, wuv, Vd, Lat, sc.attLat, Lat, 1, true)
 		}
-		lq := qh - r.qLo
-		outProj(r.part[lq*T*H:(lq+1)*T*H], lw.wo[qh*H*Vd:(qh+1)*H*Vd], r.o, T, H, Vd)
-	}
+	})
+	r.part = grow(r.part, nq*T*H)
+	outProj(r.part, lw.wo[r.qLo*H*Vd:r.qHi*H*Vd], nq, H, Vd, r.o, nq*Vd, T)
 }
 
 func (r *rankShard) mlp(in *Instance, lw *layerWeights, h []float64, T int) {
@@ -563,16 +795,12 @@ func (r *rankShard) mlp(in *Instance, lw *layerWeights, h []float64, T int) {
 	H := cfg.Hidden
 	cs := cfg.FFN / cfg.MLPChunks
 	nc := r.chunkHi - r.chunkLo
+	fw := nc * cs
+	r.act = grow(r.act, 3*T*fw)
+	gate, up, e := r.act[:T*fw], r.act[T*fw:2*T*fw], r.act[2*T*fw:]
+	gemmPar(gate, fw, lw.wg[r.chunkLo*cs*H:r.chunkHi*cs*H], fw, H, h, H, T, true)
+	gemmPar(up, fw, lw.wu[r.chunkLo*cs*H:r.chunkHi*cs*H], fw, H, h, H, T, true)
+	siluMul(gate, up, e)
 	r.part = grow(r.part, nc*T*H)
-	r.act = grow(r.act, 2*T*cs)
-	gate, up := r.act[:T*cs], r.act[T*cs:]
-	for c := r.chunkLo; c < r.chunkHi; c++ {
-		matRows(gate, cs, lw.wg[c*cs*H:(c+1)*cs*H], cs, h, T, H)
-		matRows(up, cs, lw.wu[c*cs*H:(c+1)*cs*H], cs, h, T, H)
-		for i, g := range gate {
-			gate[i] = r32(silu(g) * up[i])
-		}
-		lc := c - r.chunkLo
-		outProj(r.part[lc*T*H:(lc+1)*T*H], lw.wd[c*H*cs:(c+1)*H*cs], gate, T, H, cs)
-	}
+	outProj(r.part, lw.wd[r.chunkLo*H*cs:r.chunkHi*H*cs], nc, H, cs, gate, fw, T)
 }

@@ -141,16 +141,16 @@ func (c Config) Validate() error {
 	return errors.Join(errs...)
 }
 
-// Model holds the weights of a reference model. Weights are float32 values
-// stored widened in float64, so that every product of a weight and a
-// float32 activation is exact (see doc.go). A Model is read-only after
-// NewModel and may be shared by any number of Instances.
+// Model holds the weights of a reference model. Weight matrices are
+// float32, row-major with one row per output; every product of a weight
+// and a float32 activation is exact in float64 (see doc.go). A Model is
+// read-only after NewModel and may be shared by any number of Instances.
 type Model struct {
 	cfg       Config
-	embed     []float64 // [vocab][hidden]
+	embed     []float32 // [vocab][hidden]
 	layers    []layerWeights
 	finalNorm []float64 // [hidden]
-	lmHead    []float64 // [vocab][hidden]
+	lmHead    []float32 // [vocab][hidden]
 	lmBias    []float64 // [vocab]
 	invFreq   []float64 // RoPE inverse frequencies, [ropeWidth/2]
 }
@@ -159,20 +159,20 @@ type layerWeights struct {
 	attnNorm, mlpNorm []float64 // [hidden]
 
 	// GQA.
-	wq     []float64 // [qHeads][headDim][hidden]
-	wk, wv []float64 // [kvHeads][headDim][hidden]
+	wq     []float32 // [qHeads][headDim][hidden]
+	wk, wv []float32 // [kvHeads][headDim][hidden]
 
 	// MLA.
-	wqMLA  []float64 // [qHeads][nope+rope][hidden]
-	wdkv   []float64 // [latent][hidden]
+	wqMLA  []float32 // [qHeads][nope+rope][hidden]
+	wdkv   []float32 // [latent][hidden]
 	kvNorm []float64 // [latent]
-	wkr    []float64 // [rope][hidden]
-	wukT   []float64 // [qHeads][latent][nope]: absorbed key up-projection
-	wuv    []float64 // [qHeads][vHeadDim][latent]
+	wkr    []float32 // [rope][hidden]
+	wukT   []float32 // [qHeads][latent][nope]: absorbed key up-projection
+	wuv    []float32 // [qHeads][vHeadDim][latent]
 
-	wo     []float64 // [qHeads][hidden][vDim]: output projection, one block per head
-	wg, wu []float64 // [ffn][hidden]
-	wd     []float64 // [mlpChunks][hidden][ffn/mlpChunks]: down projection, one block per chunk
+	wo     []float32 // [qHeads][hidden][vDim]: output projection, one block per head
+	wg, wu []float32 // [ffn][hidden]
+	wd     []float32 // [mlpChunks][hidden][ffn/mlpChunks]: down projection, one block per chunk
 }
 
 // NewModel generates the weights of cfg from cfg.Seed.
@@ -218,7 +218,7 @@ func NewModel(cfg Config) (*Model, error) {
 	// float32 like every other weight.
 	r := g.tensor(VocabSize*H, 4*std(H))
 	for i := range r {
-		r[i] = r32(r[i] - 0.5*m.embed[i]*std(H)*4)
+		r[i] = float32(float64(r[i]) - 0.5*float64(m.embed[i])*std(H)*4)
 	}
 	m.lmHead = r
 	// A fixed logit bias toward printable ASCII, so that generations look
@@ -254,16 +254,15 @@ type weightGen struct {
 	next uint64
 }
 
-// tensor returns n float32 values, uniform with standard deviation std,
-// widened to float64.
-func (g *weightGen) tensor(n int, std float64) []float64 {
+// tensor returns n float32 values, uniform with standard deviation std.
+func (g *weightGen) tensor(n int, std float64) []float32 {
 	g.next++
 	src := rand.NewPCG(g.seed, 0x9e3779b97f4a7c15*g.next)
 	a := std * math.Sqrt(3)
-	out := make([]float64, n)
+	out := make([]float32, n)
 	for i := range out {
 		u := float64(src.Uint64()>>11) * 0x1p-53 // [0, 1)
-		out[i] = r32((2*u - 1) * a)
+		out[i] = float32((2*u - 1) * a)
 	}
 	return out
 }
