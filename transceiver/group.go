@@ -79,9 +79,11 @@ type groupMember interface {
 	// apply receives a piece of the log. The group calls it from one
 	// goroutine at a time, in log order.
 	apply(evs []instEvent)
-	// lost says that this process has lost the group, with err; every
-	// other process's ranks count as failed.
-	lost(err error)
+	// lost says that this process has lost the group, with err: it
+	// refuses new requests from now on. It returns the event that fails
+	// every other process's ranks, for the group to apply after what this
+	// process published and the others may not have seen.
+	lost(err error) instEvent
 }
 
 // groupInfo is what a process knows once the group has joined.

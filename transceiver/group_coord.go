@@ -480,23 +480,17 @@ func (g *CoordinatedGroup) leave(err error) {
 			c.Close()
 		}
 	}
+	ev := m.lost(failed)
 	if coord {
 		// The sequencer goes on, alone: the loss of every other rank
-		// first, then what this process publishes.
-		var others []int
-		for q, rs := range g.ranksOf {
-			if q != g.self {
-				others = append(others, rs...)
-			}
-		}
-		slices.Sort(others)
-		g.queue.push(g.self, []instEvent{ranksLostEvent{ranks: others, err: failed, now: time.Now()}})
+		// after what is queued, then what this process publishes.
+		g.queue.push(g.self, []instEvent{ev})
 		return
 	}
-	m.lost(failed)
 	for _, evs := range unacked {
 		g.echo.push(m, evs)
 	}
+	g.echo.push(m, []instEvent{ev})
 }
 
 func (g *CoordinatedGroup) close() error {

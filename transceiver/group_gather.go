@@ -182,10 +182,7 @@ func (g *GatherGroup) leave(err error) {
 	g.sent, g.pending = nil, nil
 	failed := g.failed
 	g.mu.Unlock()
-	m.lost(failed)
-	if len(unsent) > 0 {
-		g.echo.push(m, unsent)
-	}
+	g.echo.push(m, append(unsent, m.lost(failed)))
 }
 
 func (g *GatherGroup) publish(evs ...instEvent) {

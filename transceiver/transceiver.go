@@ -133,6 +133,7 @@ type Transceiver struct {
 	nonces   map[instKey][16]byte // the nonce of the signed state of each pull in flight
 	silent   map[instKey]bool     // requests whose start failed here: the Check calls do not report them
 	groupErr error                // with a group: why this process lost it
+	lostEv   instEvent            // with a group, once lost: the event that fails the ranks hosted elsewhere
 }
 
 // pullID returns the id of a new pull (wire GenRequestID), never 0. The
@@ -853,24 +854,36 @@ func (t *Transceiver) apply(evs []instEvent) {
 	defer t.applyMu.Unlock()
 	for _, ev := range evs {
 		t.cancelRanks(t.step(ev))
+		if _, ok := ev.(joinBeginEvent); ok {
+			t.mu.Lock()
+			lostEv := t.lostEv
+			t.mu.Unlock()
+			if lostEv != nil {
+				// Begun after the group was lost (the begin was this
+				// process's, on its way to the others): the other
+				// ranks are lost to it too.
+				t.cancelRanks(t.step(lostEv))
+			}
+		}
 	}
 }
 
-// lost fails what is in flight when this process has lost the group
-// (groupMember): every rank hosted elsewhere counts as failed.
-func (t *Transceiver) lost(err error) {
-	t.mu.Lock()
-	if t.groupErr == nil {
-		t.groupErr = err
-	}
-	t.mu.Unlock()
+// lost records that this process has lost the group (groupMember), and
+// returns the event that fails every rank hosted elsewhere.
+func (t *Transceiver) lost(err error) instEvent {
 	var others []int
 	for i := range t.state.Parallel.NumRanks() {
 		if _, ok := t.pos[i]; !ok {
 			others = append(others, i)
 		}
 	}
-	t.apply([]instEvent{ranksLostEvent{ranks: others, err: err, now: t.now()}})
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.groupErr == nil {
+		t.groupErr = err
+		t.lostEv = ranksLostEvent{ranks: others, err: err, now: t.now()}
+	}
+	return t.lostEv
 }
 
 // step feeds ev to the consensus core. It completes the requests the core
