@@ -472,7 +472,6 @@ func TestGroupOptions(t *testing.T) {
 	}
 }
 
-
 // TestGroupJoinBad: joins that do not make the instance are refused.
 func TestGroupJoinBad(t *testing.T) {
 	for _, tc := range []struct {
