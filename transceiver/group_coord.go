@@ -27,13 +27,14 @@ type CoordinatedConfig struct {
 	// listening on Coordinator (a port the system chose); the group closes
 	// it. Nil: listen on Coordinator.
 	Listener net.Listener
-	// Secret, when set (the cluster secret, Options.Secret), authenticates
+	// Secret, when set (nil: the Transceiver's Options.Secret), authenticates
 	// the join: each join and the coordinator's answer carry an
 	// HMAC-SHA256 under a key derived from it, so that a process without
 	// the secret can neither join nor pose as the coordinator.
 	Secret []byte
-	// TLS, when set, makes the group's connections mutual TLS (both
-	// configs required), as Options.TLS does for the control connections.
+	// TLS, when set (nil: the Transceiver's Options.TLS), makes the
+	// group's connections mutual TLS (both configs required), as
+	// Options.TLS does for the control connections.
 	TLS *transport.TLSConfig
 	// WriteTimeout bounds each write to a connection; 0 means 10 s. A
 	// process that does not read for that long is taken for dead.
@@ -364,13 +365,14 @@ func (g *CoordinatedGroup) startMember(ctx context.Context, m groupMember, self 
 		c.Close()
 		return fmt.Errorf("%w: the coordinator's answer does not list this process (ranks %s)", ErrBadGroup, intsString(self.ranks))
 	}
+	// Before joined: the Transceiver publishes as soon as it has joined.
+	g.mu.Lock()
+	g.self, g.conns = idx, []net.Conn{c}
+	g.mu.Unlock()
 	if err := m.joined(msg.joins); err != nil {
 		c.Close()
 		return err
 	}
-	g.mu.Lock()
-	g.self, g.conns = idx, []net.Conn{c}
-	g.mu.Unlock()
 	g.wg.Add(2)
 	go g.readLog(m, c, r)
 	go g.writeLog(m, c)
@@ -448,13 +450,26 @@ func (g *CoordinatedGroup) writeLog(m groupMember, c net.Conn) {
 
 func (g *CoordinatedGroup) publish(evs ...instEvent) {
 	g.mu.Lock()
-	failed, m, coord := g.failed, g.m, g.coord
+	failed, m, coord, self := g.failed, g.m, g.coord, g.self
 	g.mu.Unlock()
 	if failed != nil && !coord {
 		g.echo.push(m, evs)
 		return
 	}
-	g.queue.push(g.self, evs)
+	g.queue.push(self, evs)
+}
+
+// inherit takes the Transceiver's cluster secret and TLS where the config
+// has none of its own.
+func (g *CoordinatedGroup) inherit(secret []byte, tc *transport.TLSConfig) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if len(g.cfg.Secret) == 0 {
+		g.cfg.Secret = secret
+	}
+	if g.cfg.TLS == nil && tc != nil && tc.Server != nil && tc.Client != nil {
+		g.cfg.TLS = tc
+	}
 }
 
 // leave: the other processes see this one go; what it publishes from now

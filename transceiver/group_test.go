@@ -1,6 +1,7 @@
 package transceiver
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -710,5 +711,64 @@ func TestGroupHostileStates(t *testing.T) {
 				t.Fatalf("replay of request 1's state after it completed: %v, want ErrRefused", err)
 			}
 		})
+	}
+}
+
+// TestGroupJoinSecret: a coordinated group takes the cluster secret of its
+// Transceiver: processes with the same secret join (and the instance's
+// signed states are pulled as usual); a process with another secret is
+// refused, and neither side hangs past its ctx.
+func TestGroupJoinSecret(t *testing.T) {
+	cfg := testCfg()
+	st := state(2, 4, 16, 8, kvcache.FP16, 2, 1, false)
+	signed := newSplit(t, groupModes[0], st, cfg, 16, withSecret(testSecret, nil))
+	gen := newInst(t, state(2, 4, 16, 8, kvcache.FP16, 1, 1, false), cfg, 16, withSecret(testSecret, nil))
+	creqs, _ := signed.respond(t, 1, 16, 1)
+	pullGenuine(t, gen, creqs[0])
+	waitAll(t, creqs, 10*time.Second)
+
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	other := bytes.Repeat([]byte("another-secret/"), 3)
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	start := time.Now()
+	for r, secret := range [][]byte{testSecret, other} {
+		gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
+		if r == 0 {
+			gc.Listener = ln
+		}
+		g, err := NewCoordinatedGroup(gc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			tr, err := New(ctx, cfg, Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g, Secret: secret})
+			if err == nil {
+				tr.Close()
+			}
+			errs[r] = err
+		}()
+	}
+	wg.Wait()
+	ln.Close()
+	for r, err := range errs {
+		if err == nil || !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("process %d with a mismatched secret: %v, want the join to fail at its deadline", r, err)
+		}
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("the refused join took %v", d)
 	}
 }

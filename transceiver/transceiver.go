@@ -204,6 +204,9 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		return t, nil
 	}
 	t.group = opts.Group
+	if cg, ok := opts.Group.(*CoordinatedGroup); ok {
+		cg.inherit(opts.Secret, opts.TLS)
+	}
 	self := groupJoin{ranks: slices.Clone(opts.Ranks), endpoints: t.localEndpoints()}
 	rand.Read(self.share[:])
 	if err := t.group.start(ctx, t, self); err != nil {
