@@ -24,7 +24,7 @@ type coreMember struct {
 }
 
 func (m *coreMember) joined([]groupJoin) error { return nil }
-func (m *coreMember) lost(err error) instEvent  { return ranksLostEvent{err: err} }
+func (m *coreMember) lost(err error) instEvent { return ranksLostEvent{err: err} }
 func (m *coreMember) apply(evs []instEvent) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
