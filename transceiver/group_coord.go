@@ -285,11 +285,12 @@ func (g *CoordinatedGroup) sequence(m groupMember) {
 		if !ok {
 			return
 		}
-		b, err := encodeBatch(p, evs)
-		if err == nil {
-			g.mu.Lock()
-			conns := slices.Clone(g.conns)
-			g.mu.Unlock()
+		g.mu.Lock()
+		conns := slices.Clone(g.conns)
+		g.mu.Unlock()
+		for rest := evs; len(rest) > 0; {
+			b, n := encodeSome(p, rest)
+			rest = rest[n:]
 			for q, c := range conns {
 				if c == nil {
 					continue
@@ -298,6 +299,7 @@ func (g *CoordinatedGroup) sequence(m groupMember) {
 				if err := writeGroupFrame(c, b); err != nil {
 					// Its reader sees the close and logs the loss.
 					c.Close()
+					conns[q] = nil
 					g.mu.Lock()
 					g.conns[q] = nil
 					g.mu.Unlock()
@@ -429,9 +431,11 @@ func (g *CoordinatedGroup) writeLog(m groupMember, c net.Conn) {
 		if !ok {
 			return
 		}
-		b, err := encodeBatch(g.self, evs)
-		if err != nil {
-			panic(err) // the queue splits batches below the bounds
+		b, n := encodeSome(g.self, evs)
+		if n < len(evs) {
+			// Too many bytes for one frame: the rest goes first next.
+			g.queue.pushFront(g.self, evs[n:])
+			evs = evs[:n]
 		}
 		g.mu.Lock()
 		if g.failed != nil {
@@ -548,10 +552,18 @@ func (q *evQueue) push(proc int, evs []instEvent) {
 		return
 	}
 	for len(evs) > 0 {
-		n := min(len(evs), 1024) // well within maxGroupMsg
+		n := min(len(evs), maxRoundEvents)
 		q.items = append(q.items, queued{proc, slices.Clone(evs[:n])})
 		evs = evs[n:]
 	}
+	q.signalLocked()
+}
+
+// pushFront puts evs back at the head of the queue.
+func (q *evQueue) pushFront(proc int, evs []instEvent) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.items = append([]queued{{proc, evs}}, q.items...)
 	q.signalLocked()
 }
 

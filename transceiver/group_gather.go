@@ -41,6 +41,10 @@ type GatherGroup struct {
 	apply   sync.Mutex // serialises Deliver's application of a round
 }
 
+// maxRoundEvents bounds the events of a contribution (and of a batch a
+// CoordinatedGroup sends): each is at most about 1.2 KiB encoded.
+const maxRoundEvents = 1024
+
 // NewGatherGroup returns the group of process (0-based, the index of this
 // process in the caller's all-gather) of processes processes. It starts
 // nothing.
@@ -75,16 +79,10 @@ func (g *GatherGroup) Outbox() []byte {
 		}
 		return g.self
 	}
-	evs := g.pending
-	if len(evs) > maxGroupEvents {
-		evs = evs[:maxGroupEvents]
-	}
-	b, err := encodeBatch(g.process, evs)
-	if err != nil {
-		// Too many bytes: half as many events this round.
-		evs = evs[:len(evs)/2]
-		b, _ = encodeBatch(g.process, evs)
-	}
+	// At most maxRoundEvents a round, well within maxGroupMsg; the rest
+	// wait for the next.
+	b, n := encodeSome(g.process, g.pending[:min(len(g.pending), maxRoundEvents)])
+	evs := g.pending[:n]
 	g.sent = append(g.sent, evs...)
 	g.pending = g.pending[len(evs):]
 	return b

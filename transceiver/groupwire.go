@@ -220,6 +220,22 @@ func encodeBatch(proc int, evs []instEvent) ([]byte, error) {
 	return b, nil
 }
 
+// encodeSome encodes as many of evs, from the first, as make a batch within
+// the bounds (at least one: one event always fits), and says how many.
+func encodeSome(proc int, evs []instEvent) ([]byte, int) {
+	n := min(len(evs), maxGroupEvents)
+	for {
+		b, err := encodeBatch(proc, evs[:n])
+		if err == nil || n <= 1 {
+			if err != nil {
+				panic(err) // one event is at most a few KiB
+			}
+			return b, n
+		}
+		n /= 2
+	}
+}
+
 // decodeGroupMsg decodes one message. Every error wraps ErrBadGroupMessage
 // and names the field and the byte offset.
 func decodeGroupMsg(b []byte) (*groupMsg, error) {

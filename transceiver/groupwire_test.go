@@ -186,3 +186,37 @@ func FuzzDecodeGroupMsg(f *testing.F) {
 		}
 	})
 }
+
+// TestEncodeSome: a batch too large for one message is cut where it fits,
+// every event kept, in order.
+func TestEncodeSome(t *testing.T) {
+	long := errors.New(strings.Repeat("x", maxErrMsgLen))
+	var evs []instEvent
+	for i := range 8000 {
+		evs = append(evs, instCancelEvent{key: instKey{sideSend, uint64(i)}, cause: long})
+	}
+	var got []instEvent
+	for rest := evs; len(rest) > 0; {
+		b, n := encodeSome(0, rest)
+		if n < 1 || len(b) > maxGroupMsg {
+			t.Fatalf("encodeSome: %d events in %d bytes", n, len(b))
+		}
+		m, err := decodeGroupMsg(b)
+		if err != nil || len(m.events) != n {
+			t.Fatalf("decode: %d events, %v", len(m.events), err)
+		}
+		got = append(got, m.events...)
+		rest = rest[n:]
+	}
+	if len(got) != len(evs) {
+		t.Fatalf("%d events came through of %d", len(got), len(evs))
+	}
+	for i, ev := range got {
+		if ev.(instCancelEvent).key.id != uint64(i) {
+			t.Fatalf("event %d is request %d", i, ev.(instCancelEvent).key.id)
+		}
+	}
+	if _, n := encodeSome(0, evs); n == len(evs) {
+		t.Fatal("8000 events of 1 KiB fit in one message of 4 MiB")
+	}
+}
