@@ -32,6 +32,8 @@ import (
 //	            collect → collected {results}: waits for every pull, checks
 //	            the rank's blocks against the reference when asked
 //	both:       quit → bye {leaked, failed, agreements}
+//	tests:      wait {tokens: ms} → ended {results}: the context requests
+//	            that end within that time
 
 // rankPeer is a --process-per-rank process.
 type rankPeer struct {
@@ -83,6 +85,9 @@ func rankMain(ctx context.Context, sc *bufio.Scanner, enc *json.Encoder, setup p
 				reply.Error = err.Error()
 			}
 			enc.Encode(reply)
+		case "wait":
+			// Tests: the context requests that end within m.Tokens ms.
+			enc.Encode(p.wait(ctx, time.Duration(m.Tokens)*time.Millisecond))
 		case "quit":
 			p.drainContext(ctx, -1)
 			leaked := 0
@@ -169,6 +174,26 @@ func (p *rankPeer) drainContext(ctx context.Context, atLeast int) {
 		}
 		p.agreeNs = append(p.agreeNs, int64(r.Stats().Agreement))
 	}
+}
+
+// wait answers op wait: the context requests that end within d, each with
+// its error.
+func (p *rankPeer) wait(ctx context.Context, d time.Duration) peerMsg {
+	wctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	done, err := p.tr.CheckContextTransferStatus(wctx, 1)
+	reply := peerMsg{Op: "ended"}
+	if err != nil {
+		reply.Error = err.Error()
+	}
+	for _, r := range done {
+		res := rankResult{ID: r.ID}
+		if r.Err() != nil {
+			res.Error = r.Err().Error()
+		}
+		reply.Results = append(reply.Results, res)
+	}
+	return reply
 }
 
 // receive starts a pull into this process's ranks.
