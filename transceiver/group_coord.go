@@ -218,6 +218,8 @@ func (g *CoordinatedGroup) startCoordinator(ctx context.Context, m groupMember, 
 		others = append(others, joiner{c, r, msg.join})
 	}
 	stop()
+	// Every process has joined: no one else is to connect.
+	ln.Close()
 	slices.SortFunc(others, func(a, b joiner) int { return slices.Min(a.join.ranks) - slices.Min(b.join.ranks) })
 	joins := []groupJoin{self}
 	for _, j := range others {

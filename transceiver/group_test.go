@@ -13,8 +13,10 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transport"
 )
 
 // memGather is an in-memory all-gather of n processes: a round ends when
@@ -770,5 +772,71 @@ func TestGroupJoinSecret(t *testing.T) {
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("the refused join took %v", d)
+	}
+}
+
+// TestGroupTLS: a coordinated group takes the Transceiver's mutual TLS:
+// processes of one CA join and serve a pull over TLS; a process of another
+// CA cannot join.
+func TestGroupTLS(t *testing.T) {
+	ca, err := tlsconf.NewAuthority("group test CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tc := tlsParty(t, ca, "context")
+	st := state(2, 4, 16, 8, kvcache.BF16, 2, 1, false)
+	ctxInst := newSplit(t, groupModes[0], st, testCfg(), 16, func(o *Options) { o.TLS = tc })
+	gen := newInstTLS(t, state(2, 4, 16, 8, kvcache.BF16, 1, 1, false), testCfg(), 16, tlsParty(t, ca, "gen"), testLogger(t))
+	creqs, _ := ctxInst.respond(t, 1, 40, 5)
+	pullGenuine(t, gen, creqs[0])
+	waitAll(t, creqs, 10*time.Second)
+	for r, c := range creqs {
+		if c.State() != DisaggContextComplete {
+			t.Fatalf("rank %d: %s %v", r, c.State(), c.Err())
+		}
+	}
+
+	other, err := tlsconf.NewAuthority("another CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r, party := range []*transport.TLSConfig{tc, tlsParty(t, other, "intruder")} {
+		gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
+		if r == 0 {
+			gc.Listener = ln
+		}
+		g, err := NewCoordinatedGroup(gc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(testCfg()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			defer cancel()
+			tr, err := New(ctx, testCfg(), Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g, TLS: party})
+			if err == nil {
+				tr.Close()
+			}
+			errs[r] = err
+		}()
+	}
+	wg.Wait()
+	ln.Close()
+	for r, err := range errs {
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("process %d, the other of another CA: %v, want the join to fail at its deadline", r, err)
+		}
 	}
 }
