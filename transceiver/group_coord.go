@@ -335,6 +335,9 @@ func (g *CoordinatedGroup) startMember(ctx context.Context, m groupMember, self 
 	var r *bufio.Reader
 	var msg *groupMsg
 	var last error
+	retry := time.NewTimer(0)
+	defer retry.Stop()
+	<-retry.C
 	for wait := 10 * time.Millisecond; ; wait = min(wait*2, 200*time.Millisecond) {
 		var err error
 		if c, err = g.dial(ctx, addr); err == nil {
@@ -357,10 +360,11 @@ func (g *CoordinatedGroup) startMember(ctx context.Context, m groupMember, self 
 			}
 		}
 		last = err
+		retry.Reset(wait)
 		select {
 		case <-ctx.Done():
 			return fmt.Errorf("transceiver: coordinated group: join the coordinator at %s: %w (last: %v)", addr, context.Cause(ctx), last)
-		case <-time.After(wait):
+		case <-retry.C:
 		}
 	}
 	self0 := slices.Min(self.ranks)

@@ -86,11 +86,11 @@ type groupMode struct {
 	// make returns the group of each process, a function that starts what
 	// drives them once the transceivers exist, and one that kills process
 	// p's link to the others (as its death would).
-	make func(t *testing.T, n int) (groups []Group, drive func(), kill func(p int))
+	make func(t testing.TB, n int) (groups []Group, drive func(), kill func(p int))
 }
 
 var groupModes = []groupMode{
-	{name: "coordinated", make: func(t *testing.T, n int) ([]Group, func(), func(int)) {
+	{name: "coordinated", make: func(t testing.TB, n int) ([]Group, func(), func(int)) {
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
 			t.Fatal(err)
@@ -110,7 +110,7 @@ var groupModes = []groupMode{
 		kill := func(p int) { gs[p].leave(errors.New("killed by the test")) }
 		return gs, func() {}, kill
 	}},
-	{name: "gather", make: func(t *testing.T, n int) ([]Group, func(), func(int)) {
+	{name: "gather", make: func(t testing.TB, n int) ([]Group, func(), func(int)) {
 		mg := newMemGather(n)
 		gs := make([]Group, n)
 		for p := range n {

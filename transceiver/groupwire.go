@@ -248,24 +248,31 @@ func decodeGroupMsg(b []byte) (*groupMsg, error) {
 	if b[0] != groupVersion {
 		return nil, fmt.Errorf("%w: version %d, this build speaks %d", ErrBadGroupMessage, b[0], groupVersion)
 	}
-	d := &gdecoder{buf: b, off: 2}
+	d := &gdecoder{buf: b, off: 2, idx: -1}
 	m := &groupMsg{typ: groupMsgType(b[1])}
 	switch m.typ {
 	case groupMsgJoin:
-		m.join = d.join("join")
+		d.at = "join"
+		m.join = d.join()
 	case groupMsgJoined:
 		n := int(d.uvarint("joined.count", maxGroupProcs))
+		d.at = "joined"
 		for i := 0; i < n && d.err == nil; i++ {
-			m.joins = append(m.joins, d.join(fmt.Sprintf("joined[%d]", i)))
+			d.idx = i
+			m.joins = append(m.joins, d.join())
 		}
 	case groupMsgBatch:
 		m.proc = int(d.uvarint("batch.process", maxGroupProcs))
 		n := int(d.uvarint("batch.count", maxGroupEvents))
+		d.at = "batch.event"
+		m.events = make([]instEvent, 0, min(n, len(b)))
 		for i := 0; i < n && d.err == nil; i++ {
-			if ev := d.event(fmt.Sprintf("batch.event[%d]", i)); d.err == nil {
+			d.idx = i
+			if ev := d.event(); d.err == nil {
 				m.events = append(m.events, ev)
 			}
 		}
+		d.at, d.idx = "", -1
 	default:
 		return nil, fmt.Errorf("%w: unknown message type %d", ErrBadGroupMessage, b[1])
 	}
@@ -283,11 +290,20 @@ type gdecoder struct {
 	buf []byte
 	off int
 	err error
+	// The place of the fields being read, named only on failure (so that
+	// a message decodes without building names): at[idx] (idx ≥ 0), then
+	// the field.
+	at  string
+	idx int
 }
 
 func (d *gdecoder) fail(field, why string) {
 	if d.err == nil {
-		d.err = fmt.Errorf("%w: %s at byte %d: %s", ErrBadGroupMessage, field, d.off, why)
+		place := d.at
+		if d.idx >= 0 {
+			place = fmt.Sprintf("%s[%d]", d.at, d.idx)
+		}
+		d.err = fmt.Errorf("%w: %s%s at byte %d: %s", ErrBadGroupMessage, place, field, d.off, why)
 	}
 }
 
@@ -337,7 +353,7 @@ func (d *gdecoder) byte(field string) byte {
 }
 
 func (d *gdecoder) bytes(field string, max int) []byte {
-	n := int(d.uvarint(field+".len", uint64(max)))
+	n := int(d.uvarint(field, uint64(max)))
 	if d.err != nil {
 		return nil
 	}
@@ -350,54 +366,60 @@ func (d *gdecoder) bytes(field string, max int) []byte {
 	return out
 }
 
-func (d *gdecoder) ints(field string) []int {
-	n := int(d.uvarint(field+".count", maxGroupRanks))
-	var out []int
+// ints reads a list of rank numbers; field and its element fields are
+// the constants given (an element's failure names no index: the byte
+// offset places it).
+func (d *gdecoder) ints(count, elem string) []int {
+	n := int(d.uvarint(count, maxGroupRanks))
+	if d.err != nil || n == 0 {
+		return nil
+	}
+	out := make([]int, 0, min(n, len(d.buf)-d.off))
 	for i := 0; i < n && d.err == nil; i++ {
-		out = append(out, int(d.uvarint(fmt.Sprintf("%s[%d]", field, i), maxGroupRanks-1)))
+		out = append(out, int(d.uvarint(elem, maxGroupRanks-1)))
 	}
 	return out
 }
 
-func (d *gdecoder) key(field string) instKey {
-	s := d.byte(field + ".side")
+func (d *gdecoder) key() instKey {
+	s := d.byte(".key.side")
 	if d.err == nil && s > byte(sideRecv) {
-		d.fail(field+".side", fmt.Sprintf("side %d is neither send (0) nor recv (1)", s))
+		d.fail(".key.side", fmt.Sprintf("side %d is neither send (0) nor recv (1)", s))
 	}
-	return instKey{side: side(s), id: d.uvarint(field+".id", 1<<64-1)}
+	return instKey{side: side(s), id: d.uvarint(".key.id", 1<<64-1)}
 }
 
-func (d *gdecoder) errv(field string) error {
-	code := d.byte(field + ".code")
-	if d.err != nil || code == 0 {
+func (d *gdecoder) errv(code, msg string) error {
+	c := d.byte(code)
+	if d.err != nil || c == 0 {
 		return nil
 	}
-	msg := string(d.bytes(field+".msg", maxErrMsgLen))
+	m := string(d.bytes(msg, maxErrMsgLen))
 	if d.err != nil {
 		return nil
 	}
-	if code == errCodeOther {
-		return &remoteError{msg: msg}
+	if c == errCodeOther {
+		return &remoteError{msg: m}
 	}
-	if int(code) >= len(errCodes) {
-		d.fail(field+".code", fmt.Sprintf("unknown error code %d", code))
+	if int(c) >= len(errCodes) {
+		d.fail(code, fmt.Sprintf("unknown error code %d", c))
 		return nil
 	}
-	return &remoteError{kind: errCodes[code], msg: msg}
+	return &remoteError{kind: errCodes[c], msg: m}
 }
 
-func (d *gdecoder) join(field string) groupJoin {
+func (d *gdecoder) join() groupJoin {
 	var j groupJoin
-	j.ranks = d.ints(field + ".ranks")
-	n := int(d.uvarint(field+".endpoints.count", maxGroupRanks))
+	j.ranks = d.ints(".ranks.count", ".ranks[]")
+	n := int(d.uvarint(".endpoints.count", maxGroupRanks))
 	if d.err == nil && n != len(j.ranks) {
-		d.fail(field+".endpoints.count", fmt.Sprintf("%d endpoints for %d ranks", n, len(j.ranks)))
+		d.fail(".endpoints.count", fmt.Sprintf("%d endpoints for %d ranks", n, len(j.ranks)))
 	}
 	for i := 0; i < n && d.err == nil; i++ {
-		j.endpoints = append(j.endpoints, string(d.bytes(fmt.Sprintf("%s.endpoints[%d]", field, i), maxEndpointLen)))
+		j.endpoints = append(j.endpoints, string(d.bytes(".endpoints[]", maxEndpointLen)))
 	}
 	if d.err == nil && len(d.buf)-d.off < groupShareBytes {
-		d.fail(field+".share", fmt.Sprintf("need %d bytes, have %d", groupShareBytes, len(d.buf)-d.off))
+		d.fail(".share", fmt.Sprintf("need %d bytes, have %d", groupShareBytes, len(d.buf)-d.off))
 	}
 	if d.err == nil {
 		d.off += copy(j.share[:], d.buf[d.off:])
@@ -405,30 +427,30 @@ func (d *gdecoder) join(field string) groupJoin {
 	return j
 }
 
-func (d *gdecoder) event(field string) instEvent {
-	switch kind := d.byte(field + ".kind"); kind {
+func (d *gdecoder) event() instEvent {
+	switch kind := d.byte(".kind"); kind {
 	case evKindBegin:
-		return joinBeginEvent{key: d.key(field + ".key"), ranks: d.ints(field + ".ranks"), now: d.time(field + ".now")}
+		return joinBeginEvent{key: d.key(), ranks: d.ints(".ranks.count", ".ranks[]"), now: d.time(".now")}
 	case evKindDone:
-		ev := rankDoneEvent{key: d.key(field + ".key"), rank: int(d.uvarint(field+".rank", maxGroupRanks-1)), err: d.errv(field + ".err")}
-		ev.res.bytes = int64(d.uvarint(field+".bytes", 1<<62))
-		ev.res.chunks = int(d.uvarint(field+".chunks", 1<<31))
-		ev.res.backend = string(d.bytes(field+".backend", maxBackendLen))
-		ev.res.end = d.time(field + ".end")
-		ev.now = d.time(field + ".now")
+		ev := rankDoneEvent{key: d.key(), rank: int(d.uvarint(".rank", maxGroupRanks-1)), err: d.errv(".err.code", ".err.msg")}
+		ev.res.bytes = int64(d.uvarint(".bytes", 1<<62))
+		ev.res.chunks = int(d.uvarint(".chunks", 1<<31))
+		ev.res.backend = string(d.bytes(".backend", maxBackendLen))
+		ev.res.end = d.time(".end")
+		ev.now = d.time(".now")
 		return ev
 	case evKindAttempt:
-		return attemptEndEvent{key: d.key(field + ".key"), rank: int(d.uvarint(field+".rank", maxGroupRanks-1)),
-			attempt: d.uvarint(field+".attempt", 1<<64-1), err: d.errv(field + ".err")}
+		return attemptEndEvent{key: d.key(), rank: int(d.uvarint(".rank", maxGroupRanks-1)),
+			attempt: d.uvarint(".attempt", 1<<64-1), err: d.errv(".err.code", ".err.msg")}
 	case evKindStartFailed:
-		return startFailedEvent{key: d.key(field + ".key"), ranks: d.ints(field + ".ranks"), err: d.errv(field + ".err"), now: d.time(field + ".now")}
+		return startFailedEvent{key: d.key(), ranks: d.ints(".ranks.count", ".ranks[]"), err: d.errv(".err.code", ".err.msg"), now: d.time(".now")}
 	case evKindCancel:
-		return instCancelEvent{key: d.key(field + ".key"), cause: d.errv(field + ".cause")}
+		return instCancelEvent{key: d.key(), cause: d.errv(".cause.code", ".cause.msg")}
 	case evKindRanksLost:
-		return ranksLostEvent{ranks: d.ints(field + ".ranks"), err: d.errv(field + ".err"), now: d.time(field + ".now")}
+		return ranksLostEvent{ranks: d.ints(".ranks.count", ".ranks[]"), err: d.errv(".err.code", ".err.msg"), now: d.time(".now")}
 	default:
 		if d.err == nil {
-			d.fail(field+".kind", fmt.Sprintf("unknown event kind %d", kind))
+			d.fail(".kind", fmt.Sprintf("unknown event kind %d", kind))
 		}
 		return nil
 	}
