@@ -100,6 +100,15 @@ func (ps rankProcs) all(m peerMsg) ([]peerMsg, error) {
 	return out, errors.Join(errs...)
 }
 
+// quit tells process i to quit and returns its bye.
+func (ps rankProcs) quit(i int) (peerMsg, error) {
+	bye, err := ps[i].quit()
+	if err == nil && bye.Op != "bye" {
+		err = fmt.Errorf("bench: %s process: answered quit with %q %s", ps[i].role(), bye.Op, bye.Error)
+	}
+	return bye, err
+}
+
 // perRankRun is a --process-per-rank run under way.
 type perRankRun struct {
 	c        *Config
@@ -189,7 +198,7 @@ func (r *perRankRun) batch(n int, warm bool) error {
 			r.res.addError(err.Error())
 		}
 	}
-	answers, err := r.gen.all(peerMsg{Op: "collect", Tokens: r.c.ISL})
+	answers, err := r.gen.all(peerMsg{Op: "collect"})
 	if err != nil {
 		return err
 	}
@@ -198,6 +207,16 @@ func (r *perRankRun) batch(n int, warm bool) error {
 	for _, a := range answers {
 		for _, res := range a.Results {
 			byID[res.ID] = append(byID[res.ID], res)
+		}
+	}
+	// Checked after the clock stopped, as Run checks its own.
+	checked, err := r.gen.all(peerMsg{Op: "check", Tokens: r.c.ISL})
+	if err != nil {
+		return err
+	}
+	for _, a := range checked {
+		for _, res := range a.Results {
+			r.res.addError(res.Error)
 		}
 	}
 	for _, q := range reqs {
@@ -253,11 +272,16 @@ func (r *perRankRun) finish() {
 	res.AgreementP50Us, res.AgreementP99Us = percentile(r.agree, 50), percentile(r.agree, 99)
 	var ctxAgree []float64
 	for _, ps := range []rankProcs{r.ctx, r.gen} {
-		byes, err := ps.all(peerMsg{Op: "quit"})
-		if err != nil {
-			res.addError(err.Error())
-		}
-		for i, bye := range byes {
+		// One at a time, each bye read before the next process exits (its
+		// pipe is closed once it has), the coordinator last, so that no
+		// process leaves the group while another still has requests of it
+		// to see end.
+		for i := len(ps) - 1; i >= 0; i-- {
+			bye, err := ps.quit(i)
+			if err != nil {
+				res.addError(err.Error())
+				continue
+			}
 			res.PeerFailed += bye.Failed
 			res.PeerLeaked += bye.Leaked
 			if bye.Leaked != 0 {

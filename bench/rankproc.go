@@ -29,8 +29,10 @@ import (
 //	            share of the request, filled and handed over
 //	generation: receive {id, tokens, seed, opaque} → receiving: the pull
 //	            starts into the rank's blocks
-//	            collect → collected {results}: waits for every pull, checks
-//	            the rank's blocks against the reference when asked
+//	            collect → collected {results}: waits for every pull
+//	            check {tokens} → checked {results}: checks the collected
+//	            requests' blocks against the reference when asked (the
+//	            requests that differ), releases them
 //	both:       quit → bye {leaked, failed, agreements}
 //	tests:      wait {tokens: ms} → ended {results}: the context requests
 //	            that end within that time
@@ -44,7 +46,8 @@ type rankPeer struct {
 	ref     bool
 	log     *slog.Logger
 	gen     bool
-	seeds   map[uint64]uint64 // generation: the seed of each request pulling
+	seeds   map[uint64]uint64      // generation: the seed of each request pulling
+	done    []*transceiver.Request // generation: collected, not checked yet
 	failed  int
 	agreeNs []int64
 }
@@ -65,6 +68,14 @@ func rankMain(ctx context.Context, sc *bufio.Scanner, enc *json.Encoder, setup p
 		}
 		switch m.Op {
 		case "prepare":
+			// The generation side may have all its bytes before this
+			// instance has agreed that the last request is over and
+			// released its blocks: like an executor whose pool is
+			// exhausted, wait for finished sends before allocating.
+			nb := layout.NumBlocks(m.Tokens, p.st.Shape.TokensPerBlock)
+			for i := 0; i < 100 && minFree(p.pools) < nb && p.tr.PendingContext() > 0; i++ {
+				p.drainContext(ctx, 1)
+			}
 			opaque, err := prepareRanks(p.tr, p.st, p.ranks, p.pools, m, p.ref)
 			reply := peerMsg{Op: "prepared", ID: m.ID, Opaque: opaque}
 			if err != nil {
@@ -79,12 +90,14 @@ func rankMain(ctx context.Context, sc *bufio.Scanner, enc *json.Encoder, setup p
 			}
 			enc.Encode(reply)
 		case "collect":
-			res, err := p.collect(ctx, m.Tokens)
+			res, err := p.collect(ctx)
 			reply := peerMsg{Op: "collected", Results: res}
 			if err != nil {
 				reply.Error = err.Error()
 			}
 			enc.Encode(reply)
+		case "check":
+			enc.Encode(peerMsg{Op: "checked", Results: p.check(m.Tokens)})
 		case "wait":
 			// Tests: the context requests that end within m.Tokens ms.
 			enc.Encode(p.wait(ctx, time.Duration(m.Tokens)*time.Millisecond))
@@ -224,9 +237,9 @@ func (p *rankPeer) receive(m peerMsg) error {
 	return nil
 }
 
-// collect waits for every pull in flight, checks the blocks of this
-// process's ranks against the reference when asked, and releases them.
-func (p *rankPeer) collect(ctx context.Context, tokens int) ([]rankResult, error) {
+// collect waits for every pull in flight and reports each; the blocks
+// stay until check.
+func (p *rankPeer) collect(ctx context.Context) ([]rankResult, error) {
 	done, err := p.tr.CheckGenTransferStatus(ctx, -1)
 	if err != nil {
 		return nil, err
@@ -237,18 +250,31 @@ func (p *rankPeer) collect(ctx context.Context, tokens int) ([]rankResult, error
 		res := rankResult{ID: q.ID, Bytes: st.Bytes, DurationNs: int64(st.Duration), AgreementNs: int64(st.Agreement), Backend: st.Backend}
 		if q.Err() != nil {
 			res.Error = q.Err().Error()
-		} else if p.ref {
+		}
+		out = append(out, res)
+	}
+	p.done = append(p.done, done...)
+	return out, nil
+}
+
+// check checks the blocks of the requests collected (of tokens tokens) on
+// this process's ranks against the reference when asked, releases them,
+// and reports the requests that differ.
+func (p *rankPeer) check(tokens int) []rankResult {
+	var out []rankResult
+	for _, q := range p.done {
+		if p.ref && q.Err() == nil {
 			if err := p.verify(q.Blocks, tokens, p.seeds[q.ID]); err != nil {
-				res.Error = fmt.Sprintf("request %d: %v", q.ID, err)
+				out = append(out, rankResult{ID: q.ID, Error: fmt.Sprintf("request %d: %v", q.ID, err)})
 			}
 		}
 		delete(p.seeds, q.ID)
 		for i, b := range q.Blocks {
 			p.pools[i].Release(b...)
 		}
-		out = append(out, res)
 	}
-	return out, nil
+	p.done = nil
+	return out
 }
 
 // verify compares this process's ranks' blocks with the reference.
