@@ -840,3 +840,78 @@ func TestGroupTLS(t *testing.T) {
 		}
 	}
 }
+
+// TestGatherGroupRounds: a GatherGroup's rounds as a C caller drives them:
+// an empty contribution before its Transceiver starts; the join at the
+// first round every process joins; a round that is not one (a wrong count,
+// a contribution that does not decode) breaks the group on that process,
+// and then its requests fail with ErrGroupLost and new ones are refused.
+func TestGatherGroupRounds(t *testing.T) {
+	cfg := testCfg()
+	st := state(2, 4, 16, 8, kvcache.FP16, 2, 1, false)
+	g0, g1 := NewGatherGroup(0, 2), NewGatherGroup(1, 2)
+	if m, err := decodeGroupMsg(g1.Outbox()); err != nil || m.typ != groupMsgBatch || len(m.events) != 0 {
+		t.Fatalf("Outbox before start: %+v %v, want an empty batch", m, err)
+	}
+	var trs []*Transceiver
+	var pools []*kvcache.Pool
+	for r, g := range []*GatherGroup{g0, g1} {
+		p, err := kvcache.NewPool(st.RankLayout(r), 4, PoolAllocator(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pools = append(pools, p)
+		tr, err := New(context.Background(), cfg, Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g})
+		if err != nil {
+			t.Fatal(err)
+		}
+		trs = append(trs, tr)
+		defer p.Close()
+		defer tr.Close()
+	}
+	b, err := pools[0].Allocate(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pools[0].Release(b...)
+	if err := trs[0].RespondAndSendAsync(&Request{ID: 1, Type: ContextOnly, Blocks: [][]kvcache.BlockID{b}}); !errors.Is(err, ErrNotJoined) {
+		t.Fatalf("a request before the join: %v, want ErrNotJoined", err)
+	}
+	round := func() error {
+		all := [][]byte{g0.Outbox(), g1.Outbox()}
+		return errors.Join(g0.Deliver(all), g1.Deliver(all))
+	}
+	if err := round(); err != nil {
+		t.Fatal(err)
+	}
+	for r, tr := range trs {
+		select {
+		case <-tr.Joined():
+		default:
+			t.Fatalf("process %d has not joined after a round of both joins", r)
+		}
+		if eps := tr.Endpoints(); len(eps) != 2 || eps[0] == "" || eps[1] == "" {
+			t.Fatalf("process %d: endpoints %q", r, eps)
+		}
+	}
+	req := &Request{ID: 1, Type: ContextOnly, Blocks: [][]kvcache.BlockID{b}}
+	if err := trs[0].RespondAndSendAsync(req); err != nil {
+		t.Fatal(err)
+	}
+	if err := g0.Deliver([][]byte{g0.Outbox()}); !errors.Is(err, ErrBadGroup) {
+		t.Fatalf("a round of one contribution: %v, want ErrBadGroup", err)
+	}
+	waitDone(t, req, 5*time.Second)
+	if !errors.Is(req.Err(), ErrGroupLost) {
+		t.Fatalf("the request after the group broke: %s %v, want ErrGroupLost", req.State(), req.Err())
+	}
+	if err := trs[0].RespondAndSendAsync(&Request{ID: 2, Type: ContextOnly, Blocks: [][]kvcache.BlockID{b}}); !errors.Is(err, ErrGroupLost) {
+		t.Fatalf("a request after the group broke: %v, want ErrGroupLost", err)
+	}
+	if err := g1.Deliver([][]byte{g1.Outbox(), {groupVersion, 99}}); !errors.Is(err, ErrBadGroupMessage) {
+		t.Fatalf("a round with a contribution that does not decode: %v, want ErrBadGroupMessage", err)
+	}
+	if err := g1.Deliver([][]byte{g1.Outbox(), g1.Outbox()}); !errors.Is(err, ErrGroupLost) {
+		t.Fatalf("a round after the group broke: %v, want ErrGroupLost", err)
+	}
+}
