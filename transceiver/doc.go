@@ -123,7 +123,9 @@
 // A process whose link breaks (its connection to the coordinator, a round
 // of the all-gather, which the caller then reports with Fail) has left: its
 // ranks count as failed in every process, which cancels the requests they
-// took part in at once. A process that loses the group fails what it has
+// took part in at once (a coordinated group's connections are probed when
+// idle, so that one whose host died or was cut off without closing them
+// is found out within about 5 s). A process that loses the group fails what it has
 // in flight with ErrGroupLost and refuses new requests. Stats.Agreement is
 // what the consensus cost a request: from its last rank's end to its
 // completion in this process.

@@ -197,6 +197,9 @@ func (g *CoordinatedGroup) startCoordinator(ctx context.Context, m groupMember, 
 	}
 	for len(others) < g.cfg.Processes-1 {
 		c, err := ln.Accept()
+		if err == nil {
+			keepAlive(c)
+		}
 		if err != nil {
 			if ctx.Err() != nil {
 				err = context.Cause(ctx)
@@ -388,7 +391,7 @@ func (g *CoordinatedGroup) startMember(ctx context.Context, m groupMember, self 
 }
 
 func (g *CoordinatedGroup) dial(ctx context.Context, addr string) (net.Conn, error) {
-	d := net.Dialer{Timeout: g.cfg.WriteTimeout}
+	d := net.Dialer{Timeout: g.cfg.WriteTimeout, KeepAliveConfig: groupKeepAlive}
 	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil || g.cfg.TLS == nil {
 		return c, err
@@ -535,6 +538,24 @@ func (g *CoordinatedGroup) close() error {
 	g.wg.Wait()
 	g.echo.stop()
 	return nil
+}
+
+// groupKeepAlive probes an idle group connection after 2 s, every second,
+// 3 times: a process whose host died or was cut off without closing its
+// connections is taken for gone within about 5 s, not at a transfer's
+// deadline. (A process frozen on a live host answers the probes; it is
+// found out when a write to it times out, WriteTimeout.)
+var groupKeepAlive = net.KeepAliveConfig{Enable: true, Idle: 2 * time.Second, Interval: time.Second, Count: 3}
+
+// keepAlive sets groupKeepAlive on an accepted connection (under TLS, on
+// the TCP connection beneath).
+func keepAlive(c net.Conn) {
+	if tc, ok := c.(*tls.Conn); ok {
+		c = tc.NetConn()
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetKeepAliveConfig(groupKeepAlive)
+	}
 }
 
 // evQueue is an unbounded FIFO of batches, each with the process it is
