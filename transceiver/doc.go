@@ -39,7 +39,8 @@
 // A failed pull fails that generation request only. A pull is an attempt,
 // named by the id its request-infos carry (wire GenRequestID: one id for
 // every rank of the generation request, counting up from a random start per
-// instance). A context request stays pullable by its owner (whoever holds
+// instance, or derived from the instance secret when the instance's ranks
+// are in several processes, below). A context request stays pullable by its owner (whoever holds
 // its opaque state, and so its token) until its deadline
 // (kv_transfer_timeout), a cancel, a failure of the context side's own, or
 // an attempt that completes on every rank. When an attempt fails for a
@@ -124,11 +125,17 @@
 // of the all-gather, which the caller then reports with Fail) has left: its
 // ranks count as failed in every process, which cancels the requests they
 // took part in at once (a coordinated group's connections are probed when
-// idle, so that one whose host died or was cut off without closing them
-// is found out within about 5 s). A process that loses the group fails what it has
-// in flight with ErrGroupLost and refuses new requests. Stats.Agreement is
-// what the consensus cost a request: from its last rank's end to its
-// completion in this process.
+// idle, so that a process whose host died or was cut off without closing
+// them is found out within about 5 s). A process that loses the group
+// fails what it has in flight with ErrGroupLost and refuses new requests.
+// Stats.Agreement is what the consensus cost a request: from its last
+// rank's end to its completion in this process.
+//
+// What a group does not do: find out a process that is frozen on a live
+// host (it answers the probes; a write to it times out after
+// CoordinatedConfig.WriteTimeout, when there is traffic); serve a process
+// that joins late or again (the group is formed once, in New or the first
+// round; a process that left does not come back).
 //
 // # Scripts
 //
