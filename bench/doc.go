@@ -23,6 +23,12 @@
 // table, JSON (ReportSchema is its JSON Schema), Markdown and a PNG chart
 // drawn with gonum/plot.
 //
+// With Config.ProcessPerRank (kvxfer bench --process-per-rank) every rank
+// of both instances is an OS process of its own, the ranks of an instance
+// agreeing through a transceiver.CoordinatedGroup, and this process only
+// drives them; the run reports what that agreement cost per request
+// (Result.AgreementP50Us and the rest; see perrank.go).
+//
 // bench owns no transfer code: it drives package transceiver as an
 // executor would. The command line (flags, exit status) is
 // internal/cli's.

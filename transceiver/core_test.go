@@ -349,7 +349,8 @@ func (in *recvInterp) step(ev event) string {
 // consensusInterp runs the instance consensus.
 type consensusInterp struct{ c *consensus }
 
-func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
+// scriptKey is the request a consensus command names: send|recv id=.
+func scriptKey(t *testing.T, c *scriptCmd) instKey {
 	if len(c.words) == 0 || (c.words[0] != "send" && c.words[0] != "recv") {
 		t.Fatalf("%s: %s send|recv ...", c.pos, c.name)
 	}
@@ -358,38 +359,61 @@ func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
 	if c.words[0] == "recv" {
 		key.side = sideRecv
 	}
-	var effs []instEffect
+	return key
+}
+
+// consensusEvent is the event of a consensus command other than begin and
+// in-flight.
+func consensusEvent(t *testing.T, c *scriptCmd, key instKey) instEvent {
+	switch c.name {
+	case "done":
+		res := rankResult{bytes: int64(c.int(t, "bytes", 0)), chunks: c.int(t, "chunks", 0), backend: c.str("backend", "")}
+		if c.has("end") {
+			res.end = scriptT0.Add(c.dur(t, "end", 0))
+		}
+		return rankDoneEvent{key: key, rank: c.int(t, "rank", 0), err: scriptErr(c, "err"), res: res, now: scriptAt(t, c)}
+	case "cancel":
+		return instCancelEvent{key: key, cause: fmt.Errorf("%w: %s", ErrCanceled, c.str("cause", "cancelled"))}
+	case "start-failed":
+		return startFailedEvent{key: key, ranks: c.ints(t, "ranks"), err: scriptErr(c, "err"), now: scriptAt(t, c)}
+	case "attempt":
+		// attempt send id= rank= attempt= [err=]: rank's part of the
+		// attempt ended (err: the attempt failed).
+		return attemptEndEvent{key: key, rank: c.int(t, "rank", 0), attempt: uint64(c.int(t, "attempt", 0)), err: scriptErr(c, "err")}
+	case "join-begin":
+		// join-begin send|recv id= ranks= [at=]: a process of a split
+		// instance began the request (the first one enters it).
+		return joinBeginEvent{key: key, ranks: c.ints(t, "ranks"), now: scriptAt(t, c)}
+	case "ranks-lost":
+		// ranks-lost send|recv ranks= err=: the process hosting ranks
+		// left (the side word is unused).
+		return ranksLostEvent{ranks: c.ints(t, "ranks"), err: scriptErr(c, "err"), now: scriptAt(t, c)}
+	}
+	t.Fatalf("%s: unknown command %s", c.pos, c.name)
+	return nil
+}
+
+func effectLines(effs []instEffect) string {
+	lines := make([]string, len(effs))
+	for i, e := range effs {
+		lines[i] = e.String()
+	}
+	return strings.Join(lines, "\n")
+}
+
+func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
+	key := scriptKey(t, c)
 	switch c.name {
 	case "begin":
 		if err := in.c.begin(key, c.ints(t, "ranks"), scriptAt(t, c)); err != nil {
 			return "error: " + err.Error()
 		}
 		return ""
-	case "done":
-		res := rankResult{bytes: int64(c.int(t, "bytes", 0)), chunks: c.int(t, "chunks", 0), backend: c.str("backend", "")}
-		if c.has("end") {
-			res.end = scriptT0.Add(c.dur(t, "end", 0))
-		}
-		effs = in.c.step(rankDoneEvent{key: key, rank: c.int(t, "rank", 0), err: scriptErr(c, "err"), res: res, now: scriptAt(t, c)})
-	case "cancel":
-		effs = in.c.step(instCancelEvent{key: key, cause: fmt.Errorf("%w: %s", ErrCanceled, c.str("cause", "cancelled"))})
-	case "start-failed":
-		effs = in.c.step(startFailedEvent{key: key, ranks: c.ints(t, "ranks"), err: scriptErr(c, "err"), now: scriptAt(t, c)})
-	case "attempt":
-		// attempt send id= rank= attempt= [err=]: rank's part of the
-		// attempt ended (err: the attempt failed).
-		effs = in.c.step(attemptEndEvent{key: key, rank: c.int(t, "rank", 0), attempt: uint64(c.int(t, "attempt", 0)), err: scriptErr(c, "err")})
 	case "in-flight":
 		all, reported := in.c.inFlight(key.side)
 		return fmt.Sprintf("in flight: %d, reported by Check: %d", all, reported)
-	default:
-		t.Fatalf("%s: unknown command %s", c.pos, c.name)
 	}
-	lines := make([]string, len(effs))
-	for i, e := range effs {
-		lines[i] = e.String()
-	}
-	return strings.Join(lines, "\n")
+	return effectLines(in.c.step(consensusEvent(t, c, key)))
 }
 
 // TestDocScript: the script the package docs walk through is a real one.
