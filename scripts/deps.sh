@@ -10,6 +10,8 @@ command -v ucx_perftest >/dev/null 2>&1 || need+=(ucx-utils) # its baseline in k
 command -v iperf3 >/dev/null 2>&1 || need+=(iperf3)            # the TCP baselines in kvxfer bench
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)          # membership's etcd store, tested against a real etcd
 command -v ip >/dev/null 2>&1 || need+=(iproute2)               # the cross-host test's network namespaces
+dpkg -s python3-numpy >/dev/null 2>&1 || need+=(python3-numpy)   # the Python binding's tests (make test-lib)
+dpkg -s python3-pytest >/dev/null 2>&1 || need+=(python3-pytest) # idem
 
 if ((${#need[@]})); then
 	if [[ $(id -u) -ne 0 ]]; then

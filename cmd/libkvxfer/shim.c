@@ -1,0 +1,142 @@
+// The public functions of include/kvxfer.h. Each checks, in C and before
+// entering Go, that it runs in the process that loaded the library (a Go
+// runtime does not survive fork: a forked child that entered Go would
+// hang), then calls the Go function of the same name with kvxfer_go_ in
+// front (main.go). The last-error message is a C thread-local buffer,
+// which the Go functions fill through kvxfer_shim_set_error: a C caller's
+// call into Go runs on the caller's own thread.
+
+#include <stdio.h>
+#include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "kvxfer.h"
+#include "_cgo_export.h"
+
+static pid_t kvxfer_load_pid;
+
+__attribute__((constructor)) static void kvxfer_record_pid(void) { kvxfer_load_pid = getpid(); }
+
+static __thread char kvxfer_err[4096];
+
+void kvxfer_shim_set_error(const char *msg, size_t len) {
+    if (len >= sizeof kvxfer_err) {
+        len = sizeof kvxfer_err - 1;
+    }
+    memcpy(kvxfer_err, msg, len);
+    kvxfer_err[len] = 0;
+}
+
+const char *kvxfer_last_error(void) { return kvxfer_err; }
+
+uint32_t kvxfer_abi_version(void) { return KVXFER_ABI_VERSION; }
+
+#define KVXFER_NOT_FORKED                                                                      \
+    do {                                                                                       \
+        pid_t self = getpid();                                                                 \
+        if (self != kvxfer_load_pid) {                                                         \
+            snprintf(kvxfer_err, sizeof kvxfer_err,                                            \
+                     "kvxfer: %s called in process %d, a forked child of process %d, which "   \
+                     "loaded libkvxfer: the Go runtime inside it does not survive fork; load " \
+                     "the library in the final process (after the fork)",                      \
+                     __func__, (int)self, (int)kvxfer_load_pid);                               \
+            return KVXFER_ERR_FORKED;                                                          \
+        }                                                                                      \
+    } while (0)
+
+int kvxfer_version(char *buf, size_t cap, size_t *len) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_version(buf, cap, len);
+}
+
+int kvxfer_config_load_yaml(const char *text, size_t len, const char *name, uint64_t *config) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_config_load_yaml((char *)text, len, (char *)name, config);
+}
+
+int kvxfer_config_load_file(const char *path, uint64_t *config) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_config_load_file((char *)path, config);
+}
+
+int kvxfer_config_free(uint64_t config) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_config_free(config);
+}
+
+int kvxfer_block_bytes(const kvxfer_cache_state *state, int32_t rank, uint64_t *block_bytes) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_block_bytes((kvxfer_cache_state *)state, rank, block_bytes);
+}
+
+int kvxfer_transceiver_create(uint64_t config, const kvxfer_cache_state *state, const int32_t *ranks,
+                              size_t n_ranks, kvxfer_pool *pools, const char *listen_host,
+                              uint64_t *transceiver) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_transceiver_create(config, (kvxfer_cache_state *)state, (int32_t *)ranks, n_ranks,
+                                        pools, (char *)listen_host, transceiver);
+}
+
+int kvxfer_transceiver_close(uint64_t transceiver) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_transceiver_close(transceiver);
+}
+
+int kvxfer_respond_and_send(uint64_t transceiver, uint64_t request_id, int32_t dp_rank, int32_t num_tokens,
+                            const int32_t *block_ids, size_t n_blocks, uint8_t *opaque, size_t cap,
+                            size_t *opaque_len) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_respond_and_send(transceiver, request_id, dp_rank, num_tokens, (int32_t *)block_ids,
+                                      n_blocks, opaque, cap, opaque_len);
+}
+
+int kvxfer_context_opaque_state(uint64_t transceiver, uint64_t request_id, uint8_t *opaque, size_t cap,
+                                size_t *opaque_len) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_context_opaque_state(transceiver, request_id, opaque, cap, opaque_len);
+}
+
+int kvxfer_request_and_receive(uint64_t transceiver, uint64_t request_id, int32_t dp_rank, int32_t num_tokens,
+                               const uint8_t *opaque, size_t opaque_len, const int32_t *block_ids,
+                               size_t n_blocks) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_request_and_receive(transceiver, request_id, dp_rank, num_tokens, (uint8_t *)opaque,
+                                         opaque_len, (int32_t *)block_ids, n_blocks, 0, 0);
+}
+
+int kvxfer_request_and_receive_sync(uint64_t transceiver, uint64_t request_id, int32_t dp_rank,
+                                    int32_t num_tokens, const uint8_t *opaque, size_t opaque_len,
+                                    const int32_t *block_ids, size_t n_blocks, int64_t timeout_ms) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_request_and_receive(transceiver, request_id, dp_rank, num_tokens, (uint8_t *)opaque,
+                                         opaque_len, (int32_t *)block_ids, n_blocks, 1, timeout_ms);
+}
+
+int kvxfer_check_context_status(uint64_t transceiver, int32_t at_least, int64_t timeout_ms,
+                                kvxfer_finished *out, size_t cap, size_t *n) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_check_status(transceiver, 0, at_least, timeout_ms, out, cap, n);
+}
+
+int kvxfer_check_gen_status(uint64_t transceiver, int32_t at_least, int64_t timeout_ms, kvxfer_finished *out,
+                            size_t cap, size_t *n) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_check_status(transceiver, 1, at_least, timeout_ms, out, cap, n);
+}
+
+int kvxfer_request_error(uint64_t transceiver, int32_t is_gen, uint64_t request_id, char *buf, size_t cap,
+                         size_t *len) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_request_error(transceiver, is_gen, request_id, buf, cap, len);
+}
+
+int kvxfer_gen_transfer_complete(uint64_t transceiver, int32_t *complete) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_gen_transfer_complete(transceiver, complete);
+}
+
+int kvxfer_cancel(uint64_t transceiver, uint64_t request_id, int32_t *cancelled) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_cancel(transceiver, request_id, cancelled);
+}
