@@ -39,7 +39,7 @@ test-lib: deps lib ## the library: the C example (two processes, bit-exact) and 
 	@mkdir -p bin
 	gcc -Wall -Wextra -Werror -O2 -Iinclude examples/c/transfer.c -Llib -lkvxfer -Wl,-rpath,'$$ORIGIN/../lib' -o bin/transfer
 	./bin/transfer
-#PYTEST
+	KVXFER_LIB=$(CURDIR)/lib/libkvxfer.so /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests
 
 fmt-check: ## fail if any file is not gofmt-ed
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \

@@ -6,7 +6,9 @@
 // which the Go functions fill through kvxfer_shim_set_error: a C caller's
 // call into Go runs on the caller's own thread.
 
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -18,17 +20,47 @@ static pid_t kvxfer_load_pid;
 
 __attribute__((constructor)) static void kvxfer_record_pid(void) { kvxfer_load_pid = getpid(); }
 
-static __thread char kvxfer_err[4096];
+// The buffer is per thread through a pthread key (freed when the thread
+// exits), not a __thread array: a dlopen()ed library has only a small
+// surplus of static TLS, which a large __thread array would exhaust
+// ("cannot allocate memory in static TLS block").
+enum { KVXFER_ERR_CAP = 4096 };
+static pthread_key_t kvxfer_err_key;
+static pthread_once_t kvxfer_err_once = PTHREAD_ONCE_INIT;
 
-void kvxfer_shim_set_error(const char *msg, size_t len) {
-    if (len >= sizeof kvxfer_err) {
-        len = sizeof kvxfer_err - 1;
+static void kvxfer_err_key_init(void) { pthread_key_create(&kvxfer_err_key, free); }
+
+// kvxfer_err_buf returns this thread's message buffer, or NULL when none
+// can be allocated.
+static char *kvxfer_err_buf(void) {
+    pthread_once(&kvxfer_err_once, kvxfer_err_key_init);
+    char *b = pthread_getspecific(kvxfer_err_key);
+    if (b == NULL) {
+        b = calloc(1, KVXFER_ERR_CAP);
+        if (b != NULL && pthread_setspecific(kvxfer_err_key, b) != 0) {
+            free(b);
+            b = NULL;
+        }
     }
-    memcpy(kvxfer_err, msg, len);
-    kvxfer_err[len] = 0;
+    return b;
 }
 
-const char *kvxfer_last_error(void) { return kvxfer_err; }
+void kvxfer_shim_set_error(const char *msg, size_t len) {
+    char *b = kvxfer_err_buf();
+    if (b == NULL) {
+        return;
+    }
+    if (len >= KVXFER_ERR_CAP) {
+        len = KVXFER_ERR_CAP - 1;
+    }
+    memcpy(b, msg, len);
+    b[len] = 0;
+}
+
+const char *kvxfer_last_error(void) {
+    char *b = kvxfer_err_buf();
+    return b != NULL ? b : "kvxfer: no memory for the error message";
+}
 
 uint32_t kvxfer_abi_version(void) { return KVXFER_ABI_VERSION; }
 
@@ -36,7 +68,9 @@ uint32_t kvxfer_abi_version(void) { return KVXFER_ABI_VERSION; }
     do {                                                                                       \
         pid_t self = getpid();                                                                 \
         if (self != kvxfer_load_pid) {                                                         \
-            snprintf(kvxfer_err, sizeof kvxfer_err,                                            \
+            char *b_ = kvxfer_err_buf();                                                       \
+            if (b_ != NULL)                                                                    \
+                snprintf(b_, KVXFER_ERR_CAP,                                                   \
                      "kvxfer: %s called in process %d, a forked child of process %d, which "   \
                      "loaded libkvxfer: the Go runtime inside it does not survive fork; load " \
                      "the library in the final process (after the fork)",                      \

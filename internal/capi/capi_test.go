@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -312,7 +313,7 @@ func TestStatusRoomAndCancel(t *testing.T) {
 		if f.Code != CodeCanceled {
 			t.Errorf("request %d: %v, want canceled", f.ID, f.Code)
 		}
-		if err := prefill.RequestError(false, f.ID); !errors.Is(err, transceiver.ErrCanceled) {
+		if err := prefill.RequestError(false, f.ID); !errors.Is(err, transceiver.ErrCanceled) || !strings.HasPrefix(err.Error(), fmt.Sprintf("capi: context request %d: ", f.ID)) {
 			t.Errorf("RequestError(%d) = %v", f.ID, err)
 		}
 	}

@@ -396,8 +396,9 @@ func (t *Transceiver) check(ctx context.Context, s side, atLeast, room int) ([]F
 			continue // a sync receive's, reported by its own call
 		}
 		delete(t.reqs[s], r.ID)
-		f := Finished{ID: r.ID, Err: r.Err(), Code: CodeOf(r.Err())}
-		if f.Err != nil {
+		f := Finished{ID: r.ID, Code: CodeOf(r.Err())}
+		if err := r.Err(); err != nil {
+			f.Err = fmt.Errorf("capi: %s request %d: %w", s, r.ID, err)
 			if f.Code == OK {
 				f.Code = CodeTransfer
 			}
