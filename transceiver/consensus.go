@@ -85,6 +85,25 @@ type (
 		err   error
 		now   time.Time
 	}
+	// joinBeginEvent: a process of the instance began key on its ranks,
+	// which ranks (the instance's) take part in. With the ranks in several
+	// processes (see Group) each process that hosts some of them logs one
+	// before its ranks' reports: the first enters the request, the others
+	// change nothing (a process's own reports follow its begin in the log,
+	// so that a request is never entered again after it completed).
+	joinBeginEvent struct {
+		key   instKey
+		ranks []int
+		now   time.Time
+	}
+	// ranksLostEvent: ranks left the instance (their process died, or this
+	// process lost the group) with err: every request in flight fails on
+	// each of them that has not reported, as if it had reported err.
+	ranksLostEvent struct {
+		ranks []int
+		err   error
+		now   time.Time
+	}
 )
 
 // Effects of the consensus core.
@@ -117,6 +136,7 @@ type (
 		err    error
 		stats  Stats
 		silent bool
+		end    time.Time // the latest end a rank reported
 	}
 )
 
@@ -124,6 +144,8 @@ func (rankDoneEvent) isInstEvent()    {}
 func (instCancelEvent) isInstEvent()  {}
 func (startFailedEvent) isInstEvent() {}
 func (attemptEndEvent) isInstEvent()  {}
+func (joinBeginEvent) isInstEvent()   {}
+func (ranksLostEvent) isInstEvent()   {}
 
 func (cancelRanksEffect) isInstEffect()   {}
 func (instCompleteEffect) isInstEffect()  {}
@@ -225,6 +247,38 @@ func (c *consensus) step(ev instEvent) []instEffect {
 		return c.cancelOthers(ev.key, r, -1, ev.cause)
 	case attemptEndEvent:
 		return c.attemptEnd(ev)
+	case joinBeginEvent:
+		if _, ok := c.reqs[ev.key]; ok || len(ev.ranks) == 0 {
+			return nil
+		}
+		c.reqs[ev.key] = &instReq{ranks: slices.Clone(ev.ranks), reported: map[int]bool{}, start: ev.now, sent: map[int]uint64{}}
+		return nil
+	case ranksLostEvent:
+		// In key order, so that every process replaying the same log
+		// produces the same effects in the same order.
+		keys := make([]instKey, 0, len(c.reqs))
+		for k := range c.reqs {
+			keys = append(keys, k)
+		}
+		slices.SortFunc(keys, func(a, b instKey) int {
+			if a.side != b.side {
+				return int(a.side) - int(b.side)
+			}
+			switch {
+			case a.id < b.id:
+				return -1
+			case a.id > b.id:
+				return 1
+			}
+			return 0
+		})
+		var effs []instEffect
+		for _, k := range keys {
+			for _, rk := range ev.ranks {
+				effs = append(effs, c.step(rankDoneEvent{key: k, rank: rk, err: ev.err, now: ev.now})...)
+			}
+		}
+		return effs
 	case startFailedEvent:
 		r := c.reqs[ev.key]
 		if r == nil {
@@ -320,7 +374,7 @@ func (c *consensus) report(key instKey, r *instReq, rank int, res rankResult, no
 		r.end = now
 	}
 	r.stats.Duration = r.end.Sub(r.start)
-	return []instEffect{instCompleteEffect{key: key, err: r.err, stats: r.stats, silent: r.silent}}
+	return []instEffect{instCompleteEffect{key: key, err: r.err, stats: r.stats, silent: r.silent, end: r.end}}
 }
 
 func intsString(v []int) string {

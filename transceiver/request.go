@@ -89,6 +89,12 @@ type Stats struct {
 	Duration time.Duration // from the first rank's start to the last rank's end
 	Backend  string        // the backend that carried the data ("tcp"; "" when nothing moved)
 	Chunks   int           // staging chunks moved (1 per peer pair for a direct transfer)
+	// Agreement is the time from the end of the last rank's part to the
+	// request's completion here: what the instance's consensus cost (with
+	// ranks in several processes, the trip through the Group's log; near
+	// 0 with every rank in one process). Ranks on other hosts report their
+	// end on their clock.
+	Agreement time.Duration
 }
 
 // GBps returns Bytes/Duration in 1e9 bytes per second.

@@ -27,9 +27,19 @@ import (
 type Options struct {
 	// State is the instance's CacheState (DPRank is taken per request).
 	State layout.CacheState
-	// Pools holds one pool per rank, in rank order; each must have the
-	// rank's block layout (State.RankLayout).
+	// Pools holds one pool per rank this process hosts, in the order of
+	// Ranks; each must have the rank's block layout (State.RankLayout).
 	Pools []*kvcache.Pool
+	// Ranks are the ranks of the instance this process hosts, ascending;
+	// nil means all of them (one process hosts the instance). Pools[i] is
+	// the pool of Ranks[i], and a Request's Blocks[i] are the blocks of
+	// Ranks[i]. When they are not the whole instance, Group is required.
+	Ranks []int
+	// Group is how this process agrees with the other processes hosting
+	// ranks of the instance (see CoordinatedGroup and GatherGroup); it is
+	// required when Ranks is not the whole instance and refused when it
+	// is. The Transceiver closes it.
+	Group Group
 	// ListenHost is the address the control and data listeners bind to;
 	// "" means 127.0.0.1.
 	ListenHost string
@@ -89,8 +99,9 @@ type Options struct {
 	clock clock
 }
 
-// Transceiver is the KV-cache transceiver of one instance (TP×PP ranks in
-// this process). It implements TensorRT-LLM's transceiver API: the context
+// Transceiver is the KV-cache transceiver of one instance: of its TP×PP
+// ranks, those this process hosts (Options.Ranks; all by default). It
+// implements TensorRT-LLM's transceiver API: the context
 // side holds finished prefills until the generation side pulls them, the
 // generation side pulls into its own blocks, and a request completes only
 // when every rank of the instance has completed it.
@@ -98,7 +109,12 @@ type Options struct {
 // Methods are safe for concurrent use. Close is idempotent.
 type Transceiver struct {
 	state      layout.CacheState
-	ranks      []*rank
+	ranks      []*rank       // the ranks this process hosts, ascending
+	pos        map[int]int   // position in ranks (and in a Request's Blocks) of each rank hosted here
+	group      Group         // nil: every rank is here
+	joinedCh   chan struct{} // closed once the group has joined (at once without a group)
+	info       *groupInfo    // with a group, once joined: every endpoint, the instance secret
+	applyMu    sync.Mutex    // with a group: serialises applying the log and starting requests here
 	resolution config.Resolution
 	log        *slog.Logger
 	now        func() time.Time
@@ -115,6 +131,9 @@ type Transceiver struct {
 	wake     chan struct{}        // closed and replaced whenever a request completes
 	pulls    uint64               // the last pull id handed out (see pullID)
 	nonces   map[instKey][16]byte // the nonce of the signed state of each pull in flight
+	silent   map[instKey]bool     // requests whose start failed here: the Check calls do not report them
+	groupErr error                // with a group: why this process lost it
+	lostEv   instEvent            // with a group, once lost: the event that fails the ranks hosted elsewhere
 }
 
 // pullID returns the id of a new pull (wire GenRequestID), never 0. The
@@ -165,18 +184,31 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	set := settingsOf(cfg, &opts, res.Backend, peers, log)
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
 		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
-		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{}}
+		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{},
+		silent: map[instKey]bool{}, pos: map[int]int{}, joinedCh: make(chan struct{})}
 	if cfg.TimeOutputPath != "" {
 		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
 	}
-	for i := range opts.State.Parallel.NumRanks() {
-		r, err := t.openRank(ctx, i, cfg, &opts, set, backendsToOpen(res.Backend))
+	for i, idx := range opts.Ranks {
+		r, err := t.openRank(ctx, idx, i, cfg, &opts, set, backendsToOpen(res.Backend))
 		if err != nil {
 			t.Close()
 			return nil, err
 		}
 		t.ranks = append(t.ranks, r)
+		t.pos[idx] = i
 		r.ctrl.Start()
+	}
+	if opts.Group == nil {
+		close(t.joinedCh)
+		return t, nil
+	}
+	t.group = opts.Group
+	self := groupJoin{ranks: slices.Clone(opts.Ranks), endpoints: t.localEndpoints()}
+	rand.Read(self.share[:])
+	if err := t.group.start(ctx, t, self); err != nil {
+		t.Close()
+		return nil, err
 	}
 	return t, nil
 }
@@ -196,12 +228,38 @@ func checkOptions(cfg *config.CacheTransceiver, opts *Options) error {
 		return fmt.Errorf("transceiver: config: %w", err)
 	}
 	nr := opts.State.Parallel.NumRanks()
-	if len(opts.Pools) != nr {
-		return fmt.Errorf("transceiver: %d pools for %d ranks", len(opts.Pools), nr)
+	if opts.Ranks == nil {
+		opts.Ranks = make([]int, nr)
+		for i := range opts.Ranks {
+			opts.Ranks[i] = i
+		}
+	} else {
+		opts.Ranks = slices.Clone(opts.Ranks)
+	}
+	if len(opts.Ranks) == 0 {
+		return errors.New("transceiver: Options.Ranks is empty: a process hosts at least one rank")
+	}
+	for i, r := range opts.Ranks {
+		if r < 0 || r >= nr {
+			return fmt.Errorf("transceiver: Options.Ranks[%d] is rank %d, the instance has ranks 0..%d", i, r, nr-1)
+		}
+		if i > 0 && r <= opts.Ranks[i-1] {
+			return fmt.Errorf("transceiver: Options.Ranks must be ascending without repeats: %s", intsString(opts.Ranks))
+		}
+	}
+	whole := len(opts.Ranks) == nr
+	switch {
+	case !whole && opts.Group == nil:
+		return fmt.Errorf("transceiver: this process hosts ranks %s of %d: Options.Group is required to agree with the processes hosting the others", intsString(opts.Ranks), nr)
+	case whole && opts.Group != nil:
+		return fmt.Errorf("transceiver: this process hosts every rank of the instance: Options.Group is for an instance split over processes, leave it nil")
+	}
+	if len(opts.Pools) != len(opts.Ranks) {
+		return fmt.Errorf("transceiver: %d pools for %d ranks hosted here (%s)", len(opts.Pools), len(opts.Ranks), intsString(opts.Ranks))
 	}
 	for i, p := range opts.Pools {
-		if p.Layout() != opts.State.RankLayout(i) {
-			return fmt.Errorf("transceiver: pool of rank %d has layout %+v, the instance state needs %+v", i, p.Layout(), opts.State.RankLayout(i))
+		if p.Layout() != opts.State.RankLayout(opts.Ranks[i]) {
+			return fmt.Errorf("transceiver: pool of rank %d has layout %+v, the instance state needs %+v", opts.Ranks[i], p.Layout(), opts.State.RankLayout(opts.Ranks[i]))
 		}
 	}
 	return nil
@@ -291,13 +349,13 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 	return set
 }
 
-// openRank opens rank i: its data planes (names), its control listener and
-// its staging buffers.
-func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTransceiver, opts *Options, set rankSettings, names []string) (*rank, error) {
+// openRank opens rank i (the pool at position at of Options.Pools): its
+// data planes (names), its control listener and its staging buffers.
+func (t *Transceiver) openRank(ctx context.Context, i, at int, cfg *config.CacheTransceiver, opts *Options, set rankSettings, names []string) (*rank, error) {
 	if cfg.MaxTokensInBuffer > 0 {
 		// TRT-LLM: (min(window, T) + tokens_per_block) tokens of this
 		// rank's layers and heads, i.e. T/tpb + 1 blocks.
-		set.bufferBytes = int64(cfg.MaxTokensInBuffer/opts.State.Shape.TokensPerBlock+1) * opts.Pools[i].BlockBytes()
+		set.bufferBytes = int64(cfg.MaxTokensInBuffer/opts.State.Shape.TokensPerBlock+1) * opts.Pools[at].BlockBytes()
 	}
 	host := opts.ListenHost
 	if host == "" {
@@ -331,7 +389,7 @@ func (t *Transceiver) openRank(ctx context.Context, i int, cfg *config.CacheTran
 		closeAll()
 		return nil, err
 	}
-	r := newRank(i, opts.State, opts.Pools[i], set, trs, ln, t.rankDone, t.attemptEnded)
+	r := newRank(i, opts.State, opts.Pools[at], set, trs, ln, t.rankDone, t.attemptEnded)
 	r.obs, r.csv = opts.Observer, t.csv
 	if err := r.registerMemory(); err != nil {
 		r.close()
@@ -410,8 +468,27 @@ func HostIdentity() string {
 // Resolution returns how the backend was chosen.
 func (t *Transceiver) Resolution() config.Resolution { return t.resolution }
 
-// Endpoints returns the control endpoint of every rank, in rank order.
+// Endpoints returns the control endpoint of every rank of the instance, in
+// rank order. With a Group, until it has joined, the ranks hosted by other
+// processes have "".
 func (t *Transceiver) Endpoints() []string {
+	if t.group != nil {
+		select {
+		case <-t.joinedCh:
+			return slices.Clone(t.info.endpoints)
+		default:
+		}
+		out := make([]string, t.state.Parallel.NumRanks())
+		for _, r := range t.ranks {
+			out[r.idx] = r.ctrl.Endpoint()
+		}
+		return out
+	}
+	return t.localEndpoints()
+}
+
+// localEndpoints returns the control endpoints of the ranks hosted here.
+func (t *Transceiver) localEndpoints() []string {
 	out := make([]string, len(t.ranks))
 	for i, r := range t.ranks {
 		out[i] = r.ctrl.Endpoint()
@@ -419,26 +496,69 @@ func (t *Transceiver) Endpoints() []string {
 	return out
 }
 
-// participants returns the ranks that hold a request of DP group dp.
+// Ranks returns the ranks of the instance this process hosts, ascending.
+func (t *Transceiver) Ranks() []int {
+	out := make([]int, len(t.ranks))
+	for i, r := range t.ranks {
+		out[i] = r.idx
+	}
+	return out
+}
+
+// Joined is closed once the instance's group has joined (at once without a
+// Group): from then on the Transceiver takes requests. A GatherGroup joins
+// at the first round that every process takes part in.
+func (t *Transceiver) Joined() <-chan struct{} { return t.joinedCh }
+
+// ready says whether requests may start: the group has joined and is not
+// lost.
+func (t *Transceiver) ready() error {
+	select {
+	case <-t.joinedCh:
+	default:
+		return ErrNotJoined
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.groupErr != nil {
+		return t.groupErr
+	}
+	return nil
+}
+
+// participants returns the ranks hosted here that hold a request of DP
+// group dp.
 func (t *Transceiver) participants(dp int) ([]*rank, error) {
+	_, here, err := t.takingPart(dp)
+	return here, err
+}
+
+// takingPart returns the ranks of the instance that hold a request of DP
+// group dp, and of them those hosted here.
+func (t *Transceiver) takingPart(dp int) (all []int, here []*rank, err error) {
 	pc := t.state.Parallel
-	if !pc.AttentionDP {
-		if dp != 0 {
-			return nil, fmt.Errorf("transceiver: DP rank %d without attention DP", dp)
+	if pc.AttentionDP && (dp < 0 || dp >= pc.DPSize) {
+		return nil, nil, fmt.Errorf("transceiver: DP rank %d out of range (DP size %d)", dp, pc.DPSize)
+	}
+	if !pc.AttentionDP && dp != 0 {
+		return nil, nil, fmt.Errorf("transceiver: DP rank %d without attention DP", dp)
+	}
+	for i := range pc.NumRanks() {
+		if pc.AttentionDP {
+			_, _, tp := pc.Coords(i)
+			if g, _ := pc.DPGroup(tp); g != dp {
+				continue
+			}
 		}
-		return t.ranks, nil
-	}
-	if dp < 0 || dp >= pc.DPSize {
-		return nil, fmt.Errorf("transceiver: DP rank %d out of range (DP size %d)", dp, pc.DPSize)
-	}
-	var out []*rank
-	for _, r := range t.ranks {
-		_, _, tp := pc.Coords(r.idx)
-		if g, _ := pc.DPGroup(tp); g == dp {
-			out = append(out, r)
+		all = append(all, i)
+		if at, ok := t.pos[i]; ok {
+			here = append(here, t.ranks[at])
 		}
 	}
-	return out, nil
+	if len(here) == 0 {
+		return nil, nil, fmt.Errorf("transceiver: no rank of DP group %d is hosted by this process (ranks %s)", dp, intsString(t.Ranks()))
+	}
+	return all, here, nil
 }
 
 func (t *Transceiver) requestState(dp int) layout.CacheState {
@@ -462,21 +582,29 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if req.Type != ContextOnly {
 		return fmt.Errorf("transceiver: respond: request %d is %s, want context_only", req.ID, req.Type)
 	}
-	ranks, err := t.participants(req.DPRank)
+	if err := t.ready(); err != nil {
+		return fmt.Errorf("transceiver: respond: request %d: %w", req.ID, err)
+	}
+	all, ranks, err := t.takingPart(req.DPRank)
 	if err != nil {
 		return err
 	}
 	if len(req.Blocks) != len(t.ranks) {
-		return fmt.Errorf("transceiver: respond: request %d has blocks for %d ranks, the instance has %d", req.ID, len(req.Blocks), len(t.ranks))
+		return fmt.Errorf("transceiver: respond: request %d has blocks for %d ranks, this process hosts %d", req.ID, len(req.Blocks), len(t.ranks))
 	}
-	nb := len(req.Blocks[ranks[0].idx])
+	nb := len(req.Blocks[t.pos[ranks[0].idx]])
 	for _, r := range ranks {
-		if len(req.Blocks[r.idx]) == 0 || len(req.Blocks[r.idx]) != nb {
-			return fmt.Errorf("transceiver: respond: request %d: rank %d has %d blocks, rank %d has %d", req.ID, r.idx, len(req.Blocks[r.idx]), ranks[0].idx, nb)
+		if n := len(req.Blocks[t.pos[r.idx]]); n == 0 || n != nb {
+			return fmt.Errorf("transceiver: respond: request %d: rank %d has %d blocks, rank %d has %d", req.ID, r.idx, n, ranks[0].idx, nb)
 		}
 	}
 	var token [16]byte
-	rand.Read(token[:])
+	if t.group != nil {
+		// The same on every process of the instance, with no message.
+		token = deriveToken(t.info.secret, req.ID, uint64(max(0, req.NumTokens)))
+	} else {
+		rand.Read(token[:])
+	}
 	state := t.requestState(req.DPRank)
 	op := &OpaqueState{RequestID: req.ID, Token: token, Tokens: uint64(max(0, req.NumTokens)), State: state, Endpoints: t.Endpoints()}
 	if t.guard.key != nil {
@@ -490,19 +618,45 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if err != nil {
 		return err
 	}
-	key, err := t.begin(req, sideSend, ranks, DisaggContextTransInProgress)
-	if err != nil {
-		return err
-	}
 	if req.ContextPhase == nil {
 		req.ContextPhase = &ContextPhaseParams{}
 	}
 	req.ContextPhase.CtxRequestID, req.ContextPhase.OpaqueState = req.ID, enc
-	for i, r := range ranks {
-		if err := r.respond(req.ID, token, state, req.Blocks[r.idx], req.BlockHashes); err != nil {
-			t.startFailed(key, ranks[i:], err)
+	return t.start(req, sideSend, all, ranks, DisaggContextTransInProgress, func(r *rank) error {
+		return r.respond(req.ID, token, state, req.Blocks[t.pos[r.idx]], req.BlockHashes)
+	})
+}
+
+// start enters req, which the instance's ranks all take part in, in the
+// consensus and starts it on the ranks hosted here (here). With a group,
+// the process's begin goes to the log before its ranks' reports, and the
+// log is not applied meanwhile, so that a decision of the instance taken
+// before this process began (another process's rank failed) reaches
+// these ranks once they hold the request.
+func (t *Transceiver) start(req *Request, s side, all []int, here []*rank, st RequestState, run func(*rank) error) error {
+	if t.group != nil {
+		t.applyMu.Lock()
+		defer t.applyMu.Unlock()
+	}
+	key, err := t.begin(req, s, all, st)
+	if err != nil {
+		return err
+	}
+	for i, r := range here {
+		if err := run(r); err != nil {
+			t.startFailed(key, here[i:], err)
 			return err
 		}
+	}
+	if t.group != nil {
+		// Decided already on the log as applied here: carry it out now.
+		t.mu.Lock()
+		var effs []instEffect
+		if ir := t.inst.reqs[key]; ir != nil && ir.err != nil {
+			effs = t.inst.cancelOthers(key, ir, -1, fmt.Errorf("%w: another rank failed: %v", ErrCanceled, ir.err))
+		}
+		t.mu.Unlock()
+		t.cancelRanks(effs)
 	}
 	return nil
 }
@@ -524,6 +678,9 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if req.ContextPhase == nil || len(req.ContextPhase.OpaqueState) == 0 {
 		return fmt.Errorf("transceiver: receive: request %d has no context phase params (opaque state)", req.ID)
 	}
+	if err := t.ready(); err != nil {
+		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
+	}
 	var op OpaqueState
 	if err := op.UnmarshalBinary(req.ContextPhase.OpaqueState); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
@@ -533,12 +690,12 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if err := t.guard.check(&op, true); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
-	ranks, err := t.participants(req.DPRank)
+	all, ranks, err := t.takingPart(req.DPRank)
 	if err != nil {
 		return err
 	}
 	if len(req.Blocks) != len(t.ranks) {
-		return fmt.Errorf("transceiver: receive: request %d has blocks for %d ranks, the instance has %d", req.ID, len(req.Blocks), len(t.ranks))
+		return fmt.Errorf("transceiver: receive: request %d has blocks for %d ranks, this process hosts %d", req.ID, len(req.Blocks), len(t.ranks))
 	}
 	if req.NumTokens > 0 && op.Tokens > 0 && uint64(req.NumTokens) != op.Tokens {
 		return fmt.Errorf("%w: request %d has %d prompt tokens but context request %d holds the KV cache of %d: the prompt does not belong to this context request",
@@ -548,25 +705,23 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if err := layout.Compatible(op.State, genState); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
-	key, err := t.begin(req, sideRecv, ranks, DisaggGenerationTransInProgress)
-	if err != nil {
-		return err
-	}
-	if op.Signed && t.guard.key != nil {
-		t.mu.Lock()
-		t.nonces[key] = op.Nonce
-		t.mu.Unlock()
-	}
 	// One id for the pull on every rank: the context ranks tell the
 	// attempts of a context request apart by it.
-	id := t.pullID()
-	for i, r := range ranks {
-		if err := r.receive(id, req.ID, &op, genState, req.Blocks[r.idx], req.LastBlockHash); err != nil {
-			t.startFailed(key, ranks[i:], err)
-			return err
-		}
+	var id uint64
+	if t.group != nil {
+		id = derivePullID(t.info.secret, req.ID, req.ContextPhase.OpaqueState)
+	} else {
+		id = t.pullID()
 	}
-	return nil
+	key := instKey{sideRecv, req.ID}
+	return t.start(req, sideRecv, all, ranks, DisaggGenerationTransInProgress, func(r *rank) error {
+		if r == ranks[0] && op.Signed && t.guard.key != nil {
+			t.mu.Lock()
+			t.nonces[key] = op.Nonce
+			t.mu.Unlock()
+		}
+		return r.receive(id, req.ID, &op, genState, req.Blocks[t.pos[r.idx]], req.LastBlockHash)
+	})
 }
 
 // CheckOpaque decodes an opaque state and checks it as
@@ -613,21 +768,28 @@ func (t *Transceiver) RequestAndReceiveSync(ctx context.Context, req *Request) e
 	return req.Err()
 }
 
-// begin enters req, to run on ranks, in the consensus.
-func (t *Transceiver) begin(req *Request, s side, ranks []*rank, st RequestState) (instKey, error) {
+// begin enters req, which the instance's ranks take part in, in the
+// consensus: in this process's copy of it at once, or (with a group) in
+// every process's through the log.
+func (t *Transceiver) begin(req *Request, s side, ranks []int, st RequestState) (instKey, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	key := instKey{s, req.ID}
 	if t.closed {
 		return key, ErrClosed
 	}
-	idx := make([]int, len(ranks))
-	for i, r := range ranks {
-		idx[i] = r.idx
-	}
-	if err := t.inst.begin(key, idx, t.now()); err != nil {
+	if t.group != nil {
+		if t.groupErr != nil {
+			return key, t.groupErr
+		}
+		if _, dup := t.reqs[key]; dup {
+			return key, fmt.Errorf("transceiver: request %d is already in flight", key.id)
+		}
+		t.group.publish(joinBeginEvent{key: key, ranks: slices.Clone(ranks), now: t.now()})
+	} else if err := t.inst.begin(key, ranks, t.now()); err != nil {
 		return key, err
 	}
+	delete(t.silent, key)
 	t.reqs[key] = req
 	req.mu.Lock()
 	req.state, req.err, req.done = st, nil, make(chan struct{})
@@ -643,18 +805,85 @@ func (t *Transceiver) startFailed(key instKey, ranks []*rank, err error) {
 	for i, r := range ranks {
 		idx[i] = r.idx
 	}
-	t.cancelRanks(t.step(startFailedEvent{key: key, ranks: idx, err: err, now: t.now()}))
+	t.mu.Lock()
+	t.silent[key] = true
+	t.mu.Unlock()
+	t.report(startFailedEvent{key: key, ranks: idx, err: err, now: t.now()})
 }
 
 // rankDone is called by a rank when its part of a request ends.
 func (t *Transceiver) rankDone(rank int, key instKey, err error, res rankResult) {
-	t.cancelRanks(t.step(rankDoneEvent{key: key, rank: rank, err: err, res: res, now: t.now()}))
+	t.report(rankDoneEvent{key: key, rank: rank, err: err, res: res, now: t.now()})
 }
 
 // attemptEnded is called by a rank when its part of a pull attempt of a
 // context request ends.
 func (t *Transceiver) attemptEnded(rank int, key instKey, attempt uint64, err error) {
-	t.cancelRanks(t.step(attemptEndEvent{key: key, rank: rank, attempt: attempt, err: err}))
+	t.report(attemptEndEvent{key: key, rank: rank, attempt: attempt, err: err})
+}
+
+// report feeds an event of this process to the consensus: at once without
+// a group, through the group's log with one.
+func (t *Transceiver) report(ev instEvent) {
+	if t.group != nil {
+		t.group.publish(ev)
+		return
+	}
+	t.cancelRanks(t.step(ev))
+}
+
+// joined takes the group's join (groupMember).
+func (t *Transceiver) joined(all []groupJoin) error {
+	info, err := joinGroup(all, t.state.Parallel.NumRanks())
+	if err != nil {
+		return err
+	}
+	for _, r := range t.ranks {
+		if info.endpoints[r.idx] != r.ctrl.Endpoint() {
+			return fmt.Errorf("%w: the join lists %q for rank %d, hosted here at %s", ErrBadGroup, info.endpoints[r.idx], r.idx, r.ctrl.Endpoint())
+		}
+	}
+	t.info = info
+	close(t.joinedCh)
+	return nil
+}
+
+// apply applies a piece of the instance's log (groupMember).
+func (t *Transceiver) apply(evs []instEvent) {
+	t.applyMu.Lock()
+	defer t.applyMu.Unlock()
+	for _, ev := range evs {
+		t.cancelRanks(t.step(ev))
+		if _, ok := ev.(joinBeginEvent); ok {
+			t.mu.Lock()
+			lostEv := t.lostEv
+			t.mu.Unlock()
+			if lostEv != nil {
+				// Begun after the group was lost (the begin was this
+				// process's, on its way to the others): the other
+				// ranks are lost to it too.
+				t.cancelRanks(t.step(lostEv))
+			}
+		}
+	}
+}
+
+// lost records that this process has lost the group (groupMember), and
+// returns the event that fails every rank hosted elsewhere.
+func (t *Transceiver) lost(err error) instEvent {
+	var others []int
+	for i := range t.state.Parallel.NumRanks() {
+		if _, ok := t.pos[i]; !ok {
+			others = append(others, i)
+		}
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.groupErr == nil {
+		t.groupErr = err
+		t.lostEv = ranksLostEvent{ranks: others, err: err, now: t.now()}
+	}
+	return t.lostEv
 }
 
 // step feeds ev to the consensus core. It completes the requests the core
@@ -683,27 +912,46 @@ func (t *Transceiver) cancelRanks(effs []instEffect) bool {
 	for _, e := range effs {
 		switch e := e.(type) {
 		case cancelRanksEffect:
-			for _, i := range e.ranks {
-				if t.ranks[i].cancel(e.key.side, e.key.id, e.cause) {
+			for _, r := range t.hosted(e.ranks) {
+				if r.cancel(e.key.side, e.key.id, e.cause) {
 					any = true
 				}
 			}
 		case attemptFailedEffect:
-			for _, i := range e.ranks {
-				t.ranks[i].decide(e.key.id, evAttemptFailed{attempt: e.attempt, err: e.cause, now: t.ranks[i].set.clock.Now()})
+			for _, r := range t.hosted(e.ranks) {
+				r.decide(e.key.id, evAttemptFailed{attempt: e.attempt, err: e.cause, now: r.set.clock.Now()})
 			}
 		case commitEffect:
-			for _, i := range e.ranks {
-				t.ranks[i].decide(e.key.id, evCommit{attempt: e.attempt})
+			for _, r := range t.hosted(e.ranks) {
+				r.decide(e.key.id, evCommit{attempt: e.attempt})
 			}
 		}
 	}
 	return any
 }
 
+// hosted returns the ranks of idx hosted here.
+func (t *Transceiver) hosted(idx []int) []*rank {
+	var out []*rank
+	for _, i := range idx {
+		if at, ok := t.pos[i]; ok {
+			out = append(out, t.ranks[at])
+		}
+	}
+	return out
+}
+
 func (t *Transceiver) completeLocked(e instCompleteEffect) {
 	req := t.reqs[e.key]
+	if req == nil {
+		return // a request of the instance this process has not begun
+	}
 	delete(t.reqs, e.key)
+	silent := t.silent[e.key]
+	delete(t.silent, e.key)
+	if t.group == nil {
+		silent = e.silent
+	}
 	if n, ok := t.nonces[e.key]; ok {
 		delete(t.nonces, e.key)
 		// A pull that failed without a refusal leaves the context request
@@ -715,6 +963,9 @@ func (t *Transceiver) completeLocked(e instCompleteEffect) {
 	}
 	req.mu.Lock()
 	req.stats = e.stats
+	if !e.end.IsZero() {
+		req.stats.Agreement = max(0, t.now().Sub(e.end))
+	}
 	switch {
 	case e.err != nil:
 		req.state, req.err = DisaggTransError, requestErr(e.err)
@@ -725,7 +976,7 @@ func (t *Transceiver) completeLocked(e instCompleteEffect) {
 	}
 	close(req.done)
 	req.mu.Unlock()
-	if !e.silent {
+	if !silent {
 		if e.key.side == sideRecv {
 			t.doneRecv = append(t.doneRecv, req)
 		} else {
@@ -758,7 +1009,7 @@ func (t *Transceiver) check(ctx context.Context, s side, atLeast int) ([]*Reques
 		if s == sideRecv {
 			list = &t.doneRecv
 		}
-		if _, n := t.inst.inFlight(s); n == 0 || (atLeast >= 0 && len(*list) >= atLeast) {
+		if _, n := t.inFlightLocked(s); n == 0 || (atLeast >= 0 && len(*list) >= atLeast) {
 			out := *list
 			*list = nil
 			t.mu.Unlock()
@@ -778,8 +1029,25 @@ func (t *Transceiver) check(ctx context.Context, s side, atLeast int) ([]*Reques
 func (t *Transceiver) GenTransferComplete() bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n, _ := t.inst.inFlight(sideRecv)
+	n, _ := t.inFlightLocked(sideRecv)
 	return n == 0
+}
+
+// inFlightLocked counts the requests of side in flight here, and of them
+// those the Check calls will report.
+func (t *Transceiver) inFlightLocked(s side) (all, reported int) {
+	if t.group == nil {
+		return t.inst.inFlight(s)
+	}
+	for k := range t.reqs {
+		if k.side == s {
+			all++
+			if !t.silent[k] {
+				reported++
+			}
+		}
+	}
+	return all, reported
 }
 
 // Cancel cancels the request's transfer on every rank, on whichever side it
@@ -789,6 +1057,22 @@ func (t *Transceiver) GenTransferComplete() bool {
 // ErrCanceled.
 func (t *Transceiver) Cancel(req *Request) bool {
 	why := fmt.Errorf("%w: request %d cancelled", ErrCanceled, req.ID)
+	if t.group != nil {
+		// Through the log, so that every process cancels it; the answer
+		// is whether it is in flight here.
+		t.mu.Lock()
+		var keys []instKey
+		for _, k := range []instKey{{sideSend, req.ID}, {sideRecv, req.ID}} {
+			if t.reqs[k] != nil {
+				keys = append(keys, k)
+			}
+		}
+		t.mu.Unlock()
+		for _, k := range keys {
+			t.group.publish(instCancelEvent{key: k, cause: why})
+		}
+		return len(keys) > 0
+	}
 	cancels := t.step(instCancelEvent{key: instKey{sideSend, req.ID}, cause: why})
 	cancels = append(cancels, t.step(instCancelEvent{key: instKey{sideRecv, req.ID}, cause: why})...)
 	return t.cancelRanks(cancels)
@@ -804,9 +1088,19 @@ func (t *Transceiver) Close() error {
 	}
 	t.closed = true
 	t.mu.Unlock()
+	if t.group != nil {
+		// The other processes see this one leave; the ranks' last
+		// reports are applied here.
+		t.group.leave(ErrClosed)
+	}
 	var errs []error
 	for _, r := range t.ranks {
 		if err := r.close(); err != nil && !errors.Is(err, net.ErrClosed) {
+			errs = append(errs, err)
+		}
+	}
+	if t.group != nil {
+		if err := t.group.close(); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -820,7 +1114,7 @@ func (t *Transceiver) Close() error {
 func (t *Transceiver) PendingContext() int {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	n, _ := t.inst.inFlight(sideSend)
+	n, _ := t.inFlightLocked(sideSend)
 	return n
 }
 
