@@ -16,9 +16,17 @@
  * Both sides poll for finished requests (kvxfer_check_*_status). There are
  * no callbacks into C.
  *
- * In ABI version 1 a transceiver must host every rank of its instance
- * (TP1 instances, or all ranks of a larger instance in one process); a
- * list of ranks that is not all of them returns KVXFER_ERR_UNSUPPORTED.
+ * A process may host every rank of its instance, or some of them (one
+ * process per GPU rank, as engines run): the processes of the instance
+ * then form a group that agrees on each request (it completes only when
+ * every rank has completed it; one rank's failure fails it on all), either
+ * over kvxfer's own connections with the process of rank 0 coordinating
+ * (KVXFER_GROUP_COORDINATED), or through an all-gather the engine runs on
+ * its own communicator, polled round by round (KVXFER_GROUP_GATHER:
+ * kvxfer_group_outbox, kvxfer_group_deliver, kvxfer_group_fail). Every
+ * process of an instance makes the same calls for a request (same id,
+ * same number of blocks); on the context side any process's opaque state
+ * serves (rank 0's, as upstream).
  *
  * MEMORY
  * A pool is the caller's memory (base != NULL: kvxfer reads and writes it,
@@ -91,6 +99,7 @@ typedef enum kvxfer_status {
     KVXFER_ERR_NOT_FOUND = 14,        /* no request with this id */
     KVXFER_ERR_INTERNAL = 15,         /* a bug of kvxfer; the message says what */
     KVXFER_ERR_UNSUPPORTED = 16,      /* not supported in this build or ABI version */
+    KVXFER_ERR_GROUP = 17,            /* the instance's group of processes: not joined yet, lost, or bad */
 } kvxfer_status;
 
 /* Element types (dtype). */
@@ -135,6 +144,23 @@ typedef struct kvxfer_pool {
     uint64_t block_bytes;       /* 0: set by kvxfer to the rank's block size; else must equal it */
 } kvxfer_pool;
 
+/* Group modes. */
+enum {
+    KVXFER_GROUP_NONE = 0,         /* this process hosts every rank of the instance */
+    KVXFER_GROUP_COORDINATED = 1,  /* over kvxfer's connections; rank 0's process coordinates */
+    KVXFER_GROUP_GATHER = 2,       /* through the caller's all-gather (kvxfer_group_*) */
+};
+
+/* The group of an instance split over processes. */
+typedef struct kvxfer_group {
+    uint32_t struct_size;       /* sizeof(kvxfer_group) */
+    int32_t mode;               /* KVXFER_GROUP_* */
+    int32_t process;            /* this process's index in [0, processes) (gather: its place in the all-gather) */
+    int32_t processes;          /* the processes of the instance */
+    const char *coordinator;    /* coordinated: host:port rank 0's process listens on, the others dial */
+    int64_t join_timeout_ms;    /* coordinated: how long create waits for the join; <= 0: 60 s */
+} kvxfer_group;
+
 /* A finished request as a status call reports it. */
 typedef struct kvxfer_finished {
     uint64_t request_id;
@@ -168,11 +194,32 @@ int kvxfer_config_free(uint64_t config);
  * NULL it allocates a shareable pool and writes base, size and
  * block_bytes; for the others it checks them and fills block_bytes when 0.
  * kvxfer_block_bytes computes the block size of a rank without opening
- * anything. */
+ * anything. ranks must be ascending. When they are not every rank, group
+ * (NULL: none) says how this process agrees with the others; in
+ * coordinated mode create returns once every process has joined (on rank
+ * 0's process it waits for the others to dial in, at most
+ * join_timeout_ms); in gather mode it returns at once and the join is the
+ * first round (until it is delivered, calls return KVXFER_ERR_GROUP). */
 int kvxfer_block_bytes(const kvxfer_cache_state *state, int32_t rank, uint64_t *block_bytes);
 int kvxfer_transceiver_create(uint64_t config, const kvxfer_cache_state *state,
                               const int32_t *ranks, size_t n_ranks, kvxfer_pool *pools,
-                              const char *listen_host, uint64_t *transceiver);
+                              const kvxfer_group *group, const char *listen_host, uint64_t *transceiver);
+
+/* Gather mode: each round, every process of the instance takes its
+ * contribution (kvxfer_group_outbox: the same bytes until a call
+ * succeeds, so a caller whose buffer was too small asks again), the caller
+ * all-gathers them over its communicator, and every process delivers all
+ * n contributions in process order (kvxfer_group_deliver: flat holds them
+ * one after the other, lens their lengths). Every process takes part in
+ * every round (an empty contribution is fine); rounds must not overlap. A
+ * request completes at the round after its last rank's report, so run
+ * rounds often (every few hundred microseconds while requests are in
+ * flight). When a round fails (a process died), call kvxfer_group_fail on
+ * every surviving process: its requests in flight fail, new ones are
+ * refused (KVXFER_ERR_GROUP). */
+int kvxfer_group_outbox(uint64_t transceiver, uint8_t *buf, size_t cap, size_t *len);
+int kvxfer_group_deliver(uint64_t transceiver, const uint8_t *flat, const size_t *lens, size_t n);
+int kvxfer_group_fail(uint64_t transceiver, const char *why);
 /* Fails every transfer in flight, stops the ranks, frees kvxfer's pools;
  * the caller's pools are no longer touched once it returns. Idempotent:
  * closing a closed handle returns KVXFER_OK. */

@@ -201,7 +201,7 @@ func kvxfer_go_block_bytes(s *C.kvxfer_cache_state, rank C.int32_t, out *C.uint6
 }
 
 //export kvxfer_go_transceiver_create
-func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks *C.int32_t, nRanks C.size_t, pools *C.kvxfer_pool, host *C.char, out *C.uint64_t) C.int {
+func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks *C.int32_t, nRanks C.size_t, pools *C.kvxfer_pool, group *C.kvxfer_group, host *C.char, out *C.uint64_t) C.int {
 	return guard(func() error {
 		c, err := configs.Get(uint64(ch))
 		if err != nil {
@@ -244,7 +244,21 @@ func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks 
 			}
 			o.Pools = append(o.Pools, spec)
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		join := 60 * time.Second
+		if group != nil {
+			if uintptr(group.struct_size) < unsafe.Sizeof(*group) {
+				return &capi.Error{Code: capi.CodeInvalidArgument,
+					Err: fmt.Errorf("kvxfer: group.struct_size is %d, this library's kvxfer_group has %d bytes (set it to sizeof(kvxfer_group))", group.struct_size, unsafe.Sizeof(*group))}
+			}
+			o.Group = capi.GroupSpec{Mode: capi.GroupMode(group.mode), Process: int(group.process), Processes: int(group.processes)}
+			if group.coordinator != nil {
+				o.Group.Coordinator = C.GoString(group.coordinator)
+			}
+			if group.join_timeout_ms > 0 {
+				join = time.Duration(group.join_timeout_ms) * time.Millisecond
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), join)
 		defer cancel()
 		if h := C.GoString(host); host != nil && h != "" {
 			o.ListenHost = h
@@ -454,5 +468,71 @@ func kvxfer_go_cancel(h, id C.uint64_t, cancelled *C.int32_t) C.int {
 			}
 		}
 		return nil
+	})
+}
+
+//export kvxfer_go_group_outbox
+func kvxfer_go_group_outbox(h C.uint64_t, buf *C.uint8_t, capacity C.size_t, n *C.size_t) C.int {
+	return guard(func() error {
+		t, err := transceivers.Get(uint64(h))
+		if err != nil {
+			return err
+		}
+		b, err := t.Outbox()
+		if err != nil {
+			return err
+		}
+		if err := writeOut("group contribution", b, unsafe.Pointer(buf), capacity, n, false); err != nil {
+			return err
+		}
+		t.HandedOut()
+		return nil
+	})
+}
+
+//export kvxfer_go_group_deliver
+func kvxfer_go_group_deliver(h C.uint64_t, flat *C.uint8_t, lens *C.size_t, n C.size_t) C.int {
+	return guard(func() error {
+		t, err := transceivers.Get(uint64(h))
+		if err != nil {
+			return err
+		}
+		if lens == nil || n == 0 || n > 1<<16 {
+			return &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: group deliver: %d contributions (lens %v)", n, lens != nil)}
+		}
+		ls := unsafe.Slice((*C.size_t)(lens), int(n))
+		total := 0
+		for _, l := range ls {
+			total += int(l)
+		}
+		if flat == nil && total > 0 {
+			return null("flat")
+		}
+		var mem []byte
+		if total > 0 {
+			mem = unsafe.Slice((*byte)(unsafe.Pointer(flat)), total)
+		}
+		all := make([][]byte, n)
+		off := 0
+		for i, l := range ls {
+			all[i] = append([]byte(nil), mem[off:off+int(l)]...)
+			off += int(l)
+		}
+		return t.Deliver(all)
+	})
+}
+
+//export kvxfer_go_group_fail
+func kvxfer_go_group_fail(h C.uint64_t, why *C.char) C.int {
+	return guard(func() error {
+		t, err := transceivers.Get(uint64(h))
+		if err != nil {
+			return err
+		}
+		msg := "round failed"
+		if why != nil {
+			msg = C.GoString(why)
+		}
+		return t.Fail(msg)
 	})
 }

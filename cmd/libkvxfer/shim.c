@@ -105,11 +105,26 @@ int kvxfer_block_bytes(const kvxfer_cache_state *state, int32_t rank, uint64_t *
 }
 
 int kvxfer_transceiver_create(uint64_t config, const kvxfer_cache_state *state, const int32_t *ranks,
-                              size_t n_ranks, kvxfer_pool *pools, const char *listen_host,
-                              uint64_t *transceiver) {
+                              size_t n_ranks, kvxfer_pool *pools, const kvxfer_group *group,
+                              const char *listen_host, uint64_t *transceiver) {
     KVXFER_NOT_FORKED;
     return kvxfer_go_transceiver_create(config, (kvxfer_cache_state *)state, (int32_t *)ranks, n_ranks,
-                                        pools, (char *)listen_host, transceiver);
+                                        pools, (kvxfer_group *)group, (char *)listen_host, transceiver);
+}
+
+int kvxfer_group_outbox(uint64_t transceiver, uint8_t *buf, size_t cap, size_t *len) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_group_outbox(transceiver, buf, cap, len);
+}
+
+int kvxfer_group_deliver(uint64_t transceiver, const uint8_t *flat, const size_t *lens, size_t n) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_group_deliver(transceiver, (uint8_t *)flat, (size_t *)lens, n);
+}
+
+int kvxfer_group_fail(uint64_t transceiver, const char *why) {
+    KVXFER_NOT_FORKED;
+    return kvxfer_go_group_fail(transceiver, (char *)why);
 }
 
 int kvxfer_transceiver_close(uint64_t transceiver) {

@@ -65,7 +65,7 @@ static int open_rank(kvxfer_pool *pool, uint64_t *t) {
     int rc = kvxfer_config_load_yaml(config_yaml, strlen(config_yaml), "example.yaml", &cfg);
     if (rc != KVXFER_OK) return fail("config", rc);
     kvxfer_cache_state s = model();
-    rc = kvxfer_transceiver_create(cfg, &s, NULL, 0, pool, NULL, t);
+    rc = kvxfer_transceiver_create(cfg, &s, NULL, 0, pool, NULL, NULL, t);
     kvxfer_config_free(cfg);
     if (rc != KVXFER_OK) return fail("create", rc);
     return 0;

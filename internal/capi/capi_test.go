@@ -101,6 +101,8 @@ func TestCodeOf(t *testing.T) {
 		{&layout.IncompatibleError{}, CodeIncompatible},
 		{errors.New("something else"), CodeTransfer},
 		{&Error{Code: CodeUnsupported, Err: errors.New("x")}, CodeUnsupported},
+		{fmt.Errorf("x: %w", transceiver.ErrGroupLost), CodeGroup},
+		{transceiver.ErrNotJoined, CodeGroup},
 	} {
 		if got := CodeOf(tc.err); got != tc.want {
 			t.Errorf("CodeOf(%v) = %v, want %v", tc.err, got, tc.want)
@@ -360,7 +362,15 @@ func TestBadArguments(t *testing.T) {
 		{"ranks in other processes", func() error {
 			_, err := Open(ctx, c, Options{State: desc(2), Ranks: []int{1}, Pools: []PoolSpec{{NumBlocks: 2}}})
 			return err
-		}(), CodeUnsupported, "every rank of the instance"},
+		}(), CodeInvalidArgument, "a group (coordinated or gather) is needed"},
+		{"group for a whole instance", func() error {
+			_, err := Open(ctx, c, Options{State: desc(1), Pools: []PoolSpec{{NumBlocks: 2}}, Group: GroupSpec{Mode: GroupGather, Processes: 1}})
+			return err
+		}(), CodeInvalidArgument, "no group is needed"},
+		{"gather without a group", func() error {
+			_, err := tr.Outbox()
+			return err
+		}(), CodeInvalidArgument, "no gather group"},
 	} {
 		if tc.err == nil {
 			t.Errorf("%s: accepted", tc.name)

@@ -34,6 +34,7 @@ const (
 	CodeNotFound        Code = 14 // no request with this id
 	CodeInternal        Code = 15 // a bug of kvxfer (the message says what)
 	CodeUnsupported     Code = 16 // not supported in this build or ABI version
+	CodeGroup           Code = 17 // the instance's group of processes: not joined yet, lost, or bad
 )
 
 var codeNames = map[Code]string{
@@ -43,7 +44,7 @@ var codeNames = map[Code]string{
 	CodeTimeout: "KVXFER_ERR_TIMEOUT", CodeCanceled: "KVXFER_ERR_CANCELED", CodePeer: "KVXFER_ERR_PEER",
 	CodeClosed: "KVXFER_ERR_CLOSED", CodeInFlight: "KVXFER_ERR_IN_FLIGHT", CodeForked: "KVXFER_ERR_FORKED",
 	CodeTransfer: "KVXFER_ERR_TRANSFER", CodeNotFound: "KVXFER_ERR_NOT_FOUND", CodeInternal: "KVXFER_ERR_INTERNAL",
-	CodeUnsupported: "KVXFER_ERR_UNSUPPORTED",
+	CodeUnsupported: "KVXFER_ERR_UNSUPPORTED", CodeGroup: "KVXFER_ERR_GROUP",
 }
 
 // String returns the header's name of c.
@@ -116,6 +117,8 @@ func CodeOf(err error) Code {
 		errors.Is(err, transceiver.ErrReplayedOpaqueState), errors.Is(err, transceiver.ErrPeerNotAllowed),
 		errors.Is(err, transceiver.ErrPromptMismatch):
 		return CodeBadOpaqueState
+	case errors.Is(err, transceiver.ErrGroupLost), errors.Is(err, transceiver.ErrNotJoined), errors.Is(err, transceiver.ErrBadGroup):
+		return CodeGroup
 	case errors.Is(err, transceiver.ErrTimeout), errors.Is(err, context.DeadlineExceeded):
 		return CodeTimeout
 	case errors.Is(err, transceiver.ErrCanceled), errors.Is(err, context.Canceled):

@@ -37,18 +37,65 @@ type PoolSpec struct {
 // Options are what Open needs beyond the config.
 type Options struct {
 	State StateDesc
-	// Ranks are the ranks of the instance that this process hosts, and
-	// Pools[i] is Ranks[i]'s pool. Empty means every rank, in order. In
-	// this version a process must host every rank of its instance (ranks
-	// in separate processes need the cross-process consensus, which the
-	// transceiver does not have yet): other lists are refused with
-	// CodeUnsupported.
+	// Ranks are the ranks of the instance that this process hosts,
+	// ascending, and Pools[i] is Ranks[i]'s pool. Empty means every rank.
+	// When they are not every rank, Group says how this process agrees
+	// with the processes hosting the others.
 	Ranks []int
 	Pools []PoolSpec
+	Group GroupSpec
 	// ListenHost is the address the ranks listen on; "" means 127.0.0.1.
 	ListenHost string
 	// Logger receives the transceiver's logs; nil discards them.
 	Logger *slog.Logger
+}
+
+// GroupMode is how the processes of an instance agree on its requests.
+type GroupMode int32
+
+// Group modes (the values of the header's KVXFER_GROUP_*).
+const (
+	// GroupNone: this process hosts every rank of its instance.
+	GroupNone GroupMode = 0
+	// GroupCoordinated: over kvxfer's own connections, the process
+	// hosting rank 0 coordinating (transceiver.CoordinatedGroup).
+	GroupCoordinated GroupMode = 1
+	// GroupGather: through an all-gather the caller runs, round by round
+	// (Outbox, Deliver, Fail; transceiver.GatherGroup).
+	GroupGather GroupMode = 2
+)
+
+// GroupSpec describes the group of an instance split over processes.
+type GroupSpec struct {
+	Mode GroupMode
+	// Process is this process's index among Processes (GroupGather: its
+	// place in the caller's all-gather).
+	Process, Processes int
+	// Coordinator (GroupCoordinated) is the host:port the process hosting
+	// rank 0 listens on and the others dial.
+	Coordinator string
+}
+
+// group builds the transceiver's Group of spec for config c.
+func (spec GroupSpec) group(c *Config) (transceiver.Group, *transceiver.GatherGroup, error) {
+	switch spec.Mode {
+	case GroupNone:
+		return nil, nil, nil
+	case GroupCoordinated:
+		g, err := transceiver.NewCoordinatedGroup(transceiver.CoordinatedConfig{Processes: spec.Processes, Coordinator: spec.Coordinator,
+			Secret: c.secret, TLS: c.tls})
+		if err != nil {
+			return nil, nil, &Error{Code: CodeInvalidArgument, Err: fmt.Errorf("capi: group: %w", err)}
+		}
+		return g, nil, nil
+	case GroupGather:
+		if spec.Processes < 1 || spec.Process < 0 || spec.Process >= spec.Processes {
+			return nil, nil, errorf(CodeInvalidArgument, "capi: group: process %d of %d processes", spec.Process, spec.Processes)
+		}
+		g := transceiver.NewGatherGroup(spec.Process, spec.Processes)
+		return g, g, nil
+	}
+	return nil, nil, errorf(CodeInvalidArgument, "capi: group: unknown mode %d (0 none, 1 coordinated, 2 gather)", spec.Mode)
 }
 
 type side uint8
@@ -85,6 +132,11 @@ type Transceiver struct {
 	ranks  []int
 	pools  []*kvcache.Pool
 	shared []bool // pools[i] is kvxfer's (shareable), not the caller's
+	gather *transceiver.GatherGroup
+
+	outMu  sync.Mutex
+	outbox []byte // the gather group's contribution taken, not yet handed out
+	outSet bool
 
 	closeOnce sync.Once
 	closeErr  error
@@ -111,19 +163,27 @@ func Open(ctx context.Context, c *Config, o Options) (*Transceiver, error) {
 	if err != nil {
 		return nil, err
 	}
-	n := st.Parallel.NumRanks()
 	ranks := o.Ranks
 	if len(ranks) == 0 {
-		ranks = make([]int, n)
-		for i := range ranks {
-			ranks[i] = i
-		}
+		ranks = seq(st.Parallel.NumRanks())
 	}
-	if !slices.Equal(ranks, seq(n)) {
-		return nil, errorf(CodeUnsupported, "capi: open: this process hosts ranks %v of an instance of %d ranks (%s): this version needs every rank of the instance in one process", ranks, n, st.Parallel)
+	for _, r := range ranks {
+		if r < 0 || r >= st.Parallel.NumRanks() {
+			return nil, errorf(CodeInvalidArgument, "capi: open: rank %d out of range [0,%d) of %s", r, st.Parallel.NumRanks(), st.Parallel)
+		}
 	}
 	if len(o.Pools) != len(ranks) {
 		return nil, errorf(CodeInvalidArgument, "capi: open: %d pools for %d hosted ranks %v", len(o.Pools), len(ranks), ranks)
+	}
+	switch whole := len(ranks) == st.Parallel.NumRanks(); {
+	case !whole && o.Group.Mode == GroupNone:
+		return nil, errorf(CodeInvalidArgument, "capi: open: this process hosts ranks %v of the %d of %s: a group (coordinated or gather) is needed to agree with the processes hosting the others", ranks, st.Parallel.NumRanks(), st.Parallel)
+	case whole && o.Group.Mode != GroupNone:
+		return nil, errorf(CodeInvalidArgument, "capi: open: this process hosts every rank of %s: no group is needed (mode %d given)", st.Parallel, o.Group.Mode)
+	}
+	group, gather, err := o.Group.group(c)
+	if err != nil {
+		return nil, err
 	}
 	t := &Transceiver{state: st, ranks: slices.Clone(ranks),
 		reqs:   [2]map[uint64]*entry{{}, {}},
@@ -136,13 +196,65 @@ func Open(ctx context.Context, c *Config, o Options) (*Transceiver, error) {
 		}
 		t.pools, t.shared = append(t.pools, p), append(t.shared, shared)
 	}
-	t.tr, err = transceiver.New(ctx, c.ct, transceiver.Options{State: st, Pools: t.pools, ListenHost: o.ListenHost,
-		Logger: o.Logger, Secret: c.secret, AllowedPeerHosts: c.allowed, TLS: c.tls})
+	t.gather = gather
+	t.tr, err = transceiver.New(ctx, c.ct, transceiver.Options{State: st, Ranks: t.ranks, Pools: t.pools, Group: group,
+		ListenHost: o.ListenHost, Logger: o.Logger, Secret: c.secret, AllowedPeerHosts: c.allowed, TLS: c.tls})
 	if err != nil {
 		t.closePools()
 		return nil, fmt.Errorf("capi: open: %w", err)
 	}
 	return t, nil
+}
+
+// errNoGather is returned by the gather calls of a transceiver without a
+// gather group.
+func (t *Transceiver) errNoGather(op string) error {
+	return errorf(CodeInvalidArgument, "capi: %s: this transceiver's instance has no gather group (mode %d is gather)", op, GroupGather)
+}
+
+// Outbox returns this process's contribution to the next all-gather round
+// of its gather group. It stays the same until HandedOut: a caller whose
+// buffer was too small asks again without losing it.
+func (t *Transceiver) Outbox() ([]byte, error) {
+	if t.gather == nil {
+		return nil, t.errNoGather("group outbox")
+	}
+	t.outMu.Lock()
+	defer t.outMu.Unlock()
+	if !t.outSet {
+		t.outbox, t.outSet = t.gather.Outbox(), true
+	}
+	return t.outbox, nil
+}
+
+// HandedOut says that the caller has the contribution Outbox returned: the
+// next Outbox takes a new one.
+func (t *Transceiver) HandedOut() {
+	t.outMu.Lock()
+	t.outbox, t.outSet = nil, false
+	t.outMu.Unlock()
+}
+
+// Deliver applies a round of the gather group: every process's
+// contribution, in process order.
+func (t *Transceiver) Deliver(all [][]byte) error {
+	if t.gather == nil {
+		return t.errNoGather("group deliver")
+	}
+	if err := t.gather.Deliver(all); err != nil {
+		return &Error{Code: CodePeer, Err: fmt.Errorf("capi: group deliver: %w", err)}
+	}
+	return nil
+}
+
+// Fail breaks the gather group on this process (a round failed): the
+// requests in flight fail, new ones are refused.
+func (t *Transceiver) Fail(why string) error {
+	if t.gather == nil {
+		return t.errNoGather("group fail")
+	}
+	t.gather.Fail(fmt.Errorf("capi: the caller failed the group: %s", why))
+	return nil
 }
 
 func seq(n int) []int {
@@ -242,14 +354,14 @@ func (t *Transceiver) blocksOf(op string, id uint64, blocks [][]kvcache.BlockID)
 	if len(blocks) != len(t.ranks) {
 		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block ids for %d ranks, this process hosts %d", op, id, len(blocks), len(t.ranks))
 	}
-	out := make([][]kvcache.BlockID, t.state.Parallel.NumRanks())
+	out := make([][]kvcache.BlockID, len(t.ranks))
 	for i, r := range t.ranks {
 		for _, b := range blocks[i] {
 			if b < 0 || int(b) >= t.pools[i].NumBlocks() {
 				return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block %d of rank %d is out of range [0,%d)", op, id, b, r, t.pools[i].NumBlocks())
 			}
 		}
-		out[r] = slices.Clone(blocks[i])
+		out[i] = slices.Clone(blocks[i])
 	}
 	return out, nil
 }

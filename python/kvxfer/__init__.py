@@ -16,16 +16,16 @@ process, never before a fork, and never with another Go c-shared library.
 """
 
 from .errors import (BadHandleError, BadOpaqueStateError, BufferTooSmallError, CanceledError, ClosedError, ConfigError,
-                     ForkedError, InFlightError, IncompatibleError, InternalError, InvalidArgumentError, KvxferError,
+                     ForkedError, GroupError, InFlightError, IncompatibleError, InternalError, InvalidArgumentError, KvxferError,
                      KvxferTimeoutError, NotFoundError, PeerError, TransferError, UnsupportedError)
 from .transceiver import (CONTEXT_INIT, DISAGG_CONTEXT_COMPLETE, DISAGG_CONTEXT_TRANS_IN_PROGRESS,
                           DISAGG_GENERATION_TRANS_COMPLETE, DISAGG_GENERATION_TRANS_IN_PROGRESS, DISAGG_TRANS_ERROR,
-                          CacheState, Config, KvCacheTransceiver, Request, version)
+                          CacheState, Config, CoordinatedGroup, GatherGroup, KvCacheTransceiver, Request, version)
 from ._lib import ABI_VERSION
 
 __all__ = [
     "ABI_VERSION", "BadHandleError", "BadOpaqueStateError", "BufferTooSmallError", "CONTEXT_INIT", "CacheState",
-    "CanceledError", "ClosedError", "Config", "ConfigError", "DISAGG_CONTEXT_COMPLETE", "DISAGG_CONTEXT_TRANS_IN_PROGRESS",
+    "CanceledError", "ClosedError", "Config", "ConfigError", "CoordinatedGroup", "GatherGroup", "GroupError", "DISAGG_CONTEXT_COMPLETE", "DISAGG_CONTEXT_TRANS_IN_PROGRESS",
     "DISAGG_GENERATION_TRANS_COMPLETE", "DISAGG_GENERATION_TRANS_IN_PROGRESS", "DISAGG_TRANS_ERROR", "ForkedError",
     "InFlightError", "IncompatibleError", "InternalError", "InvalidArgumentError", "KvCacheTransceiver", "KvxferError",
     "KvxferTimeoutError", "NotFoundError", "PeerError", "Request", "TransferError", "UnsupportedError", "version",

@@ -26,6 +26,7 @@ STATUS_NAMES = {
     14: "KVXFER_ERR_NOT_FOUND",
     15: "KVXFER_ERR_INTERNAL",
     16: "KVXFER_ERR_UNSUPPORTED",
+    17: "KVXFER_ERR_GROUP",
 }
 OK = 0
 ERR_BUFFER_TOO_SMALL = 4
@@ -62,6 +63,20 @@ class PoolC(ctypes.Structure):
     ]
 
 
+class GroupC(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("mode", ctypes.c_int32),
+        ("process", ctypes.c_int32),
+        ("processes", ctypes.c_int32),
+        ("coordinator", ctypes.c_char_p),
+        ("join_timeout_ms", ctypes.c_int64),
+    ]
+
+
+GROUP_NONE, GROUP_COORDINATED, GROUP_GATHER = 0, 1, 2
+
+
 class FinishedC(ctypes.Structure):
     _fields_ = [("request_id", ctypes.c_uint64), ("status", ctypes.c_int32)]
 
@@ -81,8 +96,12 @@ _SIGNATURES = {
     "kvxfer_block_bytes": (ctypes.c_int, [ctypes.POINTER(CacheStateC), ctypes.c_int32, _u64p]),
     "kvxfer_transceiver_create": (
         ctypes.c_int,
-        [ctypes.c_uint64, ctypes.POINTER(CacheStateC), _i32p, ctypes.c_size_t, ctypes.POINTER(PoolC), ctypes.c_char_p, _u64p],
+        [ctypes.c_uint64, ctypes.POINTER(CacheStateC), _i32p, ctypes.c_size_t, ctypes.POINTER(PoolC), ctypes.POINTER(GroupC),
+         ctypes.c_char_p, _u64p],
     ),
+    "kvxfer_group_outbox": (ctypes.c_int, [ctypes.c_uint64, _u8p, ctypes.c_size_t, _szp]),
+    "kvxfer_group_deliver": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_char_p, _szp, ctypes.c_size_t]),
+    "kvxfer_group_fail": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_char_p]),
     "kvxfer_transceiver_close": (ctypes.c_int, [ctypes.c_uint64]),
     "kvxfer_respond_and_send": (
         ctypes.c_int,

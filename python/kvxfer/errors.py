@@ -91,6 +91,14 @@ class UnsupportedError(KvxferError):
     code = 16
 
 
+class GroupError(KvxferError):
+    """The instance's group of processes: not joined yet (gather mode: no
+    round delivered), lost (a process or the coordinator died, a round
+    failed), or bad."""
+
+    code = 17
+
+
 _BY_CODE = {c.code: c for c in KvxferError.__subclasses__()}
 
 

@@ -118,6 +118,35 @@ class CacheState:
         return out.value
 
 
+@dataclasses.dataclass
+class CoordinatedGroup:
+    """The processes of an instance agree over kvxfer's own connections; the
+    process hosting rank 0 listens on coordinator (host:port) and the
+    others dial it. Creating the transceiver returns once all have joined
+    (at most join_timeout seconds)."""
+
+    process: int
+    processes: int
+    coordinator: str
+    join_timeout: float = 60.0
+
+    def _c(self):
+        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_COORDINATED, self.process, self.processes,
+                           self.coordinator.encode(), int(self.join_timeout * 1000))
+
+
+@dataclasses.dataclass
+class GatherGroup:
+    """The processes of an instance agree through an all-gather the caller
+    runs (TensorRT-LLM's communicator): see KvCacheTransceiver.gather_round."""
+
+    process: int
+    processes: int
+
+    def _c(self):
+        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_GATHER, self.process, self.processes, None, 0)
+
+
 @dataclasses.dataclass(eq=False)
 class Request:
     """A request as the transceiver sees it (the part of LlmRequest it uses).
@@ -146,11 +175,13 @@ class KvCacheTransceiver:
     bytearray, ...; writable and C-contiguous, at least num_blocks blocks):
     kvxfer reads and writes it in place and never frees it. None: kvxfer
     allocates shareable pools of num_blocks blocks, exposed as self.pools
-    (memoryviews, valid until shutdown). ranks: the hosted ranks (None:
-    every rank of the instance). Methods are safe to call from several
+    (memoryviews, valid until shutdown). ranks: the hosted ranks, ascending
+    (None: every rank of the instance); when not all, group (a
+    CoordinatedGroup or a GatherGroup) says how this process agrees with
+    the processes hosting the others. Methods are safe to call from several
     threads. Use it as a context manager, or call shutdown()."""
 
-    def __init__(self, config, cache_state, pools=None, num_blocks=None, ranks=None, listen_host=None):
+    def __init__(self, config, cache_state, pools=None, num_blocks=None, ranks=None, group=None, listen_host=None):
         self._lib = _lib.lib()
         self.cache_state = cache_state
         self.ranks = list(ranks) if ranks else list(range(cache_state.num_ranks))
@@ -179,7 +210,8 @@ class KvCacheTransceiver:
         rk = (ctypes.c_int32 * n)(*self.ranks)
         h = ctypes.c_uint64()
         host = listen_host.encode() if listen_host else None
-        _check(self._lib.kvxfer_transceiver_create(config._h, ctypes.byref(s), rk, n, cpools, host, ctypes.byref(h)))
+        g = ctypes.byref(group._c()) if group is not None else None
+        _check(self._lib.kvxfer_transceiver_create(config._h, ctypes.byref(s), rk, n, cpools, g, host, ctypes.byref(h)))
         self._h = h.value
         self.block_bytes = [cpools[i].block_bytes for i in range(n)]
         if pools is not None:
@@ -336,6 +368,44 @@ class KvCacheTransceiver:
         c = ctypes.c_int32()
         _check(self._lib.kvxfer_cancel(self._handle(), req.request_id, ctypes.byref(c)))
         return bool(c.value)
+
+    def gather_outbox(self):
+        """Gather mode: this process's contribution to the next round."""
+        n = ctypes.c_size_t()
+        buf = ctypes.create_string_buffer(64 << 10)
+        while True:
+            rc = self._lib.kvxfer_group_outbox(self._handle(), ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8)), len(buf), ctypes.byref(n))
+            if rc == _lib.ERR_BUFFER_TOO_SMALL and n.value > len(buf):
+                buf = ctypes.create_string_buffer(n.value)
+                continue
+            _check(rc)
+            return buf.raw[: n.value]
+
+    def gather_deliver(self, contributions):
+        """Gather mode: applies a round: every process's contribution, in
+        process order."""
+        flat = b"".join(contributions)
+        lens = (ctypes.c_size_t * len(contributions))(*[len(c) for c in contributions])
+        _check(self._lib.kvxfer_group_deliver(self._handle(), flat, lens, len(contributions)))
+
+    def gather_round(self, all_gather):
+        """Gather mode: one round with all_gather(bytes) -> [bytes of every
+        process, in process order] (e.g. torch.distributed.all_gather_object
+        or an MPI allgather over the instance's processes). A failing
+        all_gather fails the group on this process (gather_fail) and
+        raises."""
+        mine = self.gather_outbox()
+        try:
+            everyone = all_gather(mine)
+        except Exception as e:
+            self.gather_fail(f"all-gather failed: {e}")
+            raise
+        self.gather_deliver(everyone)
+
+    def gather_fail(self, why):
+        """Gather mode: a round failed: requests in flight fail, new ones are
+        refused (GroupError)."""
+        _check(self._lib.kvxfer_group_fail(self._handle(), why.encode()))
 
     def shutdown(self):
         """Fails the transfers in flight and closes the ranks. Pools kvxfer
