@@ -3,6 +3,10 @@ package capi
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
 	"net"
 	"sync"
 	"testing"
@@ -35,7 +39,7 @@ func openSplit(t *testing.T, mode GroupMode) []*Transceiver {
 			s.Process = r
 			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 			defer cancel()
-			out[r], errs[r] = Open(ctx, c, Options{State: desc(2), Ranks: []int{r}, Pools: []PoolSpec{{NumBlocks: 8}}, Group: s})
+			out[r], errs[r] = Open(ctx, c, Options{State: desc(2), Ranks: []int{r}, Pools: []PoolSpec{{NumBlocks: 8}}, Group: s, Logger: testLogger(t, fmt.Sprintf("proc%d", r))})
 		})
 	}
 	wg.Wait()
@@ -46,6 +50,21 @@ func openSplit(t *testing.T, mode GroupMode) []*Transceiver {
 		t.Cleanup(func() { out[r].Close() })
 	}
 	return out
+}
+
+// testLogger logs to t when KVXFER_TEST_LOG is set (debugging).
+func testLogger(t *testing.T, who string) *slog.Logger {
+	if os.Getenv("KVXFER_TEST_LOG") == "" {
+		return nil
+	}
+	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})).With("who", who)
+}
+
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(b)))
+	return len(b), nil
 }
 
 // gatherRounds runs the all-gather of the processes' gather groups, as an

@@ -15,15 +15,23 @@ TCP = {"cache_transceiver_config": {"backend": "TCP", "kv_transfer_timeout_ms": 
 class Rank:
     """A worker process (see workers.run) and its pipe."""
 
-    def __init__(self, config, state, num_blocks=16, own_memory=True):
+    def __init__(self, config, state, num_blocks=16, own_memory=True, ranks=None, group=None, wait=True):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
+        self.gather, gchild = (ctx.Pipe() if group and group[0] == "gather" else (None, None))
         import workers
 
-        self.proc = ctx.Process(target=workers.run, args=(child, config, state, num_blocks, own_memory), daemon=True)
+        self.proc = ctx.Process(target=workers.run, args=(child, config, state, num_blocks, own_memory, ranks, group, gchild),
+                                daemon=True)
         self.proc.start()
         child.close()
+        if gchild is not None:
+            gchild.close()
+        self.ready = self._answer(30) if wait else None
+
+    def wait_ready(self):
         self.ready = self._answer(30)
+        return self.ready
 
     def _answer(self, timeout):
         if not self.conn.poll(timeout):
@@ -47,6 +55,51 @@ class Rank:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+
+
+class GatherDriver:
+    """Runs the all-gather rounds of the processes of one instance (gather
+    mode), as an engine's communicator would, in a thread of the test."""
+
+    def __init__(self, procs):
+        import threading
+
+        self.procs, self.stop, self.error = procs, threading.Event(), None
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _ask(self, p, *cmd):
+        p.gather.send(cmd)
+        if not p.gather.poll(30):
+            raise AssertionError(f"worker {p.proc.pid}: no answer to {cmd[0]}")
+        ans = p.gather.recv()
+        if ans[0] != "ok":
+            raise AssertionError(f"worker {p.proc.pid}: {cmd[0]}: {ans}")
+        return ans[1]
+
+    def _loop(self):
+        import time
+
+        try:
+            while not self.stop.is_set():
+                everyone = [self._ask(p, "outbox") for p in self.procs]
+                for p in self.procs:
+                    self._ask(p, "deliver", everyone)
+                time.sleep(0.0005)
+        except Exception as e:  # a worker died: the test sees it in error
+            self.error = e
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(30)
+
+
+def free_address():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return "127.0.0.1:%d" % s.getsockname()[1]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 
 import kvxfer
 import reference
-from conftest import TCP
+from conftest import TCP, GatherDriver, free_address
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -76,6 +76,67 @@ def test_transfer_between_processes(ranks, ctx_layout, gen_layout, ctx_own_memor
     assert gen.call("receive_sync", 103, 16, opaque, [3, 4], 20) == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE
     assert gen.call("verify", 16, 13, [3, 4]) == [True] * gen_state.num_ranks
     assert gen.call("gen_status", 0, 1) == []
+
+
+@pytest.mark.parametrize("mode", ["coordinated", "gather"])
+@pytest.mark.parametrize("split", ["context", "generation"])
+def test_one_rank_per_process(ranks, mode, split):
+    """The TP2 instance (context, or generation) runs each rank in a Python
+    process of its own, agreeing through a coordinated group or through the
+    test's all-gather (gather mode); the other instance is TP1. Every
+    process makes the same calls; the generation pools match the reference
+    sharding bit for bit, and every process reports every request."""
+    tp2, tp1 = model(tp=2), model(tp=1)
+    addr = free_address()
+    group = (lambda p: ("coordinated", p, 2, addr)) if mode == "coordinated" else (lambda p: ("gather", p, 2))
+    split_state = tp2
+    procs = [ranks(TCP, split_state, ranks=[p], group=group(p), wait=False) for p in range(2)]
+    for p in procs:
+        assert p.wait_ready() == ("ok", None), p.ready
+    driver = GatherDriver(procs) if mode == "gather" else None
+    other = ranks(TCP, tp1)
+    try:
+        if split == "context":
+            ctx_procs, gen_procs, gen_state = procs, [other], tp1
+        else:
+            ctx_procs, gen_procs, gen_state = [other], procs, tp2
+        cases = [(1, 40, 21, [3, 1, 4, 9, 5], [0, 7, 2, 6, 8]), (2, 9, 22, [10, 11], [15, 14])]
+        for rid, tokens, seed, ctx_blocks, gen_blocks in cases:
+            opaques = []
+            for p in ctx_procs:
+                deadline = time.monotonic() + 10
+                while True:  # a gather group joins at its first round
+                    got = p.call("respond", rid, tokens, seed, ctx_blocks)
+                    if isinstance(got, tuple) and got[1] == "GroupError" and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                        continue
+                    break
+                assert isinstance(got, bytes), got
+                opaques.append(got)
+            for p in gen_procs:
+                deadline = time.monotonic() + 10
+                while True:
+                    got = p.call("receive", 100 + rid, tokens, opaques[0], gen_blocks)
+                    if isinstance(got, tuple) and got[1] == "GroupError" and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                        continue
+                    break
+                assert got == kvxfer.DISAGG_GENERATION_TRANS_IN_PROGRESS, got
+        for p in gen_procs:
+            done = p.call("gen_status", None, 20)
+            assert sorted(done) == [(101, kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, None, None),
+                                    (102, kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, None, None)], done
+        for p in ctx_procs:
+            done = p.call("ctx_status", None, 20)
+            assert sorted(done) == [(1, kvxfer.DISAGG_CONTEXT_COMPLETE, None, None),
+                                    (2, kvxfer.DISAGG_CONTEXT_COMPLETE, None, None)], done
+        for rid, tokens, seed, ctx_blocks, gen_blocks in cases:
+            matches = [m for p in gen_procs for m in p.call("verify", tokens, seed, gen_blocks)]
+            assert matches == [True] * gen_state.num_ranks, matches
+    finally:
+        if driver:
+            driver.close()
+            assert driver.error is None, driver.error
 
 
 def test_cancel(ranks):

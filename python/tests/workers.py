@@ -20,17 +20,52 @@ def _blocks_view(pool, state, rank, num_blocks):
     return np.frombuffer(pool, dtype=dt, count=int(np.prod(shape))).reshape(shape)
 
 
-def run(conn, config, state, num_blocks, own_memory):
-    """A process hosting every rank of an instance of state (ABI 1)."""
+def _serve_gather(tr, conn):
+    """Answers the test's all-gather rounds (gather mode) on a pipe of its
+    own, beside the commands."""
+    while True:
+        try:
+            cmd, *args = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "outbox":
+                conn.send(("ok", tr.gather_outbox()))
+            elif cmd == "deliver":
+                tr.gather_deliver(args[0])
+                conn.send(("ok", None))
+            elif cmd == "fail":
+                tr.gather_fail(args[0])
+                conn.send(("ok", None))
+            else:
+                return
+        except kvxfer.KvxferError as e:
+            conn.send(("err", type(e).__name__, e.status, str(e)))
+
+
+def run(conn, config, state, num_blocks, own_memory, ranks=None, group=None, gather_conn=None):
+    """A process hosting ranks of an instance of state (None: every rank);
+    group is ("coordinated", process, processes, address) or ("gather",
+    process, processes), whose rounds come on gather_conn."""
+    ranks = ranks or list(range(state.num_ranks))
     try:
         cfg = kvxfer.Config.from_dict(config) if isinstance(config, dict) else kvxfer.Config.from_file(config)
         pools = None
         if own_memory:  # numpy pools: the engine's own memory
-            pools = [np.zeros(num_blocks * state.block_bytes(r), dtype=np.uint8) for r in range(state.num_ranks)]
-        tr = kvxfer.KvCacheTransceiver(cfg, state, pools=pools, num_blocks=num_blocks)
+            pools = [np.zeros(num_blocks * state.block_bytes(r), dtype=np.uint8) for r in ranks]
+        g = None
+        if group and group[0] == "coordinated":
+            g = kvxfer.CoordinatedGroup(group[1], group[2], group[3], join_timeout=30)
+        elif group:
+            g = kvxfer.GatherGroup(group[1], group[2])
+        tr = kvxfer.KvCacheTransceiver(cfg, state, pools=pools, num_blocks=num_blocks, ranks=ranks, group=g)
     except kvxfer.KvxferError as e:
         conn.send(("err", type(e).__name__, e.status, str(e)))
         return
+    if gather_conn is not None:
+        import threading
+
+        threading.Thread(target=_serve_gather, args=(tr, gather_conn), daemon=True).start()
     views = [_blocks_view(tr.pools[i], state, r, num_blocks) for i, r in enumerate(tr.ranks)]
     conn.send(("ok", None))
     reqs = {}
