@@ -10,6 +10,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -408,5 +409,74 @@ func TestSyncTimeoutAndClose(t *testing.T) {
 	}
 	if err := gen.RequestAndReceive(6, 0, 8, opaque, [][]kvcache.BlockID{{1}}); CodeOf(err) != CodeClosed {
 		t.Errorf("receive after Close: %v (%v)", err, CodeOf(err))
+	}
+}
+
+// TestConcurrentCalls: respond, receive, status and cancel from many
+// goroutines at once on the same handles (the C ABI's threads), under
+// -race; every request is reported exactly once, on each side.
+func TestConcurrentCalls(t *testing.T) {
+	prefill := open(t, desc(1), nil, 64)
+	gen := open(t, desc(1), nil, 64)
+	const workers, each = 8, 6
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			for k := range each {
+				id := uint64(w*each + k + 1)
+				b := kvcache.BlockID(id % 64)
+				op, err := prefill.RespondAndSend(id, 0, 8, [][]kvcache.BlockID{{b}})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if k == each-1 {
+					prefill.Cancel(id) // some are cancelled before the pull
+				}
+				if err := gen.RequestAndReceive(id+1000, 0, 8, op, [][]kvcache.BlockID{{b}}); err != nil {
+					t.Error(err)
+				}
+			}
+		})
+	}
+	seen := map[uint64]int{}
+	var mu sync.Mutex
+	collect := func(tr *Transceiver, gen bool) {
+		for range workers {
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				for {
+					check := tr.CheckContextStatus
+					if gen {
+						check = tr.CheckGenStatus
+					}
+					got, err := check(ctx, 1, 3)
+					mu.Lock()
+					for _, f := range got {
+						seen[f.ID]++
+					}
+					n := len(seen)
+					mu.Unlock()
+					if n == 2*workers*each || err != nil {
+						return
+					}
+					if len(got) == 0 {
+						time.Sleep(time.Millisecond)
+					}
+				}
+			})
+		}
+	}
+	collect(prefill, false)
+	collect(gen, true)
+	wg.Wait()
+	if len(seen) != 2*workers*each {
+		t.Errorf("%d requests reported, want %d", len(seen), 2*workers*each)
+	}
+	for id, n := range seen {
+		if n != 1 {
+			t.Errorf("request %d reported %d times", id, n)
+		}
 	}
 }

@@ -259,3 +259,33 @@ def test_forked_child_gets_an_error_not_a_hang():
     """) % os.path.dirname(HERE)
     r = subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True, text=True)
     assert r.returncode == 0, (r.returncode, r.stderr)
+
+
+def test_last_error_is_per_thread():
+    """kvxfer_last_error belongs to the calling thread: a failure on another
+    thread between a call and the read of its message does not replace it."""
+    import ctypes
+    import threading
+
+    from kvxfer import _lib
+
+    lib = _lib.lib()
+    first_failed, second_failed = threading.Event(), threading.Event()
+    seen = {}
+
+    def fail(name, after, then):
+        if after:
+            after.wait(10)
+        h = ctypes.c_uint64()
+        rc = lib.kvxfer_config_load_yaml(b"x: [", 4, name.encode(), ctypes.byref(h))
+        then.set()
+        if name == "first":
+            second_failed.wait(10)  # the other thread has failed since
+        seen[name] = (rc, lib.kvxfer_last_error().decode())
+
+    a = threading.Thread(target=fail, args=("first", None, first_failed))
+    b = threading.Thread(target=fail, args=("second", first_failed, second_failed))
+    a.start(), b.start()
+    a.join(10), b.join(10)
+    assert seen["first"][0] == seen["second"][0] == 2, seen
+    assert seen["first"][1].startswith("first:") and seen["second"][1].startswith("second:"), seen
