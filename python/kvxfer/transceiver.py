@@ -227,8 +227,8 @@ class KvCacheTransceiver:
     # The block ids of req as the C ABI wants them: hosted rank by hosted rank.
     def _blocks(self, req):
         ids = req.block_ids
-        if len(self.ranks) == 1 and (len(ids) == 0 or not isinstance(ids[0], (list, tuple))) and not hasattr(ids[0] if len(ids) else 0, "__len__"):
-            per = [list(ids)]
+        if len(ids) == 0 or not hasattr(ids[0], "__len__"):
+            per = [list(ids)]  # a flat list: the blocks of a process hosting one rank
         else:
             per = [list(x) for x in ids]
         if len(per) != len(self.ranks):
