@@ -115,6 +115,10 @@ func kvxfer_go_config_load_yaml(text *C.char, n C.size_t, name *C.char, out *C.u
 		if text == nil || out == nil {
 			return null("text or config")
 		}
+		if n > config.MaxFileSize {
+			// config.LoadBytes refuses it with its own message; copy no more.
+			n = config.MaxFileSize + 1
+		}
 		nm := "config"
 		if name != nil {
 			nm = C.GoString(name)
@@ -370,6 +374,9 @@ func kvxfer_go_request_and_receive(h, id C.uint64_t, dp, tokens C.int32_t, opaqu
 		if opaque == nil && opaqueLen > 0 {
 			return null("opaque")
 		}
+		if opaqueLen > maxOpaque {
+			return &capi.Error{Code: capi.CodeBadOpaqueState, Err: fmt.Errorf("kvxfer: an opaque state of %d bytes: at most %d", opaqueLen, maxOpaque)}
+		}
 		op := C.GoBytes(unsafe.Pointer(opaque), C.int(opaqueLen))
 		bs, err := blockIDs(t, ids, n)
 		if err != nil {
@@ -383,6 +390,10 @@ func kvxfer_go_request_and_receive(h, id C.uint64_t, dp, tokens C.int32_t, opaqu
 		return t.RequestAndReceiveSync(ctx, uint64(id), int(dp), int(tokens), op, bs)
 	})
 }
+
+// maxOpaque bounds the opaque states the receive calls copy: far above any
+// real one (a few hundred bytes per rank).
+const maxOpaque = 1 << 20
 
 func withTimeout(ms C.int64_t) (context.Context, context.CancelFunc) {
 	if ms < 0 {
