@@ -21,9 +21,18 @@
 // Transceiver. The caller must not reuse the blocks of a request until a
 // status call has reported it finished (as upstream).
 //
+// # Ranks in several processes
+//
+// A Transceiver hosts the ranks Options.Ranks of its instance; when they
+// are not all of them, Options.Group says how the processes agree (see
+// transceiver.Group): GroupCoordinated over kvxfer's own connections, or
+// GroupGather through the caller's all-gather, which the caller polls
+// (Outbox, HandedOut, Deliver, Fail) since C gets no callbacks.
+//
 // # Concurrency
 //
-// Every method of Transceiver and Table is safe for concurrent use. A
+// Every method of Transceiver and Table is safe for concurrent use (the
+// rounds of a gather group, Outbox to Deliver, must not overlap). A
 // Transceiver starts goroutines (the transceiver's) in Open; Close stops
 // them and is idempotent.
 package capi
