@@ -289,3 +289,25 @@ def test_last_error_is_per_thread():
     a.join(10), b.join(10)
     assert seen["first"][0] == seen["second"][0] == 2, seen
     assert seen["first"][1].startswith("first:") and seen["second"][1].startswith("second:"), seen
+
+
+def test_rank_process_death_fails_the_instance(ranks):
+    """A TP2 context instance with a process per rank (coordinated): when the
+    process of rank 1 dies, the request held on rank 0 fails there too, and
+    the generation side's pull fails; nothing hangs."""
+    addr = free_address()
+    tp2 = model(tp=2)
+    procs = [ranks(TCP, tp2, ranks=[p], group=("coordinated", p, 2, addr), wait=False) for p in range(2)]
+    for p in procs:
+        assert p.wait_ready() == ("ok", None), p.ready
+    gen = ranks(TCP, model())
+    opaque = [p.call("respond", 1, 16, 5, [0, 1]) for p in procs][0]
+    assert isinstance(opaque, bytes), opaque
+    procs[1].proc.kill()
+    procs[1].proc.join()
+    [(rid, state, err, msg)] = procs[0].call("ctx_status", 1, 20)
+    assert (rid, state, err) == (1, kvxfer.DISAGG_TRANS_ERROR, "GroupError"), (err, msg)
+    assert "process 1 (ranks 1) left" in msg, msg
+    gen.call("receive", 9, 16, opaque, [2, 3])
+    [(rid, state, err, msg)] = gen.call("gen_status", 1, 20)
+    assert (rid, state, err) == (9, kvxfer.DISAGG_TRANS_ERROR, "PeerError"), (err, msg)
