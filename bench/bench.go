@@ -48,6 +48,11 @@ type Config struct {
 	// temporary directory, hands the context process its files, and
 	// removes them at the end.
 	TLS bool
+	// ProcessPerRank runs every rank of both instances as an OS process of
+	// its own (see perrank.go), the processes of an instance agreeing
+	// through a transceiver.CoordinatedGroup, and reports what that
+	// agreement cost per request (Result.AgreementP50Us and the rest).
+	ProcessPerRank bool
 	// Progress is told after every batch of requests; nil discards.
 	Progress func(Event)
 	Logger   *slog.Logger
@@ -101,6 +106,20 @@ type Result struct {
 	PeerLeaked int    `json:"peer_leaked_blocks"`
 	// Ratios are GBps over each measured baseline that applies to Backend.
 	Ratios []Ratio `json:"ratios,omitempty"`
+
+	// ProcessPerRank: every rank ran as its own process (see
+	// Config.ProcessPerRank). The cost of the instances' cross-process
+	// consensus per request is then Stats.Agreement: in a process, from
+	// the end of the last rank's part of the request to the request's
+	// completion there. AgreementP50Us/P99Us are the generation side's
+	// (per measured request, the largest of its processes');
+	// CtxAgreement* are the context side's (every context process's
+	// figure of every request of the run, warm-up included).
+	ProcessPerRank    bool    `json:"process_per_rank,omitempty"`
+	AgreementP50Us    float64 `json:"agreement_p50_us,omitempty"`
+	AgreementP99Us    float64 `json:"agreement_p99_us,omitempty"`
+	CtxAgreementP50Us float64 `json:"ctx_agreement_p50_us,omitempty"`
+	CtxAgreementP99Us float64 `json:"ctx_agreement_p99_us,omitempty"`
 }
 
 // Par is a parallel layout in the report.
@@ -249,6 +268,9 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	ct, err := c.cacheTransceiver()
 	if err != nil {
 		return nil, err
+	}
+	if c.ProcessPerRank {
+		return runPerRank(ctx, &c, m, cs, gs)
 	}
 	r := &transferRun{c: &c, gs: gs, nb: layout.NumBlocks(c.ISL, c.TokensPerBlock), verifyOn: c.Verify && verifiable(cs, c.ISL), nextID: 1}
 	poolBlocks := r.nb * c.Concurrency

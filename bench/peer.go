@@ -35,6 +35,32 @@ type peerSetup struct {
 	BaselineOnly bool `json:"baseline_only,omitempty"`
 	// TLS names the context side's files for mutual TLS; nil: none.
 	TLS *tlsconf.Files `json:"tls,omitempty"`
+	// Role, Ranks and Group make a process of --process-per-rank: a rank
+	// (Ranks, of the instance State) of the context ("context", the
+	// default) or the generation ("generation") instance, joined with the
+	// instance's other processes in a coordinated group.
+	Role  string      `json:"role,omitempty"`
+	Ranks []int       `json:"ranks,omitempty"`
+	Group *groupSetup `json:"group,omitempty"`
+}
+
+// groupSetup is the group of a --process-per-rank process.
+type groupSetup struct {
+	Processes int `json:"processes"`
+	// Coordinator is the address of the process hosting rank 0; that
+	// process listens on a port of its choosing and tells the parent
+	// (op listening), which then starts the others.
+	Coordinator string `json:"coordinator,omitempty"`
+}
+
+// rankResult is what a generation rank's process saw of one request.
+type rankResult struct {
+	ID          uint64 `json:"id"`
+	Bytes       int64  `json:"bytes"`
+	DurationNs  int64  `json:"duration_ns"`
+	AgreementNs int64  `json:"agreement_ns"`
+	Backend     string `json:"backend,omitempty"`
+	Error       string `json:"error,omitempty"`
 }
 
 // peerMsg is every later message, both ways.
@@ -49,6 +75,11 @@ type peerMsg struct {
 	Leaked    int      `json:"leaked_blocks,omitempty"`
 	Failed    int      `json:"failed,omitempty"`
 	Bytes     int64    `json:"bytes,omitempty"`
+	// --process-per-rank: the results a generation process collected
+	// (op collected), and a context process's Stats.Agreement of each
+	// context request that completed (op bye).
+	Results    []rankResult `json:"results,omitempty"`
+	Agreements []int64      `json:"agreements_ns,omitempty"`
 }
 
 // PeerMain runs the context side of a benchmark: it reads the setup from in,
@@ -68,6 +99,9 @@ func PeerMain(ctx context.Context, in io.Reader, out io.Writer, env config.Env, 
 	}
 	if setup.BaselineOnly {
 		return peerBaselines(sc, enc)
+	}
+	if setup.Group != nil {
+		return rankMain(ctx, sc, enc, setup, env, log)
 	}
 	p := &contextPeer{ref: setup.ReferenceFill, log: log}
 	defer p.close()
@@ -246,6 +280,21 @@ func closePools(pools []*kvcache.Pool) {
 // prepare plays the context instance's prefill: allocate the request's
 // blocks, fill them, hand them to the transceiver.
 func prepare(tr *transceiver.Transceiver, st layout.CacheState, pools []*kvcache.Pool, m peerMsg, reference bool) (string, error) {
+	return prepareRanks(tr, st, allRanks(st), pools, m, reference)
+}
+
+// allRanks lists the ranks of st.
+func allRanks(st layout.CacheState) []int {
+	out := make([]int, st.Parallel.NumRanks())
+	for i := range out {
+		out[i] = i
+	}
+	return out
+}
+
+// prepareRanks is prepare for the ranks hosted here: pools[i] is the pool
+// of ranks[i].
+func prepareRanks(tr *transceiver.Transceiver, st layout.CacheState, ranks []int, pools []*kvcache.Pool, m peerMsg, reference bool) (string, error) {
 	nb := layout.NumBlocks(m.Tokens, st.Shape.TokensPerBlock)
 	blocks := make([][]kvcache.BlockID, len(pools))
 	release := func() {
@@ -259,7 +308,7 @@ func prepare(tr *transceiver.Transceiver, st layout.CacheState, pools []*kvcache
 	for r, p := range pools {
 		b, err := p.Allocate(nb)
 		if err != nil {
-			return "", fmt.Errorf("rank %d: %w", r, err)
+			return "", fmt.Errorf("rank %d: %w", ranks[r], err)
 		}
 		blocks[r] = b
 	}
@@ -270,7 +319,7 @@ func prepare(tr *transceiver.Transceiver, st layout.CacheState, pools []*kvcache
 		}
 		l.Fill(m.Seed)
 		for r := range pools {
-			shard, err := layout.Shard(l, st, r)
+			shard, err := layout.Shard(l, st, ranks[r])
 			if err != nil {
 				return "", err
 			}
@@ -281,11 +330,11 @@ func prepare(tr *transceiver.Transceiver, st layout.CacheState, pools []*kvcache
 	} else {
 		for r, p := range pools {
 			for i, b := range blocks[r] {
-				quickFill(p.Block(b), m.Seed^uint64(r)<<40^uint64(i))
+				quickFill(p.Block(b), m.Seed^uint64(ranks[r])<<40^uint64(i))
 			}
 		}
 	}
-	req := &transceiver.Request{ID: m.ID, Type: transceiver.ContextOnly, Blocks: blocks}
+	req := &transceiver.Request{ID: m.ID, Type: transceiver.ContextOnly, Blocks: blocks, NumTokens: m.Tokens}
 	if err := tr.RespondAndSendAsync(req); err != nil {
 		return "", err
 	}

@@ -25,11 +25,50 @@ type peerProc struct {
 	out    *bufio.Scanner
 	stderr *lockedWriter
 	done   chan error
+	name   string // "" for the context process; "context rank [1]" under --process-per-rank
+
+	stopOnce sync.Once
 }
 
 // startPeer starts the context process and sends it setup, completed with
 // the state cs (nil for a process that only serves the raw TCP baseline).
-func startPeer(_ context.Context, c Config, setup peerSetup, cs *layout.CacheState) (*peerProc, error) {
+func startPeer(ctx context.Context, c Config, setup peerSetup, cs *layout.CacheState) (*peerProc, error) {
+	p, err := spawnPeer(ctx, c, setup, cs)
+	if err != nil {
+		return nil, err
+	}
+	if err := p.waitReady(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// waitReady reads the process's "ready" (or its error), stopping it when
+// it is not ready.
+func (p *peerProc) waitReady() error {
+	m, err := p.read()
+	if err != nil {
+		p.stop()
+		return err
+	}
+	if m.Op != "ready" {
+		p.stop()
+		return fmt.Errorf("bench: %s process: %s", p.role(), m.Error)
+	}
+	return nil
+}
+
+// role names the process in errors.
+func (p *peerProc) role() string {
+	if p.name != "" {
+		return p.name
+	}
+	return "context"
+}
+
+// spawnPeer starts a peer process and sends it setup, completed with the
+// state cs (nil for a process that only serves the raw TCP baseline).
+func spawnPeer(_ context.Context, c Config, setup peerSetup, cs *layout.CacheState) (*peerProc, error) {
 	argv := c.Peer
 	if len(argv) == 0 {
 		exe, err := os.Executable()
@@ -60,19 +99,13 @@ func startPeer(_ context.Context, c Config, setup peerSetup, cs *layout.CacheSta
 	} else {
 		setup.BaselineOnly = true
 	}
+	if setup.Group != nil {
+		p.name = fmt.Sprintf("%s rank %v", setup.Role, setup.Ranks)
+	}
 	line, _ := json.Marshal(setup)
 	if _, err := fmt.Fprintf(in, "%s\n", line); err != nil {
 		p.stop()
 		return nil, p.failed("send setup", err)
-	}
-	m, err := p.read()
-	if err != nil {
-		p.stop()
-		return nil, err
-	}
-	if m.Op != "ready" {
-		p.stop()
-		return nil, fmt.Errorf("bench: context process: %s", m.Error)
 	}
 	return p, nil
 }
@@ -103,7 +136,7 @@ func (p *peerProc) failed(op string, err error) error {
 	if len(tail) > 2000 {
 		tail = tail[len(tail)-2000:]
 	}
-	return fmt.Errorf("bench: context process: %s: %v\n%s", op, err, tail)
+	return fmt.Errorf("bench: %s process: %s: %v\n%s", p.role(), op, err, tail)
 }
 
 func (p *peerProc) read() (peerMsg, error) {
@@ -151,10 +184,12 @@ func (p *peerProc) quit() (peerMsg, error) {
 }
 
 // stop closes the child's stdin (it exits on EOF) and kills it if it has not
-// exited within a few seconds.
+// exited within a few seconds. Idempotent.
 func (p *peerProc) stop() {
-	p.in.Close()
-	waitOrKill(p.cmd.Process, p.done, 5*time.Second)
+	p.stopOnce.Do(func() {
+		p.in.Close()
+		waitOrKill(p.cmd.Process, p.done, 5*time.Second)
+	})
 }
 
 // waitOrKill waits for a child process to exit (done delivers its Wait's

@@ -274,8 +274,29 @@ func (c *consensus) step(ev instEvent) []instEffect {
 		})
 		var effs []instEffect
 		for _, k := range keys {
-			for _, rk := range ev.ranks {
-				effs = append(effs, c.step(rankDoneEvent{key: k, rank: rk, err: ev.err, now: ev.now})...)
+			r := c.reqs[k]
+			var lost, others []int
+			for _, rk := range r.ranks {
+				switch {
+				case r.reported[rk]:
+				case slices.Contains(ev.ranks, rk):
+					lost = append(lost, rk)
+				default:
+					others = append(others, rk)
+				}
+			}
+			if len(lost) == 0 {
+				continue
+			}
+			if r.err == nil {
+				r.err = ev.err
+				if len(others) > 0 {
+					effs = append(effs, cancelRanksEffect{key: k, ranks: others,
+						cause: fmt.Errorf("%w: rank %d failed: %v", ErrCanceled, lost[0], ev.err)})
+				}
+			}
+			for _, rk := range lost {
+				effs = append(effs, c.report(k, r, rk, rankResult{}, ev.now)...)
 			}
 		}
 		return effs

@@ -379,6 +379,14 @@ func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
 		// attempt send id= rank= attempt= [err=]: rank's part of the
 		// attempt ended (err: the attempt failed).
 		effs = in.c.step(attemptEndEvent{key: key, rank: c.int(t, "rank", 0), attempt: uint64(c.int(t, "attempt", 0)), err: scriptErr(c, "err")})
+	case "join-begin":
+		// join-begin send|recv id= ranks= [at=]: a process of a split
+		// instance began the request (the first one enters it).
+		effs = in.c.step(joinBeginEvent{key: key, ranks: c.ints(t, "ranks"), now: scriptAt(t, c)})
+	case "ranks-lost":
+		// ranks-lost send|recv ranks= err=: the process hosting ranks
+		// left (the side word is unused).
+		effs = in.c.step(ranksLostEvent{ranks: c.ints(t, "ranks"), err: scriptErr(c, "err"), now: scriptAt(t, c)})
 	case "in-flight":
 		all, reported := in.c.inFlight(key.side)
 		return fmt.Sprintf("in flight: %d, reported by Check: %d", all, reported)

@@ -32,7 +32,7 @@
 // the first rank to fail cancels it on the others, the ranks' figures add
 // up; and it decides the pull attempts of a context request (below). It
 // names ranks, requests and attempts by number, never by pointer, so that
-// it can later agree across processes.
+// it agrees across processes (below, "Ranks in several processes").
 //
 // # Failed pulls and retries
 //
@@ -88,6 +88,45 @@
 // second deadline, kv_transfer_sender_future_timeout from the start of its
 // sends, and asks for the tick of whichever comes first. The control connections' handshake and idle timeouts are kept on
 // the same clock.
+//
+// # Ranks in several processes
+//
+// A Transceiver hosts the ranks Options.Ranks of its instance (all of them
+// by default). Engines that run one process per GPU rank give each process
+// its ranks and an Options.Group, through which the processes agree:
+// every process keeps a copy of the consensus core and applies the same
+// totally ordered log of the ranks' reports (a process's begin of a
+// request, a rank's end, a pull attempt's end, a start that failed, a
+// cancel, the loss of a process's ranks), carrying out the effects for its
+// own ranks and completing its own Requests. A CoordinatedGroup orders the
+// log at the process hosting rank 0, over TCP connections of its own
+// (mutual TLS and a join authenticated by the cluster secret when they are
+// configured); a GatherGroup orders it by the rounds of an all-gather the
+// caller runs with its own communicator (Outbox, Deliver; Run for Go
+// callers), each round's contributions applied in process order. The log's
+// messages (groupwire.go) are versioned, bounded and fuzzed.
+//
+// The processes join once: each contributes its ranks, their control
+// endpoints and 32 random bytes. Every process then knows every rank's
+// endpoint (each hands out opaque states listing them all) and the
+// instance secret (SHA-256 of the contributions). The caller's request ids
+// are the same in every process (as TensorRT-LLM's replicated scheduler
+// has them); from the instance secret every process derives the same
+// transfer token of a context request (HMAC of its id and prompt length)
+// and the same pull id of a generation request (HMAC of its id and the
+// opaque state), with no message per request. The token of one request
+// does not give another's, nor that of the same id in another instance;
+// the ids of an instance's context requests must not repeat within its
+// life, since a repeated id has the same token. A generation request
+// retried in a split instance takes a new id.
+//
+// A process whose link breaks (its connection to the coordinator, a round
+// of the all-gather, which the caller then reports with Fail) has left: its
+// ranks count as failed in every process, which cancels the requests they
+// took part in at once. A process that loses the group fails what it has
+// in flight with ErrGroupLost and refuses new requests. Stats.Agreement is
+// what the consensus cost a request: from its last rank's end to its
+// completion in this process.
 //
 // # Scripts
 //

@@ -636,3 +636,79 @@ func TestGroupTotalOrder(t *testing.T) {
 		})
 	}
 }
+
+// TestGroupHostileStates: with a context instance split over processes,
+// whose tokens are derived from the instance secret rather than drawn per
+// request, an attacker holding opaque states gets no further than with
+// random tokens: the token of one request does not open another, nor the
+// same request id of another instance, and a state is refused once its
+// request completed. The genuine pulls still succeed.
+func TestGroupHostileStates(t *testing.T) {
+	for _, mode := range groupModes {
+		t.Run(mode.name, func(t *testing.T) {
+			cfg := testCfg()
+			st := state(2, 4, 16, 8, kvcache.FP16, 2, 1, false)
+			a := newSplit(t, mode, st, cfg, 32)
+			b := newSplit(t, mode, st, cfg, 32)
+			gen := newInst(t, state(2, 4, 16, 8, kvcache.FP16, 1, 1, false), cfg, 32)
+			const tokens = 16
+			r1, _ := a.respond(t, 1, tokens, 1)
+			r2, _ := a.respond(t, 2, tokens, 2)
+			rb, _ := b.respond(t, 1, tokens, 3)
+			decode := func(enc []byte) OpaqueState {
+				var o OpaqueState
+				if err := o.UnmarshalBinary(enc); err != nil {
+					t.Fatal(err)
+				}
+				return o
+			}
+			o1, o2, ob := decode(r1[0].ContextPhase.OpaqueState), decode(r2[0].ContextPhase.OpaqueState), decode(rb[0].ContextPhase.OpaqueState)
+			if o1.Token == o2.Token || o1.Token == ob.Token {
+				t.Fatal("two requests, or two instances' requests of one id, share a token")
+			}
+			nextGen := uint64(1000)
+			pull := func(o OpaqueState) error {
+				t.Helper()
+				enc, err := o.MarshalBinary()
+				if err != nil {
+					t.Fatal(err)
+				}
+				nextGen++
+				blocks := gen.alloc(t, 0, 2)
+				defer gen.release(t, blocks)
+				greq := &Request{ID: nextGen, Type: GenerationOnly, Blocks: blocks, ContextPhase: &ContextPhaseParams{OpaqueState: enc}}
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				return gen.t.RequestAndReceiveSync(ctx, greq)
+			}
+			// Request 2 with the token of request 1.
+			forged := o2
+			forged.Token = o1.Token
+			if err := pull(forged); !errors.Is(err, ErrRefused) {
+				t.Fatalf("request 2 with request 1's token: %v, want ErrRefused", err)
+			}
+			// Instance b's request 1 with instance a's token of request 1.
+			forged = ob
+			forged.Token = o1.Token
+			if err := pull(forged); !errors.Is(err, ErrRefused) {
+				t.Fatalf("instance b's request 1 with instance a's token: %v, want ErrRefused", err)
+			}
+			// Request 1's state, its id changed to 2: the token no longer fits.
+			forged = o1
+			forged.RequestID = 2
+			if err := pull(forged); !errors.Is(err, ErrRefused) {
+				t.Fatalf("request 1's state naming request 2: %v, want ErrRefused", err)
+			}
+			// The genuine pulls, then a replay of one.
+			for _, o := range []OpaqueState{o1, o2, ob} {
+				if err := pull(o); err != nil {
+					t.Fatalf("genuine pull of request %d: %v", o.RequestID, err)
+				}
+			}
+			waitAll(t, append(append(r1, r2...), rb...), 10*time.Second)
+			if err := pull(o1); !errors.Is(err, ErrRefused) {
+				t.Fatalf("replay of request 1's state after it completed: %v, want ErrRefused", err)
+			}
+		})
+	}
+}

@@ -36,6 +36,11 @@ connections, certificates made for the run), and the cipher's limit on one core 
 speed -evp aes-128-gcm, 16 KiB blocks) is measured in the same run and compared with the
 runs that tcp carried over TLS.
 
+With --process-per-rank every rank of both instances runs as its own OS process (as
+engines run one process per GPU rank), the ranks of an instance agreeing over a
+coordinated group (rank 0's process coordinating); the cost of that agreement per
+request is printed after the table and recorded in the report.
+
 The table goes to stdout; --json, --md and --png write the report, a Markdown document
 and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`
 
@@ -85,6 +90,7 @@ func runBench(cmd *cobra.Command, e env, s *bench.Sweep, bf *benchFlags) error {
 	if werr := rep.WriteTable(cmd.OutOrStdout()); werr != nil {
 		return werr
 	}
+	writeAgreement(cmd.OutOrStdout(), rep)
 	rep.WriteErrors(cmd.ErrOrStderr())
 	for _, out := range []struct {
 		path  string
@@ -132,6 +138,7 @@ func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
 	f.StringVar(&bf.pngPath, "png", "", "write a chart of GB/s against ISL per backend, with the baselines, to this PNG file")
 	f.BoolVar(&bf.printSchema, "print-schema", false, "print the JSON Schema of the --json report and exit")
 	f.BoolVar(&bf.withTLS, "tls", false, "also make every run with mutual TLS on the transfer planes (tcp data and control), next to the same run without, and measure the cipher's limit (openssl speed -evp aes-128-gcm)")
+	f.BoolVar(&c.ProcessPerRank, "process-per-rank", false, "run every rank of both instances as its own OS process, the ranks of an instance agreeing over a coordinated group, and report the cost of that cross-process consensus per request")
 	f.BoolVar(&bf.verbose, "verbose", false, "log the transceivers")
 }
 
@@ -189,5 +196,22 @@ func newBenchPeerCmd(e env) *cobra.Command {
 			log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: slog.LevelWarn}))
 			return bench.PeerMain(cmd.Context(), cmd.InOrStdin(), cmd.OutOrStdout(), config.LoadEnv(e.lookup, e.environ), log)
 		},
+	}
+}
+
+// writeAgreement writes, for the runs made with --process-per-rank, what
+// the instances' cross-process consensus cost per request.
+func writeAgreement(w io.Writer, rep *bench.Report) {
+	header := false
+	for _, r := range rep.Runs {
+		if !r.ProcessPerRank || r.Requests == 0 {
+			continue
+		}
+		if !header {
+			fmt.Fprintln(w, "\ncross-process consensus per request (from the last rank's end to the completion in a process; generation: the slowest of its processes; context: every process, warm-up included):")
+			header = true
+		}
+		fmt.Fprintf(w, "  %-40s generation p50 %8.0f µs  p99 %8.0f µs   context p50 %8.0f µs  p99 %8.0f µs\n",
+			r.Label(), r.AgreementP50Us, r.AgreementP99Us, r.CtxAgreementP50Us, r.CtxAgreementP99Us)
 	}
 }
