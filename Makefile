@@ -39,6 +39,7 @@ test-lib: deps lib ## the library: the C example (two processes, bit-exact) and 
 	@mkdir -p bin
 	gcc -Wall -Wextra -Werror -O2 -Iinclude examples/c/transfer.c -Llib -lkvxfer -Wl,-rpath,'$$ORIGIN/../lib' -o bin/transfer
 	./bin/transfer
+	KVXFER_CLUSTER_SECRET=$$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n') ./bin/transfer
 	KVXFER_LIB=$(CURDIR)/lib/libkvxfer.so /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests
 
 fmt-check: ## fail if any file is not gofmt-ed

@@ -180,7 +180,10 @@ const char *kvxfer_last_error(void);
 /* Configs. A config is a worker file (TensorRT-LLM's extra LLM API options)
  * with cache_transceiver_config, loaded with `kvxfer config check`'s rules
  * and messages, the environment (TRTLLM_*) applied; its security block's
- * secret and TLS files are read here. kvxfer_config_load_yaml takes the
+ * secret and TLS files are read here. With a cluster secret
+ * (security.secret_file, or KVXFER_CLUSTER_SECRET in the environment the
+ * library was loaded with) opaque states are signed and checked; without
+ * one the transceiver says once, on stderr, that it is unauthenticated. kvxfer_config_load_yaml takes the
  * YAML text (len bytes; JSON is YAML too), named name in messages (NULL:
  * "config"); kvxfer_config_load_file a path. Free with kvxfer_config_free
  * (idempotent); transceivers made from it stay valid. */
