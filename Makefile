@@ -17,7 +17,7 @@ MPIRUN    := $(if $(filter 0,$(shell id -u)),OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW
 
 CHAOS_SEED ?= 0
 
-.PHONY: help run test hostile chaos bench-report bench-serve ucx mpi deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
+.PHONY: lib test-lib help run test hostile chaos bench-report bench-serve ucx mpi deps fmt-check vet staticcheck unit invariants fuzz-short nocgo build clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -25,7 +25,7 @@ help: ## list the targets
 run: build ## the main job: start a local disaggregated cluster (context TP2 -> generation TP1) behind an OpenAI-compatible router on :8000
 	./$(BIN) up
 
-test: deps fmt-check vet staticcheck unit ucx mpi invariants fuzz-short nocgo ## every check and test (installs what it needs)
+test: deps fmt-check vet staticcheck unit ucx mpi invariants fuzz-short nocgo test-lib ## every check and test (installs what it needs)
 	@echo "make test: all checks passed"
 
 deps: ## install missing system packages (root, non-interactive, only when missing)
@@ -33,6 +33,17 @@ deps: ## install missing system packages (root, non-interactive, only when missi
 
 build: deps ## build bin/kvxfer
 	$(GO) build -tags $(TAGS) -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/kvxfer
+
+lib: ## build the C ABI: lib/libkvxfer.so for include/kvxfer.h (hand-written; cgo's generated header is removed)
+	$(GO) build -buildmode=c-shared -ldflags "$(LDFLAGS)" -o lib/libkvxfer.so ./cmd/libkvxfer
+	rm -f lib/libkvxfer.h
+
+test-lib: deps lib ## the library: the C example (two processes, bit-exact) and the Python binding's pytest suite (ranks in their own processes)
+	@mkdir -p bin
+	gcc -Wall -Wextra -Werror -O2 -Iinclude examples/c/transfer.c -Llib -lkvxfer -Wl,-rpath,'$$ORIGIN/../lib' -o bin/transfer
+	./bin/transfer
+	KVXFER_CLUSTER_SECRET=$$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n') ./bin/transfer
+	KVXFER_LIB=$(CURDIR)/lib/libkvxfer.so /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests
 
 fmt-check: ## fail if any file is not gofmt-ed
 	@out="$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))"; \
@@ -92,4 +103,4 @@ bench-serve: build ## the README's serving figures (kvxfer bench serve): the def
 		--json bin/bench-serve.json --md bin/bench-serve.md --png bin/bench-serve.png
 
 clean: ## remove build outputs
-	rm -rf bin
+	rm -rf bin lib

@@ -12,6 +12,8 @@ command -v etcd >/dev/null 2>&1 || need+=(etcd-server)          # membership's e
 command -v ip >/dev/null 2>&1 || need+=(iproute2)               # the cross-host test's network namespaces
 dpkg -s libopenmpi-dev >/dev/null 2>&1 || need+=(libopenmpi-dev) # the MPI backend (-tags mpi)
 command -v mpirun >/dev/null 2>&1 || need+=(openmpi-bin)          # its world: kvxfer up with backend MPI, make mpi
+dpkg -s python3-numpy >/dev/null 2>&1 || need+=(python3-numpy)   # the Python binding's tests (make test-lib)
+dpkg -s python3-pytest >/dev/null 2>&1 || need+=(python3-pytest) # idem
 
 if ((${#need[@]})); then
 	if [[ $(id -u) -ne 0 ]]; then

@@ -35,6 +35,13 @@ var testExt = []string{"go.uber.org/goleak", "github.com/google/go-cmp/..."}
 var boundaries = []rule{
 	// Its chaos-tagged file registers the fault-injecting data plane.
 	{pkg: "cmd/kvxfer", may: []string{"internal/cli", "transport/faultinject"}},
+	// The C ABI (go build -buildmode=c-shared): thin exports over
+	// internal/capi, which holds the logic so that it is tested in Go.
+	{pkg: "cmd/libkvxfer", may: []string{"internal/capi", "config", "kvcache", "layout", "internal/buildinfo"}},
+	// The C ABI's logic: handles, codes, config loading as config check
+	// does, pools over the caller's memory; it registers the tcp and shm
+	// data planes the library carries.
+	{pkg: "internal/capi", may: []string{"transceiver", "kvcache", "layout", "config", "internal/tlsconf", "transport", "transport/tcp", "transport/shm"}},
 	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
 	// The launcher behind `kvxfer up`: worker processes and the router.
 	// With disagg_cluster it opens the router's membership store

@@ -1,0 +1,167 @@
+package capi
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
+)
+
+// openSplit opens one Transceiver per rank of a TP2 instance, as the
+// processes of an engine would, in group mode mode.
+func openSplit(t *testing.T, mode GroupMode) []*Transceiver {
+	t.Helper()
+	c := loadTCP(t)
+	spec := GroupSpec{Mode: mode, Processes: 2}
+	if mode == GroupCoordinated {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		spec.Coordinator = ln.Addr().String()
+		ln.Close() // the coordinator listens on it again in Open
+	}
+	out := make([]*Transceiver, 2)
+	errs := make([]error, 2)
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Go(func() {
+			s := spec
+			s.Process = r
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			out[r], errs[r] = Open(ctx, c, Options{State: desc(2), Ranks: []int{r}, Pools: []PoolSpec{{NumBlocks: 8}}, Group: s, Logger: testLogger(t, fmt.Sprintf("proc%d", r))})
+		})
+	}
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil {
+			t.Fatalf("rank %d: %v", r, err)
+		}
+		t.Cleanup(func() { out[r].Close() })
+	}
+	return out
+}
+
+// testLogger logs to t when KVXFER_TEST_LOG is set (debugging).
+func testLogger(t *testing.T, who string) *slog.Logger {
+	if os.Getenv("KVXFER_TEST_LOG") == "" {
+		return nil
+	}
+	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})).With("who", who)
+}
+
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(b []byte) (int, error) {
+	w.t.Log(strings.TrimSpace(string(b)))
+	return len(b), nil
+}
+
+// gatherRounds runs the all-gather of the processes' gather groups, as an
+// engine's communicator would, until stop is closed.
+func gatherRounds(t *testing.T, procs []*Transceiver, stop <-chan struct{}) *sync.WaitGroup {
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			all := make([][]byte, len(procs))
+			for i, p := range procs {
+				b, err := p.Outbox()
+				if err != nil {
+					t.Errorf("outbox %d: %v", i, err)
+					return
+				}
+				all[i] = bytes.Clone(b)
+				p.HandedOut()
+			}
+			for i, p := range procs {
+				if err := p.Deliver(all); err != nil {
+					t.Errorf("deliver %d: %v", i, err)
+					return
+				}
+			}
+			time.Sleep(200 * time.Microsecond)
+		}
+	})
+	return &wg
+}
+
+// TestSplitContextInstance: a TP2 context instance whose ranks are two
+// Transceivers (two processes of an engine), in each group mode, sends to
+// a TP1 generation instance bit-exact; each process reports the request.
+func TestSplitContextInstance(t *testing.T) {
+	for _, mode := range []GroupMode{GroupCoordinated, GroupGather} {
+		t.Run(map[GroupMode]string{GroupCoordinated: "coordinated", GroupGather: "gather"}[mode], func(t *testing.T) {
+			procs := openSplit(t, mode)
+			if mode == GroupGather {
+				stop := make(chan struct{})
+				wg := gatherRounds(t, procs, stop)
+				defer wg.Wait()
+				defer close(stop)
+			}
+			gen := open(t, desc(1), nil, 8)
+			st2, _ := desc(2).CacheState()
+			const tokens = 20
+			l, _ := layout.NewLogical(st2.Shape, tokens)
+			l.Fill(3)
+			blocks := []kvcache.BlockID{6, 1, 3}
+			var opaque []byte
+			deadline := time.Now().Add(10 * time.Second)
+			for r, p := range procs {
+				want, _ := layout.Shard(l, st2, r)
+				bb := st2.RankLayout(r).BlockBytes()
+				for k, b := range blocks {
+					copy(p.PoolMemory(0)[int64(b)*bb:], want[k])
+				}
+				for {
+					op, err := p.RespondAndSend(7, 0, tokens, [][]kvcache.BlockID{blocks})
+					if CodeOf(err) == CodeGroup && time.Now().Before(deadline) {
+						time.Sleep(time.Millisecond) // the gather group joins at its first round
+						continue
+					}
+					if err != nil {
+						t.Fatalf("rank %d: %v", r, err)
+					}
+					if r == 0 {
+						opaque = op
+					}
+					break
+				}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			genBlocks := []kvcache.BlockID{0, 4, 2}
+			if err := gen.RequestAndReceiveSync(ctx, 9, 0, tokens, opaque, [][]kvcache.BlockID{genBlocks}); err != nil {
+				t.Fatal(err)
+			}
+			st1, _ := desc(1).CacheState()
+			want, _ := layout.Shard(l, st1, 0)
+			bb := st1.RankLayout(0).BlockBytes()
+			for k, b := range genBlocks {
+				if !bytes.Equal(gen.PoolMemory(0)[int64(b)*bb:int64(b+1)*bb], want[k]) {
+					t.Errorf("generation block %d differs from the reference", k)
+				}
+			}
+			for r, p := range procs {
+				got, err := p.CheckContextStatus(ctx, 1, 4)
+				if err != nil || len(got) != 1 || got[0].ID != 7 || got[0].Code != OK {
+					t.Errorf("rank %d status: %+v, %v", r, got, err)
+				}
+			}
+		})
+	}
+}
