@@ -38,11 +38,12 @@ lib: ## build the C ABI: lib/libkvxfer.so for include/kvxfer.h (hand-written; cg
 	$(GO) build -buildmode=c-shared -ldflags "$(LDFLAGS)" -o lib/libkvxfer.so ./cmd/libkvxfer
 	rm -f lib/libkvxfer.h
 
-test-lib: deps lib ## the library: the C example (two processes, bit-exact) and the Python binding's pytest suite (ranks in their own processes)
+test-lib: deps lib ## the library: the C and Python examples (separate processes, bit-exact) and the Python binding's pytest suite (ranks in their own processes)
 	@mkdir -p bin
 	gcc -Wall -Wextra -Werror -O2 -Iinclude examples/c/transfer.c -Llib -lkvxfer -Wl,-rpath,'$$ORIGIN/../lib' -o bin/transfer
 	./bin/transfer
 	KVXFER_CLUSTER_SECRET=$$(od -An -tx1 -N32 /dev/urandom | tr -d ' \n') ./bin/transfer
+	KVXFER_LIB=$(CURDIR)/lib/libkvxfer.so PYTHONPATH=$(CURDIR)/python /usr/bin/python3 examples/python/transfer.py
 	KVXFER_LIB=$(CURDIR)/lib/libkvxfer.so /usr/bin/python3 -m pytest -q -p no:cacheprovider python/tests
 
 fmt-check: ## fail if any file is not gofmt-ed
