@@ -99,9 +99,9 @@ nocgo: ## the binary builds without cgo (UCX and MPI then report themselves as n
 bench-report: build ## run every transfer and layout benchmark with its baselines (docs/perf*) and rewrite the README's performance summary
 	BIN=$(BIN) GO=$(GO) scripts/bench-report.sh
 
-bench-serve: build ## the README's serving figures (kvxfer bench serve): the default cluster and an aggregated worker at 1, 2, 4 and 8 requests/s; bin/bench-serve.{json,md,png}
-	./$(BIN) bench serve --compare-aggregated --rates 1,2,4,8 --num-prompts 32 --input-len 128 --output-len 32 --duration 30s \
-		--json bin/bench-serve.json --md bin/bench-serve.md --png bin/bench-serve.png
+bench-serve: build ## the README's serving figures (kvxfer bench serve): the default cluster and an aggregated worker at 1, 2, 4 and 8 requests/s of 1,024-token prompts; docs/serve-sweep.{json,md,png}
+	./$(BIN) bench serve --compare-aggregated --rates 1,2,4,8 --num-prompts 32 --input-len 1024 --output-len 64 --duration 30s \
+		--json docs/serve-sweep.json --md docs/serve-sweep.md --png docs/serve-sweep.png
 
 clean: ## remove build outputs
 	rm -rf bin lib
