@@ -6,6 +6,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
+	"runtime/pprof"
 	"strings"
 
 	"github.com/kvxfer/kvxfer/bench"
@@ -226,6 +228,14 @@ func newBenchMPIRankCmd(e env) *cobra.Command {
 				return err
 			}
 			rank, size, _ := mpiWorld.world()
+			if dir := os.Getenv(envBenchMPIProfile); dir != "" {
+				stop, err := cpuProfile(filepath.Join(dir, fmt.Sprintf("rank%d.pprof", rank)))
+				if err != nil {
+					mpiWorld.abort(1)
+					return err
+				}
+				defer stop()
+			}
 			if err := bench.MPIRankMain(cmd.Context(), rank, size, config.LoadEnv(e.lookup, e.environ), log); err != nil {
 				// The other rank would wait for this one: take the world down.
 				fmt.Fprintf(cmd.ErrOrStderr(), "kvxfer: bench mpi-rank %d: %v\n", rank, err)
@@ -235,6 +245,24 @@ func newBenchMPIRankCmd(e env) *cobra.Command {
 			return mpiWorld.finalize()
 		},
 	}
+}
+
+// envBenchMPIProfile names a directory where each rank of bench mpi-rank
+// writes its CPU profile (rank0.pprof: the generation side, rank1.pprof:
+// the context side), to see where a run with backend mpi spends its time.
+const envBenchMPIProfile = "KVXFER_BENCH_MPI_CPUPROFILE"
+
+// cpuProfile starts a CPU profile into path; stop ends it.
+func cpuProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("bench mpi-rank: %s: %w", envBenchMPIProfile, err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("bench mpi-rank: %s: %w", envBenchMPIProfile, err)
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
 
 // writeAgreement writes, for the runs made with --process-per-rank, what

@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -30,13 +31,25 @@ func TestBenchMPI(t *testing.T) {
 		args     []string
 		baseline bool
 		used     string
+		profile  bool // each rank writes its CPU profile
 	}{
-		{"verify", []string{"--verify"}, false, "mpi(vader)"},
-		{"tcp", []string{"--verify", "--mpi-btl", "tcp"}, false, "mpi(tcp)"},
-		{"baseline", []string{"--verify", "--baseline", "--baseline-bytes", "8388608"}, true, "mpi(vader)"},
+		{"verify", []string{"--verify"}, false, "mpi(vader)", false},
+		{"tcp", []string{"--verify", "--mpi-btl", "tcp"}, false, "mpi(tcp)", true},
+		{"baseline", []string{"--verify", "--baseline", "--baseline-bytes", "8388608"}, true, "mpi(vader)", false},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			profDir := t.TempDir()
+			if c.profile {
+				t.Setenv(envBenchMPIProfile, profDir)
+				defer func() {
+					for _, rank := range []string{"rank0.pprof", "rank1.pprof"} {
+						if fi, err := os.Stat(filepath.Join(profDir, rank)); err != nil || fi.Size() == 0 {
+							t.Errorf("%s: no CPU profile (%v)", rank, err)
+						}
+					}
+				}()
+			}
 			jsonPath := filepath.Join(t.TempDir(), "r.json")
 			var stdout, stderr bytes.Buffer
 			args := append([]string{"bench", "--backend", "mpi", "--model", "tiny", "--isl", "256", "--requests", "3",
