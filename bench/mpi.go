@@ -12,6 +12,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
@@ -159,6 +160,9 @@ func runMPIWorld(ctx context.Context, c *Config) (*Result, error) {
 	cmd.Env = mpirunEnv(EnvMPIRunDir + "=" + dir)
 	out := &lockedWriter{}
 	cmd.Stdout, cmd.Stderr = out, out
+	// On cancel, SIGTERM: mpirun forwards it to the ranks and cleans up,
+	// where SIGKILL would leave them running.
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
 	cmd.WaitDelay = 10 * time.Second
 	runErr := cmd.Run()
 	b, err := os.ReadFile(filepath.Join(dir, "result.json"))

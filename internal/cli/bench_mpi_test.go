@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/bench"
 	"github.com/kvxfer/kvxfer/bench/benchtest"
@@ -132,4 +133,28 @@ func TestBenchMPIErrors(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestBenchMPICancel: a run with backend mpi whose context ends stops its
+// world (mpirun is sent SIGTERM and passes it to the ranks) and returns
+// soon, not after the run.
+func TestBenchMPICancel(t *testing.T) {
+	if mpiWorld == nil {
+		t.Skip("needs the MPI backend: go test -tags mpi (make mpi)")
+	}
+	t.Setenv("KVXFER_CLI_CHILD", "1")
+	ctx, cancel := context.WithTimeout(context.Background(), 1500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	// About 400 requests of 32 MiB: far more than 1.5 s on any machine.
+	c := bench.Config{Backend: "mpi", Model: "llama-3.1-8b", ISL: 256, Requests: 400, Warmup: 1}
+	res, err := bench.Run(ctx, c)
+	took := time.Since(start)
+	if err == nil && (res == nil || res.Error == "" && res.Errors == 0) {
+		t.Fatalf("a cancelled run reports no failure: %+v", res)
+	}
+	if took > 20*time.Second {
+		t.Errorf("the cancelled run returned after %v", took)
+	}
+	t.Logf("returned after %v: %v %+v", took, err, res)
 }
