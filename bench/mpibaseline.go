@@ -20,9 +20,13 @@ const BaselineMPI = "mpi_c"
 // WINDOW of them in flight (MPI_Isend / MPI_Irecv, a new one posted as soon
 // as one completes, MPI_Waitany), after a warm-up of WINDOW messages and a
 // barrier; rank 1 acknowledges the last, and rank 0 prints the bytes per
-// second as "gbps=N". Each slot of the window has its own buffer. It is
-// transport/mpi's cross-rank baseline (testdata/bw.c) with the sliding
-// window of frames that the transport keeps, instead of rounds.
+// second as "gbps=N". The messages walk a buffer of SPAN bytes on each
+// side (message i at offset (i mod SPAN/SIZE) x SIZE), the baseline's
+// bytes, as a request's blocks do: a window of buffers used again and
+// again would stay in the CPU's caches, which a KV cache of hundreds of
+// MiB does not. It is transport/mpi's cross-rank baseline (testdata/bw.c)
+// with the sliding window of frames that the transport keeps, instead of
+// rounds.
 const mpiBWSource = `#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,16 +39,20 @@ static void post(int rank, char *p, long size, int tag, MPI_Request *req) {
 		MPI_Irecv(p, (int)size, MPI_BYTE, 0, tag, MPI_COMM_WORLD, req);
 }
 
-/* stream moves count messages of size bytes, window at a time. */
-static void stream(int rank, char *buf, long size, int window, long count, MPI_Request *reqs) {
+/* stream moves count messages of size bytes, window at a time, message i
+   at slot i % slots of buf. */
+static void stream(int rank, char *buf, long size, long slots, int window, long count, MPI_Request *reqs, long *slot) {
 	long posted = 0;
-	for (int i = 0; i < window && posted < count; i++, posted++)
-		post(rank, buf + (size_t)size * i, size, 0, &reqs[i]);
+	for (int i = 0; i < window && posted < count; i++, posted++) {
+		slot[i] = posted % slots;
+		post(rank, buf + (size_t)size * slot[i], size, 0, &reqs[i]);
+	}
 	for (long done = 0; done < count; done++) {
 		int i;
 		MPI_Waitany(window, reqs, &i, MPI_STATUS_IGNORE);
 		if (posted < count) {
-			post(rank, buf + (size_t)size * i, size, 0, &reqs[i]);
+			slot[i] = posted % slots;
+			post(rank, buf + (size_t)size * slot[i], size, 0, &reqs[i]);
 			posted++;
 		}
 	}
@@ -52,28 +60,30 @@ static void stream(int rank, char *buf, long size, int window, long count, MPI_R
 
 int main(int argc, char **argv) {
 	MPI_Init(&argc, &argv);
-	if (argc != 4) {
-		fprintf(stderr, "usage: mpibw SIZE WINDOW COUNT\n");
+	if (argc != 5) {
+		fprintf(stderr, "usage: mpibw SIZE WINDOW COUNT SPAN\n");
 		MPI_Abort(MPI_COMM_WORLD, 2);
 	}
-	long size = atol(argv[1]), count = atol(argv[3]);
+	long size = atol(argv[1]), count = atol(argv[3]), span = atol(argv[4]);
 	int window = atoi(argv[2]), rank;
-	if (size <= 0 || window <= 0 || count <= 0) {
-		fprintf(stderr, "mpibw: SIZE, WINDOW and COUNT must be positive\n");
+	if (size <= 0 || window <= 0 || count <= 0 || span < size * window) {
+		fprintf(stderr, "mpibw: SIZE, WINDOW and COUNT must be positive, SPAN at least SIZE x WINDOW\n");
 		MPI_Abort(MPI_COMM_WORLD, 2);
 	}
+	long slots = span / size;
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-	char *buf = malloc((size_t)size * window);
+	char *buf = malloc((size_t)size * slots);
 	MPI_Request *reqs = malloc(sizeof(MPI_Request) * window);
-	if (buf == NULL || reqs == NULL) {
+	long *slot = malloc(sizeof(long) * window);
+	if (buf == NULL || reqs == NULL || slot == NULL) {
 		fprintf(stderr, "mpibw: out of memory\n");
 		MPI_Abort(MPI_COMM_WORLD, 3);
 	}
-	memset(buf, rank + 1, (size_t)size * window);
-	stream(rank, buf, size, window, window, reqs); /* warm-up */
+	memset(buf, rank + 1, (size_t)size * slots);
+	stream(rank, buf, size, slots, window, window, reqs, slot); /* warm-up */
 	MPI_Barrier(MPI_COMM_WORLD);
 	double start = MPI_Wtime();
-	stream(rank, buf, size, window, count, reqs);
+	stream(rank, buf, size, slots, window, count, reqs, slot);
 	char ack = 0;
 	if (rank == 1)
 		MPI_Send(&ack, 1, MPI_BYTE, 0, 1, MPI_COMM_WORLD);
@@ -82,6 +92,7 @@ int main(int argc, char **argv) {
 	double secs = MPI_Wtime() - start;
 	if (rank == 0)
 		printf("gbps=%.4f\n", (double)size * count / secs / 1e9);
+	free(slot);
 	free(reqs);
 	free(buf);
 	MPI_Finalize();
@@ -137,7 +148,8 @@ func (br *baselineRunner) mpiBaseline(ctx context.Context) Baseline {
 	}
 	for _, s := range mpiBWSettings {
 		count := max(br.bytes/s.size, 2*int64(s.window))
-		args := mpirunArgs(btl, exe, strconv.FormatInt(s.size, 10), strconv.Itoa(s.window), strconv.FormatInt(count, 10))
+		span := max(br.bytes, s.size*int64(s.window))
+		args := mpirunArgs(btl, exe, strconv.FormatInt(s.size, 10), strconv.Itoa(s.window), strconv.FormatInt(count, 10), strconv.FormatInt(span, 10))
 		v := Variant{Setting: fmt.Sprintf("%s x %d in flight", humanBytes(s.size), s.window), Bytes: s.size * count,
 			Command: "mpirun " + strings.Join(args, " ")}
 		cmd := exec.CommandContext(ctx, mpirun, args...)
