@@ -127,7 +127,7 @@ func runBench(cmd *cobra.Command, e env, s *bench.Sweep, bf *benchFlags) error {
 // bench.DefaultConfig's value.
 func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
 	c, d := &s.Base, bench.DefaultConfig()
-	f.StringSliceVar(&s.Backends, "backend", []string{d.Backend}, "backends, comma-separated: tcp, shm, ucx, auto or default (as cache_transceiver_config.backend)")
+	f.StringSliceVar(&s.Backends, "backend", []string{d.Backend}, "backends, comma-separated: tcp, shm, ucx, mpi, auto or default (as cache_transceiver_config.backend)")
 	f.StringVar(&c.Model, "model", d.Model, "model preset: tiny, llama-3.1-8b, llama-3.1-70b, qwen3-32b, deepseek-v3")
 	f.IntSliceVar(&s.ISLs, "isl", []int{d.ISL}, "tokens per request, comma-separated")
 	f.IntVar(&c.Requests, "requests", d.Requests, "measured requests per run")
