@@ -95,11 +95,12 @@ var baselineBackends = map[string][]string{
 	"tcp(tls)": {BaselineRawTCP, BaselineIperf3, BaselineIperf3Multi, BaselineOpenSSL},
 	"shm":      {BaselineCopy, BaselineCopy2},
 	"ucx":      {BaselineUCXPerftest},
+	"mpi":      {BaselineMPI},
 }
 
 func backendsOf(baseline string) []string {
 	var out []string
-	for _, b := range []string{"tcp", "tcp(tls)", "shm", "ucx"} {
+	for _, b := range []string{"tcp", "tcp(tls)", "shm", "ucx", "mpi"} {
 		for _, n := range baselineBackends[b] {
 			if n == baseline {
 				out = append(out, b)
@@ -139,6 +140,8 @@ type baselineRunner struct {
 	timeout  time.Duration // per external tool
 	report   func(Baseline)
 	tls      bool // some runs use TLS: measure the cipher's limit too
+	mpi      bool // some runs use backend mpi: measure the C MPI program too
+	mpiBTL   string
 }
 
 func (br *baselineRunner) run(ctx context.Context) []Baseline {
@@ -161,6 +164,9 @@ func (br *baselineRunner) run(ctx context.Context) []Baseline {
 	add(br.iperf3(ctx, 1))
 	add(br.iperf3(ctx, transport.DefaultStreams))
 	add(br.ucxPerftest(ctx))
+	if br.mpi {
+		add(br.mpiBaseline(ctx))
+	}
 	if br.tls {
 		add(br.openssl(ctx))
 	}

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"slices"
 	"strings"
 	"time"
@@ -53,6 +54,16 @@ type Config struct {
 	// through a transceiver.CoordinatedGroup, and reports what that
 	// agreement cost per request (Result.AgreementP50Us and the rest).
 	ProcessPerRank bool
+	// MPIBTL is the OpenMPI component that carries a run with backend mpi
+	// (MPIBTLVader, the default, or MPIBTLTCP); see mpi.go.
+	MPIBTL string
+	// MPIRank is the command each rank of a run with backend mpi runs
+	// under mpirun; it must call MPIRankMain. Nil means this executable
+	// with the arguments "bench mpi-rank".
+	MPIRank []string
+	// mpiPeer is set in rank 0 of such a run: its connection to the
+	// context rank.
+	mpiPeer net.Conn
 	// Progress is told after every batch of requests; nil discards.
 	Progress func(Event)
 	Logger   *slog.Logger
@@ -269,6 +280,9 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 	if err != nil {
 		return nil, err
 	}
+	if isMPI(c.Backend) && c.mpiPeer == nil {
+		return runMPIWorld(ctx, &c)
+	}
 	if c.ProcessPerRank {
 		return runPerRank(ctx, &c, m, cs, gs)
 	}
@@ -358,7 +372,13 @@ func (r *transferRun) start(ctx context.Context, ct *config.CacheTransceiver, cs
 		r.undo = append(r.undo, cleanup)
 		setup.TLS, genTLS = &prefillFiles, gen
 	}
-	peer, err := startPeer(ctx, *r.c, setup, cs)
+	var peer *peerProc
+	var err error
+	if r.c.mpiPeer != nil {
+		peer, err = connPeer(r.c.mpiPeer, setup, cs)
+	} else {
+		peer, err = startPeer(ctx, *r.c, setup, cs)
+	}
 	if err != nil {
 		return err
 	}
@@ -465,6 +485,11 @@ func (r *transferRun) account(q *transceiver.Request, seed uint64, warm bool) {
 // finish computes the figures and collects the context process's counts.
 func (r *transferRun) finish() {
 	res := r.res
+	if r.c.mpiPeer != nil {
+		for i, b := range r.backends {
+			r.backends[i] = mpiLabel(b, r.c.MPIBTL)
+		}
+	}
 	res.Backend = strings.Join(r.backends, "+")
 	res.Requests = len(r.lat)
 	res.MeasuredS = r.measured.Seconds()

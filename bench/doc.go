@@ -29,6 +29,22 @@
 // drives them; the run reports what that agreement cost per request
 // (Result.AgreementP50Us and the rest; see perrank.go).
 //
+// A run with backend mpi (kvxfer bench --backend mpi) cannot use a child
+// process: MPI moves data only between the ranks of one world. Run starts
+// `mpirun -np 2 --bind-to none --oversubscribe --mca pml ob1 --mca btl
+// self,BTL` on this executable's hidden `bench mpi-rank` command (see
+// mpi.go): world rank 0 is the generation side and makes the run, rank 1
+// is the context peer, answering the same JSON lines over a Unix socket,
+// and Run returns rank 0's Result. BTL is Config.MPIBTL (vader, shared
+// memory, by default; or tcp), pinned so that the backend the report names
+// ("mpi(vader)", "mpi(tcp)") is the one that carried the data. Its
+// baseline (mpi_c) is a small C MPI program that the sweep builds with
+// mpicc and runs under the same mpirun flags, with the transport's message
+// size (4 MiB frames, four in flight) and two others, the best counting;
+// without mpicc (libopenmpi-dev) or mpirun (openmpi-bin) it is skipped
+// with the package to install, and a run with backend mpi fails naming
+// openmpi-bin.
+//
 // bench owns no transfer code: it drives package transceiver as an
 // executor would. The command line (flags, exit status) is
 // internal/cli's.

@@ -188,6 +188,9 @@ func (p *peerProc) quit() (peerMsg, error) {
 func (p *peerProc) stop() {
 	p.stopOnce.Do(func() {
 		p.in.Close()
+		if p.cmd == nil { // the context rank of an MPI world: not our child
+			return
+		}
 		waitOrKill(p.cmd.Process, p.done, 5*time.Second)
 	})
 }
@@ -206,4 +209,10 @@ func waitOrKill(proc *os.Process, done <-chan error, grace time.Duration) {
 }
 
 // kill ends the child at once (tests of a context process that dies).
-func (p *peerProc) kill() { p.cmd.Process.Kill() }
+func (p *peerProc) kill() {
+	if p.cmd == nil {
+		p.in.Close()
+		return
+	}
+	p.cmd.Process.Kill()
+}

@@ -250,7 +250,8 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 	tlsOn := slices.Contains(s.TLS, true)
 	if s.Baseline || tlsOn {
 		br := &baselineRunner{cfg: s.Base, bytes: s.BaselineBytes, lookPath: s.lookPath, timeout: 2 * time.Minute,
-			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }, tls: tlsOn}
+			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }, tls: tlsOn,
+			mpi: slices.ContainsFunc(s.Backends, isMPI), mpiBTL: s.Base.MPIBTL}
 		if s.Baseline {
 			rep.Baselines = br.run(ctx)
 		} else {

@@ -6,6 +6,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
+	"runtime/pprof"
 	"strings"
 
 	"github.com/kvxfer/kvxfer/bench"
@@ -41,6 +43,14 @@ engines run one process per GPU rank), the ranks of an instance agreeing over a
 coordinated group (rank 0's process coordinating); the cost of that agreement per
 request is printed after the table and recorded in the report.
 
+With --backend mpi (a binary built with -tags mpi, and OpenMPI's mpirun) the two
+processes are the two ranks of one MPI world that bench starts with mpirun -np 2
+(rank 0 the generation side, rank 1 the context side), pinned to the OpenMPI
+component --mpi-btl names (vader, shared memory, or tcp), which the report names:
+mpi(vader). Its baseline (--baseline) is a small C MPI program built with mpicc at
+bench time and run under the same mpirun flags (4 MiB messages four at a time, as the
+transport sends them, and two other sizes; the best counts).
+
 The table goes to stdout; --json, --md and --png write the report, a Markdown document
 and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`
 
@@ -63,7 +73,7 @@ func newBenchCmd(e env) *cobra.Command {
 		RunE: func(cmd *cobra.Command, _ []string) error { return runBench(cmd, e, &s, &bf) },
 	}
 	addBenchFlags(cmd.Flags(), &s, &bf)
-	cmd.AddCommand(newBenchServeCmd(e))
+	cmd.AddCommand(newBenchServeCmd(e), newBenchMPIRankCmd(e))
 	return cmd
 }
 
@@ -117,7 +127,7 @@ func runBench(cmd *cobra.Command, e env, s *bench.Sweep, bf *benchFlags) error {
 // bench.DefaultConfig's value.
 func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
 	c, d := &s.Base, bench.DefaultConfig()
-	f.StringSliceVar(&s.Backends, "backend", []string{d.Backend}, "backends, comma-separated: tcp, shm, ucx, auto or default (as cache_transceiver_config.backend)")
+	f.StringSliceVar(&s.Backends, "backend", []string{d.Backend}, "backends, comma-separated: tcp, shm, ucx, mpi, auto or default (as cache_transceiver_config.backend)")
 	f.StringVar(&c.Model, "model", d.Model, "model preset: tiny, llama-3.1-8b, llama-3.1-70b, qwen3-32b, deepseek-v3")
 	f.IntSliceVar(&s.ISLs, "isl", []int{d.ISL}, "tokens per request, comma-separated")
 	f.IntVar(&c.Requests, "requests", d.Requests, "measured requests per run")
@@ -140,6 +150,7 @@ func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
 	f.BoolVar(&bf.printSchema, "print-schema", false, "print the JSON Schema of the --json report and exit")
 	f.BoolVar(&bf.withTLS, "tls", false, "also make every run with mutual TLS on the transfer planes (tcp data and control), next to the same run without, and measure the cipher's limit (openssl speed -evp aes-128-gcm)")
 	f.BoolVar(&c.ProcessPerRank, "process-per-rank", false, "run every rank of both instances as its own OS process, the ranks of an instance agreeing over a coordinated group, and report the cost of that cross-process consensus per request")
+	f.StringVar(&c.MPIBTL, "mpi-btl", bench.MPIBTLVader, "backend mpi: the OpenMPI component that carries the data, vader (shared memory) or tcp (mpirun --mca pml ob1 --mca btl self,BTL)")
 	f.BoolVar(&bf.verbose, "verbose", false, "log the transceivers")
 }
 
@@ -198,6 +209,60 @@ func newBenchPeerCmd(e env) *cobra.Command {
 			return bench.PeerMain(cmd.Context(), cmd.InOrStdin(), cmd.OutOrStdout(), config.LoadEnv(e.lookup, e.environ), log)
 		},
 	}
+}
+
+// newBenchMPIRankCmd is what each rank of the MPI world of a run with
+// backend mpi runs, under the mpirun that bench starts.
+func newBenchMPIRankCmd(e env) *cobra.Command {
+	return &cobra.Command{
+		Use:    "mpi-rank",
+		Short:  "A rank of the MPI world of kvxfer bench --backend mpi (started by bench under mpirun)",
+		Hidden: true,
+		Args:   cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if mpiWorld == nil {
+				return fmt.Errorf("bench mpi-rank: the MPI backend is not built in this binary: build with -tags mpi (needs libopenmpi-dev)")
+			}
+			log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: slog.LevelWarn}))
+			if err := mpiWorld.init(log); err != nil {
+				return err
+			}
+			rank, size, _ := mpiWorld.world()
+			if dir := os.Getenv(envBenchMPIProfile); dir != "" {
+				stop, err := cpuProfile(filepath.Join(dir, fmt.Sprintf("rank%d.pprof", rank)))
+				if err != nil {
+					mpiWorld.abort(1)
+					return err
+				}
+				defer stop()
+			}
+			if err := bench.MPIRankMain(cmd.Context(), rank, size, config.LoadEnv(e.lookup, e.environ), log); err != nil {
+				// The other rank would wait for this one: take the world down.
+				fmt.Fprintf(cmd.ErrOrStderr(), "kvxfer: bench mpi-rank %d: %v\n", rank, err)
+				mpiWorld.abort(1)
+				return err
+			}
+			return mpiWorld.finalize()
+		},
+	}
+}
+
+// envBenchMPIProfile names a directory where each rank of bench mpi-rank
+// writes its CPU profile (rank0.pprof: the generation side, rank1.pprof:
+// the context side), to see where a run with backend mpi spends its time.
+const envBenchMPIProfile = "KVXFER_BENCH_MPI_CPUPROFILE"
+
+// cpuProfile starts a CPU profile into path; stop ends it.
+func cpuProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, fmt.Errorf("bench mpi-rank: %s: %w", envBenchMPIProfile, err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("bench mpi-rank: %s: %w", envBenchMPIProfile, err)
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }
 
 // writeAgreement writes, for the runs made with --process-per-rank, what

@@ -1,0 +1,114 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"math"
+	"os/exec"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseMPIBW(t *testing.T) {
+	for _, tc := range []struct {
+		out  string
+		want float64
+		ok   bool
+	}{
+		{"gbps=1.4685\n", 1.4685, true},
+		{"[1,0]<stdout>: noise\n  gbps=12.5  \nmore\n", 12.5, true},
+		{"gbps=0.0000\n", 0, false},
+		{"gbps=-3\n", 0, false},
+		{"gbps=fast\n", 0, false},
+		{"gbps=NaN\n", 0, false},
+		{"gbps=+Inf\n", 0, false},
+		{"GB/s 3.0\n", 0, false},
+		{"", 0, false},
+	} {
+		got, err := parseMPIBW([]byte(tc.out))
+		if (err == nil) != tc.ok || got != tc.want {
+			t.Errorf("parseMPIBW(%q) = %v, %v; want %v, ok %v", tc.out, got, err, tc.want, tc.ok)
+		}
+	}
+}
+
+func FuzzParseMPIBW(f *testing.F) {
+	f.Add([]byte("gbps=1.5\n"))
+	f.Add([]byte("x\ngbps=NaN\n"))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		g, err := parseMPIBW(b)
+		if err == nil && !(g > 0 && !math.IsInf(g, 1)) {
+			t.Fatalf("%q: %v without an error", b, g)
+		}
+		if err != nil && g != 0 {
+			t.Fatalf("%q: %v with error %v", b, g, err)
+		}
+	})
+}
+
+func TestMPIBTLAndLabel(t *testing.T) {
+	for _, tc := range []struct {
+		in, want string
+		ok       bool
+	}{{"", MPIBTLVader, true}, {"vader", MPIBTLVader, true}, {"tcp", MPIBTLTCP, true}, {"sm", "", false}, {"openib", "", false}} {
+		got, err := mpiBTL(tc.in)
+		if got != tc.want || (err == nil) != tc.ok {
+			t.Errorf("mpiBTL(%q) = %q, %v", tc.in, got, err)
+		}
+	}
+	for _, tc := range []struct{ backend, btl, want string }{{"mpi", "vader", "mpi(vader)"}, {"mpi", "tcp", "mpi(tcp)"}, {"tcp", "vader", "tcp"}} {
+		if got := mpiLabel(tc.backend, tc.btl); got != tc.want {
+			t.Errorf("mpiLabel(%q, %q) = %q, want %q", tc.backend, tc.btl, got, tc.want)
+		}
+	}
+	args := mpirunArgs("tcp", "/bin/x", "a")
+	if i := slices.Index(args, "btl"); i < 0 || args[i+1] != "self,tcp" || !slices.Contains(args, "ob1") || !slices.Equal(args[len(args)-2:], []string{"/bin/x", "a"}) {
+		t.Errorf("mpirunArgs: %v", args)
+	}
+	got := ratios(&Result{Backend: "mpi(vader)", GBps: 1}, []Baseline{{Name: BaselineMPI, GBps: 4}, {Name: BaselineUCXPerftest, GBps: 2}})
+	if len(got) != 1 || got[0] != (Ratio{BaselineMPI, 0.25}) {
+		t.Errorf("ratios of mpi(vader): %v", got)
+	}
+}
+
+// TestMPIBaselineMissingTools: a machine without mpicc or mpirun gets the
+// baseline skipped with the Debian package to install.
+func TestMPIBaselineMissingTools(t *testing.T) {
+	for _, missing := range []string{"mpicc", "mpirun"} {
+		br := &baselineRunner{bytes: 1 << 20, timeout: time.Minute, lookPath: func(name string) (string, error) {
+			if name == missing {
+				return "", errors.New("not found")
+			}
+			return "/usr/bin/" + name, nil
+		}}
+		b := br.mpiBaseline(context.Background())
+		want := map[string]string{"mpicc": "libopenmpi-dev", "mpirun": "openmpi-bin"}[missing]
+		if b.GBps != 0 || !strings.Contains(b.Skipped, want) {
+			t.Errorf("without %s: %+v, want skipped naming %s", missing, b, want)
+		}
+	}
+}
+
+// TestMPIBaseline builds and runs the C program over both components.
+func TestMPIBaseline(t *testing.T) {
+	for _, tool := range []string{"mpicc", "mpirun"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Skipf("%s is not installed", tool)
+		}
+	}
+	for _, btl := range []string{MPIBTLVader, MPIBTLTCP} {
+		br := &baselineRunner{bytes: 16 << 20, lookPath: exec.LookPath, timeout: time.Minute, mpiBTL: btl}
+		b := br.mpiBaseline(context.Background())
+		if b.GBps <= 0 || b.Error != "" || len(b.Variants) != len(mpiBWSettings) || !strings.Contains(b.Command, "self,"+btl) {
+			t.Fatalf("%s: %+v", btl, b)
+		}
+		for _, v := range b.Variants {
+			if v.GBps <= 0 || v.GBps > b.GBps || v.Bytes < 16<<20 {
+				t.Errorf("%s: variant %+v, best %v", btl, v, b.GBps)
+			}
+		}
+		t.Logf("%s: %.2f GB/s (%s)", btl, b.GBps, b.Best)
+	}
+}

@@ -1,0 +1,182 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// BaselineMPI is the MPI baseline: a C program's bandwidth between the two
+// ranks of a world, compared with runs that backend mpi carried.
+const BaselineMPI = "mpi_c"
+
+// mpiBWSource is the C program of the MPI baseline, built with mpicc at
+// bench time: rank 0 sends rank 1 COUNT messages of SIZE bytes, keeping
+// WINDOW of them in flight (MPI_Isend / MPI_Irecv, a new one posted as soon
+// as one completes, MPI_Waitany), after a warm-up of WINDOW messages and a
+// barrier; rank 1 acknowledges the last, and rank 0 prints the bytes per
+// second as "gbps=N". The messages walk a buffer of SPAN bytes on each
+// side (message i at offset (i mod SPAN/SIZE) x SIZE), the baseline's
+// bytes, as a request's blocks do: a window of buffers used again and
+// again would stay in the CPU's caches, which a KV cache of hundreds of
+// MiB does not. It is transport/mpi's cross-rank baseline (testdata/bw.c)
+// with the sliding window of frames that the transport keeps, instead of
+// rounds.
+const mpiBWSource = `#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void post(int rank, char *p, long size, int tag, MPI_Request *req) {
+	if (rank == 0)
+		MPI_Isend(p, (int)size, MPI_BYTE, 1, tag, MPI_COMM_WORLD, req);
+	else
+		MPI_Irecv(p, (int)size, MPI_BYTE, 0, tag, MPI_COMM_WORLD, req);
+}
+
+/* stream moves count messages of size bytes, window at a time, message i
+   at slot i % slots of buf. */
+static void stream(int rank, char *buf, long size, long slots, int window, long count, MPI_Request *reqs, long *slot) {
+	long posted = 0;
+	for (int i = 0; i < window && posted < count; i++, posted++) {
+		slot[i] = posted % slots;
+		post(rank, buf + (size_t)size * slot[i], size, 0, &reqs[i]);
+	}
+	for (long done = 0; done < count; done++) {
+		int i;
+		MPI_Waitany(window, reqs, &i, MPI_STATUS_IGNORE);
+		if (posted < count) {
+			slot[i] = posted % slots;
+			post(rank, buf + (size_t)size * slot[i], size, 0, &reqs[i]);
+			posted++;
+		}
+	}
+}
+
+int main(int argc, char **argv) {
+	MPI_Init(&argc, &argv);
+	if (argc != 5) {
+		fprintf(stderr, "usage: mpibw SIZE WINDOW COUNT SPAN\n");
+		MPI_Abort(MPI_COMM_WORLD, 2);
+	}
+	long size = atol(argv[1]), count = atol(argv[3]), span = atol(argv[4]);
+	int window = atoi(argv[2]), rank;
+	if (size <= 0 || window <= 0 || count <= 0 || span < size * window) {
+		fprintf(stderr, "mpibw: SIZE, WINDOW and COUNT must be positive, SPAN at least SIZE x WINDOW\n");
+		MPI_Abort(MPI_COMM_WORLD, 2);
+	}
+	long slots = span / size;
+	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+	char *buf = malloc((size_t)size * slots);
+	MPI_Request *reqs = malloc(sizeof(MPI_Request) * window);
+	long *slot = malloc(sizeof(long) * window);
+	if (buf == NULL || reqs == NULL || slot == NULL) {
+		fprintf(stderr, "mpibw: out of memory\n");
+		MPI_Abort(MPI_COMM_WORLD, 3);
+	}
+	memset(buf, rank + 1, (size_t)size * slots);
+	stream(rank, buf, size, slots, window, window, reqs, slot); /* warm-up */
+	MPI_Barrier(MPI_COMM_WORLD);
+	double start = MPI_Wtime();
+	stream(rank, buf, size, slots, window, count, reqs, slot);
+	char ack = 0;
+	if (rank == 1)
+		MPI_Send(&ack, 1, MPI_BYTE, 0, 1, MPI_COMM_WORLD);
+	else
+		MPI_Recv(&ack, 1, MPI_BYTE, 1, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+	double secs = MPI_Wtime() - start;
+	if (rank == 0)
+		printf("gbps=%.4f\n", (double)size * count / secs / 1e9);
+	free(slot);
+	free(reqs);
+	free(buf);
+	MPI_Finalize();
+	return 0;
+}
+`
+
+// mpiBWSettings are the message sizes and windows of the MPI baseline: the
+// transport's own (4 MiB frames, four in flight: transport/mpi's defaults),
+// larger messages, and smaller ones with the same bytes in flight.
+var mpiBWSettings = []struct {
+	size   int64
+	window int
+}{{4 << 20, 4}, {16 << 20, 4}, {1 << 20, 16}}
+
+// mpiBaseline builds the C program with mpicc in a temporary directory and
+// runs it under the mpirun flags of the mpi runs (component br.mpiBTL),
+// with each of mpiBWSettings; the best counts.
+func (br *baselineRunner) mpiBaseline(ctx context.Context) Baseline {
+	btl, err := mpiBTL(br.mpiBTL)
+	b := Baseline{Name: BaselineMPI, Bytes: br.bytes,
+		Description: fmt.Sprintf("a C MPI program (mpicc; MPI_Isend/MPI_Irecv, a window of messages) between two ranks of mpirun over btl %s, best message size", btl)}
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	mpicc, err := br.lookPath("mpicc")
+	if err != nil {
+		b.Skipped = "mpicc is not installed (Debian package libopenmpi-dev)"
+		return b
+	}
+	mpirun, err := lookMPIRun(br.lookPath)
+	if err != nil {
+		b.Skipped = "mpirun is not installed (Debian package openmpi-bin)"
+		return b
+	}
+	ctx, cancel := context.WithTimeout(ctx, br.timeout)
+	defer cancel()
+	dir, err := os.MkdirTemp("", "kvxfer-bench-mpibw-")
+	if err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	defer os.RemoveAll(dir)
+	src, exe := filepath.Join(dir, "mpibw.c"), filepath.Join(dir, "mpibw")
+	if err := os.WriteFile(src, []byte(mpiBWSource), 0o600); err != nil {
+		b.Error = err.Error()
+		return b
+	}
+	if out, err := exec.CommandContext(ctx, mpicc, "-O2", "-o", exe, src).CombinedOutput(); err != nil {
+		b.Error = fmt.Sprintf("mpicc -O2 -o mpibw mpibw.c: %v: %s", err, tail(out))
+		return b
+	}
+	for _, s := range mpiBWSettings {
+		count := max(br.bytes/s.size, 2*int64(s.window))
+		span := max(br.bytes, s.size*int64(s.window))
+		args := mpirunArgs(btl, exe, strconv.FormatInt(s.size, 10), strconv.Itoa(s.window), strconv.FormatInt(count, 10), strconv.FormatInt(span, 10))
+		v := Variant{Setting: fmt.Sprintf("%s x %d in flight", humanBytes(s.size), s.window), Bytes: s.size * count,
+			Command: "mpirun " + strings.Join(args, " ")}
+		cmd := exec.CommandContext(ctx, mpirun, args...)
+		cmd.Env = mpirunEnv()
+		out, err := cmd.CombinedOutput()
+		if err == nil {
+			v.GBps, err = parseMPIBW(out)
+		}
+		if err != nil {
+			v.Error = firstLine(err.Error()) + ": " + tail(out)
+		}
+		b.Variants = append(b.Variants, v)
+	}
+	b.pickBest()
+	return b
+}
+
+// parseMPIBW reads the "gbps=N" line of the C program.
+func parseMPIBW(out []byte) (float64, error) {
+	for line := range strings.Lines(string(out)) {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "gbps="); ok {
+			g, err := strconv.ParseFloat(v, 64)
+			if err != nil || !(g > 0) || math.IsInf(g, 1) {
+				return 0, fmt.Errorf("mpibw reported %q", v)
+			}
+			return g, nil
+		}
+	}
+	return 0, fmt.Errorf("mpibw output has no gbps= line: %s", tail(out))
+}
