@@ -18,16 +18,23 @@ const schemaID = "https://github.com/kvxfer/kvxfer/bench/report.schema.json"
 // fails the test.
 func Schema(t testing.TB) *jsonschema.Schema {
 	t.Helper()
-	doc, err := jsonschema.UnmarshalJSON(strings.NewReader(bench.ReportSchema()))
+	return CompileSchema(t, schemaID, bench.ReportSchema())
+}
+
+// CompileSchema compiles the JSON Schema text under id (bench serve's
+// report has its own); a schema that does not compile fails the test.
+func CompileSchema(t testing.TB, id, text string) *jsonschema.Schema {
+	t.Helper()
+	doc, err := jsonschema.UnmarshalJSON(strings.NewReader(text))
 	if err != nil {
 		t.Fatal(err)
 	}
 	c := jsonschema.NewCompiler()
 	c.AssertFormat()
-	if err := c.AddResource(schemaID, doc); err != nil {
+	if err := c.AddResource(id, doc); err != nil {
 		t.Fatal(err)
 	}
-	sch, err := c.Compile(schemaID)
+	sch, err := c.Compile(id)
 	if err != nil {
 		t.Fatalf("the schema does not compile: %v", err)
 	}

@@ -10,35 +10,18 @@ import (
 	"time"
 
 	"github.com/santhosh-tekuri/jsonschema/v6"
+
+	"github.com/kvxfer/kvxfer/bench/benchtest"
 )
 
 const schemaID = "https://github.com/kvxfer/kvxfer/bench/serving/report.schema.json"
 
 func compileSchema(t *testing.T) *jsonschema.Schema {
 	t.Helper()
-	doc, err := jsonschema.UnmarshalJSON(strings.NewReader(ReportSchema()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := jsonschema.NewCompiler()
-	c.AssertFormat()
-	if err := c.AddResource(schemaID, doc); err != nil {
-		t.Fatal(err)
-	}
-	sch, err := c.Compile(schemaID)
-	if err != nil {
-		t.Fatalf("the schema does not compile: %v", err)
-	}
-	return sch
+	return benchtest.CompileSchema(t, schemaID, ReportSchema())
 }
 
-func validate(sch *jsonschema.Schema, data []byte) error {
-	v, err := jsonschema.UnmarshalJSON(bytes.NewReader(data))
-	if err != nil {
-		return err
-	}
-	return sch.Validate(v)
-}
+func validate(sch *jsonschema.Schema, data []byte) error { return benchtest.Validate(sch, data) }
 
 // sweepReport runs a small sweep of two targets (the same fake server)
 // at two rates, with some failures and an SLO.

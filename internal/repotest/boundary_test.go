@@ -80,7 +80,7 @@ var boundaries = []rule{
 	// or worker, never the serving code itself; bench's report machinery
 	// (machine, progress bar, chart styles); its tests check the report's
 	// JSON Schema.
-	{pkg: "bench/serving", may: []string{"bench", "internal/buildinfo"},
+	{pkg: "bench/serving", may: []string{"bench", "internal/buildinfo"}, tests: []string{"bench/benchtest"},
 		ext: []string{"gonum.org/v1/plot/...", "github.com/santhosh-tekuri/jsonschema/v6"}},
 	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
 		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf", "internal/manualclock"}},
