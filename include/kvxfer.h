@@ -26,7 +26,10 @@
  * kvxfer_group_outbox, kvxfer_group_deliver, kvxfer_group_fail). Every
  * process of an instance makes the same calls for a request (same id,
  * same number of blocks); on the context side any process's opaque state
- * serves (rank 0's, as upstream).
+ * serves (rank 0's, as upstream), once every process has called
+ * kvxfer_respond_and_send for the request: a pull that reaches a rank
+ * before that is refused as an unknown request, so hand the state on after
+ * the step in which all ranks made the call.
  *
  * MEMORY
  * A pool is the caller's memory (base != NULL: kvxfer reads and writes it,
