@@ -22,12 +22,19 @@ type Transport struct {
 
 	mu   sync.Mutex
 	done [numOps]chan struct{} // closed (and replaced) when an operation of the kind completes
+	// Sends in an injected delay or hold, until their wrapped Send returns,
+	// and the channel Close waits on for them (closed when none is left).
+	held     int
+	heldZero chan struct{}
+
+	closing   chan struct{} // closed by Close: delays and holds end at once
+	closeOnce sync.Once
 }
 
 // Wrap returns inner with the faults of plan. Closing the result closes
 // inner.
 func Wrap(inner transport.Transport, plan Plan) *Transport {
-	t := &Transport{inner: inner, plan: plan}
+	t := &Transport{inner: inner, plan: plan, closing: make(chan struct{})}
 	for i := range t.done {
 		t.done[i] = make(chan struct{})
 	}
@@ -46,8 +53,50 @@ func (t *Transport) Name() string { return "faulty+" + t.inner.Name() }
 // Endpoint is the wrapped transport's.
 func (t *Transport) Endpoint() string { return t.inner.Endpoint() }
 
-// Close closes the wrapped transport.
-func (t *Transport) Close() error { return t.inner.Close() }
+// closeGrace bounds how long Close waits for Sends in an injected delay.
+const closeGrace = time.Second
+
+// Close closes the wrapped transport. Sends in an injected delay or hold go
+// on to the wrapped Send at once, and Close waits for them (at most
+// closeGrace) before closing it: a receipt that a delayed Send is
+// addressed to then learns of the Send as it would from the wrapped
+// backend alone, rather than never hearing of it.
+func (t *Transport) Close() error {
+	t.closeOnce.Do(func() { close(t.closing) })
+	t.mu.Lock()
+	var zero chan struct{}
+	if t.held > 0 {
+		if t.heldZero == nil {
+			t.heldZero = make(chan struct{})
+		}
+		zero = t.heldZero
+	}
+	t.mu.Unlock()
+	if zero != nil {
+		tm := time.NewTimer(closeGrace)
+		select {
+		case <-zero:
+		case <-tm.C:
+		}
+		tm.Stop()
+	}
+	return t.inner.Close()
+}
+
+// holdSend counts a Send in an injected delay or hold until release.
+func (t *Transport) holdSend() (release func()) {
+	t.mu.Lock()
+	t.held++
+	t.mu.Unlock()
+	return func() {
+		t.mu.Lock()
+		if t.held--; t.held == 0 && t.heldZero != nil {
+			close(t.heldZero)
+			t.heldZero = nil
+		}
+		t.mu.Unlock()
+	}
+}
 
 // RegisterMemory passes mem on when the wrapped transport registers memory.
 func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
@@ -93,11 +142,13 @@ func (t *Transport) completed(op Op) {
 }
 
 // wait waits d, or until ctx ends (false).
-func wait(ctx context.Context, d time.Duration) bool {
+func wait(ctx context.Context, d time.Duration, closing <-chan struct{}) bool {
 	tm := time.NewTimer(d)
 	defer tm.Stop()
 	select {
 	case <-tm.C:
+		return true
+	case <-closing:
 		return true
 	case <-ctx.Done():
 		return false
@@ -118,6 +169,7 @@ func (t *Transport) hold(ctx context.Context, op Op, d time.Duration) bool {
 	select {
 	case <-ch:
 	case <-tm.C:
+	case <-t.closing:
 	case <-ctx.Done():
 		return false
 	}
@@ -135,10 +187,12 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 	case Fail:
 		return &Error{Op: OpSend, Kind: Fail, N: n, Err: fmt.Errorf("send to %s: %w", t.inner.Endpoint(), transport.ErrPeerLost)}
 	case Delay:
-		if !wait(ctx, orDefault(r.Duration, DefaultDelay)) {
+		defer t.holdSend()()
+		if !wait(ctx, orDefault(r.Duration, DefaultDelay), t.closing) {
 			return &transport.TimeoutError{Op: "send", Peer: "(delayed by faultinject)", Err: ctx.Err()}
 		}
 	case Reorder:
+		defer t.holdSend()()
 		if !t.hold(ctx, OpSend, r.Duration) {
 			return &transport.TimeoutError{Op: "send", Peer: "(held by faultinject)", Err: ctx.Err()}
 		}
