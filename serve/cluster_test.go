@@ -85,12 +85,17 @@ func TestRouterDynamicMembership(t *testing.T) {
 	_, cu := startFake(t, "ctx", "length")
 	genW, gu := startFake(t, "gen", "")
 	register(t, st, membership.RoleContext, cu)
+	// The router hears of a join through its watch: wait for it, then the
+	// missing role is the other one.
+	waitFor(t, 10*time.Second, "context join", func() bool {
+		return len(clusterInfoOf(t, rs.URL).CurrentWorkers["context_servers"]) == 1
+	})
 	resp, body = post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`)
 	if resp.StatusCode == http.StatusServiceUnavailable && !strings.Contains(body, `"missing_role":"generation"`) {
 		t.Fatalf("%d %s", resp.StatusCode, body)
 	}
 	gm := register(t, st, membership.RoleGeneration, gu)
-	took := waitFor(t, time.Second, "join", func() bool { return clusterInfoOf(t, rs.URL).IsReady })
+	took := waitFor(t, 5*time.Second, "join", func() bool { return clusterInfoOf(t, rs.URL).IsReady })
 	t.Logf("a join is routable after %v", took)
 	resp, body = post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`)
 	if resp.StatusCode != 200 || genW.calls.Load() != 1 {
@@ -107,7 +112,7 @@ func TestRouterDynamicMembership(t *testing.T) {
 	if err := gm.Deregister(t.Context()); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, time.Second, "leave", func() bool { return !clusterInfoOf(t, rs.URL).IsReady })
+	waitFor(t, 5*time.Second, "leave", func() bool { return !clusterInfoOf(t, rs.URL).IsReady })
 	resp, body = post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`)
 	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(body, `"missing_role":"generation"`) {
 		t.Fatalf("%d %s", resp.StatusCode, body)
@@ -125,7 +130,7 @@ func TestRouterDynamicMarkDown(t *testing.T) {
 	register(t, st, membership.RoleContext, cu)
 	register(t, st, membership.RoleGeneration, gu)
 	register(t, st, membership.RoleGeneration, dead)
-	waitFor(t, time.Second, "joins", func() bool { return len(clusterInfoOf(t, rs.URL).CurrentWorkers["generation_servers"]) == 2 })
+	waitFor(t, 5*time.Second, "joins", func() bool { return len(clusterInfoOf(t, rs.URL).CurrentWorkers["generation_servers"]) == 2 })
 	for range 4 {
 		if resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"hi"}`); resp.StatusCode != 200 {
 			t.Fatalf("%d %s", resp.StatusCode, body)
@@ -169,5 +174,5 @@ func TestRouterServesBuiltInStore(t *testing.T) {
 	defer c2.Close()
 	_, gu := startFake(t, "gen", "")
 	register(t, c2, membership.RoleGeneration, gu)
-	waitFor(t, time.Second, "join over http", func() bool { return len(clusterInfoOf(t, rs.URL).CurrentWorkers["generation_servers"]) == 1 })
+	waitFor(t, 5*time.Second, "join over http", func() bool { return len(clusterInfoOf(t, rs.URL).CurrentWorkers["generation_servers"]) == 1 })
 }

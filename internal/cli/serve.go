@@ -102,6 +102,7 @@ type serveFlags struct {
 	role, cfgPath, model, host, dtype, txHost string
 	advertise                                 string
 	port, tp, pp                              int
+	listenFD                                  int
 	lf                                        logFlags
 	admin                                     adminFlag
 	tf                                        tlsFlags
@@ -131,6 +132,7 @@ func (sf *serveFlags) add(cmd *cobra.Command) {
 	f.StringVar(&sf.model, "model", serve.DefaultModel, "model preset: tiny-gqa, tiny-gqa2, tiny-mla")
 	f.StringVar(&sf.host, "host", "127.0.0.1", "HTTP listen host")
 	f.IntVar(&sf.port, "port", 8001, "HTTP listen port")
+	f.IntVar(&sf.listenFD, "listen-fd", -1, "serve HTTP on this inherited listening socket instead of --host/--port (for launchers such as kvxfer up, which bind the port first so that nothing else can take it)")
 	f.IntVar(&sf.tp, "tp", 1, "tensor parallel size (overrides the file)")
 	f.IntVar(&sf.pp, "pp", 1, "pipeline parallel size (overrides the file)")
 	f.StringVar(&sf.dtype, "dtype", "bf16", "KV cache dtype: fp32, fp16, bf16, fp8")
@@ -186,7 +188,7 @@ func runServe(cmd *cobra.Command, e env, sf *serveFlags) error {
 		}
 		log.Info("transceiver connection limits", "limits", tr.Limits().String())
 	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(sf.host, strconv.Itoa(sf.port)))
+	ln, err := sf.httpListener()
 	if err != nil {
 		return err
 	}
@@ -367,4 +369,22 @@ func loadCluster(path string, e env, log *slog.Logger) (*config.Cluster, error) 
 		log.Warn(w.String())
 	}
 	return f.Cluster, nil
+}
+
+// httpListener is the worker's HTTP listener: the inherited socket of
+// --listen-fd, else a new one on --host and --port.
+func (sf *serveFlags) httpListener() (net.Listener, error) {
+	if sf.listenFD < 0 {
+		return net.Listen("tcp", net.JoinHostPort(sf.host, strconv.Itoa(sf.port)))
+	}
+	if sf.listenFD < 3 {
+		return nil, fmt.Errorf("serve: --listen-fd %d: an inherited socket is fd 3 or above", sf.listenFD)
+	}
+	f := os.NewFile(uintptr(sf.listenFD), "listen-fd")
+	defer f.Close()
+	ln, err := net.FileListener(f)
+	if err != nil {
+		return nil, fmt.Errorf("serve: --listen-fd %d is not a listening socket: %w", sf.listenFD, err)
+	}
+	return ln, nil
 }

@@ -341,10 +341,19 @@ func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) er
 // startWorker starts instance idx of a server group with role, TP tp and
 // PP pp, and returns its URL.
 func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, role string, idx int, g *config.ServerGroup, tp, pp int) (string, error) {
-	addr, err := groupAddr(g, idx)
+	ln, err := groupListener(g, idx)
 	if err != nil {
 		return "", err
 	}
+	// The worker inherits the socket as fd 3; this process's copy closes
+	// once the worker has started (or failed to).
+	lf, err := ln.File()
+	ln.Close()
+	if err != nil {
+		return "", fmt.Errorf("launch: listener of %s-%d: %w", role, idx, err)
+	}
+	defer lf.Close()
+	addr := ln.Addr().String()
 	name := fmt.Sprintf("%s-%d", role, idx)
 	cfgPath := filepath.Join(l.dir, name+".yaml")
 	y := workerYAML(g, &o.Cluster.Security, tp, pp)
@@ -356,12 +365,13 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 	}
 	host, port, _ := net.SplitHostPort(addr)
 	args := append(append([]string{}, o.Command[1:]...), "serve", "--role", role, "--config", cfgPath,
-		"--model", o.Model, "--host", host, "--port", port)
+		"--model", o.Model, "--host", host, "--port", port, "--listen-fd", "3")
 	if f, ok := tlsFiles[name]; ok {
 		args = append(args, "--tls-cert", f.CertFile, "--tls-key", f.KeyFile, "--tls-ca", f.CAFile)
 	}
 	w := &worker{name: name, url: l.scheme + addr, done: make(chan error, 1)}
 	w.cmd = exec.Command(o.Command[0], args...)
+	w.cmd.ExtraFiles = []*os.File{lf}
 	// The secret's variable comes last: it wins over one this process
 	// inherited.
 	w.cmd.Env = append(append(os.Environ(), o.Env...), config.EnvClusterSecret+"="+hex.EncodeToString(o.Secret))
@@ -430,19 +440,20 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	return nil
 }
 
-// groupAddr returns the host:port of instance idx of a group: its URL, or a
-// free loopback port.
-func groupAddr(g *config.ServerGroup, idx int) (string, error) {
+// groupListener opens the HTTP listener of instance idx of a group: on its
+// URL's address, or on a free loopback port. The launcher hands the open
+// socket to the worker (see startWorker), so no other process can take the
+// port between the choice and the worker's bind.
+func groupListener(g *config.ServerGroup, idx int) (*net.TCPListener, error) {
+	addr := "127.0.0.1:0"
 	if idx < len(g.URLs) {
-		u := strings.TrimPrefix(strings.TrimPrefix(g.URLs[idx], "http://"), "https://")
-		return u, nil
+		addr = strings.TrimPrefix(strings.TrimPrefix(g.URLs[idx], "http://"), "https://")
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := net.Listen("tcp", addr)
 	if err != nil {
-		return "", err
+		return nil, fmt.Errorf("launch: listen on %s for instance %d: %w", addr, idx, err)
 	}
-	defer ln.Close()
-	return ln.Addr().String(), nil
+	return ln.(*net.TCPListener), nil
 }
 
 // workerYAML writes the worker file of one server group, with the cluster's

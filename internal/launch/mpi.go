@@ -188,10 +188,15 @@ func (l *Launched) startMPIWorkers(o Options, reason string) error {
 		urls *[]string
 	}{{serve.RoleContext, &cl.Context, &l.ContextURLs}, {serve.RoleGeneration, &cl.Generation, &l.GenerationURL}} {
 		for i := range g.sg.NumInstances {
-			addr, err := groupAddr(g.sg, i)
+			// mpirun does not hand inherited sockets on to its ranks,
+			// so each rank binds the address itself: a free port chosen
+			// here can, rarely, be taken before it does.
+			ln, err := groupListener(g.sg, i)
 			if err != nil {
 				return err
 			}
+			addr := ln.Addr().String()
+			ln.Close()
 			urls[g.sg] = append(urls[g.sg], addr)
 			*g.urls = append(*g.urls, l.scheme+addr)
 			insts = append(insts, inst{fmt.Sprintf("%s-%d", g.role, i), l.scheme + addr})
