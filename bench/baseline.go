@@ -16,6 +16,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -305,7 +306,7 @@ func (br *baselineRunner) iperf3(ctx context.Context, streams int) Baseline {
 	}
 	for _, l := range iperf3Lengths {
 		v := Variant{Setting: "-l " + l}
-		port, err := freePort()
+		port, err := freeport.Port()
 		if err != nil {
 			v.Error = err.Error()
 			b.Variants = append(b.Variants, v)
@@ -361,7 +362,7 @@ func (br *baselineRunner) ucxPerftest(ctx context.Context) Baseline {
 		// warm-up messages (the default is 10000).
 		iters := max(br.bytes/msg, 8)
 		v := Variant{Setting: "-s " + humanBytes(msg)}
-		port, err := freePort()
+		port, err := freeport.Port()
 		if err != nil {
 			v.Error = err.Error()
 			b.Variants = append(b.Variants, v)
@@ -451,15 +452,6 @@ func tail(b []byte) string {
 		s = "..." + s[len(s)-500:]
 	}
 	return s
-}
-
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
 }
 
 // parseIperf3 reads the receiver's rate from `iperf3 -J` output.

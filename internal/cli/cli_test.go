@@ -3,13 +3,15 @@ package cli
 import (
 	"bytes"
 	"context"
-	"github.com/kvxfer/kvxfer/transport"
 	"os"
 	"os/signal"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/kvxfer/kvxfer/transport"
 
 	"go.uber.org/goleak"
 )
@@ -142,5 +144,29 @@ func TestUsageErrors(t *testing.T) {
 	code, _, errw = runWith(t, nil, "frobnicate")
 	if code != 2 || !strings.Contains(errw, "unknown command") {
 		t.Errorf("unknown verb: exit %d, %q", code, errw)
+	}
+}
+
+// TestServeListenFDRefusesWhatIsNotASocket: an inherited fd must be a
+// listening socket at fd 3 or above, and the error says which.
+func TestServeListenFDRefusesWhatIsNotASocket(t *testing.T) {
+	f, err := os.CreateTemp(t.TempDir(), "notasocket")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	// A copy of the descriptor: serve closes the one it is given.
+	fd, err := syscall.Dup(int(f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ fd, want string }{
+		{"2", "--listen-fd 2: an inherited socket is fd 3 or above"},
+		{strconv.Itoa(fd), "is not a listening socket"},
+	} {
+		code, _, errw := runWith(t, nil, "serve", "--role", "both", "--listen-fd", c.fd)
+		if code == 0 || !strings.Contains(errw, c.want) {
+			t.Errorf("--listen-fd %s: exit %d, stderr lacks %q:\n%s", c.fd, code, c.want, errw)
+		}
 	}
 }

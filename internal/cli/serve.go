@@ -132,7 +132,7 @@ func (sf *serveFlags) add(cmd *cobra.Command) {
 	f.StringVar(&sf.model, "model", serve.DefaultModel, "model preset: tiny-gqa, tiny-gqa2, tiny-mla")
 	f.StringVar(&sf.host, "host", "127.0.0.1", "HTTP listen host")
 	f.IntVar(&sf.port, "port", 8001, "HTTP listen port")
-	f.IntVar(&sf.listenFD, "listen-fd", -1, "serve HTTP on this inherited listening socket instead of --host/--port (for launchers such as kvxfer up, which bind the port first so that nothing else can take it)")
+	f.IntVar(&sf.listenFD, "listen-fd", 0, "serve HTTP on this inherited listening socket instead of --host/--port (for launchers such as kvxfer up, which bind the port first so that nothing else can take it)")
 	f.IntVar(&sf.tp, "tp", 1, "tensor parallel size (overrides the file)")
 	f.IntVar(&sf.pp, "pp", 1, "pipeline parallel size (overrides the file)")
 	f.StringVar(&sf.dtype, "dtype", "bf16", "KV cache dtype: fp32, fp16, bf16, fp8")
@@ -372,9 +372,9 @@ func loadCluster(path string, e env, log *slog.Logger) (*config.Cluster, error) 
 }
 
 // httpListener is the worker's HTTP listener: the inherited socket of
-// --listen-fd, else a new one on --host and --port.
+// --listen-fd, else (0, the default) a new one on --host and --port.
 func (sf *serveFlags) httpListener() (net.Listener, error) {
-	if sf.listenFD < 0 {
+	if sf.listenFD == 0 {
 		return net.Listen("tcp", net.JoinHostPort(sf.host, strconv.Itoa(sf.port)))
 	}
 	if sf.listenFD < 3 {

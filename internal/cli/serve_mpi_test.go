@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/internal/launch"
 	"github.com/kvxfer/kvxfer/internal/syncbuf"
 )
@@ -211,20 +212,11 @@ generation_servers:
 
 func freePorts(t *testing.T, n int) []int {
 	t.Helper()
-	var out []int
-	var lns []net.Listener
-	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		lns = append(lns, ln)
-		out = append(out, ln.Addr().(*net.TCPAddr).Port)
+	ps, err := freeport.Ports(n)
+	if err != nil {
+		t.Fatal(err)
 	}
-	for _, ln := range lns {
-		ln.Close()
-	}
-	return out
+	return ps
 }
 
 // waitHTTP waits until url answers 200, failing t after within.

@@ -6,14 +6,17 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/serve"
 )
 
@@ -189,14 +192,11 @@ func (l *Launched) startMPIWorkers(o Options, reason string) error {
 	}{{serve.RoleContext, &cl.Context, &l.ContextURLs}, {serve.RoleGeneration, &cl.Generation, &l.GenerationURL}} {
 		for i := range g.sg.NumInstances {
 			// mpirun does not hand inherited sockets on to its ranks,
-			// so each rank binds the address itself: a free port chosen
-			// here can, rarely, be taken before it does.
-			ln, err := groupListener(g.sg, i)
+			// so each rank binds its address itself.
+			addr, err := mpiInstanceAddr(g.sg, i)
 			if err != nil {
 				return err
 			}
-			addr := ln.Addr().String()
-			ln.Close()
 			urls[g.sg] = append(urls[g.sg], addr)
 			*g.urls = append(*g.urls, l.scheme+addr)
 			insts = append(insts, inst{fmt.Sprintf("%s-%d", g.role, i), l.scheme + addr})
@@ -252,4 +252,18 @@ func workerEnv(extra []string) config.Env {
 		return os.LookupEnv(k)
 	}
 	return config.LoadEnv(lookup, environ)
+}
+
+// mpiInstanceAddr is the host:port of instance idx of a group under
+// mpirun: its URL's, or a free loopback port below the ephemeral range
+// (package freeport), which no port-0 bind on the host can take first.
+func mpiInstanceAddr(g *config.ServerGroup, idx int) (string, error) {
+	if idx < len(g.URLs) {
+		return strings.TrimPrefix(strings.TrimPrefix(g.URLs[idx], "http://"), "https://"), nil
+	}
+	p, err := freeport.Port()
+	if err != nil {
+		return "", fmt.Errorf("launch: instance %d: %w", idx, err)
+	}
+	return net.JoinHostPort("127.0.0.1", strconv.Itoa(p)), nil
 }

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -12,6 +11,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/freeport"
 )
 
 // EnvRequireEtcd, when set to anything but "" or "0", makes StartEtcd fail
@@ -44,22 +45,13 @@ func StartEtcd(t testing.TB) string {
 	return ""
 }
 
-func freePort() (int, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port, nil
-}
-
 func startEtcd(t testing.TB, bin string) (string, error) {
 	dir := t.TempDir()
-	cport, err := freePort()
+	cport, err := freeport.Port()
 	if err != nil {
 		return "", err
 	}
-	pport, err := freePort()
+	pport, err := freeport.Port()
 	if err != nil {
 		return "", err
 	}

@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/freeport"
 )
 
 // buildKvxfer builds ./cmd/kvxfer with -tags chaos (and -race when race)
@@ -46,15 +48,15 @@ func buildKvxfer(t *testing.T, dir string, race bool) string {
 	return bin
 }
 
-// freePort returns a loopback port that was free a moment ago.
+// freePort returns a loopback port below the ephemeral range that was
+// free a moment ago (package freeport says why).
 func freePort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := freeport.Port()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return p
 }
 
 // proc is one kvxfer process, restartable.

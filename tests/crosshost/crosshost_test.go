@@ -4,7 +4,6 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
-	"net"
 	"net/http"
 	"net/netip"
 	"os"
@@ -16,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/internal/procnet"
 )
 
@@ -138,14 +138,15 @@ func (cl *cluster) waitHealthy(p *proc) {
 	t.Fatalf("%s not healthy after 60 s: %s", p.name, lastLines(p.logs.String(), 20))
 }
 
+// freePort returns a loopback port below the ephemeral range that was
+// free a moment ago (package freeport says why).
 func freePort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := freeport.Port()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return p
 }
 
 // kvxferVersion runs `kvxfer version` (this binary as the CLI).
