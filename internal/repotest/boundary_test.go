@@ -46,7 +46,7 @@ var boundaries = []rule{
 	// The launcher behind `kvxfer up`: worker processes and the router.
 	// With disagg_cluster it opens the router's membership store
 	// (connect for etcd, memstore for the built-in one).
-	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf", "membership/connect", "membership/memstore"},
+	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf", "internal/freeport", "membership/connect", "membership/memstore"},
 		tests: []string{"membership", "membership/membershiptest"}},
 	// serve names prometheus.Registry (Worker.Registry, Router.Registry);
 	// the collectors themselves are package metrics'. Its tests register
@@ -72,7 +72,7 @@ var boundaries = []rule{
 	{pkg: "bench/perfreport"},
 	// make bench-report's last step.
 	{pkg: "cmd/perfreport", may: []string{"bench/perfreport"}},
-	{pkg: "bench", may: []string{"transceiver", "kvcache", "layout", "transport", "config", "internal/buildinfo", "internal/tlsconf"},
+	{pkg: "bench", may: []string{"transceiver", "kvcache", "layout", "transport", "config", "internal/buildinfo", "internal/tlsconf", "internal/freeport"},
 		tests: []string{"transport/..."}, ext: []string{"gonum.org/v1/plot/..."}},
 	// Test helpers of bench reports (the compiled JSON Schema).
 	{pkg: "bench/benchtest", may: []string{"bench"}, ext: []string{"github.com/santhosh-tekuri/jsonschema/v6"}},
@@ -119,7 +119,7 @@ var boundaries = []rule{
 	{pkg: "membership/connect", may: []string{"config", "membership", "membership/memstore", "membership/etcdstore"},
 		tests: []string{"membership/membershiptest"}},
 	// The conformance suite every store passes: test code, so goleak.
-	{pkg: "membership/membershiptest", may: []string{"membership"}, ext: []string{"go.uber.org/goleak"}},
+	{pkg: "membership/membershiptest", may: []string{"membership", "internal/freeport"}, ext: []string{"go.uber.org/goleak"}},
 	// Helpers under internal/: each is below everything that uses it.
 	{pkg: "internal/netlimit", tests: []string{"internal/syncbuf"}},
 	// Config.Transport hands the configs to the data planes.
@@ -133,6 +133,7 @@ var boundaries = []rule{
 	{pkg: "internal/procnet"},
 	// Copies with non-temporal stores (layout's packing, the receipts' scatter).
 	{pkg: "internal/memcopy"},
+	{pkg: "internal/freeport"},
 	{pkg: "internal/syncbuf"},
 	// A clock tests advance by hand (test support only).
 	{pkg: "internal/manualclock"},
@@ -140,7 +141,7 @@ var boundaries = []rule{
 	// Cross-host tests (test code only): the CLI in child processes
 	// spread over network namespaces (entered with x/sys/unix's Setns),
 	// their listeners read from /proc.
-	{pkg: "tests/crosshost", tests: []string{"internal/cli", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
+	{pkg: "tests/crosshost", tests: []string{"internal/cli", "internal/procnet", "internal/freeport"}, ext: []string{"golang.org/x/sys/..."}},
 }
 
 // matches reports whether path is pattern's package (or, for "x/...", x or
