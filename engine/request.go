@@ -97,6 +97,10 @@ type Final struct {
 type Usage struct {
 	PromptTokens     int
 	CompletionTokens int
+	// CachedTokens are the prompt tokens whose KV the engine found in its
+	// own reusable cache (neither computed nor received); OpenAI's
+	// usage.prompt_tokens_details.cached_tokens.
+	CachedTokens int
 }
 
 // Timing splits a request's time.
