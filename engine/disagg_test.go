@@ -139,6 +139,15 @@ func TestDisaggEquivalence(t *testing.T) {
 				if ft.KVTransfer <= 0 || ft.TransferBytes <= 0 || gen.Final.State != transceiver.GenerationComplete {
 					t.Errorf("request %d: timing %+v state %v", i, ft, gen.Final.State)
 				}
+				// Every block of the prompt was asked for, and what moved is
+				// at least those blocks' bytes (this engine does not reuse).
+				var bb int64
+				for _, p := range genE.Pools() {
+					bb += p.BlockBytes()
+				}
+				if wantBlocks := (len(req.Prompt) + 7) / 8; ft.TransferBlocks != wantBlocks || ft.BlockBytes != bb {
+					t.Errorf("request %d: transfer blocks %d × %d B, want %d × %d B", i, ft.TransferBlocks, ft.BlockBytes, wantBlocks, bb)
+				}
 			}
 			waitPoolsFree(t, prefillE)
 			waitPoolsFree(t, genE)

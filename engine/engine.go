@@ -736,6 +736,13 @@ func (e *Engine) startTransfer(r *request) {
 		ContextPhase: r.phase}
 	r.treq.SetState(transceiver.DisaggGenerationInit)
 	r.xferStart = e.now()
+	r.timing.TransferBlocks, r.timing.BlockBytes = 0, 0
+	for rank, b := range r.treq.Blocks {
+		if len(b) > 0 {
+			r.timing.TransferBlocks = len(b)
+			r.timing.BlockBytes += e.inst.pools[rank].BlockBytes()
+		}
+	}
 	if err := e.tr.RequestAndReceiveAsync(r.treq); err != nil {
 		err = fmt.Errorf("%w: request %d (context request %d): %w", ErrTransfer, r.id, r.phase.CtxRequestID, err)
 		if r.treq.State() == transceiver.DisaggGenerationTransInProgress {

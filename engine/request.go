@@ -109,6 +109,13 @@ type Timing struct {
 	Prefill       time.Duration // the prompt's forward pass and the first token
 	KVTransfer    time.Duration // generation_only: start of the pull to its completion
 	TransferBytes int64         // generation_only: KV bytes received
+	// TransferBlocks (generation_only) is how many of the prompt's blocks
+	// the instance asked the context instance for: all of them, less the
+	// prefix it found in its own cache; BlockBytes is the size of one
+	// block summed over the instance's ranks. Together they say what a
+	// transfer should have moved.
+	TransferBlocks int
+	BlockBytes     int64
 	FirstDecode   time.Duration // the first decode step
 	Decode        time.Duration // every decode step
 	Total         time.Duration // Submit to the final event
