@@ -296,14 +296,32 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 		return nil, err
 	}
 
-	r.res = c.newResult()
-	r.res.Model, r.res.MLA = m.Name, cs.Attention == layout.AttentionMLA
-	switch {
-	case r.verifyOn:
-		r.res.Verification, r.res.Verified = VerifyPassed, true
-	case c.Verify:
-		r.res.Verification = VerifySkipped
+	r.res = c.measuredResult(m, cs, r.verifyOn)
+	if c.runBatches(func(n int, warm bool) bool { return r.batch(ctx, n, warm) }) {
+		r.finish()
 	}
+	return r.res, nil
+}
+
+// measuredResult is the row of a run of c on model m with the context
+// state cs, its verification as verifyOn says.
+func (c *Config) measuredResult(m Model, cs layout.CacheState, verifyOn bool) *Result {
+	res := c.newResult()
+	res.Model, res.MLA = m.Name, cs.Attention == layout.AttentionMLA
+	switch {
+	case verifyOn:
+		res.Verification, res.Verified = VerifyPassed, true
+	case c.Verify:
+		res.Verification = VerifySkipped
+	}
+	return res
+}
+
+// runBatches runs the warm-up and then the measured requests of c in
+// batches of at most c.Concurrency, reporting progress after each, until
+// batch reports a failure (false; it has recorded it). It says whether
+// every batch ran.
+func (c *Config) runBatches(batch func(n int, warm bool) bool) bool {
 	total := c.Warmup + c.Requests
 	for done := 0; done < total; {
 		n := min(c.Concurrency, total-done)
@@ -312,14 +330,13 @@ func Run(ctx context.Context, c Config) (*Result, error) {
 		if warm {
 			n, phase = min(n, c.Warmup-done), PhaseWarmup
 		}
-		if !r.batch(ctx, n, warm) {
-			return r.res, nil
+		if !batch(n, warm) {
+			return false
 		}
 		done += n
 		c.Progress(Event{Phase: phase, Done: done, Total: total})
 	}
-	r.finish()
-	return r.res, nil
+	return true
 }
 
 // cacheTransceiver is the generation side's config of c, checked against

@@ -145,30 +145,17 @@ func runPerRank(ctx context.Context, c *Config, m Model, cs, gs layout.CacheStat
 	}
 	defer r.gen.stop()
 
-	r.res = c.newResult()
-	r.res.Model, r.res.MLA, r.res.ProcessPerRank = m.Name, cs.Attention == layout.AttentionMLA, true
-	switch {
-	case r.verifyOn:
-		r.res.Verification, r.res.Verified = VerifyPassed, true
-	case c.Verify:
-		r.res.Verification = VerifySkipped
-	}
-	total := c.Warmup + c.Requests
-	for done := 0; done < total; {
-		n := min(c.Concurrency, total-done)
-		warm := done < c.Warmup
-		phase := PhaseMeasure
-		if warm {
-			n, phase = min(n, c.Warmup-done), PhaseWarmup
-		}
-		if err := r.batch(n, warm); err != nil {
+	r.res = c.measuredResult(m, cs, r.verifyOn)
+	r.res.ProcessPerRank = true
+	if c.runBatches(func(n int, warm bool) bool {
+		err := r.batch(n, warm)
+		if err != nil {
 			r.res.fail(err)
-			return r.res, nil
 		}
-		done += n
-		c.Progress(Event{Phase: phase, Done: done, Total: total})
+		return err == nil
+	}) {
+		r.finish()
 	}
-	r.finish()
 	return r.res, nil
 }
 
