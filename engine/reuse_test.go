@@ -1,0 +1,335 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/transceiver"
+)
+
+// reuseOpts turns on block reuse, partial reuse by copy and events.
+var reuseOpts = Options{BlockReuse: true, PartialReuse: true, CopyOnPartialReuse: true, EventBufferMaxSize: 64}
+
+// newReuseDisaggEngine is newDisaggEngine with engine options.
+func newReuseDisaggEngine(t testing.TB, preset string, icfg InstanceConfig, opts Options) *Engine {
+	t.Helper()
+	in, err := NewInstance(testModel(t, preset), icfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.NewCacheTransceiver("tcp", in.TokensPerBlock(), config.Env{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxTokensInBuffer = 4 * in.TokensPerBlock()
+	tr, err := transceiver.New(context.Background(), cfg, transceiver.Options{State: in.State(), Pools: in.Pools()})
+	if err != nil {
+		in.Close()
+		t.Fatal(err)
+	}
+	opts.Transceiver = tr
+	e, err := New(in, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := e.Close(); err != nil {
+			t.Errorf("engine close: %v", err)
+		}
+	})
+	return e
+}
+
+// checkPoolsWhole fails unless every block of every pool of e is
+// available again (cached blocks count: Allocate reclaims them).
+func checkPoolsWhole(t testing.TB, e *Engine) {
+	t.Helper()
+	waitPoolsFree(t, e)
+	for r, p := range e.Pools() {
+		if got := p.FreeBlocks(); got != p.NumBlocks() {
+			t.Errorf("rank %d: %d of %d blocks available", r, got, p.NumBlocks())
+		}
+	}
+}
+
+// reuseRun runs prompt and n greedy tokens through the engine's own
+// admission path on its (unstarted) instance, as the scheduler does:
+// match the cached prefix, reserve the rest, copy a partial block, prefill
+// the remainder, decode, publish the full blocks and release. It returns
+// the tokens, the logits of every step, the logical KV before the release
+// and the tokens taken from the cache.
+func reuseRun(t *testing.T, e *Engine, prompt []int32, n int) (run, int) {
+	t.Helper()
+	in := e.inst
+	r := &request{typ: transceiver.ContextAndGeneration, prompt: prompt, promptLen: len(prompt),
+		root: kvcache.RootHash(""), hashes: kvcache.HashBlocks(kvcache.Hash{}, prompt, in.tpb)}
+	m := e.matchPrefix(r)
+	s := in.NewSequence()
+	s.adopt(&m)
+	if err := s.Reserve(len(prompt) + n); err != nil {
+		m.drop(in.pools)
+		s.Release()
+		t.Fatal(err)
+	}
+	s.copyPartial(&m)
+	r.seq, r.cached, r.published = s, s.Len(), s.Len()/in.tpb
+	defer func() {
+		if err := s.Release(); err != nil {
+			t.Error(err)
+		}
+	}()
+	lg, err := in.Prefill(s, prompt[s.Len():])
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.commitBlocks(r, prompt)
+	var out run
+	fed := slices.Clone(prompt)
+	for i := range n {
+		out.logits = append(out.logits, lg)
+		tok := sampleToken(lg, 0, 0, i)
+		out.tokens = append(out.tokens, tok)
+		if i == n-1 {
+			break
+		}
+		if lg, err = in.Decode(s, tok); err != nil {
+			t.Fatal(err)
+		}
+		fed = append(fed, tok)
+	}
+	if out.kv, err = logicalKV(in, s); err != nil {
+		t.Fatal(err)
+	}
+	e.commitBlocks(r, fed)
+	return out, r.cached
+}
+
+// TestReuseBitExact is the property test of block reuse: random prompts
+// that share prefixes of random lengths (whole blocks, partial blocks, a
+// whole earlier prompt, an earlier prompt and its answer), run in turn on
+// an instance that reuses what the earlier ones published, give the
+// tokens, every logit and every KV byte of a run without reuse, bit for
+// bit, for GQA and MLA, every dtype, over TP and PP layouts.
+func TestReuseBitExact(t *testing.T) {
+	tests := []struct {
+		preset string
+		dt     kvcache.DType
+		icfg   InstanceConfig
+	}{
+		{"tiny-gqa", kvcache.BF16, InstanceConfig{TP: 2}},
+		{"tiny-gqa", kvcache.FP32, InstanceConfig{PP: 2}},
+		{"tiny-gqa", kvcache.FP8E4M3, InstanceConfig{TP: 2, PP: 2}},
+		{"tiny-gqa2", kvcache.FP16, InstanceConfig{TP: 4}},
+		{"tiny-mla", kvcache.BF16, InstanceConfig{TP: 2, PP: 2}},
+		{"tiny-mla", kvcache.FP8E4M3, InstanceConfig{}},
+		{"tiny-mla", kvcache.FP16, InstanceConfig{PP: 2}},
+	}
+	for _, tc := range tests {
+		name := fmt.Sprintf("%s %v TP%d PP%d", tc.preset, tc.dt, max(1, tc.icfg.TP), max(1, tc.icfg.PP))
+		t.Run(name, func(t *testing.T) {
+			icfg := tc.icfg
+			icfg.TokensPerBlock, icfg.DType, icfg.PoolTokens = 8, tc.dt, 8*64
+			e, err := New(newTestInstance(t, tc.preset, icfg), reuseOpts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ref := newTestInstance(t, tc.preset, icfg)
+			rng := rand.New(rand.NewPCG(uint64(len(name)), 11))
+			var earlier [][]int32 // earlier prompts, and prompts with their answers
+			sawFull, sawPartial := false, false
+			for i := range 16 {
+				var p []int32
+				if len(earlier) > 0 && i%5 != 0 {
+					base := earlier[rng.IntN(len(earlier))]
+					cut := 1 + rng.IntN(len(base))
+					if i%3 == 0 {
+						cut = len(base) // the whole earlier prompt (and answer)
+					}
+					p = slices.Clone(base[:cut])
+				} else {
+					p = []int32{BOS}
+				}
+				for range rng.IntN(20) {
+					p = append(p, int32(rng.IntN(256)))
+				}
+				if len(p) == 0 {
+					p = append(p, BOS)
+				}
+				const n = 6
+				got, cached := reuseRun(t, e, p, n)
+				want := generate(t, ref, p, n, 0, 0)
+				sawFull = sawFull || cached >= icfg.TokensPerBlock
+				sawPartial = sawPartial || cached%icfg.TokensPerBlock != 0
+				if !slices.Equal(got.tokens, want.tokens) {
+					t.Fatalf("prompt %d (%d tokens, %d cached): tokens %v, without reuse %v", i, len(p), cached, got.tokens, want.tokens)
+				}
+				for s := range got.logits {
+					for v := range got.logits[s] {
+						if math.Float32bits(got.logits[s][v]) != math.Float32bits(want.logits[s][v]) {
+							t.Fatalf("prompt %d (%d cached): step %d logit %d = %v, without reuse %v",
+								i, cached, s, v, got.logits[s][v], want.logits[s][v])
+						}
+					}
+				}
+				if !slices.Equal(got.kv, want.kv) {
+					t.Fatalf("prompt %d (%d cached): KV cache differs from the run without reuse", i, cached)
+				}
+				earlier = append(earlier, p, append(slices.Clone(p), got.tokens[:n-1]...))
+			}
+			if !sawFull || !sawPartial {
+				t.Fatalf("reused whole blocks %v, part of a block %v: want both", sawFull, sawPartial)
+			}
+			checkPoolsFree(t, e.inst)
+		})
+	}
+}
+
+// conversation returns turn 2's prompt: turn 1's prompt, its answer and
+// a follow-up.
+func conversation(p1, answer []int32, follow string) []int32 {
+	p2 := append(slices.Clone(p1), answer...)
+	return append(p2, Tokenizer{}.Encode(follow)[1:]...) // without a second BOS
+}
+
+// TestReuseAggregated: a two-turn conversation on an aggregated engine
+// with reuse gives the tokens of an engine without, reuses turn 1's
+// prompt and answer (what CachedPrefix predicted), counts it in its
+// stats, and keeps a salted tenant's prefixes apart.
+func TestReuseAggregated(t *testing.T) {
+	icfg := InstanceConfig{TP: 2, TokensPerBlock: 8, PoolTokens: 8 * 32}
+	plain := newTestEngine(t, "tiny-gqa", icfg, Options{})
+	for _, opts := range []Options{{BlockReuse: true}, reuseOpts} {
+		t.Run(fmt.Sprintf("partial %v", opts.PartialReuse), func(t *testing.T) {
+			e := newTestEngine(t, "tiny-gqa", icfg, opts)
+			p1 := prompt("You are a helpful assistant. Say something.")
+			r1 := waitResult(t, submit(t, e, context.Background(), Request{Prompt: p1, MaxTokens: 12, IgnoreEOS: true}))
+			if r1.Final.Usage.CachedTokens != 0 {
+				t.Fatalf("turn 1: %d cached tokens in an empty cache", r1.Final.Usage.CachedTokens)
+			}
+			p2 := conversation(p1, r1.Tokens, " And more?")
+			// The cache holds turn 1's prompt and the answer's tokens fed
+			// back (all but the last), in full blocks; partial reuse adds
+			// nothing here: no cached block continues past them.
+			want := (len(p1) + len(r1.Tokens) - 1) / 8 * 8
+			if got := e.CachedPrefix(p2); got != want {
+				t.Errorf("CachedPrefix(turn 2) = %d, want %d", got, want)
+			}
+			if got := e.CachedPrefixSalted(p2, "tenant"); got != 0 {
+				t.Errorf("CachedPrefixSalted(turn 2, another tenant) = %d, want 0", got)
+			}
+			r2 := waitResult(t, submit(t, e, context.Background(), Request{Prompt: p2, MaxTokens: 12, IgnoreEOS: true}))
+			ref := waitResult(t, submit(t, plain, context.Background(), Request{Prompt: p2, MaxTokens: 12, IgnoreEOS: true}))
+			if r2.Final.Err != nil || !slices.Equal(r2.Tokens, ref.Tokens) || r2.Text != ref.Text {
+				t.Fatalf("turn 2: %v %q (%v), without reuse %v %q", r2.Tokens, r2.Text, r2.Final.Err, ref.Tokens, ref.Text)
+			}
+			if got := r2.Final.Usage.CachedTokens; got != want {
+				t.Errorf("turn 2: %d cached tokens, want %d", got, want)
+			}
+			if ref.Final.Usage.CachedTokens != 0 {
+				t.Errorf("engine without reuse reports %d cached tokens", ref.Final.Usage.CachedTokens)
+			}
+			// A salted request shares nothing with the unsalted ones.
+			r3 := waitResult(t, submit(t, e, context.Background(), Request{Prompt: p2, MaxTokens: 12, IgnoreEOS: true, CacheSalt: "tenant"}))
+			if r3.Final.Usage.CachedTokens != 0 || !slices.Equal(r3.Tokens, ref.Tokens) {
+				t.Errorf("salted turn 2: %d cached tokens, tokens %v; want 0 and %v", r3.Final.Usage.CachedTokens, r3.Tokens, ref.Tokens)
+			}
+			// Stats are those of the last iteration: wait for one more.
+			waitStats(t, e, func(st Stats) bool { return st.PromptTokens == uint64(len(p1)+2*len(p2)) })
+			st := e.Stats()
+			if st.CachedTokens != uint64(want) || st.BlocksPublished == 0 || st.PrefillTokens != st.PromptTokens-st.CachedTokens {
+				t.Errorf("stats %+v: want %d cached tokens, blocks published, prefill = prompt - cached", st, want)
+			}
+			checkPoolsWhole(t, e)
+		})
+	}
+}
+
+// waitStats waits until e's stats satisfy ok.
+func waitStats(t testing.TB, e *Engine, ok func(Stats) bool) {
+	t.Helper()
+	for range 2000 {
+		if ok(e.Stats()) {
+			return
+		}
+		e.kick()
+		time.Sleep(time.Millisecond)
+	}
+	t.Fatalf("stats %+v never got there", e.Stats())
+}
+
+// TestReuseDisaggConversation: a two-turn conversation, disaggregated,
+// where turn 2's prompt extends turn 1's prompt and answer. Turn 2's
+// generation side finds turn 1 in its own cache and asks the context side
+// only for the blocks after it, and exactly those blocks' bytes move; the
+// context side reuses its own cache for the prefill; the tokens are those
+// of an aggregated run without reuse.
+func TestReuseDisaggConversation(t *testing.T) {
+	tests := []struct {
+		name         string
+		preset       string
+		dt           kvcache.DType
+		prefill, gen InstanceConfig
+	}{
+		{"GQA TP2 to TP1", "tiny-gqa", kvcache.BF16, InstanceConfig{TP: 2}, InstanceConfig{}},
+		{"GQA PP2 to TP2", "tiny-gqa", kvcache.FP8E4M3, InstanceConfig{PP: 2}, InstanceConfig{TP: 2}},
+		{"MLA TP2 to TP1 PP2", "tiny-mla", kvcache.BF16, InstanceConfig{TP: 2}, InstanceConfig{PP: 2}},
+		{"duplicated heads TP4 to TP1", "tiny-gqa2", kvcache.FP16, InstanceConfig{TP: 4}, InstanceConfig{}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, c := range []*InstanceConfig{&tc.prefill, &tc.gen} {
+				c.TokensPerBlock, c.DType, c.PoolTokens = 8, tc.dt, 8*48
+			}
+			prefillE := newReuseDisaggEngine(t, tc.preset, tc.prefill, reuseOpts)
+			genE := newReuseDisaggEngine(t, tc.preset, tc.gen, reuseOpts)
+			plain := newTestEngine(t, tc.preset, tc.gen, Options{})
+			var bb int64
+			for _, p := range genE.Pools() {
+				bb += p.BlockBytes()
+			}
+			p1 := prompt("System: be brief. User: what is a KV cache?")
+			req := Request{Prompt: p1, MaxTokens: 14, IgnoreEOS: true}
+			_, g1 := disaggregate(t, prefillE, genE, req)
+			if g1.Final.Err != nil || g1.Final.Usage.CachedTokens != 0 {
+				t.Fatalf("turn 1: %v, %d cached tokens", g1.Final.Err, g1.Final.Usage.CachedTokens)
+			}
+			if ft := g1.Final.Timing; ft.TransferBlocks != (len(p1)+7)/8 || ft.TransferBytes != int64(ft.TransferBlocks)*bb {
+				t.Errorf("turn 1: %d blocks, %d bytes moved; want %d blocks of %d bytes", ft.TransferBlocks, ft.TransferBytes, (len(p1)+7)/8, bb)
+			}
+			p2 := conversation(p1, g1.Tokens, " User: and why page it?")
+			req.Prompt, req.MaxTokens = p2, 10
+			c2, g2 := disaggregate(t, prefillE, genE, req)
+			ref := waitResult(t, submit(t, plain, context.Background(), req))
+			if g2.Final.Err != nil || !slices.Equal(g2.Tokens, ref.Tokens) {
+				t.Fatalf("turn 2: %v (%v), aggregated without reuse %v", g2.Tokens, g2.Final.Err, ref.Tokens)
+			}
+			// The generation side holds turn 1's prompt and the answer it
+			// fed back, in full blocks; the context side turn 1's prompt.
+			genCached := (len(p1) + len(g1.Tokens) - 1) / 8 * 8
+			if got := g2.Final.Usage.CachedTokens; got != genCached {
+				t.Errorf("turn 2 generation side: %d cached tokens, want %d", got, genCached)
+			}
+			if got, want := c2.Final.Usage.CachedTokens, len(p1)/8*8; got != want {
+				t.Errorf("turn 2 context side: %d cached tokens, want %d", got, want)
+			}
+			ft := g2.Final.Timing
+			t.Logf("turn 2: %d prompt tokens, %d cached on the generation side, %d on the context side; %d of %d blocks moved, %d bytes",
+				len(p2), g2.Final.Usage.CachedTokens, c2.Final.Usage.CachedTokens, ft.TransferBlocks, (len(p2)+7)/8, ft.TransferBytes)
+			if want := (len(p2)+7)/8 - genCached/8; ft.TransferBlocks != want || ft.BlockBytes != bb {
+				t.Errorf("turn 2: asked for %d blocks of %d bytes, want %d of %d", ft.TransferBlocks, ft.BlockBytes, want, bb)
+			}
+			if ft.TransferBytes != int64(ft.TransferBlocks)*ft.BlockBytes {
+				t.Errorf("turn 2: %d bytes moved, want the %d new blocks' %d", ft.TransferBytes, ft.TransferBlocks, int64(ft.TransferBlocks)*ft.BlockBytes)
+			}
+			checkPoolsWhole(t, prefillE)
+			checkPoolsWhole(t, genE)
+		})
+	}
+}
