@@ -147,8 +147,8 @@ type Stats struct {
 	FreeBlocks   int    // blocks every rank can allocate
 	TotalBlocks  int    // blocks of each rank's pool
 	Iterations   uint64 // scheduler iterations that did work
-	// PrefillTokens counts the prompt tokens of the prefills that ran to
-	// the end; PrefillsStopped the prefills stopped part-way because their
+	// PrefillTokens counts the prompt tokens computed by the prefills that
+	// ran to the end (not those found in the cache); PrefillsStopped the prefills stopped part-way because their
 	// client went away (their tokens are not counted).
 	PrefillTokens   uint64
 	PrefillsStopped uint64
@@ -710,6 +710,13 @@ func (e *Engine) admit() []*request {
 		m := e.matchPrefix(r)
 		seq.adopt(&m)
 		err := seq.Reserve(r.reserve)
+		if errors.Is(err, kvcache.ErrPoolExhausted) && m.src != nil {
+			// The partial block holds a block the request needs more:
+			// give it up. (The full blocks count towards the request's
+			// own, so giving them up would not help.)
+			m.drop(e.inst.pools)
+			err = seq.Reserve(r.reserve)
+		}
 		e.drainEvictions()
 		if err != nil {
 			m.drop(e.inst.pools)

@@ -18,7 +18,8 @@ type reuseMatch struct {
 	k    int                 // tokens of src the prompt shares
 }
 
-// drop releases every block of the match.
+// drop releases every block the match still holds (adopt takes the full
+// ones).
 func (m *reuseMatch) drop(pools []*kvcache.Pool) {
 	for r, p := range pools {
 		if m.full != nil && len(m.full[r]) > 0 {

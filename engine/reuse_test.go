@@ -333,3 +333,208 @@ func TestReuseDisaggConversation(t *testing.T) {
 		})
 	}
 }
+
+// TestReuseEvents: the event stream opens with created, says stored with
+// the chained hashes of every published block, removed for the blocks
+// evicted to make room, keeps only the last EventBufferMaxSize events and
+// says lost to a reader that fell behind; a zero buffer keeps nothing.
+func TestReuseEvents(t *testing.T) {
+	const tpb = 8
+	icfg := InstanceConfig{TokensPerBlock: tpb, PoolTokens: tpb * 8}
+	t.Run("stream", func(t *testing.T) {
+		opts := reuseOpts
+		opts.EventBufferMaxSize = 100
+		e := newTestEngine(t, "tiny-gqa", icfg, opts)
+		evs, lost := e.KVEvents(0)
+		if lost || len(evs) != 1 || evs[0].Type != KVEventCreated || evs[0].ID != 1 || evs[0].NumBlocks != 8 {
+			t.Fatalf("fresh engine: events %+v lost %v, want one created of 8 blocks", evs, lost)
+		}
+		// 3 full prompt blocks and a partial one; with 9 tokens generated
+		// (8 fed back), 4 full blocks at the end.
+		p := prompt("twenty-four bytes of it!!")[:3*tpb+2]
+		res := waitResult(t, submit(t, e, context.Background(), Request{Prompt: p, MaxTokens: 9, IgnoreEOS: true}))
+		fed := append(slices.Clone(p), res.Tokens[:8]...)
+		want := kvcache.HashBlocks(kvcache.Hash{}, fed, tpb)
+		evs, lost = e.KVEvents(1)
+		if lost || len(evs) != 2 {
+			t.Fatalf("after one request: %+v lost %v, want two stored events", evs, lost)
+		}
+		if ev := evs[0]; ev.Type != KVEventStored || ev.ID != 2 || !ev.ParentHash.IsRoot() || !slices.Equal(ev.Hashes, want[:3]) {
+			t.Errorf("prefill: %+v, want stored %v from the root", ev, want[:3])
+		}
+		if ev := evs[1]; ev.Type != KVEventStored || ev.ParentHash != want[2] || !slices.Equal(ev.Hashes, want[3:4]) {
+			t.Errorf("end: %+v, want stored %v after %v", ev, want[3:4], want[2])
+		}
+		// A request needing all 8 blocks evicts the 4 cached ones, last
+		// first.
+		long := prompt(string(make([]byte, 6*tpb)))
+		waitResult(t, submit(t, e, context.Background(), Request{Prompt: long, MaxTokens: 2 * tpb}))
+		evs, _ = e.KVEvents(3)
+		if len(evs) < 1 || evs[0].Type != KVEventRemoved {
+			t.Fatalf("after eviction: %+v, want removed first", evs)
+		}
+		rm := slices.Clone(want)
+		slices.Reverse(rm)
+		if !slices.Equal(evs[0].Hashes, rm) {
+			t.Errorf("removed %v, want %v", evs[0].Hashes, rm)
+		}
+		// Only BOS is left: the long prompt's first block, by partial reuse.
+		if n := e.CachedPrefix(fed); n != 1 {
+			t.Errorf("CachedPrefix after eviction = %d, want 1", n)
+		}
+		checkPoolsWhole(t, e)
+	})
+	t.Run("bounded", func(t *testing.T) {
+		opts := reuseOpts
+		opts.EventBufferMaxSize = 2
+		e := newTestEngine(t, "tiny-gqa", icfg, opts)
+		for i := range 3 {
+			p := prompt(fmt.Sprintf("distinct prompt %d filling blocks", i))
+			waitResult(t, submit(t, e, context.Background(), Request{Prompt: p, MaxTokens: 1}))
+		}
+		evs, lost := e.KVEvents(0)
+		if !lost || len(evs) != 2 || evs[1].ID != evs[0].ID+1 || evs[0].ID < 3 {
+			t.Fatalf("reader from 0: %d events (%+v), lost %v; want the last 2 and lost", len(evs), evs, lost)
+		}
+		last := evs[1].ID
+		if evs, lost := e.KVEvents(last - 1); lost || len(evs) != 1 || evs[0].ID != last {
+			t.Errorf("reader from %d: %+v lost %v; want event %d, nothing lost", last-1, evs, lost, last)
+		}
+		if evs, lost := e.KVEvents(last); lost || len(evs) != 0 {
+			t.Errorf("reader up to date: %+v lost %v", evs, lost)
+		}
+		checkPoolsWhole(t, e)
+	})
+	t.Run("off", func(t *testing.T) {
+		opts := reuseOpts
+		opts.EventBufferMaxSize = 0
+		e := newTestEngine(t, "tiny-gqa", icfg, opts)
+		waitResult(t, submit(t, e, context.Background(), Request{Prompt: prompt("no events kept here"), MaxTokens: 2}))
+		if evs, lost := e.KVEvents(0); evs != nil || lost {
+			t.Errorf("zero buffer: %+v lost %v", evs, lost)
+		}
+		checkPoolsWhole(t, e)
+	})
+}
+
+// TestReuseEvictionUnderPressure: on a context instance whose pool is so
+// small that every request evicts cached blocks, the blocks of a request
+// the transceiver holds for its pull stay pinned and indexed (a request
+// sharing their prefix reuses them, and requests that need every other
+// block evict around them), the pull then delivers them intact, every
+// output equals a run without reuse, and the pools end whole.
+func TestReuseEvictionUnderPressure(t *testing.T) {
+	const tpb = 8
+	prefillE := newReuseDisaggEngine(t, "tiny-gqa", InstanceConfig{TP: 2, TokensPerBlock: tpb, PoolTokens: tpb * 10}, reuseOpts)
+	genE := newReuseDisaggEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: tpb, PoolTokens: tpb * 32}, reuseOpts)
+	plain := newTestEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: tpb, PoolTokens: tpb * 32}, Options{})
+	reference := func(req Request) []int32 {
+		return waitResult(t, submit(t, plain, context.Background(), req)).Tokens
+	}
+
+	held := Request{Prompt: prompt("a prompt held for its pull!"), MaxTokens: 6, IgnoreEOS: true} // 28 tokens: 3 full blocks
+	cq := held
+	cq.Type = transceiver.ContextOnly
+	cres := waitResult(t, submit(t, prefillE, context.Background(), cq))
+	if cres.Final.ContextPhase == nil {
+		t.Fatalf("context_only: %v", cres.Final.Err)
+	}
+	// The transceiver holds the 4 blocks: 6 are left.
+	heldPrefix := len(held.Prompt) / tpb * tpb
+	for i := range 6 {
+		var req Request
+		if i%2 == 0 {
+			// Shares the held request's prefix: reuses its pinned blocks.
+			req = Request{Prompt: append(slices.Clone(held.Prompt[:heldPrefix]), prompt(fmt.Sprintf(" turn %d", i))[1:]...), MaxTokens: 8, IgnoreEOS: true}
+		} else {
+			// Needs all 6 blocks the transceiver leaves: evicts every
+			// cached one.
+			req = Request{Prompt: prompt(fmt.Sprintf("filler %d ", i) + string(make([]byte, 30))), MaxTokens: 48 - 39, IgnoreEOS: true}
+		}
+		res := waitResult(t, submit(t, prefillE, context.Background(), req))
+		if want := reference(req); res.Final.Err != nil || !slices.Equal(res.Tokens, want) {
+			t.Fatalf("request %d: %v (%v), without reuse %v", i, res.Tokens, res.Final.Err, want)
+		}
+		if i%2 == 0 && res.Final.Usage.CachedTokens != heldPrefix {
+			t.Errorf("request %d: %d cached tokens, want the held request's %d", i, res.Final.Usage.CachedTokens, heldPrefix)
+		}
+		if got := prefillE.CachedPrefix(held.Prompt); got < heldPrefix {
+			t.Fatalf("after request %d: the held request's prefix is cached for %d tokens, want %d", i, got, heldPrefix)
+		}
+	}
+	if n := prefillE.Pools()[0].Stats().Evictions; n == 0 {
+		t.Fatal("no block was evicted: the pool was not under pressure")
+	}
+	waitStats(t, prefillE, func(st Stats) bool { return st.BlocksEvicted == prefillE.Pools()[0].Stats().Evictions })
+	// The pull, after all that, gets the held request's KV intact.
+	gq := held
+	gq.Type, gq.Prompt, gq.ContextPhase = transceiver.GenerationOnly, cres.Final.PromptTokenIDs, cres.Final.ContextPhase
+	gres := waitResult(t, submit(t, genE, context.Background(), gq))
+	if want := reference(held); gres.Final.Err != nil || !slices.Equal(gres.Tokens, want) {
+		t.Fatalf("pulled request: %v (%v), without reuse %v", gres.Tokens, gres.Final.Err, want)
+	}
+	checkPoolsWhole(t, prefillE)
+	checkPoolsWhole(t, genE)
+}
+
+// BenchmarkReusePrefill: the prefill of a 2,000-token prompt on tiny-gqa
+// (bf16 KV, TP1) through the engine's admission path, with its first
+// 1,000 tokens in the cache (cached=1000: matched, then 1,000 tokens
+// computed) and without (cached=0: all 2,000 computed). Bytes are the
+// prompt's KV bytes.
+func BenchmarkReusePrefill(b *testing.B) {
+	const n, prefix, tpb = 2000, 1000, 8
+	for _, cached := range []int{0, prefix} {
+		b.Run(fmt.Sprintf("cached=%d", cached), func(b *testing.B) {
+			in := newTestInstance(b, "tiny-gqa", InstanceConfig{TokensPerBlock: tpb, PoolTokens: 2 * (n + prefix)})
+			e, err := New(in, Options{BlockReuse: true})
+			if err != nil {
+				b.Fatal(err)
+			}
+			p := benchPrompt(n)
+			if cached > 0 {
+				// Publish the prefix, as an earlier request would.
+				r := &request{prompt: p[:prefix], hashes: kvcache.HashBlocks(kvcache.Hash{}, p[:prefix], tpb), seq: in.NewSequence()}
+				if err := r.seq.Reserve(prefix); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := in.Prefill(r.seq, r.prompt); err != nil {
+					b.Fatal(err)
+				}
+				e.commitBlocks(r, r.prompt)
+				r.seq.Release()
+			}
+			// One whole prefill first, so that the scratch has grown.
+			warm := in.NewSequence()
+			if err := warm.Reserve(n); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := in.Prefill(warm, p); err != nil {
+				b.Fatal(err)
+			}
+			warm.Release()
+			hashes := kvcache.HashBlocks(kvcache.Hash{}, p, tpb)
+			b.SetBytes(int64(kvcache.BlocksForTokens(n, tpb)) * in.pools[0].BlockBytes())
+			b.ReportAllocs()
+			got := 0
+			for b.Loop() {
+				r := &request{typ: transceiver.ContextAndGeneration, prompt: p, hashes: hashes}
+				m := e.matchPrefix(r)
+				s := in.NewSequence()
+				s.adopt(&m)
+				if err := s.Reserve(n); err != nil {
+					b.Fatal(err)
+				}
+				got = s.Len()
+				if _, err := in.Prefill(s, p[s.Len():]); err != nil {
+					b.Fatal(err)
+				}
+				s.Release()
+			}
+			if want := cached / tpb * tpb; got != want {
+				b.Fatalf("%d tokens reused, want %d", got, want)
+			}
+			b.ReportMetric(float64(b.Elapsed().Milliseconds())/float64(b.N), "ms/prefill")
+		})
+	}
+}
