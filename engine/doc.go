@@ -111,10 +111,13 @@
 // differently) before it reserves the rest, and the prefill computes only
 // the tokens after that prefix. At least the last prompt token is always
 // computed (its logits give the first token), so a prompt that is cached
-// whole reuses one block less. With PartialReuse and CopyOnPartialReuse
-// (kv_cache_config.enable_partial_reuse, copy_on_partial_reuse) it also
-// takes the cached block whose first k tokens match the prompt's next
-// ones, by copying it into a block of its own, and computes from token k.
+// whole reuses one block less. With PartialReuse
+// (kv_cache_config.enable_partial_reuse) it also reuses the cached block
+// whose first k tokens match the prompt's next ones and computes from
+// token k: with CopyOnPartialReuse (copy_on_partial_reuse) by copying it
+// into a block of its own, so that a block others hold serves too;
+// without, only a block nobody holds, taken out of the reuse index and
+// written in place.
 // Since a token's KV depends only on the tokens up to it, and attention
 // reads K and V back from the blocks in every case, outputs with reuse are
 // bit-identical to outputs without (a property test checks tokens, logits

@@ -66,14 +66,14 @@ type Options struct {
 	// here (the worker sets it from the config, whose default is on).
 	BlockReuse bool
 	// PartialReuse also reuses a cached block whose first tokens match the
-	// prompt's next ones (kv_cache_config.enable_partial_reuse). It takes
-	// effect only with CopyOnPartialReuse: the engine reuses a partial
-	// block by copying it into a block of the request's own, never by
-	// taking over a block others may read.
+	// prompt's next ones (kv_cache_config.enable_partial_reuse), and
+	// computes the prompt from the first token that differs.
 	PartialReuse bool
-	// CopyOnPartialReuse (kv_cache_config.copy_on_partial_reuse) lets
-	// partial reuse copy the matched block; without it there is no
-	// partial reuse.
+	// CopyOnPartialReuse (kv_cache_config.copy_on_partial_reuse) makes
+	// partial reuse copy the matched block into a block of the request's
+	// own, so that blocks other requests hold can be reused too. Without
+	// it, partial reuse takes only a block nobody holds, out of the reuse
+	// index, and writes it in place.
 	CopyOnPartialReuse bool
 	// EventBufferMaxSize bounds the KV cache events KVEvents can return
 	// (kv_cache_config.event_buffer_max_size); 0 keeps none.

@@ -108,7 +108,8 @@ func (e *Engine) KVEvents(after uint64) (events []KVEvent, lost bool) {
 // a cache salt would find in the engine's reusable KV cache now, as
 // admission would reuse them (and so neither compute nor receive): whole
 // cached blocks common to every rank, plus, with partial reuse, the
-// matching tokens of the next cached block; never the whole prompt, since
+// matching tokens of the next cached block (one nobody holds, without copy
+// on partial reuse); never the whole prompt, since
 // its last token is always computed. It pins nothing and is safe for
 // concurrent use; the answer can be stale by the time the request arrives.
 // It is 0 without block reuse.
@@ -143,5 +144,5 @@ func (e *Engine) CachedPrefixSalted(prompt []int32, salt string) int {
 	if common > 0 {
 		parent = hs[common-1]
 	}
-	return n + e.inst.pools[0].PeekPartial(parent, rest[:limit])
+	return n + e.inst.pools[0].PeekPartial(parent, rest[:limit], !e.opts.CopyOnPartialReuse)
 }

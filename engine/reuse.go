@@ -9,13 +9,15 @@ import (
 
 // reuseMatch is what admission found of a request's prompt in the pools:
 // the blocks of its cached full-block prefix on every rank, and optionally
-// a cached block whose first k tokens match the prompt's next ones, to be
-// copied into the request's own next block. Every block listed is pinned
-// by the match until adopted or dropped.
+// a cached block whose first k tokens match the prompt's next ones: shared,
+// to be copied into the request's own next block, or taken (out of the
+// index, nobody else holding it) to become that block. Every block listed
+// is pinned by the match until adopted or dropped.
 type reuseMatch struct {
-	full [][]kvcache.BlockID // [rank][block]: the same number on every rank
-	src  []kvcache.BlockID   // [rank]: the partial block; nil for none
-	k    int                 // tokens of src the prompt shares
+	full  [][]kvcache.BlockID // [rank][block]: the same number on every rank
+	src   []kvcache.BlockID   // [rank]: the partial block; nil for none
+	k     int                 // tokens of src the prompt shares
+	taken bool                // src is the request's own: no copy
 }
 
 // drop releases every block the match still holds (adopt takes the full
@@ -37,13 +39,13 @@ func (m *reuseMatch) drop(pools []*kvcache.Pool) {
 // block: at least the last prompt token is always computed (its logits
 // give the first token) or, for generation_only, received, so that no
 // shared block is ever written and a transfer asks for one block at least.
-// Partial blocks are reused by copy only, and never on a generation_only
-// request (its next block arrives whole from the context instance).
+// Partial blocks are never reused by a generation_only request (its next
+// block arrives whole from the context instance).
 func (e *Engine) reuseLimits(typ transceiver.RequestType, P int) (maxFull int, partial bool) {
 	if !e.opts.BlockReuse || P == 0 {
 		return 0, false
 	}
-	return (P - 1) / e.inst.tpb, e.opts.PartialReuse && e.opts.CopyOnPartialReuse && typ != transceiver.GenerationOnly
+	return (P - 1) / e.inst.tpb, e.opts.PartialReuse && typ != transceiver.GenerationOnly
 }
 
 // matchPrefix pins, on every rank, the longest cached prefix of r's
@@ -81,14 +83,30 @@ func (e *Engine) matchPrefix(r *request) reuseMatch {
 	if common > 0 {
 		parent = hs[common-1]
 	}
-	id, h, k, ok := pools[0].MatchPartial(parent, rest[:limit])
+	// With copy on partial reuse the block is shared and copied; without,
+	// only a block nobody holds is reused, taken out of the index.
+	take := !e.opts.CopyOnPartialReuse
+	var id kvcache.BlockID
+	var h kvcache.Hash
+	var k int
+	var ok bool
+	if take {
+		id, h, k, ok = pools[0].TakePartial(parent, rest[:limit])
+	} else {
+		id, h, k, ok = pools[0].MatchPartial(parent, rest[:limit])
+	}
 	if !ok {
 		return m
 	}
 	src := append(make([]kvcache.BlockID, 0, len(pools)), id)
 	for _, p := range pools[1:] {
-		id, ok := p.Lookup(h)
+		if take {
+			id, ok = p.TakeCached(h)
+		} else {
+			id, ok = p.Lookup(h)
+		}
 		if !ok {
+			// Taken blocks released are free: they left the index.
 			for i, s := range src {
 				pools[i].Release(s)
 			}
@@ -96,12 +114,13 @@ func (e *Engine) matchPrefix(r *request) reuseMatch {
 		}
 		src = append(src, id)
 	}
-	m.src, m.k = src, k
+	m.src, m.k, m.taken = src, k, take
 	return m
 }
 
 // adopt makes the match's full blocks the first blocks of s (which must be
-// empty), and its length their tokens; the match keeps only src.
+// empty), and a taken partial block the next, and its length their tokens;
+// the match keeps only a shared partial block, for copyPartial.
 func (s *Sequence) adopt(m *reuseMatch) {
 	if m.full == nil {
 		return
@@ -111,6 +130,13 @@ func (s *Sequence) adopt(m *reuseMatch) {
 	}
 	s.n = len(m.full[0]) * s.in.tpb
 	m.full = nil
+	if m.taken {
+		for r := range s.blocks {
+			s.blocks[r] = append(s.blocks[r], m.src[r])
+		}
+		s.n += m.k
+		m.src, m.k, m.taken = nil, 0, false
+	}
 }
 
 // copyPartial copies the match's partial block into the sequence's next

@@ -133,10 +133,19 @@ func TestReuseBitExact(t *testing.T) {
 	}
 	for _, tc := range tests {
 		name := fmt.Sprintf("%s %v TP%d PP%d", tc.preset, tc.dt, max(1, tc.icfg.TP), max(1, tc.icfg.PP))
+		if tc.dt == kvcache.FP16 || tc.dt == kvcache.FP32 {
+			name += " in place"
+		}
 		t.Run(name, func(t *testing.T) {
 			icfg := tc.icfg
 			icfg.TokensPerBlock, icfg.DType, icfg.PoolTokens = 8, tc.dt, 8*64
-			e, err := New(newTestInstance(t, tc.preset, icfg), reuseOpts)
+			opts := reuseOpts
+			if tc.dt == kvcache.FP16 || tc.dt == kvcache.FP32 {
+				// Partial reuse in place: cached blocks taken out of the
+				// index, not copied.
+				opts.CopyOnPartialReuse = false
+			}
+			e, err := New(newTestInstance(t, tc.preset, icfg), opts)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -537,4 +546,76 @@ func BenchmarkReusePrefill(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Milliseconds())/float64(b.N), "ms/prefill")
 		})
 	}
+}
+
+// TestReuseConcurrentReaders: KVEvents and CachedPrefix, which HTTP
+// handlers call, run while the scheduler publishes and evicts (the race
+// detector checks them), and every event ID a reader sees is new and in
+// order.
+func TestReuseConcurrentReaders(t *testing.T) {
+	e := newTestEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 8, PoolTokens: 8 * 12}, reuseOpts)
+	base := prompt("a shared system prompt, long enough for blocks")
+	done := make(chan struct{})
+	readErr := make(chan error, 2)
+	go func() {
+		var after uint64
+		for {
+			select {
+			case <-done:
+				readErr <- nil
+				return
+			default:
+			}
+			evs, lost := e.KVEvents(after)
+			if lost {
+				readErr <- fmt.Errorf("lost events after %d with a buffer of %d", after, reuseOpts.EventBufferMaxSize)
+				return
+			}
+			for _, ev := range evs {
+				if ev.ID != after+1 {
+					readErr <- fmt.Errorf("event %d after %d", ev.ID, after)
+					return
+				}
+				after = ev.ID
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	}()
+	go func() {
+		for {
+			select {
+			case <-done:
+				readErr <- nil
+				return
+			default:
+			}
+			if n := e.CachedPrefix(base); n < 0 || n >= len(base) {
+				readErr <- fmt.Errorf("CachedPrefix = %d for a prompt of %d", n, len(base))
+				return
+			}
+		}
+	}()
+	var streams []*Stream
+	for i := range 12 {
+		p := append(slices.Clone(base), prompt(fmt.Sprintf(" question %d", i))[1:]...)
+		streams = append(streams, submit(t, e, context.Background(), Request{Prompt: p, MaxTokens: 4 + i%3, IgnoreEOS: true}))
+	}
+	cached := 0
+	for _, s := range streams {
+		res := waitResult(t, s)
+		if res.Final.Err != nil {
+			t.Fatal(res.Final.Err)
+		}
+		cached += res.Final.Usage.CachedTokens
+	}
+	close(done)
+	for range 2 {
+		if err := <-readErr; err != nil {
+			t.Error(err)
+		}
+	}
+	if cached == 0 {
+		t.Error("no request reused the shared prompt")
+	}
+	checkPoolsWhole(t, e)
 }

@@ -84,12 +84,15 @@ func (p *Pool) dropChildLocked(id BlockID) {
 }
 
 // bestChildLocked returns the child of parent (committed with
-// CommitTokens) whose tokens share the longest prefix with tokens, and that
-// length; the first such child on a tie; ok false when no child shares a
-// token.
-func (p *Pool) bestChildLocked(parent Hash, tokens []int32) (id BlockID, n int, ok bool) {
+// CommitTokens; only cached ones if unused) whose tokens share the longest
+// prefix with tokens, and that length; the first such child on a tie; ok
+// false when no child shares a token.
+func (p *Pool) bestChildLocked(parent Hash, tokens []int32, unused bool) (id BlockID, n int, ok bool) {
 	tpb := p.layout.TokensPerBlock
 	for _, c := range p.children[parent] {
+		if unused && p.state[c] != stateCached {
+			continue
+		}
 		own := p.toks[int(c)*tpb : int(c+1)*tpb]
 		k := 0
 		for k < len(tokens) && k < tpb && own[k] == tokens[k] {
@@ -115,7 +118,7 @@ func (p *Pool) MatchPartial(parent Hash, tokens []int32) (BlockID, Hash, int, bo
 	if p.closed.Load() || len(tokens) == 0 {
 		return 0, Hash{}, 0, false
 	}
-	id, n, ok := p.bestChildLocked(parent, tokens)
+	id, n, ok := p.bestChildLocked(parent, tokens, false)
 	if !ok {
 		return 0, Hash{}, 0, false
 	}
@@ -123,6 +126,58 @@ func (p *Pool) MatchPartial(parent Hash, tokens []int32) (BlockID, Hash, int, bo
 	p.lookupLocked(h)
 	p.checkInvariantsLocked()
 	return id, h, n, true
+}
+
+// TakePartial is MatchPartial for a caller that will write the block in
+// place: it considers only cached blocks (nobody holds them), and takes
+// the one it finds out of the reuse index (as an eviction would, recorded
+// for DrainEvicted) before pinning it for the caller, so that nobody finds
+// it again.
+func (p *Pool) TakePartial(parent Hash, tokens []int32) (BlockID, Hash, int, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed.Load() || len(tokens) == 0 {
+		return 0, Hash{}, 0, false
+	}
+	id, n, ok := p.bestChildLocked(parent, tokens, true)
+	if !ok {
+		return 0, Hash{}, 0, false
+	}
+	h := p.hashes[id]
+	p.takeLocked(id)
+	return id, h, n, true
+}
+
+// TakeCached takes the block indexed under h out of the index and pins it
+// for the caller to write, if it is cached (nobody holds it); it reports
+// false otherwise.
+func (p *Pool) TakeCached(h Hash) (BlockID, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed.Load() {
+		return 0, false
+	}
+	id, ok := p.index[h]
+	if !ok || p.state[id] != stateCached {
+		return 0, false
+	}
+	p.takeLocked(id)
+	return id, true
+}
+
+// takeLocked evicts cached block id and pins it.
+func (p *Pool) takeLocked(id BlockID) {
+	p.unlinkLocked(id)
+	delete(p.index, p.hashes[id])
+	p.dropChildLocked(id)
+	p.recordEvictionLocked(p.hashes[id])
+	p.committed[id] = false
+	p.hashes[id] = Hash{}
+	p.numCached--
+	p.numPinned++
+	p.state[id] = statePinned
+	p.refs[id].Store(1)
+	p.checkInvariantsLocked()
 }
 
 // PeekPrefix returns how many leading hashes of hashes are in the index,
@@ -143,15 +198,16 @@ func (p *Pool) PeekPrefix(hashes []Hash) int {
 	return len(hashes)
 }
 
-// PeekPartial returns the matching token count MatchPartial would return
-// now (0 for none), read-only like PeekPrefix.
-func (p *Pool) PeekPartial(parent Hash, tokens []int32) int {
+// PeekPartial returns the matching token count MatchPartial (or, if
+// unused, TakePartial) would return now (0 for none), read-only like
+// PeekPrefix.
+func (p *Pool) PeekPartial(parent Hash, tokens []int32, unused bool) int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed.Load() {
 		return 0
 	}
-	_, n, _ := p.bestChildLocked(parent, tokens)
+	_, n, _ := p.bestChildLocked(parent, tokens, unused)
 	return n
 }
 

@@ -57,7 +57,7 @@ func TestMatchPartial(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			if got := p.PeekPartial(tc.parent, tc.query); got != tc.want {
+			if got := p.PeekPartial(tc.parent, tc.query, false); got != tc.want {
 				t.Errorf("PeekPartial = %d, want %d", got, tc.want)
 			}
 			id, h, n, ok := p.MatchPartial(tc.parent, tc.query)
@@ -81,14 +81,14 @@ func TestMatchPartial(t *testing.T) {
 	if err := p.Release(reversed(ids)...); err != nil {
 		t.Fatal(err)
 	}
-	if got := p.PeekPartial(parent, []int32{5, 6}); got != 2 {
+	if got := p.PeekPartial(parent, []int32{5, 6}, false); got != 2 {
 		t.Fatalf("cached block: PeekPartial = %d, want 2", got)
 	}
 	all, err := p.Allocate(8)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := p.PeekPartial(parent, []int32{5, 6}); got != 0 {
+	if got := p.PeekPartial(parent, []int32{5, 6}, false); got != 0 {
 		t.Fatalf("after eviction: PeekPartial = %d, want 0", got)
 	}
 	checkConsistent(t, p)
@@ -195,7 +195,7 @@ func TestPartialProperty(t *testing.T) {
 					}
 					want = max(want, k)
 				}
-				if got := p.PeekPartial(par, q); got != want {
+				if got := p.PeekPartial(par, q, false); got != want {
 					t.Fatalf("iter %d: PeekPartial(%v) = %d, reference %d", iter, q, got, want)
 				}
 			}
@@ -212,4 +212,52 @@ func reversed(ids []BlockID) []BlockID {
 	r := slices.Clone(ids)
 	slices.Reverse(r)
 	return r
+}
+
+// TestTakePartial: partial reuse in place takes only blocks nobody holds,
+// out of both indexes, as an eviction (recorded), and pins them.
+func TestTakePartial(t *testing.T) {
+	p := newTestPool(t, 4)
+	p.TrackEvictions(true)
+	ids, _ := p.Allocate(2)
+	a, b := []int32{1, 2, 3, 4}, []int32{1, 2, 3, 9}
+	ha, _, _ := p.CommitTokens(ids[0], Hash{}, a)
+	hb, _, _ := p.CommitTokens(ids[1], Hash{}, b)
+	// Both held: nothing to take, though both match.
+	if _, _, _, ok := p.TakePartial(Hash{}, []int32{1, 2, 3}); ok {
+		t.Fatal("took a block someone holds")
+	}
+	if _, ok := p.TakeCached(ha); ok {
+		t.Fatal("TakeCached took a pinned block")
+	}
+	if got := p.PeekPartial(Hash{}, []int32{1, 2, 3}, true); got != 0 {
+		t.Fatalf("PeekPartial(unused) with every block held = %d, want 0", got)
+	}
+	p.Release(ids[1]) // b is cached now, a still held
+	id, h, n, ok := p.TakePartial(Hash{}, []int32{1, 2, 3})
+	if !ok || id != ids[1] || h != hb || n != 3 {
+		t.Fatalf("TakePartial = %d %v %d %v, want block %d (%v), 3 tokens", id, h, n, ok, ids[1], hb)
+	}
+	if _, ok := p.Lookup(hb); ok {
+		t.Fatal("a taken block is still indexed")
+	}
+	if got := p.PeekPartial(Hash{}, []int32{1, 2, 3, 9}, false); got != 3 {
+		t.Fatalf("after the take, PeekPartial = %d, want 3 (block a only)", got)
+	}
+	if ev, _ := p.DrainEvicted(nil); !slices.Equal(ev, []Hash{hb}) {
+		t.Fatalf("evictions recorded %v, want the taken %v", ev, hb)
+	}
+	checkConsistent(t, p)
+	// Released, the taken block is free, not cached.
+	p.Release(id)
+	if st := p.Stats(); st.Cached != 0 || st.Free != 3 || st.Pinned != 1 {
+		t.Fatalf("after releasing the taken block: %+v", st)
+	}
+	p.Release(ids[0])
+	got, ok := p.TakeCached(ha)
+	if !ok || got != ids[0] {
+		t.Fatalf("TakeCached(a) = %d %v, want %d", got, ok, ids[0])
+	}
+	p.Release(got)
+	checkConsistent(t, p)
 }
