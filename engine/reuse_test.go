@@ -312,6 +312,18 @@ func TestReuseDisaggConversation(t *testing.T) {
 			if ft := g1.Final.Timing; ft.TransferBlocks != (len(p1)+7)/8 || ft.TransferBytes != int64(ft.TransferBlocks)*bb {
 				t.Errorf("turn 1: %d blocks, %d bytes moved; want %d blocks of %d bytes", ft.TransferBlocks, ft.TransferBytes, (len(p1)+7)/8, bb)
 			}
+			// Turn 1 again: the generation side has the prompt's blocks
+			// but still asks for the last one (the transceiver moves one
+			// block at least, and a prompt is never taken whole from the
+			// cache); the context side recomputes only that block too.
+			c1b, g1b := disaggregate(t, prefillE, genE, req)
+			full := (len(p1) - 1) / 8 * 8
+			if !slices.Equal(g1b.Tokens, g1.Tokens) || g1b.Final.Usage.CachedTokens != full || c1b.Final.Usage.CachedTokens != full ||
+				g1b.Final.Timing.TransferBlocks != (len(p1)+7)/8-full/8 {
+				t.Errorf("turn 1 again: %v (first %v), %d and %d cached tokens, %d blocks moved; want %d cached, %d blocks",
+					g1b.Tokens, g1.Tokens, g1b.Final.Usage.CachedTokens, c1b.Final.Usage.CachedTokens, g1b.Final.Timing.TransferBlocks,
+					full, (len(p1)+7)/8-full/8)
+			}
 			p2 := conversation(p1, g1.Tokens, " User: and why page it?")
 			req.Prompt, req.MaxTokens = p2, 10
 			c2, g2 := disaggregate(t, prefillE, genE, req)
