@@ -634,3 +634,50 @@ func TestReuseConcurrentReaders(t *testing.T) {
 	}
 	checkPoolsWhole(t, e)
 }
+
+// TestReuseConcurrentPressure: requests that share a prefix and requests
+// that need most of the pool run at once on a pool that holds only a few
+// of them, so that admission reuses blocks other running requests hold
+// while allocations evict cached ones; every output equals a lone run
+// without reuse and the pools end whole.
+func TestReuseConcurrentPressure(t *testing.T) {
+	const tpb = 8
+	for _, opts := range []Options{reuseOpts, {BlockReuse: true, PartialReuse: true, EventBufferMaxSize: 8}} {
+		t.Run(fmt.Sprintf("copy %v", opts.CopyOnPartialReuse), func(t *testing.T) {
+			e := newTestEngine(t, "tiny-gqa", InstanceConfig{TP: 2, TokensPerBlock: tpb, PoolTokens: tpb * 14}, opts)
+			ref := newTestInstance(t, "tiny-gqa", InstanceConfig{TokensPerBlock: tpb, PoolTokens: tpb * 16})
+			base := prompt("shared prefix of a dozen blocks' worth")
+			var reqs []Request
+			for i := range 16 {
+				p := append(slices.Clone(base[:8+i%5*5]), prompt(fmt.Sprintf("#%d", i))[1:]...)
+				if i%4 == 3 {
+					p = prompt(fmt.Sprintf("filler %02d", i) + string(make([]byte, 60)))
+				}
+				reqs = append(reqs, Request{Prompt: p, MaxTokens: 5 + i%4, IgnoreEOS: true})
+			}
+			var streams []*Stream
+			for _, r := range reqs {
+				streams = append(streams, submit(t, e, context.Background(), r))
+			}
+			for i, s := range streams {
+				res := waitResult(t, s)
+				want := generate(t, ref, reqs[i].Prompt, reqs[i].MaxTokens, 0, 0)
+				if res.Final.Err != nil || !slices.Equal(res.Tokens, want.tokens) {
+					t.Errorf("request %d (%d cached): %v (%v), lone without reuse %v", i, res.Final.Usage.CachedTokens, res.Tokens, res.Final.Err, want.tokens)
+				}
+			}
+			st := waitStatsGet(t, e, func(st Stats) bool { return st.PromptTokens > 0 && st.Waiting == 0 && st.Running == 0 })
+			if st.CachedTokens == 0 || st.BlocksEvicted == 0 {
+				t.Errorf("stats %+v: want prefix hits and evictions", st)
+			}
+			checkPoolsWhole(t, e)
+		})
+	}
+}
+
+// waitStatsGet is waitStats returning the stats that satisfied ok.
+func waitStatsGet(t testing.TB, e *Engine, ok func(Stats) bool) Stats {
+	t.Helper()
+	waitStats(t, e, ok)
+	return e.Stats()
+}
