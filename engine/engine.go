@@ -148,8 +148,9 @@ type Stats struct {
 	TotalBlocks  int    // blocks of each rank's pool
 	Iterations   uint64 // scheduler iterations that did work
 	// PrefillTokens counts the prompt tokens computed by the prefills that
-	// ran to the end (not those found in the cache); PrefillsStopped the prefills stopped part-way because their
-	// client went away (their tokens are not counted).
+	// ran to the end (not those found in the cache); PrefillsStopped the
+	// prefills stopped part-way because their client went away (their
+	// tokens are not counted).
 	PrefillTokens   uint64
 	PrefillsStopped uint64
 	// Block reuse (Options.BlockReuse). PromptTokens counts the prompt
@@ -1041,7 +1042,7 @@ func (e *Engine) finish(r *request, reason string, err error) {
 	}
 	r.timing.Total = e.now().Sub(r.submitted)
 	f := &Final{FinishReason: reason, Err: err, State: r.state, Timing: r.timing,
-		Usage: Usage{PromptTokens: r.promptLen, CompletionTokens: len(r.generated), CachedTokens: r.cached}, PromptTokenIDs: r.prompt[:r.promptLen:r.promptLen]}
+		Usage: Usage{PromptTokens: r.promptLen, CompletionTokens: len(r.generated), CachedTokens: min(r.cached, r.promptLen)}, PromptTokenIDs: r.prompt[:r.promptLen:r.promptLen]}
 	if r.typ == transceiver.ContextOnly && r.treq != nil && err == nil {
 		cp := r.treq.ContextPhase
 		f.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID,
