@@ -134,6 +134,20 @@ func (f *File) addKVCache(m *yaml.Node, path string, kv KVCache) {
 	m.Content = append(m.Content, key(lastElem(path)), km)
 	f.addInt(km, path, "tokens_per_block", kv.TokensPerBlock)
 	f.addInt(km, path, "max_tokens", kv.MaxTokens)
+	// The reuse keys print only when set (unset means TensorRT-LLM's
+	// default, and must stay unset through a round trip), the event buffer
+	// only when it keeps events.
+	for _, b := range []struct {
+		key string
+		v   *bool
+	}{{"enable_block_reuse", kv.EnableBlockReuse}, {"enable_partial_reuse", kv.EnablePartialReuse}, {"copy_on_partial_reuse", kv.CopyOnPartialReuse}} {
+		if b.v != nil {
+			f.addScalar(km, path, b.key, "!!bool", strconv.FormatBool(*b.v))
+		}
+	}
+	if kv.EventBufferMaxSize > 0 {
+		f.addInt(km, path, "event_buffer_max_size", kv.EventBufferMaxSize)
+	}
 }
 
 func (f *File) addCT(m *yaml.Node, path string, ct *CacheTransceiver) {

@@ -44,12 +44,11 @@ var llmAPIKnown = []string{
 	"cuda_graph_max_batch_size", "enable_overlap_scheduler", "autotuner_enabled",
 }
 
-// kvCacheKnown are kv_cache_config keys other than tokens_per_block and
-// max_tokens.
+// kvCacheKnown are the kv_cache_config keys kvxfer does not read.
 var kvCacheKnown = []string{
-	"enable_block_reuse", "max_attention_window", "sink_token_length", "free_gpu_memory_fraction",
+	"max_attention_window", "sink_token_length", "free_gpu_memory_fraction",
 	"host_cache_size", "onboard_blocks", "cross_kv_cache_fraction", "secondary_offload_min_priority",
-	"event_buffer_max_size", "enable_partial_reuse", "copy_on_partial_reuse", "use_uvm", "dtype",
+	"use_uvm", "dtype",
 	"mamba_ssm_cache_dtype", "attention_dp_events_gather_period_ms", "max_gpu_total_bytes",
 	"use_kv_cache_manager_v2", "max_util_for_resume",
 }

@@ -531,6 +531,21 @@ func (l *loader) kvCache(n *yaml.Node, path string, kv *KVCache) {
 				l.errAt(v, p, "%d is not a power of two", kv.TokensPerBlock)
 			}
 		},
-		"max_tokens": l.intKey(path, "max_tokens", &kv.MaxTokens, 1, MaxPoolTokens),
+		"max_tokens":            l.intKey(path, "max_tokens", &kv.MaxTokens, 1, MaxPoolTokens),
+		"enable_block_reuse":    l.optBoolKey(path, "enable_block_reuse", &kv.EnableBlockReuse),
+		"enable_partial_reuse":  l.optBoolKey(path, "enable_partial_reuse", &kv.EnablePartialReuse),
+		"copy_on_partial_reuse": l.optBoolKey(path, "copy_on_partial_reuse", &kv.CopyOnPartialReuse),
+		"event_buffer_max_size": l.intKey(path, "event_buffer_max_size", &kv.EventBufferMaxSize, 0, MaxEventBufferSize),
 	}, kvCacheKnown, false)
+}
+
+// optBoolKey is the function fields calls for a boolean key of the block
+// at path that stays nil (unset: the default) unless given.
+func (l *loader) optBoolKey(path, key string, dst **bool) func(k, v *yaml.Node) {
+	return func(_, v *yaml.Node) {
+		var b bool
+		if l.boolean(v, join(path, key), &b) {
+			*dst = &b
+		}
+	}
 }

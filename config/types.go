@@ -121,6 +121,29 @@ type KVCache struct {
 	// MaxTokens is the pool size of each rank, in tokens (default 16384);
 	// the pool holds ceil(MaxTokens/TokensPerBlock) blocks.
 	MaxTokens int
+	// EnableBlockReuse (enable_block_reuse) publishes full KV blocks for
+	// reuse by later requests with the same prefix; EnablePartialReuse
+	// (enable_partial_reuse) also reuses a block whose first tokens match;
+	// CopyOnPartialReuse (copy_on_partial_reuse) lets partial reuse copy a
+	// block others use. Nil means unset: TensorRT-LLM's default, true.
+	// Read the effective values with Reuse.
+	EnableBlockReuse   *bool
+	EnablePartialReuse *bool
+	CopyOnPartialReuse *bool
+	// EventBufferMaxSize (event_buffer_max_size) is the number of KV cache
+	// events a worker keeps for a router to read; 0 (the default) keeps
+	// none.
+	EventBufferMaxSize int
+}
+
+// MaxEventBufferSize bounds kv_cache_config.event_buffer_max_size.
+const MaxEventBufferSize = 1 << 20
+
+// Reuse returns the effective enable_block_reuse, enable_partial_reuse
+// and copy_on_partial_reuse: the values set, true where unset.
+func (k KVCache) Reuse() (block, partial, copyOnPartial bool) {
+	or := func(b *bool) bool { return b == nil || *b }
+	return or(k.EnableBlockReuse), or(k.EnablePartialReuse), or(k.CopyOnPartialReuse)
 }
 
 // Worker is the worker file form: TRT-LLM's extra LLM API options file

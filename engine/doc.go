@@ -94,6 +94,50 @@
 // between processes on one architecture; math.Sincos (RoPE) may differ in
 // the last bit across architectures.
 //
+// # Block reuse
+//
+// With Options.BlockReuse (kv_cache_config.enable_block_reuse), every full
+// block of a request's KV cache is published in every rank's reuse index
+// under its chained kvcache.BlockHash, from the root kvcache.RootHash of
+// the request's CacheSalt: the prompt's blocks after its prefill (on a
+// generation instance, after its transfer), and, when the request ends
+// without error, the blocks its generated tokens filled. A published block
+// is never written again: it is shared by every request that finds it, and
+// stays cached after its last user until an allocation evicts it, least
+// recently released first, tail blocks before the prefixes they extend.
+//
+// At admission a request pins the longest cached prefix of its prompt on
+// every rank (the common length: the ranks' pools may have evicted
+// differently) before it reserves the rest, and the prefill computes only
+// the tokens after that prefix. At least the last prompt token is always
+// computed (its logits give the first token), so a prompt that is cached
+// whole reuses one block less. With PartialReuse
+// (kv_cache_config.enable_partial_reuse) it also reuses the cached block
+// whose first k tokens match the prompt's next ones and computes from
+// token k: with CopyOnPartialReuse (copy_on_partial_reuse) by copying it
+// into a block of its own, so that a block others hold serves too;
+// without, only a block nobody holds, taken out of the reuse index and
+// written in place.
+// Since a token's KV depends only on the tokens up to it, and attention
+// reads K and V back from the blocks in every case, outputs with reuse are
+// bit-identical to outputs without (a property test checks tokens, logits
+// and KV bytes over GQA and MLA, every dtype and several layouts).
+//
+// A generation_only request first looks its prompt up in its own cache the
+// same way (whole blocks only) and asks the context instance only for the
+// blocks after the prefix it found: the transceiver's "last N blocks" of
+// the context request, which holds all of them, reused ones included. Its
+// Usage.CachedTokens is the prefix found, Timing.TransferBlocks the blocks
+// asked for. A context_only request reuses the context instance's cache
+// for its prefill like any other.
+//
+// With EventBufferMaxSize, the engine keeps the last that many KV cache
+// events (created, stored, removed) of rank 0's pool for KVEvents, which a
+// kv_cache_aware router reads; CachedPrefix answers, read-only, what
+// admission would reuse of a prompt now. Stats counts the prompt tokens
+// admitted, the cached ones among them, and the blocks published and
+// evicted.
+//
 // # Executor
 //
 // Engine owns an Instance, optionally a transceiver.Transceiver built by the
@@ -109,9 +153,11 @@
 //  3. Waiting requests are admitted first come, first served while every
 //     rank can allocate their blocks and the batch has room (blocks for the
 //     prompt plus max_tokens are reserved up front, TensorRT-LLM's
-//     GUARANTEED_NO_EVICT policy, so a running request never starves).
-//     generation_only requests start their pull (RequestAndReceiveAsync)
-//     into the blocks of their prompt.
+//     GUARANTEED_NO_EVICT policy, so a running request never starves; with
+//     block reuse the cached prefix is pinned first and only the rest is
+//     allocated). generation_only requests start their pull
+//     (RequestAndReceiveAsync) into the blocks of their prompt that their
+//     cached prefix does not cover.
 //  4. Admitted context phases are prefilled (up to MaxPrefillTokens prompt
 //     tokens per iteration) and their first token sampled. A context_only
 //     request is handed to RespondAndSendAsync and answered at once with the

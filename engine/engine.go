@@ -57,6 +57,27 @@ type Options struct {
 	Logger *slog.Logger
 	// Now is the clock of the timings; nil means time.Now.
 	Now func() time.Time
+
+	// BlockReuse publishes every full block of a request's KV cache in the
+	// pools' reuse index (kv_cache_config.enable_block_reuse): the prompt's
+	// after its prefill (or its transfer), the generated tokens' when the
+	// request ends. A new request then reuses the longest cached prefix of
+	// its prompt and computes, or receives, only the rest. Off by default
+	// here (the worker sets it from the config, whose default is on).
+	BlockReuse bool
+	// PartialReuse also reuses a cached block whose first tokens match the
+	// prompt's next ones (kv_cache_config.enable_partial_reuse), and
+	// computes the prompt from the first token that differs.
+	PartialReuse bool
+	// CopyOnPartialReuse (kv_cache_config.copy_on_partial_reuse) makes
+	// partial reuse copy the matched block into a block of the request's
+	// own, so that blocks other requests hold can be reused too. Without
+	// it, partial reuse takes only a block nobody holds, out of the reuse
+	// index, and writes it in place.
+	CopyOnPartialReuse bool
+	// EventBufferMaxSize bounds the KV cache events KVEvents can return
+	// (kv_cache_config.event_buffer_max_size); 0 keeps none.
+	EventBufferMaxSize int
 }
 
 // Engine is the executor of one instance: it admits requests while the KV
@@ -108,6 +129,14 @@ type Engine struct {
 	batch     []*request
 	batchSeqs []*Sequence
 	batchToks []int32
+
+	events *eventRing // KV cache events; safe for concurrent use
+	// Reuse counters, owned by the scheduler.
+	reuse struct {
+		promptTokens uint64 // prompt tokens of the admitted requests
+		cachedTokens uint64 // of which found in the cache
+		published    uint64 // blocks rank 0 indexed anew
+	}
 }
 
 // Stats is a snapshot of the engine's queues.
@@ -118,11 +147,22 @@ type Stats struct {
 	FreeBlocks   int    // blocks every rank can allocate
 	TotalBlocks  int    // blocks of each rank's pool
 	Iterations   uint64 // scheduler iterations that did work
-	// PrefillTokens counts the prompt tokens of the prefills that ran to
-	// the end; PrefillsStopped the prefills stopped part-way because their
-	// client went away (their tokens are not counted).
+	// PrefillTokens counts the prompt tokens computed by the prefills that
+	// ran to the end (not those found in the cache); PrefillsStopped the
+	// prefills stopped part-way because their client went away (their
+	// tokens are not counted).
 	PrefillTokens   uint64
 	PrefillsStopped uint64
+	// Block reuse (Options.BlockReuse). PromptTokens counts the prompt
+	// tokens of the requests admitted, CachedTokens those of them found in
+	// the cache (prefix hits: neither computed nor received), so
+	// CachedTokens/PromptTokens is the prefix hit rate. BlocksPublished
+	// counts the blocks indexed for reuse, BlocksEvicted the cached blocks
+	// evicted to make room (both rank 0's).
+	PromptTokens    uint64
+	CachedTokens    uint64
+	BlocksPublished uint64
+	BlocksEvicted   uint64
 }
 
 // request is the scheduler's record of one request.
@@ -140,6 +180,10 @@ type request struct {
 	ignoreEOS bool
 	phase     *transceiver.ContextPhaseParams // generation_only
 	reserve   int                             // tokens of KV the request needs
+	root      kvcache.Hash                    // the parent of the first block: RootHash(CacheSalt)
+	hashes    []kvcache.Hash                  // block reuse: the chained hashes of the full blocks known so far
+	published int                             // leading blocks already in the reuse index
+	cached    int                             // prompt tokens found in the cache at admission
 
 	out       chan Event
 	text      *textStream
@@ -187,6 +231,11 @@ func New(inst *Instance, opts Options) (*Engine, error) {
 	e.life, e.stop = context.WithCancel(context.Background())
 	e.stats.TotalBlocks = inst.NumBlocks()
 	e.stats.FreeBlocks = inst.FreeBlocks()
+	e.events = newEventRing(opts.EventBufferMaxSize)
+	if opts.EventBufferMaxSize > 0 {
+		inst.pools[0].TrackEvictions(true)
+		e.events.add(KVEvent{Type: KVEventCreated, NumBlocks: inst.NumBlocks()})
+	}
 	return e, nil
 }
 
@@ -282,6 +331,10 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	}
 	if err := r.replay(req.Resume); err != nil {
 		return nil, err
+	}
+	if e.opts.BlockReuse {
+		r.root = kvcache.RootHash(req.CacheSalt)
+		r.hashes = kvcache.HashBlocks(r.root, r.prompt, e.inst.tpb)
 	}
 	if req.Sampling.Seed != nil {
 		r.seed = *req.Sampling.Seed
@@ -515,7 +568,9 @@ func (e *Engine) run() {
 func (e *Engine) publish() {
 	st := Stats{Waiting: len(e.waiting), Running: len(e.running), Transferring: len(e.transferring) + len(e.draining),
 		FreeBlocks: e.inst.FreeBlocks(), TotalBlocks: e.inst.NumBlocks(), Iterations: e.iterations,
-		PrefillTokens: e.prefilled, PrefillsStopped: e.stopped}
+		PrefillTokens: e.prefilled, PrefillsStopped: e.stopped,
+		PromptTokens: e.reuse.promptTokens, CachedTokens: e.reuse.cachedTokens, BlocksPublished: e.reuse.published,
+		BlocksEvicted: e.inst.pools[0].Stats().Evictions}
 	e.mu.Lock()
 	e.stats = st
 	e.mu.Unlock()
@@ -651,7 +706,22 @@ func (e *Engine) admit() []*request {
 			break
 		}
 		seq := e.inst.NewSequence()
-		if err := seq.Reserve(r.reserve); err != nil {
+		// The cached prefix is pinned before the rest is allocated, so
+		// that the allocation cannot evict it.
+		m := e.matchPrefix(r)
+		seq.adopt(&m)
+		err := seq.Reserve(r.reserve)
+		if errors.Is(err, kvcache.ErrPoolExhausted) && m.src != nil {
+			// The partial block holds a block the request needs more:
+			// give it up. (The full blocks count towards the request's
+			// own, so giving them up would not help.)
+			m.drop(e.inst.pools)
+			err = seq.Reserve(r.reserve)
+		}
+		e.drainEvictions()
+		if err != nil {
+			m.drop(e.inst.pools)
+			seq.Release()
 			if errors.Is(err, kvcache.ErrPoolExhausted) {
 				break
 			}
@@ -659,8 +729,13 @@ func (e *Engine) admit() []*request {
 			n++
 			continue
 		}
+		seq.copyPartial(&m)
 		n++
 		r.seq = seq
+		r.cached = seq.Len()
+		r.published = r.cached / e.inst.tpb
+		e.reuse.promptTokens += uint64(len(r.prompt))
+		e.reuse.cachedTokens += uint64(r.cached)
 		r.timing.Queue = e.now().Sub(r.submitted)
 		if r.typ == transceiver.GenerationOnly {
 			e.startTransfer(r)
@@ -684,7 +759,7 @@ func (e *Engine) prefill(r *request) {
 	// The model checks the client between layers and at least every 256
 	// queries of the attention: one gone during a long prefill stops it there, and
 	// its blocks go back now.
-	logits, err := e.inst.prefill(r.ctx, r.seq, r.prompt)
+	logits, err := e.inst.prefill(r.ctx, r.seq, r.prompt[r.seq.Len():])
 	if err == nil && r.ctx.Err() != nil {
 		err = r.ctx.Err() // gone after the last layer: nobody will pull it
 	}
@@ -696,7 +771,8 @@ func (e *Engine) prefill(r *request) {
 		e.finish(r, FinishError, err)
 		return
 	}
-	e.prefilled += uint64(len(r.prompt))
+	e.prefilled += uint64(len(r.prompt) - r.cached)
+	e.commitBlocks(r, r.prompt)
 	tok := sampleToken(logits, r.temp, r.seed, len(r.generated))
 	r.timing.Prefill = e.now().Sub(start)
 	reason := e.appendToken(r, tok)
@@ -732,7 +808,14 @@ func (e *Engine) prefill(r *request) {
 // startTransfer starts pulling a generation_only request's KV cache into
 // the blocks of its prompt.
 func (e *Engine) startTransfer(r *request) {
-	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: r.seq.Blocks(len(r.prompt)), NumTokens: len(r.prompt),
+	// Ask only for the blocks after the cached prefix: the context
+	// instance sends the last len(Blocks[rank]) blocks of its request.
+	blocks := r.seq.Blocks(len(r.prompt))
+	skip := r.cached / e.inst.tpb
+	for rank := range blocks {
+		blocks[rank] = blocks[rank][skip:]
+	}
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: blocks, NumTokens: len(r.prompt),
 		ContextPhase: r.phase}
 	r.treq.SetState(transceiver.DisaggGenerationInit)
 	r.xferStart = e.now()
@@ -800,6 +883,7 @@ func (e *Engine) onGenDone(done []*transceiver.Request) {
 			e.finish(r, FinishError, err)
 			continue
 		}
+		e.commitBlocks(r, r.prompt)
 		r.state = transceiver.GenerationInProgress
 		treq.SetState(r.state)
 		if reason := e.appendToken(r, r.phase.FirstGenTokens[0]); reason != "" {
@@ -935,6 +1019,12 @@ func (e *Engine) finish(r *request, reason string, err error) {
 		return
 	}
 	r.finished = true
+	if err == nil && r.seq != nil && r.typ != transceiver.ContextOnly {
+		// The blocks the generated tokens filled, full blocks only.
+		// The cache holds the prompt (with the resumed tokens, which
+		// generated starts with) and then the generated tokens fed back.
+		e.commitBlocks(r, append(r.prompt[:len(r.prompt):len(r.prompt)], r.generated[len(r.prompt)-r.promptLen:]...))
+	}
 	if r.seq != nil {
 		if rerr := r.seq.Release(); rerr != nil {
 			e.log.Error("release blocks", "request", r.id, "err", rerr)
@@ -952,7 +1042,7 @@ func (e *Engine) finish(r *request, reason string, err error) {
 	}
 	r.timing.Total = e.now().Sub(r.submitted)
 	f := &Final{FinishReason: reason, Err: err, State: r.state, Timing: r.timing,
-		Usage: Usage{PromptTokens: r.promptLen, CompletionTokens: len(r.generated)}, PromptTokenIDs: r.prompt[:r.promptLen:r.promptLen]}
+		Usage: Usage{PromptTokens: r.promptLen, CompletionTokens: len(r.generated), CachedTokens: min(r.cached, r.promptLen)}, PromptTokenIDs: r.prompt[:r.promptLen:r.promptLen]}
 	if r.typ == transceiver.ContextOnly && r.treq != nil && err == nil {
 		cp := r.treq.ContextPhase
 		f.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID,

@@ -287,11 +287,13 @@ func (s *Sequence) SetLen(n int) error {
 }
 
 // Release gives every block back to its pool and empties the sequence.
+// The blocks go back last first, so that cached ones are evicted tail
+// first, before the blocks their prefix needs.
 func (s *Sequence) Release() error {
 	var errs []error
 	for r, b := range s.blocks {
 		if len(b) > 0 {
-			if err := s.in.pools[r].Release(b...); err != nil {
+			if err := s.in.pools[r].Release(reversed(b)...); err != nil {
 				errs = append(errs, fmt.Errorf("engine: rank %d: %w", r, err))
 			}
 		}

@@ -26,6 +26,11 @@ type Request struct {
 	StopTokenIDs []int32
 	// IgnoreEOS keeps generating after EOS.
 	IgnoreEOS bool
+	// CacheSalt keeps the request's cached prefixes apart from those of
+	// requests with another salt (vLLM's cache_salt): it is folded into the
+	// root of the chained block hashes (kvcache.RootHash). Empty shares the
+	// prefixes of every unsalted request.
+	CacheSalt string
 	// ContextPhase is required for generation_only: the context instance's
 	// ctx_request_id, first_gen_tokens (one: beam width 1) and opaque state.
 	ContextPhase *transceiver.ContextPhaseParams
@@ -116,9 +121,9 @@ type Timing struct {
 	// transfer should have moved.
 	TransferBlocks int
 	BlockBytes     int64
-	FirstDecode   time.Duration // the first decode step
-	Decode        time.Duration // every decode step
-	Total         time.Duration // Submit to the final event
+	FirstDecode    time.Duration // the first decode step
+	Decode         time.Duration // every decode step
+	Total          time.Duration // Submit to the final event
 }
 
 // Stream is the output of one request. Range over Events until it is

@@ -42,12 +42,24 @@ func TestResume(t *testing.T) {
 	agg := map[string]*Engine{}
 	for name, cfg := range map[string]InstanceConfig{"TP1": {}, "TP2": {TP: 2}, "PP2": {PP: 2}, "TP2 PP2": {TP: 2, PP: 2}} {
 		cfg.TokensPerBlock, cfg.PoolTokens = 8, 1024
-		agg[name] = newTestEngine(t, "tiny-gqa", cfg, Options{})
+		var opts Options
+		if name == "TP2 PP2" {
+			// With block reuse: a resumed request finds the blocks the
+			// uninterrupted run filled, its generated tokens' included.
+			opts = reuseOpts
+		}
+		agg[name] = newTestEngine(t, "tiny-gqa", cfg, opts)
 	}
 	prefillE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TP: 2, TokensPerBlock: 8, DType: kvcache.BF16, PoolTokens: 2048})
 	genE := newDisaggEngine(t, "tiny-gqa", InstanceConfig{PP: 2, TokensPerBlock: 8, DType: kvcache.BF16, PoolTokens: 2048})
 	seed := uint64(11)
 	const n = 14
+	reusedTokens := 0 // prompt tokens the engine with block reuse found cached
+	defer func() {
+		if reusedTokens == 0 && !t.Failed() {
+			t.Error("the engine with block reuse never reused a prompt token")
+		}
+	}()
 	base := []Request{
 		{Prompt: prompt("Resume greedy"), MaxTokens: n, IgnoreEOS: true},
 		{Prompt: prompt("Resume seeded"), MaxTokens: n, IgnoreEOS: true, Sampling: Sampling{Temperature: 1.2, Seed: &seed}},
@@ -90,7 +102,16 @@ func TestResume(t *testing.T) {
 					t.Fatalf("request %d (stop %q) resumed after %d tokens on %s: tokens %v text %q finish %q (%v); want %v, %q (after %q), %q",
 						i, req.Stop, k, layout, tokens, text, f.FinishReason, f.Err, want[k:], wantText[len(sent):], sent, wf.FinishReason)
 				}
-				if f.Usage != wf.Usage || !slices.Equal(f.PromptTokenIDs, req.Prompt) {
+				u := f.Usage
+				if layout == "TP2 PP2" {
+					// Block reuse: the earlier runs cached some of it.
+					if u.CachedTokens > len(req.Prompt) {
+						t.Fatalf("request %d resumed after %d with block reuse: %d of %d prompt tokens cached", i, k, u.CachedTokens, len(req.Prompt))
+					}
+					reusedTokens += u.CachedTokens
+					u.CachedTokens = 0
+				}
+				if u != wf.Usage || !slices.Equal(f.PromptTokenIDs, req.Prompt) {
 					t.Fatalf("request %d resumed after %d on %s: usage %+v prompt %v, want %+v %v", i, k, layout, f.Usage, f.PromptTokenIDs, wf.Usage, req.Prompt)
 				}
 			}

@@ -52,4 +52,17 @@
 // until Allocate needs the space and evicts them, least recently released
 // first. FreeBlocks counts cached blocks as available, because Allocate can
 // always reclaim them.
+//
+// A sequence's first block chains from a root parent: the zero Hash, or
+// RootHash(salt) for a request that keeps its prefixes apart from other
+// tenants' (cache_salt). Blocks committed with CommitTokens also record
+// their parent and tokens in a partial-reuse index, so that MatchPartial
+// finds the cached block whose first tokens match a prompt's next tokens
+// (a caller copies it into a block of its own before writing the rest),
+// and TakePartial takes such a block nobody holds out of the index for a
+// caller to write in place; the entry leaves with the block when it is
+// evicted or taken. PeekPrefix and
+// PeekPartial answer the same questions read-only, pinning nothing. With
+// TrackEvictions on, the pool records the hashes it evicts until
+// DrainEvicted collects them (a KV cache event stream's "removed").
 package kvcache

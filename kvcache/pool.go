@@ -75,6 +75,19 @@ type Pool struct {
 	evictions  uint64
 	hits       uint64
 	misses     uint64
+
+	// The partial-reuse index (CommitTokens, MatchPartial): each block's
+	// parent hash and tokens, and the children of each parent. Allocated on
+	// the first CommitTokens.
+	toks     []int32 // [NumBlocks][TokensPerBlock]
+	parents  []Hash
+	hasToks  []bool
+	children map[Hash][]BlockID
+
+	// The eviction record (TrackEvictions, DrainEvicted).
+	trackEvict bool
+	evictLost  bool
+	evicted    []Hash
 }
 
 // NewPool allocates an arena of numBlocks blocks of layout from alloc (the
@@ -261,6 +274,8 @@ func (p *Pool) evictLocked() BlockID {
 	id := BlockID(p.next[len(p.refs)])
 	p.unlinkLocked(id)
 	delete(p.index, p.hashes[id])
+	p.dropChildLocked(id)
+	p.recordEvictionLocked(p.hashes[id])
 	p.committed[id] = false
 	p.hashes[id] = Hash{}
 	p.numCached--
@@ -595,6 +610,23 @@ func (p *Pool) consistencyLocked() error {
 		if uint32(id) >= uint32(n) || !p.committed[id] || p.hashes[id] != h {
 			return fmt.Errorf("kvcache: invariant: index entry %v → block %d is stale", h, id)
 		}
+	}
+	kids := 0
+	for par, ids := range p.children {
+		for _, id := range ids {
+			if !p.hasToks[id] || !p.committed[id] || p.parents[id] != par {
+				return fmt.Errorf("kvcache: invariant: partial index entry %v → block %d is stale", par, id)
+			}
+		}
+		kids += len(ids)
+	}
+	for id := range p.hasToks {
+		if p.hasToks[id] {
+			kids--
+		}
+	}
+	if kids != 0 {
+		return fmt.Errorf("kvcache: invariant: partial index lists %d blocks more than have tokens", kids)
 	}
 	return nil
 }
