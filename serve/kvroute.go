@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 )
 
@@ -421,4 +422,17 @@ func (r *Router) tryLocal(w http.ResponseWriter, req *http.Request, path string,
 		"prompt_tokens", cp.PromptTokens, "cached_tokens", cp.CachedTokens, "max_local_prefill_length", r.cond.MaxLocalPrefillLength)
 	relay(w, resp, err, streamCopy)
 	return true
+}
+
+// ClusterRouting returns the routing part of a cluster file as
+// RouterOptions: each group's urls, policy and router arguments, the
+// workers' tokens_per_block (kv_cache_aware hashes with it), and
+// conditional_disagg_config. The caller adds the rest (logger, TLS,
+// deadlines, membership, secret).
+func ClusterRouting(cl *config.Cluster) RouterOptions {
+	return RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
+		ContextPolicy: Policy(cl.Context.Router), GenerationPolicy: Policy(cl.Generation.Router),
+		ContextArgs: cl.Context.RouterArgs, GenerationArgs: cl.Generation.RouterArgs,
+		ContextTokensPerBlock: cl.Context.KVCache.TokensPerBlock, GenerationTokensPerBlock: cl.Generation.KVCache.TokensPerBlock,
+		ConditionalDisagg: cl.ConditionalDisagg}
 }
