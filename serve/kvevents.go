@@ -95,7 +95,6 @@ func (w *Worker) authorized(rw http.ResponseWriter, r *http.Request) bool {
 		return false
 	}
 	if subtle.ConstantTimeCompare([]byte(got), []byte(w.reuseToken)) != 1 {
-		w.m.HTTPRequests.WithLabelValues("reuse_auth", "403").Inc()
 		writeError(rw, http.StatusForbidden, "forbidden",
 			fmt.Sprintf("%s %s: wrong bearer token (not derived from this cluster's secret)", r.Method, r.URL.Path))
 		return false

@@ -271,8 +271,12 @@ const (
 // with the context's disaggregated_params and prompt token ids, and returns
 // (or streams) the generation worker's answer. When the generation worker
 // fails mid-request, the request migrates to another one
-// (RouterOptions.MigrationLimit; see routeMigrating). Safe for concurrent
-// use.
+// (RouterOptions.MigrationLimit; see routeMigrating). With
+// conditional_disagg_config (RouterOptions.ConditionalDisagg) it first
+// asks the generation worker its policy picks how much of the prompt it
+// has cached, and sends a prompt with some cached and at most
+// MaxLocalPrefillLength left to compute there as context_and_generation
+// (tryLocal). Safe for concurrent use.
 type Router struct {
 	prefill, gen *group
 	client       *http.Client

@@ -36,9 +36,10 @@ const DefaultModel = "tiny-gqa"
 
 // WorkerOptions configure a Worker.
 type WorkerOptions struct {
-	// Role is context (serves context_only), generation (generation_only)
-	// or both (every request type; the disaggregated ones need a
-	// transceiver).
+	// Role is context (serves context_only), generation (generation_only,
+	// and context_and_generation when the request says so: the router's
+	// conditional disaggregation) or both (every request type; the
+	// disaggregated ones need a transceiver).
 	Role string
 	// Model is an engine preset name (engine.Presets).
 	Model string
@@ -52,7 +53,9 @@ type WorkerOptions struct {
 	TransceiverHost string
 	// Secret is the cluster secret: with it the transceiver signs the
 	// opaque states it hands out and refuses unsigned, forged, expired and
-	// replayed ones; nil runs unauthenticated (see transceiver.Options).
+	// replayed ones, and the reuse routes (KVEventsPath, CachedPrefixPath)
+	// require ReuseToken(Secret); nil runs unauthenticated (see
+	// transceiver.Options).
 	Secret []byte
 	// AllowedPeerHosts are the hosts the transceiver may dial and accept
 	// transfer connections from, beyond loopback (security.allowed_peer_hosts
