@@ -199,7 +199,11 @@ func (w *Worker) kvEvents(rw http.ResponseWriter, r *http.Request) {
 		}
 		after = n
 	}
-	events, lost := w.eng.KVEvents(after)
+	src := w.eng.KVEvents
+	if w.kvEventsSource != nil {
+		src = w.kvEventsSource
+	}
+	events, lost := src(after)
 	out := make([]kvEventJSON, 0, min(len(events), limit))
 	size, next, more := 2, after, false
 	for i, e := range events {

@@ -135,3 +135,88 @@ func TestUsageReuseFields(t *testing.T) {
 		}
 	}
 }
+
+// TestWorkerKVEventsRoute: the route's cursors, bounds and headers, on a
+// fake event source (the engine publishes none before block reuse).
+func TestWorkerKVEventsRoute(t *testing.T) {
+	tw := newSecureWorker(t, RoleGeneration, nil, 10_000)
+	var all []engine.KVEvent
+	for i := range 3000 {
+		all = append(all, engine.KVEvent{ID: uint64(i + 1), Type: engine.KVEventStored, Hashes: kvcache.HashBlocks(kvcache.Hash{}, []int32{int32(i), 1, 2, 3}, 4)})
+	}
+	lostBelow := uint64(0) // reads after fewer than this say lost
+	tw.w.kvEventsSource = func(after uint64) ([]engine.KVEvent, bool) {
+		if after >= uint64(len(all)) {
+			return nil, false
+		}
+		return all[after:], after < lostBelow
+	}
+	read := func(query string) (int, http.Header, []kvEventJSON) {
+		t.Helper()
+		code, h, body := reuseCall(t, "GET", tw.srv.URL+KVEventsPath+query, "", "")
+		var evs []kvEventJSON
+		if code == 200 {
+			if err := json.Unmarshal([]byte(body), &evs); err != nil {
+				t.Fatalf("%s: %v", query, err)
+			}
+		}
+		return code, h, evs
+	}
+	for _, tc := range []struct {
+		query       string
+		n           int
+		first, next uint64
+		more        bool
+	}{
+		{"?after=0", MaxKVEventsPerAnswer, 1, MaxKVEventsPerAnswer, true},
+		{"?after=2990", 10, 2991, 3000, false},
+		{"?after=3000", 0, 0, 3000, false},
+		{"?after=5&limit=7", 7, 6, 12, true},
+	} {
+		code, h, evs := read(tc.query)
+		if code != 200 || len(evs) != tc.n || h.Get(KVEventsNextHeader) != fmt.Sprint(tc.next) || (h.Get(KVEventsMoreHeader) == "true") != tc.more {
+			t.Errorf("%s: %d, %d events, next %s, more %q", tc.query, code, len(evs), h.Get(KVEventsNextHeader), h.Get(KVEventsMoreHeader))
+			continue
+		}
+		for i, e := range evs {
+			if e.EventID != tc.first+uint64(i) || len(e.Data.Blocks) != 1 {
+				t.Errorf("%s: event %d is %+v", tc.query, i, e)
+				break
+			}
+		}
+	}
+	// Without after: one shared cursor that each read advances (upstream
+	// drains); readers with after are not affected.
+	total := 0
+	for range 5 {
+		_, _, evs := read("")
+		total += len(evs)
+	}
+	if _, _, evs := read(""); total != 3000 || len(evs) != 0 {
+		t.Errorf("draining: %d events in all, then %d", total, len(evs))
+	}
+	if _, _, evs := read("?after=0&limit=1"); len(evs) != 1 {
+		t.Errorf("a cursor read after draining: %d events", len(evs))
+	}
+	// Lost events are said in a header.
+	lostBelow = 100
+	if _, h, _ := read("?after=50&limit=1"); h.Get(KVEventsLostHeader) != "true" {
+		t.Errorf("lost: headers %v", h)
+	}
+	if _, h, _ := read("?after=150&limit=1"); h.Get(KVEventsLostHeader) != "" {
+		t.Errorf("not lost: headers %v", h)
+	}
+	// The byte bound: events with many blocks stop an answer early.
+	big := make([]kvcache.Hash, 40_000)
+	tw.w.kvEventsSource = func(after uint64) ([]engine.KVEvent, bool) {
+		var out []engine.KVEvent
+		for id := after + 1; id <= after+10; id++ {
+			out = append(out, engine.KVEvent{ID: id, Type: engine.KVEventRemoved, Hashes: big})
+		}
+		return out, false
+	}
+	code, h, body := reuseCall(t, "GET", tw.srv.URL+KVEventsPath+"?after=0", "", "")
+	if code != 200 || h.Get(KVEventsMoreHeader) != "true" || len(body) > 2*MaxKVEventsBytes {
+		t.Errorf("big events: %d, more %q, %d bytes", code, h.Get(KVEventsMoreHeader), len(body))
+	}
+}

@@ -15,6 +15,8 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/engine"
 	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/memstore"
 )
 
 // reuseFake is a fake worker with the reuse routes: the events it serves,
@@ -433,5 +435,66 @@ func TestConditionalDisaggUnreachable(t *testing.T) {
 	resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"hello"}`)
 	if resp.StatusCode != 200 || resp.Header.Get(RouteHeader) != RouteDisaggregated || ctx.calls.Load() != 1 || gen.local.Load() != 0 {
 		t.Errorf("%d %s %s; context calls %d, local %d", resp.StatusCode, resp.Header.Get(RouteHeader), body, ctx.calls.Load(), gen.local.Load())
+	}
+}
+
+// TestPoliciesDynamicMembership: with disagg_cluster, kv_cache_aware polls
+// a worker from its join on and routes to it by its cache, and
+// conversation forgets the conversations of a worker that left and moves
+// them to one that is there.
+func TestPoliciesDynamicMembership(t *testing.T) {
+	st := memstore.New(memstore.Options{})
+	t.Cleanup(func() { st.Close() })
+	r, rs := startRouter(t, RouterOptions{Cluster: &ClusterOptions{Store: st, Name: "t", MinContext: 1, MinGeneration: 1},
+		ContextPolicy: KVCacheAware, GenerationPolicy: Conversation, ContextTokensPerBlock: 4, KVEventsInterval: 10 * time.Millisecond})
+	a, au := startReuseFake(t, "ctx", "")
+	g1, g1u := startReuseFake(t, "gen", "")
+	g2, g2u := startReuseFake(t, "gen", "")
+	register(t, st, membership.RoleContext, au)
+	m1 := register(t, st, membership.RoleGeneration, g1u)
+	m2 := register(t, st, membership.RoleGeneration, g2u)
+	waitFor(t, 5*time.Second, "joins", func() bool { return len(r.prefill.list()) == 1 && len(r.gen.list()) == 2 })
+	prompt := "a prompt that one worker will have cached"
+	send := func(conv string) {
+		t.Helper()
+		if resp, body := post(t, rs.URL+"/v1/completions", fmt.Sprintf(`{"prompt":%q,"conversation_id":%q}`, prompt, conv)); resp.StatusCode != 200 {
+			t.Fatalf("%d %s", resp.StatusCode, body)
+		}
+	}
+	send("c1")
+	// A context worker joins with the prompt cached: polled, and preferred.
+	b, bu := startReuseFake(t, "ctx", "")
+	b.store(promptHashes(prompt, 4))
+	register(t, st, membership.RoleContext, bu)
+	waitFor(t, 5*time.Second, "b's join and events", func() bool {
+		s := serverOf(r, r.prefill, "http://"+strings.TrimPrefix(bu, "http://"))
+		return s != nil && s.kv.size() > 0
+	})
+	a0, b0 := a.calls.Load(), b.calls.Load()
+	for range 3 {
+		send("c1")
+	}
+	if a.calls.Load() != a0 || b.calls.Load() != b0+3 {
+		t.Errorf("context calls a %d→%d, b %d→%d: want all on b, which has the prompt", a0, a.calls.Load(), b0, b.calls.Load())
+	}
+	// c1 stayed on one generation worker; it leaves, and c1 moves.
+	on, other, leave := g1, g2, m1
+	if g2.calls.Load() > g1.calls.Load() {
+		on, other, leave = g2, g1, m2
+	}
+	if on.calls.Load() != 4 || other.calls.Load() != 0 {
+		t.Fatalf("conversation c1 spread: %d and %d", on.calls.Load(), other.calls.Load())
+	}
+	if err := leave.Deregister(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 5*time.Second, "the leave", func() bool { return len(r.gen.list()) == 1 })
+	if n := r.gen.conv.len(); n != 0 {
+		t.Errorf("%d conversations remembered on a worker that left", n)
+	}
+	send("c1")
+	send("c1")
+	if other.calls.Load() != 2 || on.calls.Load() != 4 {
+		t.Errorf("after the leave: %d on the one that stayed, %d on the one that left", other.calls.Load(), on.calls.Load())
 	}
 }

@@ -93,6 +93,8 @@ type Worker struct {
 	epoch      string
 	drainMu    sync.Mutex
 	drainAfter uint64
+	// kvEventsSource, when set (by tests), replaces the engine's KVEvents.
+	kvEventsSource func(after uint64) ([]engine.KVEvent, bool)
 	// promptTokens and cachedTokens count prompt tokens served and those
 	// found in the worker's reusable cache.
 	promptTokens, cachedTokens prometheus.Counter
