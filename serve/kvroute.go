@@ -85,12 +85,14 @@ func (r *Router) newRouteInfo(path string, orig object) *routeInfo {
 	if !r.needPrompt {
 		return ri
 	}
-	b, err := json.Marshal(orig)
-	if err != nil {
+	// The fields requestPrompt reads; a bad one leaves the prompt unknown
+	// (the worker will refuse the request, saying why).
+	var cr completionRequest
+	cr.Prompt = orig["prompt"]
+	if _, err := orig.get("prompt_token_ids", &cr.PromptTokenIDs); err != nil {
 		return ri
 	}
-	var cr completionRequest
-	if json.Unmarshal(b, &cr) != nil {
+	if _, err := orig.get("messages", &cr.Messages); err != nil {
 		return ri
 	}
 	ri.prompt, _ = requestPrompt(r.tok, &cr, path == "/v1/chat/completions")

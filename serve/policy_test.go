@@ -5,8 +5,10 @@ import (
 	"math/rand/v2"
 	"net/http"
 	"slices"
+	"strings"
 	"testing"
 
+	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 )
 
@@ -276,4 +278,32 @@ func FuzzDecodeKVEvents(f *testing.F) {
 			t.Fatalf("cursor %d, want %d", k.cursor(), u.next)
 		}
 	})
+}
+
+// BenchmarkKVAwareOrder is kv_cache_aware's cost per request: read the
+// prompt, hash its blocks, score 4 workers (one holding the prompt).
+func BenchmarkKVAwareOrder(b *testing.B) {
+	prompt := strings.Repeat("a long shared system prompt, then the user's turn. ", 80) // ~4k tokens
+	orig := object{}
+	orig.set("prompt", prompt)
+	g := &group{policy: KVCacheAware, tokensPerBlock: 32, args: config.DefaultRouterArgs()}
+	for i := range 4 {
+		s := newUpstream(fmt.Sprint("w", i))
+		for j := range 50_000 {
+			s.kv.blocks[hashesOf(int32(j*7+i), 1)[0]] = struct{}{}
+		}
+		g.servers = append(g.servers, s)
+	}
+	r := &Router{needPrompt: true}
+	ri := r.newRouteInfo("/v1/completions", orig)
+	for _, h := range ri.blockHashes(32, 0) {
+		g.servers[2].kv.blocks[h] = struct{}{}
+	}
+	b.SetBytes(int64(len(prompt)))
+	for b.Loop() {
+		ri := r.newRouteInfo("/v1/completions", orig)
+		if o, _ := g.orderFor(ri); o[0] != g.servers[2] {
+			b.Fatal("the worker with the prompt is not first")
+		}
+	}
 }
