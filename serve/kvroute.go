@@ -229,7 +229,11 @@ func (r *Router) pollKV() {
 			go func() {
 				defer r.probes.Done()
 				defer s.polling.Store(false)
-				if err := r.pollWorker(r.life, s); err != nil && r.life.Err() == nil {
+				err := r.pollWorker(r.life, s)
+				switch {
+				case err == nil:
+					r.m.Upstream.WithLabelValues(g.name, "kv_events").Inc()
+				case r.life.Err() == nil:
 					r.m.Upstream.WithLabelValues(g.name, "kv_events_error").Inc()
 					r.warn("kv-events:"+s.url, "cannot read a worker's KV cache events: its cached blocks are not updated", "role", g.name, "url", s.url, "err", err)
 				}

@@ -171,7 +171,9 @@ func TestUpKVCacheAware(t *testing.T) {
 	}
 	time.Sleep(300 * time.Millisecond)
 	_, m := httpGet(t, l.RouterURL+"/metrics", "")
-	if strings.Contains(m, `result="kv_events_error"`) {
+	if !strings.Contains(m, `kvxfer_router_upstream_requests_total{result="kv_events",role="context"}`) ||
+		!strings.Contains(m, `kvxfer_router_upstream_requests_total{result="kv_events",role="generation"}`) ||
+		strings.Contains(m, `result="kv_events_error"`) {
 		t.Errorf("the router could not read the workers' events:\n%s", grepLines(m, "kvxfer_router_upstream"))
 	}
 }
@@ -213,6 +215,13 @@ func TestUpConversation(t *testing.T) {
 // generation worker has the history cached (with reuse).
 func TestUpConditional(t *testing.T) {
 	l := launchUpstream(t, "cluster_conditional.yaml")
+	gen := l.GenerationURL[0]
+	req, _ := http.NewRequest(http.MethodPost, gen+serve.CachedPrefixPath, strings.NewReader(`{"prompt":"x"}`))
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("cached prefix without a token: %v %v", resp, err)
+	} else {
+		resp.Body.Close()
+	}
 	history := "system: " + strings.Repeat("be brief and exact. ", 30)
 	route, u := complete(t, l.RouterURL, map[string]any{"prompt": history})
 	if route != serve.RouteDisaggregated || u.Timing.KVTransferBytes == 0 {
