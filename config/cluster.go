@@ -134,15 +134,30 @@ func (l *loader) router(n *yaml.Node, path string, g *ServerGroup) {
 				return
 			}
 			switch t := strings.ToLower(strings.TrimSpace(s)); t {
-			case RouterRoundRobin, RouterLoadBalancing:
+			case RouterRoundRobin, RouterLoadBalancing, RouterKVCacheAware, RouterConversation:
 				g.Router = t
-			case RouterKVCacheAware, RouterConversation:
-				g.Router = t
-				l.c.warn(KindNotApplied, v.Line, v.Column, p, "%s is a TensorRT-LLM policy kvxfer does not implement yet: the router uses %s instead", t, RouterFallback)
 			default:
-				l.errAt(v, p, "unknown router type %q (valid: %s, %s; TensorRT-LLM's %s and %s load and fall back to %s)",
-					s, RouterRoundRobin, RouterLoadBalancing, RouterKVCacheAware, RouterConversation, RouterFallback)
+				l.errAt(v, p, "unknown router type %q (valid: %s, %s, %s, %s)",
+					s, RouterRoundRobin, RouterLoadBalancing, RouterKVCacheAware, RouterConversation)
 			}
+		},
+		"max_batch_size":   l.intKey(path, "max_batch_size", &g.RouterArgs.MaxBatchSize, 1, 1<<20),
+		"tokens_per_block": l.intKey(path, "tokens_per_block", &g.RouterArgs.TokensPerBlock, 1, MaxTokensPerBlock),
+		"max_sessions":     l.intKey(path, "max_sessions", &g.RouterArgs.MaxSessions, 1, 1<<24),
+		"hash_skip_count":  l.intKey(path, "hash_skip_count", &g.RouterArgs.HashSkipCount, 0, MaxPoolTokens),
+		"match_threshold": func(k, v *yaml.Node) {
+			p := join(path, "match_threshold")
+			var f float64
+			if v.Kind != yaml.ScalarNode || (v.Tag != "!!float" && v.Tag != "!!int") || v.Decode(&f) != nil {
+				l.errAt(v, p, "want a number in (0, 1], got %s", describeNode(v))
+				return
+			}
+			if !(f > 0 && f <= 1) {
+				l.errAt(v, p, "%v is out of range (0, 1]", f)
+				return
+			}
+			g.RouterArgs.MatchThreshold = f
+			l.mark(v, p)
 		},
 	}, routerKnown, false)
 }
@@ -187,7 +202,6 @@ func (l *loader) conditionalDisagg(k, n *yaml.Node) *ConditionalDisagg {
 	}, nil, true) {
 		return nil
 	}
-	l.c.warn(KindNotApplied, k.Line, k.Column, path, "accepted, not applied yet: %s", notAppliedYet[keyConditionalDisagg])
 	return cd
 }
 

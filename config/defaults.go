@@ -51,7 +51,7 @@ func defaultCacheTransceiver(b Backend) *CacheTransceiver {
 // defaultServerGroup is a server group without keys (it still needs a
 // cache_transceiver_config to be valid).
 func defaultServerGroup() ServerGroup {
-	return ServerGroup{NumInstances: 1, TensorParallelSize: 1, PipelineParallelSize: 1, Router: RouterRoundRobin, KVCache: DefaultKVCache()}
+	return ServerGroup{NumInstances: 1, TensorParallelSize: 1, PipelineParallelSize: 1, Router: RouterRoundRobin, RouterArgs: DefaultRouterArgs(), KVCache: DefaultKVCache()}
 }
 
 // dynamicGroup is a server group a cluster file with disagg_cluster leaves

@@ -72,7 +72,7 @@ func (f *File) formatCluster(m *yaml.Node) {
 		cm := &yaml.Node{Kind: yaml.MappingNode}
 		m.Content = append(m.Content, key(keyConditionalDisagg), cm)
 		f.addInt(cm, keyConditionalDisagg, "max_local_prefill_length", cd.MaxLocalPrefillLength)
-		cm.Content[0].HeadComment = "accepted, not applied yet"
+		cm.Content[0].HeadComment = "the router asks the chosen generation worker how much of the prompt it has cached; at most this many tokens left to compute (and some cached): prefilled there, no context worker"
 	}
 	if cl.DisaggCluster != nil {
 		f.addDisaggCluster(m, cl.DisaggCluster)
@@ -98,8 +98,16 @@ func (f *File) formatGroup(gm *yaml.Node, name string, g *ServerGroup) {
 	rm := &yaml.Node{Kind: yaml.MappingNode}
 	gm.Content = append(gm.Content, key("router"), rm)
 	f.addScalar(rm, join(name, "router"), "type", "!!str", g.Router)
-	if g.Router != RouterRoundRobin && g.Router != RouterLoadBalancing {
-		rm.Content[1].LineComment += "; the router uses " + RouterFallback + " (not implemented yet)"
+	rp := join(name, "router")
+	switch g.Router {
+	case RouterKVCacheAware:
+		f.addInt(rm, rp, "max_batch_size", g.RouterArgs.MaxBatchSize)
+		rm.Content[len(rm.Content)-1].LineComment += "; prefix blocks hashed with kv_cache_config.tokens_per_block " + strconv.Itoa(g.KVCache.TokensPerBlock)
+	case RouterConversation:
+		f.addInt(rm, rp, "max_sessions", g.RouterArgs.MaxSessions)
+		f.addInt(rm, rp, "tokens_per_block", g.RouterArgs.TokensPerBlock)
+		f.addScalar(rm, rp, "match_threshold", "!!float", strconv.FormatFloat(g.RouterArgs.MatchThreshold, 'g', -1, 64))
+		f.addInt(rm, rp, "hash_skip_count", g.RouterArgs.HashSkipCount)
 	}
 	f.addKVCache(gm, join(name, "kv_cache_config"), g.KVCache)
 	if g.CacheTransceiver != nil {

@@ -71,10 +71,9 @@ var clusterKnown = []string{
 	"num_workers", "disagg_coordinator_url",
 }
 
-// routerKnown are router keys other than type: the arguments of
-// TensorRT-LLM's policies.
-var routerKnown = []string{"args", "server_role", "use_tokens", "tokens_per_block", "max_sessions",
-	"match_threshold", "hash_skip_count", "use_token_ids", "max_batch_size", "max_num_tokens"}
+// routerKnown are router keys of TensorRT-LLM's policies that kvxfer does
+// not use (RouterArgs are the ones it does).
+var routerKnown = []string{"args", "server_role", "use_tokens", "use_token_ids", "max_num_tokens"}
 
 // groupKeys are the keys of a server group that are not LLM API options.
 var groupKeys = []string{"num_instances", "urls", "router"}
@@ -95,9 +94,7 @@ const (
 // notAppliedYet are the settings kvxfer checks but does not apply yet, each
 // with what happens instead; the loader warns about each one that is set.
 // An entry goes away in the change that gives its setting an effect.
-var notAppliedYet = map[string]string{
-	keyConditionalDisagg: "the router sends every request to a context worker first, whatever its length",
-}
+var notAppliedYet = map[string]string{}
 
 // envNotApplied are TensorRT-LLM variables of the transfer path that
 // kvxfer reads only to say that they have no effect.

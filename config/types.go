@@ -168,15 +168,45 @@ type Worker struct {
 const (
 	RouterRoundRobin    = "round_robin"
 	RouterLoadBalancing = "load_balancing"
-	// RouterKVCacheAware and RouterConversation are TensorRT-LLM policies
-	// kvxfer does not implement yet: a file naming them loads with a
-	// warning, and the router uses RouterFallback instead.
+	// RouterKVCacheAware sends a request to the worker whose reusable KV
+	// cache holds the longest prefix of its prompt, less its load
+	// (RouterArgs.MaxBatchSize); RouterConversation keeps a conversation
+	// on the worker that served it (RouterArgs.MaxSessions and the rest).
 	RouterKVCacheAware = "kv_cache_aware"
 	RouterConversation = "conversation"
-	// RouterFallback is the policy the router uses for the ones it does
-	// not implement.
-	RouterFallback = RouterLoadBalancing
 )
+
+// RouterArgs are the arguments of a server group's router block that
+// kvxfer applies (TensorRT-LLM's router keys beside type), defaults filled
+// in (DefaultRouterArgs). use_tokens and use_token_ids load and are not
+// used: kvxfer's load is requests in flight, and its router always has the
+// prompt's token ids.
+type RouterArgs struct {
+	// MaxBatchSize (kv_cache_aware, default 64) weighs the load in a
+	// worker's score: matched prefix fraction minus in-flight requests /
+	// MaxBatchSize.
+	MaxBatchSize int
+	// TokensPerBlock (conversation, default 128) is the block size of the
+	// prefix hashes that match a request without conversation_id to an
+	// earlier one. kv_cache_aware ignores it: it hashes with the workers'
+	// kv_cache_config.tokens_per_block, as their caches do.
+	TokensPerBlock int
+	// MaxSessions (conversation, default 100000) bounds the conversations
+	// the router remembers; the least recently used one goes first.
+	MaxSessions int
+	// MatchThreshold (conversation, default 0.75) is the fraction of a
+	// request's prefix blocks an earlier request must share for the
+	// request to continue its conversation.
+	MatchThreshold float64
+	// HashSkipCount (conversation, default 0) leading tokens are left out
+	// of the prefix hashes (a shared system prompt).
+	HashSkipCount int
+}
+
+// DefaultRouterArgs are TensorRT-LLM's router defaults.
+func DefaultRouterArgs() RouterArgs {
+	return RouterArgs{MaxBatchSize: 64, TokensPerBlock: 128, MaxSessions: 100000, MatchThreshold: 0.75}
+}
 
 // ServerGroup is context_servers or generation_servers of a cluster file,
 // with the LLM API options of the file's top level merged in (a group's
@@ -192,9 +222,11 @@ type ServerGroup struct {
 	// free ports. When given there is one per instance.
 	URLs []string
 	// Router is the policy as written, lower case: round_robin (default),
-	// load_balancing, or one the router replaces by RouterFallback.
-	Router  string
-	KVCache KVCache
+	// load_balancing, kv_cache_aware or conversation.
+	Router string
+	// RouterArgs are the router block's other keys.
+	RouterArgs RouterArgs
+	KVCache    KVCache
 	// CacheTransceiver is nil when neither the group nor the top level has
 	// a cache_transceiver_config: its workers are started separately with
 	// their own worker files. kvxfer up then uses backend DEFAULT.
@@ -209,7 +241,6 @@ type Cluster struct {
 	Context    ServerGroup
 	Generation ServerGroup
 	// ConditionalDisagg is conditional_disagg_config, nil when absent.
-	// Checked, not applied yet.
 	ConditionalDisagg *ConditionalDisagg
 	// DisaggCluster is disagg_cluster (dynamic membership), nil when
 	// absent. With it the file may leave out both server groups. Checked,
@@ -219,9 +250,12 @@ type Cluster struct {
 	Security Security
 }
 
-// ConditionalDisagg is conditional_disagg_config: a request whose uncached
-// prompt part is at most MaxLocalPrefillLength tokens is prefilled on the
-// generation worker itself.
+// ConditionalDisagg is conditional_disagg_config: a request whose prompt
+// the chosen generation worker has partly cached, with at most
+// MaxLocalPrefillLength tokens left to compute, is prefilled on that
+// generation worker itself (context_and_generation, no transfer); any
+// other goes through a context worker. As TensorRT-LLM, a prompt with
+// nothing cached always goes through a context worker.
 type ConditionalDisagg struct {
 	MaxLocalPrefillLength int
 }

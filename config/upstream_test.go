@@ -356,9 +356,60 @@ generation_servers:
 	for _, w := range f.NotApplied() {
 		got = append(got, w.Path)
 	}
-	want := []string{"env TRTLLM_NIXL_KVCACHE_BACKEND", keyConditionalDisagg, "context_servers.router.type",
-		"context_servers.cache_transceiver_config.transceiver_runtime"}
+	// conditional_disagg_config and router.type kv_cache_aware are applied:
+	// not listed.
+	want := []string{"env TRTLLM_NIXL_KVCACHE_BACKEND", "context_servers.cache_transceiver_config.transceiver_runtime"}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("not applied:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// TestRouterArgs: the router keys kvxfer applies are read with their
+// defaults; the ones it does not use are warnings; bad values are errors.
+func TestRouterArgs(t *testing.T) {
+	def := DefaultRouterArgs()
+	for _, tc := range []struct {
+		name, router string
+		want         RouterArgs
+		policy       string
+		warn, err    string
+	}{
+		{"defaults", `{type: kv_cache_aware}`, def, RouterKVCacheAware, "", ""},
+		{"upper case", `{type: CONVERSATION, max_sessions: 4096}`, RouterArgs{64, 128, 4096, 0.75, 0}, RouterConversation, "", ""},
+		{"all", `{type: conversation, max_sessions: 2, tokens_per_block: 16, match_threshold: 0.5, hash_skip_count: 100, max_batch_size: 8}`,
+			RouterArgs{8, 16, 2, 0.5, 100}, RouterConversation, "", ""},
+		{"threshold 1", `{type: conversation, match_threshold: 1}`, RouterArgs{64, 128, 100000, 1, 0}, RouterConversation, "", ""},
+		{"not used", `{type: load_balancing, use_tokens: true}`, def, RouterLoadBalancing, "context_servers.router.use_tokens", ""},
+		{"threshold 0", `{type: conversation, match_threshold: 0}`, def, "", "", "match_threshold: 0 is out of range"},
+		{"threshold text", `{type: conversation, match_threshold: high}`, def, "", "", "match_threshold: want a number"},
+		{"max_sessions 0", `{type: conversation, max_sessions: 0}`, def, "", "", "max_sessions: 0 is out of range"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			text := "context_servers:\n  router: " + tc.router + "\n  cache_transceiver_config: {backend: DEFAULT}\ngeneration_servers:\n  cache_transceiver_config: {backend: DEFAULT}\n"
+			f, err := LoadBytes("c.yaml", []byte(text), EnvFromMap(nil))
+			if tc.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.err) {
+					t.Fatalf("error %v, want one containing %q", err, tc.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			g := f.Cluster.Context
+			if g.Router != tc.policy || g.RouterArgs != tc.want {
+				t.Errorf("router %q %+v, want %q %+v", g.Router, g.RouterArgs, tc.policy, tc.want)
+			}
+			if f.Cluster.Generation.RouterArgs != def {
+				t.Errorf("generation_servers' router args %+v, want the defaults", f.Cluster.Generation.RouterArgs)
+			}
+			warned := false
+			for _, w := range f.Warnings {
+				warned = warned || w.Path == tc.warn
+			}
+			if tc.warn != "" && !warned {
+				t.Errorf("no warning at %s: %v", tc.warn, f.Warnings)
+			}
+		})
 	}
 }

@@ -99,7 +99,7 @@ func (r *Router) syncMembers(changes []membership.Change) {
 			info := m
 			s := old[u]
 			if s == nil {
-				s = &upstream{url: u}
+				s = newUpstream(u)
 			}
 			delete(old, u)
 			s.member.Store(&info)
@@ -108,6 +108,9 @@ func (r *Router) syncMembers(changes []membership.Change) {
 		}
 		for _, s := range old {
 			s.removed.Store(true)
+			if gr.g.conv != nil {
+				gr.g.conv.forget(s.url)
+			}
 		}
 		gr.g.servers = next
 		gr.g.mu.Unlock()

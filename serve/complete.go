@@ -17,15 +17,27 @@ type timingJSON struct {
 	PrefillMs       float64 `json:"prefill_ms"`
 	KVTransferMs    float64 `json:"kv_transfer_ms"`
 	KVTransferBytes int64   `json:"kv_transfer_bytes"`
-	FirstDecodeMs   float64 `json:"first_decode_ms"`
-	TotalMs         float64 `json:"total_ms"`
+	// KVTransferBlocks and KVBlockBytes (generation_only) are the blocks
+	// the worker asked the context worker for (those it lacked) and the
+	// size of one, summed over its ranks.
+	KVTransferBlocks int     `json:"kv_transfer_blocks"`
+	KVBlockBytes     int64   `json:"kv_block_bytes"`
+	FirstDecodeMs    float64 `json:"first_decode_ms"`
+	TotalMs          float64 `json:"total_ms"`
 }
 
 type usageJSON struct {
-	PromptTokens     int         `json:"prompt_tokens"`
-	CompletionTokens int         `json:"completion_tokens"`
-	TotalTokens      int         `json:"total_tokens"`
-	Timing           *timingJSON `json:"kvxfer_timing,omitempty"`
+	PromptTokens     int                 `json:"prompt_tokens"`
+	CompletionTokens int                 `json:"completion_tokens"`
+	TotalTokens      int                 `json:"total_tokens"`
+	Details          promptTokensDetails `json:"prompt_tokens_details"`
+	Timing           *timingJSON         `json:"kvxfer_timing,omitempty"`
+}
+
+// promptTokensDetails is OpenAI's usage.prompt_tokens_details: the prompt
+// tokens found in the worker's reusable cache.
+type promptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
 }
 
 func msOf(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
@@ -33,9 +45,10 @@ func msOf(d time.Duration) float64 { return float64(d) / float64(time.Millisecon
 func usageOf(f *engine.Final) *usageJSON {
 	t := f.Timing
 	return &usageJSON{PromptTokens: f.Usage.PromptTokens, CompletionTokens: f.Usage.CompletionTokens,
-		TotalTokens: f.Usage.PromptTokens + f.Usage.CompletionTokens,
+		TotalTokens: f.Usage.PromptTokens + f.Usage.CompletionTokens, Details: promptTokensDetails{CachedTokens: f.Usage.CachedTokens},
 		Timing: &timingJSON{QueueMs: msOf(t.Queue), PrefillMs: msOf(t.Prefill), KVTransferMs: msOf(t.KVTransfer),
-			KVTransferBytes: t.TransferBytes, FirstDecodeMs: msOf(t.FirstDecode), TotalMs: msOf(t.Total)}}
+			KVTransferBytes: t.TransferBytes, KVTransferBlocks: t.TransferBlocks, KVBlockBytes: t.BlockBytes,
+			FirstDecodeMs: msOf(t.FirstDecode), TotalMs: msOf(t.Total)}}
 }
 
 // disaggOf is the disaggregated_params of a context_only answer.
@@ -102,7 +115,7 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 		writeError(rw, code, typ, ferr.Error())
 		return
 	}
-	w.observeTPOT(final)
+	w.observeFinal(final)
 	choice := map[string]any{"index": 0, "finish_reason": final.FinishReason, "logprobs": nil}
 	if chat {
 		choice["message"] = map[string]any{"role": "assistant", "content": string(text)}
@@ -124,7 +137,11 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 	json.NewEncoder(rw).Encode(resp)
 }
 
-func (w *Worker) observeTPOT(f *engine.Final) {
+// observeFinal counts a finished request: its prompt and cached tokens, and
+// its time per output token.
+func (w *Worker) observeFinal(f *engine.Final) {
+	w.promptTokens.Add(float64(f.Usage.PromptTokens))
+	w.cachedTokens.Add(float64(f.Usage.CachedTokens))
 	if n := f.Usage.CompletionTokens - 1; n > 0 && f.Timing.Decode > 0 {
 		w.m.TPOT.Observe(f.Timing.Decode.Seconds() / float64(n))
 	}
@@ -204,7 +221,7 @@ func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, obje
 			send(e)
 			return
 		}
-		w.observeTPOT(f)
+		w.observeFinal(f)
 		last := chunk(ev.Text, f.FinishReason)
 		if dp := disaggOf(f); dp != nil {
 			last["choices"].([]any)[0].(map[string]any)["disaggregated_params"] = dp

@@ -31,6 +31,20 @@
 // cannot migrate ends with an error event and no [DONE] (a 502 or 504
 // when not streamed).
 //
+// Routing policies (per server group, TensorRT-LLM's): round_robin,
+// load_balancing, kv_cache_aware and conversation (see Policy). The
+// kv_cache_aware router polls each worker's KVEventsPath with a goroutine
+// of its own (started by the first routed request, stopped by Close) and
+// keeps, per worker, the block hashes it holds; it hashes prompts itself
+// with package kvcache's HashBlocks, as the workers' caches do. The pure
+// parts (scores, the conversation memory, applying events) are in
+// policy.go. Conditional disaggregation (RouterOptions.ConditionalDisagg)
+// asks the chosen generation worker CachedPrefixPath and sends a prompt it
+// has mostly cached there as context_and_generation; RouteHeader says
+// which path a request took. The worker's reuse routes require
+// ReuseToken(secret) when the cluster has a secret: they tell what other
+// users' prompts share with one's own.
+//
 // HTTP servers (worker, router) run within HTTPLimits: a total and a
 // per-client-host cap on open connections (the excess is refused at once),
 // a keep-alive idle timeout and a header timeout; kvxfer_connections_*

@@ -44,7 +44,7 @@ func (e *retryable) Unwrap() error { return e.err }
 var errStreamEnded = errors.New("the generation worker ended the stream with an error")
 
 // routeMigrating is route with migration on.
-func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path string, orig object, stream bool) {
+func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path string, orig object, stream bool, ri *routeInfo) {
 	ctx := req.Context()
 	cs := newClientStream(w, path == "/v1/chat/completions")
 	orig.get("return_token_ids", &cs.ids)
@@ -58,7 +58,7 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 		if stream {
 			resume = cs.seen
 		}
-		cr, out := r.runContext(ctx, path, orig, resume)
+		cr, out := r.runContext(ctx, path, orig, resume, ri)
 		if cr == nil {
 			if migrating && (out.err != nil || !out.finished) {
 				r.m.Migrations.WithLabelValues("failed").Inc()
@@ -80,7 +80,7 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 		if len(resume) > 0 {
 			genReq.set(ResumeField, resume)
 		}
-		resp, srv, err := r.post(ctx, r.gen, path, genReq, avoid)
+		resp, srv, err := r.post(ctx, r.gen, path, genReq, avoid, ri)
 		var fail *retryable
 		switch {
 		case err != nil && ctx.Err() != nil:

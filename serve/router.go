@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/engine"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/membership"
 	"github.com/kvxfer/kvxfer/membership/memstore"
@@ -36,11 +37,20 @@ type Policy string
 const (
 	RoundRobin    Policy = "round_robin"
 	LoadBalancing Policy = "load_balancing" // fewest requests in flight
-	// KVCacheAware and Conversation are TensorRT-LLM's policies that the
-	// router does not implement yet: a group configured with one is routed
-	// with config.RouterFallback (load_balancing), and NewRouter logs a
-	// warning that says so.
+	// KVCacheAware sends a request to the worker with the best score of
+	// cached prefix and load, as TensorRT-LLM's: the fraction of the
+	// prompt's blocks the worker holds (from its KV cache events, which
+	// the router polls) less its requests in flight over
+	// config.RouterArgs.MaxBatchSize; ties, empty caches included, go
+	// round robin.
 	KVCacheAware Policy = config.RouterKVCacheAware
+	// Conversation keeps a conversation on the worker that served it: by
+	// the request's conversation_id (or TensorRT-LLM's
+	// disaggregated_params.conversation_id), else by the longest shared
+	// prefix of an earlier request (config.RouterArgs.MatchThreshold);
+	// a new conversation, or one whose worker left or is down, goes to the
+	// least loaded worker. At most config.RouterArgs.MaxSessions
+	// conversations are remembered, least recently used evicted.
 	Conversation Policy = config.RouterConversation
 )
 
@@ -62,7 +72,14 @@ type upstream struct {
 	// or it deregistered): its probes stop.
 	member  atomic.Pointer[membership.WorkerInfo]
 	removed atomic.Bool
+
+	// kv is what the router knows of the worker's reusable KV cache
+	// (kv_cache_aware); polling is set while a poll of its events runs.
+	kv      *kvSet
+	polling atomic.Bool
 }
+
+func newUpstream(url string) *upstream { return &upstream{url: url, kv: newKVSet()} }
 
 // state returns whether s is marked down, why and since when.
 func (s *upstream) state() (bool, string, time.Time) {
@@ -80,6 +97,13 @@ type group struct {
 	// that registered themselves.
 	servers []*upstream
 	next    atomic.Uint64
+
+	// tokensPerBlock (kv_cache_aware) is the workers' block size, which
+	// the router hashes prompts with; args are the router block's; conv
+	// is the conversation policy's memory.
+	tokensPerBlock int
+	args           config.RouterArgs
+	conv           *sessions
 }
 
 // list returns the group's servers now.
@@ -89,32 +113,35 @@ func (g *group) list() []*upstream {
 	return g.servers
 }
 
-// order returns the servers to try, best first.
+// order returns the servers to try, best first, for a request the policy
+// knows nothing of.
 func (g *group) order() []*upstream {
+	o, _ := g.orderFor(nil)
+	return o
+}
+
+// orderFor returns the servers to try for ri (nil: a request of no
+// particular prompt), best first, and for the conversation policy the
+// conversation ri continues.
+func (g *group) orderFor(ri *routeInfo) ([]*upstream, string) {
 	servers := g.list()
-	n := len(servers)
-	if n == 0 {
-		return nil
+	if len(servers) == 0 {
+		return nil, ""
 	}
-	out := make([]*upstream, 0, n)
+	if ri != nil && ri.only != nil {
+		return []*upstream{ri.only}, ""
+	}
+	var out []*upstream
+	var conv string
 	switch g.policy {
 	case LoadBalancing:
-		out = append(out, servers...)
-		// Fewest in flight first; ties by round robin so load spreads.
-		start := int(g.next.Add(1) % uint64(n))
-		rot := append(out[start:], out[:start]...)
-		out = make([]*upstream, 0, n)
-		for len(rot) > 0 {
-			best := 0
-			for i, s := range rot {
-				if s.inflight.Load() < rot[best].inflight.Load() {
-					best = i
-				}
-			}
-			out = append(out, rot[best])
-			rot = append(rot[:best:best], rot[best+1:]...)
-		}
+		out = g.orderLoad(servers)
+	case KVCacheAware:
+		out = g.orderKVAware(servers, ri)
+	case Conversation:
+		out, conv = g.orderConversation(servers, ri)
 	default:
+		n := len(servers)
 		start := int(g.next.Add(1) % uint64(n))
 		for i := range n {
 			out = append(out, servers[(start+i)%n])
@@ -132,6 +159,26 @@ func (g *group) order() []*upstream {
 		}
 		return 1
 	})
+	return out, conv
+}
+
+// orderLoad orders servers by fewest in flight; ties by round robin so
+// load spreads.
+func (g *group) orderLoad(servers []*upstream) []*upstream {
+	n := len(servers)
+	start := int(g.next.Add(1) % uint64(n))
+	rot := append(slices.Clone(servers[start:]), servers[:start]...)
+	out := make([]*upstream, 0, n)
+	for len(rot) > 0 {
+		best := 0
+		for i, s := range rot {
+			if s.inflight.Load() < rot[best].inflight.Load() {
+				best = i
+			}
+		}
+		out = append(out, rot[best])
+		rot = append(rot[:best:best], rot[best+1:]...)
+	}
 	return out
 }
 
@@ -160,6 +207,25 @@ type RouterOptions struct {
 	// themselves: the router watches its store and routes to its members
 	// besides Context and Generation (which may then be empty).
 	Cluster *ClusterOptions
+
+	// ContextArgs and GenerationArgs are the groups' router arguments
+	// (kv_cache_aware, conversation); zero fields take
+	// config.DefaultRouterArgs'.
+	ContextArgs, GenerationArgs config.RouterArgs
+	// ContextTokensPerBlock and GenerationTokensPerBlock are the workers'
+	// kv_cache_config.tokens_per_block, with which kv_cache_aware hashes
+	// prompts as their caches do; 0 means config.DefaultTokensPerBlock.
+	ContextTokensPerBlock, GenerationTokensPerBlock int
+	// KVEventsInterval is how often kv_cache_aware polls each worker's KV
+	// cache events (besides a poll when a request ends); 0 means
+	// DefaultKVEventsInterval.
+	KVEventsInterval time.Duration
+	// ConditionalDisagg, when set, is conditional_disagg_config: see
+	// Router.
+	ConditionalDisagg *config.ConditionalDisagg
+	// Secret is the cluster secret: the router proves it (ReuseToken) to
+	// the workers' KV cache event and cached-prefix routes.
+	Secret []byte
 }
 
 // DefaultMigrationLimit is RouterOptions.MigrationLimit's default, and
@@ -205,8 +271,12 @@ const (
 // with the context's disaggregated_params and prompt token ids, and returns
 // (or streams) the generation worker's answer. When the generation worker
 // fails mid-request, the request migrates to another one
-// (RouterOptions.MigrationLimit; see routeMigrating). Safe for concurrent
-// use.
+// (RouterOptions.MigrationLimit; see routeMigrating). With
+// conditional_disagg_config (RouterOptions.ConditionalDisagg) it first
+// asks the generation worker its policy picks how much of the prompt it
+// has cached, and sends a prompt with some cached and at most
+// MaxLocalPrefillLength left to compute there as context_and_generation
+// (tryLocal). Safe for concurrent use.
 type Router struct {
 	prefill, gen *group
 	client       *http.Client
@@ -229,6 +299,20 @@ type Router struct {
 
 	cluster *routerCluster // nil without disagg_cluster
 	tls     bool           // worker URLs need https://
+
+	// Reuse (kvroute.go): whether a policy reads the prompt, the
+	// tokenizer it reads it with, the event poller, the bearer token of
+	// the workers' reuse routes, conditional_disagg_config, and the
+	// counter of the path each request took.
+	needPrompt bool
+	tok        engine.Tokenizer
+	kvPolled   bool // a group is kv_cache_aware
+	kvOnce     sync.Once
+	kvNudge    chan struct{}
+	kvInterval time.Duration
+	reuseToken string
+	cond       *config.ConditionalDisagg
+	paths      *prometheus.CounterVec
 }
 
 // NewRouter builds a router. It starts no goroutines, except with
@@ -242,34 +326,45 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	mk := func(name string, urls []string, p Policy) (*group, error) {
+	mk := func(name string, urls []string, p Policy, args config.RouterArgs, tpb int) (*group, error) {
 		switch p {
 		case "":
 			p = RoundRobin
-		case RoundRobin, LoadBalancing:
-		case KVCacheAware, Conversation:
-			fb := Policy(config.RouterFallback)
-			log.Warn("router policy not implemented yet: using "+string(fb)+" instead", "group", name, "policy", string(p), "using", string(fb))
-			p = fb
+		case RoundRobin, LoadBalancing, KVCacheAware, Conversation:
 		default:
-			return nil, fmt.Errorf("serve: %s router policy %q (valid: %s, %s; %s and %s fall back to %s)",
-				name, p, RoundRobin, LoadBalancing, KVCacheAware, Conversation, config.RouterFallback)
+			return nil, fmt.Errorf("serve: %s router policy %q (valid: %s, %s, %s, %s)",
+				name, p, RoundRobin, LoadBalancing, KVCacheAware, Conversation)
 		}
-		g := &group{name: name, policy: p}
+		def := config.DefaultRouterArgs()
+		or := func(v, d int) int {
+			if v <= 0 {
+				return d
+			}
+			return v
+		}
+		args.MaxBatchSize, args.TokensPerBlock, args.MaxSessions = or(args.MaxBatchSize, def.MaxBatchSize), or(args.TokensPerBlock, def.TokensPerBlock), or(args.MaxSessions, def.MaxSessions)
+		if args.MatchThreshold <= 0 || args.MatchThreshold > 1 {
+			args.MatchThreshold = def.MatchThreshold
+		}
+		args.HashSkipCount = max(args.HashSkipCount, 0)
+		g := &group{name: name, policy: p, args: args, tokensPerBlock: or(tpb, config.DefaultTokensPerBlock)}
+		if p == Conversation {
+			g.conv = newSessions(args.MaxSessions, args.MatchThreshold)
+		}
 		for _, u := range urls {
 			nu, err := upstreamURL(u, o.TLS != nil)
 			if err != nil {
 				return nil, err
 			}
-			g.servers = append(g.servers, &upstream{url: nu})
+			g.servers = append(g.servers, newUpstream(nu))
 		}
 		return g, nil
 	}
-	cg, err := mk("context", o.Context, o.ContextPolicy)
+	cg, err := mk("context", o.Context, o.ContextPolicy, o.ContextArgs, o.ContextTokensPerBlock)
 	if err != nil {
 		return nil, err
 	}
-	gg, err := mk("generation", o.Generation, o.GenerationPolicy)
+	gg, err := mk("generation", o.Generation, o.GenerationPolicy, o.GenerationArgs, o.GenerationTokensPerBlock)
 	if err != nil {
 		return nil, err
 	}
@@ -295,6 +390,13 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	r.life, r.stop = context.WithCancel(context.Background())
 	r.m = metrics.NewRouter(r.reg)
 	r.tls = o.TLS != nil
+	r.kvPolled = cg.policy == KVCacheAware || gg.policy == KVCacheAware
+	r.needPrompt = r.kvPolled || cg.policy == Conversation || gg.policy == Conversation || o.ConditionalDisagg != nil
+	r.kvNudge, r.kvInterval = make(chan struct{}, 1), or(o.KVEventsInterval, DefaultKVEventsInterval)
+	r.reuseToken, r.cond = ReuseToken(o.Secret), o.ConditionalDisagg
+	r.paths = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_router_prefill_path_total",
+		Help: "Requests routed, by where their prompt was prefilled: local (on the generation worker, conditional disaggregation) or disaggregated (on a context worker)."}, []string{"path"})
+	r.reg.MustRegister(r.paths)
 	r.updateWorkerGauge()
 	if o.Cluster != nil {
 		r.startCluster(*o.Cluster)
@@ -362,12 +464,20 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 		writeNotReady(w, role, why)
 		return
 	}
+	r.startKVPoller()
+	defer r.nudgeKV()
+	ri := r.newRouteInfo(path, orig)
+	if r.tryLocal(w, req, path, orig, ri) {
+		return
+	}
+	r.paths.WithLabelValues(RouteDisaggregated).Inc()
+	w.Header().Set(RouteHeader, RouteDisaggregated)
 	if r.migration > 0 {
-		r.routeMigrating(w, req, path, orig, stream)
+		r.routeMigrating(w, req, path, orig, stream, ri)
 		return
 	}
 	// 1. Context phase: context_only, never streamed.
-	cr := r.contextPhase(req.Context(), w, path, orig, stream)
+	cr := r.contextPhase(req.Context(), w, path, orig, stream, ri)
 	if cr == nil {
 		return
 	}
@@ -376,7 +486,7 @@ func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	}
 	// 2. Generation phase.
 	genReq := generationRequest(path, orig, cr)
-	resp, _, err := r.post(req.Context(), r.gen, path, genReq, nil)
+	resp, _, err := r.post(req.Context(), r.gen, path, genReq, nil, ri)
 	if err != nil || resp.StatusCode != http.StatusOK {
 		// Refused, failed, or the client went away: no generation worker
 		// will pull this context request, so the context worker releases
@@ -482,8 +592,8 @@ func readRouted(req *http.Request) (object, bool, error) {
 	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
 		return nil, false, errors.New("request body must be a JSON object")
 	}
-	if _, ok := orig["disaggregated_params"]; ok {
-		return nil, false, errors.New("disaggregated_params is set by the router; send the plain OpenAI request")
+	if err := takeConversation(orig); err != nil {
+		return nil, false, err
 	}
 	if _, ok := orig[ResumeField]; ok {
 		return nil, false, errors.New(ResumeField + " is set by the router when it migrates a request; send the plain OpenAI request")
@@ -513,8 +623,8 @@ func (c *contextResult) id() uint64 {
 // contextPhase sends orig to a context server as context_only. When the
 // request ends there (an error, or an answer that finished in the context
 // phase) it has answered w and returns nil.
-func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path string, orig object, stream bool) *contextResult {
-	cr, out := r.runContext(ctx, path, orig, nil)
+func (r *Router) contextPhase(ctx context.Context, w http.ResponseWriter, path string, orig object, stream bool, ri *routeInfo) *contextResult {
+	cr, out := r.runContext(ctx, path, orig, nil, ri)
 	if cr == nil {
 		r.writeOutcome(w, out, stream)
 	}
@@ -547,7 +657,7 @@ func (r *Router) writeOutcome(w http.ResponseWriter, o *contextOutcome, stream b
 
 // runContext sends orig to a context server as context_only (resumed
 // after resume, when set). It returns the context phase to pull, or how the request ended.
-func (r *Router) runContext(ctx context.Context, path string, orig object, resume []int32) (*contextResult, *contextOutcome) {
+func (r *Router) runContext(ctx context.Context, path string, orig object, resume []int32, ri *routeInfo) (*contextResult, *contextOutcome) {
 	prefillReq := maps.Clone(orig)
 	prefillReq.set("stream", false)
 	delete(prefillReq, "stream_options")
@@ -555,7 +665,7 @@ func (r *Router) runContext(ctx context.Context, path string, orig object, resum
 	if len(resume) > 0 {
 		prefillReq.set(ResumeField, resume)
 	}
-	resp, _, err := r.post(ctx, r.prefill, path, prefillReq, nil)
+	resp, _, err := r.post(ctx, r.prefill, path, prefillReq, nil, ri)
 	if err != nil {
 		return nil, &contextOutcome{err: err}
 	}
@@ -625,17 +735,17 @@ func (r *Router) replayFinished(w http.ResponseWriter, body []byte, stream bool)
 	fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", chunk)
 }
 
-// post sends body to the group's servers in policy order (avoid, when set,
-// last), moving to the next server only when one cannot be reached
-// (nothing was sent). It returns the server it sent body to, also with an
-// error after sending.
-func (r *Router) post(ctx context.Context, g *group, path string, body object, avoid *upstream) (*http.Response, *upstream, error) {
+// post sends body to the group's servers in policy order for ri (avoid,
+// when set, last), moving to the next server only when one cannot be
+// reached (nothing was sent). It returns the server it sent body to, also
+// with an error after sending.
+func (r *Router) post(ctx context.Context, g *group, path string, body object, avoid *upstream, ri *routeInfo) (*http.Response, *upstream, error) {
 	b, err := json.Marshal(body)
 	if err != nil {
 		return nil, nil, err
 	}
 	var errs []error
-	order := g.order()
+	order, conv := g.orderFor(ri)
 	if i := slices.Index(order, avoid); i >= 0 {
 		order = append(slices.Delete(order, i, i+1), avoid)
 	}
@@ -671,6 +781,7 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object, a
 			result = "http_error"
 		}
 		r.m.Upstream.WithLabelValues(g.name, result).Inc()
+		g.served(ri, conv, s)
 		resp.Body = &doneBody{ReadCloser: resp.Body, done: func() { s.inflight.Add(-1) }}
 		return resp, s, nil
 	}

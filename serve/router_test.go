@@ -240,27 +240,29 @@ func TestRouterLoadBalancing(t *testing.T) {
 	}
 }
 
-// TestRouterPolicyFallback: TensorRT-LLM's kv_cache_aware and conversation
-// policies, which the router does not implement yet, route with
-// load_balancing and say so; an unknown policy is refused.
-func TestRouterPolicyFallback(t *testing.T) {
-	for _, p := range []Policy{KVCacheAware, Conversation} {
+// TestRouterPolicies: TensorRT-LLM's four policies are taken as they are,
+// without a warning; an unknown policy is refused with the valid ones.
+func TestRouterPolicies(t *testing.T) {
+	for _, p := range []Policy{RoundRobin, LoadBalancing, KVCacheAware, Conversation} {
 		var logs bytes.Buffer
 		r, err := NewRouter(RouterOptions{Context: []string{"a:1"}, Generation: []string{"b:2"}, ContextPolicy: p,
 			GenerationPolicy: RoundRobin, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 		if err != nil {
 			t.Fatalf("%s: %v", p, err)
 		}
-		if r.prefill.policy != LoadBalancing || r.gen.policy != RoundRobin {
+		if r.prefill.policy != p || r.gen.policy != RoundRobin {
 			t.Errorf("%s: policies %s, %s", p, r.prefill.policy, r.gen.policy)
 		}
-		if out := logs.String(); !strings.Contains(out, "level=WARN") || !strings.Contains(out, "policy="+string(p)) || !strings.Contains(out, "using=load_balancing") {
+		if (r.prefill.conv != nil) != (p == Conversation) || r.kvPolled != (p == KVCacheAware) {
+			t.Errorf("%s: conversation memory %v, kv polled %v", p, r.prefill.conv != nil, r.kvPolled)
+		}
+		if out := logs.String(); strings.Contains(out, "level=WARN") {
 			t.Errorf("%s: log %q", p, out)
 		}
 		r.Close()
 	}
 	if _, err := NewRouter(RouterOptions{Context: []string{"a:1"}, Generation: []string{"b:2"}, ContextPolicy: "random"}); err == nil ||
-		!strings.Contains(err.Error(), `context router policy "random" (valid: round_robin, load_balancing; kv_cache_aware and conversation fall back to load_balancing)`) {
+		!strings.Contains(err.Error(), `context router policy "random" (valid: round_robin, load_balancing, kv_cache_aware, conversation)`) {
 		t.Errorf("unknown policy: %v", err)
 	}
 }

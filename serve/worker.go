@@ -36,9 +36,10 @@ const DefaultModel = "tiny-gqa"
 
 // WorkerOptions configure a Worker.
 type WorkerOptions struct {
-	// Role is context (serves context_only), generation (generation_only)
-	// or both (every request type; the disaggregated ones need a
-	// transceiver).
+	// Role is context (serves context_only), generation (generation_only,
+	// and context_and_generation when the request says so: the router's
+	// conditional disaggregation) or both (every request type; the
+	// disaggregated ones need a transceiver).
 	Role string
 	// Model is an engine preset name (engine.Presets).
 	Model string
@@ -52,7 +53,9 @@ type WorkerOptions struct {
 	TransceiverHost string
 	// Secret is the cluster secret: with it the transceiver signs the
 	// opaque states it hands out and refuses unsigned, forged, expired and
-	// replayed ones; nil runs unauthenticated (see transceiver.Options).
+	// replayed ones, and the reuse routes (KVEventsPath, CachedPrefixPath)
+	// require ReuseToken(Secret); nil runs unauthenticated (see
+	// transceiver.Options).
 	Secret []byte
 	// AllowedPeerHosts are the hosts the transceiver may dial and accept
 	// transfer connections from, beyond loopback (security.allowed_peer_hosts
@@ -82,6 +85,19 @@ type Worker struct {
 	seq     atomic.Uint64
 	// draftOnce logs once that draft_tokens are accepted but not used.
 	draftOnce sync.Once
+
+	// The reuse routes (kvevents.go): the bearer token they require ("" for
+	// none), this event stream's epoch, and the cursor of cursor-less
+	// readers.
+	reuseToken string
+	epoch      string
+	drainMu    sync.Mutex
+	drainAfter uint64
+	// kvEventsSource, when set (by tests), replaces the engine's KVEvents.
+	kvEventsSource func(after uint64) ([]engine.KVEvent, bool)
+	// promptTokens and cachedTokens count prompt tokens served and those
+	// found in the worker's reusable cache.
+	promptTokens, cachedTokens prometheus.Counter
 }
 
 // NewWorker builds the model, its sharded instance, the transceiver (when
@@ -119,8 +135,14 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 	if err != nil {
 		return nil, err
 	}
-	w := &Worker{role: o.Role, model: o.Model, log: log, reg: metrics.NewRegistry(), created: time.Now().Unix()}
+	w := &Worker{role: o.Role, model: o.Model, log: log, reg: metrics.NewRegistry(), created: time.Now().Unix(),
+		reuseToken: ReuseToken(o.Secret), epoch: newEpoch()}
 	w.m = metrics.New(w.reg)
+	w.promptTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvxfer_prefix_cache_prompt_tokens_total",
+		Help: "Prompt tokens of the requests the worker served."})
+	w.cachedTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvxfer_prefix_cache_hit_tokens_total",
+		Help: "Prompt tokens whose KV the worker found in its own reusable cache (neither computed nor received)."})
+	w.reg.MustRegister(w.promptTokens, w.cachedTokens)
 	var tr *transceiver.Transceiver
 	if ct := wc.CacheTransceiver; ct != nil && ct.Backend != config.BackendUnset {
 		tr, err = transceiver.New(ctx, ct, transceiver.Options{State: inst.State(), Pools: inst.Pools(),
@@ -144,7 +166,7 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 			return metrics.PoolStats{Free: s.Free, Cached: s.Cached, Pinned: s.Pinned}
 		})
 	}
-	eng, err := engine.New(inst, engine.Options{Transceiver: tr, Logger: log})
+	eng, err := engine.New(inst, engineReuseOptions(wc, engine.Options{Transceiver: tr, Logger: log}))
 	if err != nil {
 		if tr != nil {
 			tr.Close()
@@ -194,6 +216,9 @@ func (w *Worker) Handler() http.Handler {
 			"free_blocks": w.eng.Instance().FreeBlocks(), "total_blocks": w.eng.Instance().NumBlocks()})
 	})
 	mux.HandleFunc("POST "+CancelContextPath, w.cancelContext)
+	mux.HandleFunc("GET "+KVEventsPath, w.kvEvents)
+	mux.HandleFunc("POST "+KVEventsPath, w.kvEvents)
+	mux.HandleFunc("POST "+CachedPrefixPath, w.cachedPrefix)
 	mux.Handle("GET /metrics", metrics.Handler(w.reg))
 	mux.HandleFunc("/", func(rw http.ResponseWriter, r *http.Request) {
 		writeError(rw, http.StatusNotFound, "not_found", fmt.Sprintf("no route %s %s", r.Method, r.URL.Path))
@@ -344,28 +369,36 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 	return &cr, er, nil
 }
 
-// parseRequestPrompt sets er's prompt: the token ids from the router win;
-// else the chat messages, or the prompt's text or ids.
+// parseRequestPrompt sets er's prompt (requestPrompt).
 func (w *Worker) parseRequestPrompt(cr *completionRequest, chat bool, er *engine.Request) *httpError {
+	p, herr := requestPrompt(w.tok, cr, chat)
+	er.Prompt = p
+	return herr
+}
+
+// requestPrompt is a request's prompt as token ids: the token ids from the
+// router win; else the chat messages, or the prompt's text or ids. The
+// router tokenizes with it too (kv_cache_aware), so both agree.
+func requestPrompt(tok engine.Tokenizer, cr *completionRequest, chat bool) ([]int32, *httpError) {
+	var p []int32
 	switch {
 	case len(cr.PromptTokenIDs) > 0:
-		er.Prompt = cr.PromptTokenIDs
+		p = cr.PromptTokenIDs
 	case chat:
 		if len(cr.Messages) == 0 {
-			return badRequest("messages: at least one message is required")
+			return nil, badRequest("messages: at least one message is required")
 		}
-		er.Prompt = w.tok.Encode(chatTemplate(cr.Messages))
+		p = tok.Encode(chatTemplate(cr.Messages))
 	default:
-		p, herr := w.parsePrompt(cr.Prompt)
-		if herr != nil {
-			return herr
+		var herr *httpError
+		if p, herr = parsePrompt(tok, cr.Prompt); herr != nil {
+			return nil, herr
 		}
-		er.Prompt = p
 	}
-	if len(er.Prompt) > MaxPromptTokens {
-		return badRequest("prompt of %d tokens exceeds %d", len(er.Prompt), MaxPromptTokens)
+	if len(p) > MaxPromptTokens {
+		return nil, badRequest("prompt of %d tokens exceeds %d", len(p), MaxPromptTokens)
 	}
-	return nil
+	return p, nil
 }
 
 // parseSampling sets er's length, sampling and stop strings.
@@ -414,7 +447,14 @@ func (w *Worker) parseDisagg(cr *completionRequest, er *engine.Request) *httpErr
 	}
 	allowed := map[string][]string{RoleContext: {TypeContextOnly}, RoleGeneration: {TypeGenerationOnly},
 		RoleBoth: {TypeContextAndGeneration, TypeContextOnly, TypeGenerationOnly}}[w.role]
-	if !slices.Contains(allowed, typ) {
+	served := slices.Contains(allowed, typ)
+	if w.role == RoleGeneration && cr.Disagg != nil && typ == TypeContextAndGeneration {
+		// Conditional disaggregation: the router sends a prompt the worker
+		// has mostly cached as context_and_generation, saying so; a plain
+		// request is still refused, as a misrouted one.
+		served = true
+	}
+	if !served {
 		return badRequest("this is a %s worker: it serves %s requests, not %s (set disaggregated_params.request_type, or send plain requests to the router)",
 			w.role, strings.Join(allowed, " and "), typ)
 	}
@@ -443,7 +483,7 @@ func (w *Worker) parseDisagg(cr *completionRequest, er *engine.Request) *httpErr
 	return nil
 }
 
-func (w *Worker) parsePrompt(raw json.RawMessage) ([]int32, *httpError) {
+func parsePrompt(tok engine.Tokenizer, raw json.RawMessage) ([]int32, *httpError) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, badRequest("prompt is required")
 	}
@@ -452,7 +492,7 @@ func (w *Worker) parsePrompt(raw json.RawMessage) ([]int32, *httpError) {
 		if s == "" {
 			return nil, badRequest("prompt is empty")
 		}
-		return w.tok.Encode(s), nil
+		return tok.Encode(s), nil
 	}
 	var ids []int32
 	if err := json.Unmarshal(raw, &ids); err == nil {
@@ -466,7 +506,7 @@ func (w *Worker) parsePrompt(raw json.RawMessage) ([]int32, *httpError) {
 		if len(ss) != 1 {
 			return nil, badRequest("prompt is a list of %d strings: kvxfer serves one prompt per request", len(ss))
 		}
-		return w.tok.Encode(ss[0]), nil
+		return tok.Encode(ss[0]), nil
 	}
 	return nil, badRequest("prompt must be a string, a list of token ids or a list of one string")
 }

@@ -58,9 +58,15 @@ func newRouterCmd(e env) *cobra.Command {
 			if err != nil {
 				return err
 			}
-			ro := serve.RouterOptions{Context: cl.Context.URLs, Generation: cl.Generation.URLs,
-				ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: log,
-				RouterDeadlines: serve.RouterDeadlines(df), MigrationLimit: mf.limit()}
+			ro := serve.ClusterRouting(cl)
+			ro.Logger, ro.RouterDeadlines, ro.MigrationLimit = log, serve.RouterDeadlines(df), mf.limit()
+			// The cluster secret, when there is one, also proves the router
+			// to the workers' KV cache event and cached-prefix routes.
+			secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
+			if err != nil {
+				return err
+			}
+			ro.Secret = secret
 			if tc != nil {
 				ro.TLS = tc.Client
 			}
@@ -71,10 +77,6 @@ func newRouterCmd(e env) *cobra.Command {
 				port = cl.Port
 			}
 			if dc := cl.DisaggCluster; dc != nil {
-				secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
-				if err != nil {
-					return err
-				}
 				co, closeStore, err := routerMembership(cmd.Context(), dc, secret, host, port, log)
 				if err != nil {
 					return fmt.Errorf("%s: %w", cfgPath, err)

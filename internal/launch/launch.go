@@ -414,9 +414,10 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 		return fmt.Errorf("launch: router listen: %w", err)
 	}
 	l.RouterURL = "http://" + ln.Addr().String()
-	ro := serve.RouterOptions{Context: l.ContextURLs, Generation: l.GenerationURL,
-		ContextPolicy: serve.Policy(cl.Context.Router), GenerationPolicy: serve.Policy(cl.Generation.Router), Logger: l.log,
-		Client: l.client, TLS: tlsClient(routerTLS), RouterDeadlines: o.Deadlines, MigrationLimit: o.MigrationLimit}
+	ro := serve.ClusterRouting(cl)
+	ro.Context, ro.Generation = l.ContextURLs, l.GenerationURL
+	ro.Logger, ro.Client, ro.TLS, ro.RouterDeadlines, ro.MigrationLimit = l.log, l.client, tlsClient(routerTLS), o.Deadlines, o.MigrationLimit
+	ro.Secret = o.Secret // the workers' reuse routes require it
 	if cl.DisaggCluster != nil {
 		if ro.Cluster, err = l.openMembership(context.Background(), o, l.RouterURL); err != nil {
 			ln.Close()

@@ -57,8 +57,10 @@ var boundaries = []rule{
 	// (memstore) on its own listener; a worker builds its Record.
 	// It names transport.Transport only to pass a data-plane wrapper
 	// (WorkerOptions.WrapDataPlane, fault injection) to the transceiver.
+	// It hashes prompts as the KV cache does (kvcache.HashBlocks) for the
+	// kv_cache_aware router, which matches them to the workers' events.
 	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
-		"membership", "membership/memstore", "layout", "transport"},
+		"membership", "membership/memstore", "layout", "transport", "kvcache"},
 		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
@@ -274,7 +276,7 @@ func TestBoundaryRules(t *testing.T) {
 		{"serve", "transport", false, true}, // WorkerOptions.WrapDataPlane
 		{"serve", "transport/tcp", false, false},
 		{"serve", "transport/tcp", true, true},
-		{"serve", "kvcache", false, false},
+		{"serve", "kvcache", false, true}, // kv_cache_aware hashes prompts as the pool does
 		{"engine", "serve", false, false},
 		{"engine", "config", false, false},
 		{"engine", "config", true, true},

@@ -1,0 +1,222 @@
+package serve
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/kvxfer/kvxfer/engine"
+	"github.com/kvxfer/kvxfer/kvcache"
+)
+
+// reuseCall sends a request to one of the worker's reuse routes with the
+// given Authorization header ("" for none).
+func reuseCall(t *testing.T, method, url, auth, body string) (int, http.Header, string) {
+	t.Helper()
+	req, err := http.NewRequest(method, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if auth != "" {
+		req.Header.Set("Authorization", auth)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, resp.Header, string(b)
+}
+
+// TestWorkerReuseRoutesAuth: with a cluster secret, the event and
+// cached-prefix routes answer only the bearer token derived from it: 401
+// without one, 403 with a wrong one (another secret's, or the secret
+// itself). Without a secret they are open.
+func TestWorkerReuseRoutesAuth(t *testing.T) {
+	secret := []byte("0123456789abcdef0123456789abcdef")
+	w := newSecureWorker(t, RoleGeneration, secret, 10_000)
+	open := newSecureWorker(t, RoleGeneration, nil, 10_000)
+	right := "Bearer " + ReuseToken(secret)
+	prompt := `{"prompt_token_ids":[256,1,2,3,4]}`
+	for _, tc := range []struct {
+		name, method, path, auth, body string
+		code                           int
+		want                           string
+	}{
+		{"events, no token", "GET", KVEventsPath, "", "", 401, "Authorization: Bearer"},
+		{"events, another secret's token", "GET", KVEventsPath, "Bearer " + ReuseToken([]byte("another secret, 32 bytes long...")), "", 403, "wrong bearer token"},
+		{"events, the secret itself", "GET", KVEventsPath, "Bearer " + string(secret), "", 403, "wrong bearer token"},
+		{"events, not bearer", "GET", KVEventsPath, "Basic " + ReuseToken(secret), "", 401, "Authorization: Bearer"},
+		{"events, right token", "GET", KVEventsPath + "?after=0", right, "", 200, "[]"},
+		{"events, POST as upstream", "POST", KVEventsPath, right, "", 200, "[]"},
+		{"cached prefix, no token", "POST", CachedPrefixPath, "", prompt, 401, "Authorization: Bearer"},
+		{"cached prefix, wrong token", "POST", CachedPrefixPath, "Bearer x", prompt, 403, "wrong bearer token"},
+		{"cached prefix, right token", "POST", CachedPrefixPath, right, prompt, 200, `{"prompt_tokens":5,"cached_tokens":0,"compute_tokens":5}`},
+		{"cached prefix, text", "POST", CachedPrefixPath, right, `{"prompt":"abc"}`, 200, `"prompt_tokens":4`},
+		{"cached prefix, chat", "POST", CachedPrefixPath, right, `{"messages":[{"role":"user","content":"hi"}]}`, 200,
+			fmt.Sprintf(`"prompt_tokens":%d`, len(engine.Tokenizer{}.Encode(chatTemplate([]chatMessage{{"user", "hi"}}))))},
+		{"cached prefix, no prompt", "POST", CachedPrefixPath, right, `{}`, 400, "prompt is required"},
+		{"events, bad cursor", "GET", KVEventsPath + "?after=x", right, "", 400, "not an event id"},
+		{"events, bad limit", "GET", KVEventsPath + "?limit=0", right, "", 400, "limit"},
+	} {
+		code, _, body := reuseCall(t, tc.method, w.srv.URL+tc.path, tc.auth, tc.body)
+		if code != tc.code || !strings.Contains(body, tc.want) {
+			t.Errorf("%s: %d %s, want %d and %q", tc.name, code, body, tc.code, tc.want)
+		}
+	}
+	// No secret: open.
+	if code, h, body := reuseCall(t, "GET", open.srv.URL+KVEventsPath, "", ""); code != 200 || strings.TrimSpace(body) != "[]" ||
+		h.Get(KVEventsNextHeader) != "0" || h.Get(KVEventsEpochHeader) == "" {
+		t.Errorf("open worker's events: %d %v %s", code, h, body)
+	}
+	if code, _, body := reuseCall(t, "POST", open.srv.URL+CachedPrefixPath, "", prompt); code != 200 || !strings.Contains(body, `"compute_tokens":5`) {
+		t.Errorf("open worker's cached prefix: %d %s", code, body)
+	}
+}
+
+// TestEventJSON: upstream's shape, hashes as 32 hex digits, no tokens.
+func TestEventJSON(t *testing.T) {
+	hs := kvcache.HashBlocks(kvcache.Hash{}, []int32{1, 2, 3, 4, 5, 6, 7, 8}, 4)
+	for _, tc := range []struct {
+		ev   engine.KVEvent
+		want string
+	}{
+		{engine.KVEvent{ID: 1, Type: engine.KVEventCreated, NumBlocks: 64}, `{"event_id":1,"data":{"type":"created","num_blocks_per_cache_level":[64]}}`},
+		{engine.KVEvent{ID: 2, Type: engine.KVEventStored, Hashes: hs},
+			fmt.Sprintf(`{"event_id":2,"data":{"type":"stored","blocks":[{"block_hash":"%s"},{"block_hash":"%s"}]}}`, hs[0], hs[1])},
+		{engine.KVEvent{ID: 3, Type: engine.KVEventStored, ParentHash: hs[0], Hashes: hs[1:]},
+			fmt.Sprintf(`{"event_id":3,"data":{"type":"stored","parent_hash":"%s","blocks":[{"block_hash":"%s"}]}}`, hs[0], hs[1])},
+		{engine.KVEvent{ID: 4, Type: engine.KVEventRemoved, Hashes: hs[:1]}, fmt.Sprintf(`{"event_id":4,"data":{"type":"removed","block_hashes":["%s"]}}`, hs[0])},
+	} {
+		b, _ := json.Marshal(eventJSON(tc.ev))
+		if string(b) != tc.want {
+			t.Errorf("event %d: %s, want %s", tc.ev.ID, b, tc.want)
+		}
+		// The router reads back what the worker writes.
+		u, err := decodeKVEvents(http.Header{}, []byte("["+string(b)+"]"), 0)
+		if err != nil || len(u.events) != 1 || len(u.events[0].hashes) != len(tc.ev.Hashes) {
+			t.Errorf("event %d: decoded %+v, %v", tc.ev.ID, u, err)
+		}
+	}
+}
+
+// TestUsageReuseFields: usage carries OpenAI's cached_tokens and the
+// transfer's blocks.
+func TestUsageReuseFields(t *testing.T) {
+	w := newSecureWorker(t, RoleBoth, nil, 10_000)
+	code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", map[string]any{"prompt": "usage please", "max_tokens": 2})
+	if code != 200 {
+		t.Fatalf("%d %s", code, raw)
+	}
+	var r struct {
+		Usage map[string]json.RawMessage `json:"usage"`
+	}
+	json.Unmarshal([]byte(raw), &r)
+	var details map[string]int
+	var timing map[string]float64
+	json.Unmarshal(r.Usage["prompt_tokens_details"], &details)
+	json.Unmarshal(r.Usage["kvxfer_timing"], &timing)
+	if _, ok := details["cached_tokens"]; !ok {
+		t.Errorf("usage.prompt_tokens_details: %s", r.Usage["prompt_tokens_details"])
+	}
+	for _, k := range []string{"kv_transfer_blocks", "kv_block_bytes"} {
+		if v, ok := timing[k]; !ok || v != 0 { // aggregated: nothing transferred
+			t.Errorf("usage.kvxfer_timing.%s: %v %v", k, v, ok)
+		}
+	}
+	_, m := get(t, w.srv.URL+"/metrics")
+	for _, want := range []string{"kvxfer_prefix_cache_prompt_tokens_total 13", "kvxfer_prefix_cache_hit_tokens_total 0"} {
+		if !strings.Contains(m, want) {
+			t.Errorf("/metrics lacks %s", want)
+		}
+	}
+}
+
+// TestWorkerKVEventsRoute: the route's cursors, bounds and headers, on a
+// fake event source (the engine publishes none before block reuse).
+func TestWorkerKVEventsRoute(t *testing.T) {
+	tw := newSecureWorker(t, RoleGeneration, nil, 10_000)
+	var all []engine.KVEvent
+	for i := range 3000 {
+		all = append(all, engine.KVEvent{ID: uint64(i + 1), Type: engine.KVEventStored, Hashes: kvcache.HashBlocks(kvcache.Hash{}, []int32{int32(i), 1, 2, 3}, 4)})
+	}
+	lostBelow := uint64(0) // reads after fewer than this say lost
+	tw.w.kvEventsSource = func(after uint64) ([]engine.KVEvent, bool) {
+		if after >= uint64(len(all)) {
+			return nil, false
+		}
+		return all[after:], after < lostBelow
+	}
+	read := func(query string) (int, http.Header, []kvEventJSON) {
+		t.Helper()
+		code, h, body := reuseCall(t, "GET", tw.srv.URL+KVEventsPath+query, "", "")
+		var evs []kvEventJSON
+		if code == 200 {
+			if err := json.Unmarshal([]byte(body), &evs); err != nil {
+				t.Fatalf("%s: %v", query, err)
+			}
+		}
+		return code, h, evs
+	}
+	for _, tc := range []struct {
+		query       string
+		n           int
+		first, next uint64
+		more        bool
+	}{
+		{"?after=0", MaxKVEventsPerAnswer, 1, MaxKVEventsPerAnswer, true},
+		{"?after=2990", 10, 2991, 3000, false},
+		{"?after=3000", 0, 0, 3000, false},
+		{"?after=5&limit=7", 7, 6, 12, true},
+	} {
+		code, h, evs := read(tc.query)
+		if code != 200 || len(evs) != tc.n || h.Get(KVEventsNextHeader) != fmt.Sprint(tc.next) || (h.Get(KVEventsMoreHeader) == "true") != tc.more {
+			t.Errorf("%s: %d, %d events, next %s, more %q", tc.query, code, len(evs), h.Get(KVEventsNextHeader), h.Get(KVEventsMoreHeader))
+			continue
+		}
+		for i, e := range evs {
+			if e.EventID != tc.first+uint64(i) || len(e.Data.Blocks) != 1 {
+				t.Errorf("%s: event %d is %+v", tc.query, i, e)
+				break
+			}
+		}
+	}
+	// Without after: one shared cursor that each read advances (upstream
+	// drains); readers with after are not affected.
+	total := 0
+	for range 5 {
+		_, _, evs := read("")
+		total += len(evs)
+	}
+	if _, _, evs := read(""); total != 3000 || len(evs) != 0 {
+		t.Errorf("draining: %d events in all, then %d", total, len(evs))
+	}
+	if _, _, evs := read("?after=0&limit=1"); len(evs) != 1 {
+		t.Errorf("a cursor read after draining: %d events", len(evs))
+	}
+	// Lost events are said in a header.
+	lostBelow = 100
+	if _, h, _ := read("?after=50&limit=1"); h.Get(KVEventsLostHeader) != "true" {
+		t.Errorf("lost: headers %v", h)
+	}
+	if _, h, _ := read("?after=150&limit=1"); h.Get(KVEventsLostHeader) != "" {
+		t.Errorf("not lost: headers %v", h)
+	}
+	// The byte bound: events with many blocks stop an answer early.
+	big := make([]kvcache.Hash, 40_000)
+	tw.w.kvEventsSource = func(after uint64) ([]engine.KVEvent, bool) {
+		var out []engine.KVEvent
+		for id := after + 1; id <= after+10; id++ {
+			out = append(out, engine.KVEvent{ID: id, Type: engine.KVEventRemoved, Hashes: big})
+		}
+		return out, false
+	}
+	code, h, body := reuseCall(t, "GET", tw.srv.URL+KVEventsPath+"?after=0", "", "")
+	if code != 200 || h.Get(KVEventsMoreHeader) != "true" || len(body) > 2*MaxKVEventsBytes {
+		t.Errorf("big events: %d, more %q, %d bytes", code, h.Get(KVEventsMoreHeader), len(body))
+	}
+}
