@@ -259,7 +259,11 @@ func (w *Worker) cachedPrefix(rw http.ResponseWriter, r *http.Request) {
 		writeError(rw, herr.code, herr.typ, CachedPrefixPath+": "+herr.msg)
 		return
 	}
-	c := min(max(w.eng.CachedPrefix(prompt), 0), len(prompt))
+	if len(cr.CacheSalt) > MaxCacheSaltLen {
+		writeError(rw, http.StatusBadRequest, "invalid_request_error", fmt.Sprintf("%s: cache_salt has %d bytes, at most %d", CachedPrefixPath, len(cr.CacheSalt), MaxCacheSaltLen))
+		return
+	}
+	c := min(max(w.eng.CachedPrefixSalted(prompt, cr.CacheSalt), 0), len(prompt))
 	rw.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(rw).Encode(CachedPrefix{PromptTokens: len(prompt), CachedTokens: c, ComputeTokens: len(prompt) - c})
 }

@@ -220,3 +220,67 @@ func TestWorkerKVEventsRoute(t *testing.T) {
 		t.Errorf("big events: %d, more %q, %d bytes", code, h.Get(KVEventsMoreHeader), len(body))
 	}
 }
+
+// TestWorkerReusesPrefixesPerSalt: with the default kv_cache_config (block
+// reuse on, as upstream), a prompt sent again finds its full blocks cached
+// (usage and the cached-prefix route agree), and a request with a
+// cache_salt shares nothing with unsalted requests or other salts.
+func TestWorkerReusesPrefixesPerSalt(t *testing.T) {
+	w := newSecureWorker(t, RoleBoth, nil, 10_000)
+	prompt := strings.Repeat("a shared system prompt. ", 8) // 193 tokens with BOS: 12 full blocks of 16
+	n := len(engine.Tokenizer{}.Encode(prompt))
+	full := n / 16 * 16
+	cachedOf := func(body map[string]any) int {
+		t.Helper()
+		code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", body)
+		if code != 200 {
+			t.Fatalf("%d %s", code, raw)
+		}
+		var r struct {
+			Usage struct {
+				Details struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(raw), &r); err != nil {
+			t.Fatal(err)
+		}
+		return r.Usage.Details.Cached
+	}
+	routeSays := func(salt string) int {
+		t.Helper()
+		q, _ := json.Marshal(map[string]any{"prompt": prompt, "cache_salt": salt})
+		code, _, body := reuseCall(t, "POST", w.srv.URL+CachedPrefixPath, "", string(q))
+		var cp CachedPrefix
+		if code != 200 || json.Unmarshal([]byte(body), &cp) != nil {
+			t.Fatalf("cached prefix: %d %s", code, body)
+		}
+		return cp.CachedTokens
+	}
+	if c := cachedOf(map[string]any{"prompt": prompt, "max_tokens": 2}); c != 0 {
+		t.Fatalf("first request: %d cached tokens, want 0", c)
+	}
+	if c := routeSays(""); c != full {
+		t.Errorf("cached-prefix route after the first request: %d, want the %d tokens of the full blocks", c, full)
+	}
+	if c := cachedOf(map[string]any{"prompt": prompt, "max_tokens": 2}); c != full {
+		t.Errorf("same prompt again: %d cached tokens, want %d", c, full)
+	}
+	if c := routeSays("tenant-a"); c != 0 {
+		t.Errorf("salted lookup found %d tokens of unsalted requests", c)
+	}
+	if c := cachedOf(map[string]any{"prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a"}); c != 0 {
+		t.Errorf("salted request: %d cached tokens of unsalted requests, want 0", c)
+	}
+	if c := cachedOf(map[string]any{"prompt": prompt, "max_tokens": 2, "cache_salt": "tenant-a"}); c != full {
+		t.Errorf("salted request again: %d cached tokens, want %d", c, full)
+	}
+	if c := routeSays("tenant-b"); c != 0 {
+		t.Errorf("another salt found %d tokens", c)
+	}
+	code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", map[string]any{"prompt": "x", "cache_salt": strings.Repeat("s", MaxCacheSaltLen+1)})
+	if code != 400 || !strings.Contains(raw, "cache_salt has 1025 bytes") {
+		t.Errorf("oversized salt: %d %s", code, raw)
+	}
+}

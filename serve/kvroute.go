@@ -45,16 +45,14 @@ const maxKVEventPages = 8
 type routeInfo struct {
 	prompt []int32 // as the worker tokenizes it; nil when it cannot be read (the worker will say why)
 	conv   string  // conversation_id, "" for none
+	salt   string  // cache_salt, "" for none
 	hashes map[int][]kvcache.Hash
 	only   *upstream // when set, the request goes to this server only
 }
 
 // blockHashes returns the chained hashes of the prompt's full blocks of
-// tokensPerBlock tokens, after skip tokens.
-//
-// Note: requests carry no cache_salt yet (engine.Request.CacheSalt lands
-// with the engine's block reuse); when it does, a salted request's chain
-// starts from its salt's hash instead of the zero Hash, as the engine's.
+// tokensPerBlock tokens, after skip tokens. A salted request's chain
+// starts from its salt's root (kvcache.RootHash), as the engine's does.
 func (ri *routeInfo) blockHashes(tokensPerBlock, skip int) []kvcache.Hash {
 	if ri == nil || len(ri.prompt) <= skip || tokensPerBlock <= 0 {
 		return nil
@@ -63,7 +61,7 @@ func (ri *routeInfo) blockHashes(tokensPerBlock, skip int) []kvcache.Hash {
 	if h, ok := ri.hashes[k]; ok {
 		return h
 	}
-	h := kvcache.HashBlocks(kvcache.Hash{}, ri.prompt[skip:], tokensPerBlock)
+	h := kvcache.HashBlocks(kvcache.RootHash(ri.salt), ri.prompt[skip:], tokensPerBlock)
 	if ri.hashes == nil {
 		ri.hashes = map[int][]kvcache.Hash{}
 	}
@@ -81,6 +79,9 @@ func (r *Router) newRouteInfo(path string, orig object) *routeInfo {
 			s = string(raw) // a number: its text
 		}
 		ri.conv = s
+	}
+	if raw, ok := orig["cache_salt"]; ok {
+		json.Unmarshal(raw, &ri.salt) // a bad one: the worker refuses the request, saying why
 	}
 	if !r.needPrompt {
 		return ri
@@ -351,10 +352,14 @@ func (r *Router) authorize(req *http.Request) {
 
 // askCachedPrefix asks the worker at base how many of prompt's tokens it
 // has cached, within HealthTimeout.
-func (r *Router) askCachedPrefix(ctx context.Context, base string, prompt []int32) (CachedPrefix, error) {
+func (r *Router) askCachedPrefix(ctx context.Context, base string, prompt []int32, salt string) (CachedPrefix, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.d.HealthTimeout)
 	defer cancel()
-	b, _ := json.Marshal(map[string]any{"prompt_token_ids": prompt})
+	q := map[string]any{"prompt_token_ids": prompt}
+	if salt != "" {
+		q["cache_salt"] = salt
+	}
+	b, _ := json.Marshal(q)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+CachedPrefixPath, bytes.NewReader(b))
 	if err != nil {
 		return CachedPrefix{}, err
@@ -405,7 +410,7 @@ func (r *Router) tryLocal(w http.ResponseWriter, req *http.Request, path string,
 	}
 	s := order[0]
 	ctx := req.Context()
-	cp, err := r.askCachedPrefix(ctx, s.url, ri.prompt)
+	cp, err := r.askCachedPrefix(ctx, s.url, ri.prompt, ri.salt)
 	if err != nil {
 		r.warn("cached-prefix:"+s.url, "cannot ask a generation worker what it has cached: the request goes through a context worker",
 			"url", s.url, "err", err)

@@ -303,7 +303,15 @@ type completionRequest struct {
 	// that died mid-stream. The answer carries what follows them; usage
 	// counts them.
 	ResumeTokenIDs []int32 `json:"kvxfer_resume_token_ids"`
+	// CacheSalt (vLLM's cache_salt) keeps the request's cached prefix
+	// apart from every request with another salt: blocks are reused only
+	// between requests with the same salt (engine.Request.CacheSalt), so a
+	// tenant can keep others from probing what it has cached.
+	CacheSalt string `json:"cache_salt"`
 }
+
+// MaxCacheSaltLen bounds cache_salt, in bytes.
+const MaxCacheSaltLen = 1024
 
 // ResumeField is the request field that carries the resumed tokens of a
 // migrated request (completionRequest.ResumeTokenIDs). The router sets it;
@@ -363,6 +371,10 @@ func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Reque
 		return nil, er, badRequest("%s has %d tokens, at most %d", ResumeField, len(cr.ResumeTokenIDs), MaxResumeTokens-1)
 	}
 	er.Resume = cr.ResumeTokenIDs
+	if len(cr.CacheSalt) > MaxCacheSaltLen {
+		return nil, er, badRequest("cache_salt has %d bytes, at most %d", len(cr.CacheSalt), MaxCacheSaltLen)
+	}
+	er.CacheSalt = cr.CacheSalt
 	if herr := w.parseDisagg(&cr, &er); herr != nil {
 		return nil, er, herr
 	}
