@@ -87,6 +87,12 @@ func (l *loader) serverGroup(n *yaml.Node, path string, g *ServerGroup, top entr
 		l.with(e, path, "urls", func(p string) { l.urls(e.val, p, g) })
 	}
 	g.CacheTransceiver = l.options(own, path, parallel{&g.TensorParallelSize, &g.PipelineParallelSize, &g.KVCache}, env)
+	if block, _, _ := g.KVCache.Reuse(); g.Router == RouterKVCacheAware && (!block || g.KVCache.EventBufferMaxSize == 0) {
+		p := join(join(path, "router"), "type")
+		l.c.warn("", l.src[p].Line, l.src[p].Col, p,
+			"kv_cache_aware reads the workers' KV cache events, but this group's kv_cache_config has %s: the router sees no cached blocks and routes by load alone",
+			map[bool]string{true: "event_buffer_max_size 0 (no events kept)", false: "enable_block_reuse false"}[block])
+	}
 	if urls.val != nil && len(g.URLs) > 0 && len(g.URLs) != g.NumInstances {
 		l.errAt(urls.val, join(path, "urls"), "has %d entries but num_instances is %d; give one host:port per instance", len(g.URLs), g.NumInstances)
 	}

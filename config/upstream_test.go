@@ -413,3 +413,28 @@ func TestRouterArgs(t *testing.T) {
 		})
 	}
 }
+
+// TestKVCacheAwareWithoutEvents: kv_cache_aware on a group whose workers
+// keep no events (or reuse nothing) is a warning that names the key.
+func TestKVCacheAwareWithoutEvents(t *testing.T) {
+	for _, tc := range []struct{ kv, want string }{
+		{"{}", "event_buffer_max_size 0"},
+		{"{enable_block_reuse: false, event_buffer_max_size: 64}", "enable_block_reuse false"},
+		{"{event_buffer_max_size: 64}", ""},
+	} {
+		text := "context_servers:\n  router: {type: kv_cache_aware}\n  kv_cache_config: " + tc.kv + "\ngeneration_servers: {}\n"
+		f, err := LoadBytes("c.yaml", []byte(text), Env{})
+		if err != nil {
+			t.Fatalf("%s: %v", text, err)
+		}
+		var got string
+		for _, w := range f.Warnings {
+			if strings.Contains(w.String(), "kv_cache_aware reads") {
+				got = w.String()
+			}
+		}
+		if (tc.want == "") != (got == "") || !strings.Contains(got, tc.want) || (got != "" && !strings.Contains(got, "context_servers.router.type")) {
+			t.Errorf("kv_cache_config %s: warning %q, want one naming %q", tc.kv, got, tc.want)
+		}
+	}
+}

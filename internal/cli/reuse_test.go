@@ -136,8 +136,7 @@ func eventCount(t *testing.T, url string) int {
 // generation workers, kv_cache_aware on both groups). The router polls the
 // workers' events with the cluster's token (a worker refuses anyone
 // else), answers equal the aggregated worker's, and a prompt sent again
-// goes where its prefix is cached (with reuse) or spreads by load
-// (without).
+// goes where its prefix is cached.
 func TestUpKVCacheAware(t *testing.T) {
 	l := launchUpstream(t, "cluster_kv_cache_aware.yaml")
 	if res := launch.Smoke(context.Background(), l.RouterURL, l.AggregatedURL, 6, 2); !res.OK() {
@@ -159,15 +158,14 @@ func TestUpKVCacheAware(t *testing.T) {
 	if d[0]+d[1] != 6 {
 		t.Fatalf("context workers served %v of 6", d)
 	}
-	if eventCount(t, l.ContextURLs[0])+eventCount(t, l.ContextURLs[1]) > 0 {
-		// With reuse: after the first, every request goes where the
-		// prompt is cached.
-		if min(d[0], d[1]) > 1 {
-			t.Errorf("with reuse: the same prompt spread over the context workers %v", d)
-		}
-	} else if min(d[0], d[1]) == 0 {
-		// Without reuse: empty caches, the load (then round robin) decides.
-		t.Errorf("without reuse: one context worker got all of %v", d)
+	// The file turns block reuse and events on: once the first request's
+	// blocks are published (and polled), every request goes where the
+	// prompt is cached. (Without reuse, round robin spreads them 3/3.)
+	if n := eventCount(t, l.ContextURLs[0]) + eventCount(t, l.ContextURLs[1]); n == 0 {
+		t.Errorf("the context workers published no KV cache events")
+	}
+	if min(d[0], d[1]) > 1 {
+		t.Errorf("the same prompt spread over the context workers %v", d)
 	}
 	time.Sleep(300 * time.Millisecond)
 	_, m := httpGet(t, l.RouterURL+"/metrics", "")
@@ -211,8 +209,8 @@ func TestUpConversation(t *testing.T) {
 // TestUpConditional: cluster_conditional.yaml (max_local_prefill_length
 // 256, kv_cache_aware generation group). A first prompt, nothing cached,
 // goes through the context worker; its next turn, a short suffix on it,
-// is prefilled on the generation worker without a transfer when the
-// generation worker has the history cached (with reuse).
+// is prefilled on the generation worker without a transfer (it has the
+// history cached), and a long one goes through the context worker again.
 func TestUpConditional(t *testing.T) {
 	l := launchUpstream(t, "cluster_conditional.yaml")
 	gen := l.GenerationURL[0]
@@ -229,13 +227,15 @@ func TestUpConditional(t *testing.T) {
 	}
 	history += " user: and then?"
 	route, u = complete(t, l.RouterURL, map[string]any{"prompt": history})
-	if u.Details.CachedTokens > 0 || eventCount(t, l.GenerationURL[0]) > 0 {
-		// With reuse: a short uncached part runs locally, nothing moved.
-		if route != serve.RouteLocal || u.Timing.KVTransferBytes != 0 {
-			t.Errorf("with reuse, next turn: route %q, %d KV bytes moved, %d cached", route, u.Timing.KVTransferBytes, u.Details.CachedTokens)
-		}
-	} else if route != serve.RouteDisaggregated {
-		t.Errorf("without reuse, next turn: route %q (nothing cached must go through the context worker)", route)
+	// The generation worker has the first turn cached (it received its
+	// blocks): the short uncached part runs there, nothing moves.
+	if route != serve.RouteLocal || u.Timing.KVTransferBytes != 0 || u.Details.CachedTokens == 0 {
+		t.Errorf("next turn: route %q, %d KV bytes moved, %d cached; want local, 0 moved, the history cached", route, u.Timing.KVTransferBytes, u.Details.CachedTokens)
+	}
+	// A long new part goes through the context worker again.
+	history += " user: " + strings.Repeat("a much longer question. ", 20)
+	if route, u = complete(t, l.RouterURL, map[string]any{"prompt": history}); route != serve.RouteDisaggregated || u.Timing.KVTransferBytes == 0 {
+		t.Errorf("long next turn: route %q, %d KV bytes moved; want disaggregated", route, u.Timing.KVTransferBytes)
 	}
 	_, m := httpGet(t, l.RouterURL+"/metrics", "")
 	if !strings.Contains(m, "kvxfer_router_prefill_path_total") {

@@ -465,6 +465,19 @@ func workerYAML(g *config.ServerGroup, sec *config.Security, tp, pp int) []byte 
 	var b bytes.Buffer
 	fmt.Fprintf(&b, "tensor_parallel_size: %d\npipeline_parallel_size: %d\n", tp, pp)
 	fmt.Fprintf(&b, "kv_cache_config:\n  tokens_per_block: %d\n  max_tokens: %d\n", g.KVCache.TokensPerBlock, g.KVCache.MaxTokens)
+	// The reuse keys as the cluster file set them (unset: the worker's
+	// default, upstream's).
+	for _, k := range []struct {
+		key string
+		v   *bool
+	}{{"enable_block_reuse", g.KVCache.EnableBlockReuse}, {"enable_partial_reuse", g.KVCache.EnablePartialReuse}, {"copy_on_partial_reuse", g.KVCache.CopyOnPartialReuse}} {
+		if k.v != nil {
+			fmt.Fprintf(&b, "  %s: %t\n", k.key, *k.v)
+		}
+	}
+	if g.KVCache.EventBufferMaxSize > 0 {
+		fmt.Fprintf(&b, "  event_buffer_max_size: %d\n", g.KVCache.EventBufferMaxSize)
+	}
 	ct := g.CacheTransceiver
 	if ct == nil || ct.Backend == config.BackendUnset {
 		fmt.Fprintf(&b, "cache_transceiver_config:\n  backend: %s\n", config.BackendDefault)

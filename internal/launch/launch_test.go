@@ -110,3 +110,33 @@ func TestRouterMigrationLimit(t *testing.T) {
 		l.Stop()
 	}
 }
+
+// TestWorkerYAMLReuseKeys: the worker files kvxfer up writes carry the
+// group's block reuse keys as the cluster file set them (unset stays
+// unset: the worker's default) and its event buffer.
+func TestWorkerYAMLReuseKeys(t *testing.T) {
+	cl := cluster(t, `context_servers:
+  kv_cache_config: {enable_block_reuse: false, enable_partial_reuse: true, event_buffer_max_size: 64}
+generation_servers: {}
+`)
+	for _, tc := range []struct {
+		g                     *config.ServerGroup
+		block, partial, copyP *bool
+		events                int
+	}{
+		{&cl.Context, new(false), new(true), nil, 64},
+		{&cl.Generation, nil, nil, nil, 0},
+	} {
+		text := workerYAML(tc.g, &cl.Security, 1, 1)
+		f, err := config.LoadBytes("w.yaml", text, config.Env{})
+		if err != nil {
+			t.Fatalf("%s: %v", text, err)
+		}
+		k := f.Worker.KVCache
+		same := func(a, b *bool) bool { return (a == nil) == (b == nil) && (a == nil || *a == *b) }
+		if !same(k.EnableBlockReuse, tc.block) || !same(k.EnablePartialReuse, tc.partial) || !same(k.CopyOnPartialReuse, tc.copyP) ||
+			k.EventBufferMaxSize != tc.events {
+			t.Errorf("%s: loaded %+v", text, k)
+		}
+	}
+}
