@@ -12,7 +12,8 @@ import (
 // TestPrefillStopsOnCancel: a client that goes away during a long
 // context_only prefill stops it (the model stops part-way through a layer, the
 // request is never handed to the transceiver) and its blocks are back
-// within a second, not at kv_transfer_timeout_ms.
+// soon (well within 10 s, tens of milliseconds when quiet), not at
+// kv_transfer_timeout_ms.
 func TestPrefillStopsOnCancel(t *testing.T) {
 	e := newDisaggEngine(t, "tiny-gqa", InstanceConfig{TokensPerBlock: 16, PoolTokens: 8192})
 	total := e.Instance().FreeBlocks()
@@ -34,8 +35,10 @@ func TestPrefillStopsOnCancel(t *testing.T) {
 	cancelled := time.Now()
 	cancel()
 	for e.Instance().FreeBlocks() != total {
-		if time.Since(cancelled) > time.Second {
-			t.Fatalf("blocks not back 1s after the client went away: %d of %d free", e.Instance().FreeBlocks(), total)
+		// Far below kv_transfer_timeout_ms; that the prefill stopped
+		// part-way, not ran to the end, the stats below assert.
+		if time.Since(cancelled) > 10*time.Second {
+			t.Fatalf("blocks not back 10s after the client went away: %d of %d free", e.Instance().FreeBlocks(), total)
 		}
 		time.Sleep(time.Millisecond)
 	}
