@@ -137,6 +137,9 @@ var boundaries = []rule{
 	{pkg: "internal/syncbuf"},
 	// A clock tests advance by hand (test support only).
 	{pkg: "internal/manualclock"},
+	// An in-memory network for tests under testing/synctest (test support
+	// only).
+	{pkg: "internal/memnet"},
 	{pkg: "internal/repotest"},
 	// Cross-host tests (test code only): the CLI in child processes
 	// spread over network namespaces (entered with x/sys/unix's Setns),
