@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
@@ -35,7 +36,7 @@ type attemptEnd func(rank int, key instKey, attempt uint64, err error)
 // staging buffers and the requests in flight.
 //
 // Lock order: rank.mu, then the control plane's (Plane.Conn, Conn.Touch),
-// then the clock's own (arming and stopping a deadline). Conn.Send is
+// then the runtime's timers (arming and stopping a deadline). Conn.Send is
 // never called under rank.mu: effects run after the lock is released.
 type rank struct {
 	idx        int
@@ -142,7 +143,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
 		Limits: control.Limits{MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost,
 			HandshakeTimeout: set.limits.HandshakeTimeout, IdleTimeout: set.limits.IdleTimeout},
-		Observer: set.conns, Clock: set.clock, Log: r.log, Hello: r.hello(),
+		Observer: set.conns, Dial: set.net.Dial, Log: r.log, Hello: r.hello(),
 		TLSServer: set.tlsServer, TLSClient: set.tls,
 		AcceptOK: func(a net.Addr) bool {
 			if !set.peers.acceptOK(a) {
@@ -231,7 +232,7 @@ func (r *rank) admit(q *rankReq) error {
 	if r.obs != nil {
 		r.obs.TransferStarted(roleOf(q.key.side))
 	}
-	effs, _ := r.stepLocked(q, evStart{now: r.set.clock.Now()})
+	effs, _ := r.stepLocked(q, evStart{now: time.Now()})
 	r.mu.Unlock()
 	r.run(q, effs)
 	return nil
@@ -293,7 +294,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 				if q.stopTimer != nil {
 					q.stopTimer() // a request has one timer: the one armed last
 				}
-				q.stopTimer = r.set.clock.AfterFunc(e.at.Sub(r.set.clock.Now()), func() { r.step(q, evTick{now: r.set.clock.Now()}) })
+				q.stopTimer = time.AfterFunc(time.Until(e.at), func() { r.step(q, evTick{now: time.Now()}) }).Stop
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -528,7 +529,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	switch f := f.(type) {
 	case *wire.RequestInfo:
 		at := from(f.CtxRequestID, f.GenRequestID)
-		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: r.set.clock.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
+		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: time.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
 	case *wire.ChunkDesc:
 		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
 	case *wire.Abort:
