@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/memnet"
 	"github.com/kvxfer/kvxfer/transport"
+	"github.com/kvxfer/kvxfer/transport/transporttest"
 )
 
 // The deadline tests run under testing/synctest: inside a bubble time is
@@ -63,10 +64,10 @@ func (n *memNetwork) OpenData(_ context.Context, name string, _ transport.Option
 
 // memPlane is a data plane of a memNetwork: Send copies into the
 // receiver's memory at once. It keeps the transport.Transport contract
-// that the transceiver relies on: data for a receipt that has ended is
-// dropped (as tcp's), a closed plane fails its receipts and sends with
-// transport.ClosedError, a send to a closed one fails with ErrPeerLost,
-// a send whose ctx has ended aborts the receipt.
+// (TestMemPlaneConformance runs the backends' suite on it): data for a
+// receipt that has ended is dropped (as tcp's), a closed plane fails its
+// receipts and sends with transport.ClosedError, a send to a closed one
+// fails with ErrPeerLost, a send whose ctx has ended aborts the receipt.
 type memPlane struct {
 	n  *memNetwork
 	ep string
@@ -117,26 +118,30 @@ func (p *memPlane) Send(ctx context.Context, desc transport.Descriptor, src [][]
 	if to == nil {
 		return fmt.Errorf("%w: send to %s: closed", transport.ErrPeerLost, ep)
 	}
-	to.mu.Lock()
-	r := to.recvs[id]
-	delete(to.recvs, id)
-	closed = to.closed
-	to.mu.Unlock()
 	total := 0
 	for _, s := range src {
 		total += len(s)
 	}
+	to.mu.Lock()
+	r := to.recvs[id]
+	if r != nil && r.total != total {
+		to.mu.Unlock()
+		return fmt.Errorf("%w: %d bytes sent, %d expected", transport.ErrBadDescriptor, total, r.total)
+	}
+	delete(to.recvs, id)
+	closed = to.closed
+	to.mu.Unlock()
 	switch {
 	case closed:
 		return fmt.Errorf("%w: send to %s: closed", transport.ErrPeerLost, ep)
 	case r == nil:
 		return nil // the receipt has ended: its data is dropped
+	case errors.Is(ctx.Err(), context.DeadlineExceeded):
+		r.end(transport.ErrAborted)
+		return &transport.TimeoutError{Op: "send", Peer: ep, Err: ctx.Err()}
 	case ctx.Err() != nil:
 		r.end(transport.ErrAborted)
 		return fmt.Errorf("memplane: send to %s: %w", ep, ctx.Err())
-	case total != r.total:
-		r.end(transport.ErrBadDescriptor)
-		return fmt.Errorf("%w: %d bytes sent, %d expected", transport.ErrBadDescriptor, total, r.total)
 	}
 	r.mu.Lock()
 	if !r.ended {
@@ -227,4 +232,15 @@ func heldBy(in *inst, s side, reqID uint64) int {
 		r.mu.Unlock()
 	}
 	return n
+}
+
+// TestMemPlaneConformance holds memPlane to the suite every backend passes,
+// so that the deadline tests' data plane keeps the transport contract.
+func TestMemPlaneConformance(t *testing.T) {
+	transporttest.Run(t, func(t *testing.T) (a, b transport.Transport) {
+		nw := newMemNetwork()
+		a, _ = nw.OpenData(t.Context(), "a", transport.Options{})
+		b, _ = nw.OpenData(t.Context(), "b", transport.Options{})
+		return a, b
+	})
 }
