@@ -546,12 +546,7 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 	id := connID(cc.ID())
 	r.mu.Lock()
 	delete(r.probes, id)
-	var hit []*rankReq
-	for _, q := range r.reqs {
-		if slices.Contains(q.core.conns(), id) {
-			hit = append(hit, q)
-		}
-	}
+	hit := r.usersOf(id)
 	r.mu.Unlock()
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
@@ -562,42 +557,45 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 // Busy reports whether a request in flight uses cc (it implements
 // control.Handler): the connection is then not idle.
 func (r *rank) Busy(cc *control.Conn) bool {
-	id := connID(cc.ID())
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return len(r.usersOf(connID(cc.ID()))) > 0
+}
+
+// usersOf returns the requests in flight that use connection id. Called
+// with r.mu held.
+func (r *rank) usersOf(id connID) []*rankReq {
+	var hit []*rankReq
 	for _, q := range r.reqs {
 		if slices.Contains(q.core.conns(), id) {
-			return true
+			hit = append(hit, q)
 		}
 	}
-	return false
+	return hit
 }
 
 // cancel cancels the instance's request reqID of side on this rank. It
 // reports whether there was anything to cancel.
 func (r *rank) cancel(s side, reqID uint64, why error) bool {
-	_, n := r.feed(func() *rankReq {
+	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why})
+	return n > 0
+}
+
+// decide feeds the instance's word on a pull attempt (evAttemptFailed,
+// evCommit) to context request reqID on this rank.
+func (r *rank) decide(reqID uint64, ev event) { r.feed(r.byReqID(sideSend, reqID), ev) }
+
+// byReqID finds, for feed, the request of side with the instance's id
+// reqID.
+func (r *rank) byReqID(s side, reqID uint64) func() *rankReq {
+	return func() *rankReq {
 		for k, q := range r.reqs {
 			if k.side == s && q.reqID == reqID {
 				return q
 			}
 		}
 		return nil
-	}, evCancel{err: why})
-	return n > 0
-}
-
-// decide feeds the instance's word on a pull attempt (evAttemptFailed,
-// evCommit) to context request reqID on this rank.
-func (r *rank) decide(reqID uint64, ev event) {
-	r.feed(func() *rankReq {
-		for k, q := range r.reqs {
-			if k.side == sideSend && q.reqID == reqID {
-				return q
-			}
-		}
-		return nil
-	}, ev)
+	}
 }
 
 // close fails everything in flight, closes the listener, the connections
