@@ -207,7 +207,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	}
 	t.group = opts.Group
 	if cg, ok := opts.Group.(*CoordinatedGroup); ok {
-		cg.inherit(opts.Secret, opts.TLS)
+		cg.inherit(opts.Secret, opts.TLS, opts.network)
 	}
 	self := groupJoin{ranks: slices.Clone(opts.Ranks), endpoints: t.localEndpoints()}
 	rand.Read(self.share[:])
