@@ -237,9 +237,6 @@ func (p *Plane) admit(nc net.Conn) bool {
 		nc.Close()
 		return true
 	}
-	if tc, ok := netlimit.Unwrap(nc).(*net.TCPConn); ok {
-		tc.SetNoDelay(true)
-	}
 	c := newConn(nc, false)
 	c.peer.Endpoint = nc.RemoteAddr().String()
 	c.Touch()
@@ -506,9 +503,6 @@ func (p *Plane) connect(endpoint string) (*Conn, error) {
 	raw := nc
 	stop := context.AfterFunc(p.life, func() { raw.SetDeadline(time.Now()) })
 	defer stop()
-	if tc, ok := nc.(*net.TCPConn); ok {
-		tc.SetNoDelay(true)
-	}
 	if p.cfg.TLSClient != nil {
 		hctx, cancel := context.WithTimeout(p.life, writeTimeout)
 		nc, err = dialTLS(hctx, nc, p.cfg.TLSClient, endpoint)
