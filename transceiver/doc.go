@@ -82,13 +82,17 @@
 // carries out its cancels.
 //
 // Time reaches the cores as events. A core asks for its deadline with an
-// arm-timer effect; the driver arms it on a clock (clock.go: Now and
-// AfterFunc, the machine's unless a test injects one it advances by hand),
-// one timer a request (the one armed last), and ticks the core when it
-// fires; a tick before the deadline arms it again. The send core has a
-// second deadline, kv_transfer_sender_future_timeout from the start of its
-// sends, and asks for the tick of whichever comes first. The control connections' handshake and idle timeouts are kept on
-// the same clock.
+// arm-timer effect; the driver arms it with time.AfterFunc, one timer a
+// request (the one armed last), and ticks the core when it fires; a tick
+// before the deadline arms it again. The send core has a second deadline,
+// kv_transfer_sender_future_timeout from the start of its sends, and asks
+// for the tick of whichever comes first. The control connections'
+// handshake and idle timeouts are read deadlines. The tests of every
+// deadline run under testing/synctest, whose fake clock time.Now, timers
+// and deadlines follow inside a bubble: the instances there listen, dial
+// and move data on an in-memory network (network.go: the machine's unless
+// a test injects one), since a goroutine waiting on a real socket would
+// keep the fake clock from moving.
 //
 // # Ranks in several processes
 //

@@ -67,6 +67,7 @@ type CoordinatedGroup struct {
 	failed  error         // this process has left or lost the group
 	unacked [][]instEvent // non-coordinator: sent, not yet seen back in the log
 	closed  bool
+	net     network // from the Transceiver (inherit): where a process dials the coordinator; nil: TCP
 
 	queue evQueue // coordinator: what to sequence; others: what to send
 	echo  localEcho
@@ -391,8 +392,19 @@ func (g *CoordinatedGroup) startMember(ctx context.Context, m groupMember, self 
 }
 
 func (g *CoordinatedGroup) dial(ctx context.Context, addr string) (net.Conn, error) {
-	d := net.Dialer{Timeout: g.cfg.WriteTimeout, KeepAliveConfig: groupKeepAlive}
-	c, err := d.DialContext(ctx, "tcp", addr)
+	g.mu.Lock()
+	nw := g.net
+	g.mu.Unlock()
+	var c net.Conn
+	var err error
+	if nw != nil {
+		dctx, cancel := context.WithTimeout(ctx, g.cfg.WriteTimeout)
+		c, err = nw.Dial(dctx, addr)
+		cancel()
+	} else {
+		d := net.Dialer{Timeout: g.cfg.WriteTimeout, KeepAliveConfig: groupKeepAlive}
+		c, err = d.DialContext(ctx, "tcp", addr)
+	}
 	if err != nil || g.cfg.TLS == nil {
 		return c, err
 	}
@@ -473,10 +485,12 @@ func (g *CoordinatedGroup) publish(evs ...instEvent) {
 }
 
 // inherit takes the Transceiver's cluster secret and TLS where the config
-// has none of its own.
-func (g *CoordinatedGroup) inherit(secret []byte, tc *transport.TLSConfig) {
+// has none of its own, and the network its ranks dial on when a test
+// injected one (nil: the machine's).
+func (g *CoordinatedGroup) inherit(secret []byte, tc *transport.TLSConfig, nw network) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
+	g.net = nw
 	if len(g.cfg.Secret) == 0 {
 		g.cfg.Secret = secret
 	}

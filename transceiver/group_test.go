@@ -16,7 +16,6 @@ import (
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
-	"github.com/kvxfer/kvxfer/transport"
 )
 
 // memGather is an in-memory all-gather of n processes: a round ends when
@@ -729,50 +728,68 @@ func TestGroupJoinSecret(t *testing.T) {
 	pullGenuine(t, gen, creqs[0])
 	waitAll(t, creqs, 10*time.Second)
 
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
 	other := bytes.Repeat([]byte("another-secret/"), 3)
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	start := time.Now()
-	for r, secret := range [][]byte{testSecret, other} {
-		gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
-		if r == 0 {
-			gc.Listener = ln
-		}
-		g, err := NewCoordinatedGroup(gc)
+	joinFails(t, st, cfg, "a mismatched secret", func(t *testing.T) [2]func(*Options) {
+		return [2]func(*Options){withSecret(testSecret, nil), withSecret(other, nil)}
+	})
+}
+
+// joinFails starts the two processes of a coordinated group of state st,
+// the Options of each changed by what parties returns, and checks that
+// neither joins: both New fail with their ctx's deadline, at that deadline
+// (1s) exactly. It runs in a synctest bubble (network_test.go): the
+// group's connections, like the ranks', are on an in-memory network;
+// parties runs in the bubble, so that what it dates (certificates) is
+// dated on the bubble's clock.
+func joinFails(t *testing.T, st layout.CacheState, cfg *config.CacheTransceiver, why string, parties func(t *testing.T) [2]func(*Options)) {
+	t.Helper()
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		ln, err := nw.Listen(t.Context(), "127.0.0.1")
 		if err != nil {
 			t.Fatal(err)
 		}
-		p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer p.Close()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			defer cancel()
-			tr, err := New(ctx, cfg, Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g, Secret: secret})
-			if err == nil {
-				tr.Close()
+		mods := parties(t)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		start := time.Now()
+		for r := range 2 {
+			gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
+			if r == 0 {
+				gc.Listener = ln
 			}
-			errs[r] = err
-		}()
-	}
-	wg.Wait()
-	ln.Close()
-	for r, err := range errs {
-		if err == nil || !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("process %d with a mismatched secret: %v, want the join to fail at its deadline", r, err)
+			g, err := NewCoordinatedGroup(gc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			opts := Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g}
+			mods[r](&opts)
+			withNetwork(nw)(&opts)
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+				defer cancel()
+				tr, err := New(ctx, cfg, opts)
+				if err == nil {
+					tr.Close()
+				}
+				errs[r] = err
+			})
 		}
-	}
-	if d := time.Since(start); d > 5*time.Second {
-		t.Errorf("the refused join took %v", d)
-	}
+		wg.Wait()
+		ln.Close()
+		for r, err := range errs {
+			if !errors.Is(err, context.DeadlineExceeded) {
+				t.Errorf("process %d with %s: %v, want the join to fail at its deadline", r, why, err)
+			}
+		}
+		if d := time.Since(start); d != time.Second {
+			t.Errorf("the refused join took %v, want its deadline, 1s", d)
+		}
+	})
 }
 
 // TestGroupTLS: a coordinated group takes the Transceiver's mutual TLS:
@@ -796,49 +813,19 @@ func TestGroupTLS(t *testing.T) {
 		}
 	}
 
-	other, err := tlsconf.NewAuthority("another CA", time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	errs := make([]error, 2)
-	var wg sync.WaitGroup
-	for r, party := range []*transport.TLSConfig{tc, tlsParty(t, other, "intruder")} {
-		gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
-		if r == 0 {
-			gc.Listener = ln
-		}
-		g, err := NewCoordinatedGroup(gc)
+	// The join, with parties of two CAs made on the bubble's clock.
+	joinFails(t, st, testCfg(), "the other of another CA", func(t *testing.T) [2]func(*Options) {
+		ca, err := tlsconf.NewAuthority("group test CA", time.Hour)
 		if err != nil {
 			t.Fatal(err)
 		}
-		p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(testCfg()))
+		other, err := tlsconf.NewAuthority("another CA", time.Hour)
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer p.Close()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			defer cancel()
-			tr, err := New(ctx, testCfg(), Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g, TLS: party})
-			if err == nil {
-				tr.Close()
-			}
-			errs[r] = err
-		}()
-	}
-	wg.Wait()
-	ln.Close()
-	for r, err := range errs {
-		if !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("process %d, the other of another CA: %v, want the join to fail at its deadline", r, err)
-		}
-	}
+		tc, intruder := tlsParty(t, ca, "context"), tlsParty(t, other, "intruder")
+		return [2]func(*Options){func(o *Options) { o.TLS = tc }, func(o *Options) { o.TLS = intruder }}
+	})
 }
 
 // TestGatherGroupRounds: a GatherGroup's rounds as a C caller drives them:

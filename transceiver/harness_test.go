@@ -174,6 +174,19 @@ func waitDone(t *testing.T, req *Request, within time.Duration) {
 	}
 }
 
+// ended reports whether the request has ended, without waiting.
+func ended(req *Request) bool {
+	req.mu.Lock()
+	done := req.done
+	req.mu.Unlock()
+	select {
+	case <-done:
+		return true
+	default:
+		return false
+	}
+}
+
 func state(layers, heads, headDim, tpb int, dt kvcache.DType, tp, pp int, mla bool) layout.CacheState {
 	kvf := 2
 	att := layout.AttentionDefault

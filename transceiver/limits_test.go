@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/syncbuf"
@@ -70,6 +71,24 @@ func hostileHello(t *testing.T, endpoint, from string, st []byte) net.Conn {
 		t.Error(err)
 		return nil
 	}
+	return helloOn(t, c, st)
+}
+
+// memHello is hostileHello on an in-memory network.
+func memHello(t *testing.T, nw *memNetwork, endpoint, from string, st []byte) net.Conn {
+	t.Helper()
+	c, err := nw.DialFrom(t.Context(), from, endpoint)
+	if err != nil {
+		t.Error(err)
+		return nil
+	}
+	return helloOn(t, c, st)
+}
+
+// helloOn completes the handshake on c as a generation rank would; it
+// returns c, or nil when the rank refused it (closed before its hello).
+func helloOn(t *testing.T, c net.Conn, st []byte) net.Conn {
+	t.Helper()
 	b, _ := wire.Append(nil, &wire.Hello{Version: wire.Version, State: st, Host: "hostile", Backends: []string{"tcp"}, Endpoints: []string{"127.0.0.1:1"}})
 	c.SetDeadline(time.Now().Add(5 * time.Second))
 	if _, err := c.Write(b); err != nil {
@@ -192,144 +211,181 @@ func TestControlFloodAfterHello(t *testing.T) {
 }
 
 // TestControlConnCaps: the total and per-host caps, their reasons, and a
-// freed place, with deterministic counts (no idle timeout).
+// freed place, with deterministic counts (no idle timeout). It runs in a
+// synctest bubble (network_test.go).
 func TestControlConnCaps(t *testing.T) {
-	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	obs := &connCounter{}
-	sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{MaxControlConns: 4, MaxControlConnsPerHost: 2, IdleTimeout: -1}, obs, nil))
-	st, _ := cs.MarshalBinary()
-	ep := sender.t.Endpoints()[0]
-	var held []net.Conn
-	t.Cleanup(func() {
-		for _, c := range held {
-			c.Close()
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+		obs := &connCounter{}
+		sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{MaxControlConns: 4, MaxControlConnsPerHost: 2, IdleTimeout: -1}, obs, nil), withNetwork(nw))
+		st, _ := cs.MarshalBinary()
+		ep := sender.t.Endpoints()[0]
+		var held []net.Conn
+		t.Cleanup(func() {
+			for _, c := range held {
+				c.Close()
+			}
+		})
+		for _, tc := range []struct {
+			from string
+			ok   bool
+		}{
+			{"127.0.0.2", true}, {"127.0.0.2", true}, {"127.0.0.2", false}, // per host
+			{"127.0.0.3", true}, {"127.0.0.3", true}, {"127.0.0.4", false}, // total
+		} {
+			c := memHello(t, nw, ep, tc.from, st)
+			if (c != nil) != tc.ok {
+				t.Fatalf("connection from %s served: %v, want %v", tc.from, c != nil, tc.ok)
+			}
+			if c != nil {
+				held = append(held, c)
+			}
 		}
-	})
-	for _, tc := range []struct {
-		from string
-		ok   bool
-	}{
-		{"127.0.0.2", true}, {"127.0.0.2", true}, {"127.0.0.2", false}, // per host
-		{"127.0.0.3", true}, {"127.0.0.3", true}, {"127.0.0.4", false}, // total
-	} {
-		c := hostileHello(t, ep, tc.from, st)
-		if (c != nil) != tc.ok {
-			t.Fatalf("connection from %s served: %v, want %v", tc.from, c != nil, tc.ok)
+		if obs.perHost.Load() != 1 || obs.maxConns.Load() != 1 {
+			t.Errorf("refused %d per host and %d in all, want 1 and 1", obs.perHost.Load(), obs.maxConns.Load())
 		}
-		if c != nil {
+		if got := obs.open.Load(); got != 4 {
+			t.Errorf("%d open, want 4", got)
+		}
+		held[0].Close()
+		synctest.Wait()
+		if got := obs.open.Load(); got != 3 {
+			t.Fatalf("%d open after one closed, want 3", got)
+		}
+		if c := memHello(t, nw, ep, "127.0.0.4", st); c == nil {
+			t.Fatal("refused after a place was freed")
+		} else {
 			held = append(held, c)
 		}
-	}
-	if obs.perHost.Load() != 1 || obs.maxConns.Load() != 1 {
-		t.Errorf("refused %d per host and %d in all, want 1 and 1", obs.perHost.Load(), obs.maxConns.Load())
-	}
-	if got := obs.open.Load(); got != 4 {
-		t.Errorf("%d open, want 4", got)
-	}
-	held[0].Close()
-	waitFor(t, 5*time.Second, "a closed connection's place freed", func() bool { return obs.open.Load() == 3 })
-	if c := hostileHello(t, ep, "127.0.0.4", st); c == nil {
-		t.Fatal("refused after a place was freed")
-	} else {
-		held = append(held, c)
-	}
-	// Without an idle timeout, nothing closes them.
-	if closedWithin(held[1], 100*time.Millisecond) {
-		t.Fatal("a connection was closed without an idle timeout")
-	}
+		// Without an idle timeout, nothing closes them, however long.
+		time.Sleep(24 * time.Hour)
+		synctest.Wait()
+		if got := obs.open.Load(); got != 4 || obs.idle.Load() != 0 {
+			t.Fatalf("after a day without an idle timeout: %d open, %d closed as idle; want 4 and 0", got, obs.idle.Load())
+		}
+		if closedWithin(held[1], time.Millisecond) {
+			t.Fatal("a connection was closed without an idle timeout")
+		}
+	})
 }
 
 // TestControlHandshakeTimeout: a connection that never completes its hello
-// (silent, or a few bytes of it) is closed at the handshake timeout, not
-// before, and counted; one within the timeout is served. The timeout is kept
-// on the instance's clock, which the test advances.
+// (silent, or a few bytes of it) is closed at the handshake timeout, not a
+// moment before, and counted; one within the timeout is served.
 func TestControlHandshakeTimeout(t *testing.T) {
-	const hs = 200 * time.Millisecond
-	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	obs := &connCounter{}
-	clk := newManualClock()
-	sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil), withClock(clk))
-	ep := sender.t.Endpoints()[0]
-	for _, prefix := range [][]byte{nil, {0x40, 0, 0}} {
-		c, err := net.Dial("tcp", ep)
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		const hs = 200 * time.Millisecond
+		cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+		obs := &connCounter{}
+		sender := newInst(t, cs, testCfg(), 16, withLimits(ConnLimits{HandshakeTimeout: hs}, obs, nil), withNetwork(nw))
+		ep := sender.t.Endpoints()[0]
+		for i, prefix := range [][]byte{nil, {0x40, 0, 0}} {
+			c, err := nw.Dial(t.Context(), ep)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			c.Write(prefix)
+			start := time.Now()
+			time.Sleep(hs - time.Nanosecond)
+			synctest.Wait()
+			if obs.open.Load() != 1 || obs.hsTO.Load() != int64(i) {
+				t.Fatalf("prefix %x: closed before its handshake timeout", prefix)
+			}
+			if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("prefix %x: read %v, want the connection closed", prefix, err)
+			}
+			if waited := time.Since(start); waited != hs {
+				t.Fatalf("prefix %x: closed after %v, want %v", prefix, waited, hs)
+			}
+		}
+		synctest.Wait()
+		if obs.hsTO.Load() != 2 {
+			t.Fatalf("%d handshake timeouts counted, want 2", obs.hsTO.Load())
+		}
+		st, _ := cs.MarshalBinary()
+		c, err := nw.Dial(t.Context(), ep)
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer c.Close()
-		c.Write(prefix)
-		clk.WaitArmed(t, 1) // the rank has the connection, its hello awaited
-		clk.Advance(hs - time.Millisecond)
-		if closedWithin(c, 50*time.Millisecond) {
-			t.Fatal("a connection was closed before its handshake timeout")
+		time.Sleep(hs - time.Nanosecond) // a hello just in time
+		if c := helloOn(t, c, st); c == nil {
+			t.Fatal("a hello within the handshake timeout was refused")
+		} else {
+			c.Close()
 		}
-		clk.Advance(time.Millisecond)
-		if !closedWithin(c, 5*time.Second) {
-			t.Fatal("a connection without hello was kept")
+		synctest.Wait()
+		if obs.open.Load() != 0 || obs.hsTO.Load() != 2 {
+			t.Errorf("%d connections open, %d handshake timeouts; want 0 and 2", obs.open.Load(), obs.hsTO.Load())
 		}
-	}
-	waitFor(t, 5*time.Second, "handshake timeouts counted", func() bool { return obs.hsTO.Load() == 2 })
-	st, _ := cs.MarshalBinary()
-	if c := hostileHello(t, ep, "127.0.0.1", st); c == nil {
-		t.Fatal("a prompt hello was refused")
-	} else {
-		c.Close()
-	}
-	waitFor(t, 5*time.Second, "every connection closed", func() bool { return obs.open.Load() == 0 })
+	})
 }
 
 // TestDialledConnIdle: the generation side closes its idle dialled
 // connection (at 3/4 of the idle timeout) before the context side would,
 // and a later request dials a new one; requests keep working across it.
-// Both instances keep the idle timeout on one clock the test advances.
 func TestDialledConnIdle(t *testing.T) {
-	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	lim := ConnLimits{IdleTimeout: 400 * time.Millisecond}
-	clk := newManualClock()
-	senderObs := &connCounter{}
-	sender := newInst(t, cs, testCfg(), 64, withLimits(lim, senderObs, nil), withClock(clk))
-	gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil), withClock(clk))
-	transfer(t, sender, gen, 1, 40, 1, 0, 0)
-	r := gen.t.ranks[0]
-	dialled := func() int { return r.ctrl.Dialled() }
-	if dialled() != 1 {
-		t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
-	}
-	clk.WaitArmed(t, 2) // both ends wait for their next frame
-	clk.Advance(300*time.Millisecond - time.Millisecond)
-	if dialled() != 1 || senderObs.open.Load() != 1 {
-		t.Fatalf("before 3/4 of the idle timeout: %d dialled, %d accepted", dialled(), senderObs.open.Load())
-	}
-	clk.Advance(time.Millisecond)
-	waitFor(t, 5*time.Second, "the dialled connection closed as idle", func() bool { return dialled() == 0 })
-	waitFor(t, 5*time.Second, "the context side saw it close", func() bool { return senderObs.open.Load() == 0 })
-	if senderObs.idle.Load() != 0 {
-		t.Errorf("the context side closed %d connections as idle: the dialler should have first", senderObs.idle.Load())
-	}
-	transfer(t, sender, gen, 2, 40, 2, 0, 0)
-	if senderObs.peak.Load() != 1 {
-		t.Errorf("peak %d open control connections, want 1", senderObs.peak.Load())
-	}
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+		lim := ConnLimits{IdleTimeout: 400 * time.Millisecond}
+		senderObs := &connCounter{}
+		sender := newInst(t, cs, testCfg(), 64, withLimits(lim, senderObs, nil), withNetwork(nw))
+		gen := newInst(t, cs, testCfg(), 64, withLimits(lim, nil, nil), withNetwork(nw))
+		transfer(t, sender, gen, 1, 40, 1, 0, 0)
+		r := gen.t.ranks[0]
+		dialled := func() int { return r.ctrl.Dialled() }
+		synctest.Wait() // both ends wait for their next frame, from now
+		if dialled() != 1 {
+			t.Fatalf("%d dialled connections after a transfer, want 1", dialled())
+		}
+		time.Sleep(300*time.Millisecond - time.Nanosecond)
+		synctest.Wait()
+		if dialled() != 1 || senderObs.open.Load() != 1 {
+			t.Fatalf("before 3/4 of the idle timeout: %d dialled, %d accepted", dialled(), senderObs.open.Load())
+		}
+		time.Sleep(time.Nanosecond)
+		synctest.Wait()
+		if dialled() != 0 || senderObs.open.Load() != 0 {
+			t.Fatalf("at 3/4 of the idle timeout: %d dialled, %d accepted; want both closed", dialled(), senderObs.open.Load())
+		}
+		if senderObs.idle.Load() != 0 {
+			t.Errorf("the context side closed %d connections as idle: the dialler should have first", senderObs.idle.Load())
+		}
+		transfer(t, sender, gen, 2, 40, 2, 0, 0)
+		if senderObs.peak.Load() != 1 {
+			t.Errorf("peak %d open control connections, want 1", senderObs.peak.Load())
+		}
+	})
 }
 
 // TestPeerClosedIdleConn: a context rank with a shorter idle timeout than
 // its dialler closes the cached connection first; the dialler drops it
 // from its cache when it sees the close, and the next request dials anew.
 func TestPeerClosedIdleConn(t *testing.T) {
-	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	clk := newManualClock()
-	senderObs := &connCounter{}
-	sender := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, senderObs, nil), withClock(clk))
-	gen := newInst(t, cs, testCfg(), 64, withClock(clk))
-	transfer(t, sender, gen, 1, 40, 1, 0, 0)
-	r := gen.t.ranks[0]
-	clk.WaitArmed(t, 2)
-	clk.Advance(200 * time.Millisecond)
-	waitFor(t, 5*time.Second, "the closed connection dropped from the dial cache", func() bool { return r.ctrl.Dialled() == 0 })
-	if senderObs.idle.Load() != 1 {
-		t.Errorf("%d idle closes on the context side, want 1", senderObs.idle.Load())
-	}
-	transfer(t, sender, gen, 2, 40, 2, 0, 0)
-	if senderObs.peak.Load() != 1 || senderObs.open.Load() != 1 {
-		t.Errorf("peak %d, open %d control connections, want 1 and 1", senderObs.peak.Load(), senderObs.open.Load())
-	}
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+		senderObs := &connCounter{}
+		sender := newInst(t, cs, testCfg(), 64, withLimits(ConnLimits{IdleTimeout: 200 * time.Millisecond}, senderObs, nil), withNetwork(nw))
+		gen := newInst(t, cs, testCfg(), 64, withNetwork(nw))
+		transfer(t, sender, gen, 1, 40, 1, 0, 0)
+		r := gen.t.ranks[0]
+		synctest.Wait()
+		time.Sleep(200*time.Millisecond - time.Nanosecond)
+		synctest.Wait()
+		if r.ctrl.Dialled() != 1 || senderObs.idle.Load() != 0 {
+			t.Fatalf("before the context side's idle timeout: %d dialled, %d idle closes; want 1 and 0", r.ctrl.Dialled(), senderObs.idle.Load())
+		}
+		time.Sleep(time.Nanosecond)
+		synctest.Wait()
+		if r.ctrl.Dialled() != 0 {
+			t.Fatal("the closed connection is still in the dial cache")
+		}
+		if senderObs.idle.Load() != 1 {
+			t.Errorf("%d idle closes on the context side, want 1", senderObs.idle.Load())
+		}
+		transfer(t, sender, gen, 2, 40, 2, 0, 0)
+		if senderObs.peak.Load() != 1 || senderObs.open.Load() != 1 {
+			t.Errorf("peak %d, open %d control connections, want 1 and 1", senderObs.peak.Load(), senderObs.open.Load())
+		}
+	})
 }

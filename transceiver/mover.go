@@ -87,16 +87,21 @@ func (r *rank) recvPair(q *rankReq, e effStartRecv) (int64, int, error) {
 	if !p.direct {
 		return r.recvChunks(q, s, e.to, p)
 	}
-	select {
-	case <-s.direct.Done():
-	case <-q.ctx.Done():
-		s.direct.Cancel()
-		return 0, 0, context.Cause(q.ctx)
-	}
-	if err := s.direct.Err(); err != nil {
+	if err := await(q.ctx, s.direct); err != nil {
+		s.direct.Cancel() // when ctx ended first; a no-op after Done
 		return 0, 0, err
 	}
 	return int64(p.n) * p.plan.PackedBytesPerBlock(), 1, nil
+}
+
+// await waits for rv to end: its error, or ctx's cause when ctx ends first.
+func await(ctx context.Context, rv transport.Recv) error {
+	select {
+	case <-rv.Done():
+		return rv.Err()
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
 }
 
 // recvChunks receives the chunks of a staged transfer, keeping up to two in
@@ -173,12 +178,7 @@ func (w *chunkWindow) fill(total int) error {
 // take waits for the oldest chunk and unpacks it into the blocks.
 func (w *chunkWindow) take() (int64, error) {
 	head := w.flight[0]
-	select {
-	case <-head.rv.Done():
-	case <-w.q.ctx.Done():
-		return 0, context.Cause(w.q.ctx)
-	}
-	if err := head.rv.Err(); err != nil {
+	if err := await(w.q.ctx, head.rv); err != nil {
 		return 0, err
 	}
 	size := int64(head.hi-head.lo) * w.p.plan.PackedBytesPerBlock()

@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
@@ -35,7 +36,7 @@ type attemptEnd func(rank int, key instKey, attempt uint64, err error)
 // staging buffers and the requests in flight.
 //
 // Lock order: rank.mu, then the control plane's (Plane.Conn, Conn.Touch),
-// then the clock's own (arming and stopping a deadline). Conn.Send is
+// then the runtime's timers (arming and stopping a deadline). Conn.Send is
 // never called under rank.mu: effects run after the lock is released.
 type rank struct {
 	idx        int
@@ -142,7 +143,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
 		Limits: control.Limits{MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost,
 			HandshakeTimeout: set.limits.HandshakeTimeout, IdleTimeout: set.limits.IdleTimeout},
-		Observer: set.conns, Clock: set.clock, Log: r.log, Hello: r.hello(),
+		Observer: set.conns, Dial: set.net.Dial, Log: r.log, Hello: r.hello(),
 		TLSServer: set.tlsServer, TLSClient: set.tls,
 		AcceptOK: func(a net.Addr) bool {
 			if !set.peers.acceptOK(a) {
@@ -231,7 +232,7 @@ func (r *rank) admit(q *rankReq) error {
 	if r.obs != nil {
 		r.obs.TransferStarted(roleOf(q.key.side))
 	}
-	effs, _ := r.stepLocked(q, evStart{now: r.set.clock.Now()})
+	effs, _ := r.stepLocked(q, evStart{now: time.Now()})
 	r.mu.Unlock()
 	r.run(q, effs)
 	return nil
@@ -293,7 +294,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 				if q.stopTimer != nil {
 					q.stopTimer() // a request has one timer: the one armed last
 				}
-				q.stopTimer = r.set.clock.AfterFunc(e.at.Sub(r.set.clock.Now()), func() { r.step(q, evTick{now: r.set.clock.Now()}) })
+				q.stopTimer = time.AfterFunc(time.Until(e.at), func() { r.step(q, evTick{now: time.Now()}) }).Stop
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -528,7 +529,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	switch f := f.(type) {
 	case *wire.RequestInfo:
 		at := from(f.CtxRequestID, f.GenRequestID)
-		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: r.set.clock.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
+		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: time.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
 	case *wire.ChunkDesc:
 		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
 	case *wire.Abort:
@@ -545,12 +546,7 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 	id := connID(cc.ID())
 	r.mu.Lock()
 	delete(r.probes, id)
-	var hit []*rankReq
-	for _, q := range r.reqs {
-		if slices.Contains(q.core.conns(), id) {
-			hit = append(hit, q)
-		}
-	}
+	hit := r.usersOf(id)
 	r.mu.Unlock()
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
@@ -561,42 +557,45 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 // Busy reports whether a request in flight uses cc (it implements
 // control.Handler): the connection is then not idle.
 func (r *rank) Busy(cc *control.Conn) bool {
-	id := connID(cc.ID())
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	return len(r.usersOf(connID(cc.ID()))) > 0
+}
+
+// usersOf returns the requests in flight that use connection id. Called
+// with r.mu held.
+func (r *rank) usersOf(id connID) []*rankReq {
+	var hit []*rankReq
 	for _, q := range r.reqs {
 		if slices.Contains(q.core.conns(), id) {
-			return true
+			hit = append(hit, q)
 		}
 	}
-	return false
+	return hit
 }
 
 // cancel cancels the instance's request reqID of side on this rank. It
 // reports whether there was anything to cancel.
 func (r *rank) cancel(s side, reqID uint64, why error) bool {
-	_, n := r.feed(func() *rankReq {
+	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why})
+	return n > 0
+}
+
+// decide feeds the instance's word on a pull attempt (evAttemptFailed,
+// evCommit) to context request reqID on this rank.
+func (r *rank) decide(reqID uint64, ev event) { r.feed(r.byReqID(sideSend, reqID), ev) }
+
+// byReqID finds, for feed, the request of side with the instance's id
+// reqID.
+func (r *rank) byReqID(s side, reqID uint64) func() *rankReq {
+	return func() *rankReq {
 		for k, q := range r.reqs {
 			if k.side == s && q.reqID == reqID {
 				return q
 			}
 		}
 		return nil
-	}, evCancel{err: why})
-	return n > 0
-}
-
-// decide feeds the instance's word on a pull attempt (evAttemptFailed,
-// evCommit) to context request reqID on this rank.
-func (r *rank) decide(reqID uint64, ev event) {
-	r.feed(func() *rankReq {
-		for k, q := range r.reqs {
-			if k.side == sideSend && q.reqID == reqID {
-				return q
-			}
-		}
-		return nil
-	}, ev)
+	}
 }
 
 // close fails everything in flight, closes the listener, the connections

@@ -94,9 +94,11 @@ type Options struct {
 	// suite); nil leaves the data planes as opened.
 	WrapDataPlane func(name string, t transport.Transport) transport.Transport
 
-	// clock, when set, is where deadlines come from (tests: a clock they
-	// advance by hand); nil means the machine's.
-	clock clock
+	// network, when set, is where the ranks listen, dial and open their
+	// data planes (tests: an in-memory one, whose waits a testing/synctest
+	// bubble sees as durably blocked, so that deadlines pass on its fake
+	// clock); nil means the machine's.
+	network network
 }
 
 // Transceiver is the KV-cache transceiver of one instance: of its TP×PP
@@ -205,7 +207,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	}
 	t.group = opts.Group
 	if cg, ok := opts.Group.(*CoordinatedGroup); ok {
-		cg.inherit(opts.Secret, opts.TLS)
+		cg.inherit(opts.Secret, opts.TLS, opts.network)
 	}
 	self := groupJoin{ranks: slices.Clone(opts.Ranks), endpoints: t.localEndpoints()}
 	rand.Read(self.share[:])
@@ -301,7 +303,7 @@ type rankSettings struct {
 	host        string
 	logger      *slog.Logger
 	now         func() time.Time // for statistics
-	clock       clock            // for deadlines
+	net         network          // where ranks listen, dial and open data planes
 	peers       *peerPolicy      // hosts this rank may dial and accept
 	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
 	tlsServer   *tls.Config      // its server side
@@ -323,7 +325,7 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 	set := rankSettings{
 		timeout: cfg.Timeout(), senderTimeout: cfg.SenderTimeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
 		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
-		host: opts.Host, logger: log, now: opts.Now, clock: opts.clock, peers: peers, limits: opts.Limits.withDefaults(),
+		host: opts.Host, logger: log, now: opts.Now, net: opts.network, peers: peers, limits: opts.Limits.withDefaults(),
 	}
 	if backend == config.BackendUCX || backend == config.BackendAuto {
 		set.ucxInterface = cfg.UCXInterface
@@ -331,11 +333,11 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 	if set.host == "" {
 		set.host = HostIdentity()
 	}
-	if set.clock == nil {
-		set.clock = realClock{}
+	if set.net == nil {
+		set.net = hostNetwork{}
 	}
 	if set.now == nil {
-		set.now = set.clock.Now
+		set.now = time.Now
 	}
 	if opts.TLS != nil {
 		set.tls, set.tlsServer = opts.TLS.Client, opts.TLS.Server
@@ -376,7 +378,7 @@ func (t *Transceiver) openRank(ctx context.Context, i, at int, cfg *config.Cache
 		if name == "ucx" {
 			o.Interface = set.ucxInterface
 		}
-		tr, err := transport.Open(ctx, name, o)
+		tr, err := set.net.OpenData(ctx, name, o)
 		if err != nil {
 			closeAll()
 			return nil, fmt.Errorf("transceiver: rank %d: open %s: %w", i, name, err)
@@ -386,8 +388,7 @@ func (t *Transceiver) openRank(ctx context.Context, i, at int, cfg *config.Cache
 		}
 		trs[name] = tr
 	}
-	var lc net.ListenConfig
-	ln, err := lc.Listen(ctx, "tcp", net.JoinHostPort(host, "0"))
+	ln, err := set.net.Listen(ctx, host)
 	if err != nil {
 		closeAll()
 		return nil, err
@@ -922,7 +923,7 @@ func (t *Transceiver) cancelRanks(effs []instEffect) bool {
 			}
 		case attemptFailedEffect:
 			for _, r := range t.hosted(e.ranks) {
-				r.decide(e.key.id, evAttemptFailed{attempt: e.attempt, err: e.cause, now: r.set.clock.Now()})
+				r.decide(e.key.id, evAttemptFailed{attempt: e.attempt, err: e.cause, now: time.Now()})
 			}
 		case commitEffect:
 			for _, r := range t.hosted(e.ranks) {

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
@@ -290,59 +291,64 @@ func TestIncompatibleRefusedByContext(t *testing.T) {
 }
 
 // TestContextTimeout: nobody pulls; the blocks go back at the deadline,
-// and not before. The instance's clock is one the test advances.
+// and not a moment before. It runs in a synctest bubble (network_test.go).
 func TestContextTimeout(t *testing.T) {
-	s := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false)
-	clk := newManualClock()
-	sender := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16, withClock(clk))
-	creq, _ := startSend(t, sender, 1, 16)
-	if got := sender.pools[0].FreeBlocks(); got != 12 {
-		t.Fatalf("free blocks while held: %d, want 12", got)
-	}
-	clk.Advance(199 * time.Millisecond)
-	if n := heldBy(sender, sideSend, creq.ID); n != 2 || creq.State() != DisaggContextTransInProgress {
-		t.Fatalf("1ms before the deadline: held by %d ranks of 2, state %s", n, creq.State())
-	}
-	clk.Advance(time.Millisecond)
-	if n := heldBy(sender, sideSend, creq.ID); n != 0 {
-		t.Fatalf("at the deadline: still held by %d ranks", n)
-	}
-	waitDone(t, creq, 5*time.Second)
-	if creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrTimeout) {
-		t.Fatalf("state %s, err %v", creq.State(), creq.Err())
-	}
-	for r, p := range sender.pools {
-		if p.FreeBlocks() != 16 {
-			t.Errorf("rank %d: %d free after the deadline", r, p.FreeBlocks())
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		s := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false)
+		sender := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 200 }), 16, withNetwork(nw))
+		creq, _ := startSend(t, sender, 1, 16)
+		if got := sender.pools[0].FreeBlocks(); got != 12 {
+			t.Fatalf("free blocks while held: %d, want 12", got)
 		}
-	}
+		time.Sleep(200*time.Millisecond - time.Nanosecond)
+		synctest.Wait()
+		if n := heldBy(sender, sideSend, creq.ID); n != 2 || creq.State() != DisaggContextTransInProgress {
+			t.Fatalf("1ns before the deadline: held by %d ranks of 2, state %s", n, creq.State())
+		}
+		time.Sleep(time.Nanosecond)
+		synctest.Wait()
+		if n := heldBy(sender, sideSend, creq.ID); n != 0 {
+			t.Fatalf("at the deadline: still held by %d ranks", n)
+		}
+		if !ended(creq) || creq.State() != DisaggTransError || !errors.Is(creq.Err(), ErrTimeout) {
+			t.Fatalf("at the deadline: ended %v, state %s, err %v", ended(creq), creq.State(), creq.Err())
+		}
+		for r, p := range sender.pools {
+			if p.FreeBlocks() != 16 {
+				t.Errorf("rank %d: %d free after the deadline", r, p.FreeBlocks())
+			}
+		}
+	})
 }
 
 // TestGenerationTimeout: the context instance is gone (its endpoint accepts
-// and never answers); the receive fails at its deadline, and not before.
+// and never answers); the receive fails at its deadline, and not a moment
+// before.
 func TestGenerationTimeout(t *testing.T) {
-	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
-	cfg := testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 300 })
-	clk := newManualClock()
-	gen := newInst(t, s, cfg, 16, withClock(clk))
-	// A listener that accepts and never answers: the handshake hangs.
-	silent := newSilentListener(t)
-	op := &OpaqueState{RequestID: 1, State: s, Endpoints: []string{silent}}
-	enc, _ := op.MarshalBinary()
-	greq := &Request{ID: 1, Type: GenerationOnly, Blocks: gen.alloc(t, 0, 1), ContextPhase: &ContextPhaseParams{OpaqueState: enc}}
-	if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
-		t.Fatal(err)
-	}
-	clk.Advance(299 * time.Millisecond)
-	if n := heldBy(gen, sideRecv, 1); n != 1 {
-		t.Fatalf("1ms before the deadline: held by %d ranks of 1 (%v)", n, greq.Err())
-	}
-	clk.Advance(time.Millisecond)
-	waitDone(t, greq, 5*time.Second)
-	if !errors.Is(greq.Err(), ErrTimeout) || greq.State() != DisaggTransError {
-		t.Fatalf("state %s, err %v", greq.State(), greq.Err())
-	}
-	gen.release(t, greq.Blocks)
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+		cfg := testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 300 })
+		gen := newInst(t, s, cfg, 16, withNetwork(nw))
+		// A listener that accepts and never answers: the handshake hangs.
+		silent := newSilentListener(t, nw)
+		op := &OpaqueState{RequestID: 1, State: s, Endpoints: []string{silent}}
+		enc, _ := op.MarshalBinary()
+		greq := &Request{ID: 1, Type: GenerationOnly, Blocks: gen.alloc(t, 0, 1), ContextPhase: &ContextPhaseParams{OpaqueState: enc}}
+		if err := gen.t.RequestAndReceiveAsync(greq); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300*time.Millisecond - time.Nanosecond)
+		synctest.Wait()
+		if n := heldBy(gen, sideRecv, 1); n != 1 || ended(greq) {
+			t.Fatalf("1ns before the deadline: held by %d ranks of 1, ended %v (%v)", n, ended(greq), greq.Err())
+		}
+		time.Sleep(time.Nanosecond)
+		synctest.Wait()
+		if !ended(greq) || !errors.Is(greq.Err(), ErrTimeout) || greq.State() != DisaggTransError {
+			t.Fatalf("at the deadline: ended %v, state %s, err %v", ended(greq), greq.State(), greq.Err())
+		}
+		gen.release(t, greq.Blocks)
+	})
 }
 
 // TestCancel cancels on each side, before and during the transfer.
@@ -440,19 +446,25 @@ func allocatedBuffers(p *bufPool) int {
 // waitMoving waits until rank 0 of in has a request whose data is moving.
 func waitMoving(t *testing.T, in *inst) {
 	t.Helper()
-	r := in.t.ranks[0]
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		r.mu.Lock()
-		moving := false
-		for _, q := range r.reqs {
-			moving = moving || q.core.state() == phaseMoving
-		}
-		r.mu.Unlock()
-		if moving {
+		if moving(in) {
 			return
 		}
 	}
 	t.Fatal("no transfer started moving data within 10s")
+}
+
+// moving reports whether rank 0 of in has a request whose data is moving.
+func moving(in *inst) bool {
+	r := in.t.ranks[0]
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, q := range r.reqs {
+		if q.core.state() == phaseMoving {
+			return true
+		}
+	}
+	return false
 }
 
 func TestNoTransceiver(t *testing.T) {

@@ -85,11 +85,11 @@ var boundaries = []rule{
 	{pkg: "bench/serving", may: []string{"bench", "internal/buildinfo"}, tests: []string{"bench/benchtest"},
 		ext: []string{"gonum.org/v1/plot/...", "github.com/santhosh-tekuri/jsonschema/v6"}},
 	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
-		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf", "internal/manualclock"}},
+		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf", "internal/memnet"}},
 	// The control connections of a rank: frames, the accept loop, the
 	// listener's limits; never requests, layouts or transports.
 	{pkg: "transceiver/internal/control", may: []string{"transceiver/internal/wire", "internal/netlimit", "internal/accept"},
-		tests: []string{"internal/manualclock"}},
+		tests: []string{"internal/memnet"}},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
 	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd", "internal/memcopy"},
@@ -137,8 +137,9 @@ var boundaries = []rule{
 	{pkg: "internal/memcopy"},
 	{pkg: "internal/freeport"},
 	{pkg: "internal/syncbuf"},
-	// A clock tests advance by hand (test support only).
-	{pkg: "internal/manualclock"},
+	// An in-memory network for tests under testing/synctest (test support
+	// only).
+	{pkg: "internal/memnet"},
 	{pkg: "internal/repotest"},
 	// Cross-host tests (test code only): the CLI in child processes
 	// spread over network namespaces (entered with x/sys/unix's Setns),
@@ -287,8 +288,8 @@ func TestBoundaryRules(t *testing.T) {
 		{"transceiver/internal/control", "transceiver", false, false},
 		{"transceiver/internal/control", "transport", false, false}, // frames and peers, never data planes
 		{"transceiver/internal/control", "layout", false, false},
-		{"transceiver/internal/control", "internal/manualclock", true, true},
-		{"transceiver", "internal/manualclock", false, false}, // test support stays in tests
+		{"transceiver/internal/control", "internal/memnet", true, true},
+		{"transceiver", "internal/memnet", false, false}, // test support stays in tests
 		{"transport/tcp", "transport/shm", false, false},
 		{"transport/tcp", "transport/transporttest", true, true},
 		{"internal/cli", "cmd/kvxfer", false, false},

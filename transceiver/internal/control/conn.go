@@ -26,10 +26,9 @@ type Conn struct {
 	dead      chan struct{} // closed when the connection is closed
 	err       error         // why it died; set before dead is closed
 
-	now   func() time.Time // the Plane's clock: idleness is measured on it
-	used  atomic.Int64     // unix nanoseconds of the last use (see Touch)
-	users int              // dialled: callers of Dial not yet released (guarded by Plane.mu)
-	takes uint64           // dialled: Dials that have returned it (guarded by Plane.mu)
+	used  atomic.Int64 // unix nanoseconds of the last use (see Touch)
+	users int          // dialled: callers of Dial not yet released (guarded by Plane.mu)
+	takes uint64       // dialled: Dials that have returned it (guarded by Plane.mu)
 }
 
 // Peer is what the other side of a Conn told of itself in its Hello, and
@@ -52,8 +51,8 @@ func (p *Peer) fromHello(h *wire.Hello) {
 // the arrival of a frame whose first byte has come.
 const writeTimeout = 10 * time.Second
 
-func newConn(c net.Conn, now func() time.Time, dialled bool) *Conn {
-	return &Conn{c: c, br: bufio.NewReaderSize(c, 16<<10), dead: make(chan struct{}), now: now, dialled: dialled}
+func newConn(c net.Conn, dialled bool) *Conn {
+	return &Conn{c: c, br: bufio.NewReaderSize(c, 16<<10), dead: make(chan struct{}), dialled: dialled}
 }
 
 // ID returns the Plane's name for c, unique among the Plane's Conns, never
@@ -91,7 +90,7 @@ func (c *Conn) Send(f wire.Frame) error {
 }
 
 // Touch records that c is in use now: its idle time starts again.
-func (c *Conn) Touch() { c.used.Store(c.now().UnixNano()) }
+func (c *Conn) Touch() { c.used.Store(time.Now().UnixNano()) }
 
 // lastUse returns when c was last used (see Touch).
 func (c *Conn) lastUse() time.Time { return time.Unix(0, c.used.Load()) }

@@ -36,15 +36,6 @@ var errIdle = errors.New("transceiver: control connection idle")
 // peer that starts a frame and stalls is gone (or hostile).
 const frameTimeout = writeTimeout
 
-// Clock is where a Plane gets time for its handshake and idle timeouts.
-type Clock interface {
-	Now() time.Time
-	// AfterFunc calls f in its own goroutine once d has passed. stop
-	// cancels the call and reports whether it did (false: f has run or is
-	// running).
-	AfterFunc(d time.Duration, f func()) (stop func() bool)
-}
-
 // Observer is told about the accepted connections, for metrics. Its
 // methods are called concurrently and must not block.
 type Observer interface {
@@ -86,8 +77,10 @@ type Config struct {
 	Limits Limits
 	// Observer may be nil.
 	Observer Observer
-	// Clock keeps the handshake and idle timeouts.
-	Clock Clock
+	// Dial connects to a peer's endpoint (host:port), within ctx; nil
+	// means TCP. Tests dial an in-memory network (internal/memnet), whose
+	// waits a testing/synctest bubble sees as durably blocked.
+	Dial func(ctx context.Context, endpoint string) (net.Conn, error)
 	// Log takes the Plane's messages (refusals at a rate, idle closes).
 	Log *slog.Logger
 	// Hello is what this side tells of itself, in both directions; the
@@ -244,10 +237,7 @@ func (p *Plane) admit(nc net.Conn) bool {
 		nc.Close()
 		return true
 	}
-	if tc, ok := netlimit.Unwrap(nc).(*net.TCPConn); ok {
-		tc.SetNoDelay(true)
-	}
-	c := newConn(nc, p.cfg.Clock.Now, false)
+	c := newConn(nc, false)
 	c.peer.Endpoint = nc.RemoteAddr().String()
 	c.Touch()
 	if !p.track(c) {
@@ -328,7 +318,7 @@ func (p *Plane) lost(c *Conn, err error) {
 // acceptHello shakes hands on an accepted connection: the peer's hello
 // within the handshake timeout, then this side's.
 func (p *Plane) acceptHello(c *Conn) error {
-	stop := p.interruptAfter(c, p.cfg.Limits.HandshakeTimeout)
+	stop := interruptAfter(c, p.cfg.Limits.HandshakeTimeout)
 	f, err := wire.Read(c.br)
 	stop()
 	if err != nil {
@@ -348,31 +338,15 @@ func (p *Plane) acceptHello(c *Conn) error {
 	return c.Send(&p.hello)
 }
 
-// interruptAfter makes a read of c in progress, or the next one, fail with
-// os.ErrDeadlineExceeded once d has passed on the Plane's clock (never when
-// d <= 0). stop disarms it and clears the interruption: once it returns, c
-// reads as before.
-func (p *Plane) interruptAfter(c *Conn, d time.Duration) (stop func()) {
+// interruptAfter makes a read of c fail with os.ErrDeadlineExceeded once d
+// has passed (never when d <= 0). stop clears the deadline: once it
+// returns, c reads as before.
+func interruptAfter(c *Conn, d time.Duration) (stop func()) {
 	if d <= 0 {
 		return func() {}
 	}
-	var mu sync.Mutex
-	armed := true
-	disarm := p.cfg.Clock.AfterFunc(d, func() {
-		mu.Lock()
-		defer mu.Unlock()
-		if armed {
-			c.c.SetReadDeadline(time.Unix(1, 0)) // in the past: the read returns at once
-		}
-	})
-	return func() {
-		mu.Lock()
-		armed = false
-		mu.Unlock()
-		if !disarm() {
-			c.c.SetReadDeadline(time.Time{}) // it fired: clear it
-		}
-	}
+	c.c.SetReadDeadline(time.Now().Add(d))
+	return func() { c.c.SetReadDeadline(time.Time{}) }
 }
 
 // nextFrame reads c's next frame. Between frames it waits for the first
@@ -382,7 +356,7 @@ func (p *Plane) nextFrame(c *Conn, idle time.Duration) (wire.Frame, error) {
 	wait := idle
 	for {
 		c.c.SetReadDeadline(time.Time{}) // the last frame's
-		stop := p.interruptAfter(c, wait)
+		stop := interruptAfter(c, wait)
 		_, err := c.br.Peek(1)
 		stop()
 		if err == nil {
@@ -425,7 +399,7 @@ func (p *Plane) idleLeft(c *Conn, d time.Duration) time.Duration {
 	if c.users > 0 || c.takes != takes {
 		return d
 	}
-	if left := d - p.cfg.Clock.Now().Sub(c.lastUse()); left > 0 {
+	if left := d - time.Since(c.lastUse()); left > 0 {
 		return left
 	}
 	if de := p.dialed[c.peer.Endpoint]; c.dialled && de != nil && de.conn == c {
@@ -519,8 +493,9 @@ func (p *Plane) dialEntry(ctx context.Context, endpoint string) (*dialEntry, err
 // connect dials and shakes hands. It is bounded by writeTimeout so that a
 // dead endpoint does not hold the dial slot forever.
 func (p *Plane) connect(endpoint string) (*Conn, error) {
-	dl := net.Dialer{Timeout: writeTimeout}
-	nc, err := dl.DialContext(p.life, "tcp", endpoint)
+	dctx, cancel := context.WithTimeout(p.life, writeTimeout)
+	nc, err := p.dial(dctx, endpoint)
+	cancel()
 	if err != nil {
 		return nil, fmt.Errorf("%w: dial context rank at %s: %v", ErrPeerLost, endpoint, err)
 	}
@@ -528,9 +503,6 @@ func (p *Plane) connect(endpoint string) (*Conn, error) {
 	raw := nc
 	stop := context.AfterFunc(p.life, func() { raw.SetDeadline(time.Now()) })
 	defer stop()
-	if tc, ok := nc.(*net.TCPConn); ok {
-		tc.SetNoDelay(true)
-	}
 	if p.cfg.TLSClient != nil {
 		hctx, cancel := context.WithTimeout(p.life, writeTimeout)
 		nc, err = dialTLS(hctx, nc, p.cfg.TLSClient, endpoint)
@@ -539,7 +511,7 @@ func (p *Plane) connect(endpoint string) (*Conn, error) {
 			return nil, fmt.Errorf("%w: TLS handshake with context rank at %s: %v", ErrPeerLost, endpoint, err)
 		}
 	}
-	c := newConn(nc, p.cfg.Clock.Now, true)
+	c := newConn(nc, true)
 	c.peer.Endpoint = endpoint
 	if err := p.dialHello(c); err != nil {
 		nc.Close()
@@ -553,6 +525,15 @@ func (p *Plane) connect(endpoint string) (*Conn, error) {
 	p.wg.Add(1)
 	go p.serve(c)
 	return c, nil
+}
+
+// dial connects to endpoint with Config.Dial, or over TCP.
+func (p *Plane) dial(ctx context.Context, endpoint string) (net.Conn, error) {
+	if p.cfg.Dial != nil {
+		return p.cfg.Dial(ctx, endpoint)
+	}
+	var d net.Dialer
+	return d.DialContext(ctx, "tcp", endpoint)
 }
 
 // dialHello shakes hands on a dialled connection: this side's hello, then

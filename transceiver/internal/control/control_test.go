@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/kvxfer/kvxfer/internal/manualclock"
 	"io"
 	"log/slog"
 	"net"
@@ -13,20 +12,22 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.uber.org/goleak"
 
+	"github.com/kvxfer/kvxfer/internal/memnet"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// manualClock is a Clock the test advances by hand.
-type manualClock = manualclock.Clock
-
-func newManualClock() *manualClock { return manualclock.New() }
+// The tests run in testing/synctest bubbles, over an in-memory network
+// (internal/memnet): time is the bubble's fake clock, which moves only when
+// every goroutine of the bubble is blocked, so timeouts pass at their exact
+// time, with no real wait.
 
 // handler records what a Plane hands it.
 type handler struct {
@@ -53,14 +54,16 @@ func (h *handler) Lost(c *Conn, err error) { h.lost <- lostConn{c, err} }
 
 func (h *handler) Busy(*Conn) bool { return h.busy.Load() }
 
-// waitLost returns the next connection the handler is told is lost.
+// waitLost returns the connection the handler has been told is lost, once
+// every goroutine of the bubble waits; it fails t when there is none.
 func (h *handler) waitLost(t *testing.T) lostConn {
 	t.Helper()
+	synctest.Wait()
 	select {
 	case l := <-h.lost:
 		return l
-	case <-time.After(5 * time.Second):
-		t.Fatal("no connection lost after 5s")
+	default:
+		t.Fatal("no connection lost")
 		return lostConn{}
 	}
 }
@@ -82,15 +85,15 @@ type testPlane struct {
 	obs *counter
 }
 
-// newPlane starts a Plane on a loopback listener; the test closes it.
-func newPlane(t *testing.T, clk Clock, lim Limits, rank uint32) testPlane {
+// newPlane starts a Plane listening on nw; the test closes it.
+func newPlane(t *testing.T, nw *memnet.Network, lim Limits, rank uint32) testPlane {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := nw.Listen("127.0.0.1")
 	if err != nil {
 		t.Fatal(err)
 	}
 	h, obs := newHandler(), &counter{}
-	p := New(Config{Listener: ln, Name: "control test", Limits: lim, Observer: obs, Clock: clk,
+	p := New(Config{Listener: ln, Dial: nw.Dial, Name: "control test", Limits: lim, Observer: obs,
 		Log: slog.New(slog.DiscardHandler), Hello: wire.Hello{Rank: rank, Host: "test", Backends: []string{"tcp"}, Endpoints: []string{"tcp-ep"}}}, h)
 	p.Start()
 	t.Cleanup(func() { p.Close() })
@@ -107,9 +110,9 @@ type rawPeer struct {
 	conns   []net.Conn
 }
 
-func newRawPeer(t *testing.T, serve func(c net.Conn, br *bufio.Reader)) *rawPeer {
+func newRawPeer(t *testing.T, nw *memnet.Network, serve func(c net.Conn, br *bufio.Reader)) *rawPeer {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	ln, err := nw.Listen("127.0.0.1")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,308 +147,381 @@ func (rp *rawPeer) close() {
 // TestDialSharesOneAttempt: concurrent Dials of one endpoint share one
 // connection attempt and get one Conn.
 func TestDialSharesOneAttempt(t *testing.T) {
-	gate := make(chan struct{})
-	rp := newRawPeer(t, func(c net.Conn, br *bufio.Reader) {
-		if _, err := wire.Read(br); err != nil {
-			return
-		}
-		<-gate
-		wire.Write(c, &wire.Hello{Version: wire.Version, Rank: 3, Host: "h", Backends: []string{"tcp"}, Endpoints: []string{"e"}})
-		io.Copy(io.Discard, c)
-	})
-	p := newPlane(t, newManualClock(), Limits{}, 0)
-	const n = 8
-	conns := make([]*Conn, n)
-	var started, wg sync.WaitGroup
-	for i := range n {
-		started.Add(1)
-		wg.Go(func() {
-			started.Done()
-			c, release, err := p.Dial(context.Background(), rp.ln.Addr().String())
-			if err != nil {
-				t.Error(err)
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		gate := make(chan struct{})
+		rp := newRawPeer(t, nw, func(c net.Conn, br *bufio.Reader) {
+			if _, err := wire.Read(br); err != nil {
 				return
 			}
-			release()
-			conns[i] = c
+			<-gate
+			wire.Write(c, &wire.Hello{Version: wire.Version, Rank: 3, Host: "h", Backends: []string{"tcp"}, Endpoints: []string{"e"}})
+			io.Copy(io.Discard, c)
 		})
-	}
-	started.Wait()
-	time.Sleep(2 * time.Millisecond) // let the Dials queue on the attempt
-	close(gate)
-	wg.Wait()
-	for i, c := range conns {
-		if c == nil || c != conns[0] {
-			t.Fatalf("Dial %d got %p, Dial 0 %p", i, c, conns[0])
+		p := newPlane(t, nw, Limits{}, 0)
+		const n = 8
+		conns := make([]*Conn, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				c, release, err := p.Dial(context.Background(), rp.ln.Addr().String())
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				release()
+				conns[i] = c
+			})
 		}
-	}
-	if a := rp.accepts.Load(); a != 1 {
-		t.Errorf("%d connections made, want 1", a)
-	}
-	if peer := conns[0].Peer(); peer.Rank != 3 || peer.Host != "h" || peer.Endpoint != rp.ln.Addr().String() || !conns[0].Dialled() {
-		t.Errorf("peer %+v", peer)
-	}
-	if p.Dialled() != 1 || p.Len() != 1 {
-		t.Errorf("%d dialled, %d open; want 1, 1", p.Dialled(), p.Len())
-	}
+		synctest.Wait() // every Dial waits on the attempt, which waits on the gate
+		close(gate)
+		wg.Wait()
+		for i, c := range conns {
+			if c == nil || c != conns[0] {
+				t.Fatalf("Dial %d got %p, Dial 0 %p", i, c, conns[0])
+			}
+		}
+		if a := rp.accepts.Load(); a != 1 {
+			t.Errorf("%d connections made, want 1", a)
+		}
+		if peer := conns[0].Peer(); peer.Rank != 3 || peer.Host != "h" || peer.Endpoint != rp.ln.Addr().String() || !conns[0].Dialled() {
+			t.Errorf("peer %+v", peer)
+		}
+		if p.Dialled() != 1 || p.Len() != 1 {
+			t.Errorf("%d dialled, %d open; want 1, 1", p.Dialled(), p.Len())
+		}
+	})
 }
 
 // TestDeadConnRedialled: a cached connection that has died, whether its
 // reader has seen it yet or not, is replaced by a new one.
 func TestDeadConnRedialled(t *testing.T) {
-	clk := newManualClock()
-	s := newPlane(t, clk, Limits{}, 1)
-	c := newPlane(t, clk, Limits{}, 2)
-	ep := s.Endpoint()
-	dial := func() *Conn {
-		t.Helper()
-		cc, release, err := c.Dial(context.Background(), ep)
-		if err != nil {
-			t.Fatal(err)
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{}, 1)
+		c := newPlane(t, nw, Limits{}, 2)
+		ep := s.Endpoint()
+		dial := func() *Conn {
+			t.Helper()
+			cc, release, err := c.Dial(context.Background(), ep)
+			if err != nil {
+				t.Fatal(err)
+			}
+			release()
+			return cc
 		}
-		release()
-		return cc
-	}
-	c1 := dial()
-	if c1.Peer().Rank != 1 {
-		t.Fatalf("peer rank %d, want 1", c1.Peer().Rank)
-	}
-	if again := dial(); again != c1 {
-		t.Fatal("a live cached connection was not reused")
-	}
+		c1 := dial()
+		if c1.Peer().Rank != 1 {
+			t.Fatalf("peer rank %d, want 1", c1.Peer().Rank)
+		}
+		if again := dial(); again != c1 {
+			t.Fatal("a live cached connection was not reused")
+		}
 
-	t.Run("closed by the peer", func(t *testing.T) {
+		// closed by the peer
 		s.mu.Lock()
 		for _, sc := range s.conns {
 			sc.close(errors.New("test"))
 		}
 		s.mu.Unlock()
 		if l := c.h.waitLost(t); l.c != c1 || !errors.Is(l.err, io.EOF) {
-			t.Fatalf("lost %p (%v), want %p (EOF)", l.c, l.err, c1)
+			t.Fatalf("closed by the peer: lost %p (%v), want %p (EOF)", l.c, l.err, c1)
 		}
 		if c.Conn(c1.ID()) != nil {
-			t.Error("a lost connection is still looked up")
+			t.Error("closed by the peer: a lost connection is still looked up")
 		}
 		c2 := dial()
 		if c2 == c1 || c2.ID() == c1.ID() {
-			t.Fatal("the dead connection was dialled again")
+			t.Fatal("closed by the peer: the dead connection was dialled again")
 		}
 		c1 = c2
-	})
 
-	t.Run("closed here, before its reader saw it", func(t *testing.T) {
+		// closed here, before its reader saw it
 		c1.close(errors.New("test"))
-		c2 := dial()
+		c2 = dial()
 		if c2 == c1 || c2.isDead() {
-			t.Fatal("a dead cached connection was returned")
+			t.Fatal("closed here: a dead cached connection was returned")
 		}
 		if err := c1.Send(&wire.Ping{}); !errors.Is(err, ErrPeerLost) {
 			t.Errorf("Send on a dead Conn = %v, want ErrPeerLost", err)
 		}
 		c.h.waitLost(t)
+		if o := s.obs.opened.Load(); o != 3 {
+			t.Errorf("%d connections accepted, want 3", o)
+		}
 	})
-	if o := s.obs.opened.Load(); o != 3 {
-		t.Errorf("%d connections accepted, want 3", o)
-	}
 }
 
 // TestHandshakeTimeout: an accepted connection that sends no hello is
-// closed once the handshake timeout has passed on the Plane's clock.
+// closed once the handshake timeout has passed, not a moment before.
 func TestHandshakeTimeout(t *testing.T) {
-	clk := newManualClock()
-	s := newPlane(t, clk, Limits{HandshakeTimeout: time.Second}, 0)
-	raw, err := net.Dial("tcp", s.Endpoint())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer raw.Close()
-	clk.WaitArmed(t, 1)
-	clk.Advance(time.Second - time.Millisecond)
-	if s.obs.refused.Load() != 0 || s.Len() != 1 {
-		t.Fatal("closed before the timeout")
-	}
-	clk.Advance(time.Millisecond)
-	raw.SetReadDeadline(time.Now().Add(5 * time.Second))
-	if _, err := raw.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
-		t.Fatalf("read = %v, want EOF", err)
-	}
-	if s.obs.refused.Load() != 1 {
-		t.Errorf("%d handshake timeouts counted, want 1", s.obs.refused.Load())
-	}
-	s.h.waitLost(t)
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{HandshakeTimeout: time.Second}, 0)
+		raw, err := nw.Dial(context.Background(), s.Endpoint())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer raw.Close()
+		start := time.Now()
+		time.Sleep(time.Second - time.Nanosecond)
+		synctest.Wait()
+		if s.obs.refused.Load() != 0 || s.Len() != 1 {
+			t.Fatal("closed before the timeout")
+		}
+		if _, err := raw.Read(make([]byte, 1)); !errors.Is(err, io.EOF) {
+			t.Fatalf("read = %v, want EOF", err)
+		}
+		if waited := time.Since(start); waited != time.Second {
+			t.Errorf("closed after %v, want 1s", waited)
+		}
+		if s.obs.refused.Load() != 1 {
+			t.Errorf("%d handshake timeouts counted, want 1", s.obs.refused.Load())
+		}
+		s.h.waitLost(t)
+	})
 }
 
 // TestIdleNotWhileBusy: an accepted connection is not closed as idle while
 // the Handler says it is busy, and is at the idle timeout once it is not.
 func TestIdleNotWhileBusy(t *testing.T) {
-	clk := newManualClock()
-	s := newPlane(t, clk, Limits{IdleTimeout: 100 * time.Millisecond}, 0)
-	c := newPlane(t, newManualClock(), Limits{}, 1) // never idle
-	s.h.busy.Store(true)
-	_, release, err := c.Dial(context.Background(), s.Endpoint())
-	if err != nil {
-		t.Fatal(err)
-	}
-	release()
-	clk.WaitArmed(t, 1)
-	clk.Advance(100 * time.Millisecond)
-	clk.WaitArmed(t, 1) // it waits again
-	if s.obs.idle.Load() != 0 || s.Len() != 1 {
-		t.Fatal("a busy connection was closed as idle")
-	}
-	s.h.busy.Store(false)
-	clk.Advance(100 * time.Millisecond)
-	if l := c.h.waitLost(t); !errors.Is(l.err, io.EOF) {
-		t.Errorf("the dialler lost its connection with %v, want EOF", l.err)
-	}
-	s.h.waitLost(t)
-	if s.obs.idle.Load() != 1 {
-		t.Errorf("%d idle closes, want 1", s.obs.idle.Load())
-	}
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{IdleTimeout: 100 * time.Millisecond}, 0)
+		c := newPlane(t, nw, Limits{IdleTimeout: time.Hour}, 1) // not idle within the test
+		s.h.busy.Store(true)
+		_, release, err := c.Dial(context.Background(), s.Endpoint())
+		if err != nil {
+			t.Fatal(err)
+		}
+		release()
+		time.Sleep(250 * time.Millisecond) // two idle timeouts and a half
+		synctest.Wait()
+		if s.obs.idle.Load() != 0 || s.Len() != 1 {
+			t.Fatal("a busy connection was closed as idle")
+		}
+		s.h.busy.Store(false)
+		// The check after 300ms finds it idle.
+		time.Sleep(50*time.Millisecond - time.Nanosecond)
+		synctest.Wait()
+		if s.obs.idle.Load() != 0 {
+			t.Fatal("closed as idle before the wait it was busy in ended")
+		}
+		time.Sleep(time.Nanosecond)
+		if l := c.h.waitLost(t); !errors.Is(l.err, io.EOF) {
+			t.Errorf("the dialler lost its connection with %v, want EOF", l.err)
+		}
+		s.h.waitLost(t)
+		if s.obs.idle.Load() != 1 {
+			t.Errorf("%d idle closes, want 1", s.obs.idle.Load())
+		}
+	})
 }
 
 // TestDialledIdle: a dialled connection leaves the dial cache and closes at
 // 3/4 of the idle timeout, not while a Dial holds it.
 func TestDialledIdle(t *testing.T) {
-	clk := newManualClock()
-	s := newPlane(t, newManualClock(), Limits{}, 0)
-	c := newPlane(t, clk, Limits{IdleTimeout: 400 * time.Millisecond}, 1)
-	_, release, err := c.Dial(context.Background(), s.Endpoint())
-	if err != nil {
-		t.Fatal(err)
-	}
-	clk.WaitArmed(t, 1)
-	clk.Advance(300 * time.Millisecond)
-	clk.WaitArmed(t, 1)
-	if c.Dialled() != 1 {
-		t.Fatal("closed while a Dial holds it")
-	}
-	release()
-	clk.Advance(300*time.Millisecond - time.Millisecond)
-	clk.WaitArmed(t, 1)
-	if c.Dialled() != 1 {
-		t.Fatal("closed before 3/4 of the idle timeout")
-	}
-	clk.Advance(time.Millisecond)
-	if l := c.h.waitLost(t); !errors.Is(l.err, errIdle) {
-		t.Errorf("lost with %v, want idle", l.err)
-	}
-	if c.Dialled() != 0 {
-		t.Error("the idle connection is still in the dial cache")
-	}
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{IdleTimeout: time.Hour}, 0)
+		c := newPlane(t, nw, Limits{IdleTimeout: 400 * time.Millisecond}, 1)
+		_, release, err := c.Dial(context.Background(), s.Endpoint())
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(300 * time.Millisecond)
+		synctest.Wait()
+		if c.Dialled() != 1 {
+			t.Fatal("closed while a Dial holds it")
+		}
+		release() // idle from now: the next check, at 600ms, waits 300ms from it
+		time.Sleep(300*time.Millisecond - time.Nanosecond)
+		synctest.Wait()
+		if c.Dialled() != 1 {
+			t.Fatal("closed before 3/4 of the idle timeout")
+		}
+		time.Sleep(time.Nanosecond)
+		if l := c.h.waitLost(t); !errors.Is(l.err, errIdle) {
+			t.Errorf("lost with %v, want idle", l.err)
+		}
+		if c.Dialled() != 0 {
+			t.Error("the idle connection is still in the dial cache")
+		}
+	})
 }
 
 // TestVersionMismatch: a peer of another protocol version is refused, in
 // both directions.
 func TestVersionMismatch(t *testing.T) {
 	t.Run("accepted", func(t *testing.T) {
-		s := newPlane(t, newManualClock(), Limits{}, 0)
-		raw, err := net.Dial("tcp", s.Endpoint())
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer raw.Close()
-		raw.SetDeadline(time.Now().Add(5 * time.Second))
-		if err := wire.Write(raw, &wire.Hello{Version: wire.Version + 1}); err != nil {
-			t.Fatal(err)
-		}
-		br := bufio.NewReader(raw)
-		f, err := wire.Read(br)
-		if err != nil {
-			t.Fatal(err)
-		}
-		r, ok := f.(*wire.Refused)
-		if !ok || r.Code != wire.RefusedVersion || !strings.Contains(r.Reason, fmt.Sprintf("control protocol version %d, this context rank speaks %d", wire.Version+1, wire.Version)) {
-			t.Fatalf("got %#v, want a version refusal", f)
-		}
-		if _, err := wire.Read(br); !errors.Is(err, io.EOF) {
-			t.Errorf("after the refusal: %v, want EOF", err)
-		}
-		s.h.waitLost(t)
+		synctest.Test(t, func(t *testing.T) {
+			nw := memnet.New()
+			s := newPlane(t, nw, Limits{}, 0)
+			raw, err := nw.Dial(context.Background(), s.Endpoint())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer raw.Close()
+			if err := wire.Write(raw, &wire.Hello{Version: wire.Version + 1}); err != nil {
+				t.Fatal(err)
+			}
+			br := bufio.NewReader(raw)
+			f, err := wire.Read(br)
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, ok := f.(*wire.Refused)
+			if !ok || r.Code != wire.RefusedVersion || !strings.Contains(r.Reason, fmt.Sprintf("control protocol version %d, this context rank speaks %d", wire.Version+1, wire.Version)) {
+				t.Fatalf("got %#v, want a version refusal", f)
+			}
+			if _, err := wire.Read(br); !errors.Is(err, io.EOF) {
+				t.Errorf("after the refusal: %v, want EOF", err)
+			}
+			s.h.waitLost(t)
+		})
 	})
 	t.Run("dialled", func(t *testing.T) {
-		rp := newRawPeer(t, func(c net.Conn, br *bufio.Reader) {
-			if _, err := wire.Read(br); err == nil {
-				wire.Write(c, &wire.Refused{Code: wire.RefusedVersion, Reason: "speaks 9"})
+		synctest.Test(t, func(t *testing.T) {
+			nw := memnet.New()
+			rp := newRawPeer(t, nw, func(c net.Conn, br *bufio.Reader) {
+				if _, err := wire.Read(br); err == nil {
+					wire.Write(c, &wire.Refused{Code: wire.RefusedVersion, Reason: "speaks 9"})
+				}
+			})
+			p := newPlane(t, nw, Limits{}, 0)
+			_, _, err := p.Dial(context.Background(), rp.ln.Addr().String())
+			if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "speaks 9") {
+				t.Fatalf("Dial = %v, want ErrRefused with the reason", err)
+			}
+			if p.Dialled() != 0 {
+				t.Error("a failed attempt stayed in the dial cache")
 			}
 		})
-		p := newPlane(t, newManualClock(), Limits{}, 0)
-		_, _, err := p.Dial(context.Background(), rp.ln.Addr().String())
-		if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "speaks 9") {
-			t.Fatalf("Dial = %v, want ErrRefused with the reason", err)
-		}
-		if p.Dialled() != 0 {
-			t.Error("a failed attempt stayed in the dial cache")
-		}
 	})
 }
 
 // TestDialCheck: Dial asks the peer policy before it dials anything.
 func TestDialCheck(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		ln, err := nw.Listen("127.0.0.1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		no := errors.New("not allowed")
+		dialled := false
+		p := New(Config{Listener: ln, Log: slog.New(slog.DiscardHandler),
+			Dial: func(ctx context.Context, ep string) (net.Conn, error) {
+				dialled = true
+				return nw.Dial(ctx, ep)
+			},
+			DialCheck: func(string) error { return no }}, newHandler())
+		defer p.Close()
+		if _, _, err := p.Dial(context.Background(), ln.Addr().String()); err != no {
+			t.Fatalf("Dial = %v, want the check's error", err)
+		}
+		if dialled || p.Dialled() != 0 {
+			t.Errorf("a refused endpoint was dialled (%v) or entered the dial cache (%d)", dialled, p.Dialled())
+		}
+	})
+}
+
+// TestTCP: a Plane without Config.Dial dials over TCP, and accepts from
+// a TCP listener.
+func TestTCP(t *testing.T) {
+	var ps [2]testPlane
+	for i := range ps {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, obs := newHandler(), &counter{}
+		p := New(Config{Listener: ln, Name: "control test", Observer: obs, Log: slog.New(slog.DiscardHandler),
+			Hello: wire.Hello{Rank: uint32(i), Host: "test"}}, h)
+		p.Start()
+		defer p.Close()
+		ps[i] = testPlane{p, h, obs}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, release, err := ps[1].Dial(ctx, ps[0].Endpoint())
 	if err != nil {
 		t.Fatal(err)
 	}
-	no := errors.New("not allowed")
-	p := New(Config{Listener: ln, Clock: newManualClock(), Log: slog.New(slog.DiscardHandler),
-		DialCheck: func(string) error { return no }}, newHandler())
-	defer p.Close()
-	if _, _, err := p.Dial(context.Background(), ln.Addr().String()); err != no {
-		t.Fatalf("Dial = %v, want the check's error", err)
+	defer release()
+	if c.Peer().Rank != 0 {
+		t.Fatalf("peer rank %d, want 0", c.Peer().Rank)
 	}
-	if p.Dialled() != 0 {
-		t.Error("a refused endpoint entered the dial cache")
+	if err := c.Send(&wire.Ping{}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case f := <-ps[0].h.frames:
+		if _, ok := f.(*wire.Ping); !ok {
+			t.Fatalf("got %s, want a ping", f.Type())
+		}
+	case <-ctx.Done():
+		t.Fatal("no frame arrived over TCP")
 	}
 }
 
 // TestCloseEndsEverything: Close ends the accept loop, every reader, a
 // handshake waiting for its hello and a dial in progress, tells the
-// Handler, and is idempotent; Dial after it fails with ErrClosed.
+// Handler, and is idempotent; Dial after it fails with ErrClosed. No
+// goroutine outlives the bubble (synctest.Test would fail).
 func TestCloseEndsEverything(t *testing.T) {
-	silent := newRawPeer(t, func(c net.Conn, br *bufio.Reader) { io.Copy(io.Discard, br) }) // never answers
-	s := newPlane(t, newManualClock(), Limits{HandshakeTimeout: time.Hour}, 0)
-	c := newPlane(t, newManualClock(), Limits{IdleTimeout: time.Hour}, 1)
-	if _, release, err := c.Dial(context.Background(), s.Endpoint()); err != nil {
-		t.Fatal(err)
-	} else {
-		release()
-	}
-	raw, err := net.Dial("tcp", s.Endpoint()) // shakes no hands
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer raw.Close()
-	pending := make(chan error, 1)
-	go func() {
-		_, _, err := c.Dial(context.Background(), silent.ln.Addr().String())
-		pending <- err
-	}()
-	for silent.accepts.Load() == 0 || s.Len() != 2 {
-		time.Sleep(time.Millisecond)
-	}
-	if err := c.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if err := <-pending; !errors.Is(err, ErrPeerLost) && !errors.Is(err, ErrClosed) {
-		t.Errorf("the dial in progress ended with %v", err)
-	}
-	if l := c.h.waitLost(t); !errors.Is(l.err, ErrClosed) {
-		t.Errorf("the dialled connection was lost with %v, want ErrClosed", l.err)
-	}
-	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
-	s.h.waitLost(t)
-	s.h.waitLost(t)
-	if err := s.Close(); err != nil {
-		t.Errorf("second Close = %v", err)
-	}
-	if _, _, err := c.Dial(context.Background(), s.Endpoint()); !errors.Is(err, ErrClosed) {
-		t.Errorf("Dial after Close = %v, want ErrClosed", err)
-	}
-	if s.Len() != 0 || c.Len() != 0 {
-		t.Errorf("%d and %d connections open after Close", s.Len(), c.Len())
-	}
-	silent.close()
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		silent := newRawPeer(t, nw, func(c net.Conn, br *bufio.Reader) { io.Copy(io.Discard, br) }) // never answers
+		s := newPlane(t, nw, Limits{HandshakeTimeout: time.Hour}, 0)
+		c := newPlane(t, nw, Limits{IdleTimeout: time.Hour}, 1)
+		if _, release, err := c.Dial(context.Background(), s.Endpoint()); err != nil {
+			t.Fatal(err)
+		} else {
+			release()
+		}
+		raw, err := nw.Dial(context.Background(), s.Endpoint()) // shakes no hands
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer raw.Close()
+		pending := make(chan error, 1)
+		go func() {
+			_, _, err := c.Dial(context.Background(), silent.ln.Addr().String())
+			pending <- err
+		}()
+		synctest.Wait()
+		if silent.accepts.Load() != 1 || s.Len() != 2 {
+			t.Fatalf("%d silent accepts, %d connections open; want 1 and 2", silent.accepts.Load(), s.Len())
+		}
+		if err := c.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-pending; !errors.Is(err, ErrPeerLost) && !errors.Is(err, ErrClosed) {
+			t.Errorf("the dial in progress ended with %v", err)
+		}
+		if l := c.h.waitLost(t); !errors.Is(l.err, ErrClosed) {
+			t.Errorf("the dialled connection was lost with %v, want ErrClosed", l.err)
+		}
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+		s.h.waitLost(t)
+		s.h.waitLost(t)
+		if err := s.Close(); err != nil {
+			t.Errorf("second Close = %v", err)
+		}
+		if _, _, err := c.Dial(context.Background(), s.Endpoint()); !errors.Is(err, ErrClosed) {
+			t.Errorf("Dial after Close = %v, want ErrClosed", err)
+		}
+		if s.Len() != 0 || c.Len() != 0 {
+			t.Errorf("%d and %d connections open after Close", s.Len(), c.Len())
+		}
+		silent.close()
+		synctest.Wait()
+		if silent.accepts.Load() != 1 {
+			t.Errorf("%d silent accepts, want 1", silent.accepts.Load())
+		}
+	})
 	goleak.VerifyNone(t)
 }

@@ -47,6 +47,8 @@
 // closed; a dialled peer that answers Refused makes Dial fail with
 // ErrRefused. An accepted connection that sends no Hello within
 // Limits.HandshakeTimeout is closed and counted as refused
-// ("handshake_timeout"). Timeouts are kept on the injected Clock, not on
-// socket deadlines, so that a test's clock passes them.
+// ("handshake_timeout"). Timeouts are read deadlines on the machine's
+// clock; tests run them under testing/synctest, on connections of an
+// in-memory network (Config.Dial, Config.Listener), whose fake clock
+// passes them without a real wait.
 package control
