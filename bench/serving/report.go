@@ -1,6 +1,7 @@
 package serving
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -94,6 +95,11 @@ type Config struct {
 	// Setup says where the targets came from: the cluster kvxfer started
 	// or the URLs given.
 	Setup string `json:"setup"`
+	// TokensPerBlock is the block size of the bench's own count of new
+	// blocks (0: none counted); ConversationField where each request
+	// carried its conversation's id.
+	TokensPerBlock    int    `json:"tokens_per_block"`
+	ConversationField string `json:"conversation_id_field"`
 }
 
 // Result is one run: a target at a rate.
@@ -114,7 +120,7 @@ type Result struct {
 // Label names the run: its target and its load, the rate or, for one
 // that starts everything at once, the concurrency.
 func (r *Result) Label() string {
-	return r.Target.Name + " @ " + loadText(r.Rate, r.MaxConcurrency)
+	return r.Target.Short() + " @ " + loadText(r.Rate, r.MaxConcurrency)
 }
 
 // loadText is a run's load: "4/s", "4/s, concurrency 8", "concurrency 1"
@@ -184,7 +190,7 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 		Machine: bench.ReadMachine(), Runs: []*Result{},
 		Config: Config{Workload: b.Workload, Model: b.Model, Rates: s.Rates, Burstiness: b.Burstiness, Warmup: b.Warmup, Paired: s.Paired,
 			MaxConcurrency: b.MaxConcurrency, DurationS: b.Duration.Seconds(), TimeoutS: timeout.Seconds(), SLO: b.SLO,
-			Targets: s.Targets, Setup: s.Setup}}
+			Targets: s.Targets, Setup: s.Setup, TokensPerBlock: b.TokensPerBlock, ConversationField: cmp.Or(b.ConversationField, ConversationFieldTop)}}
 	if s.Paired {
 		if len(s.Rates) != 1 || s.Rates[0] != 0 {
 			return nil, fmt.Errorf("%w: a paired sweep sends one request at a time: it has no rate (rates %v)", ErrBadOptions, s.Rates)
@@ -320,7 +326,10 @@ func (r *Report) WriteTable(w io.Writer) error {
 			fmt.Fprintln(w, l)
 		}
 	}
-	return nil
+	if r.hasReuse() {
+		fmt.Fprintln(w)
+	}
+	return r.WriteReuseTable(w)
 }
 
 // WriteErrors writes one line per kind of error of every run, with its
@@ -397,6 +406,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 			fmt.Fprintf(&b, "- %s\n", l)
 		}
 	}
+	r.writeReuseMarkdown(&b)
 	var errs strings.Builder
 	r.WriteErrors(&errs)
 	if errs.Len() > 0 {
