@@ -312,7 +312,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintln(tw, "TARGET\tRATE\tCONC\tDONE\tFAILED\tREQ/s\tOUT TOK/s\tGOODPUT\tTTFT ms p50/p90/p99\tTPOT ms p50/p99\tITL ms p50/p99\tE2EL ms p50/p99\tKV/REQ\tKV SHARE OF TTFT p50")
 	for _, run := range r.Runs {
 		m := &run.Metrics
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", run.Target.Name, rateText(run.Rate),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", run.Target.Short(), rateText(run.Rate),
 			concText(run.MaxConcurrency), m.Completed,
 			m.Failed, m.RequestThroughput, m.OutputThroughput, goodputCell(m), dist3(m.TTFT), dist2(m.TPOT), dist2(m.ITL),
 			dist2(m.E2EL), kvBytesCell(m), kvShareCell(m))

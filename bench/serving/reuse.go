@@ -90,8 +90,8 @@ type TurnMetrics struct {
 	NewBlocks Dist `json:"new_blocks"`
 	NewBytes  Dist `json:"new_block_bytes"`
 	// MovedOverNew is the KV moved over the new blocks' bytes, summed over
-	// the requests with both (null when none): 1 when only the new
-	// blocks moved; the target is at most 1.1.
+	// the requests that moved KV and whose block size is known (null when
+	// none): 1 when only the new blocks moved; the target is at most 1.1.
 	MovedOverNew *float64 `json:"kv_moved_over_new"`
 	TTFT         Dist     `json:"ttft_ms"`
 }
@@ -112,7 +112,9 @@ type reuseAcc struct {
 	kv, blocks, nb, ttft                  []float64
 }
 
-func (a *reuseAcc) add(r *Record) {
+// add counts r, whose block size is bb (0: unknown) and derived by the
+// bench rather than reported when inferred.
+func (a *reuseAcc) add(r *Record, bb int64, inferred bool) {
 	a.n++
 	a.prompt += r.PromptTokens
 	if r.HasCached {
@@ -124,15 +126,17 @@ func (a *reuseAcc) add(r *Record) {
 	if r.Timing != nil {
 		a.kv = append(a.kv, float64(r.Timing.KVTransferBytes))
 	}
-	if bb, reported := blockBytes(r); bb > 0 && r.PromptBlocks > 0 {
-		if !reported {
+	if bb > 0 && r.PromptBlocks > 0 {
+		if inferred {
 			a.inferred++
 		}
 		nb := int64(r.NewBlocks) * bb
 		a.blocks = append(a.blocks, float64(r.NewBlocks))
 		a.nb = append(a.nb, float64(nb))
-		a.moved += r.Timing.KVTransferBytes
-		a.newBytes += nb
+		if r.Timing != nil && r.Timing.KVTransferBytes > 0 { // the ratio is the transfers'
+			a.moved += r.Timing.KVTransferBytes
+			a.newBytes += nb
+		}
 	}
 }
 
@@ -152,8 +156,22 @@ func (a *reuseAcc) movedOverNew() *float64 {
 	return &v
 }
 
-// computeReuse fills m's reuse figures from the completed records.
+// computeReuse fills m's reuse figures from the completed records. A
+// request whose own block size is unknown (one that moved no KV: it ran
+// locally, or its whole prompt was cached) counts its new blocks at the
+// run's block size: the median of the others' (blockBytes).
 func computeReuse(m *Metrics, records []Record) {
+	var sizes []int64
+	for i := range records {
+		if bb, _ := blockBytes(&records[i]); bb > 0 && records[i].OK() {
+			sizes = append(sizes, bb)
+		}
+	}
+	var runBB int64
+	if len(sizes) > 0 {
+		slices.Sort(sizes)
+		runBB = sizes[len(sizes)/2]
+	}
 	var all reuseAcc
 	var turns []*reuseAcc
 	paths := map[string]*reuseAcc{}
@@ -163,11 +181,16 @@ func computeReuse(m *Metrics, records []Record) {
 		if !r.OK() {
 			continue
 		}
-		all.add(r)
+		bb, reported := blockBytes(r)
+		inferred := bb > 0 && !reported
+		if bb == 0 {
+			bb = runBB
+		}
+		all.add(r, bb, inferred)
 		for len(turns) <= r.Turn {
 			turns = append(turns, &reuseAcc{})
 		}
-		turns[r.Turn].add(r)
+		turns[r.Turn].add(r, bb, inferred)
 		p := r.Path
 		if p != "" {
 			seenHeader = true
@@ -177,7 +200,7 @@ func computeReuse(m *Metrics, records []Record) {
 		if paths[p] == nil {
 			paths[p] = &reuseAcc{}
 		}
-		paths[p].add(r)
+		paths[p].add(r, bb, inferred)
 	}
 	m.CachedTokens, m.CachedReported = all.cached, all.reported
 	m.PrefixHitRate, m.MovedOverNew, m.BlockBytesInferred = all.hitRate(), all.movedOverNew(), all.inferred

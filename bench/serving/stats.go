@@ -224,10 +224,12 @@ type Metrics struct {
 	// CachedReported requests that carried it; PrefixHitRate is it over
 	// their prompt tokens (null when none carried it). NewBlockBytes is
 	// the bench's own count of each request's new blocks (NewBlocks)
-	// times its block size, over the requests whose block size is known
-	// (BlockBytesInferred of them derived by the bench, see blockBytes);
-	// MovedOverNew is the KV moved over those bytes, summed (null when
-	// none). PerTurn splits them by turn index; ByPath splits TTFT by the
+	// times its block size (blockBytes; for a request that moved no KV,
+	// the run's), over the requests whose block size is known
+	// (BlockBytesInferred of them derived by the bench); MovedOverNew is
+	// the KV moved over the new blocks' bytes, summed over the requests
+	// that moved KV (null when none): a request that ran locally is not a
+	// transfer and counts in the new bytes only. PerTurn splits them by turn index; ByPath splits TTFT by the
 	// path class the router named (empty when no response named one).
 	CachedTokens       int           `json:"cached_prompt_tokens"`
 	CachedReported     int           `json:"cached_tokens_reported"`
