@@ -519,3 +519,19 @@ func TestReadStreamReuseUsage(t *testing.T) {
 		t.Fatalf("without: cached %d, %v; want -1", a.cached, err)
 	}
 }
+
+// TestNoReuseSection: a report of single-turn requests without a system
+// prompt (nothing shared) has no reuse table or section.
+func TestNoReuseSection(t *testing.T) {
+	rep := sweepReport(t)
+	var table, md bytes.Buffer
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if err := rep.WriteMarkdown(&md); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(table.String(), "PREFIX HIT") || strings.Contains(md.String(), "Prefix reuse") {
+		t.Fatalf("a reuse section without reuse:\n%s\n%s", table.String(), md.String())
+	}
+}

@@ -17,10 +17,10 @@ import (
 const MovedOverNewTarget = 1.1
 
 // hasReuse reports whether the report has anything to say about prefix
-// reuse: conversations of several turns, a server that reported cached
-// tokens or a path, or a block size to count new blocks with.
+// reuse: prompts that share a prefix (conversations of several turns, a
+// system prompt), or a server that reported cached tokens or a path.
 func (r *Report) hasReuse() bool {
-	if r.Config.Workload.Turns > 1 || r.Config.TokensPerBlock > 0 {
+	if w := r.Config.Workload; w.Turns > 1 || w.SystemPromptLen > 0 {
 		return true
 	}
 	return slices.ContainsFunc(r.Runs, func(run *Result) bool { return run.CachedReported > 0 || len(run.ByPath) > 0 })
