@@ -8,6 +8,7 @@ import (
 	"io"
 	"maps"
 	"math"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -113,6 +114,11 @@ type Result struct {
 	ErrorExamples map[string]string `json:"error_examples"`
 	// Error says why the run could not run at all ("" when it ran).
 	Error string `json:"error,omitempty"`
+	// LoadStart and LoadEnd are the machine's 1-minute load average as
+	// the run started and ended (nil where it cannot be read): a run on a
+	// machine busy with other work measures queueing, not serving.
+	LoadStart *float64 `json:"load_average_start,omitempty"`
+	LoadEnd   *float64 `json:"load_average_end,omitempty"`
 
 	records []Record
 }
@@ -216,7 +222,9 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 					s.Progress(Event{Run: n, Runs: runs, Label: label, Done: done, Total: total})
 				}
 			}
+			res.LoadStart = loadAverage()
 			records, d, err := Run(ctx, o)
+			res.LoadEnd = loadAverage()
 			res.Metrics = Compute(records, d, o.SLO)
 			res.records = records
 			res.ErrorExamples = map[string]string{}
@@ -400,6 +408,7 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		return msCell(x.KVTransferMs.P50, x.KVTransferMs.N) + " / " + msCell(x.KVTransferMs.P99, x.KVTransferMs.N)
 	})
 	row("KV share of TTFT (p50)", func(x *Result) string { return kvShareCell(&x.Metrics) })
+	row("load average (start → end)", loadCell)
 	if lines := r.overheadLines(); len(lines) > 0 {
 		b.WriteString("\n")
 		for _, l := range lines {
@@ -550,4 +559,22 @@ func kvShareCell(m *Metrics) string {
 		return "–"
 	}
 	return fmt.Sprintf("%.2f%%", 100*m.KVShareTTFT.P50)
+}
+
+// loadAverage returns the 1-minute load average of /proc/loadavg, nil
+// where it cannot be read.
+func loadAverage() *float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return nil
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return nil
+	}
+	v, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return nil
+	}
+	return &v
 }

@@ -157,13 +157,13 @@ func (r *Report) WriteReuseSummary(w io.Writer) error {
 		r.Started.UTC().Format("2006-01-02T15:04:05Z"), shortRev(r.Build.Revision), r.DurationS, strings.Join(r.Command, " "))
 	fmt.Fprintf(&b, "%s\n\n", r.setupLine())
 	b.WriteString("Follow-up turns are turns 1 and later; moved/new is their KV moved over the bytes of their new blocks (target ≤ 1.1).\n\n")
-	b.WriteString("| run | prefix hit | KV moved / follow-up turn (mean) | new blocks' bytes / follow-up turn (mean) | moved / new | TTFT p50 / p99 ms | TTFT p50 / p99 ms local · disaggregated | command |\n")
-	b.WriteString("|---|--:|--:|--:|--:|--:|--:|---|\n")
+	b.WriteString("| run | completed | prefix hit | KV moved / follow-up turn (mean) | new blocks' bytes / follow-up turn (mean) | moved / new | TTFT p50 / p99 ms | TTFT p50 / p99 ms local · disaggregated | load average | command |\n")
+	b.WriteString("|---|--:|--:|--:|--:|--:|--:|--:|--:|---|\n")
 	for _, run := range r.Runs {
 		f := followUps(run)
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | `%s` |\n", bench.MDCell(run.Label()), rateCell(run.PrefixHitRate),
-			bytesMean(f.KVBytes), bytesMean(f.NewBytes), ratioCell(f.MovedOverNew), ttftCell(run.TTFT), pathTTFT(run.ByPath),
-			bench.MDCell(r.CommandFor(run)))
+		fmt.Fprintf(&b, "| %s | %d / %d | %s | %s | %s | %s | %s | %s | %s | `%s` |\n", bench.MDCell(run.Label()), run.Completed,
+			run.Completed+run.Failed, rateCell(run.PrefixHitRate), bytesMean(f.KVBytes), bytesMean(f.NewBytes), ratioCell(f.MovedOverNew),
+			ttftCell(run.TTFT), pathTTFT(run.ByPath), loadCell(run), bench.MDCell(r.CommandFor(run)))
 	}
 	if notes := r.reuseNotes(); len(notes) > 0 {
 		b.WriteString("\n")
@@ -398,4 +398,12 @@ func pathTTFT(ps []PathMetrics) string {
 		return "– (0)"
 	}
 	return cell(PathLocal) + " · " + cell(PathDisaggregated)
+}
+
+// loadCell is the load average as a run started → ended.
+func loadCell(run *Result) string {
+	if run.LoadStart == nil || run.LoadEnd == nil {
+		return "–"
+	}
+	return fmt.Sprintf("%.1f → %.1f", *run.LoadStart, *run.LoadEnd)
 }
