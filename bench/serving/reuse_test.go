@@ -436,7 +436,7 @@ func TestReuseReport(t *testing.T) {
 	}{
 		{"table", table.String(), []string{"PREFIX HIT", "per turn:", "1.00×", "LOCAL/DISAGG"}},
 		{"markdown", md.String(), []string{"## Prefix reuse", "### disaggregated @ concurrency 3, per turn", "1.00×"}},
-		{"summary", summary.String(), []string{"| disaggregated @ concurrency 3 |", "1.00×", "`kvxfer bench serve`"}},
+		{"summary", summary.String(), []string{"| disaggregated @ concurrency 3 | 24 / 24 |", "1.00×", "`kvxfer bench serve`", " → "}},
 	} {
 		for _, w := range out.want {
 			if !strings.Contains(out.text, w) {
