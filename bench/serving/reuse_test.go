@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"image/png"
 	"math/rand/v2"
 	"net/http"
 	"slices"
@@ -418,6 +419,13 @@ func TestReuseReport(t *testing.T) {
 	if err := json.Unmarshal(js.Bytes(), &back); err != nil || len(back.Runs[0].PerTurn) != 4 || len(back.Runs[0].ByPath) != 2 ||
 		back.Config.TokensPerBlock != 16 || back.Config.ConversationField != ConversationFieldTop {
 		t.Fatalf("decoding: %v; %+v", err, back.Config)
+	}
+	var img bytes.Buffer
+	if err := rep.WritePNG(&img); err != nil {
+		t.Fatal(err)
+	}
+	if cfg, err := png.DecodeConfig(&img); err != nil || cfg.Width != 18*144 || cfg.Height != 5*144 {
+		t.Fatalf("the chart: %+v, %v; want one row of three 6×5-inch charts at 144 dpi", cfg, err)
 	}
 	var table, md, summary bytes.Buffer
 	if err := rep.WriteTable(&table); err != nil {

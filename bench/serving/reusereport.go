@@ -75,14 +75,21 @@ func (r *Report) reuseNotes() []string {
 		out = append(out, fmt.Sprintf("New blocks: the bench's own count at %d tokens per block, the prompt's blocks beyond the full blocks of the previous turn's prompt and answer (the last answer token has no KV); MOVED/NEW is kv_transfer_bytes over those blocks' bytes, target ≤ %.1f.",
 			r.Config.TokensPerBlock, MovedOverNewTarget))
 	}
+	var noCached, inferred []string
 	for _, run := range r.Runs {
 		if run.Completed > 0 && run.CachedReported == 0 {
-			out = append(out, fmt.Sprintf("%s: no answer reported usage.prompt_tokens_details.cached_tokens: no prefix-hit rate.", run.Label()))
+			noCached = append(noCached, run.Label())
 		}
 		if run.BlockBytesInferred > 0 {
-			out = append(out, fmt.Sprintf("%s: kv_block_bytes not reported for %d requests: their block size is kv_transfer_bytes over the blocks moved (the server reported no reuse, so every block of the prompt).",
-				run.Label(), run.BlockBytesInferred))
+			inferred = append(inferred, fmt.Sprintf("%s (%d of %d requests)", run.Label(), run.BlockBytesInferred, run.Completed))
 		}
+	}
+	if len(noCached) > 0 {
+		out = append(out, fmt.Sprintf("No answer reported usage.prompt_tokens_details.cached_tokens, so no prefix-hit rate: %s.", strings.Join(noCached, ", ")))
+	}
+	if len(inferred) > 0 {
+		out = append(out, fmt.Sprintf("kv_block_bytes not reported, so the block size is kv_transfer_bytes over the blocks moved (the server reported no reuse: every block of the prompt): %s.",
+			strings.Join(inferred, ", ")))
 	}
 	return out
 }
@@ -153,8 +160,8 @@ const (
 // did not report.
 func (r *Report) WriteReuseSummary(w io.Writer) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "Written by `make bench-reuse`, started %s at revision %s, in %.0f s:\n\n```\n%s\n```\n\n",
-		r.Started.UTC().Format("2006-01-02T15:04:05Z"), shortRev(r.Build.Revision), r.DurationS, strings.Join(r.Command, " "))
+	fmt.Fprintf(&b, "Written by `make bench-reuse`, started %s at revision %s, in %.0f s on %d CPUs:\n\n```\n%s\n```\n\n",
+		r.Started.UTC().Format("2006-01-02T15:04:05Z"), shortRev(r.Build.Revision), r.DurationS, r.Machine.CPUs, strings.Join(r.Command, " "))
 	fmt.Fprintf(&b, "%s\n\n", r.setupLine())
 	b.WriteString("Follow-up turns are turns 1 and later; moved/new is their KV moved over the bytes of their new blocks (target ≤ 1.1).\n\n")
 	b.WriteString("| run | completed | prefix hit | KV moved / follow-up turn (mean) | new blocks' bytes / follow-up turn (mean) | moved / new | TTFT p50 / p99 ms | TTFT p50 / p99 ms local · disaggregated | load average | command |\n")
