@@ -167,7 +167,7 @@ func readStream(body io.Reader, start time.Time, now func() time.Time) (answer, 
 		if ev.Usage != nil {
 			a.usage = ev.Usage.CompletionTokens
 			a.timing = ev.Usage.Timing
-			if d := ev.Usage.Details; d != nil && d.CachedTokens != nil {
+			if d := ev.Usage.Details; d != nil && d.CachedTokens != nil && *d.CachedTokens >= 0 { // a negative count is no count
 				a.cached = *d.CachedTokens
 			}
 		}
