@@ -19,16 +19,23 @@ type request struct {
 	Model     string
 	Prompt    []int32
 	MaxTokens int
+	// ConversationID, when set, is sent in the place Field names
+	// (ConversationField*).
+	ConversationID, Field string
 }
 
 // answer is what a streamed completion returned, timed.
 type answer struct {
-	ids    []int32 // the generated ids (return_token_ids)
-	ttft   time.Duration
-	e2el   time.Duration
-	itl    []time.Duration
-	usage  int // usage.completion_tokens; -1 when the stream had no usage
+	ids   []int32 // the generated ids (return_token_ids)
+	ttft  time.Duration
+	e2el  time.Duration
+	itl   []time.Duration
+	usage int // usage.completion_tokens; -1 when the stream had no usage
+	// cached is usage.prompt_tokens_details.cached_tokens, -1 when the
+	// usage did not carry it.
+	cached int
 	timing *Timing
+	path   string // the PathHeader of the response ("" when absent)
 }
 
 // send posts req to base's /v1/completions as a stream (with
@@ -38,11 +45,19 @@ type answer struct {
 // which collects an answer but keeps no time per chunk and drops
 // usage.kvxfer_timing. The error is a *RequestError naming its kind.
 func send(ctx context.Context, c *http.Client, base string, req request) (answer, error) {
-	a := answer{usage: -1}
+	a := answer{usage: -1, cached: -1}
 	body := map[string]any{"prompt": req.Prompt, "max_tokens": req.MaxTokens, "ignore_eos": true, "stream": true,
 		"stream_options": map[string]any{"include_usage": true}, "return_token_ids": true, "temperature": 0}
 	if req.Model != "" {
 		body["model"] = req.Model
+	}
+	if req.ConversationID != "" {
+		switch req.Field {
+		case ConversationFieldTop:
+			body["conversation_id"] = req.ConversationID
+		case ConversationFieldDisagg:
+			body["disaggregated_params"] = map[string]any{"conversation_id": req.ConversationID}
+		}
 	}
 	b, err := json.Marshal(body)
 	if err != nil {
@@ -67,12 +82,41 @@ func send(ctx context.Context, c *http.Client, base string, req request) (answer
 		}
 		return a, &RequestError{Kind: kind, Err: fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(msg)))}
 	}
+	path := resp.Header.Get(PathHeader)
 	a, err = readStream(resp.Body, start, time.Now)
+	a.path = path
 	if err != nil && ctx.Err() != nil {
 		return a, classify(ctx, err)
 	}
 	return a, err
 }
+
+// PathHeader is the router's response header that names the path a
+// request took under conditional disaggregation: PathLocal (prefilled on
+// the generation worker, no KV moved) or PathDisaggregated (through a
+// context worker). A response without it is counted as PathUnknown.
+const PathHeader = "X-Kvxfer-Path"
+
+// The path classes of a request (PathHeader).
+const (
+	PathLocal         = "local"
+	PathDisaggregated = "disaggregated"
+	PathUnknown       = "unknown"
+)
+
+// Where a conversation's id goes in each request of it
+// (Options.ConversationField).
+const (
+	// ConversationFieldTop sends a top-level "conversation_id": servers
+	// that do not know it ignore it.
+	ConversationFieldTop = "conversation_id"
+	// ConversationFieldDisagg sends disaggregated_params.conversation_id,
+	// the field TensorRT-LLM's conversation router reads. kvxfer's router
+	// refuses a client's disaggregated_params today (it sets them itself).
+	ConversationFieldDisagg = "disaggregated_params"
+	// ConversationFieldNone sends no id.
+	ConversationFieldNone = "none"
+)
 
 // MaxEvent bounds one server-sent event line of a stream.
 const MaxEvent = 4 << 20
@@ -83,7 +127,7 @@ const MaxEvent = 4 << 20
 // at [DONE], at an error event, at an event that does not decode, and at
 // the body's end (incomplete).
 func readStream(body io.Reader, start time.Time, now func() time.Time) (answer, error) {
-	a := answer{usage: -1}
+	a := answer{usage: -1, cached: -1}
 	var last time.Time
 	sc := bufio.NewScanner(body)
 	sc.Buffer(make([]byte, 64<<10), MaxEvent)
@@ -123,6 +167,9 @@ func readStream(body io.Reader, start time.Time, now func() time.Time) (answer, 
 		if ev.Usage != nil {
 			a.usage = ev.Usage.CompletionTokens
 			a.timing = ev.Usage.Timing
+			if d := ev.Usage.Details; d != nil && d.CachedTokens != nil && *d.CachedTokens >= 0 { // a negative count is no count
+				a.cached = *d.CachedTokens
+			}
 		}
 	}
 	if err := sc.Err(); err != nil {
@@ -139,6 +186,9 @@ type event struct {
 	Usage *struct {
 		CompletionTokens int     `json:"completion_tokens"`
 		Timing           *Timing `json:"kvxfer_timing"`
+		Details          *struct {
+			CachedTokens *int `json:"cached_tokens"`
+		} `json:"prompt_tokens_details"`
 	} `json:"usage"`
 	Error *struct {
 		Message string `json:"message"`

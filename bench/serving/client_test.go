@@ -77,6 +77,8 @@ func TestReadStreamErrors(t *testing.T) {
 func FuzzReadStream(f *testing.F) {
 	f.Add("data: {\"choices\":[{\"token_ids\":[1,2]}]}\n\ndata: [DONE]\n\n")
 	f.Add("data: {\"choices\":[],\"usage\":{\"completion_tokens\":3,\"kvxfer_timing\":{}}}\n\ndata: [DONE]\n")
+	f.Add("data: {\"choices\":[{\"token_ids\":[1]}],\"usage\":{\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":64},\"kvxfer_timing\":{\"kv_transfer_blocks\":2,\"kv_block_bytes\":9}}}\n\ndata: [DONE]\n")
+	f.Add("data: {\"choices\":[{\"token_ids\":[1]}],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":-3}}}\n\ndata: [DONE]\n")
 	f.Add("data: {\"error\":{\"message\":\"x\"}}\n")
 	f.Add("data: [DONE]")
 	kinds := []string{ErrorEvent, ErrorIncomplete, ErrorBadEvent, ErrorNoTokens}
@@ -95,6 +97,9 @@ func FuzzReadStream(f *testing.F) {
 		}
 		if chunks > len(a.ids) || a.e2el < a.ttft {
 			t.Fatalf("%d chunks for %d ids; ttft %v e2el %v", chunks, len(a.ids), a.ttft, a.e2el)
+		}
+		if a.cached < -1 || (a.cached >= 0 && a.usage < 0) {
+			t.Fatalf("cached_tokens %d without a usage chunk (usage %d)", a.cached, a.usage)
 		}
 	})
 }

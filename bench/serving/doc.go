@@ -12,13 +12,37 @@
 // dataset is downloaded. Prompt and output lengths come from a Lengths
 // distribution (fixed, uniform, or a chat-dataset-shaped histogram);
 // conversations have one or more turns after a system prompt shared by
-// all of them, and turn n resends the whole history, the answers of the
-// earlier turns included. Prompts are token ids (the engine's tokenizer is
+// all of them. Prompts are token ids (the engine's tokenizer is
 // byte-level: ids 0..255 are bytes, 256 is BOS), so a prompt of N tokens
 // is N ids, BOS first; outputs are asked for with max_tokens and
 // ignore_eos, so an answer has exactly its requested length unless the
 // server ends it early, and the report counts the tokens that came
 // (usage.completion_tokens), not the ones asked for.
+//
+// A conversation's turns carry its history as chat traffic does: turn n
+// is sent only once turn n−1 has finished, and its prompt is turn n−1's
+// prompt, the answer the server actually returned (the token ids of its
+// stream), then the new user text. Each turn carries its conversation's
+// id (Options.ConversationField: a top-level conversation_id, or
+// disaggregated_params.conversation_id, the field TensorRT-LLM's
+// conversation router reads), unique to the run.
+//
+// Prefix reuse: from each answer's usage the report reads
+// prompt_tokens_details.cached_tokens (the prefix-hit rate, cached over
+// prompt tokens) and kvxfer_timing's kv_transfer_bytes,
+// kv_transfer_blocks and kv_block_bytes; from the router's X-Kvxfer-Path
+// header (PathHeader) the path a request took under conditional
+// disaggregation (local or disaggregated). Independently of what the
+// server says, the bench counts each turn's new blocks (NewBlocks): the
+// prompt's blocks at Options.TokensPerBlock beyond the full blocks of
+// what the previous turn of the conversation left cached, its prompt and
+// its answer but the answer's last token (HeldTokens). Times the block
+// size, that is what a reuse-aware transfer should move; the report gives
+// the KV moved over it (target ≤ MovedOverNewTarget), and every figure
+// per turn index (TurnMetrics) and TTFT per path (PathMetrics). Merge puts
+// the reports of several clusters side by side, and WriteReuseSummary
+// writes their summary for the README (SpliceSection), a reproducing
+// command per row (Report.CommandFor).
 //
 // Conversations start at a request rate (a Poisson process, or with
 // burstiness other than 1 gamma-distributed gaps, as vllm's --burstiness)

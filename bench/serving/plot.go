@@ -37,7 +37,11 @@ func (r *Report) achievedX() bool {
 
 // WritePNG draws the report as a PNG image of two charts against the
 // request rate: TTFT p50 (solid) and p99 (dashed), and output-token
-// throughput, one line per target (disaggregated, aggregated).
+// throughput, one line per target (disaggregated, aggregated). A report
+// of conversations of several turns has a second row against the turn
+// index, a line per run: the KV moved per request (mean, solid) and the
+// bytes of its new blocks (dashed), and the prefix-hit rate; at a single
+// rate, TTFT by turn takes the place of the charts against the rate.
 func (r *Report) WritePNG(w io.Writer) error {
 	ttft, tput := r.newPlot("TTFT (ms): p50 solid, p99 dashed"), r.newPlot("output throughput (tokens/s)")
 	xlabel := "request rate asked (requests/s)"
@@ -83,7 +87,7 @@ func (r *Report) WritePNG(w io.Writer) error {
 			points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
 			s.p.Add(line, points)
 			if s.legend {
-				s.p.Legend.Add(t.Name, line, points)
+				s.p.Legend.Add(t.Short(), line, points)
 			}
 		}
 	}
@@ -98,12 +102,29 @@ func (r *Report) WritePNG(w io.Writer) error {
 			a.p.Title.Text += " (no completed run)"
 		}
 	}
-	img := vgimg.NewWith(vgimg.UseWH(plotWidth, plotHeight), vgimg.UseDPI(plotDPI), vgimg.UseBackgroundColor(color.White))
+	rows := [][]*plot.Plot{{ttft, tput}}
+	width := plotWidth
+	if r.perTurnRuns() > 0 {
+		kv, hit, byTurn, err := r.turnPlots()
+		if err != nil {
+			return err
+		}
+		if len(r.Config.Rates) == 1 {
+			// One rate: the charts against it would be a dot per run;
+			// against the turn they say more.
+			rows, width = [][]*plot.Plot{{byTurn, kv, hit}}, plotWidth*3/2
+		} else {
+			rows = append(rows, []*plot.Plot{kv, hit})
+		}
+	}
+	img := vgimg.NewWith(vgimg.UseWH(width, plotHeight*vg.Length(len(rows))), vgimg.UseDPI(plotDPI), vgimg.UseBackgroundColor(color.White))
 	dc := draw.New(img)
-	tiles := draw.Tiles{Rows: 1, Cols: 2, PadX: vg.Points(20), PadY: vg.Points(10), PadTop: vg.Points(10), PadBottom: vg.Points(10),
+	tiles := draw.Tiles{Rows: len(rows), Cols: len(rows[0]), PadX: vg.Points(20), PadY: vg.Points(20), PadTop: vg.Points(10), PadBottom: vg.Points(10),
 		PadLeft: vg.Points(10), PadRight: vg.Points(10)}
-	for i, c := range plot.Align([][]*plot.Plot{{ttft, tput}}, tiles, dc)[0] {
-		[]*plot.Plot{ttft, tput}[i].Draw(c)
+	for i, row := range plot.Align(rows, tiles, dc) {
+		for j, c := range row {
+			rows[i][j].Draw(c)
+		}
 	}
 	_, err := vgimg.PngCanvas{Canvas: img}.WriteTo(w)
 	return err
@@ -128,4 +149,93 @@ func (r *Report) newPlot(title string) *plot.Plot {
 	grid.Horizontal.Color = color.Gray{Y: 0xdd}
 	p.Add(grid)
 	return p
+}
+
+// perTurnRuns counts the runs with figures for more than one turn.
+func (r *Report) perTurnRuns() int {
+	n := 0
+	for _, run := range r.Runs {
+		if len(run.PerTurn) > 1 {
+			n++
+		}
+	}
+	return n
+}
+
+// turnPlots draws the per-turn charts against the turn index, a line per
+// run: KV moved per request (mean, solid) and new blocks' bytes (dashed)
+// in MiB, the prefix-hit rate in %, and TTFT p50 (solid) and p99
+// (dashed).
+func (r *Report) turnPlots() (kv, hit, ttft *plot.Plot, err error) {
+	kv = r.newPlot("KV per request (MiB, mean): moved solid, new blocks dashed")
+	hit = r.newPlot("prefix-hit rate (%)")
+	ttft = r.newPlot("TTFT by turn (ms): p50 solid, p99 dashed")
+	kv.X.Label.Text, hit.X.Label.Text, ttft.X.Label.Text = "turn", "turn", "turn"
+	var ymaxK, ymaxT float64
+	hits := 0
+	for i, run := range r.Runs {
+		var moved, fresh, rate, p50, p99 plotter.XYs
+		for _, t := range run.PerTurn {
+			x := float64(t.Turn)
+			if t.TTFT.N > 0 {
+				p50 = append(p50, plotter.XY{X: x, Y: t.TTFT.P50})
+				p99 = append(p99, plotter.XY{X: x, Y: t.TTFT.P99})
+				ymaxT = max(ymaxT, t.TTFT.P99)
+			}
+			if t.KVBytes.N > 0 {
+				moved = append(moved, plotter.XY{X: x, Y: t.KVBytes.Mean / (1 << 20)})
+				ymaxK = max(ymaxK, t.KVBytes.Mean/(1<<20))
+			}
+			if t.NewBytes.N > 0 {
+				fresh = append(fresh, plotter.XY{X: x, Y: t.NewBytes.Mean / (1 << 20)})
+				ymaxK = max(ymaxK, t.NewBytes.Mean/(1<<20))
+			}
+			if t.PrefixHitRate != nil {
+				rate = append(rate, plotter.XY{X: x, Y: 100 * *t.PrefixHitRate})
+			}
+		}
+		c, glyph := bench.SeriesStyle(i)
+		for _, s := range []struct {
+			p      *plot.Plot
+			xy     plotter.XYs
+			dashed bool
+			legend bool
+		}{{kv, moved, false, true}, {kv, fresh, true, len(moved) == 0}, {hit, rate, false, true}, {ttft, p50, false, true}, {ttft, p99, true, false}} {
+			if len(s.xy) == 0 {
+				continue
+			}
+			line, points, err := plotter.NewLinePoints(s.xy)
+			if err != nil {
+				return nil, nil, nil, err
+			}
+			line.Color, line.Width = c, vg.Points(2.5)
+			if s.dashed {
+				line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
+			}
+			points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
+			s.p.Add(line, points)
+			if s.legend {
+				s.p.Legend.Add(run.Label(), line, points)
+			}
+		}
+		hits += len(rate)
+	}
+	kv.Y.Min, kv.Y.Max = 0, max(ymaxK, 0.01)*1.1
+	ttft.Y.Min, ttft.Y.Max = 0, max(ymaxT, 1)*1.1
+	hit.Y.Min, hit.Y.Max = 0, 105
+	if hits == 0 {
+		hit.Title.Text += " (no server reported cached_tokens)"
+	}
+	maxTurn := 1.0
+	for _, run := range r.Runs {
+		for _, t := range run.PerTurn {
+			maxTurn = max(maxTurn, float64(t.Turn))
+		}
+	}
+	for _, p := range []*plot.Plot{kv, hit, ttft} {
+		p.X.Min, p.X.Max = 0, maxTurn
+		p.X.Tick.Marker = plot.TickerFunc(bench.LinearTicks)
+		p.Y.Tick.Marker = plot.TickerFunc(bench.LinearTicks)
+	}
+	return kv, hit, ttft, nil
 }

@@ -1,12 +1,14 @@
 package serving
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"maps"
 	"math"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -94,6 +96,11 @@ type Config struct {
 	// Setup says where the targets came from: the cluster kvxfer started
 	// or the URLs given.
 	Setup string `json:"setup"`
+	// TokensPerBlock is the block size of the bench's own count of new
+	// blocks (0: none counted); ConversationField where each request
+	// carried its conversation's id.
+	TokensPerBlock    int    `json:"tokens_per_block"`
+	ConversationField string `json:"conversation_id_field"`
 }
 
 // Result is one run: a target at a rate.
@@ -107,6 +114,11 @@ type Result struct {
 	ErrorExamples map[string]string `json:"error_examples"`
 	// Error says why the run could not run at all ("" when it ran).
 	Error string `json:"error,omitempty"`
+	// LoadStart and LoadEnd are the machine's 1-minute load average as
+	// the run started and ended (nil where it cannot be read): a run on a
+	// machine busy with other work measures queueing, not serving.
+	LoadStart *float64 `json:"load_average_start,omitempty"`
+	LoadEnd   *float64 `json:"load_average_end,omitempty"`
 
 	records []Record
 }
@@ -114,7 +126,7 @@ type Result struct {
 // Label names the run: its target and its load, the rate or, for one
 // that starts everything at once, the concurrency.
 func (r *Result) Label() string {
-	return r.Target.Name + " @ " + loadText(r.Rate, r.MaxConcurrency)
+	return r.Target.Short() + " @ " + loadText(r.Rate, r.MaxConcurrency)
 }
 
 // loadText is a run's load: "4/s", "4/s, concurrency 8", "concurrency 1"
@@ -184,7 +196,7 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 		Machine: bench.ReadMachine(), Runs: []*Result{},
 		Config: Config{Workload: b.Workload, Model: b.Model, Rates: s.Rates, Burstiness: b.Burstiness, Warmup: b.Warmup, Paired: s.Paired,
 			MaxConcurrency: b.MaxConcurrency, DurationS: b.Duration.Seconds(), TimeoutS: timeout.Seconds(), SLO: b.SLO,
-			Targets: s.Targets, Setup: s.Setup}}
+			Targets: s.Targets, Setup: s.Setup, TokensPerBlock: b.TokensPerBlock, ConversationField: cmp.Or(b.ConversationField, ConversationFieldTop)}}
 	if s.Paired {
 		if len(s.Rates) != 1 || s.Rates[0] != 0 {
 			return nil, fmt.Errorf("%w: a paired sweep sends one request at a time: it has no rate (rates %v)", ErrBadOptions, s.Rates)
@@ -210,7 +222,9 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 					s.Progress(Event{Run: n, Runs: runs, Label: label, Done: done, Total: total})
 				}
 			}
+			res.LoadStart = loadAverage()
 			records, d, err := Run(ctx, o)
+			res.LoadEnd = loadAverage()
 			res.Metrics = Compute(records, d, o.SLO)
 			res.records = records
 			res.ErrorExamples = map[string]string{}
@@ -306,7 +320,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintln(tw, "TARGET\tRATE\tCONC\tDONE\tFAILED\tREQ/s\tOUT TOK/s\tGOODPUT\tTTFT ms p50/p90/p99\tTPOT ms p50/p99\tITL ms p50/p99\tE2EL ms p50/p99\tKV/REQ\tKV SHARE OF TTFT p50")
 	for _, run := range r.Runs {
 		m := &run.Metrics
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", run.Target.Name, rateText(run.Rate),
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%.2f\t%.1f\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", run.Target.Short(), rateText(run.Rate),
 			concText(run.MaxConcurrency), m.Completed,
 			m.Failed, m.RequestThroughput, m.OutputThroughput, goodputCell(m), dist3(m.TTFT), dist2(m.TPOT), dist2(m.ITL),
 			dist2(m.E2EL), kvBytesCell(m), kvShareCell(m))
@@ -320,7 +334,10 @@ func (r *Report) WriteTable(w io.Writer) error {
 			fmt.Fprintln(w, l)
 		}
 	}
-	return nil
+	if r.hasReuse() {
+		fmt.Fprintln(w)
+	}
+	return r.WriteReuseTable(w)
 }
 
 // WriteErrors writes one line per kind of error of every run, with its
@@ -391,12 +408,14 @@ func (r *Report) WriteMarkdown(w io.Writer) error {
 		return msCell(x.KVTransferMs.P50, x.KVTransferMs.N) + " / " + msCell(x.KVTransferMs.P99, x.KVTransferMs.N)
 	})
 	row("KV share of TTFT (p50)", func(x *Result) string { return kvShareCell(&x.Metrics) })
+	row("load average (start → end)", loadCell)
 	if lines := r.overheadLines(); len(lines) > 0 {
 		b.WriteString("\n")
 		for _, l := range lines {
 			fmt.Fprintf(&b, "- %s\n", l)
 		}
 	}
+	r.writeReuseMarkdown(&b)
 	var errs strings.Builder
 	r.WriteErrors(&errs)
 	if errs.Len() > 0 {
@@ -540,4 +559,22 @@ func kvShareCell(m *Metrics) string {
 		return "–"
 	}
 	return fmt.Sprintf("%.2f%%", 100*m.KVShareTTFT.P50)
+}
+
+// loadAverage returns the 1-minute load average of /proc/loadavg, nil
+// where it cannot be read.
+func loadAverage() *float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return nil
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return nil
+	}
+	v, err := strconv.ParseFloat(f[0], 64)
+	if err != nil {
+		return nil
+	}
+	return &v
 }

@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"net/http"
+	"path/filepath"
+	"strings"
 	"sync"
 	"time"
 )
@@ -19,6 +22,22 @@ type Target struct {
 	// of role both) or "url".
 	Name string `json:"name"`
 	URL  string `json:"url"`
+	// Cluster is the cluster file kvxfer started the target from, when a
+	// run compares several (kvxfer bench serve -f a.yaml -f b.yaml).
+	Cluster string `json:"cluster,omitempty"`
+}
+
+// Short names the target in labels: the cluster file's base name
+// without its extension when it has one, else Name.
+func (t Target) Short() string {
+	if t.Cluster == "" {
+		return t.Name
+	}
+	base := filepath.Base(t.Cluster)
+	if t.Name != TargetDisaggregated {
+		return strings.TrimSuffix(base, filepath.Ext(base)) + " " + t.Name
+	}
+	return strings.TrimSuffix(base, filepath.Ext(base))
 }
 
 // Options configure one run.
@@ -44,7 +63,15 @@ type Options struct {
 	Warmup int
 	// Timeout bounds each request; 0 is DefaultTimeout.
 	Timeout time.Duration
-	SLO     SLO
+	// TokensPerBlock is the servers' KV block size in tokens, for the
+	// bench's own count of each turn's new blocks (NewBlocks); 0 counts
+	// none.
+	TokensPerBlock int
+	// ConversationField is where each request carries its
+	// conversation's id (ConversationField*; "" is ConversationFieldTop).
+	// The id is unique to the run and the conversation.
+	ConversationField string
+	SLO               SLO
 	// Client sends the requests; nil is a client of its own, closed by
 	// Run.
 	Client *http.Client
@@ -73,6 +100,15 @@ func (o *Options) validate() error {
 	}
 	if o.Warmup < 0 {
 		errs = append(errs, fmt.Errorf("%w: warm-up of %d requests, want 0 or more", ErrBadOptions, o.Warmup))
+	}
+	if o.TokensPerBlock < 0 {
+		errs = append(errs, fmt.Errorf("%w: tokens per block %d, want 0 (no block accounting) or more", ErrBadOptions, o.TokensPerBlock))
+	}
+	switch o.ConversationField {
+	case "", ConversationFieldTop, ConversationFieldDisagg, ConversationFieldNone:
+	default:
+		errs = append(errs, fmt.Errorf("%w: conversation id field %q, want %s, %s or %s", ErrBadOptions, o.ConversationField,
+			ConversationFieldTop, ConversationFieldDisagg, ConversationFieldNone))
 	}
 	if o.Duration < 0 || o.Timeout < 0 {
 		errs = append(errs, fmt.Errorf("%w: duration %v and timeout %v may not be negative", ErrBadOptions, o.Duration, o.Timeout))
@@ -109,7 +145,7 @@ func Run(ctx context.Context, o Options) ([]Record, time.Duration, error) {
 	if o.MaxConcurrency > 0 {
 		sem = make(chan struct{}, o.MaxConcurrency)
 	}
-	d := &driver{o: &o, client: client, system: system, sem: sem, start: time.Now(), total: o.Workload.NumPrompts}
+	d := &driver{o: &o, client: client, system: system, sem: sem, start: time.Now(), total: o.Workload.NumPrompts, runID: newRunID()}
 	results := make([][]Record, len(convs))
 	var wg sync.WaitGroup
 	timer := time.NewTimer(0)
@@ -161,6 +197,11 @@ func warmup(ctx context.Context, c *http.Client, o *Options, system []int32) err
 	return nil
 }
 
+// newRunID returns a random id that makes a run's conversation ids its
+// own: a router that keeps conversations on workers must not take a
+// conversation of one run for one of another.
+func newRunID() string { return fmt.Sprintf("%016x", rand.Uint64()) }
+
 // driver is the state a run's conversations share.
 type driver struct {
 	o      *Options
@@ -169,6 +210,7 @@ type driver struct {
 	sem    chan struct{}
 	start  time.Time
 	total  int
+	runID  string
 
 	mu   sync.Mutex
 	done int
@@ -179,10 +221,20 @@ func (d *driver) expired() bool {
 }
 
 // conversation sends c's turns one after the other and returns their
-// records.
+// records: each turn after the answer to the one before has come, with
+// the history that answer completes, and the conversation's id.
 func (d *driver) conversation(ctx context.Context, idx int, c Conversation) []Record {
 	var out []Record
 	answers := make([][]int32, 0, len(c.Turns))
+	field := d.o.ConversationField
+	if field == "" {
+		field = ConversationFieldTop
+	}
+	convID := ""
+	if field != ConversationFieldNone {
+		convID = fmt.Sprintf("kvxfer-bench-%s-%d", d.runID, idx)
+	}
+	var held []int32 // what the previous turn left cached (HeldTokens)
 	for t, turn := range c.Turns {
 		if t > 0 && d.expired() {
 			break
@@ -202,14 +254,17 @@ func (d *driver) conversation(ctx context.Context, idx int, c Conversation) []Re
 			break
 		}
 		prompt := Prompt(d.system, c, t, answers)
-		rec := Record{Conversation: idx, Turn: t, Sent: time.Since(d.start), PromptTokens: len(prompt), MaxTokens: turn.MaxTokens}
+		rec := Record{Conversation: idx, Turn: t, Sent: time.Since(d.start), PromptTokens: len(prompt), MaxTokens: turn.MaxTokens,
+			PromptBlocks: Blocks(len(prompt), d.o.TokensPerBlock), NewBlocks: NewBlocks(held, prompt, d.o.TokensPerBlock)}
 		rctx, cancel := context.WithTimeout(ctx, d.o.Timeout)
-		a, err := send(rctx, d.client, d.o.Target.URL, request{Model: d.o.Model, Prompt: prompt, MaxTokens: turn.MaxTokens})
+		a, err := send(rctx, d.client, d.o.Target.URL, request{Model: d.o.Model, Prompt: prompt, MaxTokens: turn.MaxTokens,
+			ConversationID: convID, Field: field})
 		cancel()
 		if d.sem != nil {
 			<-d.sem
 		}
-		rec.TTFT, rec.E2EL, rec.ITL, rec.Timing = a.ttft, a.e2el, a.itl, a.timing
+		rec.TTFT, rec.E2EL, rec.ITL, rec.Timing, rec.Path = a.ttft, a.e2el, a.itl, a.timing, a.path
+		rec.CachedTokens, rec.HasCached = max(a.cached, 0), a.cached >= 0
 		rec.OutputTokens = len(a.ids)
 		if a.usage >= 0 {
 			rec.OutputTokens = a.usage
@@ -227,6 +282,7 @@ func (d *driver) conversation(ctx context.Context, idx int, c Conversation) []Re
 			break
 		}
 		answers = append(answers, a.ids)
+		held = HeldTokens(prompt, a.ids)
 	}
 	return out
 }
@@ -277,7 +333,7 @@ func RunPaired(ctx context.Context, o Options, targets []Target) ([][]Record, []
 		if err := warmup(ctx, client, &ot, system); err != nil {
 			return nil, nil, err
 		}
-		drivers[i] = &driver{o: &ot, client: client, system: system, start: start}
+		drivers[i] = &driver{o: &ot, client: client, system: system, start: start, runID: newRunID()}
 	}
 	records := make([][]Record, len(targets))
 	spent := make([]time.Duration, len(targets))

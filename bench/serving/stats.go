@@ -25,6 +25,18 @@ type Record struct {
 	ITL        []time.Duration
 	// Timing is usage.kvxfer_timing, when the answer carried it.
 	Timing *Timing
+	// CachedTokens is usage.prompt_tokens_details.cached_tokens, when
+	// HasCached says the answer carried it.
+	CachedTokens int
+	HasCached    bool
+	// Path is the path class the router named in PathHeader (PathLocal or
+	// PathDisaggregated, as sent); "" when the response had no header.
+	Path string
+	// PromptBlocks is the prompt's length in blocks and NewBlocks the
+	// blocks of it beyond what the previous turn of its conversation left
+	// cached (NewBlocks), both at Options.TokensPerBlock; 0 when the run
+	// has no block size.
+	PromptBlocks, NewBlocks int
 	// ErrorKind is "" for a request that completed, else one of the
 	// Error* kinds; Error is its message.
 	ErrorKind, Error string
@@ -39,8 +51,14 @@ type Timing struct {
 	PrefillMs       float64 `json:"prefill_ms"`
 	KVTransferMs    float64 `json:"kv_transfer_ms"`
 	KVTransferBytes int64   `json:"kv_transfer_bytes"`
-	FirstDecodeMs   float64 `json:"first_decode_ms"`
-	TotalMs         float64 `json:"total_ms"`
+	// KVTransferBlocks is how many of the prompt's blocks the generation
+	// worker asked for (those it did not find in its own cache), and
+	// KVBlockBytes the size of one block over its ranks; 0 when the
+	// server does not report them.
+	KVTransferBlocks int     `json:"kv_transfer_blocks"`
+	KVBlockBytes     int64   `json:"kv_block_bytes"`
+	FirstDecodeMs    float64 `json:"first_decode_ms"`
+	TotalMs          float64 `json:"total_ms"`
 }
 
 // The kinds of errors a request ends with.
@@ -201,6 +219,26 @@ type Metrics struct {
 	KVBytes      Dist `json:"kv_bytes_per_request"`
 	KVTransferMs Dist `json:"kv_transfer_ms"`
 	KVShareTTFT  Dist `json:"kv_share_of_ttft"`
+	// Prefix reuse (computeReuse), over the completed requests:
+	// CachedTokens sums usage.prompt_tokens_details.cached_tokens over the
+	// CachedReported requests that carried it; PrefixHitRate is it over
+	// their prompt tokens (null when none carried it). NewBlockBytes is
+	// the bench's own count of each request's new blocks (NewBlocks)
+	// times its block size (blockBytes; for a request that moved no KV,
+	// the run's), over the requests whose block size is known
+	// (BlockBytesInferred of them derived by the bench); MovedOverNew is
+	// the KV moved over the new blocks' bytes, summed over the requests
+	// that moved KV (null when none): a request that ran locally is not a
+	// transfer and counts in the new bytes only. PerTurn splits them by turn index; ByPath splits TTFT by the
+	// path class the router named (empty when no response named one).
+	CachedTokens       int           `json:"cached_prompt_tokens"`
+	CachedReported     int           `json:"cached_tokens_reported"`
+	PrefixHitRate      *float64      `json:"prefix_hit_rate"`
+	NewBlockBytes      Dist          `json:"new_block_bytes_per_request"`
+	MovedOverNew       *float64      `json:"kv_moved_over_new"`
+	BlockBytesInferred int           `json:"kv_block_bytes_inferred"`
+	PerTurn            []TurnMetrics `json:"per_turn"`
+	ByPath             []PathMetrics `json:"by_path"`
 }
 
 // Compute returns the metrics of records over a run of duration d, with
@@ -252,5 +290,6 @@ func Compute(records []Record, d time.Duration, slo SLO) Metrics {
 	}
 	m.TTFT, m.TPOT, m.ITL, m.E2EL = Summarize(ttft), Summarize(tpot), Summarize(itl), Summarize(e2el)
 	m.KVBytes, m.KVTransferMs, m.KVShareTTFT = Summarize(kvBytes), Summarize(kvMs), Summarize(kvShare)
+	computeReuse(&m, records)
 	return m
 }

@@ -1,11 +1,14 @@
 package cli
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"math"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -44,13 +47,26 @@ n resends the history with the earlier answers. Conversations start at --request
 at most --max-concurrency requests in flight, until --num-prompts requests were sent or
 --duration has passed. --rates 1,2,4,8 sweeps rates, one run per rate and target.
 
-The table goes to stdout; --json, --md and --png write the report (schema: --print-schema),
+Prefix reuse: each turn carries its conversation's id (--conversation-id says where), and
+the report adds the prefix-hit rate (usage.prompt_tokens_details.cached_tokens over prompt
+tokens), overall and per turn; the KV bytes moved per turn against the bytes of the turn's
+new blocks, which the bench counts itself at --tokens-per-block (the prompt's blocks beyond
+the full blocks of the previous turn's prompt and answer) times kv_block_bytes, and their
+ratio; and TTFT by the path the router names in X-Kvxfer-Path (local or disaggregated).
+Several -f compare clusters (reuse on and off, two router policies): each is started,
+measured and stopped in turn, side by side in one report; --readme writes its summary
+between the bench-reuse markers of a Markdown file.
+
+The tables go to stdout; --json, --md and --png write the report (schema: --print-schema),
 a Markdown document and a chart of TTFT p50/p99 and output throughput against the rate.
 Exit status 1 when a request failed.`
 
 // benchServeFlags are kvxfer bench serve's flags.
 type benchServeFlags struct {
-	url, aggURL, file, model           string
+	url, aggURL, model                 string
+	files                              []string
+	tokensPerBlock                     int
+	convField, readme                  string
 	compare                            bool
 	numPrompts, turns, systemLen, maxC int
 	warmup                             int
@@ -81,7 +97,10 @@ func newBenchServeCmd(e env) *cobra.Command {
 	f := cmd.Flags()
 	f.StringVar(&sf.url, "url", "", "a running router or worker to measure (default: start the cluster of -f)")
 	f.StringVar(&sf.aggURL, "aggregated-url", "", "with --url and --compare-aggregated: the aggregated worker to compare with")
-	f.StringVarP(&sf.file, "file", "f", "", "cluster file (disagg_config.yaml) to start and measure; default: the embedded one of kvxfer up")
+	f.StringArrayVarP(&sf.files, "file", "f", nil, "cluster file (disagg_config.yaml) to start and measure; default: the embedded one of kvxfer up. Repeat it to compare clusters: each is started, measured and stopped in turn, and the report puts them side by side")
+	f.IntVar(&sf.tokensPerBlock, "tokens-per-block", 0, fmt.Sprintf("block size of the bench's own count of each turn's new blocks (default: the cluster file's kv_cache_config.tokens_per_block; with --url %d)", config.DefaultTokensPerBlock))
+	f.StringVar(&sf.convField, "conversation-id", serving.ConversationFieldTop, "where each turn carries its conversation's id: conversation_id (top level), disaggregated_params (disaggregated_params.conversation_id, TensorRT-LLM's conversation router; kvxfer's router refuses it today) or none")
+	f.StringVar(&sf.readme, "readme", "", "rewrite the prefix-reuse summary of this Markdown file, between its bench-reuse marker lines (make bench-reuse)")
 	f.StringVar(&sf.model, "model", "", "model: the preset the started workers serve (default "+serve.DefaultModel+") and the requests' model field (with --url, left out unless set)")
 	f.BoolVar(&sf.compare, "compare-aggregated", false, "also run the same workload against an aggregated worker of the same model, side by side")
 	f.BoolVar(&sf.paired, "paired", false, "with --compare-aggregated: send every conversation to both, one request at a time, alternating which goes first (a fair TTFT comparison on a machine whose load drifts)")
@@ -171,7 +190,16 @@ func (sf *benchServeFlags) options() (serving.Options, []float64, error) {
 	if sf.paired && (!sf.compare || len(sf.rates) > 0 || sf.rate != "inf" || sf.maxC > 1) {
 		bad("--paired goes with --compare-aggregated and sends one request at a time: not with --rates, --request-rate or --max-concurrency above 1")
 	}
-	if sf.url != "" && sf.file != "" {
+	if sf.tokensPerBlock < 0 {
+		bad("--tokens-per-block = %d: want 0 (the cluster file's) or more", sf.tokensPerBlock)
+	}
+	switch sf.convField {
+	case serving.ConversationFieldTop, serving.ConversationFieldDisagg, serving.ConversationFieldNone:
+	default:
+		bad("--conversation-id %q: want %s, %s or %s", sf.convField, serving.ConversationFieldTop, serving.ConversationFieldDisagg, serving.ConversationFieldNone)
+	}
+	o.TokensPerBlock, o.ConversationField = sf.tokensPerBlock, sf.convField
+	if sf.url != "" && len(sf.files) > 0 {
 		bad("--url and -f exclude each other: measure a running server, or start the cluster of a file")
 	}
 	var rates []float64
@@ -223,6 +251,15 @@ func runBenchServe(cmd *cobra.Command, e env, sf *benchServeFlags) error {
 			s.Command[i+1] = strings.Join(sf.goodput, " ")
 		}
 	}
+	if i := slices.Index(s.Command, "--file"); i >= 0 && i+1 < len(s.Command) { // -f a -f b, first
+		files := make([]string, 0, 2*len(sf.files))
+		for _, f := range sf.files {
+			files = append(files, "-f", f)
+		}
+		s.Command = slices.Concat(s.Command[:3], files, s.Command[3:i], s.Command[i+2:])
+	}
+	s.Progress = serving.NewProgress(cmd.ErrOrStderr(), isTerminal(cmd.ErrOrStderr()))
+	var rep *serving.Report
 	if sf.url != "" {
 		s.Targets = []serving.Target{{Name: "url", URL: strings.TrimSuffix(sf.url, "/")}}
 		s.Setup = "Measured " + sf.url
@@ -231,25 +268,13 @@ func runBenchServe(cmd *cobra.Command, e env, sf *benchServeFlags) error {
 				{Name: serving.TargetAggregated, URL: strings.TrimSuffix(sf.aggURL, "/")}}
 			s.Setup = fmt.Sprintf("Measured %s (disaggregated) and %s (aggregated)", sf.url, sf.aggURL)
 		}
-	} else {
-		l, setup, err := startBenchCluster(cmd, e, sf)
-		if err != nil {
+		if s.Base.TokensPerBlock == 0 {
+			s.Base.TokensPerBlock = config.DefaultTokensPerBlock
+		}
+		if rep, err = serving.RunSweep(cmd.Context(), s); err != nil {
 			return err
 		}
-		defer l.Stop()
-		if s.Base.Model == "" {
-			s.Base.Model = serve.DefaultModel
-		}
-		s.Base.Client = l.Client()
-		s.Targets = []serving.Target{{Name: serving.TargetDisaggregated, URL: l.RouterURL}}
-		if sf.compare {
-			s.Targets = append(s.Targets, serving.Target{Name: serving.TargetAggregated, URL: l.AggregatedURL})
-		}
-		s.Setup = setup
-	}
-	s.Progress = serving.NewProgress(cmd.ErrOrStderr(), isTerminal(cmd.ErrOrStderr()))
-	rep, err := serving.RunSweep(cmd.Context(), s)
-	if err != nil {
+	} else if rep, err = sweepClusters(cmd, e, sf, s); err != nil {
 		return err
 	}
 	fmt.Fprintln(cmd.OutOrStdout())
@@ -268,6 +293,11 @@ func runBenchServe(cmd *cobra.Command, e env, sf *benchServeFlags) error {
 			return err
 		}
 	}
+	if sf.readme != "" {
+		if err := spliceReuseSummary(sf.readme, rep); err != nil {
+			return err
+		}
+	}
 	if cmd.Context().Err() != nil {
 		return cmd.Context().Err()
 	}
@@ -277,19 +307,86 @@ func runBenchServe(cmd *cobra.Command, e env, sf *benchServeFlags) error {
 	return nil
 }
 
-// startBenchCluster starts the cluster of -f as kvxfer up does, on free
-// ports, with an aggregated worker for --compare-aggregated, and says
-// what it started.
-func startBenchCluster(cmd *cobra.Command, e env, sf *benchServeFlags) (*launch.Launched, string, error) {
-	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: slog.LevelWarn}))
-	cl, err := loadCluster(sf.file, e, log)
+// sweepClusters runs s against the cluster of each -f (the default one
+// without -f), one after the other: it starts the cluster, runs the
+// sweep, stops it, and merges the reports, side by side.
+func sweepClusters(cmd *cobra.Command, e env, sf *benchServeFlags, s serving.Sweep) (*serving.Report, error) {
+	files := sf.files
+	if len(files) == 0 {
+		files = []string{""}
+	}
+	if s.Base.Model == "" {
+		s.Base.Model = serve.DefaultModel
+	}
+	var reps []*serving.Report
+	for _, file := range files {
+		if err := cmd.Context().Err(); err != nil {
+			return nil, err
+		}
+		l, setup, tpb, err := startBenchCluster(cmd, e, sf, file)
+		if err != nil {
+			return nil, err
+		}
+		fs := s
+		fs.Base.Client = l.Client()
+		if fs.Base.TokensPerBlock == 0 {
+			fs.Base.TokensPerBlock = tpb
+		}
+		cluster := ""
+		if len(files) > 1 {
+			cluster = file
+		}
+		fs.Targets = []serving.Target{{Name: serving.TargetDisaggregated, URL: l.RouterURL, Cluster: cluster}}
+		if sf.compare {
+			fs.Targets = append(fs.Targets, serving.Target{Name: serving.TargetAggregated, URL: l.AggregatedURL, Cluster: cluster})
+		}
+		fs.Setup = setup
+		rep, err := serving.RunSweep(cmd.Context(), fs)
+		l.Stop()
+		if err != nil {
+			return nil, err
+		}
+		if len(reps) > 0 && rep.Config.TokensPerBlock != reps[0].Config.TokensPerBlock {
+			return nil, fmt.Errorf("-f %s: tokens_per_block %d, but %d in -f %s: the clusters compared must count blocks alike (or give --tokens-per-block)",
+				file, rep.Config.TokensPerBlock, reps[0].Config.TokensPerBlock, files[0])
+		}
+		reps = append(reps, rep)
+	}
+	return serving.Merge(reps...), nil
+}
+
+// spliceReuseSummary rewrites the reuse summary of the Markdown file path
+// between its bench-reuse markers.
+func spliceReuseSummary(path string, rep *serving.Report) error {
+	old, err := os.ReadFile(path)
 	if err != nil {
-		return nil, "", err
+		return fmt.Errorf("--readme: %w", err)
+	}
+	var section strings.Builder
+	if err := rep.WriteReuseSummary(&section); err != nil {
+		return err
+	}
+	out, err := serving.SpliceSection(old, serving.ReuseBeginMarker, serving.ReuseEndMarker, section.String())
+	if err != nil {
+		return fmt.Errorf("--readme %s: %w", path, err)
+	}
+	return os.WriteFile(path, out, 0o644)
+}
+
+// startBenchCluster starts the cluster of file (the default one for "")
+// as kvxfer up does, on free ports, with an aggregated worker for
+// --compare-aggregated, and says what it started and its generation
+// workers' tokens per block.
+func startBenchCluster(cmd *cobra.Command, e env, sf *benchServeFlags, file string) (*launch.Launched, string, int, error) {
+	log := slog.New(slog.NewTextHandler(cmd.ErrOrStderr(), &slog.HandlerOptions{Level: slog.LevelWarn}))
+	cl, err := loadCluster(file, e, log)
+	if err != nil {
+		return nil, "", 0, err
 	}
 	cl.Port = -1 // any free port: a benchmark must not clash with a running cluster
 	secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
 	if err != nil {
-		return nil, "", err
+		return nil, "", 0, err
 	}
 	var out io.Writer
 	if sf.showLogs {
@@ -299,25 +396,30 @@ func startBenchCluster(cmd *cobra.Command, e env, sf *benchServeFlags) (*launch.
 	if model == "" {
 		model = serve.DefaultModel
 	}
-	fmt.Fprintln(cmd.ErrOrStderr(), "bench serve: starting the cluster")
+	fmt.Fprintln(cmd.ErrOrStderr(), "bench serve: starting the cluster", file)
 	l, err := launch.Start(cmd.Context(), launch.Options{Cluster: cl, Model: model, Aggregated: sf.compare, Output: out,
 		Logger: log, Secret: secret, TLS: (&tlsFlags{}).or(cl.Security.TLS)})
 	if err != nil {
-		return nil, "", err
+		return nil, "", 0, err
 	}
-	file := sf.file
-	if file == "" {
-		file = "the default cluster of kvxfer up"
+	name := file
+	if name == "" {
+		name = "the default cluster of kvxfer up"
 	}
 	backend := "DEFAULT"
 	if ct := cl.Context.CacheTransceiver; ct != nil && ct.Backend != "" {
 		backend = string(ct.Backend)
 	}
 	setup := fmt.Sprintf("Started %s: model %s, %d context worker(s) TP%d PP%d, %d generation worker(s) TP%d PP%d, backend %s",
-		file, model, len(l.ContextURLs), max(cl.Context.TensorParallelSize, 1), max(cl.Context.PipelineParallelSize, 1),
+		name, model, len(l.ContextURLs), max(cl.Context.TensorParallelSize, 1), max(cl.Context.PipelineParallelSize, 1),
 		len(l.GenerationURL), max(cl.Generation.TensorParallelSize, 1), max(cl.Generation.PipelineParallelSize, 1), backend)
+	setup += fmt.Sprintf(", routers %s (context) and %s (generation)", cmp.Or(cl.Context.Router, config.RouterRoundRobin),
+		cmp.Or(cl.Generation.Router, config.RouterRoundRobin))
+	if cd := cl.ConditionalDisagg; cd != nil {
+		setup += fmt.Sprintf(", conditional disaggregation at max_local_prefill_length %d", cd.MaxLocalPrefillLength)
+	}
 	if sf.compare {
 		setup += ", and an aggregated worker (TP1)"
 	}
-	return l, setup, nil
+	return l, setup, cmp.Or(cl.Generation.KVCache.TokensPerBlock, config.DefaultTokensPerBlock), nil
 }

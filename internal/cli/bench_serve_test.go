@@ -38,6 +38,8 @@ func TestBenchServeBadFlags(t *testing.T) {
 		{[]string{"--paired"}, "--paired goes with --compare-aggregated"},
 		{[]string{"--paired", "--compare-aggregated", "--rates", "1,2"}, "--paired goes with"},
 		{[]string{"--paired", "--compare-aggregated", "--max-concurrency", "4"}, "--paired goes with"},
+		{[]string{"--tokens-per-block", "-1"}, "--tokens-per-block = -1"},
+		{[]string{"--conversation-id", "body"}, `--conversation-id "body"`},
 	} {
 		code, _, errOut := runWith(t, nil, append([]string{"bench", "serve"}, tc.args...)...)
 		if code != 2 || !strings.Contains(errOut, tc.want) {
@@ -142,6 +144,61 @@ func TestBenchServeURL(t *testing.T) {
 			if run.Completed != 4 || run.GoodRequests != tc.good || run.Goodput == nil {
 				t.Errorf("%s: %s: %d completed, %d good; want 4, %d", tc.slo, run.Target.Name, run.Completed, run.GoodRequests, tc.good)
 			}
+		}
+	}
+}
+
+// TestBenchServeReuse is bench serve comparing two cluster files (-f
+// twice), as make bench-reuse does: each cluster started, measured and
+// stopped in turn, one report with a run per file, the per-turn reuse
+// figures (the bench's own count of new blocks, with a block size it
+// knows), and the README section written between its markers with a
+// command per row.
+func TestBenchServeReuse(t *testing.T) {
+	dir := t.TempDir()
+	readme := filepath.Join(dir, "README.md")
+	if err := os.WriteFile(readme, []byte("# x\n"+serving.ReuseBeginMarker+"\nold\n"+serving.ReuseEndMarker+"\nend\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	on, off := "../../examples/reuse/reuse_on.yaml", "../../examples/reuse/reuse_off.yaml"
+	cmd := exec.CommandContext(ctx, os.Args[0], "bench", "serve", "-f", on, "-f", off, "--num-prompts", "6", "--turns", "3",
+		"--system-prompt-len", "40", "--input-len", "uniform:8-40", "--output-len", "8", "--warmup", "0",
+		"--json", filepath.Join(dir, "r.json"), "--readme", readme)
+	cmd.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("bench serve: %v\n%s", err, out)
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "r.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rep serving.Report
+	if err := json.Unmarshal(b, &rep); err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Runs) != 2 || rep.Runs[0].Target.Cluster != on || rep.Runs[1].Target.Cluster != off || rep.Config.TokensPerBlock != 32 {
+		t.Fatalf("runs %d, tokens per block %d\n%s", len(rep.Runs), rep.Config.TokensPerBlock, out)
+	}
+	for _, run := range rep.Runs {
+		if run.Completed != 6 || len(run.PerTurn) != 3 || run.NewBlockBytes.N != 6 || run.MovedOverNew == nil || *run.MovedOverNew <= 0 {
+			t.Errorf("%s: %d completed, %d turns, new bytes %+v, moved/new %v\n%s", run.Label(), run.Completed, len(run.PerTurn),
+				run.NewBlockBytes, run.MovedOverNew, out)
+		}
+		// A follow-up turn's new blocks are fewer than its prompt's.
+		if t1 := run.PerTurn[1]; t1.NewBlocks.N == 0 || t1.NewBlocks.Mean*32 >= float64(t1.PromptTokens)/float64(t1.Completed) {
+			t.Errorf("%s: turn 1: %+v new blocks for %d prompt tokens", run.Label(), t1.NewBlocks, t1.PromptTokens)
+		}
+	}
+	md, err := os.ReadFile(readme)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"| reuse_on @ all at once |", "`kvxfer bench serve -f " + off + " ", "\nend\n"} {
+		if !strings.Contains(string(md), want) || strings.Contains(string(md), "\nold\n") {
+			t.Errorf("the README lacks %q or keeps the old section:\n%s", want, md)
 		}
 	}
 }
