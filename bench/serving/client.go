@@ -95,7 +95,7 @@ func send(ctx context.Context, c *http.Client, base string, req request) (answer
 // request took under conditional disaggregation: PathLocal (prefilled on
 // the generation worker, no KV moved) or PathDisaggregated (through a
 // context worker). A response without it is counted as PathUnknown.
-const PathHeader = "X-Kvxfer-Path"
+const PathHeader = "X-Kvxfer-Route"
 
 // The path classes of a request (PathHeader).
 const (

@@ -30,7 +30,7 @@
 // Prefix reuse: from each answer's usage the report reads
 // prompt_tokens_details.cached_tokens (the prefix-hit rate, cached over
 // prompt tokens) and kvxfer_timing's kv_transfer_bytes,
-// kv_transfer_blocks and kv_block_bytes; from the router's X-Kvxfer-Path
+// kv_transfer_blocks and kv_block_bytes; from the router's X-Kvxfer-Route
 // header (PathHeader) the path a request took under conditional
 // disaggregation (local or disaggregated). Independently of what the
 // server says, the bench counts each turn's new blocks (NewBlocks): the

@@ -202,7 +202,7 @@ func TestComputeReuse(t *testing.T) {
 // conversation id, what the last turn left cached, reports the prompt
 // tokens it finds cached (whole blocks, block by block), moves only the
 // new blocks (kv_transfer_blocks, kv_block_bytes), runs a request whose
-// uncached part is at most local tokens locally (X-Kvxfer-Path: local,
+// uncached part is at most local tokens locally (X-Kvxfer-Route: local,
 // nothing moved), and answers with random tokens the client cannot
 // predict.
 type reuseServer struct {

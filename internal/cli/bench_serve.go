@@ -52,7 +52,7 @@ the report adds the prefix-hit rate (usage.prompt_tokens_details.cached_tokens o
 tokens), overall and per turn; the KV bytes moved per turn against the bytes of the turn's
 new blocks, which the bench counts itself at --tokens-per-block (the prompt's blocks beyond
 the full blocks of the previous turn's prompt and answer) times kv_block_bytes, and their
-ratio; and TTFT by the path the router names in X-Kvxfer-Path (local or disaggregated).
+ratio; and TTFT by the path the router names in X-Kvxfer-Route (local or disaggregated).
 Several -f compare clusters (reuse on and off, two router policies): each is started,
 measured and stopped in turn, side by side in one report; --readme writes its summary
 between the bench-reuse markers of a Markdown file.

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/bench/serving"
+	"github.com/kvxfer/kvxfer/serve"
 )
 
 // TestBenchServeBadFlags: each bad flag is refused with an error naming
@@ -200,5 +201,15 @@ func TestBenchServeReuse(t *testing.T) {
 		if !strings.Contains(string(md), want) || strings.Contains(string(md), "\nold\n") {
 			t.Errorf("the README lacks %q or keeps the old section:\n%s", want, md)
 		}
+	}
+}
+
+// TestBenchServeReadsTheRoutersPathHeader: bench/serving cannot import
+// serve, so it names the router's path header and values itself; they
+// must be the router's.
+func TestBenchServeReadsTheRoutersPathHeader(t *testing.T) {
+	if serving.PathHeader != serve.RouteHeader || serving.PathLocal != serve.RouteLocal || serving.PathDisaggregated != serve.RouteDisaggregated {
+		t.Errorf("bench serve reads %s: %s|%s; the router writes %s: %s|%s", serving.PathHeader, serving.PathLocal, serving.PathDisaggregated,
+			serve.RouteHeader, serve.RouteLocal, serve.RouteDisaggregated)
 	}
 }
