@@ -26,5 +26,5 @@ set -x
 	-f examples/reuse/round_robin.yaml -f examples/reuse/kv_cache_aware.yaml \
 	-f examples/reuse/conditional.yaml \
 	--num-prompts $((CONVERSATIONS * TURNS)) --turns $TURNS --system-prompt-len 1000 \
-	--input-len uniform:32-256 --output-len 32 --request-rate 1 --warmup 2 --seed 18 --duration 150s \
+	--input-len uniform:32-512 --output-len 32 --request-rate 1 --warmup 2 --seed 18 --duration 150s \
 	--json docs/reuse.json --md docs/reuse.md --png docs/reuse.png --readme README.md
