@@ -789,7 +789,7 @@ func (e *Engine) prefill(r *request) {
 		e.finish(r, FinishStop, nil)
 		return
 	}
-	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.ContextOnly, Blocks: r.seq.Blocks(len(r.prompt)), NumTokens: len(r.prompt),
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.ContextOnly, Blocks: r.seq.Blocks(len(r.prompt)), NumTokens: len(r.prompt), PromptDigest: kvcache.PromptDigest(r.prompt),
 		ContextPhase: &transceiver.ContextPhaseParams{FirstGenTokens: []int32{tok}}}
 	if err := e.tr.RespondAndSendAsync(r.treq); err != nil {
 		e.finish(r, FinishError, fmt.Errorf("engine: request %d: hand over to the transceiver: %w", r.id, err))
@@ -815,7 +815,7 @@ func (e *Engine) startTransfer(r *request) {
 	for rank := range blocks {
 		blocks[rank] = blocks[rank][skip:]
 	}
-	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: blocks, NumTokens: len(r.prompt),
+	r.treq = &transceiver.Request{ID: r.id, Type: transceiver.GenerationOnly, Blocks: blocks, NumTokens: len(r.prompt), PromptDigest: kvcache.PromptDigest(r.prompt),
 		ContextPhase: r.phase}
 	r.treq.SetState(transceiver.DisaggGenerationInit)
 	r.xferStart = e.now()

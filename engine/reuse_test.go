@@ -6,6 +6,7 @@ import (
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -680,4 +681,54 @@ func waitStatsGet(t testing.TB, e *Engine, ok func(Stats) bool) Stats {
 	t.Helper()
 	waitStats(t, e, ok)
 	return e.Stats()
+}
+
+// TestReusePoisonedPromptRefused is the hostile case of reuse-aware
+// transfer: a client that holds a context request's opaque state (prompt
+// A) sends a generation_only request with another prompt B of the same
+// length. Were the pull served, the generation instance would publish A's
+// KV under B's hashes and hand it to every later request starting with B.
+// The context side refuses the pull (the prompt digests differ), nothing is
+// published under B, and B's own disaggregated request then gives exactly
+// the aggregated tokens.
+func TestReusePoisonedPromptRefused(t *testing.T) {
+	cfg := InstanceConfig{TokensPerBlock: 8, DType: kvcache.BF16, PoolTokens: 8 * 48}
+	prefillE := newReuseDisaggEngine(t, "tiny-gqa", cfg, reuseOpts)
+	genE := newReuseDisaggEngine(t, "tiny-gqa", cfg, reuseOpts)
+	a := prompt("The secret plan is to meet at dawn by the old mill.")
+	b := prompt("The public plan is to meet at noon by the old mill.")
+	if len(a) != len(b) || slices.Equal(a, b) {
+		t.Fatalf("prompts of %d and %d tokens: want the same length, other tokens", len(a), len(b))
+	}
+	cs, err := prefillE.Submit(context.Background(), Request{Type: transceiver.ContextOnly, Prompt: a, MaxTokens: 4, IgnoreEOS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctxA := cs.Wait().Final
+	if ctxA.ContextPhase == nil {
+		t.Fatalf("context_only: %v", ctxA.Err)
+	}
+	gs, err := genE.Submit(context.Background(), Request{Type: transceiver.GenerationOnly, Prompt: b, MaxTokens: 4, IgnoreEOS: true, ContextPhase: ctxA.ContextPhase})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := gs.Wait().Final
+	if bad.Err == nil || !strings.Contains(bad.Err.Error(), "prompt is not context request") {
+		t.Fatalf("generation_only with another prompt: finish %q, err %v; want the pull refused for its prompt", bad.FinishReason, bad.Err)
+	}
+	if c := genE.CachedPrefix(b); c != 0 {
+		t.Fatalf("%d tokens of prompt B cached on the generation instance after the refused pull", c)
+	}
+	want := waitResult(t, submit(t, genE, context.Background(), Request{Prompt: b, MaxTokens: 4, IgnoreEOS: true}))
+	_, got := disaggregate(t, prefillE, genE, Request{Prompt: b, MaxTokens: 4, IgnoreEOS: true})
+	if got.Final.Err != nil || !slices.Equal(got.Tokens, want.Tokens) {
+		t.Fatalf("prompt B disaggregated: %v %v, aggregated %v", got.Tokens, got.Final.Err, want.Tokens)
+	}
+	// The context request A is still held for its rightful owner (a
+	// refused pull does not end it), until its deadline or a cancel.
+	if !prefillE.CancelContext(ctxA.ContextPhase.CtxRequestID) {
+		t.Errorf("context request A was not held after the refused pull")
+	}
+	waitPoolsFree(t, prefillE)
+	waitPoolsFree(t, genE)
 }

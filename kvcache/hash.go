@@ -81,3 +81,32 @@ func (h Hash) IsRoot() bool { return h == Hash{} }
 
 // String returns h in lower-case hex.
 func (h Hash) String() string { return hex.EncodeToString(h[:]) }
+
+// promptDomain separates prompt digests from block hashes.
+const promptDomain = "kvxfer/kvcache/prompt/v1\x00"
+
+// PromptDigest returns the digest of a whole prompt's token ids: the first
+// 16 bytes of SHA-256(domain ‖ length ‖ tokens as little-endian int32). A
+// transfer carries it so that the KV cache of one prompt is never received
+// as another's (transceiver.Request.PromptDigest). It is never the zero
+// Hash but with probability 2^-128.
+func PromptDigest(tokens []int32) Hash {
+	h := sha256.New()
+	h.Write([]byte(promptDomain))
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], uint64(len(tokens)))
+	h.Write(b[:])
+	buf := make([]byte, 0, 4096)
+	for len(tokens) > 0 {
+		n := min(len(tokens), cap(buf)/4)
+		buf = buf[:0]
+		for _, t := range tokens[:n] {
+			buf = binary.LittleEndian.AppendUint32(buf, uint32(t))
+		}
+		h.Write(buf)
+		tokens = tokens[n:]
+	}
+	var d Hash
+	copy(d[:], h.Sum(nil))
+	return d
+}

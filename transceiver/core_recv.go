@@ -38,6 +38,7 @@ type recvConfig struct {
 	peers    int               // control endpoints the opaque state lists
 	blocks   int               // blocks to receive into
 	lastHash *kvcache.Hash     // ask for the blocks ending at this hash; nil: all of them
+	digest   kvcache.Hash      // the prompt's digest (Request.PromptDigest), sent with the ask
 	bufBytes int64             // size of one receive staging buffer
 	direct   bool              // direct transfers allowed (zero_copy)
 	timeout  time.Duration     // kv_transfer_timeout
@@ -263,7 +264,7 @@ func (g *recvCore) dialled(ev evDialled) []effect {
 		return g.fail(fmt.Errorf("ask context rank %d: %w", ev.src, err), ev.src)
 	}
 	ri := wire.RequestInfo{CtxRequestID: g.cfg.sendID, Token: g.cfg.token, GenRequestID: g.cfg.id, GenRank: uint32(g.cfg.rank),
-		GenState: st, NumBlocks: uint32(g.cfg.blocks), Backend: ev.backend}
+		GenState: st, NumBlocks: uint32(g.cfg.blocks), Backend: ev.backend, PromptDigest: g.cfg.digest}
 	if g.cfg.lastHash != nil {
 		ri.HasLastHash, ri.LastHash = true, *g.cfg.lastHash
 	}

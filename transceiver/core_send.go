@@ -92,6 +92,7 @@ type sendConfig struct {
 	state    layout.CacheState // the context instance's state, DP rank of the request included
 	blocks   int               // blocks held
 	hashes   []kvcache.Hash    // reuse hashes of the blocks, in order (may be fewer, or none)
+	digest   kvcache.Hash      // the prompt's digest (Request.PromptDigest); zero: not checked
 	backends []string          // data backends open on this rank, sorted
 	bufBytes int64             // size of one send staging buffer
 	timeout  time.Duration     // kv_transfer_timeout
@@ -434,6 +435,9 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 func (c *sendCore) checkAsk(ri *wire.RequestInfo) (expected []int, pair sendPlan, code uint8, reason string) {
 	bad := func(code uint8, format string, args ...any) ([]int, sendPlan, uint8, string) {
 		return nil, sendPlan{}, code, fmt.Sprintf(format, args...)
+	}
+	if c.cfg.digest != (kvcache.Hash{}) && kvcache.Hash(ri.PromptDigest) != c.cfg.digest {
+		return bad(wire.RefusedBadRequest, "the pulling request's prompt is not context request %d's (its prompt digest differs or is missing): the KV cache would be another prompt's", c.cfg.id)
 	}
 	var gen layout.CacheState
 	if err := gen.UnmarshalBinary(ri.GenState); err != nil {

@@ -168,7 +168,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 
 // respond holds a context request: its blocks are retained until the
 // transfer ends or the deadline passes.
-func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, blocks []kvcache.BlockID, hashes []kvcache.Hash) error {
+func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, blocks []kvcache.BlockID, hashes []kvcache.Hash, digest kvcache.Hash) error {
 	if err := r.pool.Retain(blocks...); err != nil {
 		return fmt.Errorf("transceiver: rank %d: hold blocks of request %d: %w", r.idx, id, err)
 	}
@@ -178,7 +178,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	}
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks = slices.Clone(blocks)
-	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes,
+	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes, digest: digest,
 		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout})
 	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
@@ -191,9 +191,9 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 // request order). id is the pull's id (wire GenRequestID), the same on
 // every rank of the instance; self is the instance's state with the DP rank
 // of this request.
-func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash) error {
+func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash, digest kvcache.Hash) error {
 	core, err := newRecvCore(recvConfig{rank: r.idx, id: id, reqID: reqID, sendID: op.RequestID, token: op.Token,
-		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash,
+		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash, digest: digest,
 		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout})
 	if err != nil {
 		return err

@@ -129,6 +129,15 @@ type Request struct {
 	// BlockHashes are the reuse hashes of the request's full blocks, in
 	// order (optional; needed only to serve "last N blocks ending at hash").
 	BlockHashes []kvcache.Hash
+	// PromptDigest is the digest of the prompt whose KV the blocks hold
+	// (kvcache.PromptDigest), or zero for none. On the context side a
+	// request with a digest refuses every pull whose request has another
+	// (or none), so that KV computed for one prompt is never received as
+	// another of the same length: a generation instance that publishes the
+	// blocks it received for reuse would otherwise serve them to other
+	// requests under the wrong prompt's hashes. The generation side sends
+	// its own.
+	PromptDigest kvcache.Hash
 	// LastBlockHash, on the generation side, asks for the last len(Blocks[r])
 	// blocks ending at the block with this hash (the generation side holds
 	// a reused prefix). Nil asks for all the request's blocks.

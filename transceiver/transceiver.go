@@ -627,7 +627,7 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	}
 	req.ContextPhase.CtxRequestID, req.ContextPhase.OpaqueState = req.ID, enc
 	return t.start(req, sideSend, all, ranks, DisaggContextTransInProgress, func(r *rank) error {
-		return r.respond(req.ID, token, state, req.Blocks[t.pos[r.idx]], req.BlockHashes)
+		return r.respond(req.ID, token, state, req.Blocks[t.pos[r.idx]], req.BlockHashes, req.PromptDigest)
 	})
 }
 
@@ -724,7 +724,7 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 			t.nonces[key] = op.Nonce
 			t.mu.Unlock()
 		}
-		return r.receive(id, req.ID, &op, genState, req.Blocks[t.pos[r.idx]], req.LastBlockHash)
+		return r.receive(id, req.ID, &op, genState, req.Blocks[t.pos[r.idx]], req.LastBlockHash, req.PromptDigest)
 	})
 }
 

@@ -13,7 +13,9 @@ import (
 // generation request's RequestInfo.GenRequestID is the same on all its
 // ranks and names its pull attempt (a context rank serving several of its
 // ranks would take version 1's per-rank ids for competing pulls).
-const Version = 2
+// Version 3: RequestInfo carries the digest of the generation request's
+// prompt, which the context rank compares with its own.
+const Version = 3
 
 // Limits of the control protocol.
 const (
@@ -95,6 +97,10 @@ type RequestInfo struct {
 	NumBlocks   uint32
 	HasLastHash bool
 	LastHash    [16]byte
+	// PromptDigest is the digest of the generation request's prompt
+	// (kvcache.PromptDigest), all zero for none: a context request that
+	// has a digest refuses a pull whose digest differs.
+	PromptDigest [16]byte
 	// MaxChunkBlocks is the most blocks per chunk the receiver can take.
 	MaxChunkBlocks uint32
 	// Backend is the data-plane backend the receiver chose for this pair.
@@ -365,6 +371,7 @@ func (f *RequestInfo) appendPayload(b []byte) []byte {
 	if f.HasLastHash {
 		b = append(b, f.LastHash[:]...)
 	}
+	b = append(b, f.PromptDigest[:]...)
 	b = binary.AppendUvarint(b, uint64(f.MaxChunkBlocks))
 	b = appendBytes(b, []byte(f.Backend))
 	return appendBytes(b, f.Desc)
@@ -381,6 +388,7 @@ func (f *RequestInfo) decodePayload(d *decoder) {
 	if f.HasLastHash {
 		d.fixed("last_hash", f.LastHash[:])
 	}
+	d.fixed("prompt_digest", f.PromptDigest[:])
 	f.MaxChunkBlocks = uint32(d.uvarint("max_chunk_blocks", 1<<31-1))
 	f.Backend = d.string("backend", MaxName)
 	f.Desc = d.bytes("desc", MaxBlob)

@@ -17,7 +17,7 @@ func samples() []Frame {
 		&Hello{Version: Version, Rank: 3, State: []byte{1, 2, 3}, Host: "host-a", Backends: []string{"tcp", "shm"}, Endpoints: []string{"127.0.0.1:9", "@kvxfer-shm-1"}},
 		&Hello{},
 		&RequestInfo{CtxRequestID: 1<<63 + 5, Token: [16]byte{1, 2, 3, 15: 9}, GenRequestID: 77, GenRank: 5,
-			GenState: []byte{9, 9}, NumBlocks: 128, HasLastHash: true, LastHash: [16]byte{0: 4, 15: 1}, MaxChunkBlocks: 16,
+			GenState: []byte{9, 9}, NumBlocks: 128, HasLastHash: true, LastHash: [16]byte{0: 4, 15: 1}, PromptDigest: [16]byte{0: 8, 15: 3}, MaxChunkBlocks: 16,
 			Backend: "tcp", Desc: []byte("desc")},
 		&RequestInfo{CtxRequestID: 1, NumBlocks: 1, Backend: "tcp"},
 		&Ready{CtxRequestID: 1, GenRequestID: 2, ChunkBlocks: 64},
