@@ -21,7 +21,10 @@
 // stop, tell the consensus how a pull attempt went, release the blocks,
 // complete. The
 // rules are the cores': who may ask (the request's token, compared in
-// constant time; an unknown id and a wrong token get one answer), what
+// constant time; an unknown id and a wrong token get one answer), for
+// what prompt (a context request with a prompt digest refuses a pull whose
+// digest differs, so that one prompt's KV cache is never received, and
+// published for reuse, as another's), what
 // (compatible states, target ranks, block ranges and reused prefixes, open
 // backends, direct transfers only where the spans allow), in what chunks.
 // A core does no I/O, starts no goroutine, takes no lock and reads no
