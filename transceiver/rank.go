@@ -27,6 +27,12 @@ import (
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
 
+// begunFunc tells a rank whether the instance's consensus shows context
+// request id begun on another rank, not over and not yet reported by this
+// one, and since when (see askHold). nil: never (every rank of the
+// instance is in this process, and all are handed a request at once).
+type begunFunc func(id uint64, rank int) (time.Time, bool)
+
 // attemptEnd is how a rank reports that its part of a pull attempt of a
 // context request ended: its sends finished (err nil) or the attempt
 // failed. The instance's word comes back with rank.decide.
@@ -36,7 +42,8 @@ type attemptEnd func(rank int, key instKey, attempt uint64, err error)
 // staging buffers and the requests in flight.
 //
 // Lock order: rank.mu, then the control plane's (Plane.Conn, Conn.Touch),
-// then the runtime's timers (arming and stopping a deadline). Conn.Send is
+// then the runtime's timers (arming and stopping a deadline); rank.mu,
+// then the Transceiver's (begunFunc). Conn.Send is
 // never called under rank.mu: effects run after the lock is released.
 type rank struct {
 	idx        int
@@ -49,6 +56,7 @@ type rank struct {
 	recvBufs   *bufPool
 	done       rankDone
 	attempt    attemptEnd
+	begun      begunFunc // nil: asks are never held
 	log        *slog.Logger
 
 	wg   sync.WaitGroup  // every goroutine of this rank
@@ -61,6 +69,9 @@ type rank struct {
 	closed bool
 	reqs   map[reqKey]*rankReq
 	probes map[connID]*shmProbe // shm probe of the peer, per open control connection
+	hold   *askHold             // asks for context requests not handed to this rank yet
+	// stopHold stops the hold's timer (nil: none armed).
+	stopHold func() bool
 }
 
 // reqKey names a request on a rank: send side by the context request's id,
@@ -138,6 +149,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
 		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
+		hold: newAskHold(idx, set.timeout),
 	}
 	r.ctrl = control.New(control.Config{
 		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
@@ -232,7 +244,17 @@ func (r *rank) admit(q *rankReq) error {
 	if r.obs != nil {
 		r.obs.TransferStarted(roleOf(q.key.side))
 	}
-	effs, _ := r.stepLocked(q, evStart{now: time.Now()})
+	now := time.Now()
+	evs := []event{evStart{now: now}}
+	if q.key.side == sideSend {
+		// Asks that came before this rank was handed the request.
+		for _, e := range r.hold.step(evHandedOver{id: q.key.id}) {
+			if h, ok := e.(effTakeAsk); ok {
+				evs = append(evs, evAsk{from: h.from, ri: h.ri, now: now})
+			}
+		}
+	}
+	effs, _ := r.stepLocked(q, evs...)
 	r.mu.Unlock()
 	r.run(q, effs)
 	return nil
@@ -259,13 +281,17 @@ func (r *rank) feed(find func() *rankReq, ev event) (found bool, n int) {
 // step feeds ev to q.
 func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev) }
 
-// stepLocked runs ev on q's core. Unless q is over, the caller must pass
-// the effects to run, which ends the hold taken here on q's blocks.
-func (r *rank) stepLocked(q *rankReq, ev event) ([]effect, bool) {
+// stepLocked runs evs, in order, on q's core. Unless q is over, the
+// caller must pass the effects to run, which ends the hold taken here on
+// q's blocks.
+func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 	if q.over {
 		return nil, false
 	}
-	effs := q.core.step(ev)
+	var effs []effect
+	for _, ev := range evs {
+		effs = append(effs, q.core.step(ev)...)
+	}
 	if q.core.state().over() {
 		q.over = true
 		delete(r.reqs, q.key)
@@ -279,8 +305,8 @@ func (r *rank) stepLocked(q *rankReq, ev event) ([]effect, bool) {
 	return effs, true
 }
 
-// run carries out effects of q's core (nil q: the refusal of an ask for a
-// request this rank does not hold).
+// run carries out effects of q's core (nil q: the effects of the rank's
+// ask hold, for requests this rank does not hold).
 func (r *rank) run(q *rankReq, effs []effect) {
 	if q != nil {
 		defer q.workers.Done()
@@ -290,7 +316,14 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		switch e := e.(type) {
 		case effArmTimer:
 			r.mu.Lock()
-			if !q.over {
+			if q == nil {
+				if !r.closed {
+					if r.stopHold != nil {
+						r.stopHold()
+					}
+					r.stopHold = time.AfterFunc(time.Until(e.at), func() { r.holdStep(evTick{now: time.Now()}) }).Stop
+				}
+			} else if !q.over {
 				if q.stopTimer != nil {
 					q.stopTimer() // a request has one timer: the one armed last
 				}
@@ -493,12 +526,36 @@ func (r *rank) release(q *rankReq) {
 }
 
 // deliver feeds ev to the request key names; for a request this rank does
-// not hold, it carries out unknown's effects instead (when not nil).
-func (r *rank) deliver(key reqKey, ev event, unknown func() []effect) {
-	found, _ := r.feed(func() *rankReq { return r.reqs[key] }, ev)
-	if !found && unknown != nil {
-		r.run(nil, unknown())
+// not hold, it feeds the ask hold early instead (when not nil), under the
+// same lock, so that a request handed over meanwhile takes what it holds.
+func (r *rank) deliver(key reqKey, ev event, early func() event) {
+	r.mu.Lock()
+	q := r.reqs[key]
+	if q == nil {
+		var effs []effect
+		if early != nil && !r.closed {
+			effs = r.hold.step(early())
+		}
+		r.mu.Unlock()
+		r.run(nil, effs)
+		return
 	}
+	effs, live := r.stepLocked(q, ev)
+	r.mu.Unlock()
+	if live {
+		r.run(q, effs)
+	}
+}
+
+// holdStep feeds ev to the ask hold and carries out its effects.
+func (r *rank) holdStep(ev event) {
+	r.mu.Lock()
+	var effs []effect
+	if !r.closed {
+		effs = r.hold.step(ev)
+	}
+	r.mu.Unlock()
+	r.run(nil, effs)
 }
 
 // Frame hands a control frame from cc to the request it is about (it
@@ -528,12 +585,19 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	from := func(sendID, recvID uint64) route { return route{conn: id, sendID: sendID, recvID: recvID} }
 	switch f := f.(type) {
 	case *wire.RequestInfo:
-		at := from(f.CtxRequestID, f.GenRequestID)
-		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: time.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
+		at, now := from(f.CtxRequestID, f.GenRequestID), time.Now()
+		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: now}, func() event {
+			ev := evEarlyAsk{from: at, ri: f, now: now}
+			if r.begun != nil {
+				ev.begunAt, ev.begun = r.begun(f.CtxRequestID, r.idx)
+			}
+			return ev
+		})
 	case *wire.ChunkDesc:
 		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
 	case *wire.Abort:
-		r.deliver(key(f.CtxRequestID), evGenAbort{from: from(f.CtxRequestID, f.GenRequestID), reason: f.Reason}, nil)
+		at := from(f.CtxRequestID, f.GenRequestID)
+		r.deliver(key(f.CtxRequestID), evGenAbort{from: at, reason: f.Reason}, func() event { return evHeldAbort{from: at} })
 	default:
 		return fmt.Errorf("%w: unexpected %s frame from a generation rank", wire.ErrMalformed, f.Type())
 	}
@@ -547,6 +611,9 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 	r.mu.Lock()
 	delete(r.probes, id)
 	hit := r.usersOf(id)
+	if !r.closed {
+		r.hold.step(evConnLost{conn: id}) // (no effects: the askers are gone)
+	}
 	r.mu.Unlock()
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
@@ -559,7 +626,7 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 func (r *rank) Busy(cc *control.Conn) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return len(r.usersOf(connID(cc.ID()))) > 0
+	return len(r.usersOf(connID(cc.ID()))) > 0 || slices.Contains(r.hold.conns(), connID(cc.ID()))
 }
 
 // usersOf returns the requests in flight that use connection id. Called
@@ -578,6 +645,10 @@ func (r *rank) usersOf(id connID) []*rankReq {
 // reports whether there was anything to cancel.
 func (r *rank) cancel(s side, reqID uint64, why error) bool {
 	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why})
+	if s == sideSend {
+		// Over on the instance: asks held for it are refused.
+		r.holdStep(evHeldEnded{id: reqID, err: why})
+	}
 	return n > 0
 }
 
@@ -607,6 +678,10 @@ func (r *rank) close() error {
 		return nil
 	}
 	r.closed = true
+	r.hold.step(evCancel{err: ErrClosed}) // (the connections close below)
+	if r.stopHold != nil {
+		r.stopHold()
+	}
 	qs := make([]*rankReq, 0, len(r.reqs))
 	for _, q := range r.reqs {
 		qs = append(qs, q)
