@@ -261,13 +261,21 @@ func (r *rank) admit(q *rankReq) error {
 }
 
 // feed runs ev on the request find returns, under the lock, and carries
-// out the effects after. It reports whether there was such a request and
-// how many effects the event had.
-func (r *rank) feed(find func() *rankReq, ev event) (found bool, n int) {
+// out the effects after; when there is no such request, it feeds the ask
+// hold held's event instead (held nil: nothing), under the same lock, so
+// that a request handed over meanwhile takes what the hold keeps. It
+// reports whether there was such a request and how many effects the event
+// had.
+func (r *rank) feed(find func() *rankReq, ev event, held func() event) (found bool, n int) {
 	r.mu.Lock()
 	q := find()
 	if q == nil {
+		var effs []effect
+		if held != nil && !r.closed {
+			effs = r.hold.step(held())
+		}
 		r.mu.Unlock()
+		r.run(nil, effs)
 		return false, 0
 	}
 	effs, live := r.stepLocked(q, ev)
@@ -279,7 +287,7 @@ func (r *rank) feed(find func() *rankReq, ev event) (found bool, n int) {
 }
 
 // step feeds ev to q.
-func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev) }
+func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev, nil) }
 
 // stepLocked runs evs, in order, on q's core. Unless q is over, the
 // caller must pass the effects to run, which ends the hold taken here on
@@ -525,37 +533,15 @@ func (r *rank) release(q *rankReq) {
 	}
 }
 
-// deliver feeds ev to the request key names; for a request this rank does
-// not hold, it feeds the ask hold early instead (when not nil), under the
-// same lock, so that a request handed over meanwhile takes what it holds.
-func (r *rank) deliver(key reqKey, ev event, early func() event) {
-	r.mu.Lock()
-	q := r.reqs[key]
-	if q == nil {
-		var effs []effect
-		if early != nil && !r.closed {
-			effs = r.hold.step(early())
-		}
-		r.mu.Unlock()
-		r.run(nil, effs)
-		return
-	}
-	effs, live := r.stepLocked(q, ev)
-	r.mu.Unlock()
-	if live {
-		r.run(q, effs)
-	}
+// deliver feeds ev to the request key names, or held's event to the ask
+// hold (see feed).
+func (r *rank) deliver(key reqKey, ev event, held func() event) {
+	r.feed(func() *rankReq { return r.reqs[key] }, ev, held)
 }
 
 // holdStep feeds ev to the ask hold and carries out its effects.
 func (r *rank) holdStep(ev event) {
-	r.mu.Lock()
-	var effs []effect
-	if !r.closed {
-		effs = r.hold.step(ev)
-	}
-	r.mu.Unlock()
-	r.run(nil, effs)
+	r.feed(func() *rankReq { return nil }, nil, func() event { return ev })
 }
 
 // Frame hands a control frame from cc to the request it is about (it
@@ -644,17 +630,19 @@ func (r *rank) usersOf(id connID) []*rankReq {
 // cancel cancels the instance's request reqID of side on this rank. It
 // reports whether there was anything to cancel.
 func (r *rank) cancel(s side, reqID uint64, why error) bool {
-	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why})
+	var held func() event
 	if s == sideSend {
-		// Over on the instance: asks held for it are refused.
-		r.holdStep(evHeldEnded{id: reqID, err: why})
+		// Over on the instance before this rank was handed it: asks held
+		// for it are refused.
+		held = func() event { return evHeldEnded{id: reqID, err: why} }
 	}
+	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why}, held)
 	return n > 0
 }
 
 // decide feeds the instance's word on a pull attempt (evAttemptFailed,
 // evCommit) to context request reqID on this rank.
-func (r *rank) decide(reqID uint64, ev event) { r.feed(r.byReqID(sideSend, reqID), ev) }
+func (r *rank) decide(reqID uint64, ev event) { r.feed(r.byReqID(sideSend, reqID), ev, nil) }
 
 // byReqID finds, for feed, the request of side with the instance's id
 // reqID.
