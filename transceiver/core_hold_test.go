@@ -202,3 +202,39 @@ func TestHoldFlood(t *testing.T) {
 		t.Fatalf("after the connections went: %d held on %v", h.len(), h.conns())
 	}
 }
+
+// TestFrameEvent: what each control frame means to the cores, on each
+// side of a connection; a frame on the wrong side breaks the protocol.
+func TestFrameEvent(t *testing.T) {
+	ri := &wire.RequestInfo{CtxRequestID: 7, GenRequestID: 9}
+	at := route{conn: 3, sendID: 7, recvID: 9}
+	for _, tc := range []struct {
+		f       wire.Frame
+		dialled bool
+		key     reqKey
+		ev      event
+		held    event
+		bad     bool
+	}{
+		{f: &wire.Ready{CtxRequestID: 7, GenRequestID: 9, ChunkBlocks: 4}, dialled: true, key: reqKey{sideRecv, 9}, ev: evReady{conn: 3, src: 1, chunk: 4}},
+		{f: &wire.Refused{GenRequestID: 9, Reason: "no"}, dialled: true, key: reqKey{sideRecv, 9}, ev: evRefused{conn: 3, src: 1, reason: "no"}},
+		{f: &wire.Abort{GenRequestID: 9, Reason: "x"}, dialled: true, key: reqKey{sideRecv, 9}, ev: evSrcAbort{conn: 3, src: 1, reason: "x"}},
+		{f: &wire.Pong{}, dialled: true},
+		{f: ri, dialled: true, bad: true},
+		{f: ri, key: reqKey{sideSend, 7}, ev: evAsk{from: at, ri: ri, now: scriptT0}, held: evEarlyAsk{from: at, ri: ri, now: scriptT0}},
+		{f: &wire.ChunkDesc{CtxRequestID: 7, GenRequestID: 9, Index: 2}, key: reqKey{sideSend, 7}, ev: evChunkDesc{from: at, index: 2}},
+		{f: &wire.Abort{CtxRequestID: 7, GenRequestID: 9, Reason: "x"}, key: reqKey{sideSend, 7}, ev: evGenAbort{from: at, reason: "x"}, held: evHeldAbort{from: at}},
+		{f: &wire.Ready{}, bad: true},
+		{f: &wire.Pong{}, bad: true},
+	} {
+		key, ev, held, err := frameEvent(tc.f, 3, 1, tc.dialled, scriptT0)
+		name := fmt.Sprintf("%s dialled=%v", tc.f.Type(), tc.dialled)
+		if (err != nil) != tc.bad || (err != nil && !errors.Is(err, wire.ErrMalformed)) {
+			t.Errorf("%s: err %v, want bad=%v", name, err, tc.bad)
+			continue
+		}
+		if key != tc.key || fmt.Sprintf("%#v", ev) != fmt.Sprintf("%#v", tc.ev) || fmt.Sprintf("%#v", held) != fmt.Sprintf("%#v", tc.held) {
+			t.Errorf("%s: got %v %#v %#v, want %v %#v %#v", name, key, ev, held, tc.key, tc.ev, tc.held)
+		}
+	}
+}

@@ -551,42 +551,21 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	if p, ok := f.(*wire.Ping); ok {
 		return cc.Send(&wire.Pong{Nonce: p.Nonce})
 	}
-	id, src := connID(cc.ID()), cc.Peer().Rank
-	if dialled {
-		key := func(recvID uint64) reqKey { return reqKey{sideRecv, recvID} }
-		switch f := f.(type) {
-		case *wire.Ready:
-			r.deliver(key(f.GenRequestID), evReady{conn: id, src: src, chunk: int(f.ChunkBlocks)}, nil)
-		case *wire.Refused:
-			r.deliver(key(f.GenRequestID), evRefused{conn: id, src: src, reason: f.Reason}, nil)
-		case *wire.Abort:
-			r.deliver(key(f.GenRequestID), evSrcAbort{conn: id, src: src, reason: f.Reason}, nil)
-		case *wire.Pong:
-		default:
-			return fmt.Errorf("%w: unexpected %s frame from a context rank", wire.ErrMalformed, f.Type())
-		}
-		return nil
+	key, ev, held, err := frameEvent(f, connID(cc.ID()), cc.Peer().Rank, dialled, time.Now())
+	if err != nil || ev == nil {
+		return err
 	}
-	key := func(sendID uint64) reqKey { return reqKey{sideSend, sendID} }
-	from := func(sendID, recvID uint64) route { return route{conn: id, sendID: sendID, recvID: recvID} }
-	switch f := f.(type) {
-	case *wire.RequestInfo:
-		at, now := from(f.CtxRequestID, f.GenRequestID), time.Now()
-		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: now}, func() event {
-			ev := evEarlyAsk{from: at, ri: f, now: now}
-			if r.begun != nil {
-				ev.begunAt, ev.begun = r.begun(f.CtxRequestID, r.idx)
+	var early func() event
+	if held != nil {
+		early = func() event {
+			if a, ok := held.(evEarlyAsk); ok && r.begun != nil {
+				a.begunAt, a.begun = r.begun(a.ri.CtxRequestID, r.idx)
+				return a
 			}
-			return ev
-		})
-	case *wire.ChunkDesc:
-		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
-	case *wire.Abort:
-		at := from(f.CtxRequestID, f.GenRequestID)
-		r.deliver(key(f.CtxRequestID), evGenAbort{from: at, reason: f.Reason}, func() event { return evHeldAbort{from: at} })
-	default:
-		return fmt.Errorf("%w: unexpected %s frame from a generation rank", wire.ErrMalformed, f.Type())
+			return held
+		}
 	}
+	r.deliver(key, ev, early)
 	return nil
 }
 
