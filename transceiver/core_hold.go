@@ -120,6 +120,14 @@ func (h *askHold) conns() []connID {
 }
 
 func (h *askHold) step(ev event) []effect {
+	effs := h.apply(ev)
+	if len(h.asks) == 0 {
+		h.asks = nil // the memory of a flood goes with it
+	}
+	return effs
+}
+
+func (h *askHold) apply(ev event) []effect {
 	switch ev := ev.(type) {
 	case evEarlyAsk:
 		return h.early(ev)
@@ -180,7 +188,7 @@ func (h *askHold) early(ev evEarlyAsk) []effect {
 	until := start.Add(h.timeout)
 	h.asks = append(h.asks, heldAsk{from: ev.from, ri: ev.ri, until: until})
 	if !ev.now.Before(until) {
-		return h.step(evTick{now: ev.now})
+		return h.apply(evTick{now: ev.now})
 	}
 	return h.arm()
 }

@@ -188,11 +188,11 @@ func TestGroupEarlyAskNeverHanded(t *testing.T) {
 
 var rankNum = regexp.MustCompile(`context rank \d+`)
 
-// TestGroupEarlyAskStranger: an ask for an id no rank began (a forged id,
+// TestHostileEarlyAsk: an ask for an id no rank began (a forged id,
 // or a begun id with a forged token that rank 0 refuses) is refused at
 // once, with the answer an id that is over gets: it does not tell the
 // asker which ids exist. Rank 1 holds nothing afterwards.
-func TestGroupEarlyAskStranger(t *testing.T) {
+func TestHostileEarlyAsk(t *testing.T) {
 	for _, mode := range groupModes {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := testCfg() // 10 s: a refusal "at once" is far below it
