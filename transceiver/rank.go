@@ -323,19 +323,14 @@ func (r *rank) run(q *rankReq, effs []effect) {
 	for _, e := range effs {
 		switch e := e.(type) {
 		case effArmTimer:
+			// A request has one timer, and so has the ask hold: the one
+			// armed last.
 			r.mu.Lock()
-			if q == nil {
-				if !r.closed {
-					if r.stopHold != nil {
-						r.stopHold()
-					}
-					r.stopHold = time.AfterFunc(time.Until(e.at), func() { r.holdStep(evTick{now: time.Now()}) }).Stop
-				}
-			} else if !q.over {
-				if q.stopTimer != nil {
-					q.stopTimer() // a request has one timer: the one armed last
-				}
-				q.stopTimer = time.AfterFunc(time.Until(e.at), func() { r.step(q, evTick{now: time.Now()}) }).Stop
+			switch {
+			case q == nil && !r.closed:
+				rearm(&r.stopHold, e.at, func() { r.holdStep(evTick{now: time.Now()}) })
+			case q != nil && !q.over:
+				rearm(&q.stopTimer, e.at, func() { r.step(q, evTick{now: time.Now()}) })
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -402,6 +397,15 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			r.finish(q, e.err, release)
 		}
 	}
+}
+
+// rearm replaces the timer whose Stop *stop holds with one that calls fire
+// at at.
+func rearm(stop *func() bool, at time.Time, fire func()) {
+	if *stop != nil {
+		(*stop)()
+	}
+	*stop = time.AfterFunc(time.Until(at), fire).Stop
 }
 
 // send writes a frame on the connection of a route; one that is gone (or
