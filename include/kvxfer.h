@@ -26,10 +26,17 @@
  * kvxfer_group_outbox, kvxfer_group_deliver, kvxfer_group_fail). Every
  * process of an instance makes the same calls for a request (same id,
  * same number of blocks); on the context side any process's opaque state
- * serves (rank 0's, as upstream), once every process has called
- * kvxfer_respond_and_send for the request: a pull that reaches a rank
- * before that is refused as an unknown request, so hand the state on after
- * the step in which all ranks made the call.
+ * serves (rank 0's, as upstream), and it may be handed on as soon as that
+ * process has it. A pull that reaches a rank whose process has not yet
+ * called kvxfer_respond_and_send for the request is held by that rank
+ * (as upstream's sender waits for the request to be ready) once the
+ * instance's group has ordered another process's call for it (the group's
+ * log is what makes a held pull unforgeable; a pull that comes even
+ * before that is refused as an unknown request), and served when the call
+ * comes. The hold is bounded: kv_transfer_timeout_ms from the request's
+ * begin (then the pull is refused, saying so), the request's end on the
+ * instance (a failure or cancel: refused), and a cap on held pulls per
+ * control connection and per rank (past it, refused at once).
  *
  * MEMORY
  * A pool is the caller's memory (base != NULL: kvxfer reads and writes it,

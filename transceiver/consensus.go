@@ -210,6 +210,18 @@ func (c *consensus) begin(key instKey, ranks []int, now time.Time) error {
 	return nil
 }
 
+// begunElsewhere reports whether context request id is in flight on the
+// instance, taken part in by rank, not failed, not committed and not
+// reported by rank: an ask for it that reaches rank before rank holds it
+// may be held (see askHold). start is when the request was begun.
+func (c *consensus) begunElsewhere(id uint64, rank int) (start time.Time, ok bool) {
+	r := c.reqs[instKey{sideSend, id}]
+	if r == nil || r.err != nil || r.committed != 0 || r.reported[rank] || !slices.Contains(r.ranks, rank) {
+		return time.Time{}, false
+	}
+	return r.start, true
+}
+
 // inFlight counts the requests of side in flight, and of them those the
 // Check calls will report.
 func (c *consensus) inFlight(s side) (all, reported int) {

@@ -3,6 +3,8 @@ package transceiver
 import (
 	"fmt"
 	"time"
+
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 )
 
 // The pure core of the transfer protocol: one state machine per request per
@@ -177,6 +179,42 @@ func (d *deadline) tick(now time.Time, over bool, expire func(second bool) []eff
 		return []effect{effArmTimer{at: d.at}}
 	}
 	return expire(false)
+}
+
+// frameEvent is what a control frame that arrived at now on connection
+// conn, from peer rank src, means to the rank's cores: the request it is
+// about (key), the event for that request's core (ev; nil: none, a Pong),
+// and, for a request the rank does not hold, the event for its ask hold
+// (held; nil: the frame is dropped). dialled: the rank dialled conn, to a
+// context rank, so the frame is about one of its receives; else it came
+// from a generation rank, about a send. A frame of another type, or on the
+// wrong side, breaks the protocol (err).
+func frameEvent(f wire.Frame, conn connID, src int, dialled bool, now time.Time) (key reqKey, ev, held event, err error) {
+	if dialled {
+		switch f := f.(type) {
+		case *wire.Ready:
+			return reqKey{sideRecv, f.GenRequestID}, evReady{conn: conn, src: src, chunk: int(f.ChunkBlocks)}, nil, nil
+		case *wire.Refused:
+			return reqKey{sideRecv, f.GenRequestID}, evRefused{conn: conn, src: src, reason: f.Reason}, nil, nil
+		case *wire.Abort:
+			return reqKey{sideRecv, f.GenRequestID}, evSrcAbort{conn: conn, src: src, reason: f.Reason}, nil, nil
+		case *wire.Pong:
+			return reqKey{}, nil, nil, nil
+		}
+		return reqKey{}, nil, nil, fmt.Errorf("%w: unexpected %s frame from a context rank", wire.ErrMalformed, f.Type())
+	}
+	switch f := f.(type) {
+	case *wire.RequestInfo:
+		at := route{conn: conn, sendID: f.CtxRequestID, recvID: f.GenRequestID}
+		return reqKey{sideSend, f.CtxRequestID}, evAsk{from: at, ri: f, now: now}, evEarlyAsk{from: at, ri: f, now: now}, nil
+	case *wire.ChunkDesc:
+		at := route{conn: conn, sendID: f.CtxRequestID, recvID: f.GenRequestID}
+		return reqKey{sideSend, f.CtxRequestID}, evChunkDesc{from: at, index: int(f.Index), desc: f.Desc}, nil, nil
+	case *wire.Abort:
+		at := route{conn: conn, sendID: f.CtxRequestID, recvID: f.GenRequestID}
+		return reqKey{sideSend, f.CtxRequestID}, evGenAbort{from: at, reason: f.Reason}, evHeldAbort{from: at}, nil
+	}
+	return reqKey{}, nil, nil, fmt.Errorf("%w: unexpected %s frame from a generation rank", wire.ErrMalformed, f.Type())
 }
 
 // peerName names the peer of a side's core in scripts and logs: the

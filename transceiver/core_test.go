@@ -412,8 +412,20 @@ func (in *consensusInterp) run(t *testing.T, c *scriptCmd) string {
 	case "in-flight":
 		all, reported := in.c.inFlight(key.side)
 		return fmt.Sprintf("in flight: %d, reported by Check: %d", all, reported)
+	case "begun-elsewhere":
+		return begunLine(in.c, key, c.int(t, "rank", 0))
 	}
 	return effectLines(in.c.step(consensusEvent(t, c, key)))
+}
+
+// begunLine is the answer of begun-elsewhere send id= rank=: may an ask
+// for the request reaching rank before rank holds it be held (askHold)?
+func begunLine(c *consensus, key instKey, rank int) string {
+	at, ok := c.begunElsewhere(key.id, rank)
+	if !ok {
+		return "not begun for rank " + fmt.Sprint(rank)
+	}
+	return fmt.Sprintf("begun for rank %d at=+%v", rank, at.Sub(scriptT0))
 }
 
 // TestDocScript: the script the package docs walk through is a real one.

@@ -128,6 +128,27 @@
 // life, since a repeated id has the same token. A generation request
 // retried in a split instance takes a new id.
 //
+// Each process calls RespondAndSendAsync for a request at its own time,
+// and any process's opaque state may be handed on as soon as it has it, so
+// a generation rank's ask may reach a context rank before that rank holds
+// the request. A fourth pure core, the rank's ask hold (core_hold.go),
+// decides what becomes of it: the rank holds the ask when the consensus, as
+// this process has applied the log, shows the request begun on the
+// instance, not failed or committed and not reported by this rank (the log
+// is the instance's, so a stranger cannot make it say so; any other ask
+// gets the unknown answer at once, as in a process that hosts every rank);
+// when the rank is handed the request the asks go to its send core in the
+// order they came, and the token and every other check happen there. A
+// held ask is refused when kv_transfer_timeout from the request's begin
+// (or from the ask, if earlier) passes, saying so, or when the request
+// ends on the instance first (a cancel reaching the rank), and dropped when
+// its asker goes; a rank holds at most 64 asks a control connection and
+// 1,024 in all, and gives the excess the unknown answer at once. An ask
+// that comes before this process has applied the begin at all is refused
+// as unknown: the log usually travels faster than the opaque state, which
+// goes through a router. With every rank in one process, asks are never
+// held (no ask can come before the state is handed out).
+//
 // A process whose link breaks (its connection to the coordinator, a round
 // of the all-gather, which the caller then reports with Fail) has left: its
 // ranks count as failed in every process, which cancels the requests they
@@ -146,9 +167,10 @@
 //
 // # Scripts
 //
-// The cores are tested by scripts under testdata/ (send, recv, consensus):
-// events in, effects out, rewritten by go test -run Scripts -update, so
-// that a change of the protocol is reviewed as a diff of the scripts. From
+// The cores are tested by scripts under testdata/ (send, recv, consensus,
+// hold): events in, effects out, rewritten by go test -run Scripts
+// -update, so that a change of the protocol is reviewed as a diff of the
+// scripts. From
 // testdata/send/serve.script:
 //
 //	new-sender

@@ -87,6 +87,21 @@ func (in *groupedConsensusInterp) run(t *testing.T, c *scriptCmd) string {
 		defer m0.mu.Unlock()
 		all, reported := m0.c.inFlight(key.side)
 		return fmt.Sprintf("in flight: %d, reported by Check: %d", all, reported)
+	case "begun-elsewhere":
+		// Every process's copy of the log gives the same answer.
+		rank := c.int(t, "rank", 0)
+		var out string
+		for p, m := range in.members {
+			m.mu.Lock()
+			got := begunLine(m.c, key, rank)
+			m.mu.Unlock()
+			if p == 0 {
+				out = got
+			} else if got != out {
+				t.Fatalf("%s: process %d says %q, process 0 %q", c.pos, p, got, out)
+			}
+		}
+		return out
 	default:
 		ev = consensusEvent(t, c, key)
 		if c.has("rank") {

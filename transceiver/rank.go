@@ -27,6 +27,12 @@ import (
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
 
+// begunFunc tells a rank whether the instance's consensus shows context
+// request id begun on another rank, not over and not yet reported by this
+// one, and since when (see askHold). nil: never (every rank of the
+// instance is in this process, and all are handed a request at once).
+type begunFunc func(id uint64, rank int) (time.Time, bool)
+
 // attemptEnd is how a rank reports that its part of a pull attempt of a
 // context request ended: its sends finished (err nil) or the attempt
 // failed. The instance's word comes back with rank.decide.
@@ -36,7 +42,8 @@ type attemptEnd func(rank int, key instKey, attempt uint64, err error)
 // staging buffers and the requests in flight.
 //
 // Lock order: rank.mu, then the control plane's (Plane.Conn, Conn.Touch),
-// then the runtime's timers (arming and stopping a deadline). Conn.Send is
+// then the runtime's timers (arming and stopping a deadline); rank.mu,
+// then the Transceiver's (begunFunc). Conn.Send is
 // never called under rank.mu: effects run after the lock is released.
 type rank struct {
 	idx        int
@@ -49,6 +56,7 @@ type rank struct {
 	recvBufs   *bufPool
 	done       rankDone
 	attempt    attemptEnd
+	begun      begunFunc // nil: asks are never held
 	log        *slog.Logger
 
 	wg   sync.WaitGroup  // every goroutine of this rank
@@ -61,6 +69,9 @@ type rank struct {
 	closed bool
 	reqs   map[reqKey]*rankReq
 	probes map[connID]*shmProbe // shm probe of the peer, per open control connection
+	hold   *askHold             // asks for context requests not handed to this rank yet
+	// stopHold stops the hold's timer (nil: none armed).
+	stopHold func() bool
 }
 
 // reqKey names a request on a rank: send side by the context request's id,
@@ -138,6 +149,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
 		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
+		hold: newAskHold(idx, set.timeout),
 	}
 	r.ctrl = control.New(control.Config{
 		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
@@ -232,20 +244,38 @@ func (r *rank) admit(q *rankReq) error {
 	if r.obs != nil {
 		r.obs.TransferStarted(roleOf(q.key.side))
 	}
-	effs, _ := r.stepLocked(q, evStart{now: time.Now()})
+	now := time.Now()
+	evs := []event{evStart{now: now}}
+	if q.key.side == sideSend {
+		// Asks that came before this rank was handed the request.
+		for _, e := range r.hold.step(evHandedOver{id: q.key.id}) {
+			if h, ok := e.(effTakeAsk); ok {
+				evs = append(evs, evAsk{from: h.from, ri: h.ri, now: now})
+			}
+		}
+	}
+	effs, _ := r.stepLocked(q, evs...)
 	r.mu.Unlock()
 	r.run(q, effs)
 	return nil
 }
 
 // feed runs ev on the request find returns, under the lock, and carries
-// out the effects after. It reports whether there was such a request and
-// how many effects the event had.
-func (r *rank) feed(find func() *rankReq, ev event) (found bool, n int) {
+// out the effects after; when there is no such request, it feeds the ask
+// hold held's event instead (held nil: nothing), under the same lock, so
+// that a request handed over meanwhile takes what the hold keeps. It
+// reports whether there was such a request and how many effects the event
+// had.
+func (r *rank) feed(find func() *rankReq, ev event, held func() event) (found bool, n int) {
 	r.mu.Lock()
 	q := find()
 	if q == nil {
+		var effs []effect
+		if held != nil && !r.closed {
+			effs = r.hold.step(held())
+		}
 		r.mu.Unlock()
+		r.run(nil, effs)
 		return false, 0
 	}
 	effs, live := r.stepLocked(q, ev)
@@ -257,15 +287,19 @@ func (r *rank) feed(find func() *rankReq, ev event) (found bool, n int) {
 }
 
 // step feeds ev to q.
-func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev) }
+func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev, nil) }
 
-// stepLocked runs ev on q's core. Unless q is over, the caller must pass
-// the effects to run, which ends the hold taken here on q's blocks.
-func (r *rank) stepLocked(q *rankReq, ev event) ([]effect, bool) {
+// stepLocked runs evs, in order, on q's core. Unless q is over, the
+// caller must pass the effects to run, which ends the hold taken here on
+// q's blocks.
+func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 	if q.over {
 		return nil, false
 	}
-	effs := q.core.step(ev)
+	var effs []effect
+	for _, ev := range evs {
+		effs = append(effs, q.core.step(ev)...)
+	}
 	if q.core.state().over() {
 		q.over = true
 		delete(r.reqs, q.key)
@@ -279,8 +313,8 @@ func (r *rank) stepLocked(q *rankReq, ev event) ([]effect, bool) {
 	return effs, true
 }
 
-// run carries out effects of q's core (nil q: the refusal of an ask for a
-// request this rank does not hold).
+// run carries out effects of q's core (nil q: the effects of the rank's
+// ask hold, for requests this rank does not hold).
 func (r *rank) run(q *rankReq, effs []effect) {
 	if q != nil {
 		defer q.workers.Done()
@@ -289,12 +323,14 @@ func (r *rank) run(q *rankReq, effs []effect) {
 	for _, e := range effs {
 		switch e := e.(type) {
 		case effArmTimer:
+			// A request has one timer, and so has the ask hold: the one
+			// armed last.
 			r.mu.Lock()
-			if !q.over {
-				if q.stopTimer != nil {
-					q.stopTimer() // a request has one timer: the one armed last
-				}
-				q.stopTimer = time.AfterFunc(time.Until(e.at), func() { r.step(q, evTick{now: time.Now()}) }).Stop
+			switch {
+			case q == nil && !r.closed:
+				rearm(&r.stopHold, e.at, func() { r.holdStep(evTick{now: time.Now()}) })
+			case q != nil && !q.over:
+				rearm(&q.stopTimer, e.at, func() { r.step(q, evTick{now: time.Now()}) })
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -361,6 +397,15 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			r.finish(q, e.err, release)
 		}
 	}
+}
+
+// rearm replaces the timer whose Stop *stop holds with one that calls fire
+// at at.
+func rearm(stop *func() bool, at time.Time, fire func()) {
+	if *stop != nil {
+		(*stop)()
+	}
+	*stop = time.AfterFunc(time.Until(at), fire).Stop
 }
 
 // send writes a frame on the connection of a route; one that is gone (or
@@ -492,13 +537,15 @@ func (r *rank) release(q *rankReq) {
 	}
 }
 
-// deliver feeds ev to the request key names; for a request this rank does
-// not hold, it carries out unknown's effects instead (when not nil).
-func (r *rank) deliver(key reqKey, ev event, unknown func() []effect) {
-	found, _ := r.feed(func() *rankReq { return r.reqs[key] }, ev)
-	if !found && unknown != nil {
-		r.run(nil, unknown())
-	}
+// deliver feeds ev to the request key names, or held's event to the ask
+// hold (see feed).
+func (r *rank) deliver(key reqKey, ev event, held func() event) {
+	r.feed(func() *rankReq { return r.reqs[key] }, ev, held)
+}
+
+// holdStep feeds ev to the ask hold and carries out its effects.
+func (r *rank) holdStep(ev event) {
+	r.feed(func() *rankReq { return nil }, nil, func() event { return ev })
 }
 
 // Frame hands a control frame from cc to the request it is about (it
@@ -508,35 +555,21 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	if p, ok := f.(*wire.Ping); ok {
 		return cc.Send(&wire.Pong{Nonce: p.Nonce})
 	}
-	id, src := connID(cc.ID()), cc.Peer().Rank
-	if dialled {
-		key := func(recvID uint64) reqKey { return reqKey{sideRecv, recvID} }
-		switch f := f.(type) {
-		case *wire.Ready:
-			r.deliver(key(f.GenRequestID), evReady{conn: id, src: src, chunk: int(f.ChunkBlocks)}, nil)
-		case *wire.Refused:
-			r.deliver(key(f.GenRequestID), evRefused{conn: id, src: src, reason: f.Reason}, nil)
-		case *wire.Abort:
-			r.deliver(key(f.GenRequestID), evSrcAbort{conn: id, src: src, reason: f.Reason}, nil)
-		case *wire.Pong:
-		default:
-			return fmt.Errorf("%w: unexpected %s frame from a context rank", wire.ErrMalformed, f.Type())
+	key, ev, held, err := frameEvent(f, connID(cc.ID()), cc.Peer().Rank, dialled, time.Now())
+	if err != nil || ev == nil {
+		return err
+	}
+	var early func() event
+	if held != nil {
+		early = func() event {
+			if a, ok := held.(evEarlyAsk); ok && r.begun != nil {
+				a.begunAt, a.begun = r.begun(a.ri.CtxRequestID, r.idx)
+				return a
+			}
+			return held
 		}
-		return nil
 	}
-	key := func(sendID uint64) reqKey { return reqKey{sideSend, sendID} }
-	from := func(sendID, recvID uint64) route { return route{conn: id, sendID: sendID, recvID: recvID} }
-	switch f := f.(type) {
-	case *wire.RequestInfo:
-		at := from(f.CtxRequestID, f.GenRequestID)
-		r.deliver(key(f.CtxRequestID), evAsk{from: at, ri: f, now: time.Now()}, func() []effect { return []effect{refuseUnknown(r.idx, at, f, "")} })
-	case *wire.ChunkDesc:
-		r.deliver(key(f.CtxRequestID), evChunkDesc{from: from(f.CtxRequestID, f.GenRequestID), index: int(f.Index), desc: f.Desc}, nil)
-	case *wire.Abort:
-		r.deliver(key(f.CtxRequestID), evGenAbort{from: from(f.CtxRequestID, f.GenRequestID), reason: f.Reason}, nil)
-	default:
-		return fmt.Errorf("%w: unexpected %s frame from a generation rank", wire.ErrMalformed, f.Type())
-	}
+	r.deliver(key, ev, early)
 	return nil
 }
 
@@ -547,6 +580,9 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 	r.mu.Lock()
 	delete(r.probes, id)
 	hit := r.usersOf(id)
+	if !r.closed {
+		r.hold.step(evConnLost{conn: id}) // (no effects: the askers are gone)
+	}
 	r.mu.Unlock()
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
@@ -559,7 +595,7 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 func (r *rank) Busy(cc *control.Conn) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return len(r.usersOf(connID(cc.ID()))) > 0
+	return len(r.usersOf(connID(cc.ID()))) > 0 || slices.Contains(r.hold.conns(), connID(cc.ID()))
 }
 
 // usersOf returns the requests in flight that use connection id. Called
@@ -577,13 +613,19 @@ func (r *rank) usersOf(id connID) []*rankReq {
 // cancel cancels the instance's request reqID of side on this rank. It
 // reports whether there was anything to cancel.
 func (r *rank) cancel(s side, reqID uint64, why error) bool {
-	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why})
+	var held func() event
+	if s == sideSend {
+		// Over on the instance before this rank was handed it: asks held
+		// for it are refused.
+		held = func() event { return evHeldEnded{id: reqID, err: why} }
+	}
+	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why}, held)
 	return n > 0
 }
 
 // decide feeds the instance's word on a pull attempt (evAttemptFailed,
 // evCommit) to context request reqID on this rank.
-func (r *rank) decide(reqID uint64, ev event) { r.feed(r.byReqID(sideSend, reqID), ev) }
+func (r *rank) decide(reqID uint64, ev event) { r.feed(r.byReqID(sideSend, reqID), ev, nil) }
 
 // byReqID finds, for feed, the request of side with the instance's id
 // reqID.
@@ -607,6 +649,10 @@ func (r *rank) close() error {
 		return nil
 	}
 	r.closed = true
+	r.hold.step(evCancel{err: ErrClosed}) // (the connections close below)
+	if r.stopHold != nil {
+		r.stopHold()
+	}
 	qs := make([]*rankReq, 0, len(r.reqs))
 	for _, q := range r.reqs {
 		qs = append(qs, q)

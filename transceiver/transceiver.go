@@ -395,6 +395,11 @@ func (t *Transceiver) openRank(ctx context.Context, i, at int, cfg *config.Cache
 	}
 	r := newRank(i, opts.State, opts.Pools[at], set, trs, ln, t.rankDone, t.attemptEnded)
 	r.obs, r.csv = opts.Observer, t.csv
+	if opts.Group != nil {
+		// The ranks' processes are handed a request each at its own time:
+		// an ask may come before this one is (see askHold).
+		r.begun = t.begunElsewhere
+	}
 	if err := r.registerMemory(); err != nil {
 		r.close()
 		return nil, err
@@ -813,6 +818,18 @@ func (t *Transceiver) startFailed(key instKey, ranks []*rank, err error) {
 	t.silent[key] = true
 	t.mu.Unlock()
 	t.report(startFailedEvent{key: key, ranks: idx, err: err, now: t.now()})
+}
+
+// begunElsewhere tells a rank whether the consensus, as applied in this
+// process, shows context request id begun on the instance and not over for
+// rank (a rank's begunFunc). Called with the rank's lock held.
+func (t *Transceiver) begunElsewhere(id uint64, rank int) (time.Time, bool) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed || t.groupErr != nil {
+		return time.Time{}, false
+	}
+	return t.inst.begunElsewhere(id, rank)
 }
 
 // rankDone is called by a rank when its part of a request ends.

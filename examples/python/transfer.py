@@ -41,7 +41,7 @@ def fill(pool, state, rank, blocks):
     view[blocks] = element(b, l, kv, h + lo, t, d).astype(np.uint16)
 
 
-def context_rank(rank, coordinator, opaque_out, responded):
+def context_rank(rank, coordinator, opaque_out):
     """One context rank of the TP2 instance, in its own process."""
     state = kvxfer.CacheState(tp=2, **SHAPE)
     pool = np.zeros(POOL_BLOCKS * state.block_bytes(rank), dtype=np.uint8)
@@ -51,13 +51,11 @@ def context_rank(rank, coordinator, opaque_out, responded):
         blocks = [2, 3, 5, 8, 9, 10, 15]  # wherever the engine put the prompt's KV
         fill(pool, state, rank, blocks)
         req = kvxfer.Request(request_id=7, block_ids=blocks, num_tokens=TOKENS)
-        tr.respond_and_send_async(req)  # every rank makes the same call
-        # Hand the state on only once every rank has the request: a pull that
-        # reaches a rank before its call is refused as an unknown request.
-        # (An engine's ranks make the call in the same step and answer after.)
-        responded.wait()
+        tr.respond_and_send_async(req)  # every rank makes the same call, each at its own time
         if rank == 0:
-            opaque_out.send(req.opaque_state)  # any rank's state serves; the router carries it
+            # Any rank's state serves, as soon as that rank has it: a pull that
+            # reaches rank 1 before rank 1's call is held there until the call.
+            opaque_out.send(req.opaque_state)  # the router carries it
         for done in tr.check_context_transfer_status(1, timeout=30):
             if done.error is not None:
                 raise done.error
@@ -90,8 +88,7 @@ def main():
     mp.set_start_method("spawn")  # load the library only in the final processes, never before a fork
     recv, send = mp.Pipe(duplex=False)
     coordinator = free_address()
-    responded = mp.Barrier(2)
-    procs = [mp.Process(target=context_rank, args=(r, coordinator, send, responded)) for r in (0, 1)]
+    procs = [mp.Process(target=context_rank, args=(r, coordinator, send)) for r in (0, 1)]
     procs.append(mp.Process(target=generation, args=(recv,)))
     for p in procs:
         p.start()

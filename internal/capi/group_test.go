@@ -165,3 +165,82 @@ func TestSplitContextInstance(t *testing.T) {
 		})
 	}
 }
+
+// TestSplitContextLateRank: rank 0's process hands its opaque state on at
+// once; the generation side's pull reaches rank 1 before rank 1's process
+// calls RespondAndSend, 300 ms later, as the processes of an engine do at
+// their own pace. Rank 1 holds the pull and serves it when the call comes:
+// the cache arrives bit-exact, in each group mode.
+func TestSplitContextLateRank(t *testing.T) {
+	for _, mode := range []GroupMode{GroupCoordinated, GroupGather} {
+		t.Run(map[GroupMode]string{GroupCoordinated: "coordinated", GroupGather: "gather"}[mode], func(t *testing.T) {
+			procs := openSplit(t, mode)
+			if mode == GroupGather {
+				stop := make(chan struct{})
+				wg := gatherRounds(t, procs, stop)
+				defer wg.Wait()
+				defer close(stop)
+			}
+			gen := open(t, desc(1), nil, 8)
+			st2, _ := desc(2).CacheState()
+			const tokens = 20
+			l, _ := layout.NewLogical(st2.Shape, tokens)
+			l.Fill(4)
+			blocks := []kvcache.BlockID{5, 2, 7}
+			respond := func(r int) []byte {
+				want, _ := layout.Shard(l, st2, r)
+				bb := st2.RankLayout(r).BlockBytes()
+				for k, b := range blocks {
+					copy(procs[r].PoolMemory(0)[int64(b)*bb:], want[k])
+				}
+				deadline := time.Now().Add(10 * time.Second)
+				for {
+					op, err := procs[r].RespondAndSend(8, 0, tokens, [][]kvcache.BlockID{blocks})
+					if CodeOf(err) == CodeGroup && time.Now().Before(deadline) {
+						time.Sleep(time.Millisecond) // the gather group joins at its first round
+						continue
+					}
+					if err != nil {
+						t.Fatalf("rank %d: %v", r, err)
+					}
+					return op
+				}
+			}
+			opaque := respond(0)
+			// The state travels to the generation instance (a router, in
+			// an engine): long enough for the group's log to carry rank
+			// 0's begin to rank 1's process, which is what lets rank 1
+			// hold the pull.
+			time.Sleep(20 * time.Millisecond)
+			genBlocks := []kvcache.BlockID{1, 3, 6}
+			if err := gen.RequestAndReceive(10, 0, tokens, opaque, [][]kvcache.BlockID{genBlocks}); err != nil {
+				t.Fatal(err)
+			}
+			time.Sleep(300 * time.Millisecond)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if got, err := gen.CheckGenStatus(ctx, 0, 4); err != nil || len(got) != 0 {
+				t.Fatalf("the pull ended before rank 1's call: %+v, %v", got, err)
+			}
+			respond(1)
+			got, err := gen.CheckGenStatus(ctx, 1, 4)
+			if err != nil || len(got) != 1 || got[0].ID != 10 || got[0].Code != OK {
+				t.Fatalf("pull: %+v, %v (%v)", got, err, gen.RequestError(true, 10))
+			}
+			st1, _ := desc(1).CacheState()
+			want, _ := layout.Shard(l, st1, 0)
+			bb := st1.RankLayout(0).BlockBytes()
+			for k, b := range genBlocks {
+				if !bytes.Equal(gen.PoolMemory(0)[int64(b)*bb:int64(b+1)*bb], want[k]) {
+					t.Errorf("generation block %d differs from the reference", k)
+				}
+			}
+			for r, p := range procs {
+				got, err := p.CheckContextStatus(ctx, 1, 4)
+				if err != nil || len(got) != 1 || got[0].ID != 8 || got[0].Code != OK {
+					t.Errorf("rank %d status: %+v, %v", r, got, err)
+				}
+			}
+		})
+	}
+}

@@ -247,7 +247,16 @@ class KvCacheTransceiver:
     def respond_and_send_async(self, req):
         """Context side: hand req, whose prefill is done, to the transceiver.
         Sets req.opaque_state (for the generation side) and the state
-        DISAGG_CONTEXT_TRANS_IN_PROGRESS."""
+        DISAGG_CONTEXT_TRANS_IN_PROGRESS.
+
+        With the instance's ranks in several processes (a group), every
+        process makes this call for the request, each at its own time, and
+        req.opaque_state may be handed on as soon as one process has it: a
+        generation rank's pull that reaches a rank before its process has
+        made the call is held there (once the group has ordered another
+        process's call for the request) and served when the call comes, or
+        refused when kv_transfer_timeout_ms from the request's begin passes
+        or the request fails on the instance first."""
         ids, nb = self._blocks(req)
         n = ctypes.c_size_t()
         buf = ctypes.create_string_buffer(4096)
