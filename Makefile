@@ -107,9 +107,9 @@ bench-serve: build ## the README's serving figures (kvxfer bench serve): the def
 clean: ## remove build outputs
 	rm -rf bin lib
 
-# Prefix-reuse figures (issue #18): scripts/bench-reuse.sh. REUSE_CONVERSATIONS=50 runs the
-# issue's full workload (50 conversations × 6 turns); the default is scaled down to stay a few minutes.
-REUSE_CONVERSATIONS ?= 20
+# Prefix-reuse figures (issue #18): scripts/bench-reuse.sh, the issue's full workload (50
+# conversations × 6 turns per cluster, about 7 minutes); REUSE_CONVERSATIONS=20 is a quicker look.
+REUSE_CONVERSATIONS ?= 50
 .PHONY: bench-reuse
 bench-reuse: build ## the README's prefix-reuse figures: reuse on/off, kv_cache_aware vs round_robin (2+2), conditional disaggregation, 6-turn conversations after a 1,000-token system prompt; docs/reuse.{json,md,png}
 	BIN=$(BIN) CONVERSATIONS=$(REUSE_CONVERSATIONS) scripts/bench-reuse.sh
