@@ -98,7 +98,7 @@ type Transport struct {
 	bind         binding // the network devices UCX listens on
 	name         atomic.Pointer[string]
 	closed       atomic.Bool // Close called: new operations fail
-	adviceLogged atomic.Bool // RegisterMemory logged a failed huge-page advice
+	adviceLogged atomic.Bool // RegisterMemory logged that MADV_HUGEPAGE failed
 
 	mu       sync.Mutex // guards queue, pending, stopped; held around wakes (the worker outlives them)
 	queue    []func()
