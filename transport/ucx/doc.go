@@ -215,10 +215,14 @@
 // UCX_TCP_TX_SEG_SIZE is set (UCX refuses a receive buffer smaller than its
 // send segments): with UCX_TLS=tcp, 512 MiB per request, 2.85 GB/s before
 // and 5.25 after (256 KiB: 3.7, 4 MiB: 3.6, measured with
-// UCX_TCP_RX_SEG_SIZE). Only the receiving side changes, so a peer with
-// UCX's defaults (8 KiB send segments) still talks to this one; a user
-// who sets UCX_TCP_TX_SEG_SIZE must keep it at most the peers' receive
-// size, as with UCX itself. Each tcp endpoint holds one such buffer.
+// UCX_TCP_RX_SEG_SIZE). Each tcp endpoint holds one such buffer. UCX's tcp
+// also sends active messages as long as its own receive buffer (zero-copy
+// eager sends), and a process that receives one longer than its buffer
+// aborts (a UCX assertion): every process must have the same size, as UCX
+// itself requires of its configuration. Endpoints of this version (2) are
+// therefore refused by transports of the previous one, which used UCX's
+// 64 KiB, and the other way round (a bad-descriptor error, not an abort);
+// a UCX_TCP_RX_SEG_SIZE in the environment must be the same everywhere.
 //
 // # Comparing with ucx_perftest
 //

@@ -66,10 +66,10 @@ var configDefaults = []struct {
 	{"KEEPALIVE_INTERVAL", "1s", []string{"UCX_KEEPALIVE_INTERVAL"}, nil},
 	// UCX's tcp receives at most one receive buffer per recv call (64 KiB
 	// by default): 1 MiB makes a 512 MiB transfer 1.9 times as fast (see
-	// the package documentation). Only the receiving side grows, so a peer
-	// with UCX's defaults still interoperates (a sender's TX_SEG_SIZE must
-	// not exceed the receiver's RX_SEG_SIZE); left alone when either size
-	// is set (UCX refuses an RX below TX).
+	// the package documentation). UCX's tcp also sends messages as long as
+	// its own receive buffer, so every process must have the same size
+	// (endpointVersion says which default); left alone when either size is
+	// set (UCX refuses an RX below TX).
 	{"RX_SEG_SIZE", "1M", []string{"UCX_TCP_RX_SEG_SIZE", "UCX_TCP_TX_SEG_SIZE"}, []string{"tcp"}},
 }
 

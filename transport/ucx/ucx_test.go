@@ -513,11 +513,25 @@ func (p *peerProc) expect(t testing.TB, prefix string) string {
 }
 
 // TestCrossProcess: transfers both ways between this process and another,
-// with the default transports and with UCX_TLS=tcp.
+// with the default transports and with UCX_TLS=tcp, also with both sides'
+// tcp receive buffers set by the environment to UCX's default (64 KiB, not
+// the backend's 1 MiB).
 func TestCrossProcess(t *testing.T) {
-	for _, tls := range []string{"", "tcp"} {
-		t.Run("UCX_TLS="+tls, func(t *testing.T) {
-			var env []string
+	for _, c := range []struct {
+		name, tls string
+		peerEnv   []string // and this process's
+	}{
+		{"UCX_TLS=", "", nil},
+		{"UCX_TLS=tcp", "tcp", nil},
+		{"UCX_TLS=tcp/rx_64K", "tcp", []string{"UCX_TCP_RX_SEG_SIZE=64K"}},
+	} {
+		tls := c.tls
+		t.Run(c.name, func(t *testing.T) {
+			env := c.peerEnv
+			for _, kv := range c.peerEnv { // the same on this side
+				k, v, _ := strings.Cut(kv, "=")
+				t.Setenv(k, v)
+			}
 			if tls != "" {
 				t.Setenv("UCX_TLS", tls)
 				env = append(env, "UCX_TLS="+tls)
