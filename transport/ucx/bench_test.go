@@ -55,43 +55,46 @@ func BenchmarkSend(b *testing.B) {
 	}
 }
 
-// BenchmarkSendProcess is BenchmarkSend/*/thp with the receiver in another
+// BenchmarkSendProcess is BenchmarkSend with the receiver in another
 // process (this test binary as a peer), as ucx_perftest runs: the sender
 // waits for each message's descriptor over a pipe from the receiver, which
-// posts its next receipt when the last one is done.
+// posts its next receipt when the last one is done. Both sides use the
+// same kind of memory.
 func BenchmarkSendProcess(b *testing.B) {
 	for _, sz := range []struct {
 		name string
 		n    int
 	}{{"4MiB", 4 << 20}, {"512MiB", 512 << 20}} {
-		b.Run(sz.name, func(b *testing.B) {
-			var env []string
-			if v, ok := os.LookupEnv("UCX_TLS"); ok {
-				env = append(env, "UCX_TLS="+v)
-			}
-			p := startPeer(b, env...)
-			a := open(b)
-			defer a.Close()
-			src := alloc(b, "thp", sz.n)
-			fillPattern(1, src)
-			p.cmdf(b, "sink %d", sz.n)
-			send := func() {
-				desc, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(p.expect(b, "desc "), "desc "))
-				if err != nil {
-					b.Fatal(err)
+		for _, mem := range []string{"thp", "goheap"} {
+			b.Run(sz.name+"/"+mem, func(b *testing.B) {
+				var env []string
+				if v, ok := os.LookupEnv("UCX_TLS"); ok {
+					env = append(env, "UCX_TLS="+v)
 				}
-				if err := a.Send(context.Background(), desc, [][]byte{src}); err != nil {
-					b.Fatal(err)
+				p := startPeer(b, env...)
+				a := open(b)
+				defer a.Close()
+				src := alloc(b, mem, sz.n)
+				fillPattern(1, src)
+				p.cmdf(b, "sink %d %s", sz.n, mem)
+				send := func() {
+					desc, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(p.expect(b, "desc "), "desc "))
+					if err != nil {
+						b.Fatal(err)
+					}
+					if err := a.Send(context.Background(), desc, [][]byte{src}); err != nil {
+						b.Fatal(err)
+					}
 				}
-			}
-			send()
-			b.SetBytes(int64(sz.n))
-			for b.Loop() {
 				send()
-			}
-			b.ReportMetric(0, "ns/op")
-			b.Logf("%s", a.Name())
-		})
+				b.SetBytes(int64(sz.n))
+				for b.Loop() {
+					send()
+				}
+				b.ReportMetric(0, "ns/op")
+				b.Logf("%s", a.Name())
+			})
+		}
 	}
 }
 

@@ -185,18 +185,57 @@
 // shared-memory transports (sysv, posix, cma) open no socket; a peer on the
 // same host reaches them through the worker address in a descriptor.
 //
-// The port of ListenAddr, Streams and FrameBytes do not apply. The backend implements neither transport.MemoryRegistrar
-// (tagged operations need no registration; UCX's registration cache covers
-// RDMA) nor transport.Prober (UCX reaches any host it has a device for).
+// The port of ListenAddr, Streams and FrameBytes do not apply. The backend
+// does not implement transport.Prober (UCX reaches any host it has a device
+// for).
+//
+// # Registered memory: huge pages
+//
+// Tagged operations need no registration (UCX's registration cache covers
+// RDMA), but the backend implements transport.MemoryRegistrar, through
+// which the transceiver hands it every pool arena: RegisterMemory advises
+// the kernel to back the aligned 2 MiB pages inside the region with
+// transparent huge pages (MADV_HUGEPAGE, then MADV_COLLAPSE for the pages
+// already there, about 2.5 s a GiB here, once; contents kept, nothing
+// outside the region touched, best effort: a kernel without transparent
+// huge pages leaves the memory as it is, logged once). The pools are Go heap memory in 4 KiB pages, and cma (the
+// shared-memory rendezvous) copies those at about half the speed: measured
+// with kvxfer bench (llama-3.1-8b, identical layouts, one process each
+// side, UCX_TLS unset), 4.96, 4.61 and 6.46 GB/s at 128 MiB, 512 MiB and
+// 2 GiB per request before, 7.61, 9.85 and 10.72 GB/s after; a C loop of
+// 512 KiB process_vm_readv calls between two processes reads 4.3 GB/s from
+// 4 KiB pages and 7.5-9 GB/s from huge pages.
+//
+// # tcp receive buffers
+//
+// UCX's tcp transport receives into a buffer of UCX_TCP_RX_SEG_SIZE bytes,
+// 64 KiB by default, one recv call each; with error handling (see below)
+// all its data travels as active messages through that buffer. The backend
+// sets RX_SEG_SIZE to 1 MiB unless UCX_TCP_RX_SEG_SIZE or
+// UCX_TCP_TX_SEG_SIZE is set (UCX refuses a receive buffer smaller than its
+// send segments): with UCX_TLS=tcp, 512 MiB per request, 2.85 GB/s before
+// and 5.25 after (256 KiB: 3.7, 4 MiB: 3.6, measured with
+// UCX_TCP_RX_SEG_SIZE). Each tcp endpoint holds one such buffer. UCX's tcp
+// also sends active messages as long as its own receive buffer (zero-copy
+// eager sends), and a process that receives one longer than its buffer
+// aborts (a UCX assertion): every process must have the same size, as UCX
+// itself requires of its configuration. Endpoints of this version (2) are
+// therefore refused by transports of the previous one, which used UCX's
+// 64 KiB, and the other way round (a bad-descriptor error, not an abort);
+// a UCX_TCP_RX_SEG_SIZE in the environment must be the same everywhere.
 //
 // # Comparing with ucx_perftest
 //
 // BenchmarkSend moves one message at a time between two transports of one
 // process (Expect, Send, wait for the receipt); BenchmarkSendProcess puts
 // the receiver in another process. Their "thp" memory is anonymous memory
-// with MADV_HUGEPAGE, like the buffers ucx_perftest gets from ucp_mem_map:
-// cma copies memory of 4 KiB pages (Go's heap, the "goheap" cases) at about
-// half the speed, so KV pools meant for UCX should be huge-page backed. The
+// with MADV_HUGEPAGE, as registered pools are; "goheap" is make([]byte),
+// which cma copies at about half the speed. ucx_perftest's own buffers
+// come from ucp_mem_map, which on a host with shared memory allocates
+// System V shared memory in 4 KiB pages (ucx_info -u t -m 536870912);
+// with UCX_ALLOC_PRIO=thp it gets huge pages but never writes them, so it
+// reads the kernel's huge zero page, which stays in cache (16-22 GB/s
+// here, faster than a memcpy of real data): not a fair ceiling. The
 // same message sizes with UCX's own benchmark, two processes, same UCX_TLS:
 //
 //	ucx_perftest -p 13337 &                                    # server
@@ -208,7 +247,9 @@
 //
 //	UCX_MM_ERROR_HANDLING=y UCX_CMA_MEMORY_INVALIDATE=y ucx_perftest ... -e
 //
-// Over tcp the difference matters: without error handling UCX 1.13 gives
-// tcp rendezvous lanes (put zero-copy, one per interface), with it only
-// active messages.
+// Over tcp the lanes differ: without error handling UCX 1.13 gives tcp
+// rendezvous lanes (put zero-copy, one per interface), with it only active
+// messages. Measured here (tag_bw, 16 MiB, three runs each), the cost is
+// small: 3.9-4.6 GB/s without -e, 3.7-4.1 with; with -e and 1 MiB
+// segments (UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE) 5.5-6.9.
 package ucx

@@ -327,7 +327,8 @@ func cpuTime(t *testing.T) time.Duration {
 //	recv N       -> "desc <base64>", later "got ok <fnv64a>" or "got err <text>"
 //	send D N S   -> "sending", then "sent ok" or "sent err <text>" (N bytes
 //	                of pattern S, zeros for 0, to descriptor D)
-//	sink N       -> "desc <base64>" for one N-byte receipt after another
+//	sink N M     -> "desc <base64>" for one N-byte receipt after another,
+//	                into memory M ("thp" or "goheap", see alloc)
 //	stop         -> exits
 func peerMain(in io.Reader, out io.Writer) int {
 	tr, err := Open(context.Background(), transport.Options{})
@@ -384,15 +385,20 @@ func peerMain(in io.Reader, out io.Writer) int {
 				w.println("sent ok")
 			}()
 		case "sink":
-			// Receive N-byte messages into one buffer of huge pages, one
-			// after another, until stdin closes: "desc" for each.
+			// Receive N-byte messages into one buffer, one after another,
+			// until stdin closes: "desc" for each.
 			n, _ := strconv.Atoi(f[1])
-			dst, err := syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
-			if err != nil {
-				w.println("got err", err)
-				continue
+			var dst []byte
+			if len(f) > 2 && f[2] == "goheap" {
+				dst = make([]byte, n)
+			} else {
+				dst, err = syscall.Mmap(-1, 0, n, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+				if err != nil {
+					w.println("got err", err)
+					continue
+				}
+				syscall.Madvise(dst, 14) // MADV_HUGEPAGE
 			}
-			syscall.Madvise(dst, 14) // MADV_HUGEPAGE
 			clear(dst)
 			go func() {
 				for {
@@ -507,11 +513,25 @@ func (p *peerProc) expect(t testing.TB, prefix string) string {
 }
 
 // TestCrossProcess: transfers both ways between this process and another,
-// with the default transports and with UCX_TLS=tcp.
+// with the default transports and with UCX_TLS=tcp, also with both sides'
+// tcp receive buffers set by the environment to UCX's default (64 KiB, not
+// the backend's 1 MiB).
 func TestCrossProcess(t *testing.T) {
-	for _, tls := range []string{"", "tcp"} {
-		t.Run("UCX_TLS="+tls, func(t *testing.T) {
-			var env []string
+	for _, c := range []struct {
+		name, tls string
+		peerEnv   []string // and this process's
+	}{
+		{"UCX_TLS=", "", nil},
+		{"UCX_TLS=tcp", "tcp", nil},
+		{"UCX_TLS=tcp/rx_64K", "tcp", []string{"UCX_TCP_RX_SEG_SIZE=64K"}},
+	} {
+		tls := c.tls
+		t.Run(c.name, func(t *testing.T) {
+			env := c.peerEnv
+			for _, kv := range c.peerEnv { // the same on this side
+				k, v, _ := strings.Cut(kv, "=")
+				t.Setenv(k, v)
+			}
 			if tls != "" {
 				t.Setenv("UCX_TLS", tls)
 				env = append(env, "UCX_TLS="+tls)

@@ -18,8 +18,12 @@ import (
 const (
 	// endpointVersion is the first byte of an endpoint: version, the
 	// transport's random instance id (8 bytes, little endian), then the UCP
-	// worker address.
-	endpointVersion = 1
+	// worker address. Version 2: the backend's tcp receive buffers are
+	// 1 MiB (RX_SEG_SIZE). UCX's tcp sends active messages as long as its
+	// own receive buffer, and a peer whose buffer is shorter aborts the
+	// process (a UCX assertion), so a version-1 transport (64 KiB) and a
+	// version-2 one must refuse each other's endpoints, which they do.
+	endpointVersion = 2
 	endpointHeader  = 9
 
 	// descVersion is the descriptor format:
