@@ -202,3 +202,19 @@ func TestSplice(t *testing.T) {
 		}
 	}
 }
+
+// TestSpliceSection: another section's markers (make bench-reuse's) work
+// the same way.
+func TestSpliceSection(t *testing.T) {
+	b, e := "<!-- other:begin -->", "<!-- other:end -->"
+	doc := "# t\n" + b + "\nold\n" + e + "\ntail\n"
+	got, err := SpliceSection([]byte(doc), b, e, "new")
+	if want := "# t\n" + b + "\nnew\n" + e + "\ntail\n"; err != nil || string(got) != want {
+		t.Fatalf("SpliceSection = %q, %v; want %q", got, err, want)
+	}
+	for _, bad := range []string{"# t\n", b + "\n" + b + "\n" + e + "\n", e + "\n" + b + "\n", b + "\n"} {
+		if _, err := SpliceSection([]byte(bad), b, e, "x"); !errors.Is(err, ErrInput) {
+			t.Errorf("%q: err %v, want ErrInput", bad, err)
+		}
+	}
+}

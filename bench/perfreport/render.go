@@ -74,40 +74,48 @@ func cell(s string) string {
 }
 
 // Splice returns readme with the lines between BeginMarker and EndMarker
-// replaced by section. Each marker must stand on a line of its own, once,
-// begin before end.
+// replaced by section (SpliceSection).
 func Splice(readme []byte, section string) ([]byte, error) {
-	lines := bytes.SplitAfter(readme, []byte("\n"))
-	begin, end := -1, -1
+	return SpliceSection(readme, BeginMarker, EndMarker, section)
+}
+
+// SpliceSection returns doc with the lines between the begin and end
+// marker lines replaced by section: how make bench-report and make
+// bench-reuse each rewrite their part of the README. Each marker must
+// stand on a line of its own, once, begin before end; else the error
+// wraps ErrInput and says which.
+func SpliceSection(doc []byte, begin, end, section string) ([]byte, error) {
+	lines := bytes.SplitAfter(doc, []byte("\n"))
+	bi, ei := -1, -1
 	for i, l := range lines {
 		switch strings.TrimSpace(string(l)) {
-		case BeginMarker:
-			if begin >= 0 {
-				return nil, fmt.Errorf("%w: README: the begin marker appears twice (lines %d and %d)", ErrInput, begin+1, i+1)
+		case begin:
+			if bi >= 0 {
+				return nil, fmt.Errorf("%w: the begin marker %q appears twice (lines %d and %d)", ErrInput, begin, bi+1, i+1)
 			}
-			begin = i
-		case EndMarker:
-			if end >= 0 {
-				return nil, fmt.Errorf("%w: README: the end marker appears twice (lines %d and %d)", ErrInput, end+1, i+1)
+			bi = i
+		case end:
+			if ei >= 0 {
+				return nil, fmt.Errorf("%w: the end marker %q appears twice (lines %d and %d)", ErrInput, end, ei+1, i+1)
 			}
-			end = i
+			ei = i
 		}
 	}
 	switch {
-	case begin < 0 || end < 0:
-		return nil, fmt.Errorf("%w: README: no %q and %q lines to write between", ErrInput, BeginMarker, EndMarker)
-	case end < begin:
-		return nil, fmt.Errorf("%w: README: the end marker (line %d) comes before the begin marker (line %d)", ErrInput, end+1, begin+1)
+	case bi < 0 || ei < 0:
+		return nil, fmt.Errorf("%w: no %q and %q lines to write between", ErrInput, begin, end)
+	case ei < bi:
+		return nil, fmt.Errorf("%w: the end marker (line %d) comes before the begin marker (line %d)", ErrInput, ei+1, bi+1)
 	}
 	var out bytes.Buffer
-	for _, l := range lines[:begin+1] {
+	for _, l := range lines[:bi+1] {
 		out.Write(l)
 	}
 	out.WriteString(section)
 	if !strings.HasSuffix(section, "\n") {
 		out.WriteByte('\n')
 	}
-	for _, l := range lines[end:] {
+	for _, l := range lines[ei:] {
 		out.Write(l)
 	}
 	return out.Bytes(), nil

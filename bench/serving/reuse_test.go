@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"image/png"
 	"math/rand/v2"
@@ -479,20 +478,6 @@ func TestCommandFor(t *testing.T) {
 	one := &Report{Command: []string{"kvxfer", "bench", "serve", "-f", "a.yaml", "--json", "x.json"}, Config: Config{Targets: []Target{{Name: TargetDisaggregated}}}}
 	if got, want := one.CommandFor(&Result{Target: one.Config.Targets[0]}), "kvxfer bench serve -f a.yaml"; got != want {
 		t.Fatalf("CommandFor of one cluster = %q, want %q", got, want)
-	}
-}
-
-func TestSpliceSection(t *testing.T) {
-	b, e := ReuseBeginMarker, ReuseEndMarker
-	doc := "# t\n" + b + "\nold\n" + e + "\ntail\n"
-	got, err := SpliceSection([]byte(doc), b, e, "new")
-	if want := "# t\n" + b + "\nnew\n" + e + "\ntail\n"; err != nil || string(got) != want {
-		t.Fatalf("SpliceSection = %q, %v; want %q", got, err, want)
-	}
-	for _, bad := range []string{"# t\n", b + "\n" + b + "\n" + e + "\n", e + "\n" + b + "\n", b + "\n"} {
-		if _, err := SpliceSection([]byte(bad), b, e, "x"); !errors.Is(err, ErrSplice) {
-			t.Errorf("%q: err %v, want ErrSplice", bad, err)
-		}
 	}
 }
 

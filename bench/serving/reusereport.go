@@ -1,8 +1,6 @@
 package serving
 
 import (
-	"bytes"
-	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -238,49 +236,6 @@ func (r *Report) CommandFor(run *Result) string {
 		out = append(out, w)
 	}
 	return strings.Join(out, " ")
-}
-
-// ErrSplice: a document without its section's markers.
-var ErrSplice = errors.New("serving: splice")
-
-// SpliceSection returns doc with the lines between the begin and end
-// marker lines replaced by section. Each marker must stand on a line of
-// its own, once, begin before end.
-func SpliceSection(doc []byte, begin, end, section string) ([]byte, error) {
-	lines := bytes.SplitAfter(doc, []byte("\n"))
-	bi, ei := -1, -1
-	for i, l := range lines {
-		switch strings.TrimSpace(string(l)) {
-		case begin:
-			if bi >= 0 {
-				return nil, fmt.Errorf("%w: the begin marker %q appears twice (lines %d and %d)", ErrSplice, begin, bi+1, i+1)
-			}
-			bi = i
-		case end:
-			if ei >= 0 {
-				return nil, fmt.Errorf("%w: the end marker %q appears twice (lines %d and %d)", ErrSplice, end, ei+1, i+1)
-			}
-			ei = i
-		}
-	}
-	switch {
-	case bi < 0 || ei < 0:
-		return nil, fmt.Errorf("%w: no %q and %q lines to write between", ErrSplice, begin, end)
-	case ei < bi:
-		return nil, fmt.Errorf("%w: the end marker (line %d) comes before the begin marker (line %d)", ErrSplice, ei+1, bi+1)
-	}
-	var out bytes.Buffer
-	for _, l := range lines[:bi+1] {
-		out.Write(l)
-	}
-	out.WriteString(section)
-	if !strings.HasSuffix(section, "\n") {
-		out.WriteString("\n")
-	}
-	for _, l := range lines[ei:] {
-		out.Write(l)
-	}
-	return out.Bytes(), nil
 }
 
 // Merge returns one report of several, in order: their runs side by

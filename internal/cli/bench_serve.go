@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvxfer/kvxfer/bench/perfreport"
 	"github.com/kvxfer/kvxfer/bench/serving"
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/launch"
@@ -366,7 +367,7 @@ func spliceReuseSummary(path string, rep *serving.Report) error {
 	if err := rep.WriteReuseSummary(&section); err != nil {
 		return err
 	}
-	out, err := serving.SpliceSection(old, serving.ReuseBeginMarker, serving.ReuseEndMarker, section.String())
+	out, err := perfreport.SpliceSection(old, serving.ReuseBeginMarker, serving.ReuseEndMarker, section.String())
 	if err != nil {
 		return fmt.Errorf("--readme %s: %w", path, err)
 	}
