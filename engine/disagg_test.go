@@ -20,6 +20,13 @@ import (
 // end of the test (Close fails the test if blocks leaked).
 func newDisaggEngine(t testing.TB, preset string, icfg InstanceConfig, mod ...func(*config.CacheTransceiver)) *Engine {
 	t.Helper()
+	return newDisaggEngineOpts(t, preset, icfg, Options{}, mod...)
+}
+
+// newDisaggEngineOpts is newDisaggEngine with engine options (the
+// transceiver is set here).
+func newDisaggEngineOpts(t testing.TB, preset string, icfg InstanceConfig, opts Options, mod ...func(*config.CacheTransceiver)) *Engine {
+	t.Helper()
 	in, err := NewInstance(testModel(t, preset), icfg)
 	if err != nil {
 		t.Fatal(err)
@@ -39,7 +46,8 @@ func newDisaggEngine(t testing.TB, preset string, icfg InstanceConfig, mod ...fu
 		in.Close()
 		t.Fatal(err)
 	}
-	e, err := New(in, Options{Transceiver: tr})
+	opts.Transceiver = tr
+	e, err := New(in, opts)
 	if err != nil {
 		t.Fatal(err)
 	}

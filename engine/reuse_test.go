@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/transceiver"
 )
@@ -21,31 +20,7 @@ var reuseOpts = Options{BlockReuse: true, PartialReuse: true, CopyOnPartialReuse
 // newReuseDisaggEngine is newDisaggEngine with engine options.
 func newReuseDisaggEngine(t testing.TB, preset string, icfg InstanceConfig, opts Options) *Engine {
 	t.Helper()
-	in, err := NewInstance(testModel(t, preset), icfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg, err := config.NewCacheTransceiver("tcp", in.TokensPerBlock(), config.Env{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxTokensInBuffer = 4 * in.TokensPerBlock()
-	tr, err := transceiver.New(context.Background(), cfg, transceiver.Options{State: in.State(), Pools: in.Pools()})
-	if err != nil {
-		in.Close()
-		t.Fatal(err)
-	}
-	opts.Transceiver = tr
-	e, err := New(in, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
-			t.Errorf("engine close: %v", err)
-		}
-	})
-	return e
+	return newDisaggEngineOpts(t, preset, icfg, opts)
 }
 
 // checkPoolsWhole fails unless every block of every pool of e is

@@ -41,7 +41,7 @@
 // the KV moved over it (target ≤ MovedOverNewTarget), and every figure
 // per turn index (TurnMetrics) and TTFT per path (PathMetrics). Merge puts
 // the reports of several clusters side by side, and WriteReuseSummary
-// writes their summary for the README (SpliceSection), a reproducing
+// writes their summary for the README (perfreport.SpliceSection), a reproducing
 // command per row (Report.CommandFor).
 //
 // Conversations start at a request rate (a Poisson process, or with

@@ -145,7 +145,7 @@ func (r *Report) writeReuseMarkdown(b *strings.Builder) {
 }
 
 // The README lines between which WriteReuseSummary's section goes
-// (SpliceSection).
+// (perfreport.SpliceSection).
 const (
 	ReuseBeginMarker = "<!-- bench-reuse:begin (written by make bench-reuse; edits here are lost) -->"
 	ReuseEndMarker   = "<!-- bench-reuse:end -->"
