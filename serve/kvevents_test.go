@@ -137,7 +137,7 @@ func TestUsageReuseFields(t *testing.T) {
 }
 
 // TestWorkerKVEventsRoute: the route's cursors, bounds and headers, on a
-// fake event source (the engine publishes none before block reuse).
+// fake event source (thousands of events and a lost range on demand).
 func TestWorkerKVEventsRoute(t *testing.T) {
 	tw := newSecureWorker(t, RoleGeneration, nil, 10_000)
 	var all []engine.KVEvent
