@@ -159,7 +159,8 @@
 //     (RequestAndReceiveAsync) into the blocks of their prompt that their
 //     cached prefix does not cover.
 //  4. Admitted context phases are prefilled (up to MaxPrefillTokens prompt
-//     tokens per iteration) and their first token sampled. A context_only
+//     tokens computed per iteration: a cached prefix does not count) and
+//     their first token sampled. A context_only
 //     request is handed to RespondAndSendAsync and answered at once with the
 //     first token, the ContextPhaseParams (ctx_request_id, opaque state) and
 //     the prompt's token ids: the client gets its answer before any KV

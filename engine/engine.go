@@ -49,7 +49,8 @@ type Options struct {
 	MaxQueue int
 	// MaxPrefillTokens bounds the prompt tokens prefilled in one iteration
 	// (a longer prompt runs alone), so that decoding requests are not
-	// starved; default 4096.
+	// starved; default 4096. With block reuse a prompt's cached prefix
+	// does not count: only the tokens computed do.
 	MaxPrefillTokens int
 	// DefaultMaxTokens applies to requests with MaxTokens 0; default 16.
 	DefaultMaxTokens int
@@ -702,7 +703,11 @@ func (e *Engine) admit() []*request {
 		if active >= e.opts.MaxBatch {
 			break
 		}
-		if r.typ != transceiver.GenerationOnly && len(prefill) > 0 && len(r.prompt) > budget {
+		// The budget counts the tokens to compute: a cached prefix is
+		// not prefilled. (A peek: the match below may find less if a
+		// reservation evicts, and the budget then takes what it finds.)
+		if r.typ != transceiver.GenerationOnly && len(prefill) > 0 &&
+			len(r.prompt)-e.peekCached(r.prompt, r.root, r.hashes) > budget {
 			break
 		}
 		seq := e.inst.NewSequence()
@@ -741,7 +746,7 @@ func (e *Engine) admit() []*request {
 			e.startTransfer(r)
 			continue
 		}
-		budget -= len(r.prompt)
+		budget -= len(r.prompt) - r.cached
 		prefill = append(prefill, r)
 	}
 	clear(e.waiting[:n])

@@ -120,13 +120,24 @@ func (e *Engine) CachedPrefix(prompt []int32) int {
 // CachedPrefixSalted is CachedPrefix for a request with cache salt salt
 // (Request.CacheSalt).
 func (e *Engine) CachedPrefixSalted(prompt []int32, salt string) int {
+	if !e.opts.BlockReuse {
+		return 0
+	}
+	root := kvcache.RootHash(salt)
+	maxFull, _ := e.reuseLimits(0, len(prompt))
+	return e.peekCached(prompt, root, kvcache.HashBlocks(root, prompt[:maxFull*e.inst.tpb], e.inst.tpb))
+}
+
+// peekCached is CachedPrefixSalted for a prompt whose chained block hashes
+// from root are known (hs: at least its blocks admission may reuse; more
+// are ignored). It pins nothing.
+func (e *Engine) peekCached(prompt []int32, root kvcache.Hash, hs []kvcache.Hash) int {
 	maxFull, partial := e.reuseLimits(0, len(prompt))
 	if !e.opts.BlockReuse {
 		return 0
 	}
 	tpb := e.inst.tpb
-	root := kvcache.RootHash(salt)
-	hs := kvcache.HashBlocks(root, prompt[:maxFull*tpb], tpb)
+	hs = hs[:min(len(hs), maxFull)]
 	common := len(hs)
 	for _, p := range e.inst.pools {
 		common = min(common, p.PeekPrefix(hs))

@@ -707,3 +707,65 @@ func TestReusePoisonedPromptRefused(t *testing.T) {
 	waitPoolsFree(t, prefillE)
 	waitPoolsFree(t, genE)
 }
+
+// TestReusePrefillBudgetCountsComputedTokens: the per-iteration prefill
+// budget (MaxPrefillTokens) counts the tokens a request computes, not its
+// cached prefix: two prompts whose first blocks are cached are prefilled
+// in one iteration under a budget that holds one whole prompt, and an
+// uncached prompt of the same length behind them waits for the next.
+func TestReusePrefillBudgetCountsComputedTokens(t *testing.T) {
+	const tpb = 16
+	in, err := NewInstance(testModel(t, "tiny-gqa"), InstanceConfig{TokensPerBlock: tpb, PoolTokens: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	P := 4*tpb + 1
+	opts := Options{BlockReuse: true, MaxPrefillTokens: P + 1}
+	e, err := New(in, opts)
+	if err != nil {
+		in.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := e.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	base := make([]int32, P)
+	for i := range base {
+		base[i] = int32(1 + i%50)
+	}
+	// Publish base's first four blocks.
+	if _, cached := reuseRun(t, e, base, 1); cached != 0 {
+		t.Fatalf("first run found %d tokens cached", cached)
+	}
+	mk := func(p []int32) *request {
+		r, err := e.newRequest(t.Context(), Request{Type: transceiver.ContextAndGeneration, Prompt: p, MaxTokens: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	other := slices.Clone(base)
+	other[P-1]++ // same cached prefix, another last token
+	fresh := make([]int32, P)
+	for i := range fresh {
+		fresh[i] = int32(60 + i%50)
+	}
+	e.waiting = []*request{mk(base), mk(other), mk(fresh)}
+	prefill := e.admit()
+	for _, r := range prefill {
+		defer r.seq.Release()
+	}
+	if len(prefill) != 2 {
+		t.Fatalf("admitted %d requests for prefill, want 2 (the two cached ones; budget %d, prompts of %d tokens)", len(prefill), P+1, P)
+	}
+	for i, r := range prefill {
+		if r.cached != 4*tpb {
+			t.Errorf("request %d: %d tokens cached, want %d", i, r.cached, 4*tpb)
+		}
+	}
+	if len(e.waiting) != 1 || e.waiting[0].prompt[0] != fresh[0] {
+		t.Fatalf("waiting %d, want the uncached request only", len(e.waiting))
+	}
+}
