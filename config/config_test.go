@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"testing"
@@ -278,6 +279,25 @@ func TestResolveDefault(t *testing.T) {
 	notBuilt := func(Backend) error { return errors.New("not built in this binary: build with -tags mpi") }
 	if r := ResolveBackend(BackendMPI, Env{}, notBuilt); !errors.Is(r.Err, ErrBackendUnavailable) || !strings.Contains(r.Err.Error(), "-tags mpi") {
 		t.Errorf("MPI not built: %v", r.Err)
+	}
+}
+
+// TestResolveUCXInterfaceIgnored: TRTLLM_UCX_INTERFACE is listed as
+// ignored, with the backend that ignores it, wherever UCX cannot be the
+// transport; under UCX and AUTO it applies.
+func TestResolveUCXInterfaceIgnored(t *testing.T) {
+	env := EnvFromMap(map[string]string{EnvUCXInterface: "eth0"})
+	for _, tc := range []struct {
+		b       Backend
+		ignored bool
+	}{{BackendTCP, true}, {BackendSHM, true}, {BackendMPI, true}, {BackendUCX, false}, {BackendAuto, false}, {BackendDefault, false}} {
+		r := ResolveBackend(tc.b, env, nil)
+		got := slices.ContainsFunc(r.Ignored, func(s string) bool {
+			return strings.HasPrefix(s, EnvUCXInterface+"=eth0: ignored, backend "+string(r.Backend))
+		})
+		if got != tc.ignored {
+			t.Errorf("backend %s: ignored %q, want TRTLLM_UCX_INTERFACE listed: %v", tc.b, r.Ignored, tc.ignored)
+		}
 	}
 }
 

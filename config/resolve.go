@@ -103,6 +103,10 @@ func ResolveBackend(configured Backend, env Env, available func(Backend) error) 
 	if r.Backend == BackendMPI {
 		r.Reason += "; " + MPIWorldNote
 	}
+	if v := env.Raw[EnvUCXInterface]; v != "" && r.Backend != BackendUCX && r.Backend != BackendAuto {
+		r.Ignored = append(r.Ignored, fmt.Sprintf("%s=%s: ignored, backend %s does not use it (it names UCX's interface: backend UCX, or AUTO when it picks UCX)",
+			EnvUCXInterface, v, r.Backend))
+	}
 	if why := r.Backend.unsupported(); why != "" {
 		r.Err = fmt.Errorf("%w: %s", ErrBackendUnavailable, why)
 	} else if available != nil {
