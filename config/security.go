@@ -61,7 +61,57 @@ type Security struct {
 	// whether the files exist and hold what they should is checked where
 	// they are used.
 	TLS TLSFiles
+	// Etcd are the settings of this process's etcd client, for a
+	// disagg_cluster whose cluster_uri is etcd://: TLS (server
+	// verification and, optionally, a client certificate) and etcd's own
+	// authentication. Like TLS, only parsed and checked for shape here.
+	Etcd EtcdClient
 }
+
+// EtcdClient is the security.etcd block: how this process connects to an
+// etcd cluster. With any of CAFile, CertFile or KeyFile set the client
+// speaks TLS; with Username it authenticates as that etcd user.
+type EtcdClient struct {
+	// CAFile is a PEM bundle of the CAs etcd's server certificate must
+	// chain to; empty: the system's roots.
+	CAFile string
+	// CertFile and KeyFile are a client certificate and its key, both or
+	// neither, for an etcd that requires client certificates
+	// (--client-cert-auth).
+	CertFile, KeyFile string
+	// Username is the etcd user (etcd's auth enabled); PasswordFile holds
+	// its password (trailing white space trimmed). Both or neither.
+	Username     string
+	PasswordFile string
+}
+
+// LoadPassword reads the password of Username from PasswordFile (trailing
+// white space trimmed); "" when no file is named.
+func (e EtcdClient) LoadPassword() (string, error) {
+	if e.PasswordFile == "" {
+		return "", nil
+	}
+	fh, err := os.Open(e.PasswordFile)
+	if err != nil {
+		return "", fmt.Errorf("config: security.etcd.password_file %s: %s", e.PasswordFile, describeOSError(err))
+	}
+	defer fh.Close()
+	b, err := io.ReadAll(io.LimitReader(fh, maxSecretFile+1))
+	switch {
+	case err != nil:
+		return "", fmt.Errorf("config: security.etcd.password_file %s: %s", e.PasswordFile, describeOSError(err))
+	case len(b) > maxSecretFile:
+		return "", fmt.Errorf("config: security.etcd.password_file %s is larger than %d bytes; not a password file", e.PasswordFile, maxSecretFile)
+	}
+	pw := strings.TrimRight(string(b), " \t\r\n")
+	if pw == "" {
+		return "", fmt.Errorf("config: security.etcd.password_file %s is empty", e.PasswordFile)
+	}
+	return pw, nil
+}
+
+// TLS reports whether the block asks for TLS.
+func (e EtcdClient) TLS() bool { return e.CAFile != "" || e.CertFile != "" || e.KeyFile != "" }
 
 // TLSFiles are the file paths of the security.tls block. Relative paths are
 // relative to the working directory of the process that uses them.
@@ -218,6 +268,7 @@ func (l *loader) security(n *yaml.Node, path string, env Env) Security {
 			},
 			"allowed_peer_hosts": func(k, v *yaml.Node) { l.peerHosts(v, join(path, "allowed_peer_hosts"), &s) },
 			"tls":                func(k, v *yaml.Node) { l.tls(v, join(path, "tls"), &s.TLS) },
+			"etcd":               func(k, v *yaml.Node) { l.etcdClient(v, join(path, "etcd"), &s.Etcd) },
 		}, nil, true)
 		if fileKey != nil && envKey != nil {
 			later := fileKey
@@ -280,6 +331,37 @@ func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
 		l.errAt(n, join(path, "key_file"), "missing: cert_file is set, and a certificate needs its private key")
 	case t.KeyFile != "" && t.CertFile == "":
 		l.errAt(n, join(path, "cert_file"), "missing: key_file is set, and a private key needs its certificate")
+	}
+}
+
+func (l *loader) etcdClient(n *yaml.Node, path string, e *EtcdClient) {
+	str := func(name string, dst *string) func(k, v *yaml.Node) {
+		return func(k, v *yaml.Node) {
+			p := join(path, name)
+			if l.str(v, p, dst) && strings.TrimSpace(*dst) == "" {
+				l.errAt(v, p, "must not be empty (leave the key out instead)")
+			}
+		}
+	}
+	if !l.block(n, path, map[string]func(k, v *yaml.Node){
+		"ca_file":       str("ca_file", &e.CAFile),
+		"cert_file":     str("cert_file", &e.CertFile),
+		"key_file":      str("key_file", &e.KeyFile),
+		"username":      str("username", &e.Username),
+		"password_file": str("password_file", &e.PasswordFile),
+	}, nil, true) {
+		return
+	}
+	pairs := []struct{ a, b, va, vb, why string }{
+		{"cert_file", "key_file", e.CertFile, e.KeyFile, "a client certificate needs its private key"},
+		{"key_file", "cert_file", e.KeyFile, e.CertFile, "a private key needs its certificate"},
+		{"username", "password_file", e.Username, e.PasswordFile, "etcd authenticates a user by its password"},
+		{"password_file", "username", e.PasswordFile, e.Username, "a password is of a user"},
+	}
+	for _, p := range pairs {
+		if p.va != "" && p.vb == "" {
+			l.errAt(n, join(path, p.b), "missing: %s is set, and %s", p.a, p.why)
+		}
 	}
 }
 
@@ -346,6 +428,17 @@ func (f *File) addSecurity(m *yaml.Node, path string, s *Security) {
 		for _, kv := range []struct{ k, v string }{{"cert_file", s.TLS.CertFile}, {"key_file", s.TLS.KeyFile}, {"ca_file", s.TLS.CAFile}} {
 			if kv.v != "" {
 				f.addScalar(tm, tp, kv.k, "!!str", kv.v)
+			}
+		}
+	}
+	if e := s.Etcd; e != (EtcdClient{}) {
+		em := &yaml.Node{Kind: yaml.MappingNode}
+		sm.Content = append(sm.Content, key("etcd"), em)
+		ep := join(path, "etcd")
+		for _, kv := range []struct{ k, v string }{{"ca_file", e.CAFile}, {"cert_file", e.CertFile}, {"key_file", e.KeyFile},
+			{"username", e.Username}, {"password_file", e.PasswordFile}} {
+			if kv.v != "" {
+				f.addScalar(em, ep, kv.k, "!!str", kv.v)
 			}
 		}
 	}

@@ -37,10 +37,10 @@ func isLoopback(host string) bool {
 // A built-in store without a cluster secret is refused unless both the
 // cluster_uri and the listener are loopback: whoever can reach the store
 // can register a worker, and the router would send it prompts.
-func routerMembership(ctx context.Context, dc *config.DisaggCluster, secret []byte, listenHost string, listenPort int, log *slog.Logger) (*serve.ClusterOptions, func(), error) {
+func routerMembership(ctx context.Context, dc *config.DisaggCluster, secret []byte, etcd config.EtcdClient, listenHost string, listenPort int, log *slog.Logger) (*serve.ClusterOptions, func(), error) {
 	co := &serve.ClusterOptions{Name: dc.ClusterName, MinContext: dc.MinContext, MinGeneration: dc.MinGeneration, URI: dc.ClusterURI}
 	if !connect.IsBuiltIn(*dc) {
-		st, err := connect.Open(ctx, *dc, connect.Options{})
+		st, err := connect.Open(ctx, *dc, connect.Options{EtcdClient: etcd})
 		if err != nil {
 			return nil, nil, fmt.Errorf("disagg_cluster: %w", err)
 		}
@@ -80,13 +80,15 @@ func newClusterCmd(e env) *cobra.Command {
 	}
 	var uri, name string
 	var timeout time.Duration
+	var etcd config.EtcdClient
 	status := &cobra.Command{
 		Use:   "status",
 		Short: "List the workers registered in a cluster: role, URL, model, layout, backends, age",
 		Long: `status lists every worker registered under the cluster's name in the store of --uri
 (etcd://host:port[,host:port] or http://router-host:port, the router's built-in store). The
 built-in store's token comes from the cluster secret (security.secret_* of the cluster file is
-not read here: set KVXFER_CLUSTER_SECRET).`,
+not read here: set KVXFER_CLUSTER_SECRET). An etcd with TLS or authentication takes the --etcd-*
+flags, the keys of a file's security.etcd block.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if uri == "" {
@@ -106,7 +108,14 @@ not read here: set KVXFER_CLUSTER_SECRET).`,
 			}
 			ctx, cancel := context.WithTimeout(cmd.Context(), timeout)
 			defer cancel()
-			st, err := connect.Open(ctx, config.DisaggCluster{ClusterURI: uri, ClusterName: name}, connect.Options{Token: connect.Token(secret)})
+			if (etcd.CertFile == "") != (etcd.KeyFile == "") {
+				return errors.New("--etcd-cert-file and --etcd-key-file go together")
+			}
+			if (etcd.Username == "") != (etcd.PasswordFile == "") {
+				return errors.New("--etcd-user and --etcd-password-file go together")
+			}
+			st, err := connect.Open(ctx, config.DisaggCluster{ClusterURI: uri, ClusterName: name},
+				connect.Options{Token: connect.Token(secret), EtcdClient: etcd})
 			if err != nil {
 				return err
 			}
@@ -122,6 +131,11 @@ not read here: set KVXFER_CLUSTER_SECRET).`,
 	status.Flags().StringVar(&uri, "uri", "", "cluster_uri: etcd://host:port[,host:port] or http://router-host:port")
 	status.Flags().StringVar(&name, "cluster", "", "cluster_name")
 	status.Flags().DurationVar(&timeout, "timeout", 10*time.Second, "deadline of the whole listing")
+	status.Flags().StringVar(&etcd.CAFile, "etcd-ca-file", "", "etcd over TLS: PEM CAs of etcd's server certificate (security.etcd.ca_file)")
+	status.Flags().StringVar(&etcd.CertFile, "etcd-cert-file", "", "etcd over TLS: client certificate (security.etcd.cert_file)")
+	status.Flags().StringVar(&etcd.KeyFile, "etcd-key-file", "", "etcd over TLS: the client certificate's key (security.etcd.key_file)")
+	status.Flags().StringVar(&etcd.Username, "etcd-user", "", "etcd authentication: user (security.etcd.username)")
+	status.Flags().StringVar(&etcd.PasswordFile, "etcd-password-file", "", "etcd authentication: file holding the user's password (security.etcd.password_file)")
 	cmd.AddCommand(status)
 	return cmd
 }

@@ -85,8 +85,8 @@ type joiner struct {
 }
 
 // startJoin starts registering rec in the store of dc.
-func startJoin(ctx context.Context, dc *config.DisaggCluster, rec membership.Record, secret []byte, log *slog.Logger) (*joiner, error) {
-	st, err := connect.Open(ctx, *dc, connect.Options{Token: connect.Token(secret)})
+func startJoin(ctx context.Context, dc *config.DisaggCluster, rec membership.Record, secret []byte, etcd config.EtcdClient, log *slog.Logger) (*joiner, error) {
+	st, err := connect.Open(ctx, *dc, connect.Options{Token: connect.Token(secret), EtcdClient: etcd})
 	if err != nil {
 		return nil, fmt.Errorf("disagg_cluster: %w", err)
 	}

@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/internal/launch"
 	"github.com/kvxfer/kvxfer/membership/membershiptest"
 	"github.com/kvxfer/kvxfer/serve"
@@ -48,19 +49,24 @@ type dynProc struct {
 	done chan struct{}
 }
 
+// freeTCPPort is a port to tell a process it must listen on (below the
+// ephemeral range: see internal/freeport).
 func freeTCPPort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := freeport.Port()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer ln.Close()
-	return ln.Addr().(*net.TCPAddr).Port
+	return p
 }
 
 // newDynCluster writes the cluster and worker files for cluster_uri uri
 // ("" for the router's built-in store on its own port).
-func newDynCluster(t *testing.T, uri string) *dynCluster {
+func newDynCluster(t *testing.T, uri string) *dynCluster { return newDynClusterWith(t, uri, "") }
+
+// newDynClusterWith is newDynCluster with extra YAML (a security block)
+// at the end of both files.
+func newDynClusterWith(t *testing.T, uri, extra string) *dynCluster {
 	secret := make([]byte, 32)
 	rand.Read(secret)
 	c := &dynCluster{t: t, dir: t.TempDir(), routerPort: freeTCPPort(t), procs: map[string]*dynProc{},
@@ -71,7 +77,7 @@ func newDynCluster(t *testing.T, uri string) *dynCluster {
 		uri = c.routerURL
 	}
 	dc := fmt.Sprintf("disagg_cluster:\n  cluster_uri: %q\n  cluster_name: dyn\n  minimal_instances: {context_servers: 1, generation_servers: 1}\n"+
-		"  heartbeat_interval_sec: 1\n  inactive_timeout_sec: 3\n", uri)
+		"  heartbeat_interval_sec: 1\n  inactive_timeout_sec: 3\n", uri) + extra
 	c.clusterYML = filepath.Join(c.dir, "cluster.yaml")
 	c.workerYML = filepath.Join(c.dir, "worker.yaml")
 	os.WriteFile(c.clusterYML, []byte(fmt.Sprintf("hostname: 127.0.0.1\nport: %d\n", c.routerPort)+dc), 0o600)
@@ -313,6 +319,45 @@ func (c *dynCluster) noLeaks(ps ...*dynProc) {
 			}
 			time.Sleep(50 * time.Millisecond)
 		}
+	}
+}
+
+// TestDynamicMembershipEtcdTLS: a router and workers register in an etcd
+// that serves TLS only and requires client certificates, through their
+// files' security.etcd block; a request is answered through the router;
+// `cluster status` lists them with the --etcd-* flags and, without them,
+// fails saying that etcd serves TLS only.
+func TestDynamicMembershipEtcdTLS(t *testing.T) {
+	if testing.Short() {
+		t.Skip("process-level: starts etcd, a router and two workers")
+	}
+	e := membershiptest.StartEtcdTLS(t)
+	f := e.Client
+	c := newDynClusterWith(t, "etcd://"+e.Addr, fmt.Sprintf("security:\n  etcd: {ca_file: %q, cert_file: %q, key_file: %q}\n",
+		f.CAFile, f.CertFile, f.KeyFile))
+	c.startRouter()
+	c.startWorker("context-0", "context")
+	c.startWorker("generation-0", "generation")
+	took := c.waitMembers(1, 1, 60*time.Second)
+	t.Logf("1+1 workers registered over TLS and routable %v after the router started", took)
+	resp, err := c.client.Post(c.routerURL+"/v1/completions", "application/json",
+		strings.NewReader(`{"prompt":"membership over TLS","max_tokens":4,"ignore_eos":true}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("completion: %d %s", resp.StatusCode, b)
+	}
+	code, out, errw := runWith(t, nil, "cluster", "status", "--uri", "etcd://"+e.Addr, "--cluster", "dyn",
+		"--etcd-ca-file", f.CAFile, "--etcd-cert-file", f.CertFile, "--etcd-key-file", f.KeyFile)
+	if code != 0 || !strings.Contains(out, "context") || !strings.Contains(out, "generation") {
+		t.Errorf("cluster status over TLS: exit %d\n%s\n%s", code, out, errw)
+	}
+	code, out, errw = runWith(t, nil, "cluster", "status", "--uri", "etcd://"+e.Addr, "--cluster", "dyn", "--timeout", "3s")
+	if code == 0 || !strings.Contains(errw, "serves TLS only: set security.etcd.ca_file") {
+		t.Errorf("cluster status without TLS: exit %d, want a failure saying etcd serves TLS only\n%s\n%s", code, out, errw)
 	}
 }
 

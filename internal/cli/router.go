@@ -77,7 +77,7 @@ func newRouterCmd(e env) *cobra.Command {
 				port = cl.Port
 			}
 			if dc := cl.DisaggCluster; dc != nil {
-				co, closeStore, err := routerMembership(cmd.Context(), dc, secret, host, port, log)
+				co, closeStore, err := routerMembership(cmd.Context(), dc, secret, cl.Security.Etcd, host, port, log)
 				if err != nil {
 					return fmt.Errorf("%s: %w", cfgPath, err)
 				}

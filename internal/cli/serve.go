@@ -232,7 +232,7 @@ func serveWorker(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serv
 			srv.Close()
 			return err
 		}
-		if j, err = startJoin(ctx, dc, rec, secret, log); err != nil {
+		if j, err = startJoin(ctx, dc, rec, secret, wc.Security.Etcd, log); err != nil {
 			srv.Close()
 			return err
 		}

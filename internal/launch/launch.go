@@ -255,7 +255,7 @@ func (l *Launched) openMembership(ctx context.Context, o Options, routerURL stri
 		l.clusterURI = routerURL
 		return co, nil
 	}
-	st, err := connect.Open(ctx, *dc, connect.Options{})
+	st, err := connect.Open(ctx, *dc, connect.Options{EtcdClient: o.Cluster.Security.Etcd})
 	if err != nil {
 		return nil, fmt.Errorf("launch: disagg_cluster: %w", err)
 	}
@@ -490,7 +490,7 @@ func workerYAML(g *config.ServerGroup, sec *config.Security, tp, pp int) []byte 
 			fmt.Fprintf(&b, "  kv_transfer_sender_future_timeout_ms: %d\n", ct.SenderFutureTimeoutMs)
 		}
 	}
-	if len(sec.AllowedPeerHosts) > 0 || sec.TLS != (config.TLSFiles{}) {
+	if len(sec.AllowedPeerHosts) > 0 || sec.TLS != (config.TLSFiles{}) || sec.Etcd != (config.EtcdClient{}) {
 		b.WriteString("security:\n")
 		if len(sec.AllowedPeerHosts) > 0 {
 			fmt.Fprintf(&b, "  allowed_peer_hosts: %s\n", yamlFlowList(sec.AllowedPeerHosts))
@@ -498,6 +498,15 @@ func workerYAML(g *config.ServerGroup, sec *config.Security, tp, pp int) []byte 
 		if t := sec.TLS; t != (config.TLSFiles{}) {
 			b.WriteString("  tls:\n")
 			for _, kv := range [][2]string{{"cert_file", t.CertFile}, {"key_file", t.KeyFile}, {"ca_file", t.CAFile}} {
+				if kv[1] != "" {
+					fmt.Fprintf(&b, "    %s: %s\n", kv[0], strconv.Quote(kv[1]))
+				}
+			}
+		}
+		if e := sec.Etcd; e != (config.EtcdClient{}) {
+			b.WriteString("  etcd:\n")
+			for _, kv := range [][2]string{{"ca_file", e.CAFile}, {"cert_file", e.CertFile}, {"key_file", e.KeyFile},
+				{"username", e.Username}, {"password_file", e.PasswordFile}} {
 				if kv[1] != "" {
 					fmt.Fprintf(&b, "    %s: %s\n", kv[0], strconv.Quote(kv[1]))
 				}

@@ -140,3 +140,22 @@ generation_servers: {}
 		}
 	}
 }
+
+// TestWorkerYAMLEtcdClient: the worker files kvxfer up writes carry the
+// cluster's security.etcd block, so that its workers reach an etcd with
+// TLS or authentication as the router does.
+func TestWorkerYAMLEtcdClient(t *testing.T) {
+	cl := cluster(t, `context_servers: {}
+generation_servers: {}
+security:
+  etcd: {ca_file: "ca dir/etcd-ca.pem", cert_file: c.pem, key_file: k.pem, username: kvxfer, password_file: /run/pw}
+`)
+	text := workerYAML(&cl.Context, &cl.Security, 1, 1)
+	f, err := config.LoadBytes("w.yaml", text, config.Env{})
+	if err != nil {
+		t.Fatalf("%s: %v", text, err)
+	}
+	if got := f.Worker.Security.Etcd; got != cl.Security.Etcd || got.CAFile != "ca dir/etcd-ca.pem" {
+		t.Errorf("worker file's security.etcd %+v, want %+v\n%s", got, cl.Security.Etcd, text)
+	}
+}

@@ -114,14 +114,14 @@ var boundaries = []rule{
 	// conformance suite.
 	{pkg: "membership/memstore", may: []string{"membership"}, tests: []string{"membership/membershiptest"}},
 	// The etcd store, on etcd's client (which brings gRPC and zap).
-	{pkg: "membership/etcdstore", may: []string{"membership"}, tests: []string{"membership/membershiptest"},
+	{pkg: "membership/etcdstore", may: []string{"membership"}, tests: []string{"membership/membershiptest", "internal/tlsconf"},
 		ext: []string{"go.etcd.io/etcd/...", "go.uber.org/zap"}},
 	// Where the disagg_cluster block meets the stores: it opens the one
 	// the cluster_uri names.
-	{pkg: "membership/connect", may: []string{"config", "membership", "membership/memstore", "membership/etcdstore"},
+	{pkg: "membership/connect", may: []string{"config", "membership", "membership/memstore", "membership/etcdstore", "internal/tlsconf"},
 		tests: []string{"membership/membershiptest"}},
 	// The conformance suite every store passes: test code, so goleak.
-	{pkg: "membership/membershiptest", may: []string{"membership", "internal/freeport"}, ext: []string{"go.uber.org/goleak"}},
+	{pkg: "membership/membershiptest", may: []string{"membership", "internal/freeport", "internal/tlsconf"}, ext: []string{"go.uber.org/goleak"}},
 	// Helpers under internal/: each is below everything that uses it.
 	{pkg: "internal/netlimit", tests: []string{"internal/syncbuf"}},
 	// Config.Transport hands the configs to the data planes.

@@ -73,31 +73,11 @@ func Load(f Files) (*Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	certPEM, err := readPEM(f.CertFile, "certificate", "CERTIFICATE")
+	cert, leaf, err := loadPair(f.CertFile, f.KeyFile)
 	if err != nil {
 		return nil, err
-	}
-	keyPEM, err := readPEM(f.KeyFile, "key", "PRIVATE KEY", "EC PRIVATE KEY", "RSA PRIVATE KEY")
-	if err != nil {
-		return nil, err
-	}
-	cert, err := tls.X509KeyPair(certPEM, keyPEM)
-	if err != nil {
-		return nil, fmt.Errorf("tlsconf: certificate %s with key %s: %w", f.CertFile, f.KeyFile, err)
-	}
-	leaf := cert.Leaf
-	if leaf == nil { // X509KeyPair fills Leaf since Go 1.23; be safe
-		if leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
-			return nil, fmt.Errorf("tlsconf: certificate %s: %w", f.CertFile, err)
-		}
 	}
 	now := time.Now()
-	switch {
-	case now.Before(leaf.NotBefore):
-		return nil, fmt.Errorf("tlsconf: certificate %s is not valid before %s", f.CertFile, leaf.NotBefore.UTC().Format(time.RFC3339))
-	case now.After(leaf.NotAfter):
-		return nil, fmt.Errorf("tlsconf: certificate %s expired at %s", f.CertFile, leaf.NotAfter.UTC().Format(time.RFC3339))
-	}
 	inter := x509.NewCertPool()
 	for _, der := range cert.Certificate[1:] {
 		if c, err := x509.ParseCertificate(der); err == nil {
@@ -109,6 +89,65 @@ func Load(f Files) (*Config, error) {
 		return nil, fmt.Errorf("tlsconf: certificate %s is not signed by the CA in %s: %w", f.CertFile, f.CAFile, err)
 	}
 	return New(cert, pool), nil
+}
+
+// loadPair reads a certificate chain and its key, and checks that they
+// match and that the certificate is within its validity period.
+func loadPair(certFile, keyFile string) (tls.Certificate, *x509.Certificate, error) {
+	certPEM, err := readPEM(certFile, "certificate", "CERTIFICATE")
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	keyPEM, err := readPEM(keyFile, "key", "PRIVATE KEY", "EC PRIVATE KEY", "RSA PRIVATE KEY")
+	if err != nil {
+		return tls.Certificate{}, nil, err
+	}
+	cert, err := tls.X509KeyPair(certPEM, keyPEM)
+	if err != nil {
+		return tls.Certificate{}, nil, fmt.Errorf("tlsconf: certificate %s with key %s: %w", certFile, keyFile, err)
+	}
+	leaf := cert.Leaf
+	if leaf == nil { // X509KeyPair fills Leaf since Go 1.23; be safe
+		if leaf, err = x509.ParseCertificate(cert.Certificate[0]); err != nil {
+			return tls.Certificate{}, nil, fmt.Errorf("tlsconf: certificate %s: %w", certFile, err)
+		}
+	}
+	now := time.Now()
+	switch {
+	case now.Before(leaf.NotBefore):
+		return tls.Certificate{}, nil, fmt.Errorf("tlsconf: certificate %s is not valid before %s", certFile, leaf.NotBefore.UTC().Format(time.RFC3339))
+	case now.After(leaf.NotAfter):
+		return tls.Certificate{}, nil, fmt.Errorf("tlsconf: certificate %s expired at %s", certFile, leaf.NotAfter.UTC().Format(time.RFC3339))
+	}
+	return cert, leaf, nil
+}
+
+// LoadClient returns the TLS config of a client of a server outside the
+// cluster (etcd): it verifies the server's certificate against the CAs in
+// caFile (the system's roots when caFile is "") and the name or address
+// dialled, and presents certFile/keyFile when they are given (both or
+// neither). It accepts TLS 1.2, which such servers may be limited to.
+// Errors name the file and what is wrong with it.
+func LoadClient(caFile, certFile, keyFile string) (*tls.Config, error) {
+	c := &tls.Config{MinVersion: tls.VersionTLS12}
+	if caFile != "" {
+		pool, err := loadCA(caFile)
+		if err != nil {
+			return nil, err
+		}
+		c.RootCAs = pool
+	}
+	switch {
+	case certFile != "" && keyFile != "":
+		cert, _, err := loadPair(certFile, keyFile)
+		if err != nil {
+			return nil, err
+		}
+		c.Certificates = []tls.Certificate{cert}
+	case certFile != "" || keyFile != "":
+		return nil, fmt.Errorf("%w: a client certificate needs both its certificate and its key file", ErrIncomplete)
+	}
+	return c, nil
 }
 
 // New returns the mutual-TLS configs of a party with certificate cert in a

@@ -245,3 +245,36 @@ func TestLoadErrors(t *testing.T) {
 		t.Errorf("Load(CA only) = %v, want ErrIncomplete", err)
 	}
 }
+
+// TestLoadClient: a client of a server outside the cluster trusts the CA
+// file (or the system's roots), presents a certificate only when both its
+// files are given, and gets the same errors as Load for bad files.
+func TestLoadClient(t *testing.T) {
+	dir, fs := writeCluster(t, "a")
+	f := fs[0]
+	c, err := LoadClient(f.CAFile, "", "")
+	if err != nil || c.RootCAs == nil || len(c.Certificates) != 0 || c.MinVersion != tls.VersionTLS12 {
+		t.Fatalf("CA only: %+v, %v", c, err)
+	}
+	if c, err = LoadClient("", "", ""); err != nil || c.RootCAs != nil {
+		t.Fatalf("nothing: %+v, %v; want the system's roots", c, err)
+	}
+	if c, err = LoadClient(f.CAFile, f.CertFile, f.KeyFile); err != nil || len(c.Certificates) != 1 {
+		t.Fatalf("with a client certificate: %+v, %v", c, err)
+	}
+	for _, tc := range []struct {
+		name          string
+		ca, cert, key string
+		want          string
+	}{
+		{"certificate without key", f.CAFile, f.CertFile, "", "needs both"},
+		{"key without certificate", f.CAFile, "", f.KeyFile, "needs both"},
+		{"missing CA file", filepath.Join(dir, "nope.pem"), "", "", "CA file: open"},
+		{"CA file holding a leaf", f.CertFile, "", "", "not a CA certificate"},
+		{"certificate where the key should be", f.CAFile, f.CertFile, f.CertFile, "none of them PRIVATE KEY"},
+	} {
+		if _, err := LoadClient(tc.ca, tc.cert, tc.key); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %v, want an error containing %q", tc.name, err, tc.want)
+		}
+	}
+}

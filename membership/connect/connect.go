@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/membership"
 	"github.com/kvxfer/kvxfer/membership/etcdstore"
 	"github.com/kvxfer/kvxfer/membership/memstore"
@@ -25,6 +26,9 @@ type Options struct {
 	Token string
 	// Etcd are the etcd client's settings.
 	Etcd etcdstore.Options
+	// EtcdClient is the security.etcd block: for an etcd:// cluster_uri,
+	// Open loads its TLS files and password into Etcd.
+	EtcdClient config.EtcdClient
 }
 
 // Open returns a client of the store dc.ClusterURI names: etcdstore for
@@ -38,10 +42,41 @@ func Open(ctx context.Context, dc config.DisaggCluster, opts Options) (membershi
 	}
 	switch u.Scheme {
 	case config.SchemeEtcd:
+		if opts.EtcdClient != (config.EtcdClient{}) {
+			eo, err := EtcdOptions(opts.EtcdClient)
+			if err != nil {
+				return nil, fmt.Errorf("membership: %w", err)
+			}
+			eo.DialTimeout, eo.KeepAliveTime, eo.KeepAliveTimeout, eo.MaxList =
+				opts.Etcd.DialTimeout, opts.Etcd.KeepAliveTime, opts.Etcd.KeepAliveTimeout, opts.Etcd.MaxList
+			opts.Etcd = eo
+		}
 		return etcdstore.Dial(ctx, u.Endpoints, opts.Etcd)
 	default:
 		return memstore.NewClient(u.Scheme+"://"+u.Endpoints[0], memstore.ClientOptions{HTTPClient: opts.HTTPClient, Token: opts.Token})
 	}
+}
+
+// EtcdOptions are the etcd client's settings of a security.etcd block:
+// its TLS files loaded (errors name the file and what is wrong with it)
+// and its user's password read. The zero block gives the zero Options.
+func EtcdOptions(e config.EtcdClient) (etcdstore.Options, error) {
+	var o etcdstore.Options
+	if e.TLS() {
+		c, err := tlsconf.LoadClient(e.CAFile, e.CertFile, e.KeyFile)
+		if err != nil {
+			return o, fmt.Errorf("security.etcd: %w", err)
+		}
+		o.TLS = c
+	}
+	if e.Username != "" {
+		pw, err := e.LoadPassword()
+		if err != nil {
+			return o, err
+		}
+		o.Username, o.Password = e.Username, pw
+	}
+	return o, nil
 }
 
 // IsBuiltIn reports whether dc names the built-in store (http:// or

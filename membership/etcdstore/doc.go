@@ -10,4 +10,10 @@
 // how long to wait. Watches ask for a leader (WithRequireLeader), so a
 // watch on a member cut off from its cluster breaks instead of going
 // silent, and the View lists again.
+//
+// Options.TLS and Username/Password reach an etcd that serves TLS (with
+// client certificates) or has its authentication on. The etcd client
+// reports a refused TLS handshake only as a deadline; on a failed
+// operation the store probes the first endpoint itself (at most once per
+// 5 s, within a second) and adds what it found to the error.
 package etcdstore

@@ -2,8 +2,11 @@ package etcdstore
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -27,16 +30,22 @@ type Options struct {
 	MaxList int64
 	// Username and Password, when set, authenticate to etcd.
 	Username, Password string
+	// TLS, when not nil, makes the client speak TLS to etcd with it
+	// (server verification, and a client certificate if it has one).
+	TLS *tls.Config
 }
 
 // Store is a membership.Store on an etcd cluster. Its methods may be
 // called from any goroutine.
 type Store struct {
-	cli  *clientv3.Client
-	opts Options
+	cli       *clientv3.Client
+	opts      Options
+	endpoints []string
 
 	mu     sync.Mutex
 	closed bool
+	diag   string    // the last diagnosis of a connection failure
+	diagAt time.Time // when it was made
 }
 
 var _ membership.Store = (*Store)(nil)
@@ -66,13 +75,14 @@ func Dial(ctx context.Context, endpoints []string, opts Options) (*Store, error)
 		DialKeepAliveTimeout: opts.KeepAliveTimeout,
 		Username:             opts.Username,
 		Password:             opts.Password,
+		TLS:                  opts.TLS,
 		Context:              context.WithoutCancel(ctx),
 		Logger:               zap.NewNop(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("etcdstore: connecting to %v: %w", endpoints, err)
 	}
-	return &Store{cli: cli, opts: opts}, nil
+	return &Store{cli: cli, opts: opts, endpoints: slices.Clone(endpoints)}, nil
 }
 
 // Client is the underlying etcd client (tests compact through it).
@@ -98,7 +108,83 @@ func (s *Store) wrap(op string, err error) error {
 	case errors.Is(err, rpctypes.ErrRequestTooLarge), errors.Is(err, rpctypes.ErrTooManyRequests):
 		return fmt.Errorf("etcdstore: %s: %w: %v", op, membership.ErrLimit, err)
 	}
+	// Any other failure but the caller's cancel may be etcd being out of
+	// reach (the client reports that as a deadline or "unavailable").
+	if !errors.Is(err, context.Canceled) {
+		if why := s.diagnose(); why != "" {
+			return fmt.Errorf("etcdstore: %s: %w (%s)", op, err, why)
+		}
+	}
 	return fmt.Errorf("etcdstore: %s: %w", op, err)
+}
+
+// diagnoseEvery bounds how often a failing store probes etcd itself.
+const diagnoseEvery = 5 * time.Second
+
+// diagnose says, when it can tell, why etcd does not answer: the gRPC
+// client retries a refused TLS handshake until the operation's deadline
+// and then reports only the deadline. It probes the first endpoint itself
+// (at most once per diagnoseEvery) and returns "" when the probe finds
+// nothing wrong.
+func (s *Store) diagnose() string {
+	s.mu.Lock()
+	if time.Since(s.diagAt) < diagnoseEvery {
+		d := s.diag
+		s.mu.Unlock()
+		return d
+	}
+	s.mu.Unlock()
+	d := probe(s.endpoints[0], s.opts.TLS)
+	s.mu.Lock()
+	s.diag, s.diagAt = d, time.Now()
+	s.mu.Unlock()
+	return d
+}
+
+// probe dials endpoint and, with tc, makes a TLS handshake with it and
+// waits briefly for a refusal of the client's certificate (under TLS 1.3
+// the server checks it after the client's side of the handshake ends);
+// without tc it tells whether the endpoint speaks TLS only. It returns
+// what it found wrong, or "", within a second in all.
+func probe(endpoint string, tc *tls.Config) string {
+	deadline := time.Now().Add(time.Second)
+	conn, err := net.DialTimeout("tcp", endpoint, time.Until(deadline))
+	if err != nil {
+		return fmt.Sprintf("cannot reach etcd at %s: %v", endpoint, err)
+	}
+	defer conn.Close()
+	conn.SetDeadline(deadline)
+	if tc == nil {
+		// Only to tell whether the server speaks TLS: no data is sent.
+		err := tls.Client(conn, &tls.Config{InsecureSkipVerify: true}).Handshake()
+		if err == nil || remoteAlert(err) {
+			return fmt.Sprintf("etcd at %s serves TLS only: set security.etcd.ca_file (and cert_file and key_file if it requires client certificates)", endpoint)
+		}
+		return ""
+	}
+	c := tc.Clone()
+	if c.ServerName == "" {
+		c.ServerName, _, _ = net.SplitHostPort(endpoint)
+	}
+	tlc := tls.Client(conn, c)
+	if err := tlc.Handshake(); err != nil {
+		return fmt.Sprintf("TLS handshake with etcd at %s: %v", endpoint, err)
+	}
+	if soon := time.Now().Add(300 * time.Millisecond); soon.Before(deadline) {
+		tlc.SetReadDeadline(soon)
+	}
+	var b [1]byte
+	if _, err := tlc.Read(b[:]); err != nil && remoteAlert(err) {
+		return fmt.Sprintf("etcd at %s refused this client's TLS: %v", endpoint, err)
+	}
+	return ""
+}
+
+// remoteAlert reports whether err is a TLS alert the peer sent (crypto/tls
+// returns those as a *net.OpError whose Op is "remote error").
+func remoteAlert(err error) bool {
+	var op *net.OpError
+	return errors.As(err, &op) && op.Op == "remote error"
 }
 
 // Grant implements membership.Store.

@@ -2,11 +2,14 @@ package etcdstore
 
 import (
 	"context"
+	"crypto/tls"
+	"strings"
 	"testing"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 	"github.com/kvxfer/kvxfer/membership"
 	"github.com/kvxfer/kvxfer/membership/membershiptest"
 )
@@ -44,4 +47,129 @@ func TestConformance(t *testing.T) {
 		},
 		MinTTL: 2 * time.Second,
 	})
+}
+
+func dialTLS(t testing.TB, addr string, f tlsconf.Files) *Store {
+	t.Helper()
+	c, err := tlsconf.LoadClient(f.CAFile, f.CertFile, f.KeyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	s, err := Dial(ctx, []string{addr}, Options{TLS: c, DialTimeout: 2 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// TestConformanceTLS runs the suite against an etcd that serves TLS only
+// and requires client certificates of its CA.
+func TestConformanceTLS(t *testing.T) {
+	e := membershiptest.StartEtcdTLS(t)
+	admin := dialTLS(t, e.Addr, e.Client)
+	t.Cleanup(func() { admin.Close() })
+	if _, _, err := admin.List(t.Context(), "/kvxfer/"); err != nil {
+		t.Fatal(err)
+	}
+	membershiptest.Run(t, membershiptest.Harness{
+		Addr: e.Addr,
+		Dial: func(t testing.TB, addr string) membership.Store { return dialTLS(t, addr, e.Client) },
+		Compact: func(t testing.TB, rev int64) {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			if _, err := admin.Client().Compact(ctx, rev, clientv3.WithCompactPhysical()); err != nil {
+				t.Fatalf("compact to %d: %v", rev, err)
+			}
+		},
+		MinTTL: 2 * time.Second,
+	})
+}
+
+// TestTLSRefused: against an etcd that requires TLS and client
+// certificates, a client without TLS, one whose certificate another CA
+// signed, and one that does not trust etcd's CA all fail, within the
+// operation's deadline, and the error says what happened.
+func TestTLSRefused(t *testing.T) {
+	e := membershiptest.StartEtcdTLS(t)
+	other, err := tlsconf.LoadClient(e.Other.CAFile, e.Other.CertFile, e.Other.KeyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	foreignCert, err := tlsconf.LoadClient(e.Client.CAFile, e.Other.CertFile, e.Other.KeyFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	noCert, err := tlsconf.LoadClient(e.Client.CAFile, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		tls  *tls.Config
+		want string
+	}{
+		{"plaintext", nil, "serves TLS only: set security.etcd.ca_file"},
+		{"server not trusted", other, "TLS handshake with etcd at " + e.Addr + ": tls: failed to verify certificate"},
+		{"client certificate of another CA", foreignCert, "refused this client's TLS: remote error: tls: bad certificate"},
+		{"no client certificate", noCert, "refused this client's TLS: remote error: tls: "},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+			defer cancel()
+			s, err := Dial(ctx, []string{e.Addr}, Options{TLS: tc.tls, DialTimeout: time.Second})
+			if err == nil {
+				defer s.Close()
+				_, _, err = s.List(ctx, "/kvxfer/")
+			}
+			if err == nil {
+				t.Fatal("listed keys of an etcd that should have refused this client")
+			}
+			t.Logf("error: %v", err)
+			if tc.want != "" && !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("error %q does not mention %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestAuth: with etcd's authentication on, the store works as the user
+// the options name and fails, saying so, with a wrong password.
+func TestAuth(t *testing.T) {
+	addr := membershiptest.StartEtcd(t)
+	admin := dial(t, addr)
+	defer admin.Close()
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	cli := admin.Client()
+	if _, err := cli.UserAdd(ctx, "root", "root-pw"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.UserGrantRole(ctx, "root", "root"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.AuthEnable(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Dial(ctx, []string{addr}, Options{Username: "root", Password: "root-pw"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if _, err := s.Put(ctx, "/kvxfer/auth-test", []byte("x"), 0); err != nil {
+		t.Fatalf("put as root: %v", err)
+	}
+	kvs, _, err := s.List(ctx, "/kvxfer/")
+	if err != nil || len(kvs) != 1 {
+		t.Fatalf("list as root: %v, %v", kvs, err)
+	}
+	if _, err := Dial(ctx, []string{addr}, Options{Username: "root", Password: "wrong"}); err == nil || !strings.Contains(err.Error(), "authentication failed") {
+		t.Errorf("wrong password: %v, want an authentication failure", err)
+	}
+	anon := dial(t, addr)
+	defer anon.Close()
+	if _, _, err := anon.List(ctx, "/kvxfer/"); err == nil {
+		t.Error("listed without a user on an etcd with authentication on")
+	}
 }

@@ -3,6 +3,7 @@ package membershiptest
 import (
 	"bytes"
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net/http"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/freeport"
+	"github.com/kvxfer/kvxfer/internal/tlsconf"
 )
 
 // EnvRequireEtcd, when set to anything but "" or "0", makes StartEtcd fail
@@ -26,6 +28,40 @@ const EnvRequireEtcd = "KVXFER_REQUIRE_ETCD"
 // saying why, unless EnvRequireEtcd is set.
 func StartEtcd(t testing.TB) string {
 	t.Helper()
+	return startEtcdRetry(t, nil)
+}
+
+// EtcdTLS is an etcd started by StartEtcdTLS: its client address and the
+// PEM files of its test CA and of a client certificate that CA signed.
+type EtcdTLS struct {
+	Addr string
+	// Client holds the client certificate, its key and the CA (which also
+	// signed etcd's server certificate, for 127.0.0.1 and localhost).
+	Client tlsconf.Files
+	// Other is a certificate of another CA, which etcd refuses.
+	Other tlsconf.Files
+}
+
+// StartEtcdTLS is StartEtcd for an etcd that serves its clients over TLS
+// only and requires a client certificate signed by its CA
+// (--client-cert-auth), as production etcd clusters are run.
+func StartEtcdTLS(t testing.TB) EtcdTLS {
+	t.Helper()
+	dir := t.TempDir()
+	fs, err := tlsconf.WriteCluster(filepath.Join(dir, "ca"), []string{"etcd", "client"}, nil, time.Hour, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := tlsconf.WriteCluster(filepath.Join(dir, "other"), []string{"client"}, nil, time.Hour, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := startEtcdRetry(t, &fs[0])
+	return EtcdTLS{Addr: addr, Client: fs[1], Other: other[0]}
+}
+
+func startEtcdRetry(t testing.TB, server *tlsconf.Files) string {
+	t.Helper()
 	bin, err := exec.LookPath("etcd")
 	if err != nil {
 		if v := os.Getenv(EnvRequireEtcd); v != "" && v != "0" {
@@ -35,7 +71,7 @@ func StartEtcd(t testing.TB) string {
 	}
 	var last error
 	for range 3 { // a free port can be taken between probing and binding
-		addr, err := startEtcd(t, bin)
+		addr, err := startEtcd(t, bin, server)
 		if err == nil {
 			return addr
 		}
@@ -45,7 +81,9 @@ func StartEtcd(t testing.TB) string {
 	return ""
 }
 
-func startEtcd(t testing.TB, bin string) (string, error) {
+// startEtcd starts one etcd; with server, its client URL is https with
+// that certificate, and clients need a certificate of the same CA.
+func startEtcd(t testing.TB, bin string, server *tlsconf.Files) (string, error) {
 	dir := t.TempDir()
 	cport, err := freeport.Port()
 	if err != nil {
@@ -55,7 +93,22 @@ func startEtcd(t testing.TB, bin string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	client := "http://127.0.0.1:" + strconv.Itoa(cport)
+	scheme := "http"
+	var tlsArgs []string
+	var probe *tls.Config
+	if server != nil {
+		scheme = "https"
+		tlsArgs = []string{"--cert-file", server.CertFile, "--key-file", server.KeyFile,
+			"--trusted-ca-file", server.CAFile, "--client-cert-auth"}
+		// The health probe presents etcd's own certificate (it is valid
+		// for clients too).
+		c, err := tlsconf.LoadClient(server.CAFile, server.CertFile, server.KeyFile)
+		if err != nil {
+			return "", err
+		}
+		probe = c
+	}
+	client := scheme + "://127.0.0.1:" + strconv.Itoa(cport)
 	peer := "http://127.0.0.1:" + strconv.Itoa(pport)
 	logf, err := os.Create(filepath.Join(dir, "etcd.log"))
 	if err != nil {
@@ -71,6 +124,7 @@ func startEtcd(t testing.TB, bin string) (string, error) {
 		"--initial-cluster-state", "new",
 		"--logger", "zap", "--log-outputs", "stderr",
 	)
+	cmd.Args = append(cmd.Args, tlsArgs...)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	if err := cmd.Start(); err != nil {
 		return "", err
@@ -83,7 +137,7 @@ func startEtcd(t testing.TB, bin string) (string, error) {
 	}
 	deadline := time.Now().Add(15 * time.Second)
 	for {
-		if ok := healthy(client); ok {
+		if ok := healthy(client, probe); ok {
 			break
 		}
 		select {
@@ -111,11 +165,11 @@ func startEtcd(t testing.TB, bin string) (string, error) {
 	return "127.0.0.1:" + strconv.Itoa(cport), nil
 }
 
-func healthy(client string) bool {
+func healthy(client string, tc *tls.Config) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
 	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, client+"/health", nil)
-	tr := &http.Transport{DisableKeepAlives: true}
+	tr := &http.Transport{DisableKeepAlives: true, TLSClientConfig: tc}
 	defer tr.CloseIdleConnections()
 	r, err := (&http.Client{Transport: tr}).Do(req)
 	if err != nil {
