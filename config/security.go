@@ -310,15 +310,19 @@ func (l *loader) peerHosts(n *yaml.Node, path string, s *Security) {
 	}
 }
 
-func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
-	file := func(name string, dst *string) func(k, v *yaml.Node) {
-		return func(k, v *yaml.Node) {
-			p := join(path, name)
-			if l.str(v, p, dst) && strings.TrimSpace(*dst) == "" {
-				l.errAt(v, p, "must not be empty (leave the key out instead)")
-			}
+// nonEmpty reads key name of the block at path into dst: a string that
+// must not be blank.
+func (l *loader) nonEmpty(path, name string, dst *string) func(k, v *yaml.Node) {
+	return func(k, v *yaml.Node) {
+		p := join(path, name)
+		if l.str(v, p, dst) && strings.TrimSpace(*dst) == "" {
+			l.errAt(v, p, "must not be empty (leave the key out instead)")
 		}
 	}
+}
+
+func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
+	file := func(name string, dst *string) func(k, v *yaml.Node) { return l.nonEmpty(path, name, dst) }
 	if !l.block(n, path, map[string]func(k, v *yaml.Node){
 		"cert_file": file("cert_file", &t.CertFile),
 		"key_file":  file("key_file", &t.KeyFile),
@@ -335,14 +339,7 @@ func (l *loader) tls(n *yaml.Node, path string, t *TLSFiles) {
 }
 
 func (l *loader) etcdClient(n *yaml.Node, path string, e *EtcdClient) {
-	str := func(name string, dst *string) func(k, v *yaml.Node) {
-		return func(k, v *yaml.Node) {
-			p := join(path, name)
-			if l.str(v, p, dst) && strings.TrimSpace(*dst) == "" {
-				l.errAt(v, p, "must not be empty (leave the key out instead)")
-			}
-		}
-	}
+	str := func(name string, dst *string) func(k, v *yaml.Node) { return l.nonEmpty(path, name, dst) }
 	if !l.block(n, path, map[string]func(k, v *yaml.Node){
 		"ca_file":       str("ca_file", &e.CAFile),
 		"cert_file":     str("cert_file", &e.CertFile),

@@ -35,9 +35,15 @@ func TestConformance(t *testing.T) {
 	if _, _, err := admin.List(t.Context(), "/kvxfer/"); err != nil {
 		t.Fatal(err)
 	}
+	runSuite(t, addr, admin, func(t testing.TB, addr string) membership.Store { return dial(t, addr) })
+}
+
+// runSuite runs the conformance suite on the etcd at addr, compacting
+// through admin.
+func runSuite(t *testing.T, addr string, admin *Store, dial func(t testing.TB, addr string) membership.Store) {
 	membershiptest.Run(t, membershiptest.Harness{
 		Addr: addr,
-		Dial: func(t testing.TB, addr string) membership.Store { return dial(t, addr) },
+		Dial: dial,
 		Compact: func(t testing.TB, rev int64) {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			defer cancel()
@@ -73,18 +79,7 @@ func TestConformanceTLS(t *testing.T) {
 	if _, _, err := admin.List(t.Context(), "/kvxfer/"); err != nil {
 		t.Fatal(err)
 	}
-	membershiptest.Run(t, membershiptest.Harness{
-		Addr: e.Addr,
-		Dial: func(t testing.TB, addr string) membership.Store { return dialTLS(t, addr, e.Client) },
-		Compact: func(t testing.TB, rev int64) {
-			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-			defer cancel()
-			if _, err := admin.Client().Compact(ctx, rev, clientv3.WithCompactPhysical()); err != nil {
-				t.Fatalf("compact to %d: %v", rev, err)
-			}
-		},
-		MinTTL: 2 * time.Second,
-	})
+	runSuite(t, e.Addr, admin, func(t testing.TB, addr string) membership.Store { return dialTLS(t, addr, e.Client) })
 }
 
 // TestTLSRefused: against an etcd that requires TLS and client
