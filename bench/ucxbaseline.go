@@ -47,8 +47,10 @@ var ucxBWSettings = []ucxBWSetting{
 	{4 << 20, 0, "4k"}, {0, 1, "4k"},
 }
 
-// ucxBWRounds is how many spans each setting moves after its warm-up (the
-// best counts), as many as the requests a bench run measures by default.
+// ucxBWRounds is how many spans each setting moves after its warm-up, as
+// many as the requests a bench run measures by default; a setting's
+// figure is their bytes over their summed time, the statistic of the runs
+// it is compared with (the fastest round is printed too, not used).
 const ucxBWRounds = 8
 
 // ucxTLSNote says which transports UCX was told to use, as the UCX
@@ -64,10 +66,10 @@ func ucxTLSNote() string {
 // ucxC builds ucxbw with cc and runs it with each of ucxBWSettings, over
 // spans of the baseline's bytes (at most 1 GiB; rounded down to a whole
 // number of messages), with this process's UCX_* environment (the one the
-// backend under test runs with, UCX_TLS included). The best counts.
+// backend under test runs with, UCX_TLS included). The best setting counts.
 func (br *baselineRunner) ucxC(ctx context.Context) Baseline {
 	b := Baseline{Name: BaselineUCXC, Bytes: br.bytes,
-		Description: fmt.Sprintf("a C UCP program (cc; ucp_tag_send_nbx/ucp_tag_recv_nbx, busy polling) between two processes on memory each has written, best of %d rounds, best message size, window and page size", ucxBWRounds) + ucxTLSNote()}
+		Description: fmt.Sprintf("a C UCP program (cc; ucp_tag_send_nbx/ucp_tag_recv_nbx, busy polling) between two processes on memory each has written, %d rounds after a warm-up, their bytes over their time; best message size, window and page size", ucxBWRounds) + ucxTLSNote()}
 	cc, err := br.lookPath("cc")
 	if err != nil {
 		b.Skipped = "cc is not installed (Debian package gcc)"
