@@ -95,7 +95,7 @@ func (br *baselineRunner) ucxC(ctx context.Context) Baseline {
 			window = min(window, s.window)
 		}
 		args := []string{strconv.FormatInt(size, 10), strconv.Itoa(window), strconv.FormatInt(n, 10), strconv.Itoa(ucxBWRounds), s.pages}
-		v := Variant{Setting: fmt.Sprintf("%s x %d in flight, %s pages", humanBytes(size), window, s.pages), Bytes: n,
+		v := Variant{Setting: fmt.Sprintf("%s x %d in flight, %s pages", humanBytes(size), window, s.pages), Bytes: n * ucxBWRounds,
 			Command: "ucxbw " + strings.Join(args, " ")}
 		if slices.ContainsFunc(b.Variants, func(o Variant) bool { return o.Setting == v.Setting }) {
 			continue // a span too small for the larger settings
@@ -104,6 +104,11 @@ func (br *baselineRunner) ucxC(ctx context.Context) Baseline {
 		if err == nil {
 			v.GBps, err = parseGBpsLine("ucxbw", out)
 		}
+		if kb, ok := ucxBWHugeKB(out); err == nil && s.pages == "thp" && ok && kb*1024 < n/2 {
+			// The kernel did not grant the advice: say so rather than
+			// label 4 KiB pages huge.
+			v.Setting += fmt.Sprintf(" (advised; %s granted)", humanBytes(kb*1024))
+		}
 		if err != nil {
 			v.Error = firstLine(err.Error()) + ": " + tail(out)
 		}
@@ -111,4 +116,16 @@ func (br *baselineRunner) ucxC(ctx context.Context) Baseline {
 	}
 	b.pickBest()
 	return b
+}
+
+// ucxBWHugeKB reads the receiver's hugepages_kb field from ucxbw's output
+// (-1 there when /proc/self/smaps_rollup could not be read: not ok).
+func ucxBWHugeKB(out []byte) (int64, bool) {
+	for _, f := range strings.Fields(string(out)) {
+		if v, ok := strings.CutPrefix(f, "hugepages_kb="); ok {
+			kb, err := strconv.ParseInt(v, 10, 64)
+			return kb, err == nil && kb >= 0
+		}
+	}
+	return 0, false
 }

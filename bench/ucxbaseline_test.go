@@ -39,6 +39,25 @@ func TestParseGBpsLine(t *testing.T) {
 	}
 }
 
+func TestUCXBWHugeKB(t *testing.T) {
+	for _, tc := range []struct {
+		out  string
+		kb   int64
+		okay bool
+	}{
+		{"gbps=1 best_round=2 rounds=8 hugepages_kb=524288\n", 524288, true},
+		{"gbps=1 hugepages_kb=0\n", 0, true},
+		{"gbps=1 hugepages_kb=-1\n", 0, false}, // smaps_rollup unreadable
+		{"gbps=1 hugepages_kb=x\n", 0, false},
+		{"gbps=1\n", 0, false},
+	} {
+		kb, ok := ucxBWHugeKB([]byte(tc.out))
+		if ok != tc.okay || (ok && kb != tc.kb) {
+			t.Errorf("%q: %d, %v; want %d, %v", tc.out, kb, ok, tc.kb, tc.okay)
+		}
+	}
+}
+
 func FuzzParseGBpsLine(f *testing.F) {
 	f.Add([]byte("gbps=10.5 mean=9 rounds=8 hugepages_kb=0\n"))
 	f.Add([]byte("gbps=1e400\n"))
@@ -106,7 +125,7 @@ func TestUCXCBaseline(t *testing.T) {
 		t.Fatalf("%+v", b)
 	}
 	for _, v := range b.Variants {
-		if v.GBps <= 0 || v.GBps > b.GBps || v.Bytes != 8<<20 || !strings.HasPrefix(v.Command, "ucxbw ") {
+		if v.GBps <= 0 || v.GBps > b.GBps || v.Bytes != ucxBWRounds*8<<20 || !strings.HasPrefix(v.Command, "ucxbw ") {
 			t.Errorf("variant %+v, best %v", v, b.GBps)
 		}
 	}
