@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -36,7 +35,7 @@ const (
 // machine. A baseline that could not be measured has GBps 0 and says why
 // in Skipped (the tool is not installed) or Error (it failed).
 type Baseline struct {
-	Name        string  `json:"name"` // BaselineCopy, BaselineRawTCP, BaselineIperf3, BaselineUCXPerftest or BaselineOpenSSL
+	Name        string  `json:"name"` // BaselineCopy, BaselineRawTCP, BaselineIperf3, BaselineUCXPerftest, BaselineUCXC, BaselineOpenSSL, ...
 	Description string  `json:"description"`
 	GBps        float64 `json:"gbps"`  // 1e9 bytes per second
 	Bytes       int64   `json:"bytes"` // moved per measurement
@@ -95,7 +94,7 @@ var baselineBackends = map[string][]string{
 	"tcp":      {BaselineRawTCP, BaselineIperf3, BaselineIperf3Multi},
 	"tcp(tls)": {BaselineRawTCP, BaselineIperf3, BaselineIperf3Multi, BaselineOpenSSL},
 	"shm":      {BaselineCopy, BaselineCopy2},
-	"ucx":      {BaselineUCXPerftest},
+	"ucx":      {BaselineUCXPerftest, BaselineUCXC},
 	"mpi":      {BaselineMPI},
 }
 
@@ -165,6 +164,7 @@ func (br *baselineRunner) run(ctx context.Context) []Baseline {
 	add(br.iperf3(ctx, 1))
 	add(br.iperf3(ctx, transport.DefaultStreams))
 	add(br.ucxPerftest(ctx))
+	add(br.ucxC(ctx))
 	if br.mpi {
 		add(br.mpiBaseline(ctx))
 	}
@@ -348,11 +348,7 @@ func (br *baselineRunner) ucxPerftest(ctx context.Context) Baseline {
 		b.Skipped = "ucx_perftest is not installed (Debian package ucx-utils)"
 		return b
 	}
-	if tls, ok := os.LookupEnv("UCX_TLS"); ok {
-		b.Description += ", UCX_TLS=" + tls
-	} else {
-		b.Description += ", UCX_TLS unset (UCX chooses)"
-	}
+	b.Description += ucxTLSNote()
 	sizes := []int64{min(br.bytes, 16<<20)}
 	if whole := min(br.bytes, 512<<20); whole > sizes[0] {
 		sizes = append(sizes, whole)

@@ -23,7 +23,7 @@ var (
 	seriesColors   = []color.Color{rgb(0x0072B2), rgb(0xD55E00), rgb(0x009E73), rgb(0x882255), rgb(0x44AA99), rgb(0x332288)}
 	baselineColors = map[string]color.Color{
 		BaselineCopy: rgb(0x000000), BaselineRawTCP: rgb(0xE69F00), BaselineIperf3: rgb(0x56B4E9), BaselineUCXPerftest: rgb(0xCC79A7),
-		BaselineOpenSSL: rgb(0x999933),
+		BaselineOpenSSL: rgb(0x999933), BaselineUCXC: rgb(0x661100),
 	}
 	seriesGlyphs = []draw.GlyphDrawer{draw.CircleGlyph{}, draw.BoxGlyph{}, draw.PyramidGlyph{}, draw.RingGlyph{}, draw.SquareGlyph{}, draw.TriangleGlyph{}}
 )

@@ -250,7 +250,7 @@ func TestParseUCXPerftest(t *testing.T) {
 
 func TestRatios(t *testing.T) {
 	bs := []Baseline{{Name: BaselineCopy, GBps: 10}, {Name: BaselineRawTCP, GBps: 2}, {Name: BaselineIperf3},
-		{Name: BaselineUCXPerftest, GBps: 4}}
+		{Name: BaselineUCXPerftest, GBps: 4}, {Name: BaselineUCXC, GBps: 8}}
 	for _, tc := range []struct {
 		backend string
 		gbps    float64
@@ -258,7 +258,7 @@ func TestRatios(t *testing.T) {
 	}{
 		{"tcp", 1, []Ratio{{BaselineRawTCP, 0.5}}}, // iperf3 not measured
 		{"shm", 5, []Ratio{{BaselineCopy, 0.5}}},
-		{"ucx(cma)", 2, []Ratio{{BaselineUCXPerftest, 0.5}}},
+		{"ucx(cma)", 2, []Ratio{{BaselineUCXPerftest, 0.5}, {BaselineUCXC, 0.25}}},
 		{"shm+tcp", 2, nil}, // mixed: no single limit applies
 		{"", 0, nil},
 		{"tcp", 0, nil},

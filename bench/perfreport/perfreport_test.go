@@ -88,8 +88,8 @@ func TestEvaluate(t *testing.T) {
 	smallSHM.P50Ms, smallSHM8.TransfersPerS = 0.2, 9999
 	failed := run("ucx", 1, Ratio{"ucx_perftest", 2})
 	failed.Errors = 1
-	ucxTCP := rep("ucxtcp", run("ucx", 1, Ratio{"ucx_perftest", 0.95}))
-	ucxTCP.Baselines = []Baseline{{Name: "ucx_perftest", Description: "ucx_perftest tag_bw, UCX_TLS=tcp"}}
+	ucxTCP := rep("ucxtcp", run("ucx", 1, Ratio{"ucx_perftest", 0.95}, Ratio{"ucx_c", 0.92}))
+	ucxTCP.Baselines = []Baseline{{Name: "ucx_perftest", Description: "ucx_perftest tag_bw, UCX_TLS=tcp"}, {Name: "ucx_c", Description: "a C UCP program, UCX_TLS=tcp"}}
 	ins := Inputs{
 		Main: rep("main",
 			run("tcp", 1, Ratio{"iperf3", 0.9}, Ratio{"iperf3_multi", 0.89}),
@@ -109,8 +109,8 @@ func TestEvaluate(t *testing.T) {
 		{"tcp, identical layouts ≥ 0.90× iperf3", true, "main"},
 		{"tcp, identical layouts ≥ 0.90× iperf3_multi", false, "main"},
 		{"tcp, context TP2 → generation TP1 ≥ 0.85× iperf3", true, "tp2"},
-		{"ucx, UCX_TLS=tcp ≥ 0.90× ucx_perftest", true, "UCX_TLS=tcp ucxtcp"},
-		{"ucx, UCX's own choice of transports ≥ 0.95× ucx_perftest", false, "main"}, // the only ucx run failed
+		{"ucx, UCX_TLS=tcp ≥ 0.90× the best of ucx_perftest, ucx_c", true, "UCX_TLS=tcp ucxtcp"},
+		{"ucx, UCX's own choice of transports ≥ 0.95× the best of ucx_perftest, ucx_c", false, "main"}, // the only ucx run failed
 		{"shm ≥ 0.90× copy", false, "main"},
 		{"tcp, one 64 KiB block, one at a time: p50 ≤ 0.100 ms", true, "small"},
 		{"tcp, one 64 KiB block, 8 at a time: ≥ 10,000 transfers/s", true, "small"},
@@ -127,6 +127,9 @@ func TestEvaluate(t *testing.T) {
 			t.Errorf("result %d = %q met=%v cmd=%q (%s), want %q met=%v cmd=%q", i, g.Target, g.Met, g.Command, g.Measured, w.target, w.met, w.cmd)
 		}
 	}
+	if m := got[3].Measured; !strings.Contains(m, "0.92× ucx_c") {
+		t.Errorf("ucx over tcp: %q, want the ratio to the higher baseline, ucx_c, named", m)
+	}
 	if m := got[4].Measured; !strings.Contains(m, "no error-free ucx run of 4096 tokens") {
 		t.Errorf("a failed run is taken as a figure: %q", m)
 	}
@@ -139,11 +142,21 @@ func TestEvaluate(t *testing.T) {
 		t.Errorf("a 1024-token run was taken for the 4096-token target: %+v", r)
 	}
 	ins.Main.Runs[0].ISL = bigISL
-	// A ucx_perftest that ran with other transports is no baseline for
-	// UCX_TLS=tcp.
-	ucxTCP.Baselines[0].Description = "ucx_perftest tag_bw, UCX_TLS unset (UCX chooses)"
-	if r := Evaluate(ins)[3]; r.Met || !strings.Contains(r.Measured, "did not run with UCX_TLS=tcp") {
-		t.Errorf("a baseline from another UCX_TLS was taken: %+v", r)
+	// The ratio to ucx_c alone, when ucx_perftest is missing, but below
+	// the target.
+	ucxTCP.Runs[0].Ratios = []Ratio{{"ucx_c", 0.85}}
+	if r := Evaluate(ins)[3]; r.Met || !strings.Contains(r.Measured, "0.85× ucx_c") {
+		t.Errorf("ucx_c alone at 0.85: %+v", r)
+	}
+	// A UCX baseline that ran with other transports is no baseline for
+	// UCX_TLS=tcp, whichever of the two it is.
+	for i := range ucxTCP.Baselines {
+		d := ucxTCP.Baselines[i].Description
+		ucxTCP.Baselines[i].Description = "UCX_TLS unset (UCX chooses)"
+		if r := Evaluate(ins)[3]; r.Met || !strings.Contains(r.Measured, "did not run with UCX_TLS=tcp") || !strings.Contains(r.Measured, ucxTCP.Baselines[i].Name) {
+			t.Errorf("a %s from another UCX_TLS was taken: %+v", ucxTCP.Baselines[i].Name, r)
+		}
+		ucxTCP.Baselines[i].Description = d
 	}
 	// Nothing at all: every target is reported, none met.
 	for _, r := range Evaluate(Inputs{}) {

@@ -53,7 +53,7 @@ func TestBenchCommand(t *testing.T) {
 	}
 
 	rep := benchtest.ReadReport(t, jsonPath)
-	if len(rep.Runs) != 6 || len(rep.Baselines) != 6 || rep.Build.GoVersion == "" || rep.Machine.CPUs < 1 {
+	if len(rep.Runs) != 6 || len(rep.Baselines) != 7 || rep.Build.GoVersion == "" || rep.Machine.CPUs < 1 {
 		t.Fatalf("%d runs, %d baselines, build %+v, machine %+v", len(rep.Runs), len(rep.Baselines), rep.Build, rep.Machine)
 	}
 	if strings.Join(rep.Command, " ") == "" || rep.Command[0] != "kvxfer" || !strings.Contains(strings.Join(rep.Command, " "), "--isl 64,256") {

@@ -59,12 +59,16 @@ func BenchmarkSend(b *testing.B) {
 // process (this test binary as a peer), as ucx_perftest runs: the sender
 // waits for each message's descriptor over a pipe from the receiver, which
 // posts its next receipt when the last one is done. Both sides use the
-// same kind of memory.
+// same kind of memory. "512MiB_4MiBx128" cuts both sides into 4 MiB
+// segments, the pool blocks of llama-3.1-8b at 32 tokens, as kvxfer bench
+// moves a 4096-token request (128 messages, all in flight); compare it
+// with kvxfer bench --baseline's ucx_c setting "4 MiB x 128 in flight".
 func BenchmarkSendProcess(b *testing.B) {
 	for _, sz := range []struct {
 		name string
 		n    int
-	}{{"4MiB", 4 << 20}, {"512MiB", 512 << 20}} {
+		seg  int // 0: one segment
+	}{{"4MiB", 4 << 20, 0}, {"512MiB", 512 << 20, 0}, {"512MiB_4MiBx128", 512 << 20, 4 << 20}} {
 		for _, mem := range []string{"thp", "goheap"} {
 			b.Run(sz.name+"/"+mem, func(b *testing.B) {
 				var env []string
@@ -76,13 +80,13 @@ func BenchmarkSendProcess(b *testing.B) {
 				defer a.Close()
 				src := alloc(b, mem, sz.n)
 				fillPattern(1, src)
-				p.cmdf(b, "sink %d %s", sz.n, mem)
+				p.cmdf(b, "sink %d %s %d", sz.n, mem, sz.seg)
 				send := func() {
 					desc, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(p.expect(b, "desc "), "desc "))
 					if err != nil {
 						b.Fatal(err)
 					}
-					if err := a.Send(context.Background(), desc, [][]byte{src}); err != nil {
+					if err := a.Send(context.Background(), desc, cut(src, sz.seg)); err != nil {
 						b.Fatal(err)
 					}
 				}

@@ -6,6 +6,7 @@ import (
 	"os"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestDefaultsFromEnv: each default is given to UCX only when no variable
@@ -40,5 +41,24 @@ func TestDefaultsFromEnv(t *testing.T) {
 				t.Fatalf("defaults %q, want %q", got, c.want)
 			}
 		})
+	}
+}
+
+func TestKeepSpinning(t *testing.T) {
+	for _, tc := range []struct {
+		inFlight, overTCP bool
+		since             time.Duration
+		want              bool
+	}{
+		{true, false, 0, true},
+		{true, false, spinFor - time.Microsecond, true},
+		{true, false, spinFor, false}, // spun long enough
+		{false, false, 0, false},      // nothing in flight: sleep
+		{true, true, 0, false},        // tcp: sleep
+		{false, true, time.Hour, false},
+	} {
+		if got := keepSpinning(tc.inFlight, tc.overTCP, tc.since); got != tc.want {
+			t.Errorf("keepSpinning(%v, %v, %v) = %v, want %v", tc.inFlight, tc.overTCP, tc.since, got, tc.want)
+		}
 	}
 }

@@ -327,8 +327,9 @@ func cpuTime(t *testing.T) time.Duration {
 //	recv N       -> "desc <base64>", later "got ok <fnv64a>" or "got err <text>"
 //	send D N S   -> "sending", then "sent ok" or "sent err <text>" (N bytes
 //	                of pattern S, zeros for 0, to descriptor D)
-//	sink N M     -> "desc <base64>" for one N-byte receipt after another,
-//	                into memory M ("thp" or "goheap", see alloc)
+//	sink N M [S] -> "desc <base64>" for one N-byte receipt after another,
+//	                into memory M ("thp" or "goheap", see alloc), cut into
+//	                segments of S bytes when S is given
 //	stop         -> exits
 func peerMain(in io.Reader, out io.Writer) int {
 	tr, err := Open(context.Background(), transport.Options{})
@@ -400,9 +401,14 @@ func peerMain(in io.Reader, out io.Writer) int {
 				syscall.Madvise(dst, 14) // MADV_HUGEPAGE
 			}
 			clear(dst)
+			segs := [][]byte{dst}
+			if len(f) > 3 {
+				seg, _ := strconv.Atoi(f[3])
+				segs = cut(dst, seg)
+			}
 			go func() {
 				for {
-					r, err := tr.Expect([][]byte{dst})
+					r, err := tr.Expect(segs)
 					if err != nil {
 						w.println("got err", err)
 						return
@@ -420,6 +426,21 @@ func peerMain(in io.Reader, out io.Writer) int {
 		}
 	}
 	return 0
+}
+
+// cut returns b as segments of n bytes (the last shorter), or b whole
+// when n is not positive.
+func cut(b []byte, n int) [][]byte {
+	if n <= 0 {
+		return [][]byte{b}
+	}
+	var out [][]byte
+	for len(b) > 0 {
+		k := min(n, len(b))
+		out = append(out, b[:k:k])
+		b = b[k:]
+	}
+	return out
 }
 
 type lineWriter struct {
