@@ -140,6 +140,7 @@ type baselineRunner struct {
 	timeout  time.Duration // per external tool
 	report   func(Baseline)
 	tls      bool // some runs use TLS: measure the cipher's limit too
+	ucx      bool // some runs use backend ucx: measure ucx_perftest and the C UCP program too
 	mpi      bool // some runs use backend mpi: measure the C MPI program too
 	mpiBTL   string
 }
@@ -163,8 +164,10 @@ func (br *baselineRunner) run(ctx context.Context) []Baseline {
 	add(raw)
 	add(br.iperf3(ctx, 1))
 	add(br.iperf3(ctx, transport.DefaultStreams))
-	add(br.ucxPerftest(ctx))
-	add(br.ucxC(ctx))
+	if br.ucx {
+		add(br.ucxPerftest(ctx))
+		add(br.ucxC(ctx))
+	}
 	if br.mpi {
 		add(br.mpiBaseline(ctx))
 	}

@@ -251,7 +251,7 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 	if s.Baseline || tlsOn {
 		br := &baselineRunner{cfg: s.Base, bytes: s.BaselineBytes, lookPath: s.lookPath, timeout: 2 * time.Minute,
 			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }, tls: tlsOn,
-			mpi: slices.ContainsFunc(s.Backends, isMPI), mpiBTL: s.Base.MPIBTL}
+			ucx: slices.Contains(s.Backends, config.BackendUCX.Lower()), mpi: slices.ContainsFunc(s.Backends, isMPI), mpiBTL: s.Base.MPIBTL}
 		if s.Baseline {
 			rep.Baselines = br.run(ctx)
 		} else {
