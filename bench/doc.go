@@ -13,11 +13,12 @@
 // (Baseline.Variants records them): a memory copy on one and on two threads
 // (Go's copy and C's memcpy), one raw TCP stream over loopback, and iperf3
 // (one stream and as many as the tcp backend opens; write lengths 128K, 1M,
-// 4M) and ucx_perftest (two message sizes) when they are installed, and
-// ucx_c, UCX on memory both sides have written (a C program built with cc
-// against libucx at bench time, see ucxbaseline.go; message sizes, windows
-// and page sizes), when cc and UCX's headers are (bench never installs
-// anything). A ucx run is compared with both UCX baselines. With Sweep.TLS {false, true} every run is also
+// 4M) when installed; when a run uses backend ucx, ucx_perftest (two
+// message sizes) when it is installed, and ucx_c, UCX on memory both sides
+// have written (a C program built with cc against libucx at bench time,
+// see ucxbaseline.go; message sizes, windows and page sizes), when cc and
+// UCX's headers are (bench never installs anything). A ucx run is
+// compared with both UCX baselines. With Sweep.TLS {false, true} every run is also
 // made with mutual TLS on the transfer planes (certificates made for the
 // run, the context process's handed over as files), and the cipher's limit
 // on one core (openssl speed -evp aes-128-gcm, when installed) is measured
