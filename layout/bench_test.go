@@ -8,8 +8,10 @@ import (
 
 // Benchmarks on Llama-3.1-8B shapes (32 layers, 8 KV heads, head_dim 128,
 // bf16, 32 tokens per block) for a 4096-token request: 128 blocks. Each
-// family has a "copy" sub-benchmark that moves the same number of bytes with
-// one copy() between two flat buffers, so the ratio can be read off one run.
+// pack or unpack reports x-copy, its speed as a multiple of a copy() of the
+// same bytes over the same memory timed alternately with it (benchRatio);
+// each family's "copy" sub-benchmark gives the rate of one copy() of those
+// bytes between two buffers of its own, for reference.
 // With its default staging size (transfer_buffer_size, 512 MiB, as
 // TensorRT-LLM's) the transceiver packs a whole 4096-token request into one
 // staging buffer: that is "pack"/"unpack". The "staged" variants stream the
