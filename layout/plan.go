@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"slices"
 
-	"github.com/kvxfer/kvxfer/internal/memcopy"
 	"github.com/kvxfer/kvxfer/kvcache"
 )
 
@@ -189,7 +188,10 @@ func (p *Plan) Identity() bool {
 // sub-range of a request's blocks may be packed on its own: packing blocks
 // [i, j) into the bytes [i×P, j×P) of a whole-request buffer gives the same
 // bytes as packing all of it. Pack does not allocate; on a length error it
-// writes nothing.
+// writes nothing. It writes dst front to back, one copy per source span;
+// past memcopy.StreamMin bytes in spans shorter than that, with
+// non-temporal stores while it prefetches the next span (see streams), and
+// its stores are ordered before it returns.
 func (p *Plan) Pack(dst []byte, src [][]byte) error {
 	if err := checkPacked("pack: dst", len(dst), len(src), p.packed); err != nil {
 		return err
@@ -199,12 +201,42 @@ func (p *Plan) Pack(dst []byte, src [][]byte) error {
 			return fmt.Errorf("%w: pack: src block %d is %d bytes, want %d", ErrBufferSize, i, len(b), p.srcBytes)
 		}
 	}
+	p.pack(dst, src, streams(len(dst), p.srcSpans))
+	return nil
+}
+
+// pack is Pack on checked buffers, streaming or with copy().
+func (p *Plan) pack(dst []byte, src [][]byte, stream bool) {
 	off := 0
-	for _, b := range src {
-		for _, r := range p.srcSpans {
-			s := int(r.Off)
-			off += copy(dst[off:off+int(r.Len)], b[s:s+int(r.Len)])
+	if !stream {
+		for _, b := range src {
+			for _, r := range p.srcSpans {
+				s := int(r.Off)
+				off += copy(dst[off:off+int(r.Len)], b[s:s+int(r.Len)])
+			}
 		}
+		return
+	}
+	for i, b := range src {
+		for j, r := range p.srcSpans {
+			s, n := int(r.Off), int(r.Len)
+			copySpan(dst[off:off+n], b[s:s+n], p.nextSrc(src, i, j))
+			off += n
+		}
+	}
+	fence()
+}
+
+// nextSrc returns the source bytes pack copies after span j of block i of
+// src: span j+1, the first span of block i+1, or nothing.
+func (p *Plan) nextSrc(src [][]byte, i, j int) []byte {
+	switch {
+	case j+1 < len(p.srcSpans):
+		r := p.srcSpans[j+1]
+		return src[i][r.Off : r.Off+r.Len]
+	case i+1 < len(src):
+		r := p.srcSpans[0]
+		return src[i+1][r.Off : r.Off+r.Len]
 	}
 	return nil
 }
@@ -213,7 +245,8 @@ func (p *Plan) Pack(dst []byte, src [][]byte) error {
 // block from src (exactly len(dst)×PackedBytesPerBlock bytes) into the
 // generation blocks dst (each DstBlockBytes long), leaving the bytes other
 // context ranks provide untouched. Like Pack it works on any sub-range of
-// blocks, does not allocate and writes nothing on a length error.
+// blocks, does not allocate, writes nothing on a length error, and copies
+// with non-temporal stores in the same cases.
 func (p *Plan) Unpack(dst [][]byte, src []byte) error {
 	if err := checkPacked("unpack: src", len(src), len(dst), p.packed); err != nil {
 		return err
@@ -223,41 +256,31 @@ func (p *Plan) Unpack(dst [][]byte, src []byte) error {
 			return fmt.Errorf("%w: unpack: dst block %d is %d bytes, want %d", ErrBufferSize, i, len(b), p.dstBytes)
 		}
 	}
-	cp := copierFor(len(src), p.dstSpans)
-	off := 0
-	for _, b := range dst {
-		for _, r := range p.dstSpans {
-			d := int(r.Off)
-			off += cp(b[d:d+int(r.Len)], src[off:off+int(r.Len)])
-		}
-	}
+	p.unpack(dst, src, streams(len(src), p.dstSpans))
 	return nil
 }
 
-// copierFor returns how Unpack copies each span of an operation that
-// moves total bytes in the given spans. Past what the caches hold, spans
-// shorter than memcopy.StreamMin are written with non-temporal stores
-// (memcopy.Stream), which spare each destination line its read for
-// ownership: scattering into short spans then moves about as fast as one
-// long copy (0.54× a copy before, about 0.9× after, for context TP2 →
-// generation TP1). Go's copy() does the same by itself for a span of
-// StreamMin or more. Below that total, copy(), so that a small chunk stays
-// in cache for whoever reads it next. Pack does not use it: its
-// destination is one contiguous run, and for its strided reads of 8 KiB
-// spans non-temporal stores measured slower than copy().
-func copierFor(total int, spans []Span) func(dst, src []byte) int {
-	if total < memcopy.StreamMin {
-		return copyBytes
+// unpack is Unpack on checked buffers, streaming or with copy().
+func (p *Plan) unpack(dst [][]byte, src []byte, stream bool) {
+	off := 0
+	if !stream {
+		for _, b := range dst {
+			for _, r := range p.dstSpans {
+				d := int(r.Off)
+				off += copy(b[d:d+int(r.Len)], src[off:off+int(r.Len)])
+			}
+		}
+		return
 	}
-	for _, r := range spans {
-		if r.Len >= memcopy.StreamMin {
-			return copyBytes
+	for _, b := range dst {
+		for _, r := range p.dstSpans {
+			d, n := int(r.Off), int(r.Len)
+			copySpan(b[d:d+n], src[off:off+n], src[off+n:])
+			off += n
 		}
 	}
-	return memcopy.Stream
+	fence()
 }
-
-func copyBytes(dst, src []byte) int { return copy(dst, src) }
 
 // checkPacked checks that a packed buffer of n bytes holds exactly blocks
 // blocks of per bytes each, without overflowing.

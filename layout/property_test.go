@@ -95,7 +95,9 @@ func fixedPairings() []pairing {
 	h2 := kvcache.Shape{Layers: 4, KVHeads: 2, HeadDim: 2, TokensPerBlock: 2, KVFactor: 2, DType: kvcache.FP32}
 	m := kvcache.Shape{Layers: 6, KVHeads: 1, HeadDim: 5, TokensPerBlock: 2, KVFactor: 1, DType: kvcache.FP8E4M3}
 	// Requests of a few MiB a rank, past memcopy.StreamMin, so that Pack and
-	// Unpack take their non-temporal path; odd row sizes misalign the spans.
+	// Unpack take their non-temporal path (TestFixedPairingsStream); odd row
+	// sizes misalign the spans. checkPairing also runs both paths on every
+	// pairing, whatever its size.
 	big := kvcache.Shape{Layers: 4, KVHeads: 8, HeadDim: 64, TokensPerBlock: 16, KVFactor: 2, DType: kvcache.FP32}
 	odd := kvcache.Shape{Layers: 2, KVHeads: 6, HeadDim: 37, TokensPerBlock: 7, KVFactor: 2, DType: kvcache.BF16}
 	s := func(sh kvcache.Shape, tp, pp int, split ...int) CacheState {
@@ -125,6 +127,7 @@ func fixedPairings() []pairing {
 		{s(h12, 2, 1), dp(s(h12, 6, 1), 2, 1), 6, 12},
 		{s(big, 1, 1), s(big, 2, 1), 160, 13},
 		{s(big, 4, 1), s(big, 1, 2), 160, 14},
+		{s(big, 2, 1), s(big, 1, 1), 160, 17},
 		{s(odd, 3, 1), s(odd, 2, 1), 700, 15},
 		{s(odd, 1, 1), s(odd, 6, 1), 1400, 16},
 	}
@@ -199,6 +202,20 @@ func checkPairing(t *testing.T, p pairing) {
 			whole := make([]byte, nb*pb)
 			if err := plan.Pack(whole, src); err != nil {
 				fail("Pack: %v", err)
+			}
+			// Both copy paths, whichever Pack and Unpack chose for this size.
+			for _, stream := range []bool{false, true} {
+				alt := bytes.Repeat([]byte{0xa5}, nb*pb)
+				plan.pack(alt, src, stream)
+				if !bytes.Equal(alt, whole) {
+					fail("ctx %d → gen %d: pack(stream %t) differs from Pack", c, g, stream)
+				}
+			}
+			viaCopy, viaStream := blocks(nb, plan.DstBlockBytes(), 0xa5), blocks(nb, plan.DstBlockBytes(), 0xa5)
+			plan.unpack(viaCopy, whole, false)
+			plan.unpack(viaStream, whole, true)
+			if !slices.EqualFunc(viaCopy, viaStream, bytes.Equal) {
+				fail("ctx %d → gen %d: unpack with non-temporal stores differs from unpack with copy()", c, g)
 			}
 			// Chunks of k blocks through a staging buffer of k blocks.
 			k := 1 + r.IntN(nb)
@@ -303,6 +320,35 @@ func TestPropertyRandom(t *testing.T) {
 		}
 	}
 	t.Logf("coverage: %v", seen)
+}
+
+// TestFixedPairingsStream checks that the fixed pairings take Pack's and
+// Unpack's non-temporal path somewhere, so that checkPairing compares it with
+// the reference through the exported functions too.
+func TestFixedPairingsStream(t *testing.T) {
+	packs, unpacks := 0, 0
+	for _, p := range fixedPairings() {
+		nb := NumBlocks(p.tokens, p.prefill.Shape.TokensPerBlock)
+		for _, c := range groupRanks(p.prefill) {
+			targets, err := TargetRanks(p.gen, p.prefill, c)
+			if err != nil {
+				t.Fatalf("%v\nTargetRanks(ctx %d): %v", p, c, err)
+			}
+			for _, g := range targets {
+				plan := mustPlan(t, p.prefill, c, p.gen, g)
+				n := nb * int(plan.PackedBytesPerBlock())
+				if streams(n, plan.srcSpans) && len(plan.srcSpans) > 1 {
+					packs++
+				}
+				if streams(n, plan.dstSpans) && len(plan.dstSpans) > 1 {
+					unpacks++
+				}
+			}
+		}
+	}
+	if packs == 0 || unpacks == 0 {
+		t.Fatalf("the fixed pairings stream in %d packs and %d unpacks of several spans, want some of each", packs, unpacks)
+	}
 }
 
 // TestShardMatchesLogical checks the reference itself on a small case worked

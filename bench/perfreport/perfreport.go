@@ -114,7 +114,8 @@ func ReadReport(path string) (*Report, error) {
 }
 
 // LayoutCase is one pack or unpack benchmark of package layout, as a
-// multiple of a plain copy of the same bytes measured right after it.
+// multiple of a plain copy of the same bytes over the same memory, timed
+// alternately with it (the median of the paired ratios).
 type LayoutCase struct {
 	Name   string
 	XCopy  float64
