@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/kvxfer/kvxfer/internal/memcopy"
 	"github.com/kvxfer/kvxfer/kvcache"
 )
 
@@ -220,11 +221,11 @@ func (p *Plan) pack(dst []byte, src [][]byte, stream bool) {
 	for i, b := range src {
 		for j, r := range p.srcSpans {
 			s, n := int(r.Off), int(r.Len)
-			copySpan(dst[off:off+n], b[s:s+n], p.nextSrc(src, i, j))
+			memcopy.StreamSpan(dst[off:off+n], b[s:s+n], p.nextSrc(src, i, j))
 			off += n
 		}
 	}
-	fence()
+	memcopy.Fence()
 }
 
 // nextSrc returns the source bytes pack copies after span j of block i of
@@ -275,11 +276,11 @@ func (p *Plan) unpack(dst [][]byte, src []byte, stream bool) {
 	for _, b := range dst {
 		for _, r := range p.dstSpans {
 			d, n := int(r.Off), int(r.Len)
-			copySpan(b[d:d+n], src[off:off+n], src[off+n:])
+			memcopy.StreamSpan(b[d:d+n], src[off:off+n], src[off+n:])
 			off += n
 		}
 	}
-	fence()
+	memcopy.Fence()
 }
 
 // checkPacked checks that a packed buffer of n bytes holds exactly blocks

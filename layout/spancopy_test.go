@@ -1,73 +1,10 @@
 package layout
 
 import (
-	"bytes"
-	"math/rand/v2"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/internal/memcopy"
 )
-
-// TestCopySpanEqualsCopy checks copySpan against copy() for every head
-// misalignment of dst and src, lengths around the 128-byte unit and the
-// prefetch distance, and next regions absent, short and long: the bytes
-// copied, and the bytes around dst and all of src and next, which must
-// stay as they were.
-func TestCopySpanEqualsCopy(t *testing.T) {
-	r := rand.New(rand.NewPCG(3, 4))
-	const size = 3*maxPrefetch + 256
-	src := make([]byte, size)
-	for i := range src {
-		src[i] = byte(r.Uint32())
-	}
-	orig := bytes.Clone(src)
-	lengths := []int{0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 1000, 4096, maxPrefetch - 1, maxPrefetch + 65, 2*maxPrefetch + 3}
-	for dOff := range 17 {
-		for sOff := range 17 {
-			for _, n := range lengths {
-				for _, nextLen := range []int{0, 1, 100, maxPrefetch} {
-					next := src[size-nextLen:]
-					want := bytes.Repeat([]byte{0xa5}, size)
-					got := bytes.Clone(want)
-					copy(want[dOff:dOff+n], src[sOff:sOff+n])
-					copySpan(got[dOff:dOff+n], src[sOff:sOff+n], next)
-					fence()
-					if !bytes.Equal(got, want) {
-						t.Fatalf("dst+%d src+%d n=%d next=%d: copySpan differs from copy", dOff, sOff, n, nextLen)
-					}
-				}
-			}
-		}
-	}
-	if !bytes.Equal(src, orig) {
-		t.Fatal("copySpan wrote to its source or next")
-	}
-}
-
-func FuzzCopySpan(f *testing.F) {
-	f.Add(bytes.Repeat([]byte("some bytes to copy, "), 20), uint8(3), uint8(5), uint16(7))
-	f.Add([]byte{}, uint8(0), uint8(0), uint16(0))
-	f.Fuzz(func(t *testing.T, data []byte, dOff, sOff uint8, nextLen uint16) {
-		d, s := int(dOff%32), int(sOff%32)
-		if s > len(data) {
-			return
-		}
-		src := data[s:]
-		next := data[:min(int(nextLen), len(data))]
-		orig := bytes.Clone(data)
-		want := make([]byte, d+len(src)+8)
-		got := make([]byte, d+len(src)+8)
-		copy(want[d:], src)
-		copySpan(got[d:d+len(src)], src, next)
-		fence()
-		if !bytes.Equal(got, want) {
-			t.Fatalf("copySpan(dst+%d, %d bytes, next %d bytes) differs from copy", d, len(src), len(next))
-		}
-		if !bytes.Equal(data, orig) {
-			t.Fatal("copySpan wrote to its source")
-		}
-	})
-}
 
 func TestStreams(t *testing.T) {
 	const m = memcopy.StreamMin
@@ -89,7 +26,7 @@ func TestStreams(t *testing.T) {
 }
 
 // BenchmarkSpanCopy moves 64 MiB in one copy() and in 8 KiB pieces, with
-// copy() and with copySpan: from and to consecutive pieces ("seq"), from
+// copy() and with memcopy.StreamSpan: from and to consecutive pieces ("seq"), from
 // every other piece into consecutive ones (a Pack of context TP4 PP2 for
 // generation TP8: "gather") and back ("scatter"). It separates what the
 // destination's reads for ownership cost (seq) from what strided reading
@@ -117,15 +54,16 @@ func BenchmarkSpanCopy(b *testing.B) {
 						f(far, dst[off:off+span], dst[off+span:])
 					}
 				}
-				fence()
+				memcopy.Fence()
 			}
 		})
 	}
 	copyFn := func(d, s, _ []byte) { copy(d, s) }
+	streamSpan := func(d, s, next []byte) { memcopy.StreamSpan(d, s, next) }
 	spans("seq/copy", copyFn, 1, true)
-	spans("seq/copySpan", copySpan, 1, true)
+	spans("seq/streamSpan", streamSpan, 1, true)
 	spans("gather/copy", copyFn, 2, true)
-	spans("gather/copySpan", copySpan, 2, true)
+	spans("gather/streamSpan", streamSpan, 2, true)
 	spans("scatter/copy", copyFn, 2, false)
-	spans("scatter/copySpan", copySpan, 2, false)
+	spans("scatter/streamSpan", streamSpan, 2, false)
 }

@@ -10,8 +10,14 @@
 // writes with non-temporal stores whatever the length, so a copy made of
 // many short spans moves at the speed of one long copy.
 //
-// Use Stream only when the whole operation moves far more than the caches
-// hold (StreamMin): data it writes is not in any cache afterwards, so a
+// A copy made of many short spans pays a second cost: each span's first
+// lines miss while the hardware prefetcher, which stops at page
+// boundaries, trains on the new stream. StreamSpan copies one span and
+// prefetches the next one into L2 while it does; an operation calls it per
+// span and Fence once at the end (Stream is one StreamSpan and its Fence).
+//
+// Use them only when the whole operation moves far more than the caches
+// hold (StreamMin): data they write is not in any cache afterwards, so a
 // reader that follows at once pays a miss per line.
 package memcopy
 

@@ -61,6 +61,67 @@ func FuzzStream(f *testing.F) {
 	})
 }
 
+// TestStreamSpanEqualsCopy checks StreamSpan against copy() for every head
+// misalignment of dst and src, lengths around the 128-byte unit and the
+// prefetch distance, and next regions absent, short and long: the bytes
+// copied, and the bytes around dst and all of src and next, which must
+// stay as they were.
+func TestStreamSpanEqualsCopy(t *testing.T) {
+	r := rand.New(rand.NewPCG(3, 4))
+	const size = 3*PrefetchMax + 256
+	src := make([]byte, size)
+	for i := range src {
+		src[i] = byte(r.Uint32())
+	}
+	orig := bytes.Clone(src)
+	lengths := []int{0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 1000, 4096, PrefetchMax - 1, PrefetchMax + 65, 2*PrefetchMax + 3}
+	for dOff := range 17 {
+		for sOff := range 17 {
+			for _, n := range lengths {
+				for _, nextLen := range []int{0, 1, 100, PrefetchMax} {
+					next := src[size-nextLen:]
+					want := bytes.Repeat([]byte{0xa5}, size)
+					got := bytes.Clone(want)
+					copy(want[dOff:dOff+n], src[sOff:sOff+n])
+					StreamSpan(got[dOff:dOff+n], src[sOff:sOff+n], next)
+					Fence()
+					if !bytes.Equal(got, want) {
+						t.Fatalf("dst+%d src+%d n=%d next=%d: StreamSpan differs from copy", dOff, sOff, n, nextLen)
+					}
+				}
+			}
+		}
+	}
+	if !bytes.Equal(src, orig) {
+		t.Fatal("StreamSpan wrote to its source or next")
+	}
+}
+
+func FuzzStreamSpan(f *testing.F) {
+	f.Add(bytes.Repeat([]byte("some bytes to copy, "), 20), uint8(3), uint8(5), uint16(7))
+	f.Add([]byte{}, uint8(0), uint8(0), uint16(0))
+	f.Fuzz(func(t *testing.T, data []byte, dOff, sOff uint8, nextLen uint16) {
+		d, s := int(dOff%32), int(sOff%32)
+		if s > len(data) {
+			return
+		}
+		src := data[s:]
+		next := data[:min(int(nextLen), len(data))]
+		orig := bytes.Clone(data)
+		want := make([]byte, d+len(src)+8)
+		got := make([]byte, d+len(src)+8)
+		copy(want[d:], src)
+		StreamSpan(got[d:d+len(src)], src, next)
+		Fence()
+		if !bytes.Equal(got, want) {
+			t.Fatalf("StreamSpan(dst+%d, %d bytes, next %d bytes) differs from copy", d, len(src), len(next))
+		}
+		if !bytes.Equal(data, orig) {
+			t.Fatal("StreamSpan wrote to its source")
+		}
+	})
+}
+
 // BenchmarkSpans copies 64 MiB in spans of 8 and 32 KiB, into a contiguous
 // destination, with copy() and with Stream: the work of a Pack.
 func BenchmarkSpans(b *testing.B) {
