@@ -161,6 +161,9 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 	w.mu.Unlock()
 	t.recvs[r.id] = r
 	t.mu.Unlock()
+	// The Send's rts follows soon: the progress goroutine spins for it
+	// rather than sleeping through it.
+	w.poke()
 	return r, nil
 }
 
