@@ -1,6 +1,7 @@
 //go:build mpi && cgo
 
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 #include "kxmpi.h"
@@ -89,7 +90,9 @@ int kxm_testsome(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Stat
 // budget_ns have passed; it returns as kxm_testsome does (outcount 0 on a
 // timeout or a rung bell). The whole wait is one cgo call, so the locked
 // OS thread of the progress goroutine spins here, in C, as MPI_Waitsome
-// would, rather than going through Go's scheduler once per test.
+// would, rather than going through Go's scheduler once per test; it yields
+// the CPU between tests, so that the threads the next control message
+// waits for run where cores are few.
 int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st, int *bell, long long budget_ns) {
 	struct timespec t0, t;
 	clock_gettime(CLOCK_MONOTONIC, &t0);
@@ -100,6 +103,7 @@ int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Stat
 			*outcount = 0;
 			return MPI_SUCCESS;
 		}
+		sched_yield();
 		if ((i & 15) == 15) {
 			clock_gettime(CLOCK_MONOTONIC, &t);
 			if ((long long)(t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) >= budget_ns) {
