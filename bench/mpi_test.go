@@ -99,14 +99,29 @@ func TestMPIBaseline(t *testing.T) {
 		}
 	}
 	for _, btl := range []string{MPIBTLVader, MPIBTLTCP} {
-		br := &baselineRunner{bytes: 16 << 20, lookPath: exec.LookPath, timeout: time.Minute, mpiBTL: btl}
+		// Two requests of 16 MiB: the baseline moves both.
+		br := &baselineRunner{cfg: Config{Requests: 2}, bytes: 16 << 20, lookPath: exec.LookPath, timeout: time.Minute, mpiBTL: btl}
 		b := br.mpiBaseline(context.Background())
-		if b.GBps <= 0 || b.Error != "" || len(b.Variants) != len(mpiBWSettings) || !strings.Contains(b.Command, "self,"+btl) {
+		if b.Bytes < 32<<20 {
+			t.Errorf("%s: baseline of %d bytes, want at least the run's 2 x 16 MiB", btl, b.Bytes)
+		}
+		if b.GBps <= 0 || b.Error != "" || len(b.Variants) != len(mpiBWSettings)*len(mpiBWPages) || !strings.Contains(b.Command, "self,"+btl) {
 			t.Fatalf("%s: %+v", btl, b)
 		}
+		pages := map[string]int{}
 		for _, v := range b.Variants {
-			if v.GBps <= 0 || v.GBps > b.GBps || v.Bytes < 16<<20 {
+			if v.GBps <= 0 || v.GBps > b.GBps || v.Bytes < 32<<20 {
 				t.Errorf("%s: variant %+v, best %v", btl, v, b.GBps)
+			}
+			for _, p := range mpiBWPages {
+				if strings.HasSuffix(v.Setting, ", "+p+" pages") && strings.HasSuffix(v.Command, " "+p) {
+					pages[p]++
+				}
+			}
+		}
+		for _, p := range mpiBWPages {
+			if pages[p] != len(mpiBWSettings) {
+				t.Errorf("%s: %d variants on %s pages, want one per setting (%d): %+v", btl, pages[p], p, len(mpiBWSettings), b.Variants)
 			}
 		}
 		t.Logf("%s: %.2f GB/s (%s)", btl, b.GBps, b.Best)

@@ -50,7 +50,7 @@ processes are the two ranks of one MPI world that bench starts with mpirun -np 2
 component --mpi-btl names (vader, shared memory, or tcp), which the report names:
 mpi(vader). Its baseline (--baseline) is a small C MPI program built with mpicc at
 bench time and run under the same mpirun flags (4 MiB messages four at a time, as the
-transport sends them, and two other sizes; the best counts).
+transport sends them, and two other sizes, each on malloc's and on huge pages; the best counts).
 
 The table goes to stdout; --json, --md and --png write the report, a Markdown document
 and a chart. Exit status 1 when a run fails, a transfer fails or verification fails.`

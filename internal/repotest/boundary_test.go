@@ -92,7 +92,7 @@ var boundaries = []rule{
 		tests: []string{"internal/memnet"}},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
-	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd", "internal/memcopy"},
+	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd", "internal/memcopy", "internal/hugepage"},
 		tests: []string{"transport/transporttest", "internal/syncbuf", "internal/tlsconf", "internal/procnet"}, ext: []string{"golang.org/x/sys/..."}},
 	// The fault-injecting wrapper of any backend (the chaos suite's): it
 	// wraps transports by their interface only; its tests run it over tcp.
@@ -135,6 +135,9 @@ var boundaries = []rule{
 	{pkg: "internal/procnet"},
 	// Copies with non-temporal stores (layout's packing, the receipts' scatter).
 	{pkg: "internal/memcopy"},
+	// Transparent huge-page advice on the pools a data plane moves
+	// (transport/mpi's RegisterMemory).
+	{pkg: "internal/hugepage"},
 	{pkg: "internal/freeport"},
 	{pkg: "internal/syncbuf"},
 	// An in-memory network for tests under testing/synctest (test support

@@ -361,7 +361,9 @@ func TestCrossRankEarlyEnds(t *testing.T) {
 //	mpirun -np 2 ./mpi.test -test.run '^$' -test.bench CrossRank -test.benchtime 20x
 //
 // KVXFER_MPI_BW_FRAME sets the receipts' frame size (default
-// transport.DefaultFrameBytes). testdata/bw.c is the same in plain C MPI.
+// transport.DefaultFrameBytes); the memory is registered (huge pages)
+// unless KVXFER_MPI_BW_PAGES=small. testdata/bw.c is the same in plain C
+// MPI, on malloc's pages; bench's mpi_c baseline also runs on huge pages.
 func BenchmarkCrossRank(b *testing.B) {
 	for _, n := range []int{64 << 10, 512 << 20} {
 		b.Run(sizeName(n), func(b *testing.B) { benchCrossRank(b, n) })
@@ -388,8 +390,19 @@ func benchCrossRank(b *testing.B, n int) {
 	defer tr.Close()
 	conc := max(1, min(64, (16<<20)/n))
 	src := make([]byte, n)
-	fillSeed(1, [][]byte{src})
 	dst := cut(slices.Repeat([]int{n}, conc))
+	// Registered, as the transceiver registers its pools (huge pages),
+	// unless KVXFER_MPI_BW_PAGES=small; then written, so that no side
+	// reads the kernel's zero page or faults in the measured loop.
+	if os.Getenv("KVXFER_MPI_BW_PAGES") != "small" {
+		for _, m := range append([][]byte{src}, dst...) {
+			if err := tr.(transport.MemoryRegistrar).RegisterMemory(m, nil); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	fillSeed(1, [][]byte{src})
+	fillSeed(2, dst)
 	b.SetBytes(int64(n) * int64(conc))
 	round := 0
 	for b.Loop() {

@@ -1,6 +1,7 @@
 //go:build mpi && cgo
 
 #include <string.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 #include "kxmpi.h"
@@ -81,6 +82,36 @@ int kxm_cancel(MPI_Request *req) { return MPI_Cancel(req); }
 
 int kxm_testsome(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st) {
 	return MPI_Testsome(n, reqs, outcount, indices, st);
+}
+
+// kxm_progress tests the requests (MPI_Testsome, which makes progress)
+// until at least one completes, *bell becomes nonzero (the Go side has
+// work for the progress goroutine: its doorbell), an MPI call fails, or
+// budget_ns have passed; it returns as kxm_testsome does (outcount 0 on a
+// timeout or a rung bell). The whole wait is one cgo call, so the locked
+// OS thread of the progress goroutine spins here, in C, as MPI_Waitsome
+// would, rather than going through Go's scheduler once per test; it yields
+// the CPU between tests, so that the threads the next control message
+// waits for run where cores are few.
+int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st, int *bell, long long budget_ns) {
+	struct timespec t0, t;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	for (unsigned long i = 0;; i++) {
+		int rc = MPI_Testsome(n, reqs, outcount, indices, st);
+		if (rc != MPI_SUCCESS || (*outcount != MPI_UNDEFINED && *outcount > 0)) return rc;
+		if (__atomic_load_n(bell, __ATOMIC_ACQUIRE) != 0) {
+			*outcount = 0;
+			return MPI_SUCCESS;
+		}
+		sched_yield();
+		if ((i & 15) == 15) {
+			clock_gettime(CLOCK_MONOTONIC, &t);
+			if ((long long)(t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) >= budget_ns) {
+				*outcount = 0;
+				return MPI_SUCCESS;
+			}
+		}
+	}
 }
 
 void kxm_status(MPI_Status *st, int *source, int *count, int *cancelled, int *error) {

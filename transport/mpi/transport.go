@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/kvxfer/kvxfer/transport"
 )
@@ -38,6 +39,8 @@ type Transport struct {
 	closing chan struct{}
 	recvs   map[uint64]*recv // not yet done
 	sending sync.WaitGroup
+
+	adviceLogged atomic.Bool // RegisterMemory logged that huge pages were refused
 }
 
 // Open opens a Transport on the world Init made; ctx is not used (opening
@@ -158,6 +161,9 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 	w.mu.Unlock()
 	t.recvs[r.id] = r
 	t.mu.Unlock()
+	// The Send's rts follows soon: the progress goroutine spins for it
+	// rather than sleeping through it.
+	w.poke()
 	return r, nil
 }
 

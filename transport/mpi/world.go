@@ -15,6 +15,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -25,13 +26,18 @@ func init() { transport.Register(backend{}) }
 
 // Timing of the progress goroutine.
 const (
-	// spinRounds is how many empty rounds the goroutine spins (yielding)
-	// while data is in flight before it starts sleeping.
-	spinRounds = 2000
-	// busyNap, waitNap and idleNap bound a sleep of the goroutine: with
-	// data in flight; with receipts armed or Sends waiting for their
-	// receiver (a control message may come); with neither.
-	busyNap = 20 * time.Microsecond
+	// hotSpin is how long the goroutine keeps spinning (in C, see
+	// progress) after its last piece of work (a completion, a command, a
+	// receipt armed): the control messages of a transfer (rts, cts) come
+	// in quick succession, and a goroutine asleep would see each one a
+	// nap late.
+	hotSpin = 2 * time.Millisecond
+	// spinSlice bounds one spinning cgo call (progress), so that the
+	// goroutine comes back to Go to see a stop.
+	spinSlice = time.Millisecond
+	// waitNap and idleNap bound a sleep of the goroutine once it is
+	// cold: with receipts armed or Sends waiting for their receiver (a
+	// control message may come); with neither.
 	waitNap = 250 * time.Microsecond
 	idleNap = 2 * time.Millisecond
 	// standingCtl is the number of control receives kept posted.
@@ -57,6 +63,7 @@ type world struct {
 	nextRID    uint64
 	nextSID    uint64
 	wake       chan struct{}
+	bell       *C.int // the doorbell: nonzero when cmds (or a poke) wait; C memory, so that a spinning progress sees it
 	stop       chan struct{}
 	stopped    chan struct{}
 	finalErr   error // MPI_Finalize's, set before stopped closes
@@ -69,7 +76,14 @@ type world struct {
 	busy     int // of them, data requests
 	indices  []C.int
 	statuses []C.MPI_Status
+	done     []completed // testsome's, reused
 	nextTag  int
+}
+
+// completed is a finished request's handler and what it reports.
+type completed struct {
+	h func(completion)
+	c completion
 }
 
 // completion is what a finished request reports.
@@ -110,6 +124,7 @@ func Init(logger *slog.Logger) error {
 		recvs:      map[uint64]*recv{},
 		sends:      map[uint64]*send{},
 		wake:       make(chan struct{}, 1),
+		bell:       (*C.int)(C.calloc(1, C.size_t(unsafe.Sizeof(C.int(0))))),
 		stop:       make(chan struct{}),
 		stopped:    make(chan struct{}),
 	}
@@ -119,6 +134,7 @@ func Init(logger *slog.Logger) error {
 	ready := make(chan error, 1)
 	go w.run(ready)
 	if err := <-ready; err != nil {
+		C.free(unsafe.Pointer(w.bell))
 		return err
 	}
 	the.w = w
@@ -144,7 +160,9 @@ func Finalize() error {
 		return fmt.Errorf("mpi: finalize: %d transports still open", open)
 	}
 	close(w.stop)
+	w.poke()
 	<-w.stopped
+	C.free(unsafe.Pointer(w.bell))
 	the.w, the.final = nil, true
 	return w.finalErr
 }
@@ -188,11 +206,22 @@ func (w *world) do(fn func()) {
 	w.mu.Lock()
 	w.cmds = append(w.cmds, fn)
 	w.mu.Unlock()
+	w.poke()
+}
+
+// poke rings the doorbell: a spinning progress goroutine returns from C,
+// a sleeping one wakes, and either counts it as work (it spins hotSpin
+// longer). Expect pokes so that the rts that follows is seen at once.
+func (w *world) poke() {
+	atomic.StoreInt32(w.bellWord(), 1)
 	select {
 	case w.wake <- struct{}{}:
 	default:
 	}
 }
+
+// bellWord is the doorbell as Go's atomics see it.
+func (w *world) bellWord() *int32 { return (*int32)(unsafe.Pointer(w.bell)) }
 
 // start initialises MPI and the world's communicators (progress
 // goroutine, before its loop).
@@ -239,9 +268,10 @@ func (w *world) run(ready chan<- error) {
 	ready <- nil
 	nap := time.NewTimer(time.Hour)
 	defer nap.Stop()
-	empty := 0
+	var hotUntil time.Time
 	var cmds []func()
 	for {
+		rung := atomic.SwapInt32(w.bellWord(), 0) != 0
 		w.mu.Lock()
 		cmds, w.cmds = w.cmds, cmds[:0]
 		w.mu.Unlock()
@@ -250,8 +280,8 @@ func (w *world) run(ready chan<- error) {
 		}
 		clear(cmds)
 		n := w.testsome()
-		if len(cmds) > 0 || n > 0 {
-			empty = 0
+		if rung || n > 0 {
+			hotUntil = time.Now().Add(hotSpin)
 			continue
 		}
 		select {
@@ -260,20 +290,20 @@ func (w *world) run(ready chan<- error) {
 			return
 		default:
 		}
-		empty++
+		// Data in flight, or work a moment ago: spin in C until a
+		// request completes or the doorbell rings.
+		if w.busy > 0 || time.Now().Before(hotUntil) {
+			if w.progress(spinSlice) > 0 {
+				hotUntil = time.Now().Add(hotSpin)
+			}
+			continue
+		}
 		d := idleNap
 		w.mu.Lock()
 		waiting := len(w.recvs)+len(w.sends) > 0
 		w.mu.Unlock()
 		if waiting {
 			d = waitNap
-		}
-		if w.busy > 0 {
-			if empty < spinRounds {
-				runtime.Gosched()
-				continue
-			}
-			d = busyNap
 		}
 		nap.Reset(d)
 		select {
@@ -357,17 +387,37 @@ func (w *world) testsome() int {
 	}
 	var out C.int
 	rc := C.kxm_testsome(C.int(len(w.reqs)), &w.reqs[0], &out, &w.indices[0], &w.statuses[0])
+	return w.complete(rc, out, "MPI_Testsome")
+}
+
+// progress spins in C (kxm_progress) until a posted request completes,
+// the doorbell rings or budget passes, and runs the handlers of those that
+// completed; it returns how many did. With nothing posted it sleeps no
+// more than budget on the wake channel.
+func (w *world) progress(budget time.Duration) int {
+	if w.active == 0 {
+		select {
+		case <-w.wake:
+		case <-time.After(budget):
+		}
+		return 0
+	}
+	var out C.int
+	rc := C.kxm_progress(C.int(len(w.reqs)), &w.reqs[0], &out, &w.indices[0], &w.statuses[0], w.bell, C.longlong(budget))
+	return w.complete(rc, out, "MPI_Testsome")
+}
+
+// complete runs the handlers of the out requests that MPI reported done
+// (indices and statuses), freeing their slots first.
+func (w *world) complete(rc, out C.int, op string) int {
 	if out == C.MPI_UNDEFINED || out <= 0 {
 		if rc != 0 {
-			w.log.Error("mpi: MPI_Testsome failed", "err", mpiErr("MPI_Testsome", rc))
+			w.log.Error("mpi: "+op+" failed", "err", mpiErr(op, rc))
 		}
 		return 0
 	}
 	n := int(out)
-	done := make([]struct {
-		h func(completion)
-		c completion
-	}, n)
+	done := w.done[:0]
 	for k := range n {
 		i := int(w.indices[k])
 		var src, count, cancelled, errc C.int
@@ -376,14 +426,19 @@ func (w *world) testsome() int {
 		if rc != 0 && errc != 0 {
 			c.Err = mpiErr("request", errc)
 		}
-		done[k].h, done[k].c = w.handlers[i], c
+		done = append(done, completed{w.handlers[i], c})
 		w.handlers[i] = nil
 		w.freeSlot = append(w.freeSlot, i)
 		w.active--
 	}
-	for _, d := range done {
-		d.h(d.c)
+	// The handlers may post (and so test) again: they run from a copy
+	// of nothing that testsome reuses.
+	w.done = nil
+	for k := range done {
+		done[k].h(done[k].c)
+		done[k] = completed{}
 	}
+	w.done = done[:0]
 	return n
 }
 
