@@ -12,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"unsafe"
+
+	"github.com/kvxfer/kvxfer/internal/hugepage"
 )
 
 // TestRegisterMemoryHugePages: RegisterMemory backs the aligned interior of
@@ -49,7 +51,7 @@ func TestRegisterMemoryHugePages(t *testing.T) {
 			if !touched {
 				fillPattern(7, m) // first touch: huge pages where advised
 			}
-			start, length, _ := hugeInterior(uintptr(unsafe.Pointer(&region[0])), uintptr(len(region)))
+			start, length, _ := hugepage.Interior(uintptr(unsafe.Pointer(&region[0])), uintptr(len(region)))
 			if got := anonHuge(t, m); got != int64(length) {
 				t.Fatalf("%d bytes of huge pages after RegisterMemory, want %d (the aligned interior from %#x)", got, length, start)
 			}
