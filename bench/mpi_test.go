@@ -3,50 +3,12 @@ package bench
 import (
 	"context"
 	"errors"
-	"math"
 	"os/exec"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 )
-
-func TestParseMPIBW(t *testing.T) {
-	for _, tc := range []struct {
-		out  string
-		want float64
-		ok   bool
-	}{
-		{"gbps=1.4685\n", 1.4685, true},
-		{"[1,0]<stdout>: noise\n  gbps=12.5  \nmore\n", 12.5, true},
-		{"gbps=0.0000\n", 0, false},
-		{"gbps=-3\n", 0, false},
-		{"gbps=fast\n", 0, false},
-		{"gbps=NaN\n", 0, false},
-		{"gbps=+Inf\n", 0, false},
-		{"GB/s 3.0\n", 0, false},
-		{"", 0, false},
-	} {
-		got, err := parseMPIBW([]byte(tc.out))
-		if (err == nil) != tc.ok || got != tc.want {
-			t.Errorf("parseMPIBW(%q) = %v, %v; want %v, ok %v", tc.out, got, err, tc.want, tc.ok)
-		}
-	}
-}
-
-func FuzzParseMPIBW(f *testing.F) {
-	f.Add([]byte("gbps=1.5\n"))
-	f.Add([]byte("x\ngbps=NaN\n"))
-	f.Fuzz(func(t *testing.T, b []byte) {
-		g, err := parseMPIBW(b)
-		if err == nil && !(g > 0 && !math.IsInf(g, 1)) {
-			t.Fatalf("%q: %v without an error", b, g)
-		}
-		if err != nil && g != 0 {
-			t.Fatalf("%q: %v with error %v", b, g, err)
-		}
-	})
-}
 
 func TestMPIBTLAndLabel(t *testing.T) {
 	for _, tc := range []struct {

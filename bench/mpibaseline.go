@@ -3,10 +3,7 @@ package bench
 import (
 	"context"
 	"fmt"
-	"math"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 )
@@ -159,21 +156,12 @@ func (br *baselineRunner) mpiBaseline(ctx context.Context) Baseline {
 	}
 	ctx, cancel := context.WithTimeout(ctx, br.timeout)
 	defer cancel()
-	dir, err := os.MkdirTemp("", "kvxfer-bench-mpibw-")
+	exe, cleanup, err := buildC(ctx, mpicc, "mpibw", mpiBWSource)
 	if err != nil {
 		b.Error = err.Error()
 		return b
 	}
-	defer os.RemoveAll(dir)
-	src, exe := filepath.Join(dir, "mpibw.c"), filepath.Join(dir, "mpibw")
-	if err := os.WriteFile(src, []byte(mpiBWSource), 0o600); err != nil {
-		b.Error = err.Error()
-		return b
-	}
-	if out, err := exec.CommandContext(ctx, mpicc, "-O2", "-o", exe, src).CombinedOutput(); err != nil {
-		b.Error = fmt.Sprintf("mpicc -O2 -o mpibw mpibw.c: %v: %s", err, tail(out))
-		return b
-	}
+	defer cleanup()
 	// As many bytes as a run measures (its requests of the largest
 	// size), over a span of one request: a figure averaged over as long
 	// as the run's, not the best of a few short bursts.
@@ -201,24 +189,10 @@ func runMPIBW(ctx context.Context, mpirun, btl, exe string, size int64, window i
 	cmd.Env = mpirunEnv()
 	out, err := cmd.CombinedOutput()
 	if err == nil {
-		v.GBps, err = parseMPIBW(out)
+		v.GBps, err = parseGBpsLine("mpibw", out)
 	}
 	if err != nil {
 		v.Error = firstLine(err.Error()) + ": " + tail(out)
 	}
 	return v
-}
-
-// parseMPIBW reads the "gbps=N" line of the C program.
-func parseMPIBW(out []byte) (float64, error) {
-	for line := range strings.Lines(string(out)) {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "gbps="); ok {
-			g, err := strconv.ParseFloat(v, 64)
-			if err != nil || !(g > 0) || math.IsInf(g, 1) {
-				return 0, fmt.Errorf("mpibw reported %q", v)
-			}
-			return g, nil
-		}
-	}
-	return 0, fmt.Errorf("mpibw output has no gbps= line: %s", tail(out))
 }
