@@ -18,7 +18,7 @@ func TestParseGBpsLine(t *testing.T) {
 		{"gbps=10.5344 mean=10.3287 rounds=3 hugepages_kb=524288\n", 10.5344},
 		{"some warning\n  gbps=2.5\n", 2.5},
 		{"[1,0]<stdout>: noise\n  gbps=12.5  \nmore\n", 12.5}, // mpibw under mpirun
-		{"gbps=1\ngbps=2\n", 1}, // the first
+		{"gbps=1\ngbps=2\n", 1},                               // the first
 		{"gbps=0 mean=0\n", 0},
 		{"gbps=-1\n", 0},
 		{"gbps=NaN\n", 0},
