@@ -450,6 +450,42 @@ func (p *Plane) Dial(ctx context.Context, endpoint string) (c *Conn, release fun
 	}
 }
 
+// Cached is Dial without the wait: the connection to endpoint when the
+// dial cache holds a live one, with its release, and ok false (nothing
+// taken, nothing dialled) otherwise, so that a caller may ask on the
+// goroutine it runs on when no dial is needed and hand the dial to
+// another goroutine when one is. Config.DialCheck's error is returned as
+// Dial returns it.
+func (p *Plane) Cached(endpoint string) (c *Conn, release func(), ok bool, err error) {
+	if p.cfg.DialCheck != nil {
+		if err := p.cfg.DialCheck(endpoint); err != nil {
+			return nil, nil, false, err
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, nil, false, ErrClosed
+	}
+	d := p.dialed[endpoint]
+	if d == nil {
+		return nil, nil, false, nil
+	}
+	select {
+	case <-d.ready:
+	default:
+		return nil, nil, false, nil // being dialled
+	}
+	if d.err != nil || d.conn.isDead() {
+		return nil, nil, false, nil
+	}
+	c = d.conn
+	c.users++
+	c.takes++
+	var once sync.Once
+	return c, func() { once.Do(func() { p.release(c) }) }, true, nil
+}
+
 // release ends a use of c that Dial started.
 func (p *Plane) release(c *Conn) {
 	p.mu.Lock()

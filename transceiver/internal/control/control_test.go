@@ -252,6 +252,51 @@ func TestDeadConnRedialled(t *testing.T) {
 	})
 }
 
+// TestCached: Cached returns a live connection of the dial cache, held as
+// Dial holds it, and nothing (dialling nothing) when there is none.
+func TestCached(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{}, 1)
+		c := newPlane(t, nw, Limits{}, 2)
+		ep := s.Endpoint()
+		if cc, _, ok, err := c.Cached(ep); ok || cc != nil || err != nil {
+			t.Fatalf("Cached before any Dial = %v %v %v, want nothing", cc, ok, err)
+		}
+		if c.Dialled() != 0 {
+			t.Fatalf("Cached started a dial (%d in the dial cache)", c.Dialled())
+		}
+		c1, release, err := c.Dial(context.Background(), ep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		release()
+		cc, release, ok, err := c.Cached(ep)
+		if !ok || err != nil || cc != c1 {
+			t.Fatalf("Cached after Dial = %p %v %v, want %p", cc, ok, err, c1)
+		}
+		c.mu.Lock()
+		users, takes := c1.users, c1.takes
+		c.mu.Unlock()
+		if users != 1 || takes != 2 {
+			t.Errorf("held by Cached: %d users, %d takes; want 1, 2", users, takes)
+		}
+		release()
+		release() // once only
+		c.mu.Lock()
+		users = c1.users
+		c.mu.Unlock()
+		if users != 0 {
+			t.Errorf("%d users after release, want 0", users)
+		}
+		c1.close(errors.New("test"))
+		if cc, _, ok, _ := c.Cached(ep); ok || cc != nil {
+			t.Fatal("Cached returned a dead connection")
+		}
+		c.h.waitLost(t)
+	})
+}
+
 // TestHandshakeTimeout: an accepted connection that sends no hello is
 // closed once the handshake timeout has passed, not a moment before.
 func TestHandshakeTimeout(t *testing.T) {
@@ -419,6 +464,9 @@ func TestDialCheck(t *testing.T) {
 		defer p.Close()
 		if _, _, err := p.Dial(context.Background(), ln.Addr().String()); err != no {
 			t.Fatalf("Dial = %v, want the check's error", err)
+		}
+		if _, _, ok, err := p.Cached(ln.Addr().String()); ok || err != no {
+			t.Fatalf("Cached = %v, %v; want the check's error", ok, err)
 		}
 		if dialled || p.Dialled() != 0 {
 			t.Errorf("a refused endpoint was dialled (%v) or entered the dial cache (%d)", dialled, p.Dialled())
