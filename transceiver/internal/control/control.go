@@ -352,13 +352,20 @@ func interruptAfter(c *Conn, d time.Duration) (stop func()) {
 // nextFrame reads c's next frame. Between frames it waits for the first
 // byte at most idle (no bound when idle <= 0); when that passes without the
 // connection having been idle all along (see idleLeft), it waits on.
+//
+// Each deadline set costs the runtime a timer update, and a frame of a
+// busy connection is often in the buffer already: the idle wait is set
+// only when the buffer is empty, and the frame's own deadline replaces it
+// without clearing it first.
 func (p *Plane) nextFrame(c *Conn, idle time.Duration) (wire.Frame, error) {
 	wait := idle
-	for {
-		c.c.SetReadDeadline(time.Time{}) // the last frame's
-		stop := interruptAfter(c, wait)
+	for c.br.Buffered() == 0 {
+		if wait > 0 {
+			c.c.SetReadDeadline(time.Now().Add(wait))
+		} else {
+			c.c.SetReadDeadline(time.Time{}) // the last frame's
+		}
 		_, err := c.br.Peek(1)
-		stop()
 		if err == nil {
 			break
 		}
