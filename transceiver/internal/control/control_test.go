@@ -573,3 +573,84 @@ func TestCloseEndsEverything(t *testing.T) {
 	})
 	goleak.VerifyNone(t)
 }
+
+// TestSendGathers: a Send made while another's write blocks returns at
+// once, its frame queued, and the writer writes it after its own; frames
+// sent at once from many goroutines all arrive whole, each sender's in its
+// order. A write that fails kills the connection.
+func TestSendGathers(t *testing.T) {
+	a, b := net.Pipe() // a Write blocks until it is read
+	defer b.Close()
+	c := newConn(a, true)
+	defer c.close(errors.New("test over"))
+	br := bufio.NewReader(b)
+	read := func() uint64 {
+		t.Helper()
+		f, err := wire.Read(br)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f.(*wire.Ping).Nonce
+	}
+
+	first := make(chan error, 1)
+	go func() { first <- c.Send(&wire.Ping{Nonce: 0}) }()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		c.wmu.Lock()
+		w := c.writing
+		c.wmu.Unlock()
+		if w {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first Send never started its write")
+		}
+	}
+	for i := uint64(1); i <= 10; i++ {
+		if err := c.Send(&wire.Ping{Nonce: i}); err != nil { // returns: the pipe is not read yet
+			t.Fatal(err)
+		}
+	}
+	for i := uint64(0); i <= 10; i++ {
+		if n := read(); n != i {
+			t.Fatalf("frame %d arrived as frame %d", n, i)
+		}
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+
+	const senders, each = 8, 50
+	var wg sync.WaitGroup
+	for s := range senders {
+		wg.Go(func() {
+			for i := range each {
+				if err := c.Send(&wire.Ping{Nonce: uint64(s)<<32 | uint64(i)}); err != nil {
+					t.Errorf("sender %d frame %d: %v", s, i, err)
+					return
+				}
+			}
+		})
+	}
+	next := make([]uint64, senders)
+	for got := 0; got < senders*each; got++ {
+		n := read()
+		s, i := n>>32, n&(1<<32-1)
+		if s >= senders || i != next[s] {
+			t.Fatalf("frame %d: sender %d frame %d out of order", got, s, i)
+		}
+		next[s]++
+	}
+	wg.Wait()
+
+	b.Close()
+	if err := c.Send(&wire.Ping{}); !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("Send after the peer closed = %v, want ErrPeerLost", err)
+	}
+	if !c.isDead() {
+		t.Fatal("a failed write left the connection alive")
+	}
+	if err := c.Send(&wire.Ping{}); !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("Send on a dead Conn = %v, want ErrPeerLost", err)
+	}
+}
