@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
@@ -47,6 +48,14 @@ func (r *rank) hello() wire.Hello {
 // with AUTO shm with a peer on this host that it reaches, else ucx, else
 // tcp.
 func (r *rank) chooseBackend(cc *control.Conn) (string, error) {
+	b, _, err := r.pickBackend(cc, true)
+	return b, err
+}
+
+// pickBackend is chooseBackend; unless mayWait, it reports ok false
+// instead of waiting for a probe of the peer's shm endpoint that has not
+// been answered yet.
+func (r *rank) pickBackend(cc *control.Conn, mayWait bool) (backend string, ok bool, err error) {
 	peer := cc.Peer()
 	has := func(name string) bool {
 		_, mine := r.transports[name]
@@ -54,31 +63,43 @@ func (r *rank) chooseBackend(cc *control.Conn) (string, error) {
 	}
 	if r.set.backend != "auto" {
 		if !has(r.set.backend) {
-			return "", fmt.Errorf("%w: backend %s: context rank %d at %s has %v open, this rank %v",
+			return "", true, fmt.Errorf("%w: backend %s: context rank %d at %s has %v open, this rank %v",
 				transport.ErrNotBuilt, r.set.backend, peer.Rank, peer.Endpoint, peer.Backends, r.backendNames())
 		}
-		return r.set.backend, nil
+		return r.set.backend, true, nil
 	}
 	for _, b := range autoOrder() {
 		switch {
 		case !has(b):
 		case b != "shm":
-			return b, nil
+			return b, true, nil
 		case peer.Host == r.set.host:
+			if !mayWait && !r.probed(cc) {
+				return "", false, nil
+			}
 			err := r.probeShm(cc)
 			if err == nil {
-				return b, nil
+				return b, true, nil
 			}
 			r.log.Info("shm not usable with this peer, falling back", "peer", peer.Endpoint, "peer_rank", peer.Rank, "reason", err)
 		}
 	}
-	return "", fmt.Errorf("no backend in common with context rank %d at %s (it has %v, this rank %v)", peer.Rank, peer.Endpoint, peer.Backends, r.backendNames())
+	return "", true, fmt.Errorf("no backend in common with context rank %d at %s (it has %v, this rank %v)", peer.Rank, peer.Endpoint, peer.Backends, r.backendNames())
+}
+
+// probed reports whether the probe of cc's peer has been answered.
+func (r *rank) probed(cc *control.Conn) bool {
+	r.mu.Lock()
+	pr := r.probes[connID(cc.ID())]
+	r.mu.Unlock()
+	return pr != nil && pr.answered.Load()
 }
 
 // shmProbe is the answer of one probe of a peer's shm endpoint.
 type shmProbe struct {
-	once sync.Once
-	err  error
+	once     sync.Once
+	err      error
+	answered atomic.Bool // err is set
 }
 
 // probeShm checks once per control connection that this rank can reach
@@ -114,5 +135,6 @@ func (r *rank) probeShm(cc *control.Conn) error {
 		defer cancel()
 		pr.err = p.Probe(ctx, peer.Endpoints[i])
 	})
+	pr.answered.Store(true)
 	return pr.err
 }

@@ -51,22 +51,17 @@ type recvSrc struct {
 	conn   connID // the control connection, once dialled
 }
 
-// recvPlan is what one receive takes in: n blocks of plan's packed bytes,
-// straight into the blocks (direct: through the receipt armed with the ask)
-// or in chunks of chunk blocks through the staging buffers.
+// recvPlan is what a staged receive takes in: n blocks of plan's packed
+// bytes, in chunks of chunk blocks through the staging buffers. (A direct
+// receive is planned with its request-info: effRequestInfo.)
 type recvPlan struct {
-	plan   *layout.Plan
-	n      int
-	chunk  int
-	direct bool
+	plan  *layout.Plan
+	n     int
+	chunk int
 }
 
 func (p recvPlan) String() string {
-	s := fmt.Sprintf("blocks=%d bytes/block=%d", p.n, p.plan.PackedBytesPerBlock())
-	if p.direct {
-		return s + " direct"
-	}
-	return s + fmt.Sprintf(" chunk=%d", p.chunk)
+	return fmt.Sprintf("blocks=%d bytes/block=%d chunk=%d", p.n, p.plan.PackedBytesPerBlock(), p.chunk)
 }
 
 // Events of the receive side.
@@ -113,7 +108,10 @@ type (
 	// connection), choose the backend, then report evDialled.
 	effAsk struct{ src int }
 	// effRequestInfo: send ri to src; when direct, first arm a receipt
-	// straight into the blocks and put its descriptor in ri.
+	// straight into the blocks and put its descriptor in ri, and once ri
+	// is sent, start receiving into it (its end is evReceived): the data
+	// of a direct transfer is its own announcement, so that the receive
+	// does not wait for the source's Ready as well.
 	effRequestInfo struct {
 		src    int
 		to     route
@@ -280,6 +278,9 @@ func (g *recvCore) dialled(ev evDialled) []effect {
 	if packed := s.plan.PackedBytesPerBlock(); packed > 0 {
 		ri.MaxChunkBlocks = uint32(max(1, g.cfg.bufBytes/packed))
 	}
+	if s.direct {
+		g.pending[ev.src] = true
+	}
 	return []effect{effRequestInfo{src: ev.src, to: g.route(ev.src), ri: ri, plan: s.plan, direct: s.direct}}
 }
 
@@ -289,7 +290,9 @@ func (g *recvCore) route(src int) route {
 
 // readied handles a Ready from c: a source with data for this rank starts
 // its receive, with the chunk size it announced checked against this
-// rank's receive buffers.
+// rank's receive buffers. The receive of a direct transfer started with
+// the request-info: its Ready only says that the data is on its way (and
+// may come after the data).
 func (g *recvCore) readied(c, chunk int) []effect {
 	if g.phase.over() || g.ready[c] {
 		return nil
@@ -298,15 +301,13 @@ func (g *recvCore) readied(c, chunk int) []effect {
 	g.phase = phaseMoving
 	s := g.srcs[c]
 	var effs []effect
-	if packed := s.plan.PackedBytesPerBlock(); packed > 0 {
-		pair := recvPlan{plan: s.plan, n: g.cfg.blocks, chunk: chunk, direct: s.direct}
-		if !s.direct {
-			if chunk <= 0 {
-				return g.fail(fmt.Errorf("receive from context rank %d: %w: context rank %d announced chunks of %d blocks", c, wire.ErrMalformed, c, chunk), c)
-			}
-			if size := int64(min(chunk, g.cfg.blocks)) * packed; size > g.cfg.bufBytes {
-				return g.fail(fmt.Errorf("receive from context rank %d: %w: chunk of %d bytes does not fit a %d-byte receive buffer", c, wire.ErrMalformed, size, g.cfg.bufBytes), c)
-			}
+	if packed := s.plan.PackedBytesPerBlock(); packed > 0 && !s.direct {
+		pair := recvPlan{plan: s.plan, n: g.cfg.blocks, chunk: chunk}
+		if chunk <= 0 {
+			return g.fail(fmt.Errorf("receive from context rank %d: %w: context rank %d announced chunks of %d blocks", c, wire.ErrMalformed, c, chunk), c)
+		}
+		if size := int64(min(chunk, g.cfg.blocks)) * packed; size > g.cfg.bufBytes {
+			return g.fail(fmt.Errorf("receive from context rank %d: %w: chunk of %d bytes does not fit a %d-byte receive buffer", c, wire.ErrMalformed, size, g.cfg.bufBytes), c)
 		}
 		g.pending[c] = true
 		effs = append(effs, effStartRecv{src: c, to: g.route(c), pair: pair})
@@ -322,15 +323,19 @@ func (g *recvCore) maybeDone() []effect {
 	return nil
 }
 
-// received handles the end of the receive from c.
+// received handles the end of the receive from c. Every byte of a direct
+// transfer in place also says that c served this rank (its Ready may come
+// later, or not before the request completes).
 func (g *recvCore) received(c int, err error) []effect {
-	if g.phase != phaseMoving || !g.pending[c] {
+	if g.phase.over() || !g.pending[c] {
 		return nil
 	}
 	delete(g.pending, c)
 	if err != nil {
 		return g.fail(fmt.Errorf("receive from context rank %d: %w", c, err), c)
 	}
+	g.ready[c] = true
+	g.phase = phaseMoving
 	return g.maybeDone()
 }
 

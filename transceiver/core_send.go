@@ -200,12 +200,18 @@ type (
 		to    route
 		chunk int
 	}
-	// effStartSend: start sending pair to gen, for attempt.
+	// effStartSend: start sending pair to gen, for attempt. readyAfter:
+	// tell gen Ready (chunks of pair.chunk blocks) once every byte is
+	// sent, not before: a direct transfer's receiver waits on its data
+	// and needs the Ready only to know, should this rank's control
+	// connection end, that the data went out; written first, it would
+	// hold up the data by a write.
 	effStartSend struct {
-		gen     int
-		to      route
-		pair    sendPlan
-		attempt uint64
+		gen        int
+		to         route
+		pair       sendPlan
+		attempt    uint64
+		readyAfter bool
 	}
 	// effChunk: hand the receipt of chunk index to the send to gen of
 	// attempt.
@@ -253,9 +259,15 @@ func (e effRefuse) String() string {
 	}
 	return s
 }
-func (e effReady) String() string     { return fmt.Sprintf("ready gen=%d chunk=%d", e.gen, e.chunk) }
-func (e effStartSend) String() string { return fmt.Sprintf("start-send gen=%d %v", e.gen, e.pair) }
-func (e effChunk) String() string     { return fmt.Sprintf("chunk gen=%d index=%d", e.gen, e.index) }
+func (e effReady) String() string { return fmt.Sprintf("ready gen=%d chunk=%d", e.gen, e.chunk) }
+func (e effStartSend) String() string {
+	s := fmt.Sprintf("start-send gen=%d %v", e.gen, e.pair)
+	if e.readyAfter {
+		s += fmt.Sprintf(", then ready chunk=%d", e.pair.chunk)
+	}
+	return s
+}
+func (e effChunk) String() string { return fmt.Sprintf("chunk gen=%d index=%d", e.gen, e.index) }
 func (e effStopAttempt) String() string {
 	return fmt.Sprintf("stop-sends attempt=%d", e.attempt)
 }
@@ -411,13 +423,14 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 	// Everyone asked: serve them, in the order of the target list.
 	c.phase = phaseMoving
 	for _, g := range c.expected {
-		p := c.peers[g]
-		effs = append(effs, effReady{gen: g, to: p.to, chunk: p.pair.chunk})
+		if p := c.peers[g]; p.pair.direct == nil {
+			effs = append(effs, effReady{gen: g, to: p.to, chunk: p.pair.chunk})
+		}
 	}
 	for _, g := range c.expected {
 		if p := c.peers[g]; p.pair.plan.PackedBytesPerBlock() > 0 {
 			c.sending[g] = true
-			effs = append(effs, effStartSend{gen: g, to: p.to, pair: p.pair, attempt: a})
+			effs = append(effs, effStartSend{gen: g, to: p.to, pair: p.pair, attempt: a, readyAfter: p.pair.direct != nil})
 		}
 	}
 	if len(c.sending) == 0 {

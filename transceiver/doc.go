@@ -72,9 +72,22 @@
 // request is over, completed or not, every ask of it gets the answer an
 // unknown id or a wrong token gets.
 //
+// A direct transfer (identical spans, zero_copy) takes one round trip of
+// control frames: the generation rank arms a receipt straight into its
+// blocks, sends its descriptor in the request-info and waits on the data
+// plane from then on; the context rank sends the data at once and its
+// Ready after it, so that no write holds the data up. The data is the
+// receive's announcement; the Ready only tells a receiver whose control
+// connection ends (a context process that exits once its sends are done)
+// that the data went out, and that the data plane decides.
+//
 // One driver (rank.go) serves both sides: it feeds a request's core each
 // event under the rank's lock and carries out the effects after, in one
-// run; one cancel path, one close. Around it, internal/control keeps the
+// run; one cancel path, one close. It starts a goroutine only for what may
+// wait (a dial, a send, a receive): a request-info on a connection already
+// up is written on the goroutine that asked, and the end of a request
+// (blocks back, the instance told) is carried out by the last of its
+// goroutines to finish, not handed to another. Around it, internal/control keeps the
 // control connections (accept loop, TLS, dial cache, the hello both
 // directions send, handshake and idle timeouts, one reader per
 // connection), handing the driver each frame and each lost connection and

@@ -33,7 +33,7 @@ type inst struct {
 	free  []int
 }
 
-func testLogger(t *testing.T) *slog.Logger {
+func testLogger(t testing.TB) *slog.Logger {
 	if testing.Verbose() {
 		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
@@ -43,7 +43,7 @@ func testLogger(t *testing.T) *slog.Logger {
 // newInst builds an instance with blocksPerRank blocks per pool, its
 // Options changed by mods. It closes the instance and checks that every
 // pool is back at its free count when the test ends.
-func newInst(t *testing.T, state layout.CacheState, cfg *config.CacheTransceiver, blocksPerRank int, mods ...func(*Options)) *inst {
+func newInst(t testing.TB, state layout.CacheState, cfg *config.CacheTransceiver, blocksPerRank int, mods ...func(*Options)) *inst {
 	t.Helper()
 	n := state.Parallel.NumRanks()
 	in := &inst{state: state}
@@ -94,7 +94,7 @@ func (in *inst) ranksOf(dp int) []int {
 }
 
 // alloc allocates nb blocks on every rank of DP group dp.
-func (in *inst) alloc(t *testing.T, dp, nb int) [][]kvcache.BlockID {
+func (in *inst) alloc(t testing.TB, dp, nb int) [][]kvcache.BlockID {
 	t.Helper()
 	blocks := make([][]kvcache.BlockID, len(in.pools))
 	for _, r := range in.ranksOf(dp) {
@@ -107,7 +107,7 @@ func (in *inst) alloc(t *testing.T, dp, nb int) [][]kvcache.BlockID {
 	return blocks
 }
 
-func (in *inst) release(t *testing.T, blocks [][]kvcache.BlockID) {
+func (in *inst) release(t testing.TB, blocks [][]kvcache.BlockID) {
 	t.Helper()
 	for r, b := range blocks {
 		if len(b) > 0 {

@@ -80,18 +80,20 @@ func (r *rank) sendPair(q *rankReq, ctx context.Context, p sendPlan, descs <-cha
 	return sent, chunks, nil
 }
 
-// recvPair receives q's bytes from one context rank: the whole direct
-// transfer, or the chunks, unpacked into the blocks.
+// recvPair receives q's bytes from one context rank in chunks, unpacked
+// into the blocks.
 func (r *rank) recvPair(q *rankReq, e effStartRecv) (int64, int, error) {
-	s, p := r.source(q, e.src), e.pair
-	if !p.direct {
-		return r.recvChunks(q, s, e.to, p)
-	}
+	return r.recvChunks(q, r.source(q, e.src), e.to, e.pair)
+}
+
+// recvDirect waits for the receipt armed for a direct transfer from s
+// (with the request-info) to fill.
+func (r *rank) recvDirect(q *rankReq, s *srcIO) error {
 	if err := await(q.ctx, s.direct); err != nil {
 		s.direct.Cancel() // when ctx ended first; a no-op after Done
-		return 0, 0, err
+		return err
 	}
-	return int64(p.n) * p.plan.PackedBytesPerBlock(), 1, nil
+	return nil
 }
 
 // await waits for rv to end: its error, or ctx's cause when ctx ends first.

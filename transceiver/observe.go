@@ -35,7 +35,9 @@ type Record struct {
 	Bytes int64
 	// Delay is from the request entering the transceiver to its data
 	// starting to move (waiting for the peer); Duration from then to the
-	// end. When no data moved, Delay is the whole time and Duration 0.
+	// end. A direct receive, which cannot see its data start, counts from
+	// its request-info on: from then on it waits on the data plane. When
+	// no data moved, Delay is the whole time and Duration 0.
 	Delay, Duration time.Duration
 	Chunks          int
 	Result          string

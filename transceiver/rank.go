@@ -97,7 +97,7 @@ type rankReq struct {
 	// workers counts the goroutines (and the steps whose effects are
 	// being carried out) that may still touch mem: the blocks go back only
 	// after they end.
-	workers sync.WaitGroup
+	workers workers
 
 	// Guarded by rank.mu.
 	over      bool                    // the core completed: later events are dropped
@@ -349,6 +349,9 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			ctx, descs := r.descQueue(q, e.attempt, e.gen)
 			r.work(q, func() (int64, int, string, event) {
 				n, chunks, err := r.sendPair(q, ctx, e.pair, descs)
+				if err == nil && e.readyAfter {
+					r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.pair.chunk)})
+				}
 				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, attempt: e.attempt, err: err}
 			})
 		case effChunk:
@@ -371,16 +374,32 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			}
 			r.attempt(r.idx, instKey{q.key.side, q.reqID}, e.attempt, e.err)
 		case effAsk:
-			r.wg.Add(1)
-			q.workers.Add(1)
-			go func() {
-				defer r.wg.Done()
-				defer q.workers.Done()
-				r.ask(q, e.src)
-			}()
+			// On this goroutine when the connection is up already (the
+			// request-info is then one write away); a dial, or a probe of
+			// the peer's shm endpoint, on a goroutine of its own.
+			if !r.askCached(q, e.src) {
+				r.wg.Add(1)
+				q.workers.Add(1)
+				go func() {
+					defer r.wg.Done()
+					defer q.workers.Done()
+					r.ask(q, e.src)
+				}()
+			}
 		case effRequestInfo:
 			if err := r.requestInfo(q, e); err != nil {
 				r.step(q, evAskFailed{src: e.src, err: err})
+				break
+			}
+			if e.direct {
+				n := int64(e.ri.NumBlocks) * e.plan.PackedBytesPerBlock()
+				r.work(q, func() (int64, int, string, event) {
+					s := r.source(q, e.src)
+					if err := r.recvDirect(q, s); err != nil {
+						return 0, 0, s.tr.Name(), evReceived{src: e.src, err: err}
+					}
+					return n, 1, s.tr.Name(), evReceived{src: e.src}
+				})
 			}
 		case effStartRecv:
 			r.work(q, func() (int64, int, string, event) {
@@ -469,6 +488,32 @@ func (r *rank) ask(q *rankReq, src int) {
 	}
 	defer release()
 	backend, err := r.chooseBackend(cc)
+	r.asked(q, src, cc, backend, err)
+}
+
+// askCached is ask when the dial cache holds a live connection to src and
+// the backend is known without waiting; it reports false, having done
+// nothing, otherwise.
+func (r *rank) askCached(q *rankReq, src int) bool {
+	cc, release, ok, err := r.ctrl.Cached(q.endpoints[src])
+	if err != nil {
+		r.step(q, evAskFailed{src: src, err: err})
+		return true
+	}
+	if !ok {
+		return false
+	}
+	defer release()
+	backend, ok, err := r.pickBackend(cc, false)
+	if !ok {
+		return false
+	}
+	r.asked(q, src, cc, backend, err)
+	return true
+}
+
+// asked hands the core the outcome of reaching src over cc.
+func (r *rank) asked(q *rankReq, src int, cc *control.Conn, backend string, err error) {
 	if err != nil {
 		r.step(q, evAskFailed{src: src, err: err})
 		return
@@ -497,17 +542,17 @@ func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
 }
 
 // finish ends q on this rank once nothing touches its blocks any more:
-// blocks back (release), figures reported, the instance told.
+// blocks back (release), figures reported, the instance told. It is
+// called by run, whose own hold on q's workers ends after it; the last
+// worker to end carries out the end, on its goroutine (no goroutine is
+// started for it: a hand-off would cost each request a wake-up).
 func (r *rank) finish(q *rankReq, err error, release bool) {
 	r.mu.Lock()
 	if q.stopTimer != nil {
 		q.stopTimer()
 	}
 	r.mu.Unlock()
-	r.wg.Add(1)
-	go func() {
-		defer r.wg.Done()
-		q.workers.Wait()
+	q.workers.whenIdle(func() {
 		if release {
 			r.release(q)
 		}
@@ -518,7 +563,51 @@ func (r *rank) finish(q *rankReq, err error, release bool) {
 		}
 		r.report(q.reqID, roleOf(q.key.side), err, q.stats)
 		r.done(r.idx, instKey{q.key.side, q.reqID}, err, rankResult{bytes: q.stats.bytes, chunks: q.stats.chunks, backend: q.stats.backend, end: q.stats.end})
-	}()
+	})
+}
+
+// workers counts what may still touch a request's blocks (a WaitGroup
+// whose waiter is a function run by the last Done rather than a goroutine
+// parked in Wait).
+type workers struct {
+	mu   sync.Mutex
+	n    int
+	then func() // run by the Done that brings n to 0; nil: none
+}
+
+func (w *workers) Add(n int) {
+	w.mu.Lock()
+	w.n += n
+	w.mu.Unlock()
+}
+
+// Done ends one worker; the last one runs the function whenIdle left.
+func (w *workers) Done() {
+	w.mu.Lock()
+	w.n--
+	if w.n < 0 {
+		w.mu.Unlock()
+		panic("transceiver: workers.Done without Add")
+	}
+	var f func()
+	if w.n == 0 {
+		f, w.then = w.then, nil
+	}
+	w.mu.Unlock()
+	if f != nil {
+		f()
+	}
+}
+
+// whenIdle has f run once no worker is left. The caller is a worker, so f
+// runs at the latest on the caller's own Done, never inside whenIdle.
+func (w *workers) whenIdle(f func()) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.n <= 0 {
+		panic("transceiver: workers.whenIdle outside a worker")
+	}
+	w.then = f
 }
 
 // release gives q's blocks back: the references a send held, or the blocks

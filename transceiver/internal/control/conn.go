@@ -12,14 +12,17 @@ import (
 )
 
 // Conn is one control connection between a generation rank (which dialled
-// it) and a context rank. Frames are written whole under wmu; one reader
+// it) and a context rank. Frames are written whole, one writer at a time; one reader
 // goroutine per connection, owned by the Plane, reads them.
 type Conn struct {
 	id      uint64 // the Plane's name for it (set by Plane.track)
 	c       net.Conn
 	br      *bufio.Reader
-	wmu     sync.Mutex
-	peer    Peer // from the peer's Hello
+	wmu     sync.Mutex // guards writing, queued and spare
+	writing bool       // a Send is writing; it writes queued after its own
+	queued  []byte     // frames waiting for the write in progress
+	spare   []byte     // the buffer of the last write, for the next one
+	peer    Peer       // from the peer's Hello
 	dialled bool
 
 	closeOnce sync.Once
@@ -69,25 +72,55 @@ func (c *Conn) Dialled() bool { return c.dialled }
 // Send writes one frame whole. A write that cannot finish within
 // writeTimeout kills the connection: a control peer that does not read is
 // gone. On a dead Conn it fails with ErrPeerLost.
+//
+// Frames sent while another Send is writing are gathered, and the writer
+// writes them after its own in one write (a small frame costs a system
+// call, and the peer a read, as much as a large one): such a Send returns
+// nil once its frame is queued, and should that write fail, the connection
+// closes and its Handler learns it (Lost), as with any failed write.
 func (c *Conn) Send(f wire.Frame) error {
-	b, err := wire.Append(make([]byte, 0, 128), f)
-	if err != nil {
-		return err
-	}
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
 	select {
 	case <-c.dead:
+		c.wmu.Unlock()
 		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, c.peer.Endpoint, c.err)
 	default:
 	}
-	c.c.SetWriteDeadline(time.Now().Add(writeTimeout))
-	if _, err := c.c.Write(b); err != nil {
-		c.close(err)
-		return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, c.peer.Endpoint, err)
+	var err error
+	if c.queued, err = wire.Append(c.queued, f); err != nil {
+		c.wmu.Unlock()
+		return err
 	}
+	if c.writing {
+		c.wmu.Unlock()
+		return nil
+	}
+	c.writing = true
+	for len(c.queued) > 0 {
+		b := c.queued
+		c.queued = c.spare[:0]
+		c.wmu.Unlock()
+		c.c.SetWriteDeadline(time.Now().Add(writeTimeout))
+		_, err := c.c.Write(b)
+		c.wmu.Lock()
+		c.spare = nil // (never the buffer queued is in)
+		if cap(b) <= maxSpare {
+			c.spare = b[:0]
+		}
+		if err != nil {
+			c.writing, c.queued = false, nil
+			c.wmu.Unlock()
+			c.close(err)
+			return fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, c.peer.Endpoint, err)
+		}
+	}
+	c.writing = false
+	c.wmu.Unlock()
 	return nil
 }
+
+// maxSpare bounds the write buffer a Conn keeps between writes.
+const maxSpare = 64 << 10
 
 // Touch records that c is in use now: its idle time starts again.
 func (c *Conn) Touch() { c.used.Store(time.Now().UnixNano()) }

@@ -352,13 +352,20 @@ func interruptAfter(c *Conn, d time.Duration) (stop func()) {
 // nextFrame reads c's next frame. Between frames it waits for the first
 // byte at most idle (no bound when idle <= 0); when that passes without the
 // connection having been idle all along (see idleLeft), it waits on.
+//
+// Each deadline set costs the runtime a timer update, and a frame of a
+// busy connection is often in the buffer already: the idle wait is set
+// only when the buffer is empty, and the frame's own deadline replaces it
+// without clearing it first.
 func (p *Plane) nextFrame(c *Conn, idle time.Duration) (wire.Frame, error) {
 	wait := idle
-	for {
-		c.c.SetReadDeadline(time.Time{}) // the last frame's
-		stop := interruptAfter(c, wait)
+	for c.br.Buffered() == 0 {
+		if wait > 0 {
+			c.c.SetReadDeadline(time.Now().Add(wait))
+		} else {
+			c.c.SetReadDeadline(time.Time{}) // the last frame's
+		}
 		_, err := c.br.Peek(1)
-		stop()
 		if err == nil {
 			break
 		}
@@ -448,6 +455,42 @@ func (p *Plane) Dial(ctx context.Context, endpoint string) (c *Conn, release fun
 		}
 		p.mu.Unlock()
 	}
+}
+
+// Cached is Dial without the wait: the connection to endpoint when the
+// dial cache holds a live one, with its release, and ok false (nothing
+// taken, nothing dialled) otherwise, so that a caller may ask on the
+// goroutine it runs on when no dial is needed and hand the dial to
+// another goroutine when one is. Config.DialCheck's error is returned as
+// Dial returns it.
+func (p *Plane) Cached(endpoint string) (c *Conn, release func(), ok bool, err error) {
+	if p.cfg.DialCheck != nil {
+		if err := p.cfg.DialCheck(endpoint); err != nil {
+			return nil, nil, false, err
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return nil, nil, false, ErrClosed
+	}
+	d := p.dialed[endpoint]
+	if d == nil {
+		return nil, nil, false, nil
+	}
+	select {
+	case <-d.ready:
+	default:
+		return nil, nil, false, nil // being dialled
+	}
+	if d.err != nil || d.conn.isDead() {
+		return nil, nil, false, nil
+	}
+	c = d.conn
+	c.users++
+	c.takes++
+	var once sync.Once
+	return c, func() { once.Do(func() { p.release(c) }) }, true, nil
 }
 
 // release ends a use of c that Dial started.

@@ -252,6 +252,51 @@ func TestDeadConnRedialled(t *testing.T) {
 	})
 }
 
+// TestCached: Cached returns a live connection of the dial cache, held as
+// Dial holds it, and nothing (dialling nothing) when there is none.
+func TestCached(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{}, 1)
+		c := newPlane(t, nw, Limits{}, 2)
+		ep := s.Endpoint()
+		if cc, _, ok, err := c.Cached(ep); ok || cc != nil || err != nil {
+			t.Fatalf("Cached before any Dial = %v %v %v, want nothing", cc, ok, err)
+		}
+		if c.Dialled() != 0 {
+			t.Fatalf("Cached started a dial (%d in the dial cache)", c.Dialled())
+		}
+		c1, release, err := c.Dial(context.Background(), ep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		release()
+		cc, release, ok, err := c.Cached(ep)
+		if !ok || err != nil || cc != c1 {
+			t.Fatalf("Cached after Dial = %p %v %v, want %p", cc, ok, err, c1)
+		}
+		c.mu.Lock()
+		users, takes := c1.users, c1.takes
+		c.mu.Unlock()
+		if users != 1 || takes != 2 {
+			t.Errorf("held by Cached: %d users, %d takes; want 1, 2", users, takes)
+		}
+		release()
+		release() // once only
+		c.mu.Lock()
+		users = c1.users
+		c.mu.Unlock()
+		if users != 0 {
+			t.Errorf("%d users after release, want 0", users)
+		}
+		c1.close(errors.New("test"))
+		if cc, _, ok, _ := c.Cached(ep); ok || cc != nil {
+			t.Fatal("Cached returned a dead connection")
+		}
+		c.h.waitLost(t)
+	})
+}
+
 // TestHandshakeTimeout: an accepted connection that sends no hello is
 // closed once the handshake timeout has passed, not a moment before.
 func TestHandshakeTimeout(t *testing.T) {
@@ -420,6 +465,9 @@ func TestDialCheck(t *testing.T) {
 		if _, _, err := p.Dial(context.Background(), ln.Addr().String()); err != no {
 			t.Fatalf("Dial = %v, want the check's error", err)
 		}
+		if _, _, ok, err := p.Cached(ln.Addr().String()); ok || err != no {
+			t.Fatalf("Cached = %v, %v; want the check's error", ok, err)
+		}
 		if dialled || p.Dialled() != 0 {
 			t.Errorf("a refused endpoint was dialled (%v) or entered the dial cache (%d)", dialled, p.Dialled())
 		}
@@ -524,4 +572,85 @@ func TestCloseEndsEverything(t *testing.T) {
 		}
 	})
 	goleak.VerifyNone(t)
+}
+
+// TestSendGathers: a Send made while another's write blocks returns at
+// once, its frame queued, and the writer writes it after its own; frames
+// sent at once from many goroutines all arrive whole, each sender's in its
+// order. A write that fails kills the connection.
+func TestSendGathers(t *testing.T) {
+	a, b := net.Pipe() // a Write blocks until it is read
+	defer b.Close()
+	c := newConn(a, true)
+	defer c.close(errors.New("test over"))
+	br := bufio.NewReader(b)
+	read := func() uint64 {
+		t.Helper()
+		f, err := wire.Read(br)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f.(*wire.Ping).Nonce
+	}
+
+	first := make(chan error, 1)
+	go func() { first <- c.Send(&wire.Ping{Nonce: 0}) }()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		c.wmu.Lock()
+		w := c.writing
+		c.wmu.Unlock()
+		if w {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the first Send never started its write")
+		}
+	}
+	for i := uint64(1); i <= 10; i++ {
+		if err := c.Send(&wire.Ping{Nonce: i}); err != nil { // returns: the pipe is not read yet
+			t.Fatal(err)
+		}
+	}
+	for i := uint64(0); i <= 10; i++ {
+		if n := read(); n != i {
+			t.Fatalf("frame %d arrived as frame %d", n, i)
+		}
+	}
+	if err := <-first; err != nil {
+		t.Fatal(err)
+	}
+
+	const senders, each = 8, 50
+	var wg sync.WaitGroup
+	for s := range senders {
+		wg.Go(func() {
+			for i := range each {
+				if err := c.Send(&wire.Ping{Nonce: uint64(s)<<32 | uint64(i)}); err != nil {
+					t.Errorf("sender %d frame %d: %v", s, i, err)
+					return
+				}
+			}
+		})
+	}
+	next := make([]uint64, senders)
+	for got := 0; got < senders*each; got++ {
+		n := read()
+		s, i := n>>32, n&(1<<32-1)
+		if s >= senders || i != next[s] {
+			t.Fatalf("frame %d: sender %d frame %d out of order", got, s, i)
+		}
+		next[s]++
+	}
+	wg.Wait()
+
+	b.Close()
+	if err := c.Send(&wire.Ping{}); !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("Send after the peer closed = %v, want ErrPeerLost", err)
+	}
+	if !c.isDead() {
+		t.Fatal("a failed write left the connection alive")
+	}
+	if err := c.Send(&wire.Ping{}); !errors.Is(err, ErrPeerLost) {
+		t.Fatalf("Send on a dead Conn = %v, want ErrPeerLost", err)
+	}
 }
