@@ -26,7 +26,11 @@
 //
 // The price is a second copy: the sender's (source → window) and the
 // receiver's (window → destination) run in parallel on two processes, on a
-// window small enough to stay in a shared cache.
+// window small enough to stay in a shared cache. The sender fills a slot
+// in copies of at most 512 KiB: Go's copy writes around the caches from
+// 1 MiB on, which would send every slot to memory and back. The receiver's
+// copy out of a slot writes around them, as the destination is not read
+// again soon.
 //
 // # Endpoints, connections, windows
 //
@@ -53,7 +57,9 @@
 // sequence) and binds the op to the receipt of the tag at its first part
 // (checking the length); a worker goroutine per connection handles the
 // parts in order: it copies each into the receipt, releases its slot
-// (RELEASE), and after the last answers DONE. A refusal (unknown tag,
+// (RELEASE), and after the last answers DONE. While more parts wait in its
+// queue, the worker holds releases back, up to half the window, and writes
+// them together (with the answer, if any): each write wakes the sender. A refusal (unknown tag,
 // another length, a receipt being filled or cancelled) is answered ERR at
 // once, with a code and a reason; later parts of that op are released
 // unread, and the sender, which stops at the ERR, ends the op with CANCEL.

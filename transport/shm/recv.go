@@ -97,6 +97,11 @@ type inConn struct {
 	ops   map[uint64]*rop // open: not both answered and ended on the wire
 	queue []item
 	held  []bool // held[slot]: a part in the slot is not released yet
+	// released holds the RELEASE messages of handled parts that the
+	// worker has not written yet (see handle).
+	released []msg
+
+	out []msg // the worker's: the messages flush writes
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {
@@ -179,7 +184,7 @@ func (c *inConn) readLoop() error {
 	if err := checkHello(m); err != nil {
 		return err
 	}
-	if err := c.write(&msg{typ: msgHello, version: protoVersion}); err != nil {
+	if err := c.write(msg{typ: msgHello, version: protoVersion}); err != nil {
 		return err
 	}
 	// Every sender announces its window at once (a probe too): a
@@ -384,19 +389,22 @@ func (c *inConn) onProbe(m msg) error {
 	case c.slots == 0:
 		return errProto("probe before the window was announced")
 	case c.winErr != nil:
-		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
+		return c.write(msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
 	case len(c.winMem) < 8:
-		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("the window has %d bytes, fewer than 8", len(c.winMem))})
+		return c.write(msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("the window has %d bytes, fewer than 8", len(c.winMem))})
 	}
-	return c.write(&msg{typ: msgProbeOK, op: m.op, nonce: binary.BigEndian.Uint64(c.winMem)})
+	return c.write(msg{typ: msgProbeOK, op: m.op, nonce: binary.BigEndian.Uint64(c.winMem)})
 }
 
-// write sends one message to the sender. A failed write closes the
-// connection, so that the reader ends and the connection is torn down.
-func (c *inConn) write(m *msg) error {
+// write sends messages to the sender, in one write. A failed write closes
+// the connection, so that the reader ends and the connection is torn down.
+func (c *inConn) write(ms ...msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	c.wbuf = appendMsg(c.wbuf[:0], m)
+	c.wbuf = c.wbuf[:0]
+	for i := range ms {
+		c.wbuf = appendMsg(c.wbuf, &ms[i])
+	}
 	// A sender that stops reading must not hold the worker (and with it
 	// the queue) forever.
 	c.nc.SetWriteDeadline(time.Now().Add(helloTimeout))
@@ -456,15 +464,11 @@ func (c *inConn) handle(it item) {
 	default:
 		ans = c.copyPart(op, it)
 	}
-	if !it.cancel {
-		c.mu.Lock()
-		c.held[it.slot] = false
-		c.mu.Unlock()
-		if c.write(&msg{typ: msgRelease, slot: uint32(it.slot)}) != nil {
-			return // the connection is closed; teardown does the rest
-		}
-	}
 	c.mu.Lock()
+	if !it.cancel {
+		c.held[it.slot] = false
+		c.released = append(c.released, msg{typ: msgRelease, slot: uint32(it.slot)})
+	}
 	if ans != nil {
 		op.answered = true
 		op.awaitAck = ans.typ == msgDone
@@ -472,9 +476,30 @@ func (c *inConn) handle(it item) {
 	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
 		delete(c.ops, op.id)
 	}
+	// Releases wait while more parts are queued, up to half the window:
+	// each message wakes the sender, and a wake-up costs more than the
+	// copy of a small part. The queue running dry, an answer or half the
+	// window sends them.
+	flush := ans != nil || len(c.queue) == 0 || 2*len(c.released) >= c.slots
+	c.mu.Unlock()
+	if flush {
+		c.flush(ans)
+	}
+}
+
+// flush writes the releases the worker holds back, and ans after them
+// unless it is nil, in one write.
+func (c *inConn) flush(ans *msg) {
+	c.mu.Lock()
+	ms := append(c.out[:0], c.released...)
+	c.released = c.released[:0]
 	c.mu.Unlock()
 	if ans != nil {
-		c.write(ans)
+		ms = append(ms, *ans)
+	}
+	c.out = ms
+	if len(ms) > 0 {
+		c.write(ms...) // a failure closes the connection; teardown does the rest
 	}
 }
 

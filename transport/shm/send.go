@@ -556,8 +556,17 @@ func (oc *outConn) putSlotLocked(s int) {
 	}
 }
 
-// fill copies the next k bytes of cur into slot. It reports false when the
-// window is gone (the connection ended).
+// fillChunk bounds each copy into the window. Go's copy switches to
+// non-temporal stores at 1 MiB (runtime memmove on amd64), which write
+// around the caches: a slot filled by one copy of 1 MiB would go to memory
+// and the receiver would read it back from there, so the window would
+// cost two more passes over memory per byte. Copies below that bound leave
+// the slot in this core's cache and the shared one, where the receiver's
+// copy finds it.
+const fillChunk = 512 << 10
+
+// fill copies the next k bytes of cur into slot, fillChunk at most at a
+// time. It reports false when the window is gone (the connection ended).
 func (oc *outConn) fill(slot int, cur *cursor, k int) bool {
 	oc.winMu.RLock()
 	defer oc.winMu.RUnlock()
@@ -569,7 +578,7 @@ func (oc *outConn) fill(slot int, cur *cursor, k int) bool {
 		for cur.off == len(cur.src[cur.i]) {
 			cur.i, cur.off = cur.i+1, 0
 		}
-		n := copy(dst, cur.src[cur.i][cur.off:])
+		n := copy(dst[:min(len(dst), fillChunk)], cur.src[cur.i][cur.off:])
 		cur.off += n
 		dst = dst[n:]
 	}
