@@ -8,9 +8,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
@@ -29,12 +31,18 @@ const maxMapped = 1 << 40
 // slightly different moments).
 const maxOpenOps = 1024
 
+// spinFor is how long a worker that finds no part in the ring keeps
+// looking before it says IDLE and sleeps until a POST: a sender in the
+// middle of a Send posts its next part within the time of one slot's copy,
+// and a wake-up through the socket costs more than that on a busy host.
+const spinFor = 100 * time.Microsecond
+
 // testHookPiece, when set, is called by the worker before every part it
 // copies. Tests use it to hold a transfer in the middle.
 var testHookPiece atomic.Pointer[func()]
 
 // recv is one armed receipt; Fill is the op filling it, nil before its
-// first READ. The worker tests Ended between parts without the lock.
+// first part. The worker tests Ended between parts without the lock.
 type recv = receipt.Recv[*rop]
 
 // rop is one op, the receiving side of one Send. The reader creates it at
@@ -68,8 +76,11 @@ type item struct {
 }
 
 // inConn is an accepted connection: a reader goroutine (serve) that
-// handles messages, and a worker goroutine (work) that copies the parts
-// the reader queues, one at a time, in order, out of the sender's window.
+// handles messages, and a worker goroutine (work) that takes the parts
+// posted in the sender's ring and copies them, one at a time, in order,
+// out of the sender's window.
+//
+// Lock order: pullMu, then Transport.mu, then inConn.mu.
 type inConn struct {
 	t      *Transport
 	nc     *net.UnixConn
@@ -77,7 +88,7 @@ type inConn struct {
 	mr     *msgReader // the reader's
 
 	// The sender's window, mapped read-only; set once by the reader
-	// before the first READ that uses it, unmapped after the worker ends.
+	// before the first part that uses it, unmapped after the worker ends.
 	win       *memfd.Mapping
 	winMem    []byte
 	winErr    error // why the window could not be mapped
@@ -85,9 +96,18 @@ type inConn struct {
 	slots     int
 	winMapped int64 // bytes counted in Transport.mapped
 
-	dead       chan struct{} // closed when the reader stops
-	isDead     atomic.Bool
-	wake       chan struct{} // the queue has grown
+	dead   chan struct{} // closed when the reader stops
+	isDead atomic.Bool
+	wake   chan struct{} // the queue has grown, a POST came, or the window was mapped
+	failed error         // why the worker closed the connection; set before it does, under mu
+
+	// The ring, in the window: set by the reader under pullMu once the
+	// window is mapped; taken is the count of parts taken from it.
+	pullMu sync.Mutex
+	ring   []byte
+	count  *atomic.Uint64
+	taken  uint64
+
 	workerDone chan struct{}
 
 	wmu  sync.Mutex
@@ -98,7 +118,7 @@ type inConn struct {
 	queue []item
 	held  []bool // held[slot]: a part in the slot is not released yet
 	// released holds the RELEASE messages of handled parts that the
-	// worker has not written yet (see handle).
+	// worker has not written yet (see handle and work).
 	released []msg
 
 	out []msg // the worker's: the messages flush writes
@@ -132,7 +152,14 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 func (c *inConn) serve() {
 	defer c.t.wg.Done()
 	err := c.readLoop()
-	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	c.mu.Lock()
+	failed := c.failed
+	c.mu.Unlock()
+	if failed != nil {
+		err = failed // logged by fail
+	} else {
+		conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	}
 	c.teardown(err)
 }
 
@@ -207,8 +234,8 @@ func (c *inConn) readLoop() error {
 		switch m.typ {
 		case msgWindow:
 			err = c.onWindow(m)
-		case msgRead:
-			err = c.onRead(m)
+		case msgPost:
+			c.signal()
 		case msgCancel:
 			err = c.onCancel(m)
 		case msgAbort:
@@ -244,24 +271,66 @@ func (c *inConn) onWindow(m msg) error {
 	}
 	c.slotLen, c.slots = int(m.slotLen), int(m.slots)
 	c.held = make([]bool, c.slots)
-	size := int64(m.slotLen) * int64(m.slots)
+	slots := int64(m.slotLen) * int64(m.slots)
+	size := slots + int64(ringLen(c.slots))
 	if c.t.mapped.Add(size) > maxMapped {
 		c.t.mapped.Add(-size)
 		c.winErr = fmt.Errorf("senders' windows mapped here would exceed %d bytes", int64(maxMapped))
-		return nil
+		return c.refuseWindow()
 	}
 	a, err := memfd.MapReadOnly(f, size)
 	if err != nil {
 		c.t.mapped.Add(-size)
 		c.t.log.Warn("shm: cannot map a sender's window", "remote", c.remote, "size", size, "err", err)
 		c.winErr = err
-		return nil
+		return c.refuseWindow()
 	}
 	c.win, c.winMem, c.winMapped = a, a.Bytes(), size
+	c.pullMu.Lock()
+	c.ring = c.winMem[slots:]
+	c.count = (*atomic.Uint64)(unsafe.Pointer(&c.ring[0]))
+	c.pullMu.Unlock()
+	c.signal() // the worker looks at the ring
 	return nil
 }
 
-// onRead checks a READ part and queues it for the worker. Its first part
+// refuseWindow tells the sender that its window cannot be mapped (ERR for
+// op 0): no part of it will be taken.
+func (c *inConn) refuseWindow() error {
+	return c.write(msg{typ: msgErr, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
+}
+
+// pull takes the parts posted in the ring since the last pull and queues
+// them (onRead), in order; it reports false while no window is mapped.
+// The worker calls it, and the reader before it handles a CANCEL.
+func (c *inConn) pull() (bool, error) {
+	c.pullMu.Lock()
+	defer c.pullMu.Unlock()
+	if c.count == nil {
+		return false, nil
+	}
+	n := c.count.Load()
+	if n < c.taken || n-c.taken > uint64(c.slots) {
+		return true, errProto("the ring's count of parts went from %d to %d, with %d slots", c.taken, n, c.slots)
+	}
+	for ; c.taken < n; c.taken++ {
+		// Copied out before it is checked: the sender can write the
+		// ring at any time.
+		var e [readLen]byte
+		at := ringHdr + int(c.taken%uint64(c.slots))*readLen
+		copy(e[:], c.ring[at:at+readLen])
+		m, err := decodeEntry(e[:])
+		if err == nil {
+			err = c.onRead(m)
+		}
+		if err != nil {
+			return true, fmt.Errorf("part %d of the ring: %w", c.taken, err)
+		}
+	}
+	return true, nil
+}
+
+// onRead checks a part taken from the ring and queues it for the worker. Its first part
 // creates the op and binds it to the receipt of its tag, or records why
 // not (the worker then answers ERR).
 func (c *inConn) onRead(m msg) error {
@@ -305,6 +374,14 @@ func (c *inConn) onRead(m msg) error {
 	return nil
 }
 
+// signal wakes the worker.
+func (c *inConn) signal() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
+}
+
 // bind binds a new op to the receipt of its tag, or records why it is
 // refused. c.mu must not be held.
 func (c *inConn) bind(op *rop) {
@@ -330,16 +407,23 @@ func (c *inConn) bind(op *rop) {
 // push queues it for the worker. c.mu must be held.
 func (c *inConn) push(it item) {
 	c.queue = append(c.queue, it)
-	select {
-	case c.wake <- struct{}{}:
-	default:
-	}
+	c.signal()
 }
 
 // onCancel marks an op cancelled and queues the cancel for the worker,
-// which answers ERR unless the op was answered already. A CANCEL for an op
-// that is answered and forgotten crossed the answer: nothing to do.
+// after the parts posted before it, which it takes from the ring first;
+// the worker answers ERR unless the op was answered already. A CANCEL for
+// an op that is answered and forgotten crossed the answer: nothing to do.
 func (c *inConn) onCancel(m msg) error {
+	if _, err := c.pull(); err != nil {
+		return err
+	}
+	c.pullMu.Lock()
+	taken := c.taken
+	c.pullMu.Unlock()
+	if m.seq > taken {
+		return errProto("cancel of op %d after %d parts; the ring has %d", m.op, m.seq, taken)
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	op := c.ops[m.op]
@@ -355,7 +439,7 @@ func (c *inConn) onCancel(m msg) error {
 	return nil
 }
 
-// onAbort fails the receipt of a Send that ended before it sent its READ,
+// onAbort fails the receipt of a Send that ended before it posted a part,
 // unless some op is filling it.
 func (c *inConn) onAbort(m msg) {
 	t := c.t
@@ -415,30 +499,64 @@ func (c *inConn) write(ms ...msg) error {
 	return err
 }
 
-// work handles the queued items, in order, until the connection dies.
+// work takes the parts posted in the ring and handles them, and the
+// cancels the reader queues, in order, until the connection dies. With
+// nothing to do it looks at the ring for spinFor, then writes the releases
+// it holds back and IDLE, and sleeps until a POST (or a cancel).
 func (c *inConn) work() {
 	defer c.t.wg.Done()
 	defer close(c.workerDone)
-	for {
+	var spun time.Time // when the worker found nothing; zero: it has work
+	for !c.isDead.Load() {
+		mapped, err := c.pull()
+		if err != nil {
+			c.fail(err)
+			return
+		}
 		c.mu.Lock()
-		for len(c.queue) == 0 {
+		if len(c.queue) > 0 {
+			it := c.queue[0]
+			c.queue[0] = item{}
+			c.queue = c.queue[1:]
 			c.mu.Unlock()
-			select {
-			case <-c.wake:
-			case <-c.dead:
-				return
-			}
-			c.mu.Lock()
+			c.handle(it)
+			spun = time.Time{}
+			continue
 		}
-		it := c.queue[0]
-		c.queue[0] = item{}
-		c.queue = c.queue[1:]
 		c.mu.Unlock()
-		if c.isDead.Load() {
-			return // teardown fails the receipts
+		if mapped {
+			if spun.IsZero() {
+				spun = time.Now()
+			}
+			if time.Since(spun) < spinFor {
+				runtime.Gosched()
+				continue
+			}
+			c.flush(nil)
+			c.pullMu.Lock()
+			taken := c.taken
+			c.pullMu.Unlock()
+			if c.write(msg{typ: msgIdle, seq: taken}) != nil {
+				return // the connection is closed; teardown does the rest
+			}
 		}
-		c.handle(it)
+		spun = time.Time{}
+		select {
+		case <-c.wake:
+		case <-c.dead:
+			return
+		}
 	}
+}
+
+// fail closes the connection for a protocol error the worker found in the
+// ring; the reader then ends, and the connection is torn down with err.
+func (c *inConn) fail(err error) {
+	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	c.mu.Lock()
+	c.failed = err
+	c.mu.Unlock()
+	c.nc.Close()
 }
 
 // handle carries out one item: it copies a part (unless its op is refused,
@@ -476,11 +594,10 @@ func (c *inConn) handle(it item) {
 	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
 		delete(c.ops, op.id)
 	}
-	// Releases wait while more parts are queued, up to half the window:
-	// each message wakes the sender, and a wake-up costs more than the
-	// copy of a small part. The queue running dry, an answer or half the
-	// window sends them.
-	flush := ans != nil || len(c.queue) == 0 || 2*len(c.released) >= c.slots
+	// Releases wait, up to half the window: each message wakes the
+	// sender, which has the other half to fill meanwhile. An answer, half
+	// the window, or the worker going to sleep (work) sends them.
+	flush := ans != nil || 2*len(c.released) >= c.slots
 	c.mu.Unlock()
 	if flush {
 		c.flush(ans)
