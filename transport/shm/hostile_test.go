@@ -238,7 +238,7 @@ func TestWindowMustBeSealed(t *testing.T) {
 // period, and the sender goes on serving others.
 func TestHostileReceiverAnswers(t *testing.T) {
 	a, b := open(t, transport.Options{}), open(t, transport.Options{})
-	// Slots are taken last-freed first, from slot 0: three parts fill slots
+	// Slots are taken first-freed first, from slot 0: three parts fill slots
 	// 0..2, and twelve cannot all go out while nothing is released.
 	for _, tc := range []struct {
 		name  string

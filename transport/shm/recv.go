@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -529,7 +528,7 @@ func (c *inConn) work() {
 				spun = time.Now()
 			}
 			if time.Since(spun) < spinFor {
-				runtime.Gosched()
+				c.look()
 				continue
 			}
 			c.flush(nil)
@@ -544,6 +543,21 @@ func (c *inConn) work() {
 		select {
 		case <-c.wake:
 		case <-c.dead:
+			return
+		}
+	}
+}
+
+// look waits a little (a microsecond or two) for the ring's count to
+// change, or the reader to queue something, reading the count in a tight
+// loop: cheaper than a trip through the scheduler, and the clock is read
+// only between two looks. The ring must be mapped (pull said so).
+func (c *inConn) look() {
+	c.pullMu.Lock()
+	count, taken := c.count, c.taken
+	c.pullMu.Unlock()
+	for range 512 {
+		if count.Load() != taken || len(c.wake) > 0 {
 			return
 		}
 	}

