@@ -70,10 +70,12 @@
 // formats are in wire.go.
 //
 // Parts cost no message and no wake-up while both sides are busy: a
-// worker that finds the ring empty looks again for 100 µs before it says
-// IDLE and sleeps, and only a sender that saw that IDLE writes POST when it
-// posts next. Releases are held back up to half the window and written
-// together (with the answer, if any), or when the worker goes to sleep:
+// worker that finds the ring empty while an op still has parts to come
+// looks again for up to 100 µs (yielding its CPU between looks) before it
+// says IDLE and sleeps, and only a sender that saw that IDLE writes POST
+// when it posts next; with no part to come it says IDLE at once. Releases
+// are held back up to half the window and written together, with the
+// answer if any, before the worker's next item or as it goes to sleep:
 // each message wakes the sender, which has the other half of the window
 // to fill meanwhile. A CANCEL carries the count of parts posted before it,
 // so that the receiver takes them first.

@@ -8,8 +8,10 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 	"unsafe"
 
@@ -30,10 +32,11 @@ const maxMapped = 1 << 40
 // slightly different moments).
 const maxOpenOps = 1024
 
-// spinFor is how long a worker that finds no part in the ring keeps
-// looking before it says IDLE and sleeps until a POST: a sender in the
-// middle of a Send posts its next part within the time of one slot's copy,
-// and a wake-up through the socket costs more than that on a busy host.
+// spinFor is how long a worker that finds no part in the ring, while an op
+// has parts to come, keeps looking before it says IDLE and sleeps until a
+// POST: a sender in the middle of a Send posts its next part within the
+// time of one slot's copy, and a wake-up through the socket costs more
+// than that on a busy host.
 const spinFor = 100 * time.Microsecond
 
 // testHookPiece, when set, is called by the worker before every part it
@@ -116,9 +119,15 @@ type inConn struct {
 	ops   map[uint64]*rop // open: not both answered and ended on the wire
 	queue []item
 	held  []bool // held[slot]: a part in the slot is not released yet
-	// released holds the RELEASE messages of handled parts that the
-	// worker has not written yet (see handle and work).
-	released []msg
+	// pending holds the RELEASEs and answers of handled items that the
+	// worker has not written yet, in order; urgent is set when they hold
+	// an answer or half the window's slots (see work).
+	pending []msg
+	nrel    int
+	urgent  bool
+	// expecting counts the open ops whose last part is still to come:
+	// while there are, the worker keeps looking at the ring (see work).
+	expecting int
 
 	out []msg // the worker's: the messages flush writes
 }
@@ -366,6 +375,13 @@ func (c *inConn) onRead(m msg) error {
 		}
 		c.ops[m.op] = op
 	}
+	if m.last != (m.offset == 0) {
+		if m.last {
+			c.expecting--
+		} else {
+			c.expecting++
+		}
+	}
 	op.next += int64(m.length)
 	op.wireEnded = m.last
 	c.held[m.slot] = true
@@ -433,6 +449,9 @@ func (c *inConn) onCancel(m msg) error {
 		return errProto("op %d cancelled twice", m.op)
 	}
 	op.cancelled.Store(true)
+	if !op.wireEnded {
+		c.expecting--
+	}
 	op.wireEnded = true
 	c.push(item{op: op, cancel: true})
 	return nil
@@ -480,7 +499,10 @@ func (c *inConn) onProbe(m msg) error {
 }
 
 // write sends messages to the sender, in one write. A failed write closes
-// the connection, so that the reader ends and the connection is torn down.
+// the connection, so that the reader ends and the connection is torn down,
+// unless the sender has gone (EPIPE, ECONNRESET): then the reader ends
+// on its own once it has read what the sender wrote last (an ACK, say,
+// which completes a receipt).
 func (c *inConn) write(ms ...msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -492,7 +514,7 @@ func (c *inConn) write(ms ...msg) error {
 	// the queue) forever.
 	c.nc.SetWriteDeadline(time.Now().Add(helloTimeout))
 	_, err := c.nc.Write(c.wbuf)
-	if err != nil {
+	if err != nil && !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
 		c.nc.Close()
 	}
 	return err
@@ -500,8 +522,9 @@ func (c *inConn) write(ms ...msg) error {
 
 // work takes the parts posted in the ring and handles them, and the
 // cancels the reader queues, in order, until the connection dies. With
-// nothing to do it looks at the ring for spinFor, then writes the releases
-// it holds back and IDLE, and sleeps until a POST (or a cancel).
+// nothing to do it looks at the ring for spinFor if an op has parts to
+// come, then writes the messages it holds back and IDLE, and sleeps until
+// a POST (or a cancel).
 func (c *inConn) work() {
 	defer c.t.wg.Done()
 	defer close(c.workerDone)
@@ -513,33 +536,38 @@ func (c *inConn) work() {
 			return
 		}
 		c.mu.Lock()
+		urgent, expecting := c.urgent, c.expecting
 		if len(c.queue) > 0 {
 			it := c.queue[0]
 			c.queue[0] = item{}
 			c.queue = c.queue[1:]
 			c.mu.Unlock()
+			if urgent { // answers and half a window of releases go first
+				c.flush(false)
+			}
 			c.handle(it)
 			spun = time.Time{}
 			continue
 		}
 		c.mu.Unlock()
-		if mapped {
+		// Nothing to do. While a Send is in the middle of an op, its next
+		// part comes soon: look for it a while before sleeping.
+		if mapped && expecting > 0 {
 			if spun.IsZero() {
 				spun = time.Now()
 			}
 			if time.Since(spun) < spinFor {
+				if urgent {
+					c.flush(false)
+				}
 				c.look()
 				continue
 			}
-			c.flush(nil)
-			c.pullMu.Lock()
-			taken := c.taken
-			c.pullMu.Unlock()
-			if c.write(msg{typ: msgIdle, seq: taken}) != nil {
-				return // the connection is closed; teardown does the rest
-			}
 		}
 		spun = time.Time{}
+		if c.flush(mapped) != nil {
+			return // the connection is closed; teardown does the rest
+		}
 		select {
 		case <-c.wake:
 		case <-c.dead:
@@ -550,8 +578,11 @@ func (c *inConn) work() {
 
 // look waits a little (a microsecond or two) for the ring's count to
 // change, or the reader to queue something, reading the count in a tight
-// loop: cheaper than a trip through the scheduler, and the clock is read
-// only between two looks. The ring must be mapped (pull said so).
+// loop (the clock is read only between two looks); then it yields, to the
+// goroutines of this process and to the threads of this CPU: the sender
+// may be waiting for either (in this process, or on this CPU when the host
+// is busy), and spinning in its way would hold it up until the spin ends.
+// The ring must be mapped (pull said so).
 func (c *inConn) look() {
 	c.pullMu.Lock()
 	count, taken := c.count, c.taken
@@ -561,6 +592,8 @@ func (c *inConn) look() {
 			return
 		}
 	}
+	runtime.Gosched()
+	syscall.Syscall(syscall.SYS_SCHED_YIELD, 0, 0, 0) // x/sys/unix has no wrapper
 }
 
 // fail closes the connection for a protocol error the worker found in the
@@ -599,39 +632,47 @@ func (c *inConn) handle(it item) {
 	c.mu.Lock()
 	if !it.cancel {
 		c.held[it.slot] = false
-		c.released = append(c.released, msg{typ: msgRelease, slot: uint32(it.slot)})
+		c.pending = append(c.pending, msg{typ: msgRelease, slot: uint32(it.slot)})
+		c.nrel++
 	}
 	if ans != nil {
 		op.answered = true
 		op.awaitAck = ans.typ == msgDone
+		c.pending = append(c.pending, *ans)
 	}
 	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
 		delete(c.ops, op.id)
 	}
 	// Releases wait, up to half the window: each message wakes the
-	// sender, which has the other half to fill meanwhile. An answer, half
-	// the window, or the worker going to sleep (work) sends them.
-	flush := ans != nil || 2*len(c.released) >= c.slots
+	// sender, which has the other half to fill meanwhile. The worker
+	// writes them, and answers, before its next item, or as it goes to
+	// sleep (work).
+	c.urgent = c.urgent || ans != nil || 2*c.nrel >= c.slots
 	c.mu.Unlock()
-	if flush {
-		c.flush(ans)
-	}
 }
 
-// flush writes the releases the worker holds back, and ans after them
-// unless it is nil, in one write.
-func (c *inConn) flush(ans *msg) {
+// flush writes the messages the worker holds back and, if idle, IDLE with
+// the count of parts taken from the ring, in one write. A failure closes
+// the connection; teardown does the rest.
+func (c *inConn) flush(idle bool) error {
+	var taken uint64
+	if idle {
+		c.pullMu.Lock()
+		taken = c.taken
+		c.pullMu.Unlock()
+	}
 	c.mu.Lock()
-	ms := append(c.out[:0], c.released...)
-	c.released = c.released[:0]
+	ms := append(c.out[:0], c.pending...)
+	c.pending, c.nrel, c.urgent = c.pending[:0], 0, false
 	c.mu.Unlock()
-	if ans != nil {
-		ms = append(ms, *ans)
+	if idle {
+		ms = append(ms, msg{typ: msgIdle, seq: taken})
 	}
 	c.out = ms
-	if len(ms) > 0 {
-		c.write(ms...) // a failure closes the connection; teardown does the rest
+	if len(ms) == 0 {
+		return nil
 	}
+	return c.write(ms...)
 }
 
 // copyPart copies one part out of the window into the op's receipt. It
