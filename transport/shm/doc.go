@@ -43,7 +43,8 @@
 // (SCM_RIGHTS). The file holds the slots and, after them, a ring where the
 // sender posts parts. The receiver maps it read-only (internal/memfd.MapReadOnly
 // checks the seals that make a mapping safe from SIGBUS) for the life of
-// the connection, or answers ERR for op 0 with the reason it cannot; when
+// the connection, or answers ERR for op 0 with the reason it cannot (the
+// Sends on that connection fail with ErrRefused, saying why); when
 // the connection ends, or the transport closes, both sides unmap it, after
 // the copies using it have stopped.
 //

@@ -252,6 +252,9 @@ func TestHostileReceiverAnswers(t *testing.T) {
 		{"done before the last part", 12, func(nc *net.UnixConn, first msg) {
 			writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: first.op}), nil)
 		}, transport.ErrProtocol},
+		{"idle past the parts posted", 3, func(nc *net.UnixConn, first msg) {
+			writeFull(nc, appendMsg(nil, &msg{typ: msgIdle, seq: 1000}), nil)
+		}, transport.ErrProtocol},
 		{"never releases", 12, func(*net.UnixConn, msg) {}, context.DeadlineExceeded},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -288,5 +291,29 @@ func TestHostileReceiverAnswers(t *testing.T) {
 			}
 			move(t, a, b, [][]byte{src}, [][]byte{make([]byte, len(src))})
 		})
+	}
+}
+
+// TestWindowRefused: a receiver that cannot map the window answers it ERR
+// for op 0; the Send fails at once with ErrRefused, saying why.
+func TestWindowRefused(t *testing.T) {
+	a := open(t, transport.Options{})
+	ep := rawListener(t, func(c net.Conn) {
+		nc := c.(*net.UnixConn)
+		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		r, err := acceptRaw(nc)
+		if err != nil {
+			return
+		}
+		defer r.close()
+		writeFull(nc, appendMsg(nil, &msg{typ: msgErr, code: codeRegion, text: "no room"}), nil)
+		r.mr.next() // until the sender closes
+	})
+	d := receipt.Descriptor{Endpoint: ep, Tag: 5, Total: 100}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := a.Send(ctx, descFormat.Encode(d), [][]byte{make([]byte, 100)})
+	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "no room") || ctx.Err() != nil {
+		t.Fatalf("Send = %v, want ErrRefused with the receiver's reason, before its deadline", err)
 	}
 }

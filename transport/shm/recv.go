@@ -529,6 +529,10 @@ func (c *inConn) work() {
 	defer c.t.wg.Done()
 	defer close(c.workerDone)
 	var spun time.Time // when the worker found nothing; zero: it has work
+	// busy is set when the worker handled an item since it last slept: it
+	// looks at the ring only then, so that a POST that brings nothing (a
+	// sender can write any number) costs no more than the IDLE it gets.
+	var busy bool
 	for !c.isDead.Load() {
 		mapped, err := c.pull()
 		if err != nil {
@@ -546,13 +550,13 @@ func (c *inConn) work() {
 				c.flush(false)
 			}
 			c.handle(it)
-			spun = time.Time{}
+			spun, busy = time.Time{}, true
 			continue
 		}
 		c.mu.Unlock()
 		// Nothing to do. While a Send is in the middle of an op, its next
 		// part comes soon: look for it a while before sleeping.
-		if mapped && expecting > 0 {
+		if mapped && expecting > 0 && busy {
 			if spun.IsZero() {
 				spun = time.Now()
 			}
@@ -564,7 +568,7 @@ func (c *inConn) work() {
 				continue
 			}
 		}
-		spun = time.Time{}
+		spun, busy = time.Time{}, false
 		if c.flush(mapped) != nil {
 			return // the connection is closed; teardown does the rest
 		}

@@ -192,7 +192,7 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 		if sctx.Err() != nil {
 			return ended()
 		}
-		return peerLost("send to", d.Endpoint, err)
+		return oc.lost(err)
 	}
 	cur := cursor{src: src}
 	var off int64
@@ -210,7 +210,7 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 			k := int(min(int64(oc.slotLen), d.Total-off))
 			m := msg{typ: msgRead, op: p.id, tag: d.Tag, total: uint64(d.Total), offset: uint64(off), slot: uint32(slot), length: uint32(k), last: off+int64(k) == d.Total}
 			if !oc.post(&m, &cur) {
-				return peerLost("send to", d.Endpoint, oc.deadErr())
+				return oc.lost(oc.deadErr())
 			}
 			off += int64(k)
 			continue
@@ -224,7 +224,7 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 		}
 		// A write fails because the connection died: say why it died (a
 		// protocol error of the receiver's, say), not only that it is closed.
-		return peerLost("send to", d.Endpoint, oc.deadErr())
+		return oc.lost(oc.deadErr())
 	}
 	select {
 	case m := <-p.res:
@@ -235,7 +235,7 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 			return oc.answer(p, m, true)
 		default:
 		}
-		return peerLost("send to", d.Endpoint, oc.deadErr())
+		return oc.lost(oc.deadErr())
 	case <-sctx.Done():
 	}
 	return t.cancelOp(ctx, sctx, oc, p, d.Endpoint, true)
@@ -302,6 +302,15 @@ func (oc *outConn) answer(p *pendingOp, m msg, whole bool) error {
 		err = errProto("answer of type %d to a read", m.typ)
 	}
 	oc.kill(err)
+	return peerLost("send to", oc.ep, err)
+}
+
+// lost is Send's error once the connection died of err: ErrPeerLost, or
+// the receiver's refusal of the window itself (ErrRefused).
+func (oc *outConn) lost(err error) error {
+	if errors.Is(err, ErrRefused) {
+		return err
+	}
 	return peerLost("send to", oc.ep, err)
 }
 
@@ -454,7 +463,7 @@ func (oc *outConn) readLoop() {
 			err = oc.onIdle(m.seq)
 		case msgErr, msgDone:
 			if m.typ == msgErr && m.op == 0 {
-				err = fmt.Errorf("the receiver cannot map the window: %w", refusal(oc.ep, m.code, m.text))
+				err = fmt.Errorf("%w (the receiver cannot map the window)", refusal(oc.ep, m.code, m.text))
 				break
 			}
 			oc.mu.Lock()
