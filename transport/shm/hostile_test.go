@@ -37,7 +37,7 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 	for i := range pool {
 		pool[i] = 0xc5
 	}
-	own := pool[1<<20 : 1<<20+3<<20/2] // 1.5 MiB: two parts and a half
+	own := pool[1<<20 : 1<<20+3<<20/2] // 1.5 MiB: several parts, the last one short
 	for i := range own {
 		own[i] = byte(i % 197) // never 0xc5 (197)
 	}
@@ -239,7 +239,9 @@ func TestWindowMustBeSealed(t *testing.T) {
 func TestHostileReceiverAnswers(t *testing.T) {
 	a, b := open(t, transport.Options{}), open(t, transport.Options{})
 	// Slots are taken first-freed first, from slot 0: three parts fill slots
-	// 0..2, and twelve cannot all go out while nothing is released.
+	// 0..2, and a window and four more cannot all go out while nothing is
+	// released.
+	many := windowSlots + 4
 	for _, tc := range []struct {
 		name  string
 		parts int
@@ -249,13 +251,13 @@ func TestHostileReceiverAnswers(t *testing.T) {
 		{"release of a slot never sent", 3, func(nc *net.UnixConn, first msg) {
 			writeFull(nc, appendMsg(nil, &msg{typ: msgRelease, slot: first.slot + 5}), nil)
 		}, transport.ErrProtocol},
-		{"done before the last part", 12, func(nc *net.UnixConn, first msg) {
+		{"done before the last part", many, func(nc *net.UnixConn, first msg) {
 			writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: first.op}), nil)
 		}, transport.ErrProtocol},
 		{"idle past the parts posted", 3, func(nc *net.UnixConn, first msg) {
 			writeFull(nc, appendMsg(nil, &msg{typ: msgIdle, seq: 1000}), nil)
 		}, transport.ErrProtocol},
-		{"never releases", 12, func(*net.UnixConn, msg) {}, context.DeadlineExceeded},
+		{"never releases", many, func(*net.UnixConn, msg) {}, context.DeadlineExceeded},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			src := fill(make([]byte, tc.parts*maxSlotLen), 8)
