@@ -19,9 +19,8 @@ import (
 
 // BenchmarkSend moves one 512 MiB buffer per iteration between two
 // Transports (Send, then wait for the receipt): "shm" with the default
-// window (32 slots of 256 KiB), the others with the slot size and count
-// they name ("shm-1M-x8" was the default before parts went through the
-// ring). "copy" is the baseline in the same run: a plain copy between the
+// window (8 slots of 1 MiB), the others with the slot size and count they
+// name. "copy" is the baseline in the same run: a plain copy between the
 // same two buffers.
 func BenchmarkSend(b *testing.B) {
 	const n = 512 << 20
@@ -39,7 +38,7 @@ func BenchmarkSend(b *testing.B) {
 	for _, sub := range []struct {
 		name        string
 		slot, slots int
-	}{{"shm", 0, 0}, {"shm-1M-x8", 1 << 20, 8}, {"shm-128K-x64", 128 << 10, 64}, {"shm-512K-x16", 512 << 10, 16}, {"shm-2M-x4", 2 << 20, 4}} {
+	}{{"shm", 0, 0}, {"shm-256K-x32", 256 << 10, 32}, {"shm-128K-x64", 128 << 10, 64}, {"shm-512K-x16", 512 << 10, 16}, {"shm-2M-x4", 2 << 20, 4}} {
 		b.Run(sub.name, func(b *testing.B) {
 			if sub.slot > 0 {
 				oldLen, oldSlots := maxSlotLen, windowSlots

@@ -13,7 +13,7 @@
 // A receiver gets the bytes of the Sends addressed to it, read-only, and
 // nothing else. No pool, staging buffer or other memory of the sender is
 // ever shared: each connection a sender dials has a window of its own, a
-// sealed memfd of 32 slots of (at most) 256 KiB that the sender maps writable,
+// sealed memfd of 8 slots of (at most) 1 MiB that the sender maps writable,
 // then seals with F_SEAL_FUTURE_WRITE (besides shrink, grow and seal), so
 // that no descriptor of it — the one passed to the receiver, or one reopened
 // through /proc — can write it or map it writable. The sender copies each
@@ -81,7 +81,7 @@
 // to fill meanwhile. A CANCEL carries the count of parts posted before it,
 // so that the receiver takes them first.
 //
-// The window bounds what is in flight per connection (32 parts); a sender
+// The window bounds what is in flight per connection (8 parts); a sender
 // keeps at most 1024 ops open on one connection, and a receiver closes a
 // connection that opens more than twice that.
 //

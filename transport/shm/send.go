@@ -28,16 +28,11 @@ var errAnswered = errors.New("shm: send: answered early")
 // its window on the connection, which the receiver maps read-only.
 const (
 	// defaultMaxSlotLen caps a slot; smaller Options.FrameBytes make smaller
-	// slots. A slot fits one core's cache with room to spare.
-	defaultMaxSlotLen = 256 << 10
-	// defaultWindowSlots is the number of slots of a window: parts in
-	// flight on a connection. 32 slots of 256 KiB (8 MiB) keep the window
-	// in a shared cache; with parts posted in the ring, a part costs no
-	// message, and small parts pipeline better than large ones
-	// (kvxfer bench, llama-3.1-8b, 4096 tokens, on this repository's 2-core
-	// machine: 8.2-11.7 GB/s against 7.5-10.6 with 8 slots of 1 MiB, better
-	// in 5 runs of 6, each pair in one run).
-	defaultWindowSlots = 32
+	// slots.
+	defaultMaxSlotLen = 1 << 20
+	// defaultWindowSlots is the number of slots of a window: parts in flight on a
+	// connection. 8 slots of 1 MiB keep the window in a shared cache.
+	defaultWindowSlots = 8
 )
 
 // sendOp is one Send in flight, for Close to cancel.

@@ -106,7 +106,7 @@ var (
 // Of the options, only Logger, MaxConns and FrameBytes apply: a window
 // slot, the largest part a Send copies at once and so what a receiver
 // copies between two checks for cancel, is FrameBytes rounded down to a
-// multiple of 4096, at most 256 KiB (0 means transport.DefaultFrameBytes).
+// multiple of 4096, at most 1 MiB (0 means transport.DefaultFrameBytes).
 // ListenAddr, Streams and MaxConnsPerHost are TCP's. The socket has no TCP
 // port, but every process of the host in the same network namespace can
 // connect to it (its name is random, not secret: /proc/net/unix lists it),
