@@ -29,14 +29,15 @@ import (
 //	            sealed against shrinking, growing and writes
 //	            (F_SEAL_FUTURE_WRITE)
 //	POST    8   the count of parts posted in the ring so far: wakes a
-//	            receiver that said IDLE (sent only then, at most once per
-//	            IDLE; a receiver ignores the count)
+//	            receiver that said IDLE (a sender writes it only then, at
+//	            most once per IDLE; a receiver takes any number, and ignores
+//	            the count)
 //	CANCEL  16  op id (8), the count of parts posted in the ring when it
 //	            was written (8): stop the op once the parts before it are
 //	            taken (the receiver answers DONE or ERR); it also ends an op
 //	            whose last part was never posted
 //	ABORT   8   tag: fail that receipt with ErrAborted if no op is filling
-//	            it (a Send that ended before its first READ went out)
+//	            it (a Send that ended before it posted a part)
 //	ACK     8   op id: the sender has seen DONE; only now does the receipt
 //	            complete
 //	PROBE   8   op id: read the first 8 bytes of the window
@@ -115,7 +116,7 @@ const (
 	msgRead = 0x80
 )
 
-// READ flags.
+// Flags of a ring entry (READ: the type a decoded entry gets).
 const flagLast = 1
 
 // ERR codes: why a receiver refused or stopped an op.
