@@ -19,8 +19,9 @@ import (
 
 // BenchmarkSend moves one 512 MiB buffer per iteration between two
 // Transports (Send, then wait for the receipt): "shm" with the default
-// 1 MiB window slots, "shm-256KiB-slots" with smaller ones. "copy" is the
-// baseline in the same run: a plain copy between the same two buffers.
+// window (8 slots of 1 MiB), the others with the slot size and count they
+// name. "copy" is the baseline in the same run: a plain copy between the
+// same two buffers.
 func BenchmarkSend(b *testing.B) {
 	const n = 512 << 20
 	src, dst := benchArena(b, n), benchArena(b, n)
@@ -37,7 +38,7 @@ func BenchmarkSend(b *testing.B) {
 	for _, sub := range []struct {
 		name        string
 		slot, slots int
-	}{{"shm", 0, 0}, {"shm-256K-x8", 256 << 10, 8}, {"shm-1M-x4", 1 << 20, 4}, {"shm-2M-x4", 2 << 20, 4}, {"shm-4M-x4", 4 << 20, 4}, {"shm-4M-x2", 4 << 20, 2}, {"shm-8M-x2", 8 << 20, 2}} {
+	}{{"shm", 0, 0}, {"shm-256K-x32", 256 << 10, 32}, {"shm-128K-x64", 128 << 10, 64}, {"shm-512K-x16", 512 << 10, 16}, {"shm-2M-x4", 2 << 20, 4}} {
 		b.Run(sub.name, func(b *testing.B) {
 			if sub.slot > 0 {
 				oldLen, oldSlots := maxSlotLen, windowSlots
@@ -82,9 +83,12 @@ func benchArena(b *testing.B, n int) *memfd.Mapping {
 
 // BenchmarkCeiling measures, next to a plain copy, what the mechanisms that
 // keep a peer to its own bytes can reach on this machine at best, without
-// any protocol: "two-copy-pipe" copies 512 MiB through a 4 MiB window with
-// a second goroutine copying out of it, handing slots over through atomics
-// (the window design with free signalling); "process_vm_readv-1" and "-2"
+// any protocol: "two-copy-pipe" copies 512 MiB through a window of 8 slots
+// of 1 MiB with a second goroutine copying out of it, handing slots over
+// through atomics (the window design with free signalling), the window
+// filled as Send fills it (copies of fillChunk); "two-copy-pipe-nt" fills
+// each slot with one copy of 1 MiB, which Go writes around the caches, as
+// Send did before; "process_vm_readv-1" and "-2"
 // read it with the kernel's cross-memory copy (from this process itself),
 // on one and two goroutines. The shm backend's own figure (BenchmarkSend)
 // is to be read against these.
@@ -99,8 +103,8 @@ func BenchmarkCeiling(b *testing.B) {
 			copy(dst, src)
 		}
 	})
-	b.Run("two-copy-pipe", func(b *testing.B) {
-		const slot, slots = 1 << 20, 4
+	pipe := func(b *testing.B, chunk int) {
+		const slot, slots = 1 << 20, 8
 		win := make([]byte, slot*slots)
 		b.SetBytes(n)
 		for b.Loop() {
@@ -121,12 +125,16 @@ func BenchmarkCeiling(b *testing.B) {
 				for full[s].Load() {
 					runtime.Gosched()
 				}
-				copy(win[s*slot:(s+1)*slot], src[off:off+slot])
+				for i := 0; i < slot; i += chunk {
+					copy(win[s*slot+i:s*slot+i+chunk], src[off+i:off+i+chunk])
+				}
 				full[s].Store(true)
 			}
 			wg.Wait()
 		}
-	})
+	}
+	b.Run("two-copy-pipe", func(b *testing.B) { pipe(b, fillChunk) })
+	b.Run("two-copy-pipe-nt", func(b *testing.B) { pipe(b, 1<<20) })
 	vmRead := func(b *testing.B, dst, src []byte) {
 		const chunk = 4 << 20
 		for off := 0; off < len(dst); off += chunk {
@@ -153,4 +161,33 @@ func BenchmarkCeiling(b *testing.B) {
 			wg.Wait()
 		}
 	})
+}
+
+// BenchmarkSendSmall is the transport's share of a small transfer's
+// latency: one 64 KiB Send (one part) at a time, Expect to the receipt's
+// completion, as the transceiver moves a request of one block.
+func BenchmarkSendSmall(b *testing.B) {
+	const n = 64 << 10
+	tx, rx := open(b, transport.Options{}), open(b, transport.Options{})
+	src, dst := fill(make([]byte, n), 3), make([]byte, n)
+	ctx := context.Background()
+	move := func() {
+		r, err := rx.Expect([][]byte{dst})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Send(ctx, r.Descriptor(), [][]byte{src}); err != nil {
+			b.Fatal(err)
+		}
+		<-r.Done()
+		if err := r.Err(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	move() // untimed: dial and map the window
+	b.SetBytes(n)
+	b.ReportAllocs()
+	for b.Loop() {
+		move()
+	}
 }

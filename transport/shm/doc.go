@@ -26,7 +26,11 @@
 //
 // The price is a second copy: the sender's (source → window) and the
 // receiver's (window → destination) run in parallel on two processes, on a
-// window small enough to stay in a shared cache.
+// window small enough to stay in a shared cache. The sender fills a slot
+// in copies of at most 512 KiB: Go's copy writes around the caches from
+// 1 MiB on, which would send every slot to memory and back. The receiver's
+// copy out of a slot writes around them, as the destination is not read
+// again soon.
 //
 // # Endpoints, connections, windows
 //
@@ -36,29 +40,46 @@
 // a host and a namespace. A sender dials, lazily, one connection per
 // receiver endpoint, exchanges HELLOs (magic, version) and announces its
 // window: WINDOW with the slot size and count, the memory file attached
-// (SCM_RIGHTS). The receiver maps it read-only (internal/memfd.MapReadOnly
+// (SCM_RIGHTS). The file holds the slots and, after them, a ring where the
+// sender posts parts. The receiver maps it read-only (internal/memfd.MapReadOnly
 // checks the seals that make a mapping safe from SIGBUS) for the life of
-// the connection; when the connection ends, or the transport closes, both
-// sides unmap it, after the copies using it have stopped.
+// the connection, or answers ERR for op 0 with the reason it cannot (the
+// Sends on that connection fail with ErrRefused, saying why); when
+// the connection ends, or the transport closes, both sides unmap it, after
+// the copies using it have stopped.
 //
 // Sources need no registration (RegisterMemory accepts any memory and does
 // nothing); destinations neither.
 //
 // # Ops
 //
-// A Send is one op on the connection: READ parts (op id, the receipt's
-// tag, the op's total length, the part's offset in the receipt, its slot
-// and length), in order, the last one flagged. The receiver checks every
-// part (slot in range and not held, length within a slot, offsets in
-// sequence) and binds the op to the receipt of the tag at its first part
-// (checking the length); a worker goroutine per connection handles the
-// parts in order: it copies each into the receipt, releases its slot
-// (RELEASE), and after the last answers DONE. A refusal (unknown tag,
-// another length, a receipt being filled or cancelled) is answered ERR at
-// once, with a code and a reason; later parts of that op are released
-// unread, and the sender, which stops at the ERR, ends the op with CANCEL.
-// On DONE the sender writes ACK and Send returns nil; the receipt completes
-// when the ACK arrives. Wire formats are in wire.go.
+// A Send is one op on the connection: parts (op id, the receipt's tag,
+// the op's total length, the part's offset in the receipt, its slot and
+// length), in order, the last one flagged, each posted in the window's
+// ring once its bytes are in its slot: an entry, then the count of parts
+// posted. A worker goroutine per connection takes them from the ring: it
+// copies each entry out of the window, then checks it (slot in range and
+// not held, length within a slot, offsets in sequence, the count never
+// more than a window ahead nor going back) and binds the op to the receipt
+// of the tag at its first part (checking the length); it copies each part
+// into the receipt, releases its slot (RELEASE), and after the last
+// answers DONE. A refusal (unknown tag, another length, a receipt being
+// filled or cancelled) is answered ERR at once, with a code and a reason;
+// later parts of that op are released unread, and the sender, which stops
+// at the ERR, ends the op with CANCEL. On DONE the sender writes ACK and
+// Send returns nil; the receipt completes when the ACK arrives. Wire
+// formats are in wire.go.
+//
+// Parts cost no message and no wake-up while both sides are busy: a
+// worker that finds the ring empty while an op still has parts to come
+// looks again for up to 100 µs (yielding its CPU between looks) before it
+// says IDLE and sleeps, and only a sender that saw that IDLE writes POST
+// when it posts next; with no part to come it says IDLE at once. Releases
+// are held back up to half the window and written together, with the
+// answer if any, before the worker's next item or as it goes to sleep:
+// each message wakes the sender, which has the other half of the window
+// to fill meanwhile. A CANCEL carries the count of parts posted before it,
+// so that the receiver takes them first.
 //
 // The window bounds what is in flight per connection (8 parts); a sender
 // keeps at most 1024 ops open on one connection, and a receiver closes a
@@ -66,12 +87,12 @@
 //
 // # Cancel and failure
 //
-// Send: when ctx ends, a Send whose first READ has gone out writes CANCEL
+// Send: when ctx ends, a Send whose first part was posted writes CANCEL
 // and waits up to a second for the answer: ERR (the receiver stopped; the
 // receipt fails with transport.ErrAborted) and Send returns the ctx error,
 // or DONE (all copied already) and Send returns nil. If no answer comes, the
 // connection is closed (failing the other ops on it). A Send that ends
-// before its first READ went out writes ABORT for the tag (dialling for it
+// before its first part was posted writes ABORT for the tag (dialling for it
 // if needed, within a second), which fails the receipt with
 // transport.ErrAborted unless another Send is filling it. Close of the
 // Transport cancels its Sends the same way.
@@ -79,7 +100,7 @@
 // Recv.Cancel: the receipt ends with transport.ErrCanceled; a copy into it
 // finishes its part (at most one slot) and Cancel returns once it has. The
 // sender's Send fails with ErrRefused and transport.ErrCanceled (unless it
-// had been answered DONE). A READ for an unknown or ended tag is answered
+// had been answered DONE). A part for an unknown or ended tag is answered
 // ERR and the connection stays up.
 //
 // A sender must announce its window right after the HELLOs, within the
@@ -90,19 +111,20 @@
 // A receiver's writes have a deadline, so a sender that stops reading
 // cannot hold its worker; a CANCEL is taken once per op.
 //
-// A malformed message, a part outside the window, a slot reused before its
-// release, or too many open ops close that connection only
+// A malformed message or ring entry, a part outside the window, a slot
+// reused before its release, a ring count out of bounds, or too many open
+// ops close that connection only
 // (transport.ErrProtocol, logged). A connection that ends fails every
 // receipt an op of it was filling, or awaiting the ACK for, with
 // transport.ErrPeerLost (wrapping the protocol error, if any); a receipt
-// that has seen no READ is left to the caller's deadline. A sender sees a
+// that has seen no part is left to the caller's deadline. A sender sees a
 // broken connection at once (its reader goroutine) and fails the Sends
 // waiting on it with transport.ErrPeerLost; the next Send redials.
 //
 // # Probe
 //
-// Probe dials the endpoint on a connection of its own, announces a 4 KiB
-// window holding a random value and sends PROBE; the peer maps it and
+// Probe dials the endpoint on a connection of its own, announces a window
+// of one 4 KiB slot (and its ring) holding a random value and sends PROBE; the peer maps it and
 // answers with the value it reads, which proves the same host and working
 // shared mappings (PROBEOK), or with the reason it cannot (ERR).
 package shm

@@ -40,15 +40,16 @@ func FuzzMessage(f *testing.F) {
 	for _, m := range []*msg{
 		{typ: msgHello, version: protoVersion},
 		{typ: msgWindow, slotLen: 1 << 20, slots: 8},
-		{typ: msgRead, op: 1, tag: 2, total: 13, offset: 3, slot: 5, length: 10, last: true},
-		{typ: msgRead, op: 1, tag: 2, total: 100, offset: 0, slot: 0, length: 10},
+		{typ: msgPost, seq: 3},
+		{typ: msgIdle, seq: 2},
 		{typ: msgRelease, slot: 3},
-		{typ: msgCancel, op: 1},
+		{typ: msgCancel, op: 1, seq: 4},
 		{typ: msgAbort, tag: 9},
 		{typ: msgAck, op: 1},
 		{typ: msgProbe, op: 1},
 		{typ: msgDone, op: 1},
 		{typ: msgErr, op: 1, code: codeUnknown, text: "no receipt"},
+		{typ: msgErr, code: codeRegion, text: "cannot map"},
 		{typ: msgProbeOK, op: 1, nonce: 0xdeadbeef},
 	} {
 		b := appendMsg(nil, m)
@@ -74,6 +75,33 @@ func FuzzMessage(f *testing.F) {
 		}
 		if enc := appendMsg(nil, &m); !bytes.Equal(enc, b[:n]) {
 			t.Fatalf("decode(%x) = %+v, which encodes to %x", b[:n], m, enc)
+		}
+	})
+}
+
+// FuzzRingEntry: the decoder of ring entries (which a sender writes, and
+// can rewrite at any time) never panics, accepts only parts within their
+// op, and what it accepts it encodes back to the same bytes.
+func FuzzRingEntry(f *testing.F) {
+	for _, m := range []*msg{
+		{typ: msgRead, op: 1, tag: 2, total: 13, offset: 3, slot: 5, length: 10, last: true},
+		{typ: msgRead, op: 1, tag: 2, total: 100, offset: 0, slot: 0, length: 10},
+	} {
+		b := appendEntry(nil, m)
+		f.Add(b)
+		f.Add(b[:len(b)-1])
+	}
+	f.Add(make([]byte, readLen))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		m, err := decodeEntry(b)
+		if err != nil {
+			return
+		}
+		if enc := appendEntry(nil, &m); !bytes.Equal(enc, b) {
+			t.Fatalf("decode(%x) = %+v, which encodes to %x", b, m, enc)
+		}
+		if m.op == 0 || m.tag == 0 || m.length == 0 || m.offset+uint64(m.length) > m.total || m.last != (m.offset+uint64(m.length) == m.total) && m.last {
+			t.Fatalf("decode(%x) accepted %+v", b, m)
 		}
 	})
 }

@@ -10,9 +10,11 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
@@ -35,7 +37,7 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 	for i := range pool {
 		pool[i] = 0xc5
 	}
-	own := pool[1<<20 : 1<<20+3<<20/2] // 1.5 MiB: two parts and a half
+	own := pool[1<<20 : 1<<20+3<<20/2] // 1.5 MiB: several parts, the last one short
 	for i := range own {
 		own[i] = byte(i % 197) // never 0xc5 (197)
 	}
@@ -53,52 +55,33 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 		nc := c.(*net.UnixConn)
 		out := result{}
 		defer func() { res <- out }()
-		fail := func(err error) { out.err = err }
 		nc.SetDeadline(time.Now().Add(10 * time.Second))
-		mr := newMsgReader(nc)
-		defer mr.closeFds()
-		if m, err := mr.next(); err != nil || m.typ != msgHello {
-			fail(fmt.Errorf("hello: %+v, %v", m, err))
+		r, err := acceptRaw(nc)
+		if err != nil {
+			out.err = err
 			return
 		}
-		writeFull(nc, appendMsg(nil, &msg{typ: msgHello, version: protoVersion}), nil)
-		var win []byte
+		defer r.close()
+		out.fds, out.size, out.writable = r.fds, r.size, r.writable
 		for {
-			m, err := mr.next()
+			m, err := r.next()
 			if err != nil {
-				fail(err)
+				out.err = err
 				return
 			}
 			switch m.typ {
-			case msgWindow:
-				out.fds = len(mr.fds)
-				fd, _ := mr.takeFd()
-				f := os.NewFile(uintptr(fd), "window")
-				defer f.Close()
-				st, err := f.Stat()
-				if err != nil {
-					fail(err)
-					return
-				}
-				out.size = st.Size()
-				out.writable = tryWrite(f, int(out.size))
-				if win, err = syscall.Mmap(fd, 0, int(out.size), syscall.PROT_READ, syscall.MAP_SHARED); err != nil {
-					fail(err)
-					return
-				}
-				defer syscall.Munmap(win)
 			case msgRead:
-				at := int(m.slot) * maxSlotLen // the default slot size
-				out.got = append(out.got, win[at:at+int(m.length)]...)
+				at := int(m.slot) * r.slotLen
+				out.got = append(out.got, r.win[at:at+int(m.length)]...)
 				writeFull(nc, appendMsg(nil, &msg{typ: msgRelease, slot: m.slot}), nil)
 				if m.last {
 					writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: m.op}), nil)
 				}
 			case msgAck:
-				out.window = bytes.Clone(win)
+				out.window = bytes.Clone(r.win)
 				return
 			default:
-				fail(fmt.Errorf("unexpected message %+v", m))
+				out.err = fmt.Errorf("unexpected message %+v", m)
 				return
 			}
 		}
@@ -116,7 +99,7 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 	if out.fds != 1 {
 		t.Errorf("the receiver got %d descriptors, want 1 (the window)", out.fds)
 	}
-	if want := int64(windowSlots * maxSlotLen); out.size != want {
+	if want := int64(windowSlots*maxSlotLen + ringLen(windowSlots)); out.size != want {
 		t.Errorf("the descriptor the receiver got is a file of %d bytes, want the %d-byte window", out.size, want)
 	}
 	if len(out.writable) > 0 {
@@ -129,6 +112,75 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 		t.Errorf("the window holds a byte of other requests at %d", i)
 	}
 	healthy(t, a, open(t, transport.Options{}), pool[:1<<20])
+}
+
+// rawReceiver is a receiver played by a test: it has read the HELLO and
+// the WINDOW of a sender, and mapped the window read-only.
+type rawReceiver struct {
+	nc       *net.UnixConn
+	mr       *msgReader
+	win      []byte // the whole file: slots, then the ring
+	slotLen  int
+	slots    int
+	taken    uint64   // parts taken from the ring
+	fds      int      // descriptors that came with the WINDOW
+	size     int64    // of the window's file
+	writable []string // the ways of writing the window that worked (tryWrite)
+}
+
+// acceptRaw answers the HELLO on nc and maps the window the sender
+// announces.
+func acceptRaw(nc *net.UnixConn) (*rawReceiver, error) {
+	r := &rawReceiver{nc: nc, mr: newMsgReader(nc)}
+	if m, err := r.mr.next(); err != nil || m.typ != msgHello {
+		r.mr.closeFds()
+		return nil, fmt.Errorf("hello: %+v, %v", m, err)
+	}
+	writeFull(nc, appendMsg(nil, &msg{typ: msgHello, version: protoVersion}), nil)
+	m, err := r.mr.next()
+	if err != nil || m.typ != msgWindow {
+		r.mr.closeFds()
+		return nil, fmt.Errorf("window: %+v, %v", m, err)
+	}
+	r.fds, r.slotLen, r.slots = len(r.mr.fds), int(m.slotLen), int(m.slots)
+	fd, _ := r.mr.takeFd()
+	f := os.NewFile(uintptr(fd), "window")
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		r.mr.closeFds()
+		return nil, err
+	}
+	r.size = st.Size()
+	r.writable = tryWrite(f, int(r.size))
+	if r.win, err = syscall.Mmap(fd, 0, int(r.size), syscall.PROT_READ, syscall.MAP_SHARED); err != nil {
+		r.mr.closeFds()
+		return nil, err
+	}
+	return r, nil
+}
+
+// next returns the next part posted in the ring (type msgRead) or, when
+// there is none, says IDLE and returns the next message but POST.
+func (r *rawReceiver) next() (msg, error) {
+	ring := r.win[r.slots*r.slotLen:]
+	for {
+		if n := (*atomic.Uint64)(unsafe.Pointer(&ring[0])).Load(); r.taken < n {
+			at := ringHdr + int(r.taken%uint64(r.slots))*readLen
+			r.taken++
+			return decodeEntry(bytes.Clone(ring[at : at+readLen]))
+		}
+		writeFull(r.nc, appendMsg(nil, &msg{typ: msgIdle, seq: r.taken}), nil)
+		m, err := r.mr.next()
+		if err != nil || m.typ != msgPost {
+			return m, err
+		}
+	}
+}
+
+func (r *rawReceiver) close() {
+	syscall.Munmap(r.win)
+	r.mr.closeFds()
 }
 
 // tryWrite tries every way a holder of f could write the memory behind it,
@@ -168,7 +220,7 @@ func tryWrite(f *os.File, size int) []string {
 func TestWindowMustBeSealed(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
-	plain, err := memfd.New(memfdName, 4096, memfd.Options{})
+	plain, err := memfd.New(memfdName, 4096+ringLen(1), memfd.Options{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -186,8 +238,10 @@ func TestWindowMustBeSealed(t *testing.T) {
 // period, and the sender goes on serving others.
 func TestHostileReceiverAnswers(t *testing.T) {
 	a, b := open(t, transport.Options{}), open(t, transport.Options{})
-	// Slots are taken last-freed first, from slot 0: three parts fill slots
-	// 0..2, and twelve cannot all go out while nothing is released.
+	// Slots are taken first-freed first, from slot 0: three parts fill slots
+	// 0..2, and a window and four more cannot all go out while nothing is
+	// released.
+	many := windowSlots + 4
 	for _, tc := range []struct {
 		name  string
 		parts int
@@ -197,24 +251,26 @@ func TestHostileReceiverAnswers(t *testing.T) {
 		{"release of a slot never sent", 3, func(nc *net.UnixConn, first msg) {
 			writeFull(nc, appendMsg(nil, &msg{typ: msgRelease, slot: first.slot + 5}), nil)
 		}, transport.ErrProtocol},
-		{"done before the last part", 12, func(nc *net.UnixConn, first msg) {
+		{"done before the last part", many, func(nc *net.UnixConn, first msg) {
 			writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: first.op}), nil)
 		}, transport.ErrProtocol},
-		{"never releases", 12, func(*net.UnixConn, msg) {}, context.DeadlineExceeded},
+		{"idle past the parts posted", 3, func(nc *net.UnixConn, first msg) {
+			writeFull(nc, appendMsg(nil, &msg{typ: msgIdle, seq: 1000}), nil)
+		}, transport.ErrProtocol},
+		{"never releases", many, func(*net.UnixConn, msg) {}, context.DeadlineExceeded},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			src := fill(make([]byte, tc.parts*maxSlotLen), 8)
 			ep := rawListener(t, func(c net.Conn) {
 				nc := c.(*net.UnixConn)
 				nc.SetDeadline(time.Now().Add(10 * time.Second))
-				mr := newMsgReader(nc)
-				defer mr.closeFds()
-				if _, err := mr.next(); err != nil {
+				r, err := acceptRaw(nc)
+				if err != nil {
 					return
 				}
-				writeFull(nc, appendMsg(nil, &msg{typ: msgHello, version: protoVersion}), nil)
+				defer r.close()
 				for first := true; ; {
-					m, err := mr.next()
+					m, err := r.next()
 					if err != nil {
 						return
 					}
@@ -237,5 +293,29 @@ func TestHostileReceiverAnswers(t *testing.T) {
 			}
 			move(t, a, b, [][]byte{src}, [][]byte{make([]byte, len(src))})
 		})
+	}
+}
+
+// TestWindowRefused: a receiver that cannot map the window answers it ERR
+// for op 0; the Send fails at once with ErrRefused, saying why.
+func TestWindowRefused(t *testing.T) {
+	a := open(t, transport.Options{})
+	ep := rawListener(t, func(c net.Conn) {
+		nc := c.(*net.UnixConn)
+		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		r, err := acceptRaw(nc)
+		if err != nil {
+			return
+		}
+		defer r.close()
+		writeFull(nc, appendMsg(nil, &msg{typ: msgErr, code: codeRegion, text: "no room"}), nil)
+		r.mr.next() // until the sender closes
+	})
+	d := receipt.Descriptor{Endpoint: ep, Tag: 5, Total: 100}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := a.Send(ctx, descFormat.Encode(d), [][]byte{make([]byte, 100)})
+	if !errors.Is(err, ErrRefused) || !strings.Contains(err.Error(), "no room") || ctx.Err() != nil {
+		t.Fatalf("Send = %v, want ErrRefused with the receiver's reason, before its deadline", err)
 	}
 }

@@ -8,9 +8,12 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
+	"unsafe"
 
 	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
@@ -29,12 +32,19 @@ const maxMapped = 1 << 40
 // slightly different moments).
 const maxOpenOps = 1024
 
+// spinFor is how long a worker that finds no part in the ring, while an op
+// has parts to come, keeps looking before it says IDLE and sleeps until a
+// POST: a sender in the middle of a Send posts its next part within the
+// time of one slot's copy, and a wake-up through the socket costs more
+// than that on a busy host.
+const spinFor = 100 * time.Microsecond
+
 // testHookPiece, when set, is called by the worker before every part it
 // copies. Tests use it to hold a transfer in the middle.
 var testHookPiece atomic.Pointer[func()]
 
 // recv is one armed receipt; Fill is the op filling it, nil before its
-// first READ. The worker tests Ended between parts without the lock.
+// first part. The worker tests Ended between parts without the lock.
 type recv = receipt.Recv[*rop]
 
 // rop is one op, the receiving side of one Send. The reader creates it at
@@ -68,8 +78,11 @@ type item struct {
 }
 
 // inConn is an accepted connection: a reader goroutine (serve) that
-// handles messages, and a worker goroutine (work) that copies the parts
-// the reader queues, one at a time, in order, out of the sender's window.
+// handles messages, and a worker goroutine (work) that takes the parts
+// posted in the sender's ring and copies them, one at a time, in order,
+// out of the sender's window.
+//
+// Lock order: pullMu, then Transport.mu, then inConn.mu.
 type inConn struct {
 	t      *Transport
 	nc     *net.UnixConn
@@ -77,7 +90,7 @@ type inConn struct {
 	mr     *msgReader // the reader's
 
 	// The sender's window, mapped read-only; set once by the reader
-	// before the first READ that uses it, unmapped after the worker ends.
+	// before the first part that uses it, unmapped after the worker ends.
 	win       *memfd.Mapping
 	winMem    []byte
 	winErr    error // why the window could not be mapped
@@ -85,9 +98,18 @@ type inConn struct {
 	slots     int
 	winMapped int64 // bytes counted in Transport.mapped
 
-	dead       chan struct{} // closed when the reader stops
-	isDead     atomic.Bool
-	wake       chan struct{} // the queue has grown
+	dead   chan struct{} // closed when the reader stops
+	isDead atomic.Bool
+	wake   chan struct{} // the queue has grown, a POST came, or the window was mapped
+	failed error         // why the worker closed the connection; set before it does, under mu
+
+	// The ring, in the window: set by the reader under pullMu once the
+	// window is mapped; taken is the count of parts taken from it.
+	pullMu sync.Mutex
+	ring   []byte
+	count  *atomic.Uint64
+	taken  uint64
+
 	workerDone chan struct{}
 
 	wmu  sync.Mutex
@@ -97,6 +119,17 @@ type inConn struct {
 	ops   map[uint64]*rop // open: not both answered and ended on the wire
 	queue []item
 	held  []bool // held[slot]: a part in the slot is not released yet
+	// pending holds the RELEASEs and answers of handled items that the
+	// worker has not written yet, in order; urgent is set when they hold
+	// an answer or half the window's slots (see work).
+	pending []msg
+	nrel    int
+	urgent  bool
+	// expecting counts the open ops whose last part is still to come:
+	// while there are, the worker keeps looking at the ring (see work).
+	expecting int
+
+	out []msg // the worker's: the messages flush writes
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {
@@ -127,7 +160,14 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 func (c *inConn) serve() {
 	defer c.t.wg.Done()
 	err := c.readLoop()
-	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	c.mu.Lock()
+	failed := c.failed
+	c.mu.Unlock()
+	if failed != nil {
+		err = failed // logged by fail
+	} else {
+		conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	}
 	c.teardown(err)
 }
 
@@ -179,7 +219,7 @@ func (c *inConn) readLoop() error {
 	if err := checkHello(m); err != nil {
 		return err
 	}
-	if err := c.write(&msg{typ: msgHello, version: protoVersion}); err != nil {
+	if err := c.write(msg{typ: msgHello, version: protoVersion}); err != nil {
 		return err
 	}
 	// Every sender announces its window at once (a probe too): a
@@ -202,8 +242,8 @@ func (c *inConn) readLoop() error {
 		switch m.typ {
 		case msgWindow:
 			err = c.onWindow(m)
-		case msgRead:
-			err = c.onRead(m)
+		case msgPost:
+			c.signal()
 		case msgCancel:
 			err = c.onCancel(m)
 		case msgAbort:
@@ -239,24 +279,66 @@ func (c *inConn) onWindow(m msg) error {
 	}
 	c.slotLen, c.slots = int(m.slotLen), int(m.slots)
 	c.held = make([]bool, c.slots)
-	size := int64(m.slotLen) * int64(m.slots)
+	slots := int64(m.slotLen) * int64(m.slots)
+	size := slots + int64(ringLen(c.slots))
 	if c.t.mapped.Add(size) > maxMapped {
 		c.t.mapped.Add(-size)
 		c.winErr = fmt.Errorf("senders' windows mapped here would exceed %d bytes", int64(maxMapped))
-		return nil
+		return c.refuseWindow()
 	}
 	a, err := memfd.MapReadOnly(f, size)
 	if err != nil {
 		c.t.mapped.Add(-size)
 		c.t.log.Warn("shm: cannot map a sender's window", "remote", c.remote, "size", size, "err", err)
 		c.winErr = err
-		return nil
+		return c.refuseWindow()
 	}
 	c.win, c.winMem, c.winMapped = a, a.Bytes(), size
+	c.pullMu.Lock()
+	c.ring = c.winMem[slots:]
+	c.count = (*atomic.Uint64)(unsafe.Pointer(&c.ring[0]))
+	c.pullMu.Unlock()
+	c.signal() // the worker looks at the ring
 	return nil
 }
 
-// onRead checks a READ part and queues it for the worker. Its first part
+// refuseWindow tells the sender that its window cannot be mapped (ERR for
+// op 0): no part of it will be taken.
+func (c *inConn) refuseWindow() error {
+	return c.write(msg{typ: msgErr, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
+}
+
+// pull takes the parts posted in the ring since the last pull and queues
+// them (onRead), in order; it reports false while no window is mapped.
+// The worker calls it, and the reader before it handles a CANCEL.
+func (c *inConn) pull() (bool, error) {
+	c.pullMu.Lock()
+	defer c.pullMu.Unlock()
+	if c.count == nil {
+		return false, nil
+	}
+	n := c.count.Load()
+	if n < c.taken || n-c.taken > uint64(c.slots) {
+		return true, errProto("the ring's count of parts went from %d to %d, with %d slots", c.taken, n, c.slots)
+	}
+	for ; c.taken < n; c.taken++ {
+		// Copied out before it is checked: the sender can write the
+		// ring at any time.
+		var e [readLen]byte
+		at := ringHdr + int(c.taken%uint64(c.slots))*readLen
+		copy(e[:], c.ring[at:at+readLen])
+		m, err := decodeEntry(e[:])
+		if err == nil {
+			err = c.onRead(m)
+		}
+		if err != nil {
+			return true, fmt.Errorf("part %d of the ring: %w", c.taken, err)
+		}
+	}
+	return true, nil
+}
+
+// onRead checks a part taken from the ring and queues it for the worker. Its first part
 // creates the op and binds it to the receipt of its tag, or records why
 // not (the worker then answers ERR).
 func (c *inConn) onRead(m msg) error {
@@ -293,11 +375,26 @@ func (c *inConn) onRead(m msg) error {
 		}
 		c.ops[m.op] = op
 	}
+	if m.last != (m.offset == 0) {
+		if m.last {
+			c.expecting--
+		} else {
+			c.expecting++
+		}
+	}
 	op.next += int64(m.length)
 	op.wireEnded = m.last
 	c.held[m.slot] = true
 	c.push(item{op: op, last: m.last, offset: int64(m.offset), slot: int(m.slot), length: int(m.length)})
 	return nil
+}
+
+// signal wakes the worker.
+func (c *inConn) signal() {
+	select {
+	case c.wake <- struct{}{}:
+	default:
+	}
 }
 
 // bind binds a new op to the receipt of its tag, or records why it is
@@ -325,16 +422,23 @@ func (c *inConn) bind(op *rop) {
 // push queues it for the worker. c.mu must be held.
 func (c *inConn) push(it item) {
 	c.queue = append(c.queue, it)
-	select {
-	case c.wake <- struct{}{}:
-	default:
-	}
+	c.signal()
 }
 
 // onCancel marks an op cancelled and queues the cancel for the worker,
-// which answers ERR unless the op was answered already. A CANCEL for an op
-// that is answered and forgotten crossed the answer: nothing to do.
+// after the parts posted before it, which it takes from the ring first;
+// the worker answers ERR unless the op was answered already. A CANCEL for
+// an op that is answered and forgotten crossed the answer: nothing to do.
 func (c *inConn) onCancel(m msg) error {
+	if _, err := c.pull(); err != nil {
+		return err
+	}
+	c.pullMu.Lock()
+	taken := c.taken
+	c.pullMu.Unlock()
+	if m.seq > taken {
+		return errProto("cancel of op %d after %d parts; the ring has %d", m.op, m.seq, taken)
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	op := c.ops[m.op]
@@ -345,12 +449,15 @@ func (c *inConn) onCancel(m msg) error {
 		return errProto("op %d cancelled twice", m.op)
 	}
 	op.cancelled.Store(true)
+	if !op.wireEnded {
+		c.expecting--
+	}
 	op.wireEnded = true
 	c.push(item{op: op, cancel: true})
 	return nil
 }
 
-// onAbort fails the receipt of a Send that ended before it sent its READ,
+// onAbort fails the receipt of a Send that ended before it posted a part,
 // unless some op is filling it.
 func (c *inConn) onAbort(m msg) {
 	t := c.t
@@ -384,53 +491,123 @@ func (c *inConn) onProbe(m msg) error {
 	case c.slots == 0:
 		return errProto("probe before the window was announced")
 	case c.winErr != nil:
-		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
+		return c.write(msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("cannot map the sender's window: %v", c.winErr)})
 	case len(c.winMem) < 8:
-		return c.write(&msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("the window has %d bytes, fewer than 8", len(c.winMem))})
+		return c.write(msg{typ: msgErr, op: m.op, code: codeRegion, text: fmt.Sprintf("the window has %d bytes, fewer than 8", len(c.winMem))})
 	}
-	return c.write(&msg{typ: msgProbeOK, op: m.op, nonce: binary.BigEndian.Uint64(c.winMem)})
+	return c.write(msg{typ: msgProbeOK, op: m.op, nonce: binary.BigEndian.Uint64(c.winMem)})
 }
 
-// write sends one message to the sender. A failed write closes the
-// connection, so that the reader ends and the connection is torn down.
-func (c *inConn) write(m *msg) error {
+// write sends messages to the sender, in one write. A failed write closes
+// the connection, so that the reader ends and the connection is torn down,
+// unless the sender has gone (EPIPE, ECONNRESET): then the reader ends
+// on its own once it has read what the sender wrote last (an ACK, say,
+// which completes a receipt).
+func (c *inConn) write(ms ...msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
-	c.wbuf = appendMsg(c.wbuf[:0], m)
+	c.wbuf = c.wbuf[:0]
+	for i := range ms {
+		c.wbuf = appendMsg(c.wbuf, &ms[i])
+	}
 	// A sender that stops reading must not hold the worker (and with it
 	// the queue) forever.
 	c.nc.SetWriteDeadline(time.Now().Add(helloTimeout))
 	_, err := c.nc.Write(c.wbuf)
-	if err != nil {
+	if err != nil && !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
 		c.nc.Close()
 	}
 	return err
 }
 
-// work handles the queued items, in order, until the connection dies.
+// work takes the parts posted in the ring and handles them, and the
+// cancels the reader queues, in order, until the connection dies. With
+// nothing to do it looks at the ring for spinFor if an op has parts to
+// come, then writes the messages it holds back and IDLE, and sleeps until
+// a POST (or a cancel).
 func (c *inConn) work() {
 	defer c.t.wg.Done()
 	defer close(c.workerDone)
-	for {
+	var spun time.Time // when the worker found nothing; zero: it has work
+	// busy is set when the worker handled an item since it last slept: it
+	// looks at the ring only then, so that a POST that brings nothing (a
+	// sender can write any number) costs no more than the IDLE it gets.
+	var busy bool
+	for !c.isDead.Load() {
+		mapped, err := c.pull()
+		if err != nil {
+			c.fail(err)
+			return
+		}
 		c.mu.Lock()
-		for len(c.queue) == 0 {
+		urgent, expecting := c.urgent, c.expecting
+		if len(c.queue) > 0 {
+			it := c.queue[0]
+			c.queue[0] = item{}
+			c.queue = c.queue[1:]
 			c.mu.Unlock()
-			select {
-			case <-c.wake:
-			case <-c.dead:
-				return
+			if urgent { // answers and half a window of releases go first
+				c.flush(false)
 			}
-			c.mu.Lock()
+			c.handle(it)
+			spun, busy = time.Time{}, true
+			continue
 		}
-		it := c.queue[0]
-		c.queue[0] = item{}
-		c.queue = c.queue[1:]
 		c.mu.Unlock()
-		if c.isDead.Load() {
-			return // teardown fails the receipts
+		// Nothing to do. While a Send is in the middle of an op, its next
+		// part comes soon: look for it a while before sleeping.
+		if mapped && expecting > 0 && busy {
+			if spun.IsZero() {
+				spun = time.Now()
+			}
+			if time.Since(spun) < spinFor {
+				if urgent {
+					c.flush(false)
+				}
+				c.look()
+				continue
+			}
 		}
-		c.handle(it)
+		spun, busy = time.Time{}, false
+		if c.flush(mapped) != nil {
+			return // the connection is closed; teardown does the rest
+		}
+		select {
+		case <-c.wake:
+		case <-c.dead:
+			return
+		}
 	}
+}
+
+// look waits a little (a microsecond or two) for the ring's count to
+// change, or the reader to queue something, reading the count in a tight
+// loop (the clock is read only between two looks); then it yields, to the
+// goroutines of this process and to the threads of this CPU: the sender
+// may be waiting for either (in this process, or on this CPU when the host
+// is busy), and spinning in its way would hold it up until the spin ends.
+// The ring must be mapped (pull said so).
+func (c *inConn) look() {
+	c.pullMu.Lock()
+	count, taken := c.count, c.taken
+	c.pullMu.Unlock()
+	for range 512 {
+		if count.Load() != taken || len(c.wake) > 0 {
+			return
+		}
+	}
+	runtime.Gosched()
+	syscall.Syscall(syscall.SYS_SCHED_YIELD, 0, 0, 0) // x/sys/unix has no wrapper
+}
+
+// fail closes the connection for a protocol error the worker found in the
+// ring; the reader then ends, and the connection is torn down with err.
+func (c *inConn) fail(err error) {
+	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	c.mu.Lock()
+	c.failed = err
+	c.mu.Unlock()
+	c.nc.Close()
 }
 
 // handle carries out one item: it copies a part (unless its op is refused,
@@ -456,26 +633,50 @@ func (c *inConn) handle(it item) {
 	default:
 		ans = c.copyPart(op, it)
 	}
-	if !it.cancel {
-		c.mu.Lock()
-		c.held[it.slot] = false
-		c.mu.Unlock()
-		if c.write(&msg{typ: msgRelease, slot: uint32(it.slot)}) != nil {
-			return // the connection is closed; teardown does the rest
-		}
-	}
 	c.mu.Lock()
+	if !it.cancel {
+		c.held[it.slot] = false
+		c.pending = append(c.pending, msg{typ: msgRelease, slot: uint32(it.slot)})
+		c.nrel++
+	}
 	if ans != nil {
 		op.answered = true
 		op.awaitAck = ans.typ == msgDone
+		c.pending = append(c.pending, *ans)
 	}
 	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
 		delete(c.ops, op.id)
 	}
+	// Releases wait, up to half the window: each message wakes the
+	// sender, which has the other half to fill meanwhile. The worker
+	// writes them, and answers, before its next item, or as it goes to
+	// sleep (work).
+	c.urgent = c.urgent || ans != nil || 2*c.nrel >= c.slots
 	c.mu.Unlock()
-	if ans != nil {
-		c.write(ans)
+}
+
+// flush writes the messages the worker holds back and, if idle, IDLE with
+// the count of parts taken from the ring, in one write. A failure closes
+// the connection; teardown does the rest.
+func (c *inConn) flush(idle bool) error {
+	var taken uint64
+	if idle {
+		c.pullMu.Lock()
+		taken = c.taken
+		c.pullMu.Unlock()
 	}
+	c.mu.Lock()
+	ms := append(c.out[:0], c.pending...)
+	c.pending, c.nrel, c.urgent = c.pending[:0], 0, false
+	c.mu.Unlock()
+	if idle {
+		ms = append(ms, msg{typ: msgIdle, seq: taken})
+	}
+	c.out = ms
+	if len(ms) == 0 {
+		return nil
+	}
+	return c.write(ms...)
 }
 
 // copyPart copies one part out of the window into the op's receipt. It

@@ -57,9 +57,9 @@ func (Backend) Open(ctx context.Context, opts transport.Options) (transport.Tran
 }
 
 // Transport is the shm data plane of one rank: a listener on an abstract
-// Unix socket whose connections bring READ parts that it serves by copying
-// them out of the sender's window into armed receipts, and one pooled
-// connection per receiver endpoint that sends through a window of its own.
+// Unix socket whose senders post parts in their windows' rings, which it
+// copies out of the windows into armed receipts, and one pooled connection
+// per receiver endpoint that sends through a window of its own.
 // See the package documentation.
 //
 // Lock order: Transport.mu before inConn.mu and outConn.mu. The write lock

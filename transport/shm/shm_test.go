@@ -14,9 +14,11 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+	"unsafe"
 
 	"go.uber.org/goleak"
 
@@ -552,9 +554,16 @@ func rawConn(t *testing.T, tr *Transport) (*net.UnixConn, *msgReader) {
 }
 
 // announce sends a WINDOW of slots slots of slotLen bytes, backed by a,
-// over nc.
+// over nc, and starts its ring at 0 parts (when a holds it), for
+// writeMsgs to post READs in.
 func announce(t *testing.T, nc *net.UnixConn, a *memfd.Mapping, slotLen, slots int) {
 	t.Helper()
+	if end := slotLen*slots + ringLen(slots); end <= len(a.Bytes()) {
+		r := &testRing{mem: a.Bytes()[slotLen*slots : end], slots: slots}
+		r.count().Store(0)
+		testRings.Store(nc, r)
+		t.Cleanup(func() { testRings.Delete(nc) })
+	}
 	if err := sendWindow(nc, a, slotLen, slots); err != nil {
 		t.Fatal(err)
 	}
@@ -579,27 +588,80 @@ func readAnswer(t *testing.T, nc *net.UnixConn, mr *msgReader) (msg, []uint32) {
 	}
 }
 
+// testRing is the ring of a window a test announced on a raw connection.
+type testRing struct {
+	mem    []byte
+	slots  int
+	posted uint64
+}
+
+func (r *testRing) count() *atomic.Uint64 { return (*atomic.Uint64)(unsafe.Pointer(&r.mem[0])) }
+
+// post posts a ring entry, as a sender does.
+func (r *testRing) post(entry []byte) uint64 {
+	at := ringHdr + int(r.posted%uint64(r.slots))*readLen
+	copy(r.mem[at:at+readLen], entry)
+	r.posted++
+	r.count().Store(r.posted)
+	return r.posted
+}
+
+// testRings maps a raw connection to the ring of the window announced on it.
+var testRings sync.Map
+
+// writeMsgs writes ms on nc as a sender would: each READ is posted in the
+// ring of the window announced on nc (a POST follows them), a CANCEL
+// without a count gets the count of parts posted.
 func writeMsgs(t *testing.T, nc *net.UnixConn, ms ...*msg) {
 	t.Helper()
 	var b []byte
+	var posted bool
 	for _, m := range ms {
+		if m.typ == msgRead {
+			postRaw(t, nc, appendEntry(nil, m))
+			posted = true
+			continue
+		}
+		if v, ok := testRings.Load(nc); ok && m.typ == msgCancel && m.seq == 0 {
+			c := *m
+			c.seq = v.(*testRing).posted
+			m = &c
+		}
 		b = appendMsg(b, m)
+	}
+	if posted {
+		b = appendMsg(b, &msg{typ: msgPost})
 	}
 	if _, err := nc.Write(b); err != nil {
 		t.Fatal(err)
 	}
 }
 
-// readMsg reads one message, within 5 s.
+// postRaw posts entry in the ring of the window announced on nc, without
+// the POST that wakes the receiver.
+func postRaw(t *testing.T, nc *net.UnixConn, entry []byte) {
+	t.Helper()
+	v, ok := testRings.Load(nc)
+	if !ok {
+		t.Fatal("a part posted on a connection without a window the test can write")
+	}
+	v.(*testRing).post(entry)
+}
+
+// readMsg reads one message but IDLE, within 5 s.
 func readMsg(t *testing.T, nc *net.UnixConn, mr *msgReader) msg {
 	t.Helper()
 	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
 	defer nc.SetReadDeadline(time.Time{})
-	m, err := mr.next()
-	if err != nil {
-		t.Fatalf("reading an answer: %v", err)
+	for {
+		m, err := mr.next()
+		if err != nil {
+			t.Fatalf("reading an answer: %v", err)
+		}
+		if m.typ != msgIdle {
+			return m
+		}
 	}
-	return m
 }
 
 // expectClosed checks that the receiver closes nc within 5 s.
@@ -619,10 +681,11 @@ func expectClosed(t *testing.T, nc *net.UnixConn) {
 	}
 }
 
-// testArena allocates n bytes of shared memory a peer can map as a window.
+// testArena allocates n bytes of shared memory a peer can map as a window,
+// and room for the ring after them.
 func testArena(t *testing.T, n int) *memfd.Mapping {
 	t.Helper()
-	sa, err := memfd.New(memfdName, n, memfd.Options{PeerReadOnly: true})
+	sa, err := memfd.New(memfdName, n+ringLen(maxSlots), memfd.Options{PeerReadOnly: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -651,7 +714,13 @@ func TestMalformed(t *testing.T) {
 		{"reserved bytes", func(t *testing.T, nc *net.UnixConn) {
 			nc.Write([]byte{msgCancel, 1, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 1})
 		}},
-		{"huge body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgRead, 1<<30)) }},
+		{"huge body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgErr, 1<<30)) }},
+		{"read as a message", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 4096, 1)
+			b := appendMsg(nil, &msg{typ: msgAbort, tag: 1})
+			b[0] = msgRead
+			nc.Write(b)
+		}},
 		{"short body", func(t *testing.T, nc *net.UnixConn) { nc.Write(hdr(msgCancel, 4, 0, 0, 0, 1)) }},
 		{"second hello", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 4096, 1)
@@ -663,7 +732,7 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"window not announced first", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgAbort, tag: 5}) }},
 		{"window without a write seal", func(t *testing.T, nc *net.UnixConn) {
-			plain, err := memfd.New(memfdName, 4096, memfd.Options{})
+			plain, err := memfd.New(memfdName, 4096+ringLen(1), memfd.Options{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -708,7 +777,37 @@ func TestMalformed(t *testing.T) {
 				writeFull(nc, appendMsg(nil, &msg{typ: msgWindow, slotLen: 4096, slots: 1}), syscall.UnixRights(f, f, f, f, f, f))
 			})
 		}},
-		{"read before the window", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, readOf(0, 0, 10, 10, true)) }},
+		{"post before the window", func(t *testing.T, nc *net.UnixConn) { writeMsgs(t, nc, &msg{typ: msgPost, seq: 1}) }},
+		{"ring count past the window", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 2)
+			v, _ := testRings.Load(nc)
+			v.(*testRing).count().Store(3) // 3 parts, 2 slots
+			writeMsgs(t, nc, &msg{typ: msgPost})
+		}},
+		{"ring count going back", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			r, err := b.Expect([][]byte{make([]byte, 20)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(r.Cancel)
+			d, _ := descFormat.Decode(r.Descriptor())
+			m := readOf(0, 0, 10, 20, false)
+			m.tag = d.Tag
+			writeMsgs(t, nc, m)
+			time.Sleep(20 * time.Millisecond) // taken
+			v, _ := testRings.Load(nc)
+			v.(*testRing).count().Store(0)
+			writeMsgs(t, nc, &msg{typ: msgPost})
+		}},
+		{"idle from a sender", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 4096, 1)
+			writeMsgs(t, nc, &msg{typ: msgIdle})
+		}},
+		{"cancel ahead of the ring", func(t *testing.T, nc *net.UnixConn) {
+			announce(t, nc, reg, 1024, 4)
+			writeMsgs(t, nc, readOf(0, 0, 10, 20, false), &msg{typ: msgCancel, op: 1, seq: 5})
+		}},
 		{"read of a slot past the window", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
 			writeMsgs(t, nc, readOf(4, 0, 10, 10, true))
@@ -733,9 +832,10 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"empty part", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			b := appendMsg(nil, readOf(0, 0, 1, 1, true))
-			b[hdrLen+39] = 0 // length 0
-			nc.Write(b)
+			b := appendEntry(nil, readOf(0, 0, 1, 1, true))
+			b[39] = 0 // length 0
+			postRaw(t, nc, b)
+			writeMsgs(t, nc, &msg{typ: msgPost})
 		}},
 		{"part out of sequence", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
@@ -747,9 +847,10 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"last part short of the total", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			b := appendMsg(nil, readOf(0, 0, 10, 20, false))
-			b[hdrLen+43] = flagLast
-			nc.Write(b)
+			b := appendEntry(nil, readOf(0, 0, 10, 20, false))
+			b[43] = flagLast
+			postRaw(t, nc, b)
+			writeMsgs(t, nc, &msg{typ: msgPost})
 		}},
 		{"ack of nothing", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 4096, 1)
@@ -795,10 +896,10 @@ func TestMalformed(t *testing.T) {
 	})
 }
 
-// TestReadAnswers: READs for unknown tags, receipts of another length, and
-// a window that cannot be mapped are answered ERR on a connection that
-// stays up, each part's slot released first; a receipt completes only at
-// the ACK.
+// TestReadAnswers: parts for unknown tags and receipts of another length
+// are answered ERR on a connection that stays up, each part's slot
+// released first, and a window that cannot be mapped is answered ERR at
+// once; a receipt completes only at the ACK.
 func TestReadAnswers(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
@@ -860,14 +961,11 @@ func TestReadAnswers(t *testing.T) {
 	}
 
 	// A window that cannot be mapped: claim more than its file holds.
+	// The WINDOW is answered ERR for op 0.
 	nc2, mr2 := rawConn(t, b)
 	announce(t, nc2, reg, 1<<20, 4)
-	r2, _ := b.Expect([][]byte{make([]byte, 100)})
-	defer r2.Cancel()
-	d2, _ := descFormat.Decode(r2.Descriptor())
-	writeMsgs(t, nc2, part(1, d2.Tag, 0, 0, 100, 100))
-	if m, _ := readAnswer(t, nc2, mr2); m.typ != msgErr || m.op != 1 || m.code != codeRegion {
-		t.Fatalf("answer to a READ of an unmappable window: %+v", m)
+	if m := readMsg(t, nc2, mr2); m.typ != msgErr || m.op != 0 || m.code != codeRegion {
+		t.Fatalf("answer to an unmappable window: %+v", m)
 	}
 	writeMsgs(t, nc2, &msg{typ: msgProbe, op: 4})
 	if m := readMsg(t, nc2, mr2); m.typ != msgErr || m.op != 4 || m.code != codeRegion {
@@ -883,7 +981,7 @@ func TestReadAnswers(t *testing.T) {
 		}
 		d, _ := descFormat.Decode(r.Descriptor())
 		nc, mr := rawConn(t, b)
-		announce(t, nc, reg, 16<<10, 4)
+		announce(t, nc, testArena(t, 64<<10), 16<<10, 4)
 		writeMsgs(t, nc, part(9, d.Tag, 0, 0, 100, 100))
 		if m, _ := readAnswer(t, nc, mr); m.typ != msgDone {
 			t.Fatalf("answer to a good READ: %+v", m)

@@ -21,20 +21,23 @@ import (
 //
 // Sender → receiver (on a connection the sender dialled):
 //
-//	HELLO   8   magic "KVXS", protocol version (2), 3 reserved (zero); first
+//	HELLO   8   magic "KVXS", protocol version (3), 3 reserved (zero); first
 //	            message of each side (the receiver answers with its own)
 //	WINDOW  8   slot size in bytes (4), number of slots (4); sent once, with
 //	            exactly one descriptor (SCM_RIGHTS): the sender's window, a
-//	            memfd of slots × slot size bytes sealed against shrinking,
-//	            growing and writes (F_SEAL_FUTURE_WRITE)
-//	READ    48  op id (8), tag (8), total length of the op (8), offset of
-//	            this part in the receipt (8), slot (4), length (4, 1..slot
-//	            size), flags (4; bit 0: last part), reserved (4): the part's
-//	            bytes are at the start of the slot
-//	CANCEL  8   op id: stop the op (the receiver answers DONE or ERR); it
-//	            also ends an op whose last part was never sent
+//	            memfd of slots × slot size bytes and then the ring (below),
+//	            sealed against shrinking, growing and writes
+//	            (F_SEAL_FUTURE_WRITE)
+//	POST    8   the count of parts posted in the ring so far: wakes a
+//	            receiver that said IDLE (a sender writes it only then, at
+//	            most once per IDLE; a receiver takes any number, and ignores
+//	            the count)
+//	CANCEL  16  op id (8), the count of parts posted in the ring when it
+//	            was written (8): stop the op once the parts before it are
+//	            taken (the receiver answers DONE or ERR); it also ends an op
+//	            whose last part was never posted
 //	ABORT   8   tag: fail that receipt with ErrAborted if no op is filling
-//	            it (a Send that ended before its first READ went out)
+//	            it (a Send that ended before it posted a part)
 //	ACK     8   op id: the sender has seen DONE; only now does the receipt
 //	            complete
 //	PROBE   8   op id: read the first 8 bytes of the window
@@ -43,11 +46,30 @@ import (
 //
 //	HELLO   8   as above
 //	RELEASE 8   slot (4), reserved (4): the part in the slot was handled;
-//	            the sender may reuse the slot
+//	            the sender may reuse the slot (several may come in one
+//	            write)
+//	IDLE    8   the count of parts the receiver has taken from the ring:
+//	            it found no more and sleeps until a POST
 //	DONE    8   op id: every byte copied
 //	ERR     16+k  op id (8), code (4), k (4, 0..maxErrText), k bytes of
-//	            reason text
+//	            reason text; op id 0 answers the WINDOW: the receiver
+//	            cannot map it (code 4), and no part will be taken
 //	PROBEOK 16  op id (8), the first 8 bytes of the window
+//
+// The ring: ringLen(slots) bytes after the slots of the window, which only
+// the sender writes. Bytes 0..8 hold the count of parts posted so far, in
+// the host's byte order (both ends share the host), written atomically
+// after the part's entry; bytes 8..64 are reserved. The entry of the n-th
+// part (from 0) is at 64 + (n mod slots) × 48:
+//
+//	op id (8), tag (8), total length of the op (8), offset of this part in
+//	the receipt (8), slot (4), length (4, 1..slot size), flags (4; bit 0:
+//	last part), reserved (4): the part's bytes are at the start of the slot
+//
+// A sender posts a part only into a slot released to it, so at most slots
+// parts are posted and not taken: a count further ahead, or going back,
+// breaks the protocol. The receiver copies an entry out of the ring before
+// it checks it.
 //
 // Descriptor (what Expect returns, what Send consumes), 63 bytes:
 //
@@ -58,10 +80,11 @@ import (
 //	.  8  tag (never 0)
 //	.  8  total length in bytes (1..MaxInt64)
 const (
-	protoVersion = 2
+	protoVersion = 3
 	helloMagic   = "KVXS"
 	hdrLen       = 8
-	readLen      = 48
+	readLen      = 48 // a ring entry
+	ringHdr      = 64 // the ring's header: the count of parts posted
 	maxErrText   = 512
 	maxBody      = 16 + maxErrText
 	// maxSlotBytes and maxSlots bound a window a receiver maps.
@@ -79,7 +102,7 @@ const (
 const (
 	msgHello   = 1
 	msgWindow  = 2
-	msgRead    = 3
+	msgPost    = 3
 	msgCancel  = 4
 	msgAbort   = 5
 	msgAck     = 6
@@ -88,9 +111,12 @@ const (
 	msgErr     = 9
 	msgProbeOK = 10
 	msgRelease = 11
+	msgIdle    = 12
+	// msgRead is the type a decoded ring entry gets; never a message.
+	msgRead = 0x80
 )
 
-// READ flags.
+// Flags of a ring entry (READ: the type a decoded entry gets).
 const flagLast = 1
 
 // ERR codes: why a receiver refused or stopped an op.
@@ -109,6 +135,7 @@ type msg struct {
 	typ     byte
 	version byte   // HELLO
 	op      uint64 // READ CANCEL ACK PROBE DONE ERR PROBEOK
+	seq     uint64 // CANCEL POST IDLE: a count of parts in the ring
 	tag     uint64 // READ ABORT
 	total   uint64 // READ: of the whole op
 	offset  uint64 // READ: of the part in the receipt
@@ -131,12 +158,10 @@ func errProto(format string, args ...any) error {
 // ok is false for an unknown type.
 func bodyBounds(typ byte) (lo, hi int, ok bool) {
 	switch typ {
-	case msgHello, msgWindow, msgCancel, msgAbort, msgAck, msgProbe, msgDone, msgRelease:
+	case msgHello, msgWindow, msgAbort, msgAck, msgProbe, msgDone, msgRelease, msgPost, msgIdle:
 		return 8, 8, true
-	case msgProbeOK:
+	case msgProbeOK, msgCancel:
 		return 16, 16, true
-	case msgRead:
-		return readLen, readLen, true
 	case msgErr:
 		return 16, 16 + maxErrText, true
 	}
@@ -196,12 +221,16 @@ func (m *msg) decodeBody(body []byte) error {
 		m.version = body[4]
 	case msgWindow:
 		return m.decodeWindow(body)
-	case msgRead:
-		return m.decodeRead(body)
-	case msgCancel, msgAck, msgDone, msgProbe:
+	case msgAck, msgDone, msgProbe:
 		if m.op = be.Uint64(body); m.op == 0 {
 			return errProto("message type %d for op 0", m.typ)
 		}
+	case msgCancel:
+		if m.op, m.seq = be.Uint64(body), be.Uint64(body[8:]); m.op == 0 {
+			return errProto("cancel of op 0")
+		}
+	case msgPost, msgIdle:
+		m.seq = be.Uint64(body)
 	case msgAbort:
 		if m.tag = be.Uint64(body); m.tag == 0 {
 			return errProto("abort of tag 0")
@@ -213,7 +242,7 @@ func (m *msg) decodeBody(body []byte) error {
 		}
 	case msgErr:
 		m.op, m.code = be.Uint64(body), be.Uint32(body[8:])
-		if k := be.Uint32(body[12:]); m.op == 0 || uint64(k) != uint64(len(body)-16) {
+		if k := be.Uint32(body[12:]); (m.op == 0 && m.code != codeRegion) || uint64(k) != uint64(len(body)-16) {
 			return errProto("malformed error reply")
 		}
 		m.text = string(body[16:])
@@ -240,9 +269,43 @@ func (m *msg) decodeWindow(body []byte) error {
 	return nil
 }
 
-// decodeRead decodes and checks a READ body on its own: non-zero ids, known
-// flags, a part within its op, the last part ending it. Whether it fits
-// the window and its op's sequence is checked by the reader.
+// decodeEntry decodes and checks a ring entry on its own: non-zero ids,
+// known flags, a part within its op, the last part ending it. Whether it
+// fits the window and its op's sequence is checked by the receiver.
+func decodeEntry(body []byte) (msg, error) {
+	if len(body) != readLen {
+		return msg{}, errProto("ring entry of %d bytes, want %d", len(body), readLen)
+	}
+	m := msg{typ: msgRead}
+	if err := m.decodeRead(body); err != nil {
+		return msg{}, err
+	}
+	return m, nil
+}
+
+// appendEntry appends the ring entry of the part m (a READ) to b: the
+// inverse of decodeEntry.
+func appendEntry(b []byte, m *msg) []byte {
+	be := binary.BigEndian
+	b = be.AppendUint64(b, m.op)
+	b = be.AppendUint64(b, m.tag)
+	b = be.AppendUint64(b, m.total)
+	b = be.AppendUint64(b, m.offset)
+	b = be.AppendUint32(b, m.slot)
+	b = be.AppendUint32(b, m.length)
+	var flags uint32
+	if m.last {
+		flags = flagLast
+	}
+	b = be.AppendUint32(b, flags)
+	return be.AppendUint32(b, 0)
+}
+
+// ringLen is the length of the ring of a window of slots slots: its header
+// and an entry per slot, rounded up to whole pages.
+func ringLen(slots int) int { return (ringHdr + slots*readLen + 4095) &^ 4095 }
+
+// decodeRead decodes a READ body (a ring entry) into m.
 func (m *msg) decodeRead(body []byte) error {
 	u64 := func(i int) uint64 { return binary.BigEndian.Uint64(body[i:]) }
 	u32 := func(i int) uint32 { return binary.BigEndian.Uint32(body[i:]) }
@@ -281,20 +344,12 @@ func appendMsg(b []byte, m *msg) []byte {
 	case msgWindow:
 		b = be.AppendUint32(b, m.slotLen)
 		b = be.AppendUint32(b, m.slots)
-	case msgRead:
+	case msgCancel:
 		b = be.AppendUint64(b, m.op)
-		b = be.AppendUint64(b, m.tag)
-		b = be.AppendUint64(b, m.total)
-		b = be.AppendUint64(b, m.offset)
-		b = be.AppendUint32(b, m.slot)
-		b = be.AppendUint32(b, m.length)
-		var flags uint32
-		if m.last {
-			flags = flagLast
-		}
-		b = be.AppendUint32(b, flags)
-		b = be.AppendUint32(b, 0)
-	case msgCancel, msgAck, msgDone, msgProbe:
+		b = be.AppendUint64(b, m.seq)
+	case msgPost, msgIdle:
+		b = be.AppendUint64(b, m.seq)
+	case msgAck, msgDone, msgProbe:
 		b = be.AppendUint64(b, m.op)
 	case msgAbort:
 		b = be.AppendUint64(b, m.tag)
