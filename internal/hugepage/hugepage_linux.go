@@ -3,7 +3,11 @@
 package hugepage
 
 import (
+	"bufio"
 	"fmt"
+	"os"
+	"strconv"
+	"strings"
 	"syscall"
 	"unsafe"
 )
@@ -49,4 +53,49 @@ func madvise(addr, n uintptr, advice int) error {
 		}
 		return e
 	}
+}
+
+// Backed returns how many bytes of the mappings that lie wholly within mem
+// the kernel backs with transparent huge pages (AnonHugePages in
+// /proc/self/smaps), for tests and diagnostics. A mapping that only
+// overlaps mem does not count.
+func Backed(mem []byte) (int64, error) {
+	if len(mem) == 0 {
+		return 0, nil
+	}
+	lo := uint64(uintptr(unsafe.Pointer(unsafe.SliceData(mem))))
+	hi := lo + uint64(len(mem))
+	f, err := os.Open("/proc/self/smaps")
+	if err != nil {
+		return 0, fmt.Errorf("hugepage: %w", err)
+	}
+	defer f.Close()
+	var total int64
+	in := false
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		fields := strings.Fields(sc.Text())
+		if len(fields) == 0 {
+			continue
+		}
+		if a, b, ok := strings.Cut(fields[0], "-"); ok && !strings.HasSuffix(fields[0], ":") {
+			start, err1 := strconv.ParseUint(a, 16, 64)
+			end, err2 := strconv.ParseUint(b, 16, 64)
+			if err1 == nil && err2 == nil {
+				in = start >= lo && end <= hi
+				continue
+			}
+		}
+		if in && fields[0] == "AnonHugePages:" && len(fields) >= 2 {
+			kb, err := strconv.ParseInt(fields[1], 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("hugepage: smaps: %q: %w", sc.Text(), err)
+			}
+			total += kb << 10
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return 0, fmt.Errorf("hugepage: smaps: %w", err)
+	}
+	return total, nil
 }

@@ -15,3 +15,11 @@ func Advise(mem []byte) (Report, error) {
 	}
 	return Report{}, fmt.Errorf("hugepage: no transparent huge pages on %s: %w", runtime.GOOS, errors.ErrUnsupported)
 }
+
+// Backed reports errors.ErrUnsupported: transparent huge pages are Linux's.
+func Backed(mem []byte) (int64, error) {
+	if len(mem) == 0 {
+		return 0, nil
+	}
+	return 0, fmt.Errorf("hugepage: no transparent huge pages on %s: %w", runtime.GOOS, errors.ErrUnsupported)
+}

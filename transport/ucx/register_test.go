@@ -3,12 +3,9 @@
 package ucx
 
 import (
-	"bufio"
 	"bytes"
 	"fmt"
 	"os"
-	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -40,7 +37,7 @@ func TestRegisterMemoryHugePages(t *testing.T) {
 			if touched {
 				fillPattern(7, m)
 			}
-			if got := anonHuge(t, m); got != 0 {
+			if got := backed(t, m); got != 0 {
 				t.Fatalf("%d bytes of huge pages before RegisterMemory", got)
 			}
 			// An unaligned region, as a Go heap pool is: 4 KiB in.
@@ -52,7 +49,7 @@ func TestRegisterMemoryHugePages(t *testing.T) {
 				fillPattern(7, m) // first touch: huge pages where advised
 			}
 			start, length, _ := hugepage.Interior(uintptr(unsafe.Pointer(&region[0])), uintptr(len(region)))
-			if got := anonHuge(t, m); got != int64(length) {
+			if got := backed(t, m); got != int64(length) {
 				t.Fatalf("%d bytes of huge pages after RegisterMemory, want %d (the aligned interior from %#x)", got, length, start)
 			}
 			if i := firstDiff(m, 7); i >= 0 {
@@ -62,39 +59,12 @@ func TestRegisterMemoryHugePages(t *testing.T) {
 	}
 }
 
-// anonHuge returns AnonHugePages of the mappings that lie within m.
-func anonHuge(t *testing.T, m []byte) int64 {
+// backed is hugepage.Backed, skipping the test when smaps cannot be read.
+func backed(t *testing.T, m []byte) int64 {
 	t.Helper()
-	lo := uint64(uintptr(unsafe.Pointer(&m[0])))
-	hi := lo + uint64(len(m))
-	f, err := os.Open("/proc/self/smaps")
+	n, err := hugepage.Backed(m)
 	if err != nil {
-		t.Skipf("no smaps: %v", err)
+		t.Skipf("cannot read the backing: %v", err)
 	}
-	defer f.Close()
-	var total int64
-	in := false
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := sc.Text()
-		if a, b, ok := strings.Cut(strings.Fields(line + " ")[0], "-"); ok && !strings.HasSuffix(line, ":") {
-			start, err1 := strconv.ParseUint(a, 16, 64)
-			end, err2 := strconv.ParseUint(b, 16, 64)
-			if err1 == nil && err2 == nil {
-				in = start >= lo && end <= hi
-				continue
-			}
-		}
-		if in && strings.HasPrefix(line, "AnonHugePages:") {
-			kb, err := strconv.ParseInt(strings.Fields(line)[1], 10, 64)
-			if err != nil {
-				t.Fatal(err)
-			}
-			total += kb << 10
-		}
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return total
+	return n
 }
