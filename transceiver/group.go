@@ -36,7 +36,11 @@ import (
 // process, at once: its ranks count as having failed (ranksLostEvent). A
 // process that loses the group (the coordinator died, the caller called
 // Fail) fails every request in flight with ErrGroupLost and refuses new
-// ones.
+// ones. A request that fails (or is cancelled) before some process has
+// begun it is ended for that process's ranks by that process, when it
+// applies the cancel, so that no process keeps it in flight waiting for a
+// rank that was never handed it; that process refuses to begin it for
+// kv_transfer_timeout afterwards (ErrCanceled, saying it already ended).
 
 // Errors of a group.
 var (

@@ -182,6 +182,31 @@ func TestGroupEarlyAskNeverHanded(t *testing.T) {
 			eventually(t, 5*time.Second, "rank 0 gives its blocks back", func() bool {
 				return ctxInst.procs[0].pools[0].FreeBlocks() == ctxInst.procs[0].free[0]
 			})
+			// Rank 0's process hears how the request ended, and no process
+			// keeps it in flight: rank 1's process, which never began it,
+			// answers the instance's cancel for its rank.
+			waitDone(t, c0, 5*time.Second)
+			if c0.State() != DisaggTransError {
+				t.Fatalf("process 0: context request %s, want an error", c0.State())
+			}
+			for p, in := range ctxInst.procs {
+				eventually(t, 5*time.Second, fmt.Sprintf("process %d forgets the request", p), func() bool { return in.t.PendingContext() == 0 })
+			}
+			// Handed the request afterwards, rank 1's process refuses it at
+			// once and says why, instead of holding blocks nobody can pull.
+			late := &Request{ID: id, Type: ContextOnly, NumTokens: tokens, Blocks: [][]kvcache.BlockID{nil}}
+			late.Blocks[0], err = ctxInst.procs[1].pools[0].Allocate(layout.NumBlocks(tokens, 8))
+			if err != nil {
+				t.Fatal(err)
+			}
+			lerr := ctxInst.procs[1].t.RespondAndSendAsync(late)
+			ctxInst.procs[1].pools[0].Release(late.Blocks[0]...)
+			if !errors.Is(lerr, ErrCanceled) || !strings.Contains(fmt.Sprint(lerr), "already ended on the instance") {
+				t.Fatalf("a late respond of a request the instance failed: %v, want ErrCanceled saying it already ended", lerr)
+			}
+			if n := ctxInst.procs[1].t.PendingContext(); n != 0 {
+				t.Fatalf("process 1 holds %d context requests after refusing the late one", n)
+			}
 		})
 	}
 }

@@ -134,8 +134,12 @@ type Transceiver struct {
 	pulls    uint64               // the last pull id handed out (see pullID)
 	nonces   map[instKey][16]byte // the nonce of the signed state of each pull in flight
 	silent   map[instKey]bool     // requests whose start failed here: the Check calls do not report them
-	groupErr error                // with a group: why this process lost it
-	lostEv   instEvent            // with a group, once lost: the event that fails the ranks hosted elsewhere
+	// With a group: requests the instance ended before this process
+	// began them (see endedUnbegun); begin refuses them for
+	// kv_transfer_timeout after.
+	unbegun  map[instKey]unbegunEnd
+	groupErr error     // with a group: why this process lost it
+	lostEv   instEvent // with a group, once lost: the event that fails the ranks hosted elsewhere
 }
 
 // pullID returns the id of a new pull (wire GenRequestID), never 0. The
@@ -187,7 +191,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
 		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
 		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{},
-		silent: map[instKey]bool{}, pos: map[int]int{}, joinedCh: make(chan struct{})}
+		silent: map[instKey]bool{}, unbegun: map[instKey]unbegunEnd{}, pos: map[int]int{}, joinedCh: make(chan struct{})}
 	if cfg.TimeOutputPath != "" {
 		t.csv = &timingCSV{dir: cfg.TimeOutputPath, files: map[string]*os.File{}}
 	}
@@ -794,6 +798,9 @@ func (t *Transceiver) begin(req *Request, s side, ranks []int, st RequestState) 
 		if _, dup := t.reqs[key]; dup {
 			return key, fmt.Errorf("transceiver: request %d is already in flight", key.id)
 		}
+		if u, ok := t.unbegun[key]; ok && t.now().Sub(u.at) < t.timeout {
+			return key, fmt.Errorf("%w: request %d already ended on the instance before this process was handed it: %v", ErrCanceled, key.id, u.cause)
+		}
 		t.group.publish(joinBeginEvent{key: key, ranks: slices.Clone(ranks), now: t.now()})
 	} else if err := t.inst.begin(key, ranks, t.now()); err != nil {
 		return key, err
@@ -933,11 +940,13 @@ func (t *Transceiver) cancelRanks(effs []instEffect) bool {
 	for _, e := range effs {
 		switch e := e.(type) {
 		case cancelRanksEffect:
-			for _, r := range t.hosted(e.ranks) {
+			here := t.hosted(e.ranks)
+			for _, r := range here {
 				if r.cancel(e.key.side, e.key.id, e.cause) {
 					any = true
 				}
 			}
+			t.endedUnbegun(e.key, here, e.cause)
 		case attemptFailedEffect:
 			for _, r := range t.hosted(e.ranks) {
 				r.decide(e.key.id, evAttemptFailed{attempt: e.attempt, err: e.cause, now: time.Now()})
@@ -949,6 +958,46 @@ func (t *Transceiver) cancelRanks(effs []instEffect) bool {
 		}
 	}
 	return any
+}
+
+// unbegunEnd is what a process remembers of a request the instance ended
+// before the process began it.
+type unbegunEnd struct {
+	at    time.Time
+	cause error
+}
+
+// endedUnbegun answers, with a group, the instance's cancel of key on
+// ranks hosted here when this process has not begun key: nothing here
+// would ever report those ranks' part, and the request would stay in
+// flight on every process (its other ranks' Requests never complete). It
+// reports each as ended with cause, and remembers key so that begin
+// refuses it (a late begin would hold blocks nobody can pull) for
+// kv_transfer_timeout, after which an opaque state for it has expired; a
+// begin later still enters the request again, which then fails at its
+// deadline and ends the same way. Without a group every rank begins a
+// request at once, so this never applies. Called with applyMu held (as
+// apply and start hold it), which orders it against begin.
+func (t *Transceiver) endedUnbegun(key instKey, here []*rank, cause error) {
+	if t.group == nil || len(here) == 0 {
+		return
+	}
+	t.mu.Lock()
+	if t.reqs[key] != nil || t.closed {
+		t.mu.Unlock()
+		return // begun here: the ranks report themselves
+	}
+	now := t.now()
+	for k, u := range t.unbegun {
+		if now.Sub(u.at) >= t.timeout {
+			delete(t.unbegun, k)
+		}
+	}
+	t.unbegun[key] = unbegunEnd{at: now, cause: cause}
+	t.mu.Unlock()
+	for _, r := range here {
+		t.group.publish(rankDoneEvent{key: key, rank: r.idx, err: cause, now: now})
+	}
 }
 
 // hosted returns the ranks of idx hosted here.
