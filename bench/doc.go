@@ -13,7 +13,7 @@
 // (Baseline.Variants records them): a memory copy on one and on two threads
 // (Go's copy and C's memcpy), one raw TCP stream over loopback, and iperf3
 // (one stream and as many as the tcp backend opens; write lengths 128K, 1M,
-// 4M) when installed; when a run uses backend ucx, ucx_perftest (two
+// 4M, each run twice) when installed; when a run uses backend ucx, ucx_perftest (two
 // message sizes) when it is installed, and ucx_c, UCX on memory both sides
 // have written (a C program built with cc against libucx at bench time,
 // see ucxbaseline.go; message sizes, windows and page sizes), when cc and

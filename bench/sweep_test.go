@@ -86,7 +86,9 @@ func TestSweepConfigErrors(t *testing.T) {
 
 // fakeIperf3 writes an iperf3 that serves (sleeps briefly) with -s and
 // prints the canned JSON report with -c: 2.5 GB/s received with -l 128K,
-// twice that with -l 1M, and a refusal of -l 4M as iperf3 3.12 answers.
+// with -l 1M 3.75 GB/s on its odd-numbered runs and 5 on its
+// even-numbered ones (a baseline that takes one run per length would
+// read 3.75), and a refusal of -l 4M as iperf3 3.12 answers.
 func fakeIperf3(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
@@ -96,7 +98,8 @@ func fakeIperf3(t *testing.T) string {
 	}
 	script := "#!/bin/sh\ncase \"$*\" in\n-s*) sleep 0.2 ;;\n" +
 		"*'-l 4M'*) echo 'iperf3: parameter error - block size too large (maximum = 1048576 bytes)' >&2; exit 1 ;;\n" +
-		"*'-l 1M'*) sed 's/20000000000/40000000000/' '" + canned + "' ;;\n" +
+		"*'-l 1M'*) n=$(cat '" + dir + "/n1M' 2>/dev/null || echo 0); echo $((n+1)) > '" + dir + "/n1M'\n" +
+		"  if [ $((n % 2)) = 0 ]; then sed 's/20000000000/30000000000/' '" + canned + "'; else sed 's/20000000000/40000000000/' '" + canned + "'; fi ;;\n" +
 		"*) cat '" + canned + "' ;;\nesac\n"
 	exe := filepath.Join(dir, "iperf3")
 	if err := os.WriteFile(exe, []byte(script), 0o755); err != nil {

@@ -30,7 +30,7 @@ sharding (requests over 1 GiB are reported as "skipped (too large for the naive
 reference)"). With --baseline the machine's own limits are measured in the same run,
 each at its best (memory copy on one and two threads, Go's copy or C's memcpy; one raw
 TCP stream over loopback; iperf3 with one stream and with as many as the tcp backend
-opens, best of write lengths 128K, 1M and 4M; with a ucx run, ucx_perftest as a user runs
+opens, best of write lengths 128K, 1M and 4M, each run twice; with a ucx run, ucx_perftest as a user runs
 it, best of two message sizes, and a C UCP program on written, huge-page memory, built with
 cc at bench time, best of message sizes and page sizes; each when installed), the JSON recording every
 setting tried, and every run is compared with those that apply to its backend. With --tls
