@@ -5,6 +5,7 @@ import (
 	"go/token"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -46,6 +47,44 @@ func TestEveryPackageHasDoc(t *testing.T) {
 		}
 		if f.Doc == nil || !strings.HasPrefix(f.Doc.Text(), want) {
 			t.Errorf("%s/%s: package comment must start with %q", dir, name, want)
+		}
+	}
+}
+
+// maxTrackedBytes bounds a file the repository tracks: sources, docs,
+// charts and golden files are far below it; a build output is far above.
+const maxTrackedBytes = 1 << 20
+
+// TestNoBuildOutputTracked: no tracked file is larger than maxTrackedBytes
+// or an executable ELF file (a binary built at the top level once slipped
+// into a commit). Skipped outside a git checkout.
+func TestNoBuildOutputTracked(t *testing.T) {
+	root := filepath.Join("..", "..")
+	out, err := exec.Command("git", "-C", root, "ls-files", "-z").Output()
+	if err != nil {
+		t.Skipf("not a git checkout, or no git: %v", err)
+	}
+	files := strings.Split(strings.TrimRight(string(out), "\x00"), "\x00")
+	if len(files) < 10 {
+		t.Fatalf("git ls-files listed only %d files", len(files))
+	}
+	for _, f := range files {
+		p := filepath.Join(root, f)
+		st, err := os.Lstat(p)
+		if err != nil || !st.Mode().IsRegular() {
+			continue // deleted in the working tree, or a link
+		}
+		if st.Size() > maxTrackedBytes {
+			t.Errorf("%s is tracked and %d bytes (limit %d): a build output or data file that belongs outside the repository", f, st.Size(), maxTrackedBytes)
+			continue
+		}
+		head := make([]byte, 4)
+		if fh, err := os.Open(p); err == nil {
+			n, _ := fh.Read(head)
+			fh.Close()
+			if n == 4 && string(head) == "\x7fELF" {
+				t.Errorf("%s is tracked and is an ELF binary", f)
+			}
 		}
 	}
 }
