@@ -60,9 +60,13 @@
 //
 // Each accepted connection has one reader. It checks every header (a known
 // type, a length of at most transport.MaxFrameBytes, the frame inside its
-// receipt) and reads the payload straight into the receipt's memory; a frame
-// for an unknown or ended tag is read into a small per-connection scratch
-// buffer and dropped. A malformed frame closes that connection
+// receipt) and reads the payload straight into the receipt's memory: on
+// Linux without TLS with readv, the spans the frame covers and its padding
+// in one system call (up to 1024 spans, as many bytes as the socket holds),
+// so that a receipt cut into many short spans (a direct scatter into the
+// blocks of another layout) costs no more system calls than one buffer;
+// otherwise one Read per span. A frame for an unknown or ended tag is read
+// into a small per-connection scratch buffer and dropped. A malformed frame closes that connection
 // (transport.ErrProtocol) and nothing else. A receipt completes when all its
 // bytes have arrived; an ABORT frame fails it with transport.ErrAborted.
 //

@@ -56,6 +56,8 @@ type inConn struct {
 	cur     *recv // receipt a frame is being read into; guarded by t.mu
 	hdr     [headerLen]byte
 	scratch []byte
+	vr      vecReader
+	vec     [][]byte // the buffers of the frame being read
 }
 
 // Expect arms a receipt of sum(len(dst[i])) bytes under a fresh random tag.
@@ -217,20 +219,21 @@ func (t *Transport) readData(c *inConn, h frameHeader) error {
 	c.cur = r
 	t.mu.Unlock()
 
-	pos, left := off, n
-	var err error
-	for left > 0 && err == nil {
-		var m int
-		m, err = t.readInto(c, r, r.Dst().Slice(pos, left))
-		pos += int64(m)
-		left -= int64(m)
+	// The payload and its padding, in one vectored read when the socket
+	// holds them.
+	c.vec = r.Dst().Append(c.vec[:0], off, n)
+	if pad > 0 {
+		c.vec = append(c.vec, c.hdr[:pad])
 	}
+	done, err := t.readInto(c, r, c.vec, n+pad)
+	clear(c.vec) // do not keep dst reachable
 
 	t.mu.Lock()
 	c.cur = nil
 	r.ReleaseLocked()
 	switch {
-	case err == nil:
+	case err == errLetGo:
+	case done >= n: // the payload is in, whatever became of the padding
 		if !r.Ended() {
 			r.Fill.received += n
 			switch {
@@ -240,18 +243,15 @@ func (t *Transport) readData(c *inConn, h frameHeader) error {
 				r.FinishLocked(fmt.Errorf("tcp: receive from %s: %w: more bytes than the receipt's %d", c.remote, transport.ErrProtocol, r.Total()))
 			}
 		}
-	case err != errLetGo:
+	default:
 		r.FinishLocked(peerLost("receive from", c.remote, err))
 	}
 	t.mu.Unlock()
 	switch {
 	case err == errLetGo:
-		return t.discard(c, left+pad)
-	case err != nil || pad == 0:
+		return t.discard(c, n+pad-done)
+	case err != nil:
 		return err
-	}
-	if err := t.readFull(c, c.hdr[:pad]); err != nil {
-		return noEOF(err)
 	}
 	if !allZero(c.hdr[:pad]) {
 		return fmt.Errorf("%w: non-zero padding after a data frame", transport.ErrProtocol)
@@ -268,17 +268,18 @@ func noEOF(err error) error {
 	return err
 }
 
-// readInto fills p from c for receipt r. It returns errLetGo, with the count
-// read so far, as soon as r has ended.
-func (t *Transport) readInto(c *inConn, r *recv, p []byte) (int, error) {
-	n := 0
-	for n < len(p) {
-		m, err := c.nc.Read(p[n:])
-		n += m
+// readInto fills bufs, total bytes, from c for receipt r, and returns the
+// count read. It returns errLetGo, with the count read so far, as soon as r
+// has ended; io.ErrUnexpectedEOF when the connection ends first.
+func (t *Transport) readInto(c *inConn, r *recv, bufs [][]byte, total int64) (int64, error) {
+	var n int64
+	for n < total {
+		m, err := c.vr.read(bufs)
+		n += int64(m)
 		if r.Ended() {
 			return n, errLetGo
 		}
-		if err != nil && n < len(p) {
+		if err != nil && n < total {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
 				t.unkick(c)
 				continue
@@ -288,6 +289,7 @@ func (t *Transport) readInto(c *inConn, r *recv, p []byte) (int, error) {
 			}
 			return n, err
 		}
+		bufs = skip(bufs, m)
 	}
 	return n, nil
 }

@@ -208,6 +208,7 @@ func (t *Transport) admit(nc net.Conn) bool {
 		// does not hold up the accept loop.
 		c.nc = tls.Server(nc, t.srvTLS)
 	}
+	c.vr = newVecReader(c.nc, c.raw)
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()

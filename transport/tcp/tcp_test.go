@@ -17,7 +17,12 @@ import (
 	"github.com/kvxfer/kvxfer/transport/transporttest"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if os.Getenv(peerEnv) != "" {
+		os.Exit(peerMain()) // the peer process of BenchmarkOpProcess
+	}
+	goleak.VerifyTestMain(m)
+}
 
 // open opens a tcp Transport on loopback and closes it in t.Cleanup.
 func open(t *testing.T, opts transport.Options) *Transport {
