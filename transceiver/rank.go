@@ -128,7 +128,7 @@ func (q *rankReq) sendAttempt(a uint64) *sendAttempt {
 	sa := q.attempts[a]
 	if sa == nil {
 		ctx, cancel := context.WithCancelCause(q.ctx)
-		sa = &sendAttempt{ctx: ctx, cancel: cancel, descs: map[int]chan chunkDesc{}}
+		sa = &sendAttempt{ctx: ctx, cancel: cancel}
 		q.attempts[a] = sa
 	}
 	return sa
@@ -191,7 +191,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks = slices.Clone(blocks)
 	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes, digest: digest,
-		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout})
+		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
 	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
 		return err
@@ -206,7 +206,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash, digest kvcache.Hash) error {
 	core, err := newRecvCore(recvConfig{rank: r.idx, id: id, reqID: reqID, sendID: op.RequestID, token: op.Token,
 		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash, digest: digest,
-		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout})
+		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout, plans: r.set.plans})
 	if err != nil {
 		return err
 	}
@@ -346,7 +346,8 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effReady:
 			r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)})
 		case effStartSend:
-			ctx, descs := r.descQueue(q, e.attempt, e.gen)
+			// A direct send takes no chunk receipts: no queue for them.
+			ctx, descs := r.descQueue(q, e.attempt, e.gen, e.pair.direct == nil)
 			r.work(q, func() (int64, int, string, event) {
 				n, chunks, err := r.sendPair(q, ctx, e.pair, descs)
 				if err == nil && e.readyAfter {
@@ -355,7 +356,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, attempt: e.attempt, err: err}
 			})
 		case effChunk:
-			_, descs := r.descQueue(q, e.attempt, e.gen)
+			_, descs := r.descQueue(q, e.attempt, e.gen, true)
 			select {
 			case descs <- chunkDesc{index: e.index, desc: e.desc}:
 			default:
@@ -458,15 +459,19 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 	}()
 }
 
-// descQueue returns the context of the sends of attempt a and the queue of
-// chunk receipts of its send to gen.
-func (r *rank) descQueue(q *rankReq, a uint64, gen int) (context.Context, chan chunkDesc) {
+// descQueue returns the context of the sends of attempt a and, when
+// queue is set, the queue of chunk receipts of its send to gen (made on first
+// use; else nil unless made already).
+func (r *rank) descQueue(q *rankReq, a uint64, gen int, queue bool) (context.Context, chan chunkDesc) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	sa := q.sendAttempt(a)
 	ch := sa.descs[gen]
-	if ch == nil {
+	if ch == nil && queue {
 		ch = make(chan chunkDesc, 64)
+		if sa.descs == nil {
+			sa.descs = map[int]chan chunkDesc{}
+		}
 		sa.descs[gen] = ch
 	}
 	return sa.ctx, ch

@@ -123,6 +123,7 @@ type Transceiver struct {
 	csv        *timingCSV
 	timeout    time.Duration // kv_transfer_timeout: the expiry of a signed opaque state
 	guard      *opaqueGuard
+	plans      *planMemo // the ranks' too
 
 	mu       sync.Mutex
 	closed   bool
@@ -184,7 +185,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		return nil, err
 	}
 	set := settingsOf(cfg, &opts, res.Backend, peers, log)
-	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
+	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(), plans: set.plans,
 		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
 		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{},
 		silent: map[instKey]bool{}, pos: map[int]int{}, joinedCh: make(chan struct{})}
@@ -309,6 +310,7 @@ type rankSettings struct {
 	tlsServer   *tls.Config      // its server side
 	limits      ConnLimits       // with defaults
 	conns       connObs          // the Observer's ConnObserver, if any
+	plans       *planMemo        // the instance's: layout results once per peer state
 
 	// senderTimeout is kv_transfer_sender_future_timeout: how long a
 	// context rank's sends may take once they start (0: no bound of
@@ -326,6 +328,7 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 		timeout: cfg.Timeout(), senderTimeout: cfg.SenderTimeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
 		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
 		host: opts.Host, logger: log, now: opts.Now, net: opts.network, peers: peers, limits: opts.Limits.withDefaults(),
+		plans: newPlanMemo(),
 	}
 	if backend == config.BackendUCX || backend == config.BackendAuto {
 		set.ucxInterface = cfg.UCXInterface
@@ -711,7 +714,7 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 			ErrPromptMismatch, req.ID, req.NumTokens, op.RequestID, op.Tokens)
 	}
 	genState := t.requestState(req.DPRank)
-	if err := layout.Compatible(op.State, genState); err != nil {
+	if err := t.plans.compatible(op.State, genState); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
 	// One id for the pull on every rank: the context ranks tell the
