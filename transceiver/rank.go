@@ -70,6 +70,8 @@ type rank struct {
 	reqs   map[reqKey]*rankReq
 	probes map[connID]*shmProbe // shm probe of the peer, per open control connection
 	hold   *askHold             // asks for context requests not handed to this rank yet
+	// deadlines are the requests' deadline ticks, behind one timer.
+	deadlines deadlines
 	// stopHold stops the hold's timer (nil: none armed).
 	stopHold func() bool
 }
@@ -100,10 +102,11 @@ type rankReq struct {
 	workers workers
 
 	// Guarded by rank.mu.
-	over      bool                    // the core completed: later events are dropped
-	stopTimer func() bool             // the deadline's timer
-	attempts  map[uint64]*sendAttempt // send side: the pull attempts' sends, by attempt
-	srcs      map[int]*srcIO          // receive side: by context rank
+	over     bool                    // the core completed: later events are dropped
+	due      time.Time               // the deadline tick the core asked for (see deadlines)
+	dueAt    int                     // its place in rank.deadlines; -1: none armed
+	attempts map[uint64]*sendAttempt // send side: the pull attempts' sends, by attempt
+	srcs     map[int]*srcIO          // receive side: by context rank
 }
 
 // srcIO is the data-plane state of one source of a receive.
@@ -151,6 +154,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
 		hold: newAskHold(idx, set.timeout),
 	}
+	r.deadlines.fire = r.tick
 	r.ctrl = control.New(control.Config{
 		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
 		Limits: control.Limits{MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost,
@@ -223,7 +227,7 @@ func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState
 
 func (r *rank) newReq(key reqKey, reqID uint64, mem [][]byte) *rankReq {
 	ctx, cancel := context.WithCancelCause(context.Background())
-	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel,
+	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel, dueAt: -1,
 		stats: rankStats{start: r.set.now()}, attempts: map[uint64]*sendAttempt{}}
 }
 
@@ -303,6 +307,7 @@ func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 	if q.core.state().over() {
 		q.over = true
 		delete(r.reqs, q.key)
+		r.deadlines.remove(q)
 		for _, id := range q.core.conns() {
 			if cc := r.ctrl.Conn(uint64(id)); cc != nil {
 				cc.Touch() // idle from now on, if nothing else uses it
@@ -323,14 +328,14 @@ func (r *rank) run(q *rankReq, effs []effect) {
 	for _, e := range effs {
 		switch e := e.(type) {
 		case effArmTimer:
-			// A request has one timer, and so has the ask hold: the one
-			// armed last.
+			// A request has one deadline tick, and so has the ask hold:
+			// the one armed last.
 			r.mu.Lock()
 			switch {
 			case q == nil && !r.closed:
 				rearm(&r.stopHold, e.at, func() { r.holdStep(evTick{now: time.Now()}) })
 			case q != nil && !q.over:
-				rearm(&q.stopTimer, e.at, func() { r.step(q, evTick{now: time.Now()}) })
+				r.deadlines.arm(q, e.at)
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -426,6 +431,17 @@ func rearm(stop *func() bool, at time.Time, fire func()) {
 		(*stop)()
 	}
 	*stop = time.AfterFunc(time.Until(at), fire).Stop
+}
+
+// tick feeds a deadline tick to each request whose deadline has come.
+func (r *rank) tick() {
+	now := time.Now()
+	r.mu.Lock()
+	due := r.deadlines.due(now)
+	r.mu.Unlock()
+	for _, q := range due {
+		r.step(q, evTick{now: now})
+	}
 }
 
 // send writes a frame on the connection of a route; one that is gone (or
@@ -552,11 +568,6 @@ func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
 // worker to end carries out the end, on its goroutine (no goroutine is
 // started for it: a hand-off would cost each request a wake-up).
 func (r *rank) finish(q *rankReq, err error, release bool) {
-	r.mu.Lock()
-	if q.stopTimer != nil {
-		q.stopTimer()
-	}
-	r.mu.Unlock()
 	q.workers.whenIdle(func() {
 		if release {
 			r.release(q)
@@ -747,6 +758,7 @@ func (r *rank) close() error {
 	if r.stopHold != nil {
 		r.stopHold()
 	}
+	r.deadlines.stop() // (the requests' ticks: each is cancelled below)
 	qs := make([]*rankReq, 0, len(r.reqs))
 	for _, q := range r.reqs {
 		qs = append(qs, q)
