@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
@@ -59,7 +60,11 @@ type rank struct {
 	begun      begunFunc // nil: asks are never held
 	log        *slog.Logger
 
-	wg   sync.WaitGroup  // every goroutine of this rank
+	wg sync.WaitGroup // every goroutine of this rank
+	// jobs hands a send or receive to an idle worker (see work); idle
+	// counts the workers waiting on it.
+	jobs chan func()
+	idle atomic.Int32
 	life context.Context // ends when the rank closes: bounds shm probes
 	obs  Observer        // nil: none
 	csv  *timingCSV      // nil: none
@@ -146,7 +151,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	life, stop := context.WithCancel(context.Background())
 	r := &rank{
-		life: life, stop: stop,
+		life: life, stop: stop, jobs: make(chan func()),
 		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
 		sendBufs: newBufPool(set.sendBuffers, int(bb)),
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
@@ -452,18 +457,16 @@ func (r *rank) send(to route, f wire.Frame) {
 	}
 }
 
-// work runs a send or a receive of q in a goroutine, accounts its figures
-// and feeds the core its end.
+// work runs a send or a receive of q on a worker goroutine, accounts its
+// figures and feeds the core its end.
 func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string, end event)) {
 	r.mu.Lock()
 	if q.stats.moving.IsZero() {
 		q.stats.moving = r.set.now()
 	}
 	r.mu.Unlock()
-	r.wg.Add(1)
 	q.workers.Add(1)
-	go func() {
-		defer r.wg.Done()
+	r.spawn(func() {
 		defer q.workers.Done() // after the step: the completion reads the stats
 		n, chunks, backend, end := move()
 		r.mu.Lock()
@@ -472,7 +475,45 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 		q.stats.backend = backend
 		r.mu.Unlock()
 		r.step(q, end)
-	}()
+	})
+}
+
+// maxIdleWorkers bounds the worker goroutines a rank keeps waiting for
+// work; one more that finishes its job ends.
+const maxIdleWorkers = 16
+
+// spawn runs job on a worker goroutine of the rank: an idle one when
+// there is one, else a new one. A worker stays (up to maxIdleWorkers of
+// them) for the next job once its job is done, so that a transfer costs
+// neither a goroutine's start nor its stack's growth (the data plane's
+// calls are deep: a new goroutine copied its stack twice or three times
+// per send or receive). Workers end when the rank closes.
+func (r *rank) spawn(job func()) {
+	select {
+	case r.jobs <- job:
+		return
+	default:
+	}
+	r.wg.Add(1)
+	go r.worker(job)
+}
+
+func (r *rank) worker(job func()) {
+	defer r.wg.Done()
+	for {
+		job()
+		if r.idle.Add(1) > maxIdleWorkers {
+			r.idle.Add(-1)
+			return
+		}
+		select {
+		case job = <-r.jobs:
+			r.idle.Add(-1)
+		case <-r.life.Done():
+			r.idle.Add(-1)
+			return
+		}
+	}
 }
 
 // descQueue returns the context of the sends of attempt a and, when
