@@ -267,7 +267,7 @@ func (g *recvCore) dialled(ev evDialled) []effect {
 		return nil
 	}
 	s.conn = ev.conn
-	st, err := g.cfg.self.MarshalBinary()
+	st, err := g.cfg.plans.encode(g.cfg.self)
 	if err != nil {
 		return g.fail(fmt.Errorf("ask context rank %d: %w", ev.src, err), ev.src)
 	}

@@ -10,12 +10,13 @@ import (
 // planMemo remembers what the checks of a transfer work out from a pair of
 // cache states, so that a rank works it out once per peer state rather
 // than once per request: the decoding of a peer's state from the wire,
-// layout.Compatible, layout.TargetRanks and layout.NewPlan. All are pure
-// functions of their arguments; the memo gives the result (error included)
-// the function gave for the same arguments, so a core that asks it stays
-// a function of its events. Its lock is a leaf: it is taken under
-// rank.mu (the send core's checks) and alone (a receive core's plans),
-// and nothing is called with it held but the functions above.
+// the encoding of the rank's own, layout.Compatible, layout.TargetRanks
+// and layout.NewPlan. All are pure functions of their arguments; the memo
+// gives the result (error included) the function gave for the same
+// arguments, so a core that asks it stays a function of its events. Its
+// lock is a leaf: it is taken under rank.mu (the send core's checks) and
+// alone (a receive core's), and nothing is called with it held (the
+// functions run outside it; two callers may both compute a result).
 //
 // A memo holds at most maxMemoEntries results of each kind and forgets
 // them all when one more comes (a peer could send a new state with every
@@ -27,6 +28,12 @@ type planMemo struct {
 	compat  map[statePair]error
 	targets map[rankPair]targetsResult
 	plans   map[rankPair]planResult
+	encoded map[stateKey]stateBytes
+}
+
+type stateBytes struct {
+	b   []byte
+	err error
 }
 
 // stateKey is a layout.CacheState as a map key: the state's fields, with
@@ -92,7 +99,7 @@ type planResult struct {
 
 func newPlanMemo() *planMemo {
 	return &planMemo{states: map[string]stateResult{}, compat: map[statePair]error{},
-		targets: map[rankPair]targetsResult{}, plans: map[rankPair]planResult{}}
+		targets: map[rankPair]targetsResult{}, plans: map[rankPair]planResult{}, encoded: map[stateKey]stateBytes{}}
 }
 
 // memo returns m[k], computing it with f (outside the memo's lock) when m
@@ -132,6 +139,21 @@ func (p *planMemo) state(b []byte) (layout.CacheState, error) {
 		r = memo(&p.mu, p.states, string(b), decode)
 	}
 	return r.state, r.err
+}
+
+// encode is s.MarshalBinary() (the bytes are shared: read-only).
+func (p *planMemo) encode(s layout.CacheState) ([]byte, error) {
+	f := func() stateBytes {
+		b, err := s.MarshalBinary()
+		return stateBytes{b, err}
+	}
+	k, ok := keyOf(s)
+	if p == nil || !ok {
+		r := f()
+		return r.b, r.err
+	}
+	r := memo(&p.mu, p.encoded, k, f)
+	return r.b, r.err
 }
 
 // compatible is layout.Compatible(prefill, gen).

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"slices"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/kvcache"
@@ -63,6 +64,9 @@ func TestPlanMemo(t *testing.T) {
 			b, err := s.MarshalBinary()
 			if err != nil {
 				t.Fatal(err)
+			}
+			if got, err := m.encode(s); err != nil || !slices.Equal(got, b) {
+				t.Fatalf("round %d: state %d encoded % x %v, want % x", round, i, got, err, b)
 			}
 			for _, in := range [][]byte{b, b[:len(b)-1], nil, append(b, 0)} {
 				got, gerr := m.state(in)

@@ -306,8 +306,12 @@ func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 		return nil, false
 	}
 	var effs []effect
-	for _, ev := range evs {
-		effs = append(effs, q.core.step(ev)...)
+	if len(evs) == 1 {
+		effs = q.core.step(evs[0])
+	} else {
+		for _, ev := range evs {
+			effs = append(effs, q.core.step(ev)...)
+		}
 	}
 	if q.core.state().over() {
 		q.over = true
@@ -380,7 +384,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effAttemptEnded:
 			if e.err != nil {
 				r.log.Info("pull attempt failed; the context request stays pullable", "request", q.reqID, "attempt", e.attempt, "err", e.err)
-			} else {
+			} else if r.log.Enabled(context.Background(), slog.LevelDebug) {
 				r.log.Debug("pull attempt sent", "request", q.reqID, "attempt", e.attempt)
 			}
 			r.attempt(r.idx, instKey{q.key.side, q.reqID}, e.attempt, e.err)
@@ -677,7 +681,12 @@ func (r *rank) release(q *rankReq) {
 		return
 	}
 	for _, s := range q.srcs {
-		if s.direct != nil {
+		if s.direct == nil {
+			continue
+		}
+		select {
+		case <-s.direct.Done(): // filled or failed: nothing to give back
+		default:
 			s.direct.Cancel()
 		}
 	}

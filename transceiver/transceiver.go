@@ -123,7 +123,8 @@ type Transceiver struct {
 	csv        *timingCSV
 	timeout    time.Duration // kv_transfer_timeout: the expiry of a signed opaque state
 	guard      *opaqueGuard
-	plans      *planMemo // the ranks' too
+	plans      *planMemo    // the ranks' too
+	parts      map[int]part // takingPart of each DP group, worked out in New
 
 	mu       sync.Mutex
 	closed   bool
@@ -201,6 +202,12 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		t.ranks = append(t.ranks, r)
 		t.pos[idx] = i
 		r.ctrl.Start()
+	}
+	t.parts = map[int]part{}
+	for dp := range max(1, t.state.Parallel.DPSize) {
+		if all, here, err := t.workOutPart(dp); err == nil {
+			t.parts[dp] = part{all, here}
+		}
 	}
 	if opts.Group == nil {
 		close(t.joinedCh)
@@ -548,6 +555,20 @@ func (t *Transceiver) participants(dp int) ([]*rank, error) {
 // takingPart returns the ranks of the instance that hold a request of DP
 // group dp, and of them those hosted here.
 func (t *Transceiver) takingPart(dp int) (all []int, here []*rank, err error) {
+	if p, ok := t.parts[dp]; ok {
+		return p.all, p.here, nil
+	}
+	return t.workOutPart(dp)
+}
+
+// part is what takingPart returns for a DP group (shared: read-only).
+type part struct {
+	all  []int
+	here []*rank
+}
+
+// workOutPart is takingPart, worked out.
+func (t *Transceiver) workOutPart(dp int) (all []int, here []*rank, err error) {
 	pc := t.state.Parallel
 	if pc.AttentionDP && (dp < 0 || dp >= pc.DPSize) {
 		return nil, nil, fmt.Errorf("transceiver: DP rank %d out of range (DP size %d)", dp, pc.DPSize)
