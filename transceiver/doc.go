@@ -86,11 +86,14 @@
 //
 // One driver (rank.go) serves both sides: it feeds a request's core each
 // event under the rank's lock and carries out the effects after, in one
-// run; one cancel path, one close. It starts a goroutine only for what may
-// wait (a dial, a send, a receive): a request-info on a connection already
-// up is written on the goroutine that asked, and the end of a request
-// (blocks back, the instance told) is carried out by the last of its
-// goroutines to finish, not handed to another. Around it, internal/control keeps the
+// run; one cancel path, one close. It leaves the goroutine it runs on only
+// for what may wait: a dial, on a goroutine of its own; a send or a
+// receive, on one of the worker goroutines the rank keeps (up to 16 idle,
+// ended by Close), so that a transfer starts no goroutine and grows no
+// stack. A request-info on a connection already up is written on the
+// goroutine that asked, and the end of a request (blocks back, the
+// instance told) is carried out by the last of its goroutines to finish,
+// not handed to another. Around it, internal/control keeps the
 // control connections (accept loop, TLS, dial cache, the hello both
 // directions send, handshake and idle timeouts, one reader per
 // connection), handing the driver each frame and each lost connection and
