@@ -42,6 +42,7 @@ type recvConfig struct {
 	bufBytes int64             // size of one receive staging buffer
 	direct   bool              // direct transfers allowed (zero_copy)
 	timeout  time.Duration     // kv_transfer_timeout
+	plans    *planMemo         // the layout results, once per peer state (nil: every time)
 }
 
 // recvSrc is one context rank the request pulls from.
@@ -155,7 +156,7 @@ func (e effStartRecv) String() string { return fmt.Sprintf("start-recv src=%d %v
 // newRecvCore works out the sources of the request and the plan of each
 // pair; an error here is the caller's (RequestAndReceiveAsync's) to return.
 func newRecvCore(cfg recvConfig) (*recvCore, error) {
-	sources, err := layout.TargetRanks(cfg.sender, cfg.self, cfg.rank)
+	sources, err := cfg.plans.targetRanks(cfg.sender, cfg.self, cfg.rank)
 	if err != nil {
 		return nil, fmt.Errorf("transceiver: rank %d: context ranks of request %d: %w", cfg.rank, cfg.sendID, err)
 	}
@@ -167,7 +168,7 @@ func newRecvCore(cfg recvConfig) (*recvCore, error) {
 		if c >= cfg.peers {
 			return nil, fmt.Errorf("%w: context rank %d has no endpoint", ErrBadOpaqueState, c)
 		}
-		plan, err := layout.NewPlan(cfg.sender, c, cfg.self, cfg.rank)
+		plan, err := cfg.plans.plan(cfg.sender, c, cfg.self, cfg.rank)
 		if err != nil {
 			return nil, fmt.Errorf("transceiver: rank %d: plan from context rank %d: %w", cfg.rank, c, err)
 		}
@@ -266,7 +267,7 @@ func (g *recvCore) dialled(ev evDialled) []effect {
 		return nil
 	}
 	s.conn = ev.conn
-	st, err := g.cfg.self.MarshalBinary()
+	st, err := g.cfg.plans.encode(g.cfg.self)
 	if err != nil {
 		return g.fail(fmt.Errorf("ask context rank %d: %w", ev.src, err), ev.src)
 	}

@@ -100,6 +100,9 @@ type sendConfig struct {
 	// sends may take once they start (once every generation rank asked);
 	// 0: no bound of their own.
 	senderTimeout time.Duration
+	// plans works out the checks' layout results once per peer state
+	// (nil: every time).
+	plans *planMemo
 }
 
 // sendPeer is a generation rank whose ask was accepted.
@@ -452,22 +455,22 @@ func (c *sendCore) checkAsk(ri *wire.RequestInfo) (expected []int, pair sendPlan
 	if c.cfg.digest != (kvcache.Hash{}) && kvcache.Hash(ri.PromptDigest) != c.cfg.digest {
 		return bad(wire.RefusedBadRequest, "the pulling request's prompt is not context request %d's (its prompt digest differs or is missing): the KV cache would be another prompt's", c.cfg.id)
 	}
-	var gen layout.CacheState
-	if err := gen.UnmarshalBinary(ri.GenState); err != nil {
+	gen, err := c.cfg.plans.state(ri.GenState)
+	if err != nil {
 		return bad(wire.RefusedBadRequest, "generation cache state: %v", err)
 	}
-	if err := layout.Compatible(c.cfg.state, gen); err != nil {
+	if err := c.cfg.plans.compatible(c.cfg.state, gen); err != nil {
 		return bad(wire.RefusedIncompatible, "%v", err)
 	}
 	g := int(ri.GenRank)
 	if g >= gen.Parallel.NumRanks() {
 		return bad(wire.RefusedBadRequest, "generation rank %d out of range for %d ranks", g, gen.Parallel.NumRanks())
 	}
-	expected, err := layout.TargetRanks(gen, c.cfg.state, c.cfg.rank)
+	expected, err = c.cfg.plans.targetRanks(gen, c.cfg.state, c.cfg.rank)
 	if err != nil {
 		return bad(wire.RefusedIncompatible, "%v", err)
 	}
-	plan, err := layout.NewPlan(c.cfg.state, c.cfg.rank, gen, g)
+	plan, err := c.cfg.plans.plan(c.cfg.state, c.cfg.rank, gen, g)
 	if err != nil {
 		return bad(wire.RefusedIncompatible, "%v", err)
 	}

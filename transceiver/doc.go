@@ -27,8 +27,11 @@
 // published for reuse, as another's), what
 // (compatible states, target ranks, block ranges and reused prefixes, open
 // backends, direct transfers only where the spans allow), in what chunks.
-// A core does no I/O, starts no goroutine, takes no lock and reads no
-// clock.
+// A core does no I/O, starts no goroutine and reads no clock; what it
+// works out from a pair of cache states (the peer's state decoded, the
+// compatibility, the target ranks, the copy plan) comes from a memo of
+// those pure functions (plans.go), so that it is worked out once per peer
+// state, not per request; the memo's lock is the only one a core takes.
 //
 // A third pure core, the consensus (consensus.go), is the instance's view
 // of a request: it completes when every rank taking part has completed it,
@@ -83,11 +86,14 @@
 //
 // One driver (rank.go) serves both sides: it feeds a request's core each
 // event under the rank's lock and carries out the effects after, in one
-// run; one cancel path, one close. It starts a goroutine only for what may
-// wait (a dial, a send, a receive): a request-info on a connection already
-// up is written on the goroutine that asked, and the end of a request
-// (blocks back, the instance told) is carried out by the last of its
-// goroutines to finish, not handed to another. Around it, internal/control keeps the
+// run; one cancel path, one close. It leaves the goroutine it runs on only
+// for what may wait: a dial, on a goroutine of its own; a send or a
+// receive, on one of the worker goroutines the rank keeps (up to 16 idle,
+// ended by Close), so that a transfer starts no goroutine and grows no
+// stack. A request-info on a connection already up is written on the
+// goroutine that asked, and the end of a request (blocks back, the
+// instance told) is carried out by the last of its goroutines to finish,
+// not handed to another. Around it, internal/control keeps the
 // control connections (accept loop, TLS, dial cache, the hello both
 // directions send, handshake and idle timeouts, one reader per
 // connection), handing the driver each frame and each lost connection and
@@ -98,9 +104,10 @@
 // carries out its cancels.
 //
 // Time reaches the cores as events. A core asks for its deadline with an
-// arm-timer effect; the driver arms it with time.AfterFunc, one timer a
-// request (the one armed last), and ticks the core when it fires; a tick
-// before the deadline arms it again. The send core has a second deadline,
+// arm-timer effect (a request has one, the one armed last); the driver
+// keeps the deadlines of a rank's requests in a heap behind one timer
+// (deadlines.go), armed for the earliest, and ticks each core whose
+// deadline has come; a tick before the deadline arms it again. The send core has a second deadline,
 // kv_transfer_sender_future_timeout from the start of its sends, and asks
 // for the tick of whichever comes first. The control connections'
 // handshake and idle timeouts are read deadlines. The tests of every

@@ -33,6 +33,16 @@ type inst struct {
 	free  []int
 }
 
+// idleWorkers returns the worker goroutines the instance's ranks keep
+// waiting for work (see rank.spawn).
+func (in *inst) idleWorkers() int {
+	n := 0
+	for _, r := range in.t.ranks {
+		n += int(r.idle.Load())
+	}
+	return n
+}
+
 func testLogger(t testing.TB) *slog.Logger {
 	if testing.Verbose() {
 		return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))

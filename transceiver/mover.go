@@ -11,9 +11,9 @@ import (
 )
 
 // The data mover: one send or receive of a pair of ranks, as the core
-// planned it (sendPlan, recvPlan), over the pair's backend. Each runs in a
-// goroutine of its own and ends when every byte has moved, at the first
-// error, or when the request's context ends.
+// planned it (sendPlan, recvPlan), over the pair's backend. Each runs on
+// one of the rank's worker goroutines (rank.spawn) and ends when every
+// byte has moved, at the first error, or when the request's context ends.
 
 // registerMemory declares the rank's pool arena to every backend that
 // wants memory registered. Staging buffers stay private heap memory: no

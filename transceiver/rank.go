@@ -7,6 +7,7 @@ import (
 	"net"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
@@ -59,7 +60,11 @@ type rank struct {
 	begun      begunFunc // nil: asks are never held
 	log        *slog.Logger
 
-	wg   sync.WaitGroup  // every goroutine of this rank
+	wg sync.WaitGroup // every goroutine of this rank
+	// jobs hands a send or receive to an idle worker (see work); idle
+	// counts the workers waiting on it.
+	jobs chan func()
+	idle atomic.Int32
 	life context.Context // ends when the rank closes: bounds shm probes
 	obs  Observer        // nil: none
 	csv  *timingCSV      // nil: none
@@ -70,6 +75,8 @@ type rank struct {
 	reqs   map[reqKey]*rankReq
 	probes map[connID]*shmProbe // shm probe of the peer, per open control connection
 	hold   *askHold             // asks for context requests not handed to this rank yet
+	// deadlines are the requests' deadline ticks, behind one timer.
+	deadlines deadlines
 	// stopHold stops the hold's timer (nil: none armed).
 	stopHold func() bool
 }
@@ -100,10 +107,11 @@ type rankReq struct {
 	workers workers
 
 	// Guarded by rank.mu.
-	over      bool                    // the core completed: later events are dropped
-	stopTimer func() bool             // the deadline's timer
-	attempts  map[uint64]*sendAttempt // send side: the pull attempts' sends, by attempt
-	srcs      map[int]*srcIO          // receive side: by context rank
+	over     bool                    // the core completed: later events are dropped
+	due      time.Time               // the deadline tick the core asked for (see deadlines)
+	dueAt    int                     // its place in rank.deadlines; -1: none armed
+	attempts map[uint64]*sendAttempt // send side: the pull attempts' sends, by attempt
+	srcs     map[int]*srcIO          // receive side: by context rank
 }
 
 // srcIO is the data-plane state of one source of a receive.
@@ -128,7 +136,7 @@ func (q *rankReq) sendAttempt(a uint64) *sendAttempt {
 	sa := q.attempts[a]
 	if sa == nil {
 		ctx, cancel := context.WithCancelCause(q.ctx)
-		sa = &sendAttempt{ctx: ctx, cancel: cancel, descs: map[int]chan chunkDesc{}}
+		sa = &sendAttempt{ctx: ctx, cancel: cancel}
 		q.attempts[a] = sa
 	}
 	return sa
@@ -143,7 +151,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	life, stop := context.WithCancel(context.Background())
 	r := &rank{
-		life: life, stop: stop,
+		life: life, stop: stop, jobs: make(chan func()),
 		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
 		sendBufs: newBufPool(set.sendBuffers, int(bb)),
 		recvBufs: newBufPool(set.recvBuffers, int(bb)),
@@ -151,6 +159,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
 		hold: newAskHold(idx, set.timeout),
 	}
+	r.deadlines.fire = r.tick
 	r.ctrl = control.New(control.Config{
 		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
 		Limits: control.Limits{MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost,
@@ -191,7 +200,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks = slices.Clone(blocks)
 	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes, digest: digest,
-		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout})
+		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
 	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
 		return err
@@ -206,7 +215,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash, digest kvcache.Hash) error {
 	core, err := newRecvCore(recvConfig{rank: r.idx, id: id, reqID: reqID, sendID: op.RequestID, token: op.Token,
 		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash, digest: digest,
-		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout})
+		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout, plans: r.set.plans})
 	if err != nil {
 		return err
 	}
@@ -223,7 +232,7 @@ func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState
 
 func (r *rank) newReq(key reqKey, reqID uint64, mem [][]byte) *rankReq {
 	ctx, cancel := context.WithCancelCause(context.Background())
-	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel,
+	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel, dueAt: -1,
 		stats: rankStats{start: r.set.now()}, attempts: map[uint64]*sendAttempt{}}
 }
 
@@ -297,12 +306,17 @@ func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 		return nil, false
 	}
 	var effs []effect
-	for _, ev := range evs {
-		effs = append(effs, q.core.step(ev)...)
+	if len(evs) == 1 {
+		effs = q.core.step(evs[0])
+	} else {
+		for _, ev := range evs {
+			effs = append(effs, q.core.step(ev)...)
+		}
 	}
 	if q.core.state().over() {
 		q.over = true
 		delete(r.reqs, q.key)
+		r.deadlines.remove(q)
 		for _, id := range q.core.conns() {
 			if cc := r.ctrl.Conn(uint64(id)); cc != nil {
 				cc.Touch() // idle from now on, if nothing else uses it
@@ -323,14 +337,14 @@ func (r *rank) run(q *rankReq, effs []effect) {
 	for _, e := range effs {
 		switch e := e.(type) {
 		case effArmTimer:
-			// A request has one timer, and so has the ask hold: the one
-			// armed last.
+			// A request has one deadline tick, and so has the ask hold:
+			// the one armed last.
 			r.mu.Lock()
 			switch {
 			case q == nil && !r.closed:
 				rearm(&r.stopHold, e.at, func() { r.holdStep(evTick{now: time.Now()}) })
 			case q != nil && !q.over:
-				rearm(&q.stopTimer, e.at, func() { r.step(q, evTick{now: time.Now()}) })
+				r.deadlines.arm(q, e.at)
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -346,7 +360,8 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effReady:
 			r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)})
 		case effStartSend:
-			ctx, descs := r.descQueue(q, e.attempt, e.gen)
+			// A direct send takes no chunk receipts: no queue for them.
+			ctx, descs := r.descQueue(q, e.attempt, e.gen, e.pair.direct == nil)
 			r.work(q, func() (int64, int, string, event) {
 				n, chunks, err := r.sendPair(q, ctx, e.pair, descs)
 				if err == nil && e.readyAfter {
@@ -355,7 +370,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, attempt: e.attempt, err: err}
 			})
 		case effChunk:
-			_, descs := r.descQueue(q, e.attempt, e.gen)
+			_, descs := r.descQueue(q, e.attempt, e.gen, true)
 			select {
 			case descs <- chunkDesc{index: e.index, desc: e.desc}:
 			default:
@@ -369,7 +384,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effAttemptEnded:
 			if e.err != nil {
 				r.log.Info("pull attempt failed; the context request stays pullable", "request", q.reqID, "attempt", e.attempt, "err", e.err)
-			} else {
+			} else if r.log.Enabled(context.Background(), slog.LevelDebug) {
 				r.log.Debug("pull attempt sent", "request", q.reqID, "attempt", e.attempt)
 			}
 			r.attempt(r.idx, instKey{q.key.side, q.reqID}, e.attempt, e.err)
@@ -427,6 +442,17 @@ func rearm(stop *func() bool, at time.Time, fire func()) {
 	*stop = time.AfterFunc(time.Until(at), fire).Stop
 }
 
+// tick feeds a deadline tick to each request whose deadline has come.
+func (r *rank) tick() {
+	now := time.Now()
+	r.mu.Lock()
+	due := r.deadlines.due(now)
+	r.mu.Unlock()
+	for _, q := range due {
+		r.step(q, evTick{now: now})
+	}
+}
+
 // send writes a frame on the connection of a route; one that is gone (or
 // was never dialled) gets nothing: its own failure is already reported.
 func (r *rank) send(to route, f wire.Frame) {
@@ -435,18 +461,16 @@ func (r *rank) send(to route, f wire.Frame) {
 	}
 }
 
-// work runs a send or a receive of q in a goroutine, accounts its figures
-// and feeds the core its end.
+// work runs a send or a receive of q on a worker goroutine, accounts its
+// figures and feeds the core its end.
 func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string, end event)) {
 	r.mu.Lock()
 	if q.stats.moving.IsZero() {
 		q.stats.moving = r.set.now()
 	}
 	r.mu.Unlock()
-	r.wg.Add(1)
 	q.workers.Add(1)
-	go func() {
-		defer r.wg.Done()
+	r.spawn(func() {
 		defer q.workers.Done() // after the step: the completion reads the stats
 		n, chunks, backend, end := move()
 		r.mu.Lock()
@@ -455,18 +479,60 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 		q.stats.backend = backend
 		r.mu.Unlock()
 		r.step(q, end)
-	}()
+	})
 }
 
-// descQueue returns the context of the sends of attempt a and the queue of
-// chunk receipts of its send to gen.
-func (r *rank) descQueue(q *rankReq, a uint64, gen int) (context.Context, chan chunkDesc) {
+// maxIdleWorkers bounds the worker goroutines a rank keeps waiting for
+// work; one more that finishes its job ends.
+const maxIdleWorkers = 16
+
+// spawn runs job on a worker goroutine of the rank: an idle one when
+// there is one, else a new one. A worker stays (up to maxIdleWorkers of
+// them) for the next job once its job is done, so that a transfer costs
+// neither a goroutine's start nor its stack's growth (the data plane's
+// calls are deep: a new goroutine copied its stack twice or three times
+// per send or receive). Workers end when the rank closes.
+func (r *rank) spawn(job func()) {
+	select {
+	case r.jobs <- job:
+		return
+	default:
+	}
+	r.wg.Add(1)
+	go r.worker(job)
+}
+
+func (r *rank) worker(job func()) {
+	defer r.wg.Done()
+	for {
+		job()
+		if r.idle.Add(1) > maxIdleWorkers {
+			r.idle.Add(-1)
+			return
+		}
+		select {
+		case job = <-r.jobs:
+			r.idle.Add(-1)
+		case <-r.life.Done():
+			r.idle.Add(-1)
+			return
+		}
+	}
+}
+
+// descQueue returns the context of the sends of attempt a and, when
+// queue is set, the queue of chunk receipts of its send to gen (made on first
+// use; else nil unless made already).
+func (r *rank) descQueue(q *rankReq, a uint64, gen int, queue bool) (context.Context, chan chunkDesc) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	sa := q.sendAttempt(a)
 	ch := sa.descs[gen]
-	if ch == nil {
+	if ch == nil && queue {
 		ch = make(chan chunkDesc, 64)
+		if sa.descs == nil {
+			sa.descs = map[int]chan chunkDesc{}
+		}
 		sa.descs[gen] = ch
 	}
 	return sa.ctx, ch
@@ -547,11 +613,6 @@ func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
 // worker to end carries out the end, on its goroutine (no goroutine is
 // started for it: a hand-off would cost each request a wake-up).
 func (r *rank) finish(q *rankReq, err error, release bool) {
-	r.mu.Lock()
-	if q.stopTimer != nil {
-		q.stopTimer()
-	}
-	r.mu.Unlock()
 	q.workers.whenIdle(func() {
 		if release {
 			r.release(q)
@@ -620,7 +681,12 @@ func (r *rank) release(q *rankReq) {
 		return
 	}
 	for _, s := range q.srcs {
-		if s.direct != nil {
+		if s.direct == nil {
+			continue
+		}
+		select {
+		case <-s.direct.Done(): // filled or failed: nothing to give back
+		default:
 			s.direct.Cancel()
 		}
 	}
@@ -742,6 +808,7 @@ func (r *rank) close() error {
 	if r.stopHold != nil {
 		r.stopHold()
 	}
+	r.deadlines.stop() // (the requests' ticks: each is cancelled below)
 	qs := make([]*rankReq, 0, len(r.reqs))
 	for _, q := range r.reqs {
 		qs = append(qs, q)

@@ -3,6 +3,7 @@ package transceiver
 import (
 	"context"
 	"fmt"
+	"runtime/metrics"
 	"slices"
 	"testing"
 	"time"
@@ -16,6 +17,8 @@ import (
 // instances of one process over loopback, conc at a time: the per-request
 // cost of the pull protocol, the driver and the data plane, which the
 // bench's small-transfer targets measure between two processes.
+// goroutines/transfer counts every goroutine started in the process
+// during the loop (both instances', the transports'), per transfer.
 func BenchmarkSmallTransfer(b *testing.B) {
 	for _, backend := range []config.Backend{config.BackendTCP, config.BackendSHM} {
 		for _, conc := range []int{1, 8} {
@@ -71,10 +74,20 @@ func benchSmall(b *testing.B, backend config.Backend, conc int) {
 	round() // dial the connections
 	durs = durs[:0]
 	b.SetBytes(int64(conc) * sender.pools[0].BlockBytes())
+	created := goroutinesCreated()
 	for b.Loop() {
 		round()
 	}
+	b.ReportMetric(float64(goroutinesCreated()-created)/float64(b.N*conc), "goroutines/transfer")
 	b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*conc), "µs/transfer")
 	slices.Sort(durs)
 	b.ReportMetric(float64(durs[len(durs)/2].Microseconds()), "p50-µs")
+}
+
+// goroutinesCreated returns how many goroutines the process has started
+// so far (both instances' and the transports', and the benchmark's own).
+func goroutinesCreated() uint64 {
+	s := []metrics.Sample{{Name: "/sched/goroutines-created:goroutines"}}
+	metrics.Read(s)
+	return s[0].Value.Uint64()
 }

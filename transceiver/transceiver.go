@@ -123,6 +123,8 @@ type Transceiver struct {
 	csv        *timingCSV
 	timeout    time.Duration // kv_transfer_timeout: the expiry of a signed opaque state
 	guard      *opaqueGuard
+	plans      *planMemo    // the ranks' too
+	parts      map[int]part // takingPart of each DP group, worked out in New
 
 	mu       sync.Mutex
 	closed   bool
@@ -188,7 +190,7 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		return nil, err
 	}
 	set := settingsOf(cfg, &opts, res.Backend, peers, log)
-	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(),
+	t := &Transceiver{state: opts.State, resolution: res, log: log, now: set.now, timeout: cfg.Timeout(), plans: set.plans,
 		guard: newOpaqueGuard(opts.Secret, peers, set.now, opts.NonceCacheSize),
 		inst:  newConsensus(), reqs: map[instKey]*Request{}, wake: make(chan struct{}), nonces: map[instKey][16]byte{},
 		silent: map[instKey]bool{}, unbegun: map[instKey]unbegunEnd{}, pos: map[int]int{}, joinedCh: make(chan struct{})}
@@ -204,6 +206,12 @@ func New(ctx context.Context, cfg *config.CacheTransceiver, opts Options) (*Tran
 		t.ranks = append(t.ranks, r)
 		t.pos[idx] = i
 		r.ctrl.Start()
+	}
+	t.parts = map[int]part{}
+	for dp := range max(1, t.state.Parallel.DPSize) {
+		if all, here, err := t.workOutPart(dp); err == nil {
+			t.parts[dp] = part{all, here}
+		}
 	}
 	if opts.Group == nil {
 		close(t.joinedCh)
@@ -313,6 +321,7 @@ type rankSettings struct {
 	tlsServer   *tls.Config      // its server side
 	limits      ConnLimits       // with defaults
 	conns       connObs          // the Observer's ConnObserver, if any
+	plans       *planMemo        // the instance's: layout results once per peer state
 
 	// senderTimeout is kv_transfer_sender_future_timeout: how long a
 	// context rank's sends may take once they start (0: no bound of
@@ -330,6 +339,7 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 		timeout: cfg.Timeout(), senderTimeout: cfg.SenderTimeout(), backend: backend.Lower(), bufferBytes: cfg.TransferBufferSize,
 		sendBuffers: cfg.SendBuffers, recvBuffers: cfg.RecvBuffers, direct: cfg.ZeroCopy,
 		host: opts.Host, logger: log, now: opts.Now, net: opts.network, peers: peers, limits: opts.Limits.withDefaults(),
+		plans: newPlanMemo(),
 	}
 	if backend == config.BackendUCX || backend == config.BackendAuto {
 		set.ucxInterface = cfg.UCXInterface
@@ -549,6 +559,20 @@ func (t *Transceiver) participants(dp int) ([]*rank, error) {
 // takingPart returns the ranks of the instance that hold a request of DP
 // group dp, and of them those hosted here.
 func (t *Transceiver) takingPart(dp int) (all []int, here []*rank, err error) {
+	if p, ok := t.parts[dp]; ok {
+		return p.all, p.here, nil
+	}
+	return t.workOutPart(dp)
+}
+
+// part is what takingPart returns for a DP group (shared: read-only).
+type part struct {
+	all  []int
+	here []*rank
+}
+
+// workOutPart is takingPart, worked out.
+func (t *Transceiver) workOutPart(dp int) (all []int, here []*rank, err error) {
 	pc := t.state.Parallel
 	if pc.AttentionDP && (dp < 0 || dp >= pc.DPSize) {
 		return nil, nil, fmt.Errorf("transceiver: DP rank %d out of range (DP size %d)", dp, pc.DPSize)
@@ -715,7 +739,7 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 			ErrPromptMismatch, req.ID, req.NumTokens, op.RequestID, op.Tokens)
 	}
 	genState := t.requestState(req.DPRank)
-	if err := layout.Compatible(op.State, genState); err != nil {
+	if err := t.plans.compatible(op.State, genState); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
 	// One id for the pull on every rank: the context ranks tell the
