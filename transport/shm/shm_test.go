@@ -22,6 +22,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/kvxfer/kvxfer/internal/hugepage"
 	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/transport"
@@ -30,7 +31,9 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	if role := os.Getenv(childEnv); role != "" {
+	if role := os.Getenv(childEnv); role == spliceRole {
+		os.Exit(spliceChildMain())
+	} else if role != "" {
 		os.Exit(childMain(role))
 	}
 	goleak.VerifyTestMain(mappingCheck{m})
@@ -256,6 +259,38 @@ func TestRegisterMemory(t *testing.T) {
 	var ce *transport.ClosedError
 	if err := a.RegisterMemory(make([]byte, 1), nil); !errors.As(err, &ce) {
 		t.Errorf("RegisterMemory after Close = %v, want a *transport.ClosedError", err)
+	}
+}
+
+// TestRegisterMemoryHugePages: registered memory is advised to huge
+// pages, its contents kept (where the kernel has transparent huge pages).
+func TestRegisterMemoryHugePages(t *testing.T) {
+	if mode, err := os.ReadFile("/sys/kernel/mm/transparent_hugepage/enabled"); err != nil || strings.Contains(string(mode), "[never]") {
+		t.Skipf("no transparent huge pages here (%q, %v)", mode, err)
+	}
+	a := open(t, transport.Options{})
+	const n = 3 * hugepage.Size
+	mem, free, err := alignedAnon(n, false) // small pages, touched below
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer free()
+	fill(mem, 9)
+	if got, err := hugepage.Backed(mem); err != nil || got != 0 {
+		t.Fatalf("before RegisterMemory: %d bytes in huge pages, %v; want 0", got, err)
+	}
+	if err := a.RegisterMemory(mem, nil); err != nil {
+		t.Fatal(err)
+	}
+	got, err := hugepage.Backed(mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got == 0 {
+		t.Errorf("after RegisterMemory: no huge pages in %d bytes", n)
+	}
+	if !bytes.Equal(mem, fill(make([]byte, n), 9)) {
+		t.Error("RegisterMemory changed the memory's contents")
 	}
 }
 
