@@ -3,7 +3,9 @@
 package shm
 
 import (
+	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"runtime"
 	"sync"
@@ -187,6 +189,43 @@ func BenchmarkSendSmall(b *testing.B) {
 	move() // untimed: dial and map the window
 	b.SetBytes(n)
 	b.ReportAllocs()
+	for b.Loop() {
+		move()
+	}
+}
+
+// BenchmarkSendSmallCrossProcess is BenchmarkSendSmall between two
+// processes, as the transceiver uses the transport: Expect here, the
+// descriptor handed to the sender (a child process, over its stdin, where
+// the transceiver uses its control connection), and the wait for the
+// receipt's completion. The stdin hop is part of every op.
+func BenchmarkSendSmallCrossProcess(b *testing.B) {
+	const n = 64 << 10
+	rx := open(b, transport.Options{})
+	dst := make([]byte, n)
+	c := startChild(b, "sendloop", n, false)
+	move := func() {
+		r, err := rx.Expect([][]byte{dst})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := fmt.Fprintf(c.stdin, "DESC %x\n", r.Descriptor()); err != nil {
+			b.Fatal(err)
+		}
+		select {
+		case <-r.Done():
+		case l := <-c.lines:
+			b.Fatalf("child: %s", l)
+		}
+		if err := r.Err(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	move() // untimed: dial and map the window
+	if !bytes.Equal(dst, fill(make([]byte, n), 42)) {
+		b.Fatal("bytes differ")
+	}
+	b.SetBytes(n)
 	for b.Loop() {
 		move()
 	}

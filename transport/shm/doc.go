@@ -82,9 +82,10 @@
 // answers DONE. A refusal (unknown tag, another length, a receipt being
 // filled or cancelled) is answered ERR at once, with a code and a reason;
 // later parts of that op are released unread, and the sender, which stops
-// at the ERR, ends the op with CANCEL. On DONE the sender writes ACK and
-// Send returns nil; the receipt completes when the ACK arrives. Wire
-// formats are in wire.go.
+// at the ERR, ends the op with CANCEL. The receipt completes as the worker
+// writes DONE, and Send returns nil when it reads it (protocol 3 completed
+// the receipt only at the sender's ACK of DONE: a third one-way hop, and a
+// wake-up of each process, per op). Wire formats are in wire.go.
 //
 // Parts cost no message and no wake-up while both sides are busy: a
 // worker that finds the ring empty while an op still has parts to come
@@ -131,7 +132,7 @@
 // reused before its release, a ring count out of bounds, or too many open
 // ops close that connection only
 // (transport.ErrProtocol, logged). A connection that ends fails every
-// receipt an op of it was filling, or awaiting the ACK for, with
+// receipt an op of it was filling with
 // transport.ErrPeerLost (wrapping the protocol error, if any); a receipt
 // that has seen no part is left to the caller's deadline. A sender sees a
 // broken connection at once (its reader goroutine) and fails the Sends

@@ -60,8 +60,7 @@ type rop struct {
 	// Guarded by inConn.mu.
 	next      int64 // offset of the next part (reader)
 	wireEnded bool  // its last part or a CANCEL was read
-	answered  bool  // DONE or ERR written
-	awaitAck  bool  // DONE written, the ACK not read yet
+	answered  bool  // DONE or ERR decided (the receipt ended)
 	// cancelled is set by the sender's CANCEL; the worker tests it.
 	cancelled atomic.Bool
 }
@@ -248,8 +247,6 @@ func (c *inConn) readLoop() error {
 			err = c.onCancel(m)
 		case msgAbort:
 			c.onAbort(m)
-		case msgAck:
-			err = c.onAck(m)
 		case msgProbe:
 			err = c.onProbe(m)
 		default:
@@ -468,23 +465,6 @@ func (c *inConn) onAbort(m msg) {
 	t.mu.Unlock()
 }
 
-// onAck completes the receipt of an op answered DONE.
-func (c *inConn) onAck(m msg) error {
-	c.mu.Lock()
-	op := c.ops[m.op]
-	if op == nil || !op.awaitAck {
-		c.mu.Unlock()
-		return errProto("ack of op %d, which is not done", m.op)
-	}
-	delete(c.ops, m.op)
-	c.mu.Unlock()
-	t := c.t
-	t.mu.Lock()
-	op.r.FinishLocked(nil) // a no-op if it was cancelled meanwhile
-	t.mu.Unlock()
-	return nil
-}
-
 // onProbe answers a PROBE with the first 8 bytes of the window.
 func (c *inConn) onProbe(m msg) error {
 	switch {
@@ -501,8 +481,7 @@ func (c *inConn) onProbe(m msg) error {
 // write sends messages to the sender, in one write. A failed write closes
 // the connection, so that the reader ends and the connection is torn down,
 // unless the sender has gone (EPIPE, ECONNRESET): then the reader ends
-// on its own once it has read what the sender wrote last (an ACK, say,
-// which completes a receipt).
+// on its own once it has read what the sender wrote last (a CANCEL, say).
 func (c *inConn) write(ms ...msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -641,10 +620,9 @@ func (c *inConn) handle(it item) {
 	}
 	if ans != nil {
 		op.answered = true
-		op.awaitAck = ans.typ == msgDone
 		c.pending = append(c.pending, *ans)
 	}
-	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
+	if op.answered && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
 		delete(c.ops, op.id)
 	}
 	// Releases wait, up to half the window: each message wakes the
@@ -713,6 +691,10 @@ func (c *inConn) copyPart(op *rop, it item) *msg {
 		code, why := endCode(r.ErrLocked())
 		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	}
+	// Every byte is in place: the receipt completes now, before DONE
+	// goes out (protocol 3 waited for the sender's ACK of DONE, a third
+	// hop and a third wake-up of each process per op).
+	r.FinishLocked(nil)
 	return &msg{typ: msgDone, op: op.id}
 }
 

@@ -26,7 +26,7 @@ import (
 // Time limits.
 const (
 	// grace bounds how long a Send whose ctx has ended waits for the
-	// receiver to confirm that it stopped reading (and an ACK or CANCEL
+	// receiver to confirm that it stopped reading (and a CANCEL
 	// waits to be written); after it the connection is closed.
 	grace = time.Second
 	// helloTimeout bounds the wait for a new connection's HELLO (both
