@@ -81,7 +81,7 @@ type item struct {
 // posted in the sender's ring and copies them, one at a time, in order,
 // out of the sender's window.
 //
-// Lock order: pullMu, then Transport.mu, then inConn.mu.
+// Lock order: workMu, then pullMu, then Transport.mu, then inConn.mu.
 type inConn struct {
 	t      *Transport
 	nc     *net.UnixConn
@@ -110,6 +110,9 @@ type inConn struct {
 	taken  uint64
 
 	workerDone chan struct{}
+	// workMu is held by whoever does the worker's job: the worker, but
+	// for while it sleeps, when the reader may take it (onPost).
+	workMu sync.Mutex
 
 	wmu  sync.Mutex
 	wbuf []byte // guarded by wmu
@@ -242,7 +245,7 @@ func (c *inConn) readLoop() error {
 		case msgWindow:
 			err = c.onWindow(m)
 		case msgPost:
-			c.signal()
+			c.onPost()
 		case msgCancel:
 			err = c.onCancel(m)
 		case msgAbort:
@@ -386,6 +389,45 @@ func (c *inConn) onRead(m msg) error {
 	return nil
 }
 
+// onPost handles a POST: what the sender posted since the worker said
+// IDLE. While the worker sleeps, the reader takes the parts itself when
+// they end their ops (a small transfer: one part), and handles them and
+// answers, as the worker would: waking the worker would cost a hand-off
+// between goroutines, and with it, as Go's scheduler starts a thread for
+// the goroutine it readies, a thread's wake-up, per op. Parts of an op
+// with more to come, and any POST while the worker is awake, go to the
+// worker, which watches the ring while such an op lasts.
+func (c *inConn) onPost() {
+	if !c.workMu.TryLock() {
+		c.signal()
+		return
+	}
+	defer c.workMu.Unlock()
+	mapped, err := c.pull()
+	if err != nil {
+		c.fail(err)
+		return
+	}
+	for {
+		c.mu.Lock()
+		if c.expecting > 0 {
+			c.mu.Unlock()
+			c.signal()
+			return
+		}
+		if len(c.queue) == 0 {
+			c.mu.Unlock()
+			c.flush(mapped) // a failure closes the connection
+			return
+		}
+		it := c.queue[0]
+		c.queue[0] = item{}
+		c.queue = c.queue[1:]
+		c.mu.Unlock()
+		c.handle(it)
+	}
+}
+
 // signal wakes the worker.
 func (c *inConn) signal() {
 	select {
@@ -416,10 +458,11 @@ func (c *inConn) bind(op *rop) {
 	}
 }
 
-// push queues it for the worker. c.mu must be held.
+// push queues it for the worker. c.mu must be held. It does not wake the
+// worker: pull's callers are the worker, the reader in onPost (both doing
+// the worker's job) and onCancel, which wakes it.
 func (c *inConn) push(it item) {
 	c.queue = append(c.queue, it)
-	c.signal()
 }
 
 // onCancel marks an op cancelled and queues the cancel for the worker,
@@ -427,6 +470,7 @@ func (c *inConn) push(it item) {
 // the worker answers ERR unless the op was answered already. A CANCEL for
 // an op that is answered and forgotten crossed the answer: nothing to do.
 func (c *inConn) onCancel(m msg) error {
+	defer c.signal() // for the parts pulled and the cancel queued here
 	if _, err := c.pull(); err != nil {
 		return err
 	}
@@ -512,6 +556,8 @@ func (c *inConn) work() {
 	// looks at the ring only then, so that a POST that brings nothing (a
 	// sender can write any number) costs no more than the IDLE it gets.
 	var busy bool
+	c.workMu.Lock()
+	defer c.workMu.Unlock()
 	for !c.isDead.Load() {
 		mapped, err := c.pull()
 		if err != nil {
@@ -551,11 +597,12 @@ func (c *inConn) work() {
 		if c.flush(mapped) != nil {
 			return // the connection is closed; teardown does the rest
 		}
+		c.workMu.Unlock() // the reader may handle a POST meanwhile (onPost)
 		select {
 		case <-c.wake:
 		case <-c.dead:
-			return
 		}
+		c.workMu.Lock()
 	}
 }
 
