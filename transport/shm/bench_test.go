@@ -23,7 +23,9 @@ import (
 // Transports (Send, then wait for the receipt): "shm" with the default
 // window (8 slots of 1 MiB), the others with the slot size and count they
 // name. "copy" is the baseline in the same run: a plain copy between the
-// same two buffers.
+// same two buffers (memory files: 4 KiB pages). "copy-thp" and "shm-thp"
+// are the same between two buffers in transparent huge pages, as
+// RegisterMemory advises the pools.
 func BenchmarkSend(b *testing.B) {
 	const n = 512 << 20
 	src, dst := benchArena(b, n), benchArena(b, n)
@@ -35,6 +37,45 @@ func BenchmarkSend(b *testing.B) {
 		b.SetBytes(n)
 		for b.Loop() {
 			copy(dst.Bytes(), src.Bytes())
+		}
+	})
+	thpSrc, free1, err := alignedAnon(n, true)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer free1()
+	thpDst, free2, err := alignedAnon(n, true)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer free2()
+	copy(thpSrc, src.Bytes())
+	copy(thpDst, src.Bytes()) // fault the pages in
+	b.Run("copy-thp", func(b *testing.B) {
+		b.SetBytes(n)
+		for b.Loop() {
+			copy(thpDst, thpSrc)
+		}
+	})
+	b.Run("shm-thp", func(b *testing.B) {
+		tx, rx := open(b, transport.Options{FrameBytes: 64 << 20}), open(b, transport.Options{})
+		move := func() {
+			r, err := rx.Expect([][]byte{thpDst})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := tx.Send(context.Background(), r.Descriptor(), [][]byte{thpSrc}); err != nil {
+				b.Fatal(err)
+			}
+			<-r.Done()
+			if err := r.Err(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		move()
+		b.SetBytes(n)
+		for b.Loop() {
+			move()
 		}
 	})
 	for _, sub := range []struct {
