@@ -131,7 +131,7 @@ type inConn struct {
 	// while there are, the worker keeps looking at the ring (see work).
 	expecting int
 
-	out []msg // the worker's: the messages flush writes
+	out []msg // the messages flush writes; whoever holds workMu uses it
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {

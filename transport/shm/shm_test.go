@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -1126,5 +1127,132 @@ func TestNoLeaks(t *testing.T) {
 		if !shm[name] {
 			t.Errorf("new file in /dev/shm: %s", name)
 		}
+	}
+}
+
+// TestPostHandledByReader: a POST that finds the worker asleep and brings
+// only whole ops is handled by the connection's reader, which answers
+// DONE and IDLE as the worker would; parts of an op with more to come go
+// to the worker. Who copied is read from the stack of the copying
+// goroutine.
+func TestPostHandledByReader(t *testing.T) {
+	b := open(t, transport.Options{})
+	nc, mr := rawConn(t, b)
+	reg := testArena(t, 64<<10)
+	fill(reg.Bytes(), 8)
+	announce(t, nc, reg, 16<<10, 4)
+	var mu sync.Mutex
+	var copiers []string
+	setHook(t, func() {
+		buf := make([]byte, 16<<10)
+		stack := string(buf[:runtime.Stack(buf, false)])
+		who := "other"
+		switch {
+		case strings.Contains(stack, "(*inConn).onPost"):
+			who = "reader"
+		case strings.Contains(stack, "(*inConn).work"):
+			who = "worker"
+		}
+		mu.Lock()
+		copiers = append(copiers, who)
+		mu.Unlock()
+	})
+	part := func(op, tag uint64, slot uint32, off, n, total uint64) *msg {
+		return &msg{typ: msgRead, op: op, tag: tag, slot: slot, offset: off, length: uint32(n), total: total, last: off+n == total}
+	}
+	// untilIdle reads the answers up to the receiver's IDLE, which it
+	// writes whenever it goes back to sleep: the releases and the answers.
+	untilIdle := func(what string) (answers []msg) {
+		t.Helper()
+		nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+		defer nc.SetReadDeadline(time.Time{})
+		for {
+			m, err := mr.next()
+			if err != nil {
+				t.Fatalf("%s: reading the answers: %v", what, err)
+			}
+			if m.typ == msgIdle {
+				return answers
+			}
+			if m.typ != msgRelease {
+				answers = append(answers, m)
+			}
+		}
+	}
+	expect := func(n int) (transport.Recv, uint64) {
+		r, err := b.Expect([][]byte{make([]byte, n)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		d, _ := descFormat.Decode(r.Descriptor())
+		return r, d.Tag
+	}
+	// asleep waits until the worker of the connection sleeps (nobody holds
+	// its workMu): it may still hold it for a moment after its IDLE.
+	asleep := func() {
+		t.Helper()
+		b.mu.Lock()
+		var c *inConn
+		for ic := range b.inbound {
+			c = ic
+		}
+		b.mu.Unlock()
+		within(t, 5*time.Second, "the worker to sleep", func() {
+			for !c.workMu.TryLock() {
+				time.Sleep(100 * time.Microsecond)
+			}
+			c.workMu.Unlock()
+		})
+	}
+	untilIdle("the window") // the worker looked at the empty ring, and sleeps
+
+	for i := range uint64(3) { // small transfers, one at a time
+		r, tag := expect(100)
+		asleep()
+		writeMsgs(t, nc, part(i+1, tag, uint32(i), 0, 100, 100))
+		if got := untilIdle("a whole op"); len(got) != 1 || got[0].typ != msgDone || got[0].op != i+1 {
+			t.Fatalf("op %d: answers %+v, want DONE", i+1, got)
+		}
+		within(t, time.Second, "Recv", func() { <-r.Done() })
+		if r.Err() != nil {
+			t.Fatal(r.Err())
+		}
+	}
+	// Two whole ops in one POST: both handled by the reader.
+	r1, tag1 := expect(10)
+	r2, tag2 := expect(20)
+	asleep()
+	writeMsgs(t, nc, part(4, tag1, 3, 0, 10, 10), part(5, tag2, 0, 0, 20, 20))
+	if got := untilIdle("two whole ops"); len(got) != 2 || got[0].op != 4 || got[1].op != 5 || got[0].typ != msgDone || got[1].typ != msgDone {
+		t.Fatalf("answers %+v, want DONE of ops 4 and 5", got)
+	}
+	mu.Lock()
+	if want := []string{"reader", "reader", "reader", "reader", "reader"}; !slices.Equal(copiers, want) {
+		t.Errorf("whole ops copied by %v, want %v", copiers, want)
+	}
+	copiers = nil
+	mu.Unlock()
+	for _, r := range []transport.Recv{r1, r2} {
+		within(t, time.Second, "Recv", func() { <-r.Done() })
+	}
+
+	// An op whose first part comes alone: the worker takes it (and looks
+	// for the next part a while before it says IDLE); the last part, once
+	// the worker sleeps, ends the op: the reader takes it.
+	r3, tag3 := expect(200)
+	writeMsgs(t, nc, part(6, tag3, 1, 0, 100, 200))
+	if got := untilIdle("the first of two parts"); len(got) != 0 {
+		t.Fatalf("answers %+v to the first of two parts, want none", got)
+	}
+	asleep()
+	writeMsgs(t, nc, part(6, tag3, 2, 100, 100, 200))
+	if got := untilIdle("the last of two parts"); len(got) != 1 || got[0].typ != msgDone || got[0].op != 6 {
+		t.Fatalf("answers %+v, want DONE of op 6", got)
+	}
+	within(t, time.Second, "Recv", func() { <-r3.Done() })
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{"worker", "reader"}; !slices.Equal(copiers, want) {
+		t.Errorf("an op in two parts copied by %v, want %v", copiers, want)
 	}
 }
