@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"sync"
@@ -239,8 +240,25 @@ func BenchmarkSendSmall(b *testing.B) {
 // processes, as the transceiver uses the transport: Expect here, the
 // descriptor handed to the sender (a child process, over its stdin, where
 // the transceiver uses its control connection), and the wait for the
-// receipt's completion. The stdin hop is part of every op.
+// receipt's completion. The stdin hop is part of every op; "echo" is a
+// line sent to the child and back over its stdin and stdout, two such
+// hops, in the same run for scale.
 func BenchmarkSendSmallCrossProcess(b *testing.B) {
+	b.Run("echo", func(b *testing.B) {
+		c := startChild(b, "echo", 1, false)
+		for b.Loop() {
+			if _, err := io.WriteString(c.stdin, "ping\n"); err != nil {
+				b.Fatal(err)
+			}
+			if l := <-c.lines; l != "ping" {
+				b.Fatalf("child echoed %q", l)
+			}
+		}
+	})
+	b.Run("send", benchSendCrossProcess)
+}
+
+func benchSendCrossProcess(b *testing.B) {
 	const n = 64 << 10
 	rx := open(b, transport.Options{})
 	dst := make([]byte, n)

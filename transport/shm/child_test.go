@@ -26,7 +26,7 @@ import (
 // cross-process tests (as bench's tests do): a receiver or a sender that
 // talks to the parent over stdin and stdout, one line at a time.
 const (
-	childEnv     = "KVXFER_SHM_CHILD"   // "recv", "send", "sendloop" or spliceRole
+	childEnv     = "KVXFER_SHM_CHILD"   // "recv", "send", "sendloop", "echo" or spliceRole
 	childSizeEnv = "KVXFER_SHM_CHILD_N" // bytes to move
 	childHoldEnv = "KVXFER_SHM_HOLD"    // "1": the receiver stops in its first piece
 )
@@ -39,6 +39,9 @@ const (
 //
 // send: reads "DESC <hex>" from stdin, sends the pattern from registered
 // shared memory, prints "SEND ok" or "SEND <error>".
+//
+// echo: prints each line of stdin back (a round trip of two hops between
+// the processes, for scale).
 //
 // sendloop: sends the pattern to each "DESC <hex>" line of stdin, one
 // after the other, until stdin ends; prints "SEND <error>" at the first
@@ -111,6 +114,11 @@ func childMain(role string) int {
 			fmt.Println("SEND ok")
 		}
 		tr.Close() // before the arena
+	case "echo":
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() {
+			fmt.Println(in.Text())
+		}
 	case "sendloop":
 		src := fill(make([]byte, n), 42)
 		in := bufio.NewScanner(os.Stdin)
