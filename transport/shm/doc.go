@@ -66,7 +66,8 @@
 // through two read on two goroutines, 4.7-5.4 GB/s from 4 KiB pages,
 // where a copy of the same bytes moved 21.4-21.5 GB/s in the same runs:
 // 0.53-0.60 of a copy at best, no better than the window's 0.57-0.69 of
-// one (kvxfer bench), for a protocol that would have to revoke what a
+// one (kvxfer bench, whose copy baseline runs on the Go heap's small pages
+// and is the slower), for a protocol that would have to revoke what a
 // pipe holds. Pipes keep the huge pages whole (the source is still all
 // huge pages after the rounds).
 //
@@ -85,8 +86,8 @@
 // answers DONE. A refusal (unknown tag, another length, a receipt being
 // filled or cancelled) is answered ERR at once, with a code and a reason;
 // later parts of that op are released unread, and the sender, which stops
-// at the ERR, ends the op with CANCEL. The receipt completes as the worker
-// writes DONE, and Send returns nil when it reads it (protocol 3 completed
+// at the ERR, ends the op with CANCEL. The receipt completes as the
+// receiver writes DONE, and Send returns nil when it reads it (protocol 3 completed
 // the receipt only at the sender's ACK of DONE: a third one-way hop, and a
 // wake-up of each process, per op). Wire formats are in wire.go.
 //
@@ -138,13 +139,15 @@
 //
 // A malformed message or ring entry, a part outside the window, a slot
 // reused before its release, a ring count out of bounds, or too many open
-// ops close that connection only
-// (transport.ErrProtocol, logged). A connection that ends fails every
-// receipt an op of it was filling with
+// ops close that connection only (transport.ErrProtocol, logged). A
+// connection that ends fails every receipt an op of it was filling with
 // transport.ErrPeerLost (wrapping the protocol error, if any); a receipt
 // that has seen no part is left to the caller's deadline. A sender sees a
 // broken connection at once (its reader goroutine) and fails the Sends
-// waiting on it with transport.ErrPeerLost; the next Send redials.
+// waiting on it with transport.ErrPeerLost; the next Send redials. A
+// receipt completed at DONE stays complete: a Send whose connection breaks
+// before it reads that DONE fails although every byte arrived (as a tcp
+// Send can fail after its last frame went out).
 //
 // # Probe
 //
