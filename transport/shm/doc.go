@@ -146,8 +146,7 @@
 // broken connection at once (its reader goroutine) and fails the Sends
 // waiting on it with transport.ErrPeerLost; the next Send redials. A
 // receipt completed at DONE stays complete: a Send whose connection breaks
-// before it reads that DONE fails although every byte arrived (as a tcp
-// Send can fail after its last frame went out).
+// before it reads that DONE fails although every byte arrived.
 //
 // # Probe
 //
