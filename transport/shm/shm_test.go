@@ -32,9 +32,13 @@ import (
 )
 
 func TestMain(m *testing.M) {
-	if role := os.Getenv(childEnv); role == spliceRole {
+	switch role := os.Getenv(childEnv); role {
+	case "":
+	case spliceRole:
 		os.Exit(spliceChildMain())
-	} else if role != "" {
+	case pingRole:
+		os.Exit(pingChildMain())
+	default:
 		os.Exit(childMain(role))
 	}
 	goleak.VerifyTestMain(mappingCheck{m})

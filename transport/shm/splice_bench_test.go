@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"strconv"
@@ -242,3 +243,119 @@ func spliceChild(b *testing.B, n int, thp bool, pipeSz, nPipes int, dst []byte, 
 		wg.Wait()
 	}
 }
+
+// pingRole is the child of BenchmarkSocketPingPong: it answers each 8-byte
+// message on the Unix socket at fd 3 with the same 8 bytes, through Go's
+// poller (net.FileConn) or with blocking system calls on the raw
+// descriptor, as childSizeEnv says ("1": raw).
+const pingRole = "sockping"
+
+// pingChildMain runs the child of BenchmarkSocketPingPong until the
+// socket ends.
+func pingChildMain() int {
+	var buf [8]byte
+	if os.Getenv(childSizeEnv) == "1" {
+		for {
+			if _, err := io.ReadFull(rawFd(3), buf[:]); err != nil {
+				return 0
+			}
+			if _, err := unix.Write(3, buf[:]); err != nil {
+				return 1
+			}
+		}
+	}
+	c, err := net.FileConn(os.NewFile(3, "ping"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "child:", err)
+		return 1
+	}
+	for {
+		if _, err := io.ReadFull(c, buf[:]); err != nil {
+			return 0
+		}
+		if _, err := c.Write(buf[:]); err != nil {
+			return 1
+		}
+	}
+}
+
+// rawFd reads a descriptor with blocking read(2) calls.
+type rawFd int
+
+func (fd rawFd) Read(p []byte) (int, error) {
+	for {
+		n, err := unix.Read(int(fd), p)
+		if err == unix.EINTR {
+			continue
+		}
+		if n == 0 && err == nil {
+			return 0, io.EOF
+		}
+		return n, err
+	}
+}
+
+// BenchmarkSocketPingPong: an 8-byte message to a child process and back
+// over a Unix socket pair, the transport's kind of wake-up, both ends
+// through Go's poller (netpoll: a read that finds nothing parks the
+// goroutine, and the poller's thread is woken by epoll) or both with
+// blocking read(2) on the raw descriptor (raw: the reading thread sleeps
+// in the kernel and is woken directly). It says what taking the data
+// plane's sockets off the poller could save per hop.
+func BenchmarkSocketPingPong(b *testing.B) {
+	for _, mode := range []string{"netpoll", "raw"} {
+		b.Run(mode, func(b *testing.B) {
+			fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+			if err != nil {
+				b.Fatal(err)
+			}
+			theirs := os.NewFile(uintptr(fds[1]), "ping child")
+			raw := "0"
+			if mode == "raw" {
+				raw = "1"
+			}
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), childEnv+"="+pingRole, childSizeEnv+"="+raw)
+			cmd.ExtraFiles = []*os.File{theirs}
+			cmd.Stderr = os.Stderr
+			if err := cmd.Start(); err != nil {
+				b.Fatal(err)
+			}
+			theirs.Close()
+			var rw io.ReadWriter
+			var closeMine func()
+			if mode == "raw" {
+				rw = struct {
+					io.Reader
+					io.Writer
+				}{rawFd(fds[0]), rawWriter(fds[0])}
+				closeMine = func() { unix.Close(fds[0]) }
+			} else {
+				c, err := net.FileConn(os.NewFile(uintptr(fds[0]), "ping"))
+				if err != nil {
+					b.Fatal(err)
+				}
+				unix.Close(fds[0]) // FileConn holds a duplicate
+				rw, closeMine = c, func() { c.Close() }
+			}
+			defer func() {
+				closeMine()
+				cmd.Wait()
+			}()
+			var buf [8]byte
+			for b.Loop() {
+				if _, err := rw.Write(buf[:]); err != nil {
+					b.Fatal(err)
+				}
+				if _, err := io.ReadFull(rw, buf[:]); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// rawWriter writes a descriptor with blocking write(2) calls.
+type rawWriter int
+
+func (fd rawWriter) Write(p []byte) (int, error) { return unix.Write(int(fd), p) }
