@@ -3,7 +3,10 @@
 package shm
 
 import (
+	"bytes"
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"runtime"
 	"sync"
@@ -21,7 +24,9 @@ import (
 // Transports (Send, then wait for the receipt): "shm" with the default
 // window (8 slots of 1 MiB), the others with the slot size and count they
 // name. "copy" is the baseline in the same run: a plain copy between the
-// same two buffers.
+// same two buffers (memory files: 4 KiB pages). "copy-thp" and "shm-thp"
+// are the same between two buffers in transparent huge pages, as
+// RegisterMemory advises the pools.
 func BenchmarkSend(b *testing.B) {
 	const n = 512 << 20
 	src, dst := benchArena(b, n), benchArena(b, n)
@@ -33,6 +38,45 @@ func BenchmarkSend(b *testing.B) {
 		b.SetBytes(n)
 		for b.Loop() {
 			copy(dst.Bytes(), src.Bytes())
+		}
+	})
+	thpSrc, free1, err := alignedAnon(n, true)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer free1()
+	thpDst, free2, err := alignedAnon(n, true)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer free2()
+	copy(thpSrc, src.Bytes())
+	copy(thpDst, src.Bytes()) // fault the pages in
+	b.Run("copy-thp", func(b *testing.B) {
+		b.SetBytes(n)
+		for b.Loop() {
+			copy(thpDst, thpSrc)
+		}
+	})
+	b.Run("shm-thp", func(b *testing.B) {
+		tx, rx := open(b, transport.Options{FrameBytes: 64 << 20}), open(b, transport.Options{})
+		move := func() {
+			r, err := rx.Expect([][]byte{thpDst})
+			if err != nil {
+				b.Fatal(err)
+			}
+			if err := tx.Send(context.Background(), r.Descriptor(), [][]byte{thpSrc}); err != nil {
+				b.Fatal(err)
+			}
+			<-r.Done()
+			if err := r.Err(); err != nil {
+				b.Fatal(err)
+			}
+		}
+		move()
+		b.SetBytes(n)
+		for b.Loop() {
+			move()
 		}
 	})
 	for _, sub := range []struct {
@@ -187,6 +231,60 @@ func BenchmarkSendSmall(b *testing.B) {
 	move() // untimed: dial and map the window
 	b.SetBytes(n)
 	b.ReportAllocs()
+	for b.Loop() {
+		move()
+	}
+}
+
+// BenchmarkSendSmallCrossProcess is BenchmarkSendSmall between two
+// processes, as the transceiver uses the transport: Expect here, the
+// descriptor handed to the sender (a child process, over its stdin, where
+// the transceiver uses its control connection), and the wait for the
+// receipt's completion. The stdin hop is part of every op; "echo" is a
+// line sent to the child and back over its stdin and stdout, two such
+// hops, in the same run for scale.
+func BenchmarkSendSmallCrossProcess(b *testing.B) {
+	b.Run("echo", func(b *testing.B) {
+		c := startChild(b, "echo", 1, false)
+		for b.Loop() {
+			if _, err := io.WriteString(c.stdin, "ping\n"); err != nil {
+				b.Fatal(err)
+			}
+			if l := <-c.lines; l != "ping" {
+				b.Fatalf("child echoed %q", l)
+			}
+		}
+	})
+	b.Run("send", benchSendCrossProcess)
+}
+
+func benchSendCrossProcess(b *testing.B) {
+	const n = 64 << 10
+	rx := open(b, transport.Options{})
+	dst := make([]byte, n)
+	c := startChild(b, "sendloop", n, false)
+	move := func() {
+		r, err := rx.Expect([][]byte{dst})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := fmt.Fprintf(c.stdin, "DESC %x\n", r.Descriptor()); err != nil {
+			b.Fatal(err)
+		}
+		select {
+		case <-r.Done():
+		case l := <-c.lines:
+			b.Fatalf("child: %s", l)
+		}
+		if err := r.Err(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	move() // untimed: dial and map the window
+	if !bytes.Equal(dst, fill(make([]byte, n), 42)) {
+		b.Fatal("bytes differ")
+	}
+	b.SetBytes(n)
 	for b.Loop() {
 		move()
 	}

@@ -26,7 +26,7 @@ import (
 // cross-process tests (as bench's tests do): a receiver or a sender that
 // talks to the parent over stdin and stdout, one line at a time.
 const (
-	childEnv     = "KVXFER_SHM_CHILD"   // "recv" or "send"
+	childEnv     = "KVXFER_SHM_CHILD"   // "recv", "send", "sendloop", "echo" or spliceRole
 	childSizeEnv = "KVXFER_SHM_CHILD_N" // bytes to move
 	childHoldEnv = "KVXFER_SHM_HOLD"    // "1": the receiver stops in its first piece
 )
@@ -39,6 +39,13 @@ const (
 //
 // send: reads "DESC <hex>" from stdin, sends the pattern from registered
 // shared memory, prints "SEND ok" or "SEND <error>".
+//
+// echo: prints each line of stdin back (a round trip of two hops between
+// the processes, for scale).
+//
+// sendloop: sends the pattern to each "DESC <hex>" line of stdin, one
+// after the other, until stdin ends; prints "SEND <error>" at the first
+// failure and stops.
 func childMain(role string) int {
 	n, err := strconv.Atoi(os.Getenv(childSizeEnv))
 	if err != nil || n <= 0 {
@@ -107,6 +114,24 @@ func childMain(role string) int {
 			fmt.Println("SEND ok")
 		}
 		tr.Close() // before the arena
+	case "echo":
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() {
+			fmt.Println(in.Text())
+		}
+	case "sendloop":
+		src := fill(make([]byte, n), 42)
+		in := bufio.NewScanner(os.Stdin)
+		for in.Scan() {
+			desc, err := hex.DecodeString(strings.TrimPrefix(in.Text(), "DESC "))
+			if err == nil {
+				err = tr.Send(context.Background(), desc, [][]byte{src})
+			}
+			if err != nil {
+				fmt.Println("SEND", err)
+				return 1
+			}
+		}
 	default:
 		return 2
 	}
@@ -124,7 +149,7 @@ type child struct {
 
 // startChild starts the test binary as a peer of the given role; it is
 // killed and reaped at the end of t.
-func startChild(t *testing.T, role string, n int, hold bool) *child {
+func startChild(t testing.TB, role string, n int, hold bool) *child {
 	t.Helper()
 	c := &child{lines: make(chan string, 16), done: make(chan struct{})}
 	c.cmd = exec.Command(os.Args[0], "-test.run=^$")

@@ -45,7 +45,6 @@ func FuzzMessage(f *testing.F) {
 		{typ: msgRelease, slot: 3},
 		{typ: msgCancel, op: 1, seq: 4},
 		{typ: msgAbort, tag: 9},
-		{typ: msgAck, op: 1},
 		{typ: msgProbe, op: 1},
 		{typ: msgDone, op: 1},
 		{typ: msgErr, op: 1, code: codeUnknown, text: "no receipt"},

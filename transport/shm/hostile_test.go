@@ -75,11 +75,10 @@ func TestHostileReceiverGetsOnlyItsBytes(t *testing.T) {
 				out.got = append(out.got, r.win[at:at+int(m.length)]...)
 				writeFull(nc, appendMsg(nil, &msg{typ: msgRelease, slot: m.slot}), nil)
 				if m.last {
+					out.window = bytes.Clone(r.win)
 					writeFull(nc, appendMsg(nil, &msg{typ: msgDone, op: m.op}), nil)
+					return
 				}
-			case msgAck:
-				out.window = bytes.Clone(r.win)
-				return
 			default:
 				out.err = fmt.Errorf("unexpected message %+v", m)
 				return

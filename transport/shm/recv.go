@@ -60,8 +60,7 @@ type rop struct {
 	// Guarded by inConn.mu.
 	next      int64 // offset of the next part (reader)
 	wireEnded bool  // its last part or a CANCEL was read
-	answered  bool  // DONE or ERR written
-	awaitAck  bool  // DONE written, the ACK not read yet
+	answered  bool  // DONE or ERR decided (the receipt ended)
 	// cancelled is set by the sender's CANCEL; the worker tests it.
 	cancelled atomic.Bool
 }
@@ -82,7 +81,7 @@ type item struct {
 // posted in the sender's ring and copies them, one at a time, in order,
 // out of the sender's window.
 //
-// Lock order: pullMu, then Transport.mu, then inConn.mu.
+// Lock order: workMu, then pullMu, then Transport.mu, then inConn.mu.
 type inConn struct {
 	t      *Transport
 	nc     *net.UnixConn
@@ -111,6 +110,9 @@ type inConn struct {
 	taken  uint64
 
 	workerDone chan struct{}
+	// workMu is held by whoever does the worker's job: the worker, but
+	// for while it sleeps, when the reader may take it (onPost).
+	workMu sync.Mutex
 
 	wmu  sync.Mutex
 	wbuf []byte // guarded by wmu
@@ -129,7 +131,7 @@ type inConn struct {
 	// while there are, the worker keeps looking at the ring (see work).
 	expecting int
 
-	out []msg // the worker's: the messages flush writes
+	out []msg // the messages flush writes; whoever holds workMu uses it
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {
@@ -243,13 +245,11 @@ func (c *inConn) readLoop() error {
 		case msgWindow:
 			err = c.onWindow(m)
 		case msgPost:
-			c.signal()
+			c.onPost()
 		case msgCancel:
 			err = c.onCancel(m)
 		case msgAbort:
 			c.onAbort(m)
-		case msgAck:
-			err = c.onAck(m)
 		case msgProbe:
 			err = c.onProbe(m)
 		default:
@@ -389,6 +389,45 @@ func (c *inConn) onRead(m msg) error {
 	return nil
 }
 
+// onPost handles a POST: what the sender posted since the worker said
+// IDLE. While the worker sleeps, the reader takes the parts itself when
+// they end their ops (a small transfer: one part), and handles them and
+// answers, as the worker would: waking the worker would cost a hand-off
+// between goroutines, and with it, as Go's scheduler starts a thread for
+// the goroutine it readies, a thread's wake-up, per op. Parts of an op
+// with more to come, and any POST while the worker is awake, go to the
+// worker, which watches the ring while such an op lasts.
+func (c *inConn) onPost() {
+	if !c.workMu.TryLock() {
+		c.signal()
+		return
+	}
+	defer c.workMu.Unlock()
+	mapped, err := c.pull()
+	if err != nil {
+		c.fail(err)
+		return
+	}
+	for {
+		c.mu.Lock()
+		if c.expecting > 0 {
+			c.mu.Unlock()
+			c.signal()
+			return
+		}
+		if len(c.queue) == 0 {
+			c.mu.Unlock()
+			c.flush(mapped) // a failure closes the connection
+			return
+		}
+		it := c.queue[0]
+		c.queue[0] = item{}
+		c.queue = c.queue[1:]
+		c.mu.Unlock()
+		c.handle(it)
+	}
+}
+
 // signal wakes the worker.
 func (c *inConn) signal() {
 	select {
@@ -419,10 +458,11 @@ func (c *inConn) bind(op *rop) {
 	}
 }
 
-// push queues it for the worker. c.mu must be held.
+// push queues it for the worker. c.mu must be held. It does not wake the
+// worker: pull's callers are the worker, the reader in onPost (both doing
+// the worker's job) and onCancel, which wakes it.
 func (c *inConn) push(it item) {
 	c.queue = append(c.queue, it)
-	c.signal()
 }
 
 // onCancel marks an op cancelled and queues the cancel for the worker,
@@ -430,6 +470,7 @@ func (c *inConn) push(it item) {
 // the worker answers ERR unless the op was answered already. A CANCEL for
 // an op that is answered and forgotten crossed the answer: nothing to do.
 func (c *inConn) onCancel(m msg) error {
+	defer c.signal() // for the parts pulled and the cancel queued here
 	if _, err := c.pull(); err != nil {
 		return err
 	}
@@ -468,23 +509,6 @@ func (c *inConn) onAbort(m msg) {
 	t.mu.Unlock()
 }
 
-// onAck completes the receipt of an op answered DONE.
-func (c *inConn) onAck(m msg) error {
-	c.mu.Lock()
-	op := c.ops[m.op]
-	if op == nil || !op.awaitAck {
-		c.mu.Unlock()
-		return errProto("ack of op %d, which is not done", m.op)
-	}
-	delete(c.ops, m.op)
-	c.mu.Unlock()
-	t := c.t
-	t.mu.Lock()
-	op.r.FinishLocked(nil) // a no-op if it was cancelled meanwhile
-	t.mu.Unlock()
-	return nil
-}
-
 // onProbe answers a PROBE with the first 8 bytes of the window.
 func (c *inConn) onProbe(m msg) error {
 	switch {
@@ -501,8 +525,7 @@ func (c *inConn) onProbe(m msg) error {
 // write sends messages to the sender, in one write. A failed write closes
 // the connection, so that the reader ends and the connection is torn down,
 // unless the sender has gone (EPIPE, ECONNRESET): then the reader ends
-// on its own once it has read what the sender wrote last (an ACK, say,
-// which completes a receipt).
+// on its own once it has read what the sender wrote last (a CANCEL, say).
 func (c *inConn) write(ms ...msg) error {
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
@@ -533,6 +556,8 @@ func (c *inConn) work() {
 	// looks at the ring only then, so that a POST that brings nothing (a
 	// sender can write any number) costs no more than the IDLE it gets.
 	var busy bool
+	c.workMu.Lock()
+	defer c.workMu.Unlock()
 	for !c.isDead.Load() {
 		mapped, err := c.pull()
 		if err != nil {
@@ -572,11 +597,12 @@ func (c *inConn) work() {
 		if c.flush(mapped) != nil {
 			return // the connection is closed; teardown does the rest
 		}
+		c.workMu.Unlock() // the reader may handle a POST meanwhile (onPost)
 		select {
 		case <-c.wake:
 		case <-c.dead:
-			return
 		}
+		c.workMu.Lock()
 	}
 }
 
@@ -641,10 +667,9 @@ func (c *inConn) handle(it item) {
 	}
 	if ans != nil {
 		op.answered = true
-		op.awaitAck = ans.typ == msgDone
 		c.pending = append(c.pending, *ans)
 	}
-	if op.answered && !op.awaitAck && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
+	if op.answered && op.wireEnded && c.ops != nil && c.ops[op.id] == op {
 		delete(c.ops, op.id)
 	}
 	// Releases wait, up to half the window: each message wakes the
@@ -713,6 +738,10 @@ func (c *inConn) copyPart(op *rop, it item) *msg {
 		code, why := endCode(r.ErrLocked())
 		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	}
+	// Every byte is in place: the receipt completes now, before DONE
+	// goes out (protocol 3 waited for the sender's ACK of DONE, a third
+	// hop and a third wake-up of each process per op).
+	r.FinishLocked(nil)
 	return &msg{typ: msgDone, op: op.id}
 }
 

@@ -114,8 +114,8 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *m
 // out of it into its receipt. src can be any memory: it is read only by
 // Send itself, and the receiver never sees anything but the parts of its
 // own Sends (see the package documentation). Send returns nil once the
-// receiver has copied every byte and Send has acknowledged that (which
-// completes the receipt). src is not used after Send returns.
+// receiver has copied every byte (and completed the receipt) and said so.
+// src is not used after Send returns.
 //
 // When ctx ends first, Send tells the receiver to stop (CANCEL; ABORT when
 // no part had gone out) and waits for the receiver to confirm that it
@@ -123,8 +123,9 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *m
 // transport.ErrAborted, and Send returns an error wrapping ctx.Err() (a
 // *transport.TimeoutError for a deadline), or nil if the receiver had copied
 // everything first. A receiver that does not confirm in time has the
-// connection closed; it cannot complete its receipt any more, for that
-// needs the ACK. Close of the Transport does the same, and Send returns a
+// connection closed (its receipt fails then, unless the receiver had
+// completed it as it wrote a DONE that Send did not read in time). Close
+// of the Transport does the same, and Send returns a
 // *transport.ClosedError.
 //
 // A receiver that refuses or stops the transfer (no armed receipt for the
@@ -282,17 +283,11 @@ func (oc *outConn) cancelMsg(op uint64) *msg {
 }
 
 // answer turns the receiver's answer to an op into Send's result. DONE is
-// acknowledged first: only the ACK completes the receipt. DONE is an answer
-// only once every part has gone out (whole).
+// an answer only once every part has gone out (whole); the receipt
+// completed as the receiver wrote it.
 func (oc *outConn) answer(p *pendingOp, m msg, whole bool) error {
 	switch {
 	case m.typ == msgDone && whole:
-		ctx, cancel := context.WithTimeout(context.Background(), grace)
-		defer cancel()
-		if err := oc.writeMsg(ctx, &msg{typ: msgAck, op: p.id}); err != nil {
-			oc.kill(err)
-			return peerLost("send to", oc.ep, fmt.Errorf("acknowledging: %w", err))
-		}
 		return nil
 	case m.typ == msgErr:
 		return refusal(oc.ep, m.code, m.text)

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/accept"
+	"github.com/kvxfer/kvxfer/internal/hugepage"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/conn"
@@ -25,7 +26,7 @@ import (
 // Time limits.
 const (
 	// grace bounds how long a Send whose ctx has ended waits for the
-	// receiver to confirm that it stopped reading (and an ACK or CANCEL
+	// receiver to confirm that it stopped reading (and a CANCEL
 	// waits to be written); after it the connection is closed.
 	grace = time.Second
 	// helloTimeout bounds the wait for a new connection's HELLO (both
@@ -80,6 +81,8 @@ type Transport struct {
 	wg    sync.WaitGroup // accept loop, connection readers and workers
 
 	mapped atomic.Int64 // bytes of senders' windows mapped (see maxMapped)
+
+	adviceLogged atomic.Bool // RegisterMemory logged that huge pages were refused
 
 	mu       sync.Mutex
 	closed   bool
@@ -235,19 +238,37 @@ func (t *Transport) admit(nc *net.UnixConn) bool {
 	return true
 }
 
-// RegisterMemory accepts any memory and does nothing with it: a Send copies
-// its source into the window of the connection itself, so sources need no
-// registration, and no memory of this process but a connection's window is
-// ever shared with a peer. It exists for the transport.MemoryRegistrar
-// contract and fails only for empty memory or a closed transport.
+// RegisterMemory asks the kernel to back mem with transparent huge pages
+// (hugepage.Advise), as transport/mpi does: both copies of a Send (the
+// sender's out of its pool into the window, the receiver's out of the
+// window into its pool) go through the TLB once per page of the pool, and
+// Go's heap, where the pools live, is in 4 KiB pages otherwise. Nothing of
+// mem is shared with a peer (a Send copies its source into the window of
+// the connection), and any memory may still be sent or received:
+// registering it only makes the copies faster. The contents are kept,
+// nothing outside mem is touched, f is not used. The advice is best effort
+// (a kernel without transparent huge pages leaves the memory as it was,
+// logged once). It fails only for empty memory or a closed transport.
 func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
 	if len(mem) == 0 {
 		return errors.New("shm: register memory: empty region")
 	}
 	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.closed {
+	closed := t.closed
+	t.mu.Unlock()
+	if closed {
 		return &transport.ClosedError{Op: "register memory"}
+	}
+	rep, err := hugepage.Advise(mem)
+	switch {
+	case err != nil:
+		if t.adviceLogged.CompareAndSwap(false, true) {
+			t.log.Info("shm: registered memory stays in small pages", "err", err)
+		}
+	case rep.Collapse != nil:
+		t.log.Debug("shm: registered memory: pages already there stay small (first touches come huge)", "err", rep.Collapse)
+	case rep.Bytes > 0:
+		t.log.Debug("shm: registered memory advised to huge pages", "bytes", rep.Bytes)
 	}
 	return nil
 }

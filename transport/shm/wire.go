@@ -21,7 +21,7 @@ import (
 //
 // Sender → receiver (on a connection the sender dialled):
 //
-//	HELLO   8   magic "KVXS", protocol version (3), 3 reserved (zero); first
+//	HELLO   8   magic "KVXS", protocol version (4), 3 reserved (zero); first
 //	            message of each side (the receiver answers with its own)
 //	WINDOW  8   slot size in bytes (4), number of slots (4); sent once, with
 //	            exactly one descriptor (SCM_RIGHTS): the sender's window, a
@@ -38,8 +38,6 @@ import (
 //	            whose last part was never posted
 //	ABORT   8   tag: fail that receipt with ErrAborted if no op is filling
 //	            it (a Send that ended before it posted a part)
-//	ACK     8   op id: the sender has seen DONE; only now does the receipt
-//	            complete
 //	PROBE   8   op id: read the first 8 bytes of the window
 //
 // Receiver → sender:
@@ -50,7 +48,7 @@ import (
 //	            write)
 //	IDLE    8   the count of parts the receiver has taken from the ring:
 //	            it found no more and sleeps until a POST
-//	DONE    8   op id: every byte copied
+//	DONE    8   op id: every byte copied, the receipt completed
 //	ERR     16+k  op id (8), code (4), k (4, 0..maxErrText), k bytes of
 //	            reason text; op id 0 answers the WINDOW: the receiver
 //	            cannot map it (code 4), and no part will be taken
@@ -80,7 +78,9 @@ import (
 //	.  8  tag (never 0)
 //	.  8  total length in bytes (1..MaxInt64)
 const (
-	protoVersion = 3
+	// protoVersion 4: the receipt completes at DONE, and the ACK of
+	// protocol 3 (type 6) is gone.
+	protoVersion = 4
 	helloMagic   = "KVXS"
 	hdrLen       = 8
 	readLen      = 48 // a ring entry
@@ -105,7 +105,7 @@ const (
 	msgPost    = 3
 	msgCancel  = 4
 	msgAbort   = 5
-	msgAck     = 6
+	_          = 6 // ACK of protocol 3; unknown now
 	msgProbe   = 7
 	msgDone    = 8
 	msgErr     = 9
@@ -134,7 +134,7 @@ const (
 type msg struct {
 	typ     byte
 	version byte   // HELLO
-	op      uint64 // READ CANCEL ACK PROBE DONE ERR PROBEOK
+	op      uint64 // READ CANCEL PROBE DONE ERR PROBEOK
 	seq     uint64 // CANCEL POST IDLE: a count of parts in the ring
 	tag     uint64 // READ ABORT
 	total   uint64 // READ: of the whole op
@@ -158,7 +158,7 @@ func errProto(format string, args ...any) error {
 // ok is false for an unknown type.
 func bodyBounds(typ byte) (lo, hi int, ok bool) {
 	switch typ {
-	case msgHello, msgWindow, msgAbort, msgAck, msgProbe, msgDone, msgRelease, msgPost, msgIdle:
+	case msgHello, msgWindow, msgAbort, msgProbe, msgDone, msgRelease, msgPost, msgIdle:
 		return 8, 8, true
 	case msgProbeOK, msgCancel:
 		return 16, 16, true
@@ -221,7 +221,7 @@ func (m *msg) decodeBody(body []byte) error {
 		m.version = body[4]
 	case msgWindow:
 		return m.decodeWindow(body)
-	case msgAck, msgDone, msgProbe:
+	case msgDone, msgProbe:
 		if m.op = be.Uint64(body); m.op == 0 {
 			return errProto("message type %d for op 0", m.typ)
 		}
@@ -349,7 +349,7 @@ func appendMsg(b []byte, m *msg) []byte {
 		b = be.AppendUint64(b, m.seq)
 	case msgPost, msgIdle:
 		b = be.AppendUint64(b, m.seq)
-	case msgAck, msgDone, msgProbe:
+	case msgDone, msgProbe:
 		b = be.AppendUint64(b, m.op)
 	case msgAbort:
 		b = be.AppendUint64(b, m.tag)
