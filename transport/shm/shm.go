@@ -9,8 +9,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,14 +186,7 @@ func (t *Transport) Close() error {
 		for r := range t.receipts.AllLocked() {
 			r.FinishLocked(&transport.ClosedError{Op: "receive"})
 		}
-		conns := make([]*inConn, 0, len(t.inbound))
-		for c := range t.inbound {
-			conns = append(conns, c)
-		}
-		outs := make([]*outConn, 0, len(t.peers))
-		for _, oc := range t.peers {
-			outs = append(outs, oc)
-		}
+		conns, outs := slices.Collect(maps.Keys(t.inbound)), slices.Collect(maps.Values(t.peers))
 		t.mu.Unlock()
 		for _, c := range conns {
 			c.nc.Close()

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
+	"slices"
 	"sync"
 	"time"
 
@@ -169,14 +171,7 @@ func (t *Transport) Close() error {
 		for r := range t.receipts.AllLocked() {
 			r.FinishLocked(&transport.ClosedError{Op: "receive"})
 		}
-		conns := make([]*inConn, 0, len(t.inbound))
-		for c := range t.inbound {
-			conns = append(conns, c)
-		}
-		peers := make([]*peer, 0, len(t.peers))
-		for _, p := range t.peers {
-			peers = append(peers, p)
-		}
+		conns, peers := slices.Collect(maps.Keys(t.inbound)), slices.Collect(maps.Values(t.peers))
 		t.mu.Unlock()
 		for _, c := range conns {
 			c.raw.Close()
