@@ -52,8 +52,8 @@
 // sender's part is to post the next frame when one is acknowledged, a
 // frame's copy apart, and a sender spinning beside the copy takes a core
 // that the copy or the other threads need (four alternated runs each of
-// kvxfer bench --backend mpi --model llama-3.1-8b --isl 4096 on two
-// cores, 4 MiB frames: 9.7-11.5 GB/s spinning, 11.1-11.4 sleeping; with
+// kvxfer bench --backend mpi --model llama-3.1-8b --isl 4096 --requests
+// 24 on two cores, 4 MiB frames: 9.7-11.5 GB/s spinning, 11.1-11.4 sleeping; with
 // 16 MiB frames 7.3-11.4 spinning, 11.2-13.1 sleeping; waitNapFor says
 // when). Waiting in C rather than testing
 // once per turn of a Go loop keeps the locked thread out of Go's

@@ -13,8 +13,9 @@ import (
 // sender's header, the receiver's acknowledgement, the sender's next
 // post); larger frames mean fewer rounds per transfer (32 instead of 128
 // for 512 MiB). Measured over kvxfer bench --backend mpi --model
-// llama-3.1-8b --isl 4096, four alternated runs each: 11.2-13.1 GB/s with
-// 16 MiB frames, 11.1-11.4 with 4 MiB.
+// llama-3.1-8b --isl 4096 --requests 24, four alternated runs each:
+// 11.2-13.1 GB/s with 16 MiB frames, 11.1-11.4 with 4 MiB (the sender
+// sleeping between tests in both; see waitNapFor).
 const FrameBytes = 16 << 20
 
 // frameBytesFor is the frame size of a Transport opened with Options
