@@ -44,7 +44,7 @@
 // ("mpi(vader)", "mpi(tcp)") is the one that carried the data. Its
 // baseline (mpi_c) is a small C MPI program that the sweep builds with
 // mpicc and runs under the same mpirun flags, with the transport's message
-// size (4 MiB frames, four in flight) and two others, each on malloc's and
+// size (16 MiB frames, four in flight) and two others, each on malloc's and
 // on huge pages, moving a run's measured bytes, the best counting;
 // without mpicc (libopenmpi-dev) or mpirun (openmpi-bin) it is skipped
 // with the package to install, and a run with backend mpi fails naming

@@ -120,8 +120,9 @@ int main(int argc, char **argv) {
 `
 
 // mpiBWSettings are the message sizes and windows of the MPI baseline: the
-// transport's own (4 MiB frames, four in flight: transport/mpi's defaults),
-// larger messages, and smaller ones with the same bytes in flight.
+// transport's own (16 MiB frames, four in flight: transport/mpi's
+// defaults), the generic 4 MiB frames, and smaller ones with as many
+// bytes in flight as those.
 var mpiBWSettings = []struct {
 	size   int64
 	window int

@@ -49,7 +49,7 @@ processes are the two ranks of one MPI world that bench starts with mpirun -np 2
 (rank 0 the generation side, rank 1 the context side), pinned to the OpenMPI
 component --mpi-btl names (vader, shared memory, or tcp), which the report names:
 mpi(vader). Its baseline (--baseline) is a small C MPI program built with mpicc at
-bench time and run under the same mpirun flags (4 MiB messages four at a time, as the
+bench time and run under the same mpirun flags (16 MiB messages four at a time, as the
 transport sends them, and two other sizes, each on malloc's and on huge pages; the best counts).
 
 The table goes to stdout; --json, --md and --png write the report, a Markdown document

@@ -360,8 +360,8 @@ func TestCrossRankEarlyEnds(t *testing.T) {
 //
 //	mpirun -np 2 ./mpi.test -test.run '^$' -test.bench CrossRank -test.benchtime 20x
 //
-// KVXFER_MPI_BW_FRAME sets the receipts' frame size (default
-// transport.DefaultFrameBytes); the memory is registered (huge pages)
+// KVXFER_MPI_BW_FRAME sets the receipts' frame size (default the
+// package's FrameBytes); the memory is registered (huge pages)
 // unless KVXFER_MPI_BW_PAGES=small. testdata/bw.c is the same in plain C
 // MPI, on malloc's pages; bench's mpi_c baseline also runs on huge pages.
 func BenchmarkCrossRank(b *testing.B) {

@@ -46,7 +46,16 @@
 // threads that must run for the next control message (the transceiver's,
 // the peer's) are not starved where ranks share few cores (measured over
 // kvxfer bench on two cores: the rts and cts of a request took 2-12 ms
-// behind two spinning ranks, 0.03-0.25 ms yielding). Waiting in C rather than testing
+// behind two spinning ranks, 0.03-0.25 ms yielding). A rank whose only
+// data in flight are its sends sleeps 50 µs between tests instead
+// (nanosleep, still in C): the receiving rank makes the copy, the
+// sender's part is to post the next frame when one is acknowledged, a
+// frame's copy apart, and a sender spinning beside the copy takes a core
+// that the copy or the other threads need (four alternated runs each of
+// kvxfer bench --backend mpi --model llama-3.1-8b --isl 4096 --requests
+// 24 on two cores, 4 MiB frames: 9.7-11.5 GB/s spinning, 11.1-11.4 sleeping; with
+// 16 MiB frames 7.3-11.4 spinning, 11.2-13.1 sleeping; waitNapFor says
+// when). Waiting in C rather than testing
 // once per turn of a Go loop keeps the locked thread out of Go's
 // scheduler: a locked thread that yields is handed between OS threads,
 // two context switches each time (perf stat over kvxfer bench --backend
@@ -64,8 +73,9 @@
 // A Send asks the receiving rank for the receipt with a control message
 // (rts); the receiving world claims the receipt for that Send, posts one
 // receive per frame on a fresh data tag, from that rank only, and answers
-// (cts) with the tag and the frame size (its Options.FrameBytes, 4 MiB by
-// default). Frame i is bytes [i*F, (i+1)*F) of both sides' concatenated
+// (cts) with the tag and the frame size (its Options.FrameBytes; at the
+// generic default, transport.DefaultFrameBytes, MPI's own FrameBytes: 16
+// MiB, fewer rendezvous rounds per transfer). Frame i is bytes [i*F, (i+1)*F) of both sides' concatenated
 // pieces; a frame that spans several pieces is one message of an hindexed
 // MPI datatype over their addresses (MPI_BOTTOM), so there is no staging
 // copy on either side. The Send keeps four frames in flight. The pieces are

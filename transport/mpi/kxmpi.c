@@ -89,12 +89,16 @@ int kxm_testsome(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Stat
 // work for the progress goroutine: its doorbell), an MPI call fails, or
 // budget_ns have passed; it returns as kxm_testsome does (outcount 0 on a
 // timeout or a rung bell). The whole wait is one cgo call, so the locked
-// OS thread of the progress goroutine spins here, in C, as MPI_Waitsome
-// would, rather than going through Go's scheduler once per test; it yields
-// the CPU between tests, so that the threads the next control message
-// waits for run where cores are few.
-int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st, int *bell, long long budget_ns) {
+// OS thread of the progress goroutine waits here, in C, as MPI_Waitsome
+// would, rather than going through Go's scheduler once per test. Between
+// two tests it yields the CPU (sched_yield) when nap_ns is 0, so that the
+// threads the next control message waits for run where cores are few;
+// otherwise it sleeps nap_ns (a rank whose only data in flight are sends:
+// the receiving rank makes the copy, and a sender spinning beside it
+// takes a core the copy or the other threads need).
+int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st, int *bell, long long budget_ns, long long nap_ns) {
 	struct timespec t0, t;
+	struct timespec nap = {nap_ns / 1000000000LL, nap_ns % 1000000000LL};
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	for (unsigned long i = 0;; i++) {
 		int rc = MPI_Testsome(n, reqs, outcount, indices, st);
@@ -103,8 +107,12 @@ int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Stat
 			*outcount = 0;
 			return MPI_SUCCESS;
 		}
-		sched_yield();
-		if ((i & 15) == 15) {
+		if (nap_ns > 0) {
+			nanosleep(&nap, NULL);
+		} else {
+			sched_yield();
+		}
+		if (nap_ns > 0 || (i & 15) == 15) {
 			clock_gettime(CLOCK_MONOTONIC, &t);
 			if ((long long)(t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) >= budget_ns) {
 				*outcount = 0;

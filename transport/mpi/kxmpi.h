@@ -14,7 +14,7 @@ int kxm_isendv(const MPI_Aint *addrs, const int *lens, int n, int dest, int tag,
 int kxm_irecvv(const MPI_Aint *addrs, const int *lens, int n, int src, int tag, MPI_Comm comm, MPI_Request *req);
 int kxm_cancel(MPI_Request *req);
 int kxm_testsome(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st);
-int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st, int *bell, long long budget_ns);
+int kxm_progress(int n, MPI_Request *reqs, int *outcount, int *indices, MPI_Status *st, int *bell, long long budget_ns, long long nap_ns);
 void kxm_status(MPI_Status *st, int *source, int *count, int *cancelled, int *error);
 int kxm_any_source(void);
 void kxm_errstr(int code, char *buf, int len);

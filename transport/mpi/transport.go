@@ -46,7 +46,8 @@ type Transport struct {
 // Open opens a Transport on the world Init made; ctx is not used (opening
 // waits for nothing). It fails with ErrNotInitialised before Init.
 // opts.FrameBytes sets the size of one MPI message of a transfer (a
-// receipt's choice, told to its sender); the listening options
+// receipt's choice, told to its sender), except that the generic default
+// (transport.DefaultFrameBytes) means MPI's own, FrameBytes; the listening options
 // (ListenAddr, Interface, TLS, connection bounds) do not apply.
 func Open(_ context.Context, opts transport.Options) (*Transport, error) {
 	opts = opts.WithDefaults()
@@ -56,7 +57,7 @@ func Open(_ context.Context, opts transport.Options) (*Transport, error) {
 	}
 	t := &Transport{
 		w:          w,
-		frameBytes: opts.FrameBytes,
+		frameBytes: frameBytesFor(opts.FrameBytes),
 		log:        opts.Logger,
 		closing:    make(chan struct{}),
 		recvs:      map[uint64]*recv{},

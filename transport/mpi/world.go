@@ -73,7 +73,8 @@ type world struct {
 	handlers []func(st completion)
 	freeSlot []int
 	active   int // slots in use
-	busy     int // of them, data requests
+	inRecv   int // of them, data receives
+	inSend   int // of them, data sends
 	indices  []C.int
 	statuses []C.MPI_Status
 	done     []completed // testsome's, reused
@@ -290,10 +291,10 @@ func (w *world) run(ready chan<- error) {
 			return
 		default:
 		}
-		// Data in flight, or work a moment ago: spin in C until a
+		// Data in flight, or work a moment ago: wait in C until a
 		// request completes or the doorbell rings.
-		if w.busy > 0 || time.Now().Before(hotUntil) {
-			if w.progress(spinSlice) > 0 {
+		if w.inRecv > 0 || w.inSend > 0 || time.Now().Before(hotUntil) {
+			if w.progress(spinSlice, w.waitNap()) > 0 {
 				hotUntil = time.Now().Add(hotSpin)
 			}
 			continue
@@ -340,9 +341,16 @@ func (w *world) shutdown(ctlBufs []unsafe.Pointer) {
 	}
 }
 
-// slot reserves a request slot for h; data marks a data request (the
-// goroutine spins while any is active).
-func (w *world) slot(h func(completion), data bool) int {
+// Kinds of request slots: the goroutine waits in C while data requests
+// are active (see waitNap).
+const (
+	slotCtl = iota
+	slotRecv
+	slotSend
+)
+
+// slot reserves a request slot of kind for h.
+func (w *world) slot(h func(completion), kind int) int {
 	var i int
 	if n := len(w.freeSlot); n > 0 {
 		i = w.freeSlot[n-1]
@@ -355,28 +363,54 @@ func (w *world) slot(h func(completion), data bool) int {
 		w.indices = append(w.indices, 0)
 		w.statuses = append(w.statuses, C.MPI_Status{})
 	}
-	if data {
-		h = w.dataHandler(h)
-		w.busy++
+	switch kind {
+	case slotRecv:
+		w.inRecv++
+		h = w.counted(&w.inRecv, h)
+	case slotSend:
+		w.inSend++
+		h = w.counted(&w.inSend, h)
 	}
 	w.handlers[i] = h
 	w.active++
 	return i
 }
 
-func (w *world) dataHandler(h func(completion)) func(completion) {
-	return func(c completion) { w.busy--; h(c) }
+// counted wraps h so that it first takes its request off *n.
+func (w *world) counted(n *int, h func(completion)) func(completion) {
+	return func(c completion) { *n--; h(c) }
 }
 
-// unslot returns slot i after a failed post.
-func (w *world) unslot(i int, data bool) {
+// unslot returns slot i, of kind, after a failed post.
+func (w *world) unslot(i int, kind int) {
 	w.handlers[i] = nil
 	C.kxm_request_null(&w.reqs[i])
 	w.freeSlot = append(w.freeSlot, i)
 	w.active--
-	if data {
-		w.busy--
+	switch kind {
+	case slotRecv:
+		w.inRecv--
+	case slotSend:
+		w.inSend--
 	}
+}
+
+// waitNap is how the goroutine waits between two tests in C now: see
+// waitNapFor.
+func (w *world) waitNap() time.Duration {
+	if w.inRecv > 0 || w.inSend == 0 {
+		return waitNapFor(w.inRecv, w.inSend, false)
+	}
+	awaiting := false
+	w.mu.Lock()
+	for _, s := range w.sends {
+		if s.started && !s.cts && s.stopping == nil {
+			awaiting = true
+			break
+		}
+	}
+	w.mu.Unlock()
+	return waitNapFor(w.inRecv, w.inSend, awaiting)
 }
 
 // testsome tests every posted request once and runs the handlers of those
@@ -390,11 +424,12 @@ func (w *world) testsome() int {
 	return w.complete(rc, out, "MPI_Testsome")
 }
 
-// progress spins in C (kxm_progress) until a posted request completes,
+// progress waits in C (kxm_progress: testing, and between tests yielding
+// the CPU, or sleeping nap when nap > 0) until a posted request completes,
 // the doorbell rings or budget passes, and runs the handlers of those that
 // completed; it returns how many did. With nothing posted it sleeps no
 // more than budget on the wake channel.
-func (w *world) progress(budget time.Duration) int {
+func (w *world) progress(budget, nap time.Duration) int {
 	if w.active == 0 {
 		select {
 		case <-w.wake:
@@ -403,7 +438,7 @@ func (w *world) progress(budget time.Duration) int {
 		return 0
 	}
 	var out C.int
-	rc := C.kxm_progress(C.int(len(w.reqs)), &w.reqs[0], &out, &w.indices[0], &w.statuses[0], w.bell, C.longlong(budget))
+	rc := C.kxm_progress(C.int(len(w.reqs)), &w.reqs[0], &out, &w.indices[0], &w.statuses[0], w.bell, C.longlong(budget), C.longlong(nap))
 	return w.complete(rc, out, "MPI_Testsome")
 }
 
@@ -467,9 +502,9 @@ func (w *world) postCtlRecv(buf unsafe.Pointer) error {
 		if err := w.postCtlRecv(buf); err != nil {
 			w.log.Error("mpi: cannot post a control receive", "err", err)
 		}
-	}, false)
+	}, slotCtl)
 	if rc := C.kxm_irecv(buf, ctlLen, C.kxm_any_source(), 0, w.ctl, &w.reqs[i]); rc != 0 {
-		w.unslot(i, false)
+		w.unslot(i, slotCtl)
 		return mpiErr("MPI_Irecv", rc)
 	}
 	return nil
@@ -484,9 +519,9 @@ func (w *world) sendCtl(dest int, m ctlMsg) {
 		if c.Err != nil {
 			w.log.Warn("mpi: control send failed", "to", dest, "kind", m.Kind, "err", c.Err)
 		}
-	}, false)
+	}, slotCtl)
 	if rc := C.kxm_isend(buf, ctlLen, C.int(dest), 0, w.ctl, &w.reqs[i]); rc != 0 {
-		w.unslot(i, false)
+		w.unslot(i, slotCtl)
 		C.free(buf)
 		w.log.Error("mpi: control send failed", "to", dest, "kind", m.Kind, "err", mpiErr("MPI_Isend", rc))
 	}
@@ -495,7 +530,11 @@ func (w *world) sendCtl(dest int, m ctlMsg) {
 // postData posts one frame: a send to (or, recv, a receive from) peer on
 // the data communicator, of the blocks of pieces. It returns the slot.
 func (w *world) postData(recv bool, peer, tag int, pieces [][]byte, blocks []block, h func(completion)) (int, error) {
-	i := w.slot(h, true)
+	kind := slotSend
+	if recv {
+		kind = slotRecv
+	}
+	i := w.slot(h, kind)
 	var rc C.int
 	if len(blocks) == 1 {
 		b := blocks[0]
@@ -519,7 +558,7 @@ func (w *world) postData(recv bool, peer, tag int, pieces [][]byte, blocks []blo
 		}
 	}
 	if rc != 0 {
-		w.unslot(i, true)
+		w.unslot(i, kind)
 		op := "MPI_Isend"
 		if recv {
 			op = "MPI_Irecv"
@@ -533,9 +572,9 @@ func (w *world) postData(recv bool, peer, tag int, pieces [][]byte, blocks []blo
 // that is freed when it completes: a frame of a receipt that ended early.
 func (w *world) postSink(peer, tag, n int) {
 	buf := C.malloc(C.size_t(max(n, 1)))
-	i := w.slot(func(completion) { C.free(buf) }, true)
+	i := w.slot(func(completion) { C.free(buf) }, slotRecv)
 	if rc := C.kxm_irecv(buf, C.int(n), C.int(peer), C.int(tag), w.data, &w.reqs[i]); rc != 0 {
-		w.unslot(i, true)
+		w.unslot(i, slotRecv)
 		C.free(buf)
 		w.log.Error("mpi: cannot drain a frame of an ended receipt", "from", peer, "tag", tag, "err", mpiErr("MPI_Irecv", rc))
 	}
