@@ -100,19 +100,31 @@ func gatherRounds(t *testing.T, procs []*Transceiver, stop <-chan struct{}) *syn
 	return &wg
 }
 
+var groupModeNames = map[GroupMode]string{GroupCoordinated: "coordinated", GroupGather: "gather"}
+
+// openSplitRunning is openSplit with, in gather mode, the engine's rounds
+// running until the test's end (stopped before the processes close).
+func openSplitRunning(t *testing.T, mode GroupMode) []*Transceiver {
+	t.Helper()
+	procs := openSplit(t, mode)
+	if mode == GroupGather {
+		stop := make(chan struct{})
+		wg := gatherRounds(t, procs, stop)
+		t.Cleanup(func() {
+			close(stop)
+			wg.Wait()
+		})
+	}
+	return procs
+}
+
 // TestSplitContextInstance: a TP2 context instance whose ranks are two
 // Transceivers (two processes of an engine), in each group mode, sends to
 // a TP1 generation instance bit-exact; each process reports the request.
 func TestSplitContextInstance(t *testing.T) {
 	for _, mode := range []GroupMode{GroupCoordinated, GroupGather} {
-		t.Run(map[GroupMode]string{GroupCoordinated: "coordinated", GroupGather: "gather"}[mode], func(t *testing.T) {
-			procs := openSplit(t, mode)
-			if mode == GroupGather {
-				stop := make(chan struct{})
-				wg := gatherRounds(t, procs, stop)
-				defer wg.Wait()
-				defer close(stop)
-			}
+		t.Run(groupModeNames[mode], func(t *testing.T) {
+			procs := openSplitRunning(t, mode)
 			gen := open(t, desc(1), nil, 8)
 			st2, _ := desc(2).CacheState()
 			const tokens = 20
@@ -173,14 +185,8 @@ func TestSplitContextInstance(t *testing.T) {
 // the cache arrives bit-exact, in each group mode.
 func TestSplitContextLateRank(t *testing.T) {
 	for _, mode := range []GroupMode{GroupCoordinated, GroupGather} {
-		t.Run(map[GroupMode]string{GroupCoordinated: "coordinated", GroupGather: "gather"}[mode], func(t *testing.T) {
-			procs := openSplit(t, mode)
-			if mode == GroupGather {
-				stop := make(chan struct{})
-				wg := gatherRounds(t, procs, stop)
-				defer wg.Wait()
-				defer close(stop)
-			}
+		t.Run(groupModeNames[mode], func(t *testing.T) {
+			procs := openSplitRunning(t, mode)
 			gen := open(t, desc(1), nil, 8)
 			st2, _ := desc(2).CacheState()
 			const tokens = 20
