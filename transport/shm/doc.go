@@ -95,7 +95,9 @@
 // worker that finds the ring empty while an op still has parts to come
 // looks again for up to 100 µs (yielding its CPU between looks) before it
 // says IDLE and sleeps, and only a sender that saw that IDLE writes POST
-// when it posts next; with no part to come it says IDLE at once. Releases
+// when it posts next; with no part to come it says IDLE at once. It says
+// IDLE once per sleep: a POST (or other signal) that came while it was
+// awake, whose parts it took then, does not wake it again. Releases
 // are held back up to half the window and written together, with the
 // answer if any, before the worker's next item or as it goes to sleep:
 // each message wakes the sender, which has the other half of the window

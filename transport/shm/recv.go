@@ -436,6 +436,18 @@ func (c *inConn) signal() {
 	}
 }
 
+// drainWake drops a signal the worker has not taken yet. Only the worker
+// calls it, before it looks at what signals announce: the ring (pull) and
+// the queue, which signal's callers change before they signal.
+func (c *inConn) drainWake() {
+	if len(c.wake) > 0 {
+		select {
+		case <-c.wake:
+		default:
+		}
+	}
+}
+
 // bind binds a new op to the receipt of its tag, or records why it is
 // refused. c.mu must not be held.
 func (c *inConn) bind(op *rop) {
@@ -559,6 +571,14 @@ func (c *inConn) work() {
 	c.workMu.Lock()
 	defer c.workMu.Unlock()
 	for !c.isDead.Load() {
+		// A signal that came while the worker was awake (a POST while it
+		// copied, the window mapped before it first ran, a cancel it is
+		// about to take) asks for what the pull and the queue below see
+		// anyway: dropped here, before them, it cannot wake the worker
+		// again once it sleeps, to say IDLE a second time for nothing
+		// (the sender would answer with a POST), nor cut every look of a
+		// spin short; one that comes after this still wakes it.
+		c.drainWake()
 		mapped, err := c.pull()
 		if err != nil {
 			c.fail(err)

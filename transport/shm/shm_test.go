@@ -1191,23 +1191,8 @@ func TestPostHandledByReader(t *testing.T) {
 		d, _ := descFormat.Decode(r.Descriptor())
 		return r, d.Tag
 	}
-	// asleep waits until the worker of the connection sleeps (nobody holds
-	// its workMu): it may still hold it for a moment after its IDLE.
-	asleep := func() {
-		t.Helper()
-		b.mu.Lock()
-		var c *inConn
-		for ic := range b.inbound {
-			c = ic
-		}
-		b.mu.Unlock()
-		within(t, 5*time.Second, "the worker to sleep", func() {
-			for !c.workMu.TryLock() {
-				time.Sleep(100 * time.Microsecond)
-			}
-			c.workMu.Unlock()
-		})
-	}
+	c := onlyInbound(t, b)
+	asleep := func() { t.Helper(); workerAsleep(t, c) }
 	untilIdle("the window") // the worker looked at the empty ring, and sleeps
 
 	for i := range uint64(3) { // small transfers, one at a time
@@ -1258,5 +1243,120 @@ func TestPostHandledByReader(t *testing.T) {
 	defer mu.Unlock()
 	if want := []string{"worker", "reader"}; !slices.Equal(copiers, want) {
 		t.Errorf("an op in two parts copied by %v, want %v", copiers, want)
+	}
+}
+
+// onlyInbound returns the one connection tr has accepted.
+func onlyInbound(t *testing.T, tr *Transport) *inConn {
+	t.Helper()
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.inbound) != 1 {
+		t.Fatalf("%d connections accepted, want 1", len(tr.inbound))
+	}
+	var c *inConn
+	for ic := range tr.inbound {
+		c = ic
+	}
+	return c
+}
+
+// workerAsleep waits until the worker of c sleeps (nobody holds its
+// workMu): it may still hold it for a moment after its IDLE.
+func workerAsleep(t *testing.T, c *inConn) {
+	t.Helper()
+	within(t, 5*time.Second, "the worker to sleep", func() {
+		for !c.workMu.TryLock() {
+			time.Sleep(100 * time.Microsecond)
+		}
+		c.workMu.Unlock()
+	})
+}
+
+// TestIdleOncePerSleep: the worker says IDLE once each time it goes to
+// sleep, and a wake-up whose cause it has handled already (the window
+// mapped before the worker first ran; a POST that came while it was
+// copying, bringing nothing new) does not wake it again to say IDLE a
+// second time: the sender would answer the surplus IDLE with a POST, and
+// a sender (or test) that reads the answers up to the IDLE would stop at
+// the surplus one. A PROBE, which the reader answers without waking the
+// worker, shows what the receiver wrote before it.
+func TestIdleOncePerSleep(t *testing.T) {
+	b := open(t, transport.Options{})
+	nc, mr := rawConn(t, b)
+	reg := testArena(t, 64<<10)
+	fill(reg.Bytes(), 9)
+	announce(t, nc, reg, 16<<10, 4)
+	c := onlyInbound(t, b)
+	// next reads the next message, IDLE included, within 5 s.
+	next := func(what string) msg {
+		t.Helper()
+		nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+		defer nc.SetReadDeadline(time.Time{})
+		m, err := mr.next()
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		return m
+	}
+	probe := uint64(100)
+	// nothingMore checks that the receiver wrote nothing since the IDLE
+	// read last, once the worker sleeps: the next message is the answer
+	// to a PROBE written now.
+	nothingMore := func(what string) {
+		t.Helper()
+		workerAsleep(t, c)
+		probe++
+		writeMsgs(t, nc, &msg{typ: msgProbe, op: probe})
+		if m := next(what); m.typ != msgProbeOK || m.op != probe {
+			t.Fatalf("%s: %+v before the answer to PROBE %d, want nothing", what, m, probe)
+		}
+	}
+
+	if m := next("the window"); m.typ != msgIdle || m.seq != 0 {
+		t.Fatalf("first message %+v, want IDLE after 0 parts", m)
+	}
+	nothingMore("after the first IDLE")
+
+	r, err := b.Expect([][]byte{make([]byte, 200)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, _ := descFormat.Decode(r.Descriptor())
+	release := make(chan struct{})
+	hook, holding := holdFirst(release)
+	setHook(t, hook)
+	// The first of two parts goes to the worker, which is held copying
+	// it while a POST that brings nothing comes, and the reader answers a
+	// PROBE: the POST signalled the worker, which is awake.
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.Tag, slot: 0, offset: 0, length: 100, total: 200})
+	within(t, 5*time.Second, "the copy of the first part", func() { <-holding })
+	probe++
+	writeMsgs(t, nc, &msg{typ: msgPost, seq: 1}, &msg{typ: msgProbe, op: probe})
+	if m := next("a PROBE while the worker copies"); m.typ != msgProbeOK || m.op != probe {
+		t.Fatalf("%+v while the worker copies, want the answer to PROBE %d", m, probe)
+	}
+	close(release)
+	if m := next("the first part copied"); m.typ != msgRelease || m.slot != 0 {
+		t.Fatalf("%+v after the first part, want its slot 0 released", m)
+	}
+	if m := next("the worker going to sleep"); m.typ != msgIdle || m.seq != 1 {
+		t.Fatalf("%+v after the release, want IDLE after 1 part", m)
+	}
+	nothingMore("after the IDLE that followed the copy")
+
+	// The last part, once the worker sleeps: answered, then one IDLE.
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.Tag, slot: 1, offset: 100, length: 100, total: 200, last: true})
+	var got []msg
+	for m := next("the last part"); m.typ != msgIdle; m = next("the last part") {
+		got = append(got, m)
+	}
+	if len(got) != 2 || got[0].typ != msgRelease || got[0].slot != 1 || got[1].typ != msgDone || got[1].op != 1 {
+		t.Fatalf("answers to the last part %+v, want the release of slot 1 and DONE", got)
+	}
+	nothingMore("after the IDLE that followed DONE")
+	within(t, time.Second, "Recv", func() { <-r.Done() })
+	if err := r.Err(); err != nil {
+		t.Fatalf("Recv.Err = %v", err)
 	}
 }
