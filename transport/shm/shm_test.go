@@ -836,7 +836,12 @@ func TestMalformed(t *testing.T) {
 			m := readOf(0, 0, 10, 20, false)
 			m.tag = d.Tag
 			writeMsgs(t, nc, m)
-			time.Sleep(20 * time.Millisecond) // taken
+			// Taken from the ring once its slot is released (a sleep
+			// here was too short on a loaded host, and the count went
+			// back before anything was taken: no error).
+			if rel := readMsg(t, nc, newMsgReader(nc)); rel.typ != msgRelease || rel.slot != 0 {
+				t.Fatalf("answer to the first part: %+v, want its slot released", rel)
+			}
 			v, _ := testRings.Load(nc)
 			v.(*testRing).count().Store(0)
 			writeMsgs(t, nc, &msg{typ: msgPost})
@@ -869,6 +874,15 @@ func TestMalformed(t *testing.T) {
 			setHook(t, func() { once.Do(func() { time.Sleep(time.Second) }) })
 			m, m2 := readOf(0, 0, 10, 20, false), readOf(0, 10, 10, 20, true)
 			m.tag, m2.tag = d.Tag, d.Tag
+			// Both parts are taken in one pull once the worker has
+			// looked at the ring after the window (its IDLE): a worker
+			// still waking for the window could take the first alone,
+			// and release its slot before it takes the second.
+			nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+			if idle, err := newMsgReader(nc).next(); err != nil || idle.typ != msgIdle {
+				t.Fatalf("first answer %+v, %v; want IDLE", idle, err)
+			}
+			nc.SetReadDeadline(time.Time{})
 			writeMsgs(t, nc, m, m2)
 		}},
 		{"empty part", func(t *testing.T, nc *net.UnixConn) {
@@ -899,7 +913,26 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"cancel twice", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			writeMsgs(t, nc, readOf(0, 0, 10, 20, false), &msg{typ: msgCancel, op: 1}, &msg{typ: msgCancel, op: 1})
+			r, err := b.Expect([][]byte{make([]byte, 20)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(r.Cancel)
+			d, _ := descFormat.Decode(r.Descriptor())
+			// The worker is held copying the first part, so that the op
+			// is still open at the second CANCEL: once the worker has
+			// carried out the first, the op is forgotten, and a CANCEL
+			// for it is one that crossed the answer.
+			release := make(chan struct{})
+			hook, holding := holdFirst(release)
+			setHook(t, hook)
+			m := readOf(0, 0, 10, 20, false)
+			m.tag = d.Tag
+			writeMsgs(t, nc, m)
+			within(t, 5*time.Second, "the copy of the first part", func() { <-holding })
+			writeMsgs(t, nc, &msg{typ: msgCancel, op: 1}, &msg{typ: msgCancel, op: 1})
+			expectClosed(t, nc)
+			close(release)
 		}},
 		{"probe before the window", func(t *testing.T, nc *net.UnixConn) {
 			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
