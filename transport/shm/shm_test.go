@@ -1321,30 +1321,9 @@ func TestIdleOncePerSleep(t *testing.T) {
 	fill(reg.Bytes(), 9)
 	announce(t, nc, reg, 16<<10, 4)
 	c := onlyInbound(t, b)
-	// next reads the next message, IDLE included, within 5 s.
-	next := func(what string) msg {
-		t.Helper()
-		nc.SetReadDeadline(time.Now().Add(5 * time.Second))
-		defer nc.SetReadDeadline(time.Time{})
-		m, err := mr.next()
-		if err != nil {
-			t.Fatalf("%s: %v", what, err)
-		}
-		return m
-	}
+	next := func(what string) msg { t.Helper(); return nextMsg(t, nc, mr, what) }
 	probe := uint64(100)
-	// nothingMore checks that the receiver wrote nothing since the IDLE
-	// read last, once the worker sleeps: the next message is the answer
-	// to a PROBE written now.
-	nothingMore := func(what string) {
-		t.Helper()
-		workerAsleep(t, c)
-		probe++
-		writeMsgs(t, nc, &msg{typ: msgProbe, op: probe})
-		if m := next(what); m.typ != msgProbeOK || m.op != probe {
-			t.Fatalf("%s: %+v before the answer to PROBE %d, want nothing", what, m, probe)
-		}
-	}
+	nothingMore := func(what string) { t.Helper(); probe++; nothingSince(t, c, nc, mr, probe, what) }
 
 	if m := next("the window"); m.typ != msgIdle || m.seq != 0 {
 		t.Fatalf("first message %+v, want IDLE after 0 parts", m)
@@ -1392,4 +1371,82 @@ func TestIdleOncePerSleep(t *testing.T) {
 	if err := r.Err(); err != nil {
 		t.Fatalf("Recv.Err = %v", err)
 	}
+}
+
+// nextMsg reads the next message, IDLE included, within 5 s.
+func nextMsg(t *testing.T, nc *net.UnixConn, mr *msgReader, what string) msg {
+	t.Helper()
+	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	defer nc.SetReadDeadline(time.Time{})
+	m, err := mr.next()
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return m
+}
+
+// nothingSince checks that the receiver c wrote nothing on nc since the
+// message read last, once its worker sleeps: the next message is the
+// answer to PROBE op, which the reader answers without waking the worker.
+func nothingSince(t *testing.T, c *inConn, nc *net.UnixConn, mr *msgReader, op uint64, what string) {
+	t.Helper()
+	workerAsleep(t, c)
+	writeMsgs(t, nc, &msg{typ: msgProbe, op: op})
+	if m := nextMsg(t, nc, mr, what); m.typ != msgProbeOK || m.op != op {
+		t.Fatalf("%s: %+v before the answer to PROBE %d, want nothing", what, m, op)
+	}
+}
+
+// TestIdleOnceLateWorker: a worker that first runs once its connection's
+// window is mapped (on a loaded host the reader can read the HELLO and the
+// WINDOW first) says IDLE once, not once more for the reader's signal
+// that the window is mapped. The connection is set up by hand, the worker
+// started only then.
+func TestIdleOnceLateWorker(t *testing.T) {
+	b := open(t, transport.Options{})
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ends [2]*net.UnixConn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		fc, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ends[i] = fc.(*net.UnixConn)
+	}
+	nc := ends[1]
+	t.Cleanup(func() { nc.Close() })
+	c := newInConn(b, ends[0])
+	b.mu.Lock()
+	b.inbound[c] = struct{}{}
+	b.wg.Add(1) // the reader; the worker once the window is mapped
+	b.mu.Unlock()
+	go c.serve()
+	mr, err := hello(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mr.closeFds)
+	announce(t, nc, testArena(t, 4096), 4096, 1)
+	within(t, 5*time.Second, "the window to be mapped", func() {
+		for {
+			c.pullMu.Lock()
+			mapped := c.count != nil
+			c.pullMu.Unlock()
+			if mapped {
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	})
+	b.wg.Add(1)
+	go c.work()
+	if m := nextMsg(t, nc, mr, "the worker's start"); m.typ != msgIdle || m.seq != 0 {
+		t.Fatalf("first message %+v, want IDLE after 0 parts", m)
+	}
+	nothingSince(t, c, nc, mr, 1, "after the first IDLE")
 }
