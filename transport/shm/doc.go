@@ -103,11 +103,14 @@
 // each message wakes the sender, which has the other half of the window
 // to fill meanwhile. A CANCEL carries the count of parts posted before it,
 // so that the receiver takes them first. A POST that finds the worker
-// asleep and brings only whole ops (a small transfer: one part) is handled
-// by the connection's reader itself, which copies, answers and says IDLE
-// as the worker would: handing the parts to the worker would cost a
-// goroutine hand-off, and with it a thread's wake-up, per op
-// (BenchmarkSendSmallCrossProcess: 102 µs per op against 110-129).
+// asleep and brings only parts that end their ops (a small transfer: one
+// part) is handled by the connection's reader itself, which copies,
+// answers and says IDLE as the worker would: handing the parts to the
+// worker would cost a goroutine hand-off, and with it a thread's wake-up,
+// per op (BenchmarkSendSmallCrossProcess: 102 µs per op against 110-129).
+// An op of several parts that all came in one POST goes to the worker:
+// the reader reads nothing while it copies, and would go on copying after
+// a CANCEL or the connection's end, where the worker stops between parts.
 //
 // The window bounds what is in flight per connection (8 parts); a sender
 // keeps at most 1024 ops open on one connection, and a receiver closes a

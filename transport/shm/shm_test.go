@@ -1168,10 +1168,10 @@ func TestNoLeaks(t *testing.T) {
 }
 
 // TestPostHandledByReader: a POST that finds the worker asleep and brings
-// only whole ops is handled by the connection's reader, which answers
-// DONE and IDLE as the worker would; parts of an op with more to come go
-// to the worker. Who copied is read from the stack of the copying
-// goroutine.
+// only parts that end their ops is handled by the connection's reader,
+// which answers DONE and IDLE as the worker would; parts of an op with
+// more to come go to the worker, even when the rest came in the same POST.
+// Who copied is read from the stack of the copying goroutine.
 func TestPostHandledByReader(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
@@ -1273,9 +1273,27 @@ func TestPostHandledByReader(t *testing.T) {
 	}
 	within(t, time.Second, "Recv", func() { <-r3.Done() })
 	mu.Lock()
-	defer mu.Unlock()
 	if want := []string{"worker", "reader"}; !slices.Equal(copiers, want) {
 		t.Errorf("an op in two parts copied by %v, want %v", copiers, want)
+	}
+	copiers = nil
+	mu.Unlock()
+
+	// An op whose two parts come in one POST (the sender filled the
+	// window before the receiver looked): the worker takes both, as it
+	// stops between parts when the connection ends, where the reader,
+	// copying, would not see it end.
+	r4, tag4 := expect(200)
+	asleep()
+	writeMsgs(t, nc, part(7, tag4, 3, 0, 100, 200), part(7, tag4, 0, 100, 100, 200))
+	if got := untilIdle("two parts in one POST"); len(got) != 1 || got[0].typ != msgDone || got[0].op != 7 {
+		t.Fatalf("answers %+v, want DONE of op 7", got)
+	}
+	within(t, time.Second, "Recv", func() { <-r4.Done() })
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{"worker", "worker"}; !slices.Equal(copiers, want) {
+		t.Errorf("an op in two parts posted together copied by %v, want %v", copiers, want)
 	}
 }
 
