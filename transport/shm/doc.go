@@ -95,17 +95,22 @@
 // worker that finds the ring empty while an op still has parts to come
 // looks again for up to 100 µs (yielding its CPU between looks) before it
 // says IDLE and sleeps, and only a sender that saw that IDLE writes POST
-// when it posts next; with no part to come it says IDLE at once. Releases
+// when it posts next; with no part to come it says IDLE at once. It says
+// IDLE once per sleep: a POST (or other signal) that came while it was
+// awake, whose parts it took then, does not wake it again. Releases
 // are held back up to half the window and written together, with the
 // answer if any, before the worker's next item or as it goes to sleep:
 // each message wakes the sender, which has the other half of the window
 // to fill meanwhile. A CANCEL carries the count of parts posted before it,
 // so that the receiver takes them first. A POST that finds the worker
-// asleep and brings only whole ops (a small transfer: one part) is handled
-// by the connection's reader itself, which copies, answers and says IDLE
-// as the worker would: handing the parts to the worker would cost a
-// goroutine hand-off, and with it a thread's wake-up, per op
-// (BenchmarkSendSmallCrossProcess: 102 µs per op against 110-129).
+// asleep and brings only parts that end their ops (a small transfer: one
+// part) is handled by the connection's reader itself, which copies,
+// answers and says IDLE as the worker would: handing the parts to the
+// worker would cost a goroutine hand-off, and with it a thread's wake-up,
+// per op (BenchmarkSendSmallCrossProcess: 102 µs per op against 110-129).
+// An op of several parts that all came in one POST goes to the worker:
+// the reader reads nothing while it copies, and would go on copying after
+// a CANCEL or the connection's end, where the worker stops between parts.
 //
 // The window bounds what is in flight per connection (8 parts); a sender
 // keeps at most 1024 ops open on one connection, and a receiver closes a

@@ -396,7 +396,13 @@ func (c *inConn) onRead(m msg) error {
 // between goroutines, and with it, as Go's scheduler starts a thread for
 // the goroutine it readies, a thread's wake-up, per op. Parts of an op
 // with more to come, and any POST while the worker is awake, go to the
-// worker, which watches the ring while such an op lasts.
+// worker, which watches the ring while such an op lasts. So does an op
+// whose parts all came before the reader took them (a Send of several
+// parts that filled the window meanwhile, as on a loaded host): the
+// reader reads no message while it copies, so it would see neither a
+// CANCEL nor the connection's end until every part was in, and would
+// complete a receipt after its sender gave up on it, where the worker
+// stops between parts.
 func (c *inConn) onPost() {
 	if !c.workMu.TryLock() {
 		c.signal()
@@ -410,7 +416,7 @@ func (c *inConn) onPost() {
 	}
 	for {
 		c.mu.Lock()
-		if c.expecting > 0 {
+		if c.expecting > 0 || len(c.queue) > 0 && !c.queue[0].last && !c.queue[0].cancel {
 			c.mu.Unlock()
 			c.signal()
 			return
@@ -433,6 +439,18 @@ func (c *inConn) signal() {
 	select {
 	case c.wake <- struct{}{}:
 	default:
+	}
+}
+
+// drainWake drops a signal the worker has not taken yet. Only the worker
+// calls it, before it looks at what signals announce: the ring (pull) and
+// the queue, which signal's callers change before they signal.
+func (c *inConn) drainWake() {
+	if len(c.wake) > 0 {
+		select {
+		case <-c.wake:
+		default:
+		}
 	}
 }
 
@@ -559,6 +577,14 @@ func (c *inConn) work() {
 	c.workMu.Lock()
 	defer c.workMu.Unlock()
 	for !c.isDead.Load() {
+		// A signal that came while the worker was awake (a POST while it
+		// copied, the window mapped before it first ran, a cancel it is
+		// about to take) asks for what the pull and the queue below see
+		// anyway: dropped here, before them, it cannot wake the worker
+		// again once it sleeps, to say IDLE a second time for nothing
+		// (the sender would answer with a POST), nor cut every look of a
+		// spin short; one that comes after this still wakes it.
+		c.drainWake()
 		mapped, err := c.pull()
 		if err != nil {
 			c.fail(err)

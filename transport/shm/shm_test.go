@@ -543,11 +543,40 @@ func TestSenderCancelMidCopy(t *testing.T) {
 // TestSenderGiveUp: a receiver that does not stop within the grace period
 // has its connection closed, and Send returns; the receipt cannot complete
 // afterwards, even when the copy of the part in hand finishes, since the
-// worker stops at the connection's end.
+// copier stops at the connection's end. Either the parts reach the
+// receiver as they are posted, or (as on a loaded host) all of them are
+// posted before the receiver looks at the ring: they go to the worker all
+// the same, not to the reader, which would not see the connection end.
 func TestSenderGiveUp(t *testing.T) {
+	for _, allPosted := range []bool{false, true} {
+		t.Run(fmt.Sprintf("all posted first %v", allPosted), func(t *testing.T) { senderGiveUp(t, allPosted) })
+	}
+}
+
+func senderGiveUp(t *testing.T, allPosted bool) {
 	a, b := open(t, transport.Options{}), open(t, transport.Options{})
 	const n = 8 << 20
 	src := fill(shared(t, n, a), 4)
+	healthy(t, a, b, src[:1<<20]) // the connection is up
+	var unpull func()
+	if allPosted {
+		// The receiver's ring is held until the sender has posted every
+		// part of the Send.
+		c := onlyInbound(t, b)
+		a.mu.Lock()
+		oc := a.peers[b.Endpoint()]
+		a.mu.Unlock()
+		before := oc.count.Load()
+		c.pullMu.Lock()
+		unpull = func() {
+			within(t, 5*time.Second, "the parts to be posted", func() {
+				for oc.count.Load() != before+uint64(n/oc.slotLen) {
+					time.Sleep(100 * time.Microsecond)
+				}
+			})
+			c.pullMu.Unlock()
+		}
+	}
 	release := make(chan struct{})
 	hook, holding := holdFirst(release)
 	setHook(t, hook)
@@ -559,6 +588,9 @@ func TestSenderGiveUp(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	res := make(chan error, 1)
 	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src}) }()
+	if unpull != nil {
+		unpull()
+	}
 	<-holding
 	start := time.Now()
 	cancel()
@@ -836,7 +868,12 @@ func TestMalformed(t *testing.T) {
 			m := readOf(0, 0, 10, 20, false)
 			m.tag = d.Tag
 			writeMsgs(t, nc, m)
-			time.Sleep(20 * time.Millisecond) // taken
+			// Taken from the ring once its slot is released (a sleep
+			// here was too short on a loaded host, and the count went
+			// back before anything was taken: no error).
+			if rel := readMsg(t, nc, newMsgReader(nc)); rel.typ != msgRelease || rel.slot != 0 {
+				t.Fatalf("answer to the first part: %+v, want its slot released", rel)
+			}
 			v, _ := testRings.Load(nc)
 			v.(*testRing).count().Store(0)
 			writeMsgs(t, nc, &msg{typ: msgPost})
@@ -869,6 +906,15 @@ func TestMalformed(t *testing.T) {
 			setHook(t, func() { once.Do(func() { time.Sleep(time.Second) }) })
 			m, m2 := readOf(0, 0, 10, 20, false), readOf(0, 10, 10, 20, true)
 			m.tag, m2.tag = d.Tag, d.Tag
+			// Both parts are taken in one pull once the worker has
+			// looked at the ring after the window (its IDLE): a worker
+			// still waking for the window could take the first alone,
+			// and release its slot before it takes the second.
+			nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+			if idle, err := newMsgReader(nc).next(); err != nil || idle.typ != msgIdle {
+				t.Fatalf("first answer %+v, %v; want IDLE", idle, err)
+			}
+			nc.SetReadDeadline(time.Time{})
 			writeMsgs(t, nc, m, m2)
 		}},
 		{"empty part", func(t *testing.T, nc *net.UnixConn) {
@@ -899,7 +945,26 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"cancel twice", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			writeMsgs(t, nc, readOf(0, 0, 10, 20, false), &msg{typ: msgCancel, op: 1}, &msg{typ: msgCancel, op: 1})
+			r, err := b.Expect([][]byte{make([]byte, 20)})
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(r.Cancel)
+			d, _ := descFormat.Decode(r.Descriptor())
+			// The worker is held copying the first part, so that the op
+			// is still open at the second CANCEL: once the worker has
+			// carried out the first, the op is forgotten, and a CANCEL
+			// for it is one that crossed the answer.
+			release := make(chan struct{})
+			hook, holding := holdFirst(release)
+			setHook(t, hook)
+			m := readOf(0, 0, 10, 20, false)
+			m.tag = d.Tag
+			writeMsgs(t, nc, m)
+			within(t, 5*time.Second, "the copy of the first part", func() { <-holding })
+			writeMsgs(t, nc, &msg{typ: msgCancel, op: 1}, &msg{typ: msgCancel, op: 1})
+			expectClosed(t, nc)
+			close(release)
 		}},
 		{"probe before the window", func(t *testing.T, nc *net.UnixConn) {
 			writeMsgs(t, nc, &msg{typ: msgProbe, op: 1})
@@ -1135,10 +1200,10 @@ func TestNoLeaks(t *testing.T) {
 }
 
 // TestPostHandledByReader: a POST that finds the worker asleep and brings
-// only whole ops is handled by the connection's reader, which answers
-// DONE and IDLE as the worker would; parts of an op with more to come go
-// to the worker. Who copied is read from the stack of the copying
-// goroutine.
+// only parts that end their ops is handled by the connection's reader,
+// which answers DONE and IDLE as the worker would; parts of an op with
+// more to come go to the worker, even when the rest came in the same POST.
+// Who copied is read from the stack of the copying goroutine.
 func TestPostHandledByReader(t *testing.T) {
 	b := open(t, transport.Options{})
 	nc, mr := rawConn(t, b)
@@ -1191,23 +1256,8 @@ func TestPostHandledByReader(t *testing.T) {
 		d, _ := descFormat.Decode(r.Descriptor())
 		return r, d.Tag
 	}
-	// asleep waits until the worker of the connection sleeps (nobody holds
-	// its workMu): it may still hold it for a moment after its IDLE.
-	asleep := func() {
-		t.Helper()
-		b.mu.Lock()
-		var c *inConn
-		for ic := range b.inbound {
-			c = ic
-		}
-		b.mu.Unlock()
-		within(t, 5*time.Second, "the worker to sleep", func() {
-			for !c.workMu.TryLock() {
-				time.Sleep(100 * time.Microsecond)
-			}
-			c.workMu.Unlock()
-		})
-	}
+	c := onlyInbound(t, b)
+	asleep := func() { t.Helper(); workerAsleep(t, c) }
 	untilIdle("the window") // the worker looked at the empty ring, and sleeps
 
 	for i := range uint64(3) { // small transfers, one at a time
@@ -1255,8 +1305,198 @@ func TestPostHandledByReader(t *testing.T) {
 	}
 	within(t, time.Second, "Recv", func() { <-r3.Done() })
 	mu.Lock()
-	defer mu.Unlock()
 	if want := []string{"worker", "reader"}; !slices.Equal(copiers, want) {
 		t.Errorf("an op in two parts copied by %v, want %v", copiers, want)
 	}
+	copiers = nil
+	mu.Unlock()
+
+	// An op whose two parts come in one POST (the sender filled the
+	// window before the receiver looked): the worker takes both, as it
+	// stops between parts when the connection ends, where the reader,
+	// copying, would not see it end.
+	r4, tag4 := expect(200)
+	asleep()
+	writeMsgs(t, nc, part(7, tag4, 3, 0, 100, 200), part(7, tag4, 0, 100, 100, 200))
+	if got := untilIdle("two parts in one POST"); len(got) != 1 || got[0].typ != msgDone || got[0].op != 7 {
+		t.Fatalf("answers %+v, want DONE of op 7", got)
+	}
+	within(t, time.Second, "Recv", func() { <-r4.Done() })
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{"worker", "worker"}; !slices.Equal(copiers, want) {
+		t.Errorf("an op in two parts posted together copied by %v, want %v", copiers, want)
+	}
+}
+
+// onlyInbound returns the one connection tr has accepted.
+func onlyInbound(t *testing.T, tr *Transport) *inConn {
+	t.Helper()
+	tr.mu.Lock()
+	defer tr.mu.Unlock()
+	if len(tr.inbound) != 1 {
+		t.Fatalf("%d connections accepted, want 1", len(tr.inbound))
+	}
+	var c *inConn
+	for ic := range tr.inbound {
+		c = ic
+	}
+	return c
+}
+
+// workerAsleep waits until the worker of c sleeps (nobody holds its
+// workMu): it may still hold it for a moment after its IDLE.
+func workerAsleep(t *testing.T, c *inConn) {
+	t.Helper()
+	within(t, 5*time.Second, "the worker to sleep", func() {
+		for !c.workMu.TryLock() {
+			time.Sleep(100 * time.Microsecond)
+		}
+		c.workMu.Unlock()
+	})
+}
+
+// TestIdleOncePerSleep: the worker says IDLE once each time it goes to
+// sleep, and a wake-up whose cause it has handled already (the window
+// mapped before the worker first ran; a POST that came while it was
+// copying, bringing nothing new) does not wake it again to say IDLE a
+// second time: the sender would answer the surplus IDLE with a POST, and
+// a sender (or test) that reads the answers up to the IDLE would stop at
+// the surplus one. A PROBE, which the reader answers without waking the
+// worker, shows what the receiver wrote before it.
+func TestIdleOncePerSleep(t *testing.T) {
+	b := open(t, transport.Options{})
+	nc, mr := rawConn(t, b)
+	reg := testArena(t, 64<<10)
+	fill(reg.Bytes(), 9)
+	announce(t, nc, reg, 16<<10, 4)
+	c := onlyInbound(t, b)
+	next := func(what string) msg { t.Helper(); return nextMsg(t, nc, mr, what) }
+	probe := uint64(100)
+	nothingMore := func(what string) { t.Helper(); probe++; nothingSince(t, c, nc, mr, probe, what) }
+
+	if m := next("the window"); m.typ != msgIdle || m.seq != 0 {
+		t.Fatalf("first message %+v, want IDLE after 0 parts", m)
+	}
+	nothingMore("after the first IDLE")
+
+	r, err := b.Expect([][]byte{make([]byte, 200)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, _ := descFormat.Decode(r.Descriptor())
+	release := make(chan struct{})
+	hook, holding := holdFirst(release)
+	setHook(t, hook)
+	// The first of two parts goes to the worker, which is held copying
+	// it while a POST that brings nothing comes, and the reader answers a
+	// PROBE: the POST signalled the worker, which is awake.
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.Tag, slot: 0, offset: 0, length: 100, total: 200})
+	within(t, 5*time.Second, "the copy of the first part", func() { <-holding })
+	probe++
+	writeMsgs(t, nc, &msg{typ: msgPost, seq: 1}, &msg{typ: msgProbe, op: probe})
+	if m := next("a PROBE while the worker copies"); m.typ != msgProbeOK || m.op != probe {
+		t.Fatalf("%+v while the worker copies, want the answer to PROBE %d", m, probe)
+	}
+	close(release)
+	if m := next("the first part copied"); m.typ != msgRelease || m.slot != 0 {
+		t.Fatalf("%+v after the first part, want its slot 0 released", m)
+	}
+	if m := next("the worker going to sleep"); m.typ != msgIdle || m.seq != 1 {
+		t.Fatalf("%+v after the release, want IDLE after 1 part", m)
+	}
+	nothingMore("after the IDLE that followed the copy")
+
+	// The last part, once the worker sleeps: answered, then one IDLE.
+	writeMsgs(t, nc, &msg{typ: msgRead, op: 1, tag: d.Tag, slot: 1, offset: 100, length: 100, total: 200, last: true})
+	var got []msg
+	for m := next("the last part"); m.typ != msgIdle; m = next("the last part") {
+		got = append(got, m)
+	}
+	if len(got) != 2 || got[0].typ != msgRelease || got[0].slot != 1 || got[1].typ != msgDone || got[1].op != 1 {
+		t.Fatalf("answers to the last part %+v, want the release of slot 1 and DONE", got)
+	}
+	nothingMore("after the IDLE that followed DONE")
+	within(t, time.Second, "Recv", func() { <-r.Done() })
+	if err := r.Err(); err != nil {
+		t.Fatalf("Recv.Err = %v", err)
+	}
+}
+
+// nextMsg reads the next message, IDLE included, within 5 s.
+func nextMsg(t *testing.T, nc *net.UnixConn, mr *msgReader, what string) msg {
+	t.Helper()
+	nc.SetReadDeadline(time.Now().Add(5 * time.Second))
+	defer nc.SetReadDeadline(time.Time{})
+	m, err := mr.next()
+	if err != nil {
+		t.Fatalf("%s: %v", what, err)
+	}
+	return m
+}
+
+// nothingSince checks that the receiver c wrote nothing on nc since the
+// message read last, once its worker sleeps: the next message is the
+// answer to PROBE op, which the reader answers without waking the worker.
+func nothingSince(t *testing.T, c *inConn, nc *net.UnixConn, mr *msgReader, op uint64, what string) {
+	t.Helper()
+	workerAsleep(t, c)
+	writeMsgs(t, nc, &msg{typ: msgProbe, op: op})
+	if m := nextMsg(t, nc, mr, what); m.typ != msgProbeOK || m.op != op {
+		t.Fatalf("%s: %+v before the answer to PROBE %d, want nothing", what, m, op)
+	}
+}
+
+// TestIdleOnceLateWorker: a worker that first runs once its connection's
+// window is mapped (on a loaded host the reader can read the HELLO and the
+// WINDOW first) says IDLE once, not once more for the reader's signal
+// that the window is mapped. The connection is set up by hand, the worker
+// started only then.
+func TestIdleOnceLateWorker(t *testing.T) {
+	b := open(t, transport.Options{})
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ends [2]*net.UnixConn
+	for i, fd := range fds {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		fc, err := net.FileConn(f)
+		f.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ends[i] = fc.(*net.UnixConn)
+	}
+	nc := ends[1]
+	t.Cleanup(func() { nc.Close() })
+	c := newInConn(b, ends[0])
+	b.mu.Lock()
+	b.inbound[c] = struct{}{}
+	b.wg.Add(1) // the reader; the worker once the window is mapped
+	b.mu.Unlock()
+	go c.serve()
+	mr, err := hello(nc)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mr.closeFds)
+	announce(t, nc, testArena(t, 4096), 4096, 1)
+	within(t, 5*time.Second, "the window to be mapped", func() {
+		for {
+			c.pullMu.Lock()
+			mapped := c.count != nil
+			c.pullMu.Unlock()
+			if mapped {
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	})
+	b.wg.Add(1)
+	go c.work()
+	if m := nextMsg(t, nc, mr, "the worker's start"); m.typ != msgIdle || m.seq != 0 {
+		t.Fatalf("first message %+v, want IDLE after 0 parts", m)
+	}
+	nothingSince(t, c, nc, mr, 1, "after the first IDLE")
 }
