@@ -107,6 +107,9 @@ type serveFlags struct {
 	admin                                     adminFlag
 	tf                                        tlsFlags
 	hf                                        httpFlags
+	// cfgRead, when set, runs once the worker file has been read (or
+	// failed to): serve-mpi removes the file it wrote for the rank.
+	cfgRead func()
 }
 
 func newServeCmd(e env) *cobra.Command {
@@ -304,6 +307,9 @@ func (sf *serveFlags) workerConfig(cmd *cobra.Command, envSnap config.Env, log *
 	var wc *config.Worker
 	if sf.cfgPath != "" {
 		f, err := config.LoadFile(sf.cfgPath, envSnap)
+		if sf.cfgRead != nil {
+			sf.cfgRead()
+		}
 		if err != nil {
 			return nil, err
 		}

@@ -132,7 +132,9 @@ func serveRank(cmd *cobra.Command, e env, mf *serveMPIFlags, cl *config.Cluster,
 	}
 	log.Info("serve-mpi: this rank runs its worker", "role", r.Role, "url", r.Group.URLs[r.Index], "world_size", size,
 		"note", config.MPIWorldNote)
+	// Removed as soon as it is read: mpirun ends its ranks with signals
+	// that may not leave them time to run the deferred removal.
 	sf := &serveFlags{role: r.Role, cfgPath: wf, model: mf.model, host: host, port: p, dtype: mf.dtype, txHost: mf.txHost,
-		lf: mf.lf, admin: mf.admin, hf: mf.hf}
+		lf: mf.lf, admin: mf.admin, hf: mf.hf, cfgRead: func() { os.RemoveAll(dir) }}
 	return runServe(cmd, e, sf)
 }

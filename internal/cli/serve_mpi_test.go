@@ -68,8 +68,9 @@ generation_servers:
 			}
 			f.Cluster.Port = -1
 			var logs, out syncbuf.Buffer
+			tmp := t.TempDir() // the workers' TMPDIR: serve-mpi leaves nothing in it
 			l, err := launch.Start(context.Background(), launch.Options{Cluster: f.Cluster, Aggregated: true,
-				Command: []string{os.Args[0]}, Env: append([]string{"KVXFER_CLI_CHILD=1"}, c.env...), Output: &out,
+				Command: []string{os.Args[0]}, Env: append([]string{"KVXFER_CLI_CHILD=1", "TMPDIR=" + tmp}, c.env...), Output: &out,
 				Logger: slog.New(slog.NewTextHandler(&logs, nil)), Ready: 90 * time.Second})
 			if err != nil {
 				t.Fatalf("launch: %v\n%s\n%s", err, logs.String(), out.String())
@@ -91,6 +92,10 @@ generation_servers:
 				if n := mpiBytes(t, u); n == 0 {
 					t.Errorf("%s moved no KV cache over MPI", u)
 				}
+			}
+			l.Stop()
+			if left, _ := filepath.Glob(filepath.Join(tmp, "kvxfer-serve-mpi-*")); len(left) > 0 {
+				t.Errorf("serve-mpi left its worker files behind: %v", left)
 			}
 		})
 	}
@@ -160,8 +165,17 @@ generation_servers:
 		t.Fatal(err)
 	}
 	var out syncbuf.Buffer
+	// The processes' TMPDIR, checked once they have all stopped (this
+	// cleanup runs after theirs): mpirun ends its ranks faster than a
+	// worker's own shutdown, and serve-mpi must leave nothing behind.
+	tmp := t.TempDir()
+	t.Cleanup(func() {
+		if left, _ := filepath.Glob(filepath.Join(tmp, "kvxfer-serve-mpi-*")); len(left) > 0 {
+			t.Errorf("serve-mpi left its worker files behind: %v", left)
+		}
+	})
 	start := func(name string, c *exec.Cmd) {
-		c.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
+		c.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1", "TMPDIR="+tmp)
 		if os.Geteuid() == 0 {
 			c.Env = append(c.Env, launch.MPIRootEnv...)
 		}
