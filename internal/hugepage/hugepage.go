@@ -1,5 +1,10 @@
 package hugepage
 
+import (
+	"log/slog"
+	"sync/atomic"
+)
+
 // Size is the size of a transparent huge page on the machines kvxfer runs
 // on (x86-64, and arm64 with 4 KiB base pages).
 const Size = 2 << 20
@@ -33,4 +38,24 @@ type Report struct {
 	// pages already there then stay small (those first touched later
 	// still come huge). A kernel before 6.1 refuses it with EINVAL.
 	Collapse error
+}
+
+// AdviseLogged is Advise for a transport's RegisterMemory, which never
+// fails on it (huge pages only make copies faster): a refusal is logged at
+// Info the first time *logged is still false (then set), with why small
+// pages matter to the transport appended (", which …"; may be empty);
+// pages that stay small and the bytes advised are logged at Debug. who
+// names the transport in the messages.
+func AdviseLogged(mem []byte, log *slog.Logger, who, why string, logged *atomic.Bool) {
+	rep, err := Advise(mem)
+	switch {
+	case err != nil:
+		if logged.CompareAndSwap(false, true) {
+			log.Info(who+": registered memory stays in small pages"+why, "err", err)
+		}
+	case rep.Collapse != nil:
+		log.Debug(who+": registered memory: pages already there stay small (first touches come huge)", "err", rep.Collapse)
+	case rep.Bytes > 0:
+		log.Debug(who+": registered memory advised to huge pages", "bytes", rep.Bytes)
+	}
 }

@@ -4,9 +4,12 @@ package hugepage
 
 import (
 	"bytes"
+	"context"
 	"errors"
+	"log/slog"
 	"os"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -97,5 +100,49 @@ func TestAdviseSmallAndEmpty(t *testing.T) {
 				t.Fatalf("Advise(%d bytes) changed byte %d", n, i)
 			}
 		}
+	}
+}
+
+// recorder is a slog handler that keeps every record's level and message.
+type recorder struct{ recs *[]string }
+
+func (r recorder) Enabled(context.Context, slog.Level) bool { return true }
+func (r recorder) Handle(_ context.Context, rec slog.Record) error {
+	*r.recs = append(*r.recs, rec.Level.String()+" "+rec.Message)
+	return nil
+}
+func (r recorder) WithAttrs([]slog.Attr) slog.Handler { return r }
+func (r recorder) WithGroup(string) slog.Handler      { return r }
+
+// TestAdviseLogged: a region with whole huge pages in it is advised and
+// says so at Debug (or, where the kernel refuses, at Info the first time
+// only); a region too small for one says nothing.
+func TestAdviseLogged(t *testing.T) {
+	var recs []string
+	log := slog.New(recorder{&recs})
+	var logged atomic.Bool
+	mem, err := syscall.Mmap(-1, 0, 3*Size, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_PRIVATE|syscall.MAP_ANON)
+	if err != nil {
+		t.Fatalf("mmap: %v", err)
+	}
+	defer syscall.Munmap(mem)
+	AdviseLogged(mem[:Size/2], log, "xfer", ", which costs", &logged)
+	if len(recs) != 0 {
+		t.Fatalf("a region with no whole huge page logged %q", recs)
+	}
+	AdviseLogged(mem, log, "xfer", ", which costs", &logged)
+	AdviseLogged(mem, log, "xfer", ", which costs", &logged)
+	refused := 0
+	for _, r := range recs {
+		switch {
+		case r == "INFO xfer: registered memory stays in small pages, which costs":
+			refused++
+		case strings.HasPrefix(r, "DEBUG xfer: registered memory"):
+		default:
+			t.Errorf("unexpected record %q", r)
+		}
+	}
+	if refused > 1 || refused == 0 && len(recs) != 2 || refused == 1 != logged.Load() {
+		t.Fatalf("records %q (logged %v): want one Debug record per call, or one Info refusal in all", recs, logged.Load())
 	}
 }

@@ -21,16 +21,6 @@ var _ transport.MemoryRegistrar = (*Transport)(nil)
 // transparent huge pages leaves the memory as it was, which is logged once;
 // RegisterMemory never fails.
 func (t *Transport) RegisterMemory(mem []byte, _ *os.File) error {
-	rep, err := hugepage.Advise(mem)
-	switch {
-	case err != nil:
-		if t.adviceLogged.CompareAndSwap(false, true) {
-			t.log.Info("mpi: registered memory stays in small pages, which cma copies at about half the speed", "err", err)
-		}
-	case rep.Collapse != nil:
-		t.log.Debug("mpi: registered memory: pages already there stay small (first touches come huge)", "err", rep.Collapse)
-	case rep.Bytes > 0:
-		t.log.Debug("mpi: registered memory advised to huge pages", "bytes", rep.Bytes)
-	}
+	hugepage.AdviseLogged(mem, t.log, "mpi", ", which cma copies at about half the speed", &t.adviceLogged)
 	return nil
 }

@@ -254,17 +254,7 @@ func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
 	if closed {
 		return &transport.ClosedError{Op: "register memory"}
 	}
-	rep, err := hugepage.Advise(mem)
-	switch {
-	case err != nil:
-		if t.adviceLogged.CompareAndSwap(false, true) {
-			t.log.Info("shm: registered memory stays in small pages", "err", err)
-		}
-	case rep.Collapse != nil:
-		t.log.Debug("shm: registered memory: pages already there stay small (first touches come huge)", "err", rep.Collapse)
-	case rep.Bytes > 0:
-		t.log.Debug("shm: registered memory advised to huge pages", "bytes", rep.Bytes)
-	}
+	hugepage.AdviseLogged(mem, t.log, "shm", "", &t.adviceLogged)
 	return nil
 }
 

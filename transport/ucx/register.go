@@ -25,15 +25,6 @@ var _ transport.MemoryRegistrar = (*Transport)(nil)
 // effort: a kernel without transparent huge pages leaves the memory as it
 // was, which is logged once; RegisterMemory never fails.
 func (t *Transport) RegisterMemory(mem []byte, f *os.File) error {
-	r, err := hugepage.Advise(mem)
-	if err != nil {
-		if t.adviceLogged.CompareAndSwap(false, true) {
-			t.log.Info("ucx: registered memory stays in small pages, which cma copies at about half the speed", "err", err)
-		}
-		return nil
-	}
-	if r.Collapse != nil {
-		t.log.Debug("ucx: registered memory: pages already there stay small (first touches come huge)", "err", r.Collapse)
-	}
+	hugepage.AdviseLogged(mem, t.log, "ucx", ", which cma copies at about half the speed", &t.adviceLogged)
 	return nil
 }
