@@ -116,3 +116,70 @@ func sameErr(a, b error) bool {
 	return a.Error() == b.Error() && reflect.TypeOf(a) == reflect.TypeOf(b) &&
 		errors.Is(a, layout.ErrNotTarget) == errors.Is(b, layout.ErrNotTarget)
 }
+
+// TestPlanMemoKeyCoversState: changing any one field of a CacheState (its
+// shape's, its parallel config's, its own) changes its memo key, so that a
+// field added to the state later cannot make two states share a plan
+// without this test failing.
+func TestPlanMemoKeyCoversState(t *testing.T) {
+	base := state(8, 4, 32, 32, kvcache.BF16, 2, 2, false)
+	base.Parallel.LayersPerPP = []int{5, 3}
+	k0, ok := keyOf(base)
+	if !ok {
+		t.Fatal("no key for the base state")
+	}
+	n := leafCount(reflect.ValueOf(base))
+	if n < 15 {
+		t.Fatalf("CacheState has %d leaf fields, expected at least 15", n)
+	}
+	for j := range n {
+		s := base
+		s.Parallel.LayersPerPP = slices.Clone(base.Parallel.LayersPerPP)
+		v, name := leafField(reflect.ValueOf(&s).Elem(), "CacheState", j)
+		switch v.Kind() {
+		case reflect.Int:
+			v.SetInt(v.Int() + 1)
+		case reflect.Uint8:
+			v.SetUint(v.Uint() + 1)
+		case reflect.Bool:
+			v.SetBool(!v.Bool())
+		case reflect.Slice:
+			v.Index(0).SetInt(v.Index(0).Int() + 1)
+		default:
+			t.Fatalf("%s is a %s: teach this test (and keyOf) about it", name, v.Kind())
+		}
+		if k, ok := keyOf(s); !ok || k == k0 {
+			t.Errorf("%s changed, the memo key did not", name)
+		}
+	}
+}
+
+// leafCount counts the fields under v that are not structs (v itself when
+// it is not one).
+func leafCount(v reflect.Value) int {
+	if v.Kind() != reflect.Struct {
+		return 1
+	}
+	n := 0
+	for i := range v.NumField() {
+		n += leafCount(v.Field(i))
+	}
+	return n
+}
+
+// leafField returns the j-th of those fields, in field order, and its path
+// from name.
+func leafField(v reflect.Value, name string, j int) (reflect.Value, string) {
+	if v.Kind() != reflect.Struct {
+		return v, name
+	}
+	for i := range v.NumField() {
+		f := v.Field(i)
+		if c := leafCount(f); j >= c {
+			j -= c
+			continue
+		}
+		return leafField(f, name+"."+v.Type().Field(i).Name, j)
+	}
+	panic("transceiver: leafField past the last field")
+}
