@@ -859,12 +859,7 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"ring count going back", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			r, err := b.Expect([][]byte{make([]byte, 20)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(r.Cancel)
-			d, _ := descFormat.Decode(r.Descriptor())
+			d := armed(t, b, 20)
 			m := readOf(0, 0, 10, 20, false)
 			m.tag = d.Tag
 			writeMsgs(t, nc, m)
@@ -896,12 +891,7 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"read of a held slot", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			r, err := b.Expect([][]byte{make([]byte, 20)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(r.Cancel)
-			d, _ := descFormat.Decode(r.Descriptor())
+			d := armed(t, b, 20)
 			var once sync.Once // hold the worker on the first part
 			setHook(t, func() { once.Do(func() { time.Sleep(time.Second) }) })
 			m, m2 := readOf(0, 0, 10, 20, false), readOf(0, 10, 10, 20, true)
@@ -945,12 +935,7 @@ func TestMalformed(t *testing.T) {
 		}},
 		{"cancel twice", func(t *testing.T, nc *net.UnixConn) {
 			announce(t, nc, reg, 1024, 4)
-			r, err := b.Expect([][]byte{make([]byte, 20)})
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(r.Cancel)
-			d, _ := descFormat.Decode(r.Descriptor())
+			d := armed(t, b, 20)
 			// The worker is held copying the first part, so that the op
 			// is still open at the second CANCEL: once the worker has
 			// carried out the first, the op is forgotten, and a CANCEL
@@ -1499,4 +1484,20 @@ func TestIdleOnceLateWorker(t *testing.T) {
 		t.Fatalf("first message %+v, want IDLE after 0 parts", m)
 	}
 	nothingSince(t, c, nc, mr, 1, "after the first IDLE")
+}
+
+// armed arms a receipt of n bytes on b, cancelled at the test's end, and
+// returns its decoded descriptor (its tag is what a hostile sender names).
+func armed(t *testing.T, b transport.Transport, n int) receipt.Descriptor {
+	t.Helper()
+	r, err := b.Expect([][]byte{make([]byte, n)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.Cancel)
+	d, err := descFormat.Decode(r.Descriptor())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
 }
