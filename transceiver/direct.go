@@ -31,15 +31,3 @@ func directOK(p *layout.Plan, n int) bool {
 	}
 	return packed/int64(src) >= minDirectSpan && packed/int64(dst) >= minDirectSpan
 }
-
-// segments returns the spans of every block, in order: the byte stream of a
-// direct transfer is the packed form, which both lists describe.
-func segments(blocks [][]byte, spans []layout.Span) [][]byte {
-	out := make([][]byte, 0, len(blocks)*len(spans))
-	for _, b := range blocks {
-		for _, s := range spans {
-			out = append(out, b[s.Off:s.Off+s.Len:s.Off+s.Len])
-		}
-	}
-	return out
-}

@@ -34,11 +34,11 @@ type inst struct {
 }
 
 // idleWorkers returns the worker goroutines the instance's ranks keep
-// waiting for work (see rank.spawn).
+// waiting for work (see workers.Pool).
 func (in *inst) idleWorkers() int {
 	n := 0
 	for _, r := range in.t.ranks {
-		n += int(r.idle.Load())
+		n += r.goes.Idle()
 	}
 	return n
 }
@@ -79,7 +79,7 @@ func newInst(t testing.TB, state layout.CacheState, cfg *config.CacheTransceiver
 			t.Errorf("Close: %v", err)
 		}
 		for _, r := range tr.ranks {
-			if n := r.sendBufs.inUse.Load() + r.recvBufs.inUse.Load(); n != 0 {
+			if n := r.sendBufs.InUse() + r.recvBufs.InUse(); n != 0 {
 				t.Errorf("rank %d: %d staging buffers still in use after Close", r.idx, n)
 			}
 		}

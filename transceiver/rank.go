@@ -7,13 +7,14 @@ import (
 	"net"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
+	"github.com/kvxfer/kvxfer/transceiver/internal/mover"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
+	"github.com/kvxfer/kvxfer/transceiver/internal/workers"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -53,18 +54,15 @@ type rank struct {
 	set        rankSettings
 	transports map[string]transport.Transport
 	ctrl       *control.Plane // the control connections
-	sendBufs   *bufPool
-	recvBufs   *bufPool
+	sendBufs   *mover.Buffers
+	recvBufs   *mover.Buffers
 	done       rankDone
 	attempt    attemptEnd
 	begun      begunFunc // nil: asks are never held
 	log        *slog.Logger
 
-	wg sync.WaitGroup // every goroutine of this rank
-	// jobs hands a send or receive to an idle worker (see work); idle
-	// counts the workers waiting on it.
-	jobs chan func()
-	idle atomic.Int32
+	// goes runs every goroutine of this rank: sends, receives, dials.
+	goes *workers.Pool
 	life context.Context // ends when the rank closes: bounds shm probes
 	obs  Observer        // nil: none
 	csv  *timingCSV      // nil: none
@@ -104,7 +102,7 @@ type rankReq struct {
 	// workers counts the goroutines (and the steps whose effects are
 	// being carried out) that may still touch mem: the blocks go back only
 	// after they end.
-	workers workers
+	workers workers.Group
 
 	// Guarded by rank.mu.
 	over     bool                    // the core completed: later events are dropped
@@ -127,7 +125,7 @@ type srcIO struct {
 type sendAttempt struct {
 	ctx    context.Context
 	cancel context.CancelCauseFunc
-	descs  map[int]chan chunkDesc
+	descs  map[int]chan mover.Chunk
 }
 
 // sendAttempt returns the sends' state of attempt a of q. Called with
@@ -142,19 +140,14 @@ func (q *rankReq) sendAttempt(a uint64) *sendAttempt {
 	return sa
 }
 
-type chunkDesc struct {
-	index int
-	desc  transport.Descriptor
-}
-
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone, attempt attemptEnd) *rank {
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	life, stop := context.WithCancel(context.Background())
 	r := &rank{
-		life: life, stop: stop, jobs: make(chan func()),
+		life: life, stop: stop, goes: workers.NewPool(maxIdleWorkers),
 		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
-		sendBufs: newBufPool(set.sendBuffers, int(bb)),
-		recvBufs: newBufPool(set.recvBuffers, int(bb)),
+		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
+		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
 		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
 		hold: newAskHold(idx, set.timeout),
@@ -200,7 +193,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks = slices.Clone(blocks)
 	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes, digest: digest,
-		backends: r.backendNames(), bufBytes: int64(r.sendBufs.size), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
+		backends: r.backendNames(), bufBytes: int64(r.sendBufs.Size()), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
 	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
 		return err
@@ -215,7 +208,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState, blocks []kvcache.BlockID, lastHash *kvcache.Hash, digest kvcache.Hash) error {
 	core, err := newRecvCore(recvConfig{rank: r.idx, id: id, reqID: reqID, sendID: op.RequestID, token: op.Token,
 		sender: op.State, self: self, peers: len(op.Endpoints), blocks: len(blocks), lastHash: lastHash, digest: digest,
-		bufBytes: int64(r.recvBufs.size), direct: r.set.direct, timeout: r.set.timeout, plans: r.set.plans})
+		bufBytes: int64(r.recvBufs.Size()), direct: r.set.direct, timeout: r.set.timeout, plans: r.set.plans})
 	if err != nil {
 		return err
 	}
@@ -363,7 +356,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			// A direct send takes no chunk receipts: no queue for them.
 			ctx, descs := r.descQueue(q, e.attempt, e.gen, e.pair.direct == nil)
 			r.work(q, func() (int64, int, string, event) {
-				n, chunks, err := r.sendPair(q, ctx, e.pair, descs)
+				n, chunks, err := r.sendPair(ctx, q, e.pair, descs)
 				if err == nil && e.readyAfter {
 					r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.pair.chunk)})
 				}
@@ -372,7 +365,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effChunk:
 			_, descs := r.descQueue(q, e.attempt, e.gen, true)
 			select {
-			case descs <- chunkDesc{index: e.index, desc: e.desc}:
+			case descs <- mover.Chunk{Index: e.index, Desc: e.desc}:
 			default:
 				r.step(q, evDescOverflow{gen: e.gen, attempt: e.attempt})
 			}
@@ -393,13 +386,11 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			// request-info is then one write away); a dial, or a probe of
 			// the peer's shm endpoint, on a goroutine of its own.
 			if !r.askCached(q, e.src) {
-				r.wg.Add(1)
 				q.workers.Add(1)
-				go func() {
-					defer r.wg.Done()
+				r.goes.Go(func() {
 					defer q.workers.Done()
 					r.ask(q, e.src)
-				}()
+				})
 			}
 		case effRequestInfo:
 			if err := r.requestInfo(q, e); err != nil {
@@ -470,7 +461,7 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 	}
 	r.mu.Unlock()
 	q.workers.Add(1)
-	r.spawn(func() {
+	r.goes.Go(func() {
 		defer q.workers.Done() // after the step: the completion reads the stats
 		n, chunks, backend, end := move()
 		r.mu.Lock()
@@ -483,55 +474,21 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 }
 
 // maxIdleWorkers bounds the worker goroutines a rank keeps waiting for
-// work; one more that finishes its job ends.
+// work (see workers.Pool).
 const maxIdleWorkers = 16
-
-// spawn runs job on a worker goroutine of the rank: an idle one when
-// there is one, else a new one. A worker stays (up to maxIdleWorkers of
-// them) for the next job once its job is done, so that a transfer costs
-// neither a goroutine's start nor its stack's growth (the data plane's
-// calls are deep: a new goroutine copied its stack twice or three times
-// per send or receive). Workers end when the rank closes.
-func (r *rank) spawn(job func()) {
-	select {
-	case r.jobs <- job:
-		return
-	default:
-	}
-	r.wg.Add(1)
-	go r.worker(job)
-}
-
-func (r *rank) worker(job func()) {
-	defer r.wg.Done()
-	for {
-		job()
-		if r.idle.Add(1) > maxIdleWorkers {
-			r.idle.Add(-1)
-			return
-		}
-		select {
-		case job = <-r.jobs:
-			r.idle.Add(-1)
-		case <-r.life.Done():
-			r.idle.Add(-1)
-			return
-		}
-	}
-}
 
 // descQueue returns the context of the sends of attempt a and, when
 // queue is set, the queue of chunk receipts of its send to gen (made on first
 // use; else nil unless made already).
-func (r *rank) descQueue(q *rankReq, a uint64, gen int, queue bool) (context.Context, chan chunkDesc) {
+func (r *rank) descQueue(q *rankReq, a uint64, gen int, queue bool) (context.Context, chan mover.Chunk) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	sa := q.sendAttempt(a)
 	ch := sa.descs[gen]
 	if ch == nil && queue {
-		ch = make(chan chunkDesc, 64)
+		ch = make(chan mover.Chunk, 64)
 		if sa.descs == nil {
-			sa.descs = map[int]chan chunkDesc{}
+			sa.descs = map[int]chan mover.Chunk{}
 		}
 		sa.descs[gen] = ch
 	}
@@ -595,7 +552,7 @@ func (r *rank) asked(q *rankReq, src int, cc *control.Conn, backend string, err 
 func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
 	s := r.source(q, e.src)
 	if e.direct {
-		rv, err := s.tr.Expect(segments(q.mem, e.plan.DstSpans()))
+		rv, err := mover.Pair{Transport: s.tr, Blocks: q.mem, Plan: e.plan}.ExpectDirect()
 		if err != nil {
 			return err
 		}
@@ -613,7 +570,7 @@ func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
 // worker to end carries out the end, on its goroutine (no goroutine is
 // started for it: a hand-off would cost each request a wake-up).
 func (r *rank) finish(q *rankReq, err error, release bool) {
-	q.workers.whenIdle(func() {
+	q.workers.Then(func() {
 		if release {
 			r.release(q)
 		}
@@ -625,50 +582,6 @@ func (r *rank) finish(q *rankReq, err error, release bool) {
 		r.report(q.reqID, roleOf(q.key.side), err, q.stats)
 		r.done(r.idx, instKey{q.key.side, q.reqID}, err, rankResult{bytes: q.stats.bytes, chunks: q.stats.chunks, backend: q.stats.backend, end: q.stats.end})
 	})
-}
-
-// workers counts what may still touch a request's blocks (a WaitGroup
-// whose waiter is a function run by the last Done rather than a goroutine
-// parked in Wait).
-type workers struct {
-	mu   sync.Mutex
-	n    int
-	then func() // run by the Done that brings n to 0; nil: none
-}
-
-func (w *workers) Add(n int) {
-	w.mu.Lock()
-	w.n += n
-	w.mu.Unlock()
-}
-
-// Done ends one worker; the last one runs the function whenIdle left.
-func (w *workers) Done() {
-	w.mu.Lock()
-	w.n--
-	if w.n < 0 {
-		w.mu.Unlock()
-		panic("transceiver: workers.Done without Add")
-	}
-	var f func()
-	if w.n == 0 {
-		f, w.then = w.then, nil
-	}
-	w.mu.Unlock()
-	if f != nil {
-		f()
-	}
-}
-
-// whenIdle has f run once no worker is left. The caller is a worker, so f
-// runs at the latest on the caller's own Done, never inside whenIdle.
-func (w *workers) whenIdle(f func()) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.n <= 0 {
-		panic("transceiver: workers.whenIdle outside a worker")
-	}
-	w.then = f
 }
 
 // release gives q's blocks back: the references a send held, or the blocks
@@ -819,7 +732,7 @@ func (r *rank) close() error {
 	}
 	err := r.ctrl.Close()
 	r.stop()
-	r.wg.Wait()
+	r.goes.Close()
 	for _, tr := range r.transports {
 		if cerr := tr.Close(); cerr != nil && err == nil {
 			err = cerr

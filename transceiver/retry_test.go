@@ -342,15 +342,16 @@ func takeRecvBuffers(in *inst) (giveBack func()) {
 	var taken [][][]byte
 	for _, r := range in.t.ranks {
 		var bs [][]byte
-		for range r.recvBufs.count() {
-			bs = append(bs, <-r.recvBufs.slots)
+		for range r.recvBufs.Count() {
+			b, _ := r.recvBufs.Get(context.Background())
+			bs = append(bs, b)
 		}
 		taken = append(taken, bs)
 	}
 	return func() {
 		for i, r := range in.t.ranks {
 			for _, b := range taken[i] {
-				r.recvBufs.slots <- b
+				r.recvBufs.Put(b)
 			}
 		}
 	}

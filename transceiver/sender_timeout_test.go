@@ -1,6 +1,7 @@
 package transceiver
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -100,12 +101,13 @@ func TestSenderFutureTimeoutUnset(t *testing.T) {
 func stallReceives(t *testing.T, in *inst) {
 	p := in.t.ranks[0].recvBufs
 	var taken [][]byte
-	for range p.count() {
-		taken = append(taken, <-p.slots)
+	for range p.Count() {
+		b, _ := p.Get(context.Background())
+		taken = append(taken, b)
 	}
 	t.Cleanup(func() {
 		for _, b := range taken {
-			p.slots <- b
+			p.Put(b)
 		}
 	})
 }

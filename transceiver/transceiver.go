@@ -1216,8 +1216,8 @@ func (t *Transceiver) PendingContext() int {
 // transfers, over all ranks (role "send" or "recv").
 func (t *Transceiver) StagingBytesInUse() (send, recv int64) {
 	for _, r := range t.ranks {
-		send += r.sendBufs.inUse.Load() * int64(r.sendBufs.size)
-		recv += r.recvBufs.inUse.Load() * int64(r.recvBufs.size)
+		send += r.sendBufs.InUse() * int64(r.sendBufs.Size())
+		recv += r.recvBufs.InUse() * int64(r.recvBufs.Size())
 	}
 	return send, recv
 }

@@ -76,7 +76,7 @@ func pairing(t *testing.T, backend config.Backend, i int, name string, cs, gs la
 			// on first use); the others do.
 			direct := strings.Contains(name, "direct")
 			for _, r := range gen.t.ranks {
-				if used := allocatedBuffers(r.recvBufs); (used == 0) != direct {
+				if used := r.recvBufs.Allocated(); (used == 0) != direct {
 					t.Errorf("rank %d: %d receive staging buffers allocated (direct: %v)", r.idx, used, direct)
 				}
 			}
@@ -108,8 +108,8 @@ func TestLargerThanBuffer(t *testing.T) {
 	// Pools hold no more than they did: the chunks went through the
 	// buffers, whose number and size are fixed.
 	for _, r := range gen.t.ranks {
-		if r.recvBufs.count() != 1 || r.recvBufs.size != 3*int(gen.pools[r.idx].BlockBytes()) {
-			t.Errorf("rank %d: %d receive buffers of %d bytes", r.idx, r.recvBufs.count(), r.recvBufs.size)
+		if r.recvBufs.Count() != 1 || r.recvBufs.Size() != 3*int(gen.pools[r.idx].BlockBytes()) {
+			t.Errorf("rank %d: %d receive buffers of %d bytes", r.idx, r.recvBufs.Count(), r.recvBufs.Size())
 		}
 	}
 }
@@ -427,20 +427,6 @@ func TestCancel(t *testing.T) {
 		}
 		gen.release(t, greq.Blocks)
 	})
-}
-
-// allocatedBuffers counts the buffers of an idle pool that were ever
-// allocated.
-func allocatedBuffers(p *bufPool) int {
-	n := 0
-	for range p.count() {
-		b := <-p.slots
-		if b != nil {
-			n++
-		}
-		p.slots <- b
-	}
-	return n
 }
 
 // waitMoving waits until rank 0 of in has a request whose data is moving.

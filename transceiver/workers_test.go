@@ -1,56 +1,35 @@
 package transceiver
 
 import (
-	"runtime"
-	"sync"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"go.uber.org/goleak"
 )
 
-// TestSpawnWorkers: jobs run on worker goroutines; once they are done at
-// most maxIdleWorkers stay, the next jobs reuse them (no goroutine
-// started), and Close ends them all.
-func TestSpawnWorkers(t *testing.T) {
+// TestRankWorkers: a rank's sends and receives run on its worker pool
+// (workers.Pool, whose own tests cover reuse and the idle bound): after
+// transfers the ranks keep idle workers, at most maxIdleWorkers each, and
+// Close ends them all. (The pool's reuse test moved to
+// internal/workers's TestPool.)
+func TestRankWorkers(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
-	in := newInst(t, state(2, 2, 16, 4, kvcache.BF16, 1, 1, false), testCfg(), 4)
-	r := in.t.ranks[0]
-	run := func(n int) {
-		var release, started sync.WaitGroup
-		var ran atomic.Int32
-		release.Add(1)
-		started.Add(n)
-		for range n {
-			r.spawn(func() {
-				started.Done()
-				release.Wait() // all n at once: n workers
-				ran.Add(1)
-			})
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, s, testCfg(), 16)
+	gen := newInst(t, s, testCfg(), 16)
+	for i := range 4 {
+		transfer(t, sender, gen, uint64(i+1), 16, uint64(i), 0, 0)
+	}
+	for _, in := range []*inst{sender, gen} {
+		n := in.idleWorkers()
+		if n == 0 || n > maxIdleWorkers*len(in.t.ranks) {
+			t.Errorf("%d idle workers after 4 transfers, want 1..%d", n, maxIdleWorkers*len(in.t.ranks))
 		}
-		started.Wait()
-		release.Done()
-		waitFor(t, 5*time.Second, "every job ran and its worker went idle or ended", func() bool {
-			return ran.Load() == int32(n) && int(r.idle.Load()) == min(n, maxIdleWorkers)
-		})
-	}
-	run(3 * maxIdleWorkers)
-	before := runtime.NumGoroutine()
-	for range 10 {
-		done := make(chan struct{})
-		r.spawn(func() { close(done) })
-		<-done
-	}
-	waitFor(t, 5*time.Second, "the worker back to idle", func() bool { return int(r.idle.Load()) == maxIdleWorkers })
-	if got := runtime.NumGoroutine(); got > before {
-		t.Errorf("%d goroutines after 10 jobs on idle workers, %d before", got, before)
-	}
-	if err := in.t.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if n := r.idle.Load(); n != 0 {
-		t.Errorf("%d workers idle after Close", n)
+		if err := in.t.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if n := in.idleWorkers(); n != 0 {
+			t.Errorf("%d workers idle after Close", n)
+		}
 	}
 }

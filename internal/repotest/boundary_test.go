@@ -90,6 +90,12 @@ var boundaries = []rule{
 	// listener's limits; never requests, layouts or transports.
 	{pkg: "transceiver/internal/control", may: []string{"transceiver/internal/wire", "internal/netlimit", "internal/accept"},
 		tests: []string{"internal/memnet"}},
+	// The data mover: one pair's bytes over a data plane, packed and
+	// unpacked with a layout plan; never frames, requests or the control
+	// connections (the caller announces chunks). Its tests move over tcp.
+	{pkg: "transceiver/internal/mover", may: []string{"transport", "layout"}, tests: []string{"kvcache", "transport/tcp"}},
+	// The goroutines of a rank's sends and receives: on nothing.
+	{pkg: "transceiver/internal/workers"},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
 	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd", "internal/memcopy", "internal/hugepage"},

@@ -1,0 +1,203 @@
+package mover
+
+import (
+	"context"
+
+	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// Pair is what one send or receive of a pair of ranks moves, and over
+// what.
+type Pair struct {
+	Transport transport.Transport
+	// Blocks are the pair's blocks on this side, in request order: the
+	// sender's to read, the receiver's to fill.
+	Blocks [][]byte
+	// Plan maps the sender's blocks to the receiver's (its packed form is
+	// what crosses the wire).
+	Plan *layout.Plan
+	// Chunk is the blocks per staged chunk (≥ 1; unused when direct).
+	Chunk int
+	// Buffers are the staging buffers of this side.
+	Buffers *Buffers
+}
+
+// Chunk is the receipt the receiver armed for one staged chunk, as it
+// announced it to the sender.
+type Chunk struct {
+	Index int
+	Desc  transport.Descriptor
+}
+
+// bytes is the packed size of n blocks.
+func (p Pair) bytes(n int) int64 { return int64(n) * p.Plan.PackedBytesPerBlock() }
+
+// SendDirect sends every block straight from the blocks to the receipt
+// the receiver armed with ExpectDirect.
+func (p Pair) SendDirect(ctx context.Context, to transport.Descriptor) (int64, error) {
+	if err := p.Transport.Send(ctx, to, Segments(p.Blocks, p.Plan.SrcSpans())); err != nil {
+		return 0, err
+	}
+	return p.bytes(len(p.Blocks)), nil
+}
+
+// ExpectDirect arms the receipt of a direct transfer straight into the
+// blocks; the caller hands its descriptor to the sender, waits with Await
+// and cancels it if it gives up.
+func (p Pair) ExpectDirect() (transport.Recv, error) {
+	return p.Transport.Expect(Segments(p.Blocks, p.Plan.DstSpans()))
+}
+
+// SendStaged sends the blocks chunk by chunk through a staging buffer,
+// each chunk to the receipt announced for it. chunks yields the
+// announcements in order (the caller checks the order). It returns the
+// bytes and chunks sent before it ended.
+func (p Pair) SendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, error) {
+	var sent int64
+	n := 0
+	for lo := 0; lo < len(p.Blocks); lo += p.Chunk {
+		hi := min(lo+p.Chunk, len(p.Blocks))
+		var c Chunk
+		select {
+		case c = <-chunks:
+		case <-ctx.Done():
+			return sent, n, context.Cause(ctx)
+		}
+		buf, err := p.Buffers.Get(ctx)
+		if err != nil {
+			return sent, n, err
+		}
+		size := p.bytes(hi - lo)
+		if err := p.Plan.Pack(buf[:size], p.Blocks[lo:hi]); err != nil {
+			p.Buffers.Put(buf)
+			return sent, n, err
+		}
+		err = p.Transport.Send(ctx, c.Desc, [][]byte{buf[:size]})
+		p.Buffers.Put(buf)
+		if err != nil {
+			return sent, n, err
+		}
+		sent += size
+		n++
+	}
+	return sent, n, nil
+}
+
+// ReceiveStaged receives the chunks of a staged transfer, keeping up to
+// two in flight when there are two buffers: for each, a receipt into a
+// buffer announced to the sender (announce), then, once it is in, an
+// unpack into the blocks. It returns the bytes and chunks received before
+// it ended.
+func (p Pair) ReceiveStaged(ctx context.Context, announce func(Chunk) error) (int64, int, error) {
+	w := window{p: p, ctx: ctx, announce: announce, depth: min(2, p.Buffers.Count())}
+	defer w.cancel()
+	total := (len(p.Blocks) + p.Chunk - 1) / p.Chunk
+	var got int64
+	for done := 0; done < total; done++ {
+		if err := w.fill(total); err != nil {
+			return got, done, err
+		}
+		n, err := w.take()
+		if err != nil {
+			return got, done, err
+		}
+		got += n
+	}
+	return got, total, nil
+}
+
+// Await waits for rv to end: its error, or ctx's cause when ctx ends
+// first (rv is then still armed).
+func Await(ctx context.Context, rv transport.Recv) error {
+	select {
+	case <-rv.Done():
+		return rv.Err()
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	}
+}
+
+// Segments returns the spans of every block, in order: the byte stream of
+// a direct transfer is the packed form, which both span lists describe.
+func Segments(blocks [][]byte, spans []layout.Span) [][]byte {
+	out := make([][]byte, 0, len(blocks)*len(spans))
+	for _, b := range blocks {
+		for _, s := range spans {
+			out = append(out, b[s.Off:s.Off+s.Len:s.Off+s.Len])
+		}
+	}
+	return out
+}
+
+// window is the chunks of one staged receive in flight, oldest first.
+type window struct {
+	p        Pair
+	ctx      context.Context
+	announce func(Chunk) error
+	depth    int
+	next     int // index of the next chunk to announce
+	flight   []slot
+}
+
+type slot struct {
+	buf    []byte
+	rv     transport.Recv
+	lo, hi int // blocks
+}
+
+// fill announces chunks until depth are in flight, waiting for a buffer
+// only when none is.
+func (w *window) fill(total int) error {
+	for w.next < total && len(w.flight) < w.depth {
+		var buf []byte
+		if len(w.flight) == 0 {
+			b, err := w.p.Buffers.Get(w.ctx)
+			if err != nil {
+				return err
+			}
+			buf = b
+		} else if b, ok := w.p.Buffers.TryGet(); ok {
+			buf = b
+		} else {
+			return nil
+		}
+		lo, hi := w.next*w.p.Chunk, min(len(w.p.Blocks), (w.next+1)*w.p.Chunk)
+		rv, err := w.p.Transport.Expect([][]byte{buf[:w.p.bytes(hi-lo)]})
+		if err != nil {
+			w.p.Buffers.Put(buf)
+			return err
+		}
+		w.flight = append(w.flight, slot{buf: buf, rv: rv, lo: lo, hi: hi})
+		if err := w.announce(Chunk{Index: w.next, Desc: rv.Descriptor()}); err != nil {
+			return err
+		}
+		w.next++
+	}
+	return nil
+}
+
+// take waits for the oldest chunk and unpacks it into the blocks.
+func (w *window) take() (int64, error) {
+	head := w.flight[0]
+	if err := Await(w.ctx, head.rv); err != nil {
+		return 0, err
+	}
+	size := w.p.bytes(head.hi - head.lo)
+	err := w.p.Plan.Unpack(w.p.Blocks[head.lo:head.hi], head.buf[:size])
+	w.p.Buffers.Put(head.buf)
+	w.flight = w.flight[1:]
+	if err != nil {
+		return 0, err
+	}
+	return size, nil
+}
+
+// cancel gives back what is still in flight.
+func (w *window) cancel() {
+	for _, sl := range w.flight {
+		sl.rv.Cancel()
+		w.p.Buffers.Put(sl.buf)
+	}
+	w.flight = nil
+}
