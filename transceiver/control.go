@@ -13,25 +13,17 @@ import (
 	"github.com/kvxfer/kvxfer/transport"
 )
 
-// What the rank tells of itself on its control connections, and the
-// policy it applies to what a peer tells: the choice of backend for a
-// pair. The connections themselves are internal/control's.
-
-func (r *rank) backendNames() []string {
-	names := make([]string, 0, len(r.transports))
-	for n := range r.transports {
-		names = append(names, n)
-	}
-	slices.Sort(names)
-	return names
-}
+// What the rank tells of itself on its control connections, and how it
+// picks a pair's backend from what the peer tells: the policy is
+// chooseBackend's (backend.go); the probe of a peer's shm endpoint it may
+// need runs here, once per connection. The connections themselves are
+// internal/control's.
 
 // backendEndpoints returns the data-plane endpoint of each backend, in the
-// order of backendNames.
+// order of r.names.
 func (r *rank) backendEndpoints() []string {
-	names := r.backendNames()
-	eps := make([]string, len(names))
-	for i, n := range names {
+	eps := make([]string, len(r.names))
+	for i, n := range r.names {
 		eps[i] = r.transports[n].Endpoint()
 	}
 	return eps
@@ -41,58 +33,37 @@ func (r *rank) backendEndpoints() []string {
 // in either direction.
 func (r *rank) hello() wire.Hello {
 	st, _ := r.state.MarshalBinary()
-	return wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.backendNames(), Endpoints: r.backendEndpoints()}
+	return wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.names, Endpoints: r.backendEndpoints()}
 }
 
-// chooseBackend picks the data plane for a pair: the configured one, or
-// with AUTO shm with a peer on this host that it reaches, else ucx, else
-// tcp.
-func (r *rank) chooseBackend(cc *control.Conn) (string, error) {
-	b, _, err := r.pickBackend(cc, true)
-	return b, err
-}
-
-// pickBackend is chooseBackend; unless mayWait, it reports ok false
-// instead of waiting for a probe of the peer's shm endpoint that has not
+// pickBackend picks the data plane for the pair over cc (chooseBackend),
+// probing the peer's shm endpoint when the choice needs it; unless
+// mayWait, it reports ok false instead of waiting for a probe that has not
 // been answered yet.
 func (r *rank) pickBackend(cc *control.Conn, mayWait bool) (backend string, ok bool, err error) {
 	peer := cc.Peer()
-	has := func(name string) bool {
-		_, mine := r.transports[name]
-		return mine && slices.Contains(peer.Backends, name)
-	}
-	if r.set.backend != "auto" {
-		if !has(r.set.backend) {
-			return "", true, fmt.Errorf("%w: backend %s: context rank %d at %s has %v open, this rank %v",
-				transport.ErrNotBuilt, r.set.backend, peer.Rank, peer.Endpoint, peer.Backends, r.backendNames())
+	c := chooseBackend(r.set.backend, r.names, r.set.host, peer, r.shmAnswer(cc))
+	if c.probe {
+		if !mayWait {
+			return "", false, nil
 		}
-		return r.set.backend, true, nil
+		c = chooseBackend(r.set.backend, r.names, r.set.host, peer, shmAnswer{known: true, err: r.probeShm(cc)})
 	}
-	for _, b := range autoOrder() {
-		switch {
-		case !has(b):
-		case b != "shm":
-			return b, true, nil
-		case peer.Host == r.set.host:
-			if !mayWait && !r.probed(cc) {
-				return "", false, nil
-			}
-			err := r.probeShm(cc)
-			if err == nil {
-				return b, true, nil
-			}
-			r.log.Info("shm not usable with this peer, falling back", "peer", peer.Endpoint, "peer_rank", peer.Rank, "reason", err)
-		}
+	if c.passed != nil {
+		r.log.Info("shm not usable with this peer, falling back", "peer", peer.Endpoint, "peer_rank", peer.Rank, "reason", c.passed)
 	}
-	return "", true, fmt.Errorf("no backend in common with context rank %d at %s (it has %v, this rank %v)", peer.Rank, peer.Endpoint, peer.Backends, r.backendNames())
+	return c.backend, true, c.err
 }
 
-// probed reports whether the probe of cc's peer has been answered.
-func (r *rank) probed(cc *control.Conn) bool {
+// shmAnswer returns what is known of the probe of cc's peer.
+func (r *rank) shmAnswer(cc *control.Conn) shmAnswer {
 	r.mu.Lock()
 	pr := r.probes[connID(cc.ID())]
 	r.mu.Unlock()
-	return pr != nil && pr.answered.Load()
+	if pr == nil || !pr.answered.Load() {
+		return shmAnswer{}
+	}
+	return shmAnswer{known: true, err: pr.err}
 }
 
 // shmProbe is the answer of one probe of a peer's shm endpoint.

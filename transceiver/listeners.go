@@ -31,7 +31,7 @@ func (t *Transceiver) Listeners() []Listener {
 	var out []Listener
 	for _, r := range t.ranks {
 		out = append(out, Listener{Rank: r.idx, Plane: "control", Addr: r.ctrl.Endpoint()})
-		for _, n := range r.backendNames() {
+		for _, n := range r.names {
 			tr := r.transports[n]
 			if al, ok := tr.(addrLister); ok {
 				for _, a := range al.ListenAddrs() {

@@ -25,7 +25,7 @@ func (r *rank) registerMemory() error {
 	if sa, ok := arena.(*kvcache.ShmArena); ok {
 		f = sa.File()
 	}
-	for _, n := range r.backendNames() {
+	for _, n := range r.names {
 		if mr, ok := r.transports[n].(transport.MemoryRegistrar); ok {
 			if err := mr.RegisterMemory(arena.Bytes(), f); err != nil {
 				return fmt.Errorf("transceiver: rank %d: register the pool: %w", r.idx, err)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"slices"
 	"sync"
@@ -53,6 +54,7 @@ type rank struct {
 	pool       *kvcache.Pool
 	set        rankSettings
 	transports map[string]transport.Transport
+	names      []string       // of the transports, sorted
 	ctrl       *control.Plane // the control connections
 	sendBufs   *mover.Buffers
 	recvBufs   *mover.Buffers
@@ -146,6 +148,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 	r := &rank{
 		life: life, stop: stop, goes: workers.NewPool(maxIdleWorkers),
 		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
+		names:    slices.Sorted(maps.Keys(trs)),
 		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
 		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
@@ -193,7 +196,7 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks = slices.Clone(blocks)
 	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes, digest: digest,
-		backends: r.backendNames(), bufBytes: int64(r.sendBufs.Size()), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
+		backends: r.names, bufBytes: int64(r.sendBufs.Size()), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
 	if err := r.admit(q); err != nil {
 		r.pool.Release(blocks...)
 		return err
@@ -510,7 +513,7 @@ func (r *rank) ask(q *rankReq, src int) {
 		return
 	}
 	defer release()
-	backend, err := r.chooseBackend(cc)
+	backend, _, err := r.pickBackend(cc, true)
 	r.asked(q, src, cc, backend, err)
 }
 
