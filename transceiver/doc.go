@@ -88,9 +88,9 @@
 // event under the rank's lock and carries out the effects after, in one
 // run; one cancel path, one close. It leaves the goroutine it runs on only
 // for what may wait: a dial, on a goroutine of its own; a send or a
-// receive, on one of the worker goroutines the rank keeps (up to 16 idle,
-// ended by Close), so that a transfer starts no goroutine and grows no
-// stack. A request-info on a connection already up is written on the
+// receive, on one of the worker goroutines the rank keeps
+// (internal/workers: up to 16 idle, ended by Close), so that a transfer
+// starts no goroutine and grows no stack. A request-info on a connection already up is written on the
 // goroutine that asked, and the end of a request (blocks back, the
 // instance told) is carried out by the last of its goroutines to finish,
 // not handed to another. Around it, internal/control keeps the
@@ -98,8 +98,10 @@
 // directions send, handshake and idle timeouts, one reader per
 // connection), handing the driver each frame and each lost connection and
 // asking it whether a connection is busy; control.go builds the rank's
-// hello and chooses a pair's backend; mover.go is the data mover (one send
-// or receive of a pair, direct or in chunks through the staging buffers).
+// hello and runs the probe of a peer's shm endpoint that the choice of a
+// pair's backend (backend.go, pure) may need; internal/mover is the data
+// mover (one send or receive of a pair, direct or in chunks through the
+// staging buffers), which mover.go hands each pair as the core planned it.
 // The Transceiver feeds the consensus core what the ranks report and
 // carries out its cancels.
 //
