@@ -71,11 +71,7 @@ func (g *opaqueGuard) check(op *OpaqueState, consume bool) error {
 			ErrExpiredOpaqueState, op.RequestID, op.Expiry.UTC().Format(time.RFC3339Nano), now.Sub(op.Expiry).Round(time.Millisecond))
 	}
 	for i, ep := range op.Endpoints {
-		host, _, err := net.SplitHostPort(ep)
-		if err != nil {
-			return fmt.Errorf("%w: endpoint %d %q is not host:port", ErrBadOpaqueState, i, ep)
-		}
-		if err := g.peers.dialCheck(host); err != nil {
+		if err := g.peers.endpointCheck(ep); err != nil {
 			return fmt.Errorf("context rank %d at %s: %w", i, ep, err)
 		}
 	}
@@ -256,6 +252,27 @@ func (p *peerPolicy) dialCheck(host string) error {
 		how += ", or give both instances the cluster secret (security.secret_file, " + config.EnvClusterSecret + ")"
 	}
 	return fmt.Errorf("%w: host %s is not loopback and not on the allow-list %v: %s", ErrPeerNotAllowed, host, p.list, how)
+}
+
+// endpointCheck is dialCheck for a control endpoint (host:port).
+func (p *peerPolicy) endpointCheck(endpoint string) error {
+	host, _, err := net.SplitHostPort(endpoint)
+	if err != nil {
+		return fmt.Errorf("%w: endpoint %q is not host:port", ErrBadOpaqueState, endpoint)
+	}
+	return p.dialCheck(host)
+}
+
+// accepter is acceptOK for a control listener, logging each refusal
+// (logRefusal) to log.
+func (p *peerPolicy) accepter(log *slog.Logger) func(net.Addr) bool {
+	return func(a net.Addr) bool {
+		if !p.acceptOK(a) {
+			p.logRefusal(log, a)
+			return false
+		}
+		return true
+	}
 }
 
 // acceptOK reports whether a control connection from addr may be served.

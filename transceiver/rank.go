@@ -162,23 +162,10 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 			HandshakeTimeout: set.limits.HandshakeTimeout, IdleTimeout: set.limits.IdleTimeout},
 		Observer: set.conns, Dial: set.net.Dial, Log: r.log, Hello: r.hello(),
 		TLSServer: set.tlsServer, TLSClient: set.tls,
-		AcceptOK: func(a net.Addr) bool {
-			if !set.peers.acceptOK(a) {
-				set.peers.logRefusal(r.log, a)
-				return false
-			}
-			return true
-		},
-		DialCheck: func(endpoint string) error {
-			// RequestAndReceiveAsync has checked every endpoint already;
-			// the dial is the one place that dials, so the rule is
-			// enforced there too.
-			host, _, err := net.SplitHostPort(endpoint)
-			if err != nil {
-				return fmt.Errorf("%w: endpoint %q is not host:port", ErrBadOpaqueState, endpoint)
-			}
-			return set.peers.dialCheck(host)
-		},
+		// RequestAndReceiveAsync has checked every endpoint already; the
+		// dial is the one place that dials, so the rule is enforced there
+		// too.
+		AcceptOK: set.peers.accepter(r.log), DialCheck: set.peers.endpointCheck,
 	}, r)
 	return r
 }
