@@ -4,8 +4,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
@@ -57,55 +55,30 @@ func (r *rank) pickBackend(cc *control.Conn, mayWait bool) (backend string, ok b
 
 // shmAnswer returns what is known of the probe of cc's peer.
 func (r *rank) shmAnswer(cc *control.Conn) shmAnswer {
-	r.mu.Lock()
-	pr := r.probes[connID(cc.ID())]
-	r.mu.Unlock()
-	if pr == nil || !pr.answered.Load() {
-		return shmAnswer{}
-	}
-	return shmAnswer{known: true, err: pr.err}
-}
-
-// shmProbe is the answer of one probe of a peer's shm endpoint.
-type shmProbe struct {
-	once     sync.Once
-	err      error
-	answered atomic.Bool // err is set
+	err, known := cc.Probed()
+	return shmAnswer{known: known, err: err}
 }
 
 // probeShm checks once per control connection that this rank can reach
 // the peer's shm endpoint and map memory with it (same host and namespace,
-// working memory files); the answer is kept while the connection is open.
+// working memory files); the connection keeps the answer while it is
+// open.
 func (r *rank) probeShm(cc *control.Conn) error {
-	id := connID(cc.ID())
-	r.mu.Lock()
-	pr := r.probes[id]
-	if pr == nil {
-		pr = &shmProbe{}
-		if r.ctrl.Conn(cc.ID()) != nil { // else Lost has forgotten it, or is about to
-			r.probes[id] = pr
-		}
-	}
-	r.mu.Unlock()
-	pr.once.Do(func() {
+	return cc.Probe(func() error {
 		peer := cc.Peer()
 		i := slices.Index(peer.Backends, "shm")
 		if i < 0 || i >= len(peer.Endpoints) {
-			pr.err = fmt.Errorf("the peer announced no shm endpoint")
-			return
+			return fmt.Errorf("the peer announced no shm endpoint")
 		}
 		// The receiving side probes in the direction of the data: ask our
 		// shm transport to reach the peer's (both directions need the same
 		// host and namespace).
 		p, ok := r.transports["shm"].(transport.Prober)
 		if !ok {
-			pr.err = fmt.Errorf("the shm backend cannot probe")
-			return
+			return fmt.Errorf("the shm backend cannot probe")
 		}
 		ctx, cancel := context.WithTimeout(r.life, 5*time.Second)
 		defer cancel()
-		pr.err = p.Probe(ctx, peer.Endpoints[i])
+		return p.Probe(ctx, peer.Endpoints[i])
 	})
-	pr.answered.Store(true)
-	return pr.err
 }

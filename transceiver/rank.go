@@ -73,8 +73,7 @@ type rank struct {
 	mu     sync.Mutex
 	closed bool
 	reqs   map[reqKey]*rankReq
-	probes map[connID]*shmProbe // shm probe of the peer, per open control connection
-	hold   *askHold             // asks for context requests not handed to this rank yet
+	hold   *askHold // asks for context requests not handed to this rank yet
 	// deadlines are the requests' deadline ticks, behind one timer.
 	deadlines deadlines
 	// stopHold stops the hold's timer (nil: none armed).
@@ -152,8 +151,8 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
 		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
-		reqs:     map[reqKey]*rankReq{}, probes: map[connID]*shmProbe{},
-		hold: newAskHold(idx, set.timeout),
+		reqs:     map[reqKey]*rankReq{},
+		hold:     newAskHold(idx, set.timeout),
 	}
 	r.deadlines.fire = r.tick
 	r.ctrl = control.New(control.Config{
@@ -636,7 +635,6 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 func (r *rank) Lost(cc *control.Conn, err error) {
 	id := connID(cc.ID())
 	r.mu.Lock()
-	delete(r.probes, id)
 	hit := r.usersOf(id)
 	if !r.closed {
 		r.hold.step(evConnLost{conn: id}) // (no effects: the askers are gone)

@@ -29,6 +29,10 @@ type Conn struct {
 	dead      chan struct{} // closed when the connection is closed
 	err       error         // why it died; set before dead is closed
 
+	probeOnce sync.Once
+	probeErr  error       // the answer of Probe; set before probed
+	probed    atomic.Bool // Probe has answered
+
 	used  atomic.Int64 // unix nanoseconds of the last use (see Touch)
 	users int          // dialled: callers of Dial not yet released (guarded by Plane.mu)
 	takes uint64       // dialled: Dials that have returned it (guarded by Plane.mu)
@@ -68,6 +72,27 @@ func (c *Conn) Peer() Peer { return c.peer }
 
 // Dialled reports whether this side dialled c.
 func (c *Conn) Dialled() bool { return c.dialled }
+
+// Probe runs f once for c and keeps its answer while c lives: an answer
+// about the peer that holds as long as it stays connected (can this side
+// reach its shared-memory endpoint?). The first caller runs f; callers
+// meanwhile wait for it, later ones get its answer at once.
+func (c *Conn) Probe(f func() error) error {
+	c.probeOnce.Do(func() {
+		c.probeErr = f()
+		c.probed.Store(true)
+	})
+	return c.probeErr
+}
+
+// Probed returns Probe's answer, and whether it has been given (false
+// while none was asked or the first is running).
+func (c *Conn) Probed() (err error, answered bool) {
+	if !c.probed.Load() {
+		return nil, false
+	}
+	return c.probeErr, true
+}
 
 // Send writes one frame whole. A write that cannot finish within
 // writeTimeout kills the connection: a control peer that does not read is

@@ -654,3 +654,45 @@ func TestSendGathers(t *testing.T) {
 		t.Fatalf("Send on a dead Conn = %v, want ErrPeerLost", err)
 	}
 }
+
+// TestConnProbe: Probe runs its function once per Conn whoever calls it
+// and however many at once; callers during the run wait for its answer;
+// Probed says nothing until it is given.
+func TestConnProbe(t *testing.T) {
+	var c Conn
+	if err, ok := c.Probed(); ok || err != nil {
+		t.Fatalf("Probed before any Probe: %v, %v", err, ok)
+	}
+	answer := errors.New("shm endpoint not reachable")
+	release := make(chan struct{})
+	var runs atomic.Int32
+	var wg sync.WaitGroup
+	errs := make([]error, 8)
+	for i := range errs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = c.Probe(func() error { runs.Add(1); <-release; return answer })
+		}()
+	}
+	time.Sleep(10 * time.Millisecond)
+	if _, ok := c.Probed(); ok {
+		t.Error("Probed answered while the probe runs")
+	}
+	close(release)
+	wg.Wait()
+	if n := runs.Load(); n != 1 {
+		t.Errorf("the probe ran %d times, want 1", n)
+	}
+	for i, err := range errs {
+		if err != answer {
+			t.Errorf("caller %d got %v, want the probe's answer", i, err)
+		}
+	}
+	if err, ok := c.Probed(); !ok || err != answer {
+		t.Errorf("Probed after: %v, %v", err, ok)
+	}
+	if err := c.Probe(func() error { t.Error("a second probe ran"); return nil }); err != answer {
+		t.Errorf("a later Probe: %v", err)
+	}
+}
