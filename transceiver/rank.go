@@ -344,13 +344,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effStartSend:
 			// A direct send takes no chunk receipts: no queue for them.
 			ctx, descs := r.descQueue(q, e.attempt, e.gen, e.pair.direct == nil)
-			r.work(q, func() (int64, int, string, event) {
-				n, chunks, err := r.sendPair(ctx, q, e.pair, descs)
-				if err == nil && e.readyAfter {
-					r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.pair.chunk)})
-				}
-				return n, chunks, r.transports[e.pair.backend].Name(), evSent{gen: e.gen, attempt: e.attempt, err: err}
-			})
+			r.work(q, func() moved { return r.sendPair(ctx, q, e, descs) })
 		case effChunk:
 			_, descs := r.descQueue(q, e.attempt, e.gen, true)
 			select {
@@ -374,11 +368,11 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			// On this goroutine when the connection is up already (the
 			// request-info is then one write away); a dial, or a probe of
 			// the peer's shm endpoint, on a goroutine of its own.
-			if !r.askCached(q, e.src) {
+			if !r.ask(q, e.src, false) {
 				q.workers.Add(1)
 				r.goes.Go(func() {
 					defer q.workers.Done()
-					r.ask(q, e.src)
+					r.ask(q, e.src, true)
 				})
 			}
 		case effRequestInfo:
@@ -387,20 +381,10 @@ func (r *rank) run(q *rankReq, effs []effect) {
 				break
 			}
 			if e.direct {
-				n := int64(e.ri.NumBlocks) * e.plan.PackedBytesPerBlock()
-				r.work(q, func() (int64, int, string, event) {
-					s := r.source(q, e.src)
-					if err := r.recvDirect(q, s); err != nil {
-						return 0, 0, s.tr.Name(), evReceived{src: e.src, err: err}
-					}
-					return n, 1, s.tr.Name(), evReceived{src: e.src}
-				})
+				r.work(q, func() moved { return r.recvDirect(q, e) })
 			}
 		case effStartRecv:
-			r.work(q, func() (int64, int, string, event) {
-				n, chunks, err := r.recvPair(q, e)
-				return n, chunks, r.source(q, e.src).tr.Name(), evReceived{src: e.src, err: err}
-			})
+			r.work(q, func() moved { return r.recvPair(q, e) })
 		case effAbort:
 			r.send(e.to, &wire.Abort{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Reason: e.reason})
 		case effStopAll:
@@ -443,7 +427,7 @@ func (r *rank) send(to route, f wire.Frame) {
 
 // work runs a send or a receive of q on a worker goroutine, accounts its
 // figures and feeds the core its end.
-func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string, end event)) {
+func (r *rank) work(q *rankReq, move func() moved) {
 	r.mu.Lock()
 	if q.stats.moving.IsZero() {
 		q.stats.moving = r.set.now()
@@ -452,13 +436,13 @@ func (r *rank) work(q *rankReq, move func() (n int64, chunks int, backend string
 	q.workers.Add(1)
 	r.goes.Go(func() {
 		defer q.workers.Done() // after the step: the completion reads the stats
-		n, chunks, backend, end := move()
+		m := move()
 		r.mu.Lock()
-		q.stats.bytes += n
-		q.stats.chunks += chunks
-		q.stats.backend = backend
+		q.stats.bytes += m.bytes
+		q.stats.chunks += m.chunks
+		q.stats.backend = m.backend
 		r.mu.Unlock()
-		r.step(q, end)
+		r.step(q, m.end)
 	})
 }
 
@@ -490,50 +474,41 @@ func (r *rank) source(q *rankReq, src int) *srcIO {
 	return q.srcs[src]
 }
 
-// ask reaches context rank src for q (dial, backend) and hands the result
-// to the core, which writes the request-info.
-func (r *rank) ask(q *rankReq, src int) {
-	cc, release, err := r.ctrl.Dial(q.ctx, q.endpoints[src])
-	if err != nil {
-		r.step(q, evAskFailed{src: src, err: err})
-		return
+// ask reaches context rank src for q (dial, backend) and hands the
+// outcome to the core, which writes the request-info. Unless mayWait, it
+// does nothing and reports false where it would wait: no live connection
+// to src in the dial cache, or a probe of the peer's shm endpoint not
+// answered yet.
+func (r *rank) ask(q *rankReq, src int, mayWait bool) bool {
+	var cc *control.Conn
+	var release func()
+	var err error
+	if mayWait {
+		cc, release, err = r.ctrl.Dial(q.ctx, q.endpoints[src])
+	} else {
+		var ok bool
+		if cc, release, ok, err = r.ctrl.Cached(q.endpoints[src]); err == nil && !ok {
+			return false
+		}
 	}
-	defer release()
-	backend, _, err := r.pickBackend(cc, true)
-	r.asked(q, src, cc, backend, err)
-}
-
-// askCached is ask when the dial cache holds a live connection to src and
-// the backend is known without waiting; it reports false, having done
-// nothing, otherwise.
-func (r *rank) askCached(q *rankReq, src int) bool {
-	cc, release, ok, err := r.ctrl.Cached(q.endpoints[src])
 	if err != nil {
 		r.step(q, evAskFailed{src: src, err: err})
 		return true
 	}
-	if !ok {
-		return false
-	}
 	defer release()
-	backend, ok, err := r.pickBackend(cc, false)
-	if !ok {
+	backend, ok, err := r.pickBackend(cc, mayWait)
+	switch {
+	case !ok:
 		return false
-	}
-	r.asked(q, src, cc, backend, err)
-	return true
-}
-
-// asked hands the core the outcome of reaching src over cc.
-func (r *rank) asked(q *rankReq, src int, cc *control.Conn, backend string, err error) {
-	if err != nil {
+	case err != nil:
 		r.step(q, evAskFailed{src: src, err: err})
-		return
+		return true
 	}
 	r.mu.Lock()
 	q.srcs[src] = &srcIO{conn: cc, tr: r.transports[backend]}
 	r.mu.Unlock()
 	r.step(q, evDialled{src: src, conn: connID(cc.ID()), backend: backend})
+	return true
 }
 
 // requestInfo sends the request-info, first arming the receipt of a direct

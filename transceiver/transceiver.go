@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/netip"
 	"os"
@@ -414,11 +415,31 @@ func (t *Transceiver) openRank(ctx context.Context, i, at int, cfg *config.Cache
 		// an ask may come before this one is (see askHold).
 		r.begun = t.begunElsewhere
 	}
-	if err := r.registerMemory(); err != nil {
+	if err := registerPool(i, opts.Pools[at], trs); err != nil {
 		r.close()
 		return nil, err
 	}
 	return r, nil
+}
+
+// registerPool declares rank i's pool arena to every data plane that
+// wants memory registered. Staging buffers stay private heap memory: no
+// backend hands a peer a pool or a staging buffer (shm copies each part
+// into a window of the connection; see transport/shm).
+func registerPool(i int, pool *kvcache.Pool, trs map[string]transport.Transport) error {
+	arena := pool.Arena()
+	var f *os.File
+	if sa, ok := arena.(*kvcache.ShmArena); ok {
+		f = sa.File()
+	}
+	for _, n := range slices.Sorted(maps.Keys(trs)) {
+		if mr, ok := trs[n].(transport.MemoryRegistrar); ok {
+			if err := mr.RegisterMemory(arena.Bytes(), f); err != nil {
+				return fmt.Errorf("transceiver: rank %d: register the pool with %s: %w", i, n, err)
+			}
+		}
+	}
+	return nil
 }
 
 // autoOrder is config.AutoPreference as data-plane names: the order in
