@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"time"
+
+	"github.com/kvxfer/kvxfer/internal/wirefield"
 )
 
 // The group protocol: the messages the processes of one instance exchange
@@ -107,12 +109,7 @@ func appendErr(b []byte, err error) []byte {
 		msg = msg[:maxErrMsgLen]
 	}
 	b = append(b, code)
-	return appendBytes(b, []byte(msg))
-}
-
-func appendBytes(b, v []byte) []byte {
-	b = binary.AppendUvarint(b, uint64(len(v)))
-	return append(b, v...)
+	return wirefield.AppendBytes(b, []byte(msg))
 }
 
 func appendInts(b []byte, v []int) []byte {
@@ -139,7 +136,7 @@ func appendJoin(b []byte, j groupJoin) []byte {
 	b = appendInts(b, j.ranks)
 	b = binary.AppendUvarint(b, uint64(len(j.endpoints)))
 	for _, e := range j.endpoints {
-		b = appendBytes(b, []byte(e))
+		b = wirefield.AppendBytes(b, []byte(e))
 	}
 	return append(b, j.share[:]...)
 }
@@ -186,7 +183,7 @@ func encodeBatch(proc int, evs []instEvent) ([]byte, error) {
 			if len(be) > maxBackendLen {
 				be = be[:maxBackendLen]
 			}
-			b = appendBytes(b, []byte(be))
+			b = wirefield.AppendBytes(b, []byte(be))
 			b = appendTime(b, ev.res.end)
 			b = appendTime(b, ev.now)
 		case attemptEndEvent:
@@ -248,27 +245,27 @@ func decodeGroupMsg(b []byte) (*groupMsg, error) {
 	if b[0] != groupVersion {
 		return nil, fmt.Errorf("%w: version %d, this build speaks %d", ErrBadGroupMessage, b[0], groupVersion)
 	}
-	d := &gdecoder{buf: b, off: 2, idx: -1}
+	d := newGDecoder(b)
 	m := &groupMsg{typ: groupMsgType(b[1])}
 	switch m.typ {
 	case groupMsgJoin:
 		d.at = "join"
 		m.join = d.join()
 	case groupMsgJoined:
-		n := int(d.uvarint("joined.count", maxGroupProcs))
+		n := int(d.Uvarint("joined.count", maxGroupProcs))
 		d.at = "joined"
-		for i := 0; i < n && d.err == nil; i++ {
+		for i := 0; i < n && d.Err == nil; i++ {
 			d.idx = i
 			m.joins = append(m.joins, d.join())
 		}
 	case groupMsgBatch:
-		m.proc = int(d.uvarint("batch.process", maxGroupProcs))
-		n := int(d.uvarint("batch.count", maxGroupEvents))
+		m.proc = int(d.Uvarint("batch.process", maxGroupProcs))
+		n := int(d.Uvarint("batch.count", maxGroupEvents))
 		d.at = "batch.event"
 		m.events = make([]instEvent, 0, min(n, len(b)))
-		for i := 0; i < n && d.err == nil; i++ {
+		for i := 0; i < n && d.Err == nil; i++ {
 			d.idx = i
-			if ev := d.event(); d.err == nil {
+			if ev := d.event(); d.Err == nil {
 				m.events = append(m.events, ev)
 			}
 		}
@@ -276,20 +273,16 @@ func decodeGroupMsg(b []byte) (*groupMsg, error) {
 	default:
 		return nil, fmt.Errorf("%w: unknown message type %d", ErrBadGroupMessage, b[1])
 	}
-	if d.err == nil && d.off != len(b) {
-		d.fail("end", fmt.Sprintf("%d trailing bytes", len(b)-d.off))
-	}
-	if d.err != nil {
-		return nil, d.err
+	if err := d.End(); err != nil {
+		return nil, err
 	}
 	return m, nil
 }
 
-// gdecoder reads bounded fields and keeps the first error with its place.
+// gdecoder reads the bounded fields of one group message; its errors wrap
+// ErrBadGroupMessage and name the place of the field and the byte.
 type gdecoder struct {
-	buf []byte
-	off int
-	err error
+	wirefield.Decoder
 	// The place of the fields being read, named only on failure (so that
 	// a message decodes without building names): at[idx] (idx ≥ 0), then
 	// the field.
@@ -297,112 +290,65 @@ type gdecoder struct {
 	idx int
 }
 
-func (d *gdecoder) fail(field, why string) {
-	if d.err == nil {
+func newGDecoder(b []byte) *gdecoder {
+	d := &gdecoder{idx: -1}
+	d.Buf, d.Off = b, 2
+	d.Wrap = func(field string, off int, why string) error {
 		place := d.at
 		if d.idx >= 0 {
 			place = fmt.Sprintf("%s[%d]", d.at, d.idx)
 		}
-		d.err = fmt.Errorf("%w: %s%s at byte %d: %s", ErrBadGroupMessage, place, field, d.off, why)
+		return fmt.Errorf("%w: %s%s at byte %d: %s", ErrBadGroupMessage, place, field, off, why)
 	}
+	return d
 }
 
-func (d *gdecoder) uvarint(field string, max uint64) uint64 {
-	if d.err != nil {
-		return 0
-	}
-	v, n := binary.Uvarint(d.buf[d.off:])
-	if n <= 0 {
-		d.fail(field, "truncated or overlong varint")
-		return 0
-	}
-	if v > max {
-		d.fail(field, fmt.Sprintf("value %d exceeds %d", v, max))
-		return 0
-	}
-	d.off += n
-	return v
-}
-
+// time reads a time written by appendTime.
 func (d *gdecoder) time(field string) time.Time {
-	if d.err != nil {
-		return time.Time{}
-	}
-	v, n := binary.Varint(d.buf[d.off:])
-	if n <= 0 {
-		d.fail(field, "truncated or overlong varint")
-		return time.Time{}
-	}
-	d.off += n
+	v := d.Varint(field)
 	if v == 0 {
 		return time.Time{}
 	}
 	return time.Unix(0, v)
 }
 
-func (d *gdecoder) byte(field string) byte {
-	if d.err != nil {
-		return 0
-	}
-	if d.off >= len(d.buf) {
-		d.fail(field, "truncated")
-		return 0
-	}
-	d.off++
-	return d.buf[d.off-1]
-}
-
-func (d *gdecoder) bytes(field string, max int) []byte {
-	n := int(d.uvarint(field, uint64(max)))
-	if d.err != nil {
-		return nil
-	}
-	if len(d.buf)-d.off < n {
-		d.fail(field, fmt.Sprintf("length %d, only %d bytes left", n, len(d.buf)-d.off))
-		return nil
-	}
-	out := d.buf[d.off : d.off+n : d.off+n]
-	d.off += n
-	return out
-}
-
 // ints reads a list of rank numbers; field and its element fields are
 // the constants given (an element's failure names no index: the byte
 // offset places it).
 func (d *gdecoder) ints(count, elem string) []int {
-	n := int(d.uvarint(count, maxGroupRanks))
-	if d.err != nil || n == 0 {
+	n := int(d.Uvarint(count, maxGroupRanks))
+	if d.Err != nil || n == 0 {
 		return nil
 	}
-	out := make([]int, 0, min(n, len(d.buf)-d.off))
-	for i := 0; i < n && d.err == nil; i++ {
-		out = append(out, int(d.uvarint(elem, maxGroupRanks-1)))
+	out := make([]int, 0, min(n, len(d.Buf)-d.Off))
+	for i := 0; i < n && d.Err == nil; i++ {
+		out = append(out, int(d.Uvarint(elem, maxGroupRanks-1)))
 	}
 	return out
 }
 
 func (d *gdecoder) key() instKey {
-	s := d.byte(".key.side")
-	if d.err == nil && s > byte(sideRecv) {
-		d.fail(".key.side", fmt.Sprintf("side %d is neither send (0) nor recv (1)", s))
+	s := d.Byte(".key.side")
+	if d.Err == nil && s > byte(sideRecv) {
+		d.Fail(".key.side", fmt.Sprintf("side %d is neither send (0) nor recv (1)", s))
 	}
-	return instKey{side: side(s), id: d.uvarint(".key.id", 1<<64-1)}
+	return instKey{side: side(s), id: d.Uvarint(".key.id", 1<<64-1)}
 }
 
 func (d *gdecoder) errv(code, msg string) error {
-	c := d.byte(code)
-	if d.err != nil || c == 0 {
+	c := d.Byte(code)
+	if d.Err != nil || c == 0 {
 		return nil
 	}
-	m := string(d.bytes(msg, maxErrMsgLen))
-	if d.err != nil {
+	m := string(d.Bytes(msg, maxErrMsgLen))
+	if d.Err != nil {
 		return nil
 	}
 	if c == errCodeOther {
 		return &remoteError{msg: m}
 	}
 	if int(c) >= len(errCodes) {
-		d.fail(code, fmt.Sprintf("unknown error code %d", c))
+		d.Fail(code, fmt.Sprintf("unknown error code %d", c))
 		return nil
 	}
 	return &remoteError{kind: errCodes[c], msg: m}
@@ -411,37 +357,32 @@ func (d *gdecoder) errv(code, msg string) error {
 func (d *gdecoder) join() groupJoin {
 	var j groupJoin
 	j.ranks = d.ints(".ranks.count", ".ranks[]")
-	n := int(d.uvarint(".endpoints.count", maxGroupRanks))
-	if d.err == nil && n != len(j.ranks) {
-		d.fail(".endpoints.count", fmt.Sprintf("%d endpoints for %d ranks", n, len(j.ranks)))
+	n := int(d.Uvarint(".endpoints.count", maxGroupRanks))
+	if d.Err == nil && n != len(j.ranks) {
+		d.Fail(".endpoints.count", fmt.Sprintf("%d endpoints for %d ranks", n, len(j.ranks)))
 	}
-	for i := 0; i < n && d.err == nil; i++ {
-		j.endpoints = append(j.endpoints, string(d.bytes(".endpoints[]", maxEndpointLen)))
+	for i := 0; i < n && d.Err == nil; i++ {
+		j.endpoints = append(j.endpoints, string(d.Bytes(".endpoints[]", maxEndpointLen)))
 	}
-	if d.err == nil && len(d.buf)-d.off < groupShareBytes {
-		d.fail(".share", fmt.Sprintf("need %d bytes, have %d", groupShareBytes, len(d.buf)-d.off))
-	}
-	if d.err == nil {
-		d.off += copy(j.share[:], d.buf[d.off:])
-	}
+	d.Fixed(".share", j.share[:])
 	return j
 }
 
 func (d *gdecoder) event() instEvent {
-	switch kind := d.byte(".kind"); kind {
+	switch kind := d.Byte(".kind"); kind {
 	case evKindBegin:
 		return joinBeginEvent{key: d.key(), ranks: d.ints(".ranks.count", ".ranks[]"), now: d.time(".now")}
 	case evKindDone:
-		ev := rankDoneEvent{key: d.key(), rank: int(d.uvarint(".rank", maxGroupRanks-1)), err: d.errv(".err.code", ".err.msg")}
-		ev.res.bytes = int64(d.uvarint(".bytes", 1<<62))
-		ev.res.chunks = int(d.uvarint(".chunks", 1<<31))
-		ev.res.backend = string(d.bytes(".backend", maxBackendLen))
+		ev := rankDoneEvent{key: d.key(), rank: int(d.Uvarint(".rank", maxGroupRanks-1)), err: d.errv(".err.code", ".err.msg")}
+		ev.res.bytes = int64(d.Uvarint(".bytes", 1<<62))
+		ev.res.chunks = int(d.Uvarint(".chunks", 1<<31))
+		ev.res.backend = string(d.Bytes(".backend", maxBackendLen))
 		ev.res.end = d.time(".end")
 		ev.now = d.time(".now")
 		return ev
 	case evKindAttempt:
-		return attemptEndEvent{key: d.key(), rank: int(d.uvarint(".rank", maxGroupRanks-1)),
-			attempt: d.uvarint(".attempt", 1<<64-1), err: d.errv(".err.code", ".err.msg")}
+		return attemptEndEvent{key: d.key(), rank: int(d.Uvarint(".rank", maxGroupRanks-1)),
+			attempt: d.Uvarint(".attempt", 1<<64-1), err: d.errv(".err.code", ".err.msg")}
 	case evKindStartFailed:
 		return startFailedEvent{key: d.key(), ranks: d.ints(".ranks.count", ".ranks[]"), err: d.errv(".err.code", ".err.msg"), now: d.time(".now")}
 	case evKindCancel:
@@ -449,8 +390,8 @@ func (d *gdecoder) event() instEvent {
 	case evKindRanksLost:
 		return ranksLostEvent{ranks: d.ints(".ranks.count", ".ranks[]"), err: d.errv(".err.code", ".err.msg"), now: d.time(".now")}
 	default:
-		if d.err == nil {
-			d.fail(".kind", fmt.Sprintf("unknown event kind %d", kind))
+		if d.Err == nil {
+			d.Fail(".kind", fmt.Sprintf("unknown event kind %d", kind))
 		}
 		return nil
 	}

@@ -84,7 +84,7 @@ var boundaries = []rule{
 	// JSON Schema.
 	{pkg: "bench/serving", may: []string{"bench", "internal/buildinfo"}, tests: []string{"bench/benchtest"},
 		ext: []string{"gonum.org/v1/plot/...", "github.com/santhosh-tekuri/jsonschema/v6"}},
-	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept"},
+	{pkg: "transceiver/...", may: []string{"transport", "layout", "kvcache", "config", "internal/netlimit", "internal/accept", "internal/wirefield"},
 		tests: []string{"transport/...", "internal/syncbuf", "internal/tlsconf", "internal/memnet"}},
 	// The control connections of a rank: frames, the accept loop, the
 	// listener's limits; never requests, layouts or transports.
@@ -129,6 +129,8 @@ var boundaries = []rule{
 	// The conformance suite every store passes: test code, so goleak.
 	{pkg: "membership/membershiptest", may: []string{"membership", "internal/freeport", "internal/tlsconf"}, ext: []string{"go.uber.org/goleak"}},
 	// Helpers under internal/: each is below everything that uses it.
+	// The bounded fields of the control frames and the group messages.
+	{pkg: "internal/wirefield"},
 	{pkg: "internal/netlimit", tests: []string{"internal/syncbuf"}},
 	// Config.Transport hands the configs to the data planes.
 	{pkg: "internal/tlsconf", may: []string{"transport"}},

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+
+	"github.com/kvxfer/kvxfer/internal/wirefield"
 )
 
 // Version is the control protocol version carried in Hello. A peer with
@@ -237,125 +239,69 @@ func Decode(body []byte) (Frame, error) {
 	default:
 		return nil, fmt.Errorf("%w: unknown frame type %d", ErrMalformed, body[0])
 	}
-	d := &decoder{buf: body, off: 1, frame: f.Type()}
+	d := newDecoder(body, f.Type())
 	f.decodePayload(d)
-	if d.err == nil && d.off != len(d.buf) {
-		d.fail("end", fmt.Sprintf("%d trailing bytes", len(d.buf)-d.off))
-	}
-	if d.err != nil {
-		return nil, d.err
+	if err := d.End(); err != nil {
+		return nil, err
 	}
 	return f, nil
 }
 
-// decoder reads bounded fields and records the first error with its
-// position.
+// decoder reads the bounded fields of one frame's payload; its errors
+// wrap ErrMalformed and name the frame, the field and the byte.
 type decoder struct {
-	buf   []byte
-	off   int
+	wirefield.Decoder
 	frame Type
-	err   error
 }
 
-func (d *decoder) fail(field, why string) {
-	if d.err == nil {
-		d.err = fmt.Errorf("%w: %s.%s at byte %d: %s", ErrMalformed, d.frame, field, d.off, why)
+func newDecoder(body []byte, frame Type) *decoder {
+	d := &decoder{frame: frame}
+	d.Buf, d.Off = body, 1
+	d.Wrap = func(field string, off int, why string) error {
+		return fmt.Errorf("%w: %s.%s at byte %d: %s", ErrMalformed, d.frame, field, off, why)
 	}
+	return d
 }
 
-func (d *decoder) uvarint(field string, max uint64) uint64 {
-	if d.err != nil {
-		return 0
-	}
-	v, n := binary.Uvarint(d.buf[d.off:])
-	if n <= 0 {
-		d.fail(field, "truncated or overlong varint")
-		return 0
-	}
-	if v > max {
-		d.fail(field, fmt.Sprintf("value %d exceeds %d", v, max))
-		return 0
-	}
-	d.off += n
-	return v
-}
-
-func (d *decoder) fixed(field string, dst []byte) {
-	if d.err != nil {
-		return
-	}
-	if len(d.buf)-d.off < len(dst) {
-		d.fail(field, fmt.Sprintf("need %d bytes, have %d", len(dst), len(d.buf)-d.off))
-		return
-	}
-	copy(dst, d.buf[d.off:])
-	d.off += len(dst)
-}
-
-func (d *decoder) bool(field string) bool {
-	if d.err != nil {
-		return false
-	}
-	v := d.uvarint(field, 1)
-	return v == 1
-}
-
+// bytes reads a length-prefixed field into memory of its own (a frame's
+// fields outlive the read buffer).
 func (d *decoder) bytes(field string, max int) []byte {
-	n := int(d.uvarint(field+".len", uint64(max)))
-	if d.err != nil {
+	b := d.Bytes(field, max)
+	if d.Err != nil {
 		return nil
 	}
-	if len(d.buf)-d.off < n {
-		d.fail(field, fmt.Sprintf("length %d, only %d bytes left", n, len(d.buf)-d.off))
-		return nil
-	}
-	out := make([]byte, n)
-	copy(out, d.buf[d.off:])
-	d.off += n
-	return out
+	return append(make([]byte, 0, len(b)), b...)
 }
 
-func (d *decoder) string(field string, max int) string { return string(d.bytes(field, max)) }
-
-func appendBytes(b, v []byte) []byte {
-	b = binary.AppendUvarint(b, uint64(len(v)))
-	return append(b, v...)
-}
-
-func appendBool(b []byte, v bool) []byte {
-	if v {
-		return append(b, 1)
-	}
-	return append(b, 0)
-}
+func (d *decoder) string(field string, max int) string { return string(d.Bytes(field, max)) }
 
 func (f *Hello) appendPayload(b []byte) []byte {
 	b = binary.AppendUvarint(b, uint64(f.Version))
 	b = binary.AppendUvarint(b, uint64(f.Rank))
-	b = appendBytes(b, f.State)
-	b = appendBytes(b, []byte(f.Host))
+	b = wirefield.AppendBytes(b, f.State)
+	b = wirefield.AppendBytes(b, []byte(f.Host))
 	b = binary.AppendUvarint(b, uint64(len(f.Backends)))
 	for _, s := range f.Backends {
-		b = appendBytes(b, []byte(s))
+		b = wirefield.AppendBytes(b, []byte(s))
 	}
 	b = binary.AppendUvarint(b, uint64(len(f.Endpoints)))
 	for _, s := range f.Endpoints {
-		b = appendBytes(b, []byte(s))
+		b = wirefield.AppendBytes(b, []byte(s))
 	}
 	return b
 }
 
 func (f *Hello) decodePayload(d *decoder) {
-	f.Version = uint16(d.uvarint("version", 1<<16-1))
-	f.Rank = uint32(d.uvarint("rank", 1<<20))
+	f.Version = uint16(d.Uvarint("version", 1<<16-1))
+	f.Rank = uint32(d.Uvarint("rank", 1<<20))
 	f.State = d.bytes("state", MaxBlob)
 	f.Host = d.string("host", MaxName)
-	n := int(d.uvarint("backends", MaxBackends))
-	for i := 0; i < n && d.err == nil; i++ {
+	n := int(d.Uvarint("backends", MaxBackends))
+	for i := 0; i < n && d.Err == nil; i++ {
 		f.Backends = append(f.Backends, d.string(fmt.Sprintf("backends[%d]", i), MaxName))
 	}
-	n = int(d.uvarint("endpoints", MaxBackends))
-	for i := 0; i < n && d.err == nil; i++ {
+	n = int(d.Uvarint("endpoints", MaxBackends))
+	for i := 0; i < n && d.Err == nil; i++ {
 		f.Endpoints = append(f.Endpoints, d.string(fmt.Sprintf("endpoints[%d]", i), MaxBlob))
 	}
 }
@@ -365,31 +311,31 @@ func (f *RequestInfo) appendPayload(b []byte) []byte {
 	b = append(b, f.Token[:]...)
 	b = binary.AppendUvarint(b, f.GenRequestID)
 	b = binary.AppendUvarint(b, uint64(f.GenRank))
-	b = appendBytes(b, f.GenState)
+	b = wirefield.AppendBytes(b, f.GenState)
 	b = binary.AppendUvarint(b, uint64(f.NumBlocks))
-	b = appendBool(b, f.HasLastHash)
+	b = wirefield.AppendBool(b, f.HasLastHash)
 	if f.HasLastHash {
 		b = append(b, f.LastHash[:]...)
 	}
 	b = append(b, f.PromptDigest[:]...)
 	b = binary.AppendUvarint(b, uint64(f.MaxChunkBlocks))
-	b = appendBytes(b, []byte(f.Backend))
-	return appendBytes(b, f.Desc)
+	b = wirefield.AppendBytes(b, []byte(f.Backend))
+	return wirefield.AppendBytes(b, f.Desc)
 }
 
 func (f *RequestInfo) decodePayload(d *decoder) {
-	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
-	d.fixed("token", f.Token[:])
-	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
-	f.GenRank = uint32(d.uvarint("gen_rank", 1<<20))
+	f.CtxRequestID = d.Uvarint("ctx_request_id", 1<<64-1)
+	d.Fixed("token", f.Token[:])
+	f.GenRequestID = d.Uvarint("gen_request_id", 1<<64-1)
+	f.GenRank = uint32(d.Uvarint("gen_rank", 1<<20))
 	f.GenState = d.bytes("gen_state", MaxBlob)
-	f.NumBlocks = uint32(d.uvarint("num_blocks", 1<<31-1))
-	f.HasLastHash = d.bool("has_last_hash")
+	f.NumBlocks = uint32(d.Uvarint("num_blocks", 1<<31-1))
+	f.HasLastHash = d.Bool("has_last_hash")
 	if f.HasLastHash {
-		d.fixed("last_hash", f.LastHash[:])
+		d.Fixed("last_hash", f.LastHash[:])
 	}
-	d.fixed("prompt_digest", f.PromptDigest[:])
-	f.MaxChunkBlocks = uint32(d.uvarint("max_chunk_blocks", 1<<31-1))
+	d.Fixed("prompt_digest", f.PromptDigest[:])
+	f.MaxChunkBlocks = uint32(d.Uvarint("max_chunk_blocks", 1<<31-1))
 	f.Backend = d.string("backend", MaxName)
 	f.Desc = d.bytes("desc", MaxBlob)
 }
@@ -401,23 +347,23 @@ func (f *Ready) appendPayload(b []byte) []byte {
 }
 
 func (f *Ready) decodePayload(d *decoder) {
-	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
-	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
-	f.ChunkBlocks = uint32(d.uvarint("chunk_blocks", 1<<31-1))
+	f.CtxRequestID = d.Uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.Uvarint("gen_request_id", 1<<64-1)
+	f.ChunkBlocks = uint32(d.Uvarint("chunk_blocks", 1<<31-1))
 }
 
 func (f *Refused) appendPayload(b []byte) []byte {
 	b = binary.AppendUvarint(b, f.CtxRequestID)
 	b = binary.AppendUvarint(b, f.GenRequestID)
 	b = append(b, f.Code)
-	return appendBytes(b, []byte(truncate(f.Reason)))
+	return wirefield.AppendBytes(b, []byte(truncate(f.Reason)))
 }
 
 func (f *Refused) decodePayload(d *decoder) {
-	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
-	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	f.CtxRequestID = d.Uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.Uvarint("gen_request_id", 1<<64-1)
 	var c [1]byte
-	d.fixed("code", c[:])
+	d.Fixed("code", c[:])
 	f.Code = c[0]
 	f.Reason = d.string("reason", MaxReason)
 }
@@ -426,32 +372,32 @@ func (f *ChunkDesc) appendPayload(b []byte) []byte {
 	b = binary.AppendUvarint(b, f.CtxRequestID)
 	b = binary.AppendUvarint(b, f.GenRequestID)
 	b = binary.AppendUvarint(b, uint64(f.Index))
-	return appendBytes(b, f.Desc)
+	return wirefield.AppendBytes(b, f.Desc)
 }
 
 func (f *ChunkDesc) decodePayload(d *decoder) {
-	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
-	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
-	f.Index = uint32(d.uvarint("index", 1<<31-1))
+	f.CtxRequestID = d.Uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.Uvarint("gen_request_id", 1<<64-1)
+	f.Index = uint32(d.Uvarint("index", 1<<31-1))
 	f.Desc = d.bytes("desc", MaxBlob)
 }
 
 func (f *Abort) appendPayload(b []byte) []byte {
 	b = binary.AppendUvarint(b, f.CtxRequestID)
 	b = binary.AppendUvarint(b, f.GenRequestID)
-	return appendBytes(b, []byte(truncate(f.Reason)))
+	return wirefield.AppendBytes(b, []byte(truncate(f.Reason)))
 }
 
 func (f *Abort) decodePayload(d *decoder) {
-	f.CtxRequestID = d.uvarint("ctx_request_id", 1<<64-1)
-	f.GenRequestID = d.uvarint("gen_request_id", 1<<64-1)
+	f.CtxRequestID = d.Uvarint("ctx_request_id", 1<<64-1)
+	f.GenRequestID = d.Uvarint("gen_request_id", 1<<64-1)
 	f.Reason = d.string("reason", MaxReason)
 }
 
 func (f *Ping) appendPayload(b []byte) []byte { return binary.AppendUvarint(b, f.Nonce) }
-func (f *Ping) decodePayload(d *decoder)      { f.Nonce = d.uvarint("nonce", 1<<64-1) }
+func (f *Ping) decodePayload(d *decoder)      { f.Nonce = d.Uvarint("nonce", 1<<64-1) }
 func (f *Pong) appendPayload(b []byte) []byte { return binary.AppendUvarint(b, f.Nonce) }
-func (f *Pong) decodePayload(d *decoder)      { f.Nonce = d.uvarint("nonce", 1<<64-1) }
+func (f *Pong) decodePayload(d *decoder)      { f.Nonce = d.Uvarint("nonce", 1<<64-1) }
 
 // truncate cuts a reason to MaxReason bytes so that an encoder never
 // produces a frame its peer must refuse.
