@@ -569,12 +569,6 @@ func (r *rank) release(q *rankReq) {
 	}
 }
 
-// deliver feeds ev to the request key names, or held's event to the ask
-// hold (see feed).
-func (r *rank) deliver(key reqKey, ev event, held func() event) {
-	r.feed(func() *rankReq { return r.reqs[key] }, ev, held)
-}
-
 // holdStep feeds ev to the ask hold and carries out its effects.
 func (r *rank) holdStep(ev event) {
 	r.feed(func() *rankReq { return nil }, nil, func() event { return ev })
@@ -601,7 +595,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 			return held
 		}
 	}
-	r.deliver(key, ev, early)
+	r.feed(func() *rankReq { return r.reqs[key] }, ev, early)
 	return nil
 }
 
@@ -685,10 +679,7 @@ func (r *rank) close() error {
 		r.stopHold()
 	}
 	r.deadlines.stop() // (the requests' ticks: each is cancelled below)
-	qs := make([]*rankReq, 0, len(r.reqs))
-	for _, q := range r.reqs {
-		qs = append(qs, q)
-	}
+	qs := slices.Collect(maps.Values(r.reqs))
 	r.mu.Unlock()
 	for _, q := range qs {
 		r.step(q, evCancel{err: ErrClosed})
