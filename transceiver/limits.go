@@ -33,10 +33,12 @@ type ConnLimits struct {
 	HandshakeTimeout time.Duration
 	// IdleTimeout closes an inbound control connection that has had no
 	// request in flight and no frame for this long (default
-	// DefaultIdleTimeout). A rank closes the control connections it dialled
-	// after 3/4 of its own IdleTimeout, and dials again when it next needs
-	// one, so that with one setting across the cluster a dialler never
-	// sends on a connection its peer is closing.
+	// DefaultIdleTimeout), and an inbound data connection of the tcp
+	// backend that has carried no frame for this long. A rank closes the
+	// control and tcp data connections it dialled after 3/4 of its own
+	// IdleTimeout, and dials again when it next needs one, so that with
+	// one setting across the cluster a dialler never sends on a connection
+	// its peer is closing.
 	IdleTimeout time.Duration
 	// MaxDataConns and MaxDataConnsPerHost bound each rank's inbound data
 	// connections of the tcp backend (MaxDataConns also shm's); 0 means

@@ -389,7 +389,7 @@ func (t *Transceiver) openRank(ctx context.Context, i, at int, cfg *config.Cache
 	}
 	for _, name := range names {
 		o := transport.Options{ListenAddr: net.JoinHostPort(host, "0"), Streams: opts.DataStreams, Logger: set.logger, TLS: opts.TLS,
-			MaxConns: set.limits.MaxDataConns, MaxConnsPerHost: set.limits.MaxDataConnsPerHost}
+			MaxConns: set.limits.MaxDataConns, MaxConnsPerHost: set.limits.MaxDataConnsPerHost, IdleTimeout: set.limits.IdleTimeout}
 		if name == "ucx" {
 			o.Interface = set.ucxInterface
 		}

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"time"
 )
 
 // Backend opens a rank's data plane. Backends register themselves with
@@ -56,6 +57,13 @@ type Options struct {
 	// MaxConnsPerHost bounds those from one remote IP address (tcp). 0
 	// means DefaultMaxConnsPerHost; a negative value, no bound.
 	MaxConnsPerHost int
+	// IdleTimeout closes an inbound data connection that has carried no
+	// frame for this long (tcp), and a sender retires a pooled connection
+	// it has not used for 3/4 of it, so that the receiver never closes a
+	// connection a sender is about to use: give both ends the same value.
+	// 0 means DefaultIdleTimeout; a negative value, no timeout. The shm,
+	// ucx and mpi backends ignore it.
+	IdleTimeout time.Duration
 }
 
 // TLSConfig is the mutual TLS of a data plane: Server for the connections
@@ -81,6 +89,9 @@ const (
 	// the per-host bound.
 	DefaultMaxConns        = 2048
 	DefaultMaxConnsPerHost = 1024
+	// DefaultIdleTimeout is the control plane's default too
+	// (transceiver.DefaultIdleTimeout).
+	DefaultIdleTimeout = 5 * time.Minute
 )
 
 // WithDefaults returns o with zero fields set to their defaults.
@@ -108,6 +119,9 @@ func (o Options) WithDefaults() Options {
 	}
 	if o.MaxConnsPerHost == 0 {
 		o.MaxConnsPerHost = DefaultMaxConnsPerHost
+	}
+	if o.IdleTimeout == 0 {
+		o.IdleTimeout = DefaultIdleTimeout
 	}
 	return o
 }

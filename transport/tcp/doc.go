@@ -103,6 +103,20 @@
 // comes, the caller's deadline ends it (Cancel). A sending Transport that
 // closes aborts its Sends in flight before it closes its connections.
 //
+// # Idle connections
+//
+// With transport.Options.IdleTimeout (default 5 minutes), a receiver closes
+// an accepted connection that has carried no frame for that long, or whose
+// frame stalls that long, so that connections a peer opened and forgot, or
+// a local process holds open, give their places back; an idle end between
+// frames is a clean end. The read deadline that bounds the wait is the one
+// an interrupt replaces and restores (Recv.Cancel). A sender retires a
+// pooled connection it has not used for 3/4 of its own IdleTimeout and dials
+// anew when it next sends: with one setting on both ends, a receiver never
+// closes a connection a sender is about to write to (a frame written as the
+// receiver closes would be lost without an error, since Send does not wait
+// for the receiver).
+//
 // On the sending side, every pooled connection has a goroutine that reads
 // from it (receivers never write), so that a peer closing or resetting it is
 // noticed at once: the connection is dropped from the pool and writes in

@@ -25,6 +25,10 @@ const scratchBytes = 64 << 10
 // stops writing into dst and drops the rest of the frame.
 var errLetGo = errors.New("tcp: receipt ended")
 
+// errIdle ends an inbound connection that carried no frame for the idle
+// timeout (Options.IdleTimeout), at a frame boundary: a clean end.
+var errIdle = errors.New("tcp: data connection idle")
+
 // aLongTimeAgo is a read deadline in the past: setting it makes a blocked
 // Read return at once (net/http uses the same trick).
 var aLongTimeAgo = time.Unix(1, 0)
@@ -58,6 +62,10 @@ type inConn struct {
 	scratch []byte
 	vr      vecReader
 	vec     [][]byte // the buffers of the frame being read
+	// idleAt is the read deadline of the frame being read, or waited for:
+	// the idle timeout after the previous one ended (zero: none). Reader
+	// only.
+	idleAt time.Time
 }
 
 // Expect arms a receipt of sum(len(dst[i])) bytes under a fresh random tag.
@@ -98,10 +106,14 @@ func (t *Transport) unstick(r *recv) {
 func (t *Transport) serve(c *inConn) {
 	defer t.wg.Done()
 	err := t.readLoop(c)
-	clean := errors.Is(err, io.EOF) // at a frame boundary (else ErrUnexpectedEOF)
+	// At a frame boundary (else ErrUnexpectedEOF, or a stall inside a
+	// frame).
+	clean := errors.Is(err, io.EOF) || err == errIdle
 	var herr *handshakeError
 	if errors.As(err, &herr) && !errors.Is(err, net.ErrClosed) {
 		t.log.Warn("tcp: refused a data connection: TLS handshake failed", "remote", c.remote, "err", herr.err)
+	} else if err == errIdle {
+		t.log.Debug("tcp: closed an idle data connection", "remote", c.remote, "idle_timeout", t.opts.IdleTimeout)
 	} else {
 		conn.LogEnd(t.log, "tcp", "data connection", c.remote, err)
 	}
@@ -169,7 +181,16 @@ func (t *Transport) readLoop(c *inConn) error {
 	t.mu.Unlock()
 
 	for {
-		if err := t.readFull(c, c.hdr[:]); err != nil {
+		if t.opts.IdleTimeout > 0 {
+			// No receipt is being read into (c.cur is nil): no interrupt
+			// can be pending that this would undo.
+			c.idleAt = time.Now().Add(t.opts.IdleTimeout)
+			c.nc.SetReadDeadline(c.idleAt)
+		}
+		if n, err := t.readFull(c, c.hdr[:]); err != nil {
+			if n == 0 && errors.Is(err, errStalled) {
+				return errIdle // between frames
+			}
 			return err
 		}
 		h, err := decodeHeader(c.hdr[:])
@@ -281,6 +302,9 @@ func (t *Transport) readInto(c *inConn, r *recv, bufs [][]byte, total int64) (in
 		}
 		if err != nil && n < total {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
+				if idle(c) {
+					return n, stalled(n, total)
+				}
 				t.unkick(c)
 				continue
 			}
@@ -297,32 +321,49 @@ func (t *Transport) readInto(c *inConn, r *recv, bufs [][]byte, total int64) (in
 // readFull fills p from c, as io.ReadFull does (io.EOF only when nothing was
 // read), riding over the read deadlines that finish sets to interrupt a
 // reader.
-func (t *Transport) readFull(c *inConn, p []byte) error {
+func (t *Transport) readFull(c *inConn, p []byte) (int, error) {
 	n := 0
 	for n < len(p) {
 		m, err := c.nc.Read(p[n:])
 		n += m
 		if err != nil && n < len(p) {
 			if errors.Is(err, os.ErrDeadlineExceeded) {
+				if idle(c) {
+					return n, stalled(n, len(p))
+				}
 				t.unkick(c)
 				continue
 			}
 			if errors.Is(err, io.EOF) && n > 0 {
 				err = io.ErrUnexpectedEOF
 			}
-			return err
+			return n, err
 		}
 	}
-	return nil
+	return n, nil
 }
 
-// unkick clears a read deadline set by interrupt. Under t.mu, so that it
-// cannot undo a later interruption without the reader seeing it: finish
-// sets the flag the reader tests before it sets the deadline.
+// unkick puts back the read deadline that interrupt replaced: the idle
+// timeout's, or none. Under t.mu, so that it cannot undo a later
+// interruption without the reader seeing it: finish sets the flag the
+// reader tests before it sets the deadline.
 func (t *Transport) unkick(c *inConn) {
 	t.mu.Lock()
-	c.nc.SetReadDeadline(time.Time{})
+	c.nc.SetReadDeadline(c.idleAt)
 	t.mu.Unlock()
+}
+
+// errStalled: a read passed the idle timeout's deadline.
+var errStalled = errors.New("no byte for the idle timeout")
+
+func stalled[N int | int64](n, of N) error {
+	return fmt.Errorf("tcp: %w, %d of %d bytes read", errStalled, n, of)
+}
+
+// idle reports whether c's read deadline is its idle timeout's, passed
+// (else it was an interrupt's).
+func idle(c *inConn) bool {
+	return !c.idleAt.IsZero() && !time.Now().Before(c.idleAt)
 }
 
 // discard reads and drops n bytes.
@@ -332,7 +373,7 @@ func (t *Transport) discard(c *inConn, n int64) error {
 	}
 	for n > 0 {
 		p := c.scratch[:min(n, int64(len(c.scratch)))]
-		if err := t.readFull(c, p); err != nil {
+		if _, err := t.readFull(c, p); err != nil {
 			return noEOF(err)
 		}
 		n -= int64(len(p))

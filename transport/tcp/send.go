@@ -52,6 +52,10 @@ type outConn struct {
 	mu       sync.Mutex
 	owner    *sendOp // the Send writing a frame now
 	deadline bool    // a write deadline is set
+
+	// used is when a Send last took the connection or a frame ended on
+	// it (unix nanoseconds): the pool retires it after idleRetire.
+	used atomic.Int64
 }
 
 // sendOp is one Send in flight.
@@ -272,9 +276,21 @@ func (op *sendOp) abort(dial bool) {
 
 // conn returns the connection of slot i, dialling it when there is none.
 func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
+	now := time.Now()
 	p.mu.Lock()
 	oc := p.slots[i]
+	var retired *outConn
+	if oc != nil && p.t.retire > 0 && now.Sub(time.Unix(0, oc.used.Load())) >= p.t.retire {
+		// Unused for 3/4 of the receiver's idle timeout: the receiver may
+		// close it before a frame written now arrives. Dial anew.
+		retired, oc, p.slots[i] = oc, nil, nil
+	} else if oc != nil {
+		oc.used.Store(now.UnixNano())
+	}
 	p.mu.Unlock()
+	if retired != nil {
+		retired.raw.Close() // its watch ends
+	}
 	if oc != nil {
 		return oc, nil
 	}
@@ -285,6 +301,7 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 	}
 	raw.(*net.TCPConn).SetNoDelay(true)
 	oc = &outConn{p: p, slot: i, nc: raw, raw: raw, lock: make(chan struct{}, 1)}
+	oc.used.Store(now.UnixNano())
 	if dl, ok := ctx.Deadline(); ok {
 		raw.SetDeadline(dl)
 	}
@@ -441,6 +458,7 @@ func (oc *outConn) writeFrame(op *sendOp, k int64) error {
 		}
 	}
 	clear(oc.vec) // do not keep src reachable
+	oc.used.Store(time.Now().UnixNano())
 	if err != nil && (w > 0 || oc.tls || !errors.Is(err, os.ErrDeadlineExceeded)) {
 		oc.p.drop(oc) // a partial frame: the stream is corrupt
 	}

@@ -57,6 +57,9 @@ type Transport struct {
 	ln       net.Listener
 	endpoint string
 	session  uint64 // our sender session, sent in every connection preface
+	// retire is how long a pooled outbound connection may stay unused:
+	// 3/4 of Options.IdleTimeout (0: forever).
+	retire time.Duration
 	// srvTLS and cliTLS are clones of Options.TLS; nil without TLS.
 	srvTLS, cliTLS *tls.Config
 
@@ -112,6 +115,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		ln:       ln,
 		endpoint: ep,
 		session:  receipt.Rand64(),
+		retire:   max(opts.IdleTimeout*3/4, 0),
 		srvTLS:   srvTLS,
 		cliTLS:   cliTLS,
 		done:     make(chan struct{}),
