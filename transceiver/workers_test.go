@@ -2,6 +2,7 @@ package transceiver
 
 import (
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
 	"go.uber.org/goleak"
@@ -21,6 +22,10 @@ func TestRankWorkers(t *testing.T) {
 		transfer(t, sender, gen, uint64(i+1), 16, uint64(i), 0, 0)
 	}
 	for _, in := range []*inst{sender, gen} {
+		// The worker whose job ended a request goes idle just after it
+		// reported the end (the report is part of its job): wait for
+		// that, bounded, rather than catch it in between.
+		waitFor(t, 5*time.Second, "an idle worker after 4 transfers", func() bool { return in.idleWorkers() > 0 })
 		n := in.idleWorkers()
 		if n == 0 || n > maxIdleWorkers*len(in.t.ranks) {
 			t.Errorf("%d idle workers after 4 transfers, want 1..%d", n, maxIdleWorkers*len(in.t.ranks))
