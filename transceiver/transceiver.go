@@ -1218,6 +1218,14 @@ func (t *Transceiver) Close() error {
 		if err := t.group.close(); err != nil {
 			errs = append(errs, err)
 		}
+		// The group applies nothing more: a request whose ranks' last
+		// reports came after it stopped (a rank's goroutine descheduled at
+		// the wrong moment) would never complete. Close ends it.
+		t.mu.Lock()
+		for key := range t.reqs {
+			t.completeLocked(instCompleteEffect{key: key, err: fmt.Errorf("%w: the transceiver closed before the instance agreed on the request's end", ErrClosed)})
+		}
+		t.mu.Unlock()
 	}
 	if err := t.csv.close(); err != nil {
 		errs = append(errs, fmt.Errorf("transceiver: timing files: %w", err))
