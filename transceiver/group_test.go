@@ -186,6 +186,7 @@ func newSplit(t *testing.T, mode groupMode, state layout.CacheState, cfg *config
 			if err := in.t.Close(); err != nil {
 				t.Errorf("Close of rank %d: %v", r, err)
 			}
+			stagingFreed(t, in.t)
 			if got := in.pools[0].FreeBlocks(); got != in.free[0] {
 				t.Errorf("rank %d: %d free blocks at the end, %d at the start", r, got, in.free[0])
 			}

@@ -78,11 +78,7 @@ func newInst(t testing.TB, state layout.CacheState, cfg *config.CacheTransceiver
 		if err := tr.Close(); err != nil {
 			t.Errorf("Close: %v", err)
 		}
-		for _, r := range tr.ranks {
-			if n := r.sendBufs.InUse() + r.recvBufs.InUse(); n != 0 {
-				t.Errorf("rank %d: %d staging buffers still in use after Close", r.idx, n)
-			}
-		}
+		stagingFreed(t, tr)
 		for r, p := range in.pools {
 			if got := p.FreeBlocks(); got != in.free[r] {
 				t.Errorf("rank %d: %d free blocks at the end, %d at the start", r, got, in.free[r])
@@ -252,4 +248,15 @@ func transfer(t *testing.T, sender, gen *inst, id uint64, tokens int, seed uint6
 		t.Fatalf("CheckContextTransferStatus: %v %v", got, err)
 	}
 	return greq.Stats()
+}
+
+// stagingFreed checks that a closed transceiver's ranks hold no staging
+// buffer.
+func stagingFreed(t testing.TB, tr *Transceiver) {
+	t.Helper()
+	for _, r := range tr.ranks {
+		if n := r.sendBufs.InUse() + r.recvBufs.InUse(); n != 0 {
+			t.Errorf("rank %d: %d staging buffers still in use after Close", r.idx, n)
+		}
+	}
 }

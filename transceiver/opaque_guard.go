@@ -72,7 +72,7 @@ func (g *opaqueGuard) check(op *OpaqueState, consume bool) error {
 	}
 	for i, ep := range op.Endpoints {
 		if err := g.peers.endpointCheck(ep); err != nil {
-			return fmt.Errorf("context rank %d at %s: %w", i, ep, err)
+			return fmt.Errorf("context rank %d: %w", i, err) // (each error names the endpoint or its host)
 		}
 	}
 	if g.key == nil {

@@ -35,7 +35,10 @@ func newInstTLS(t *testing.T, state layout.CacheState, cfg *config.CacheTranscei
 	}
 	in.t = tr
 	t.Cleanup(func() {
-		tr.Close()
+		if err := tr.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+		stagingFreed(t, tr)
 		for r, p := range in.pools {
 			if got := p.FreeBlocks(); got != in.free[r] {
 				t.Errorf("rank %d: %d free blocks at the end, %d at the start", r, got, in.free[r])
