@@ -56,10 +56,15 @@ func (p *Buffers) take(b []byte) []byte {
 }
 
 // Put returns a buffer taken with Get or TryGet (resliced to its full
-// size: the caller may have cut it).
+// size: the caller may have cut it). Putting back more buffers than were
+// taken panics rather than block.
 func (p *Buffers) Put(b []byte) {
-	p.inUse.Add(-1)
-	p.slots <- b[:p.size:p.size]
+	select {
+	case p.slots <- b[:p.size:p.size]:
+		p.inUse.Add(-1)
+	default:
+		panic("mover: Buffers.Put of a buffer not taken")
+	}
 }
 
 // Count is the number of buffers.

@@ -235,4 +235,10 @@ func TestBuffers(t *testing.T) {
 	if p.InUse() != 0 {
 		t.Errorf("%d in use after every Put", p.InUse())
 	}
+	defer func() {
+		if recover() == nil {
+			t.Error("a Put of a buffer not taken did not panic")
+		}
+	}()
+	p.Put(c)
 }
