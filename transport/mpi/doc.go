@@ -76,9 +76,11 @@
 // (cts) with the tag and the frame size (its Options.FrameBytes; at the
 // generic default, transport.DefaultFrameBytes, MPI's own FrameBytes: 16
 // MiB, fewer rendezvous rounds per transfer). Frame i is bytes [i*F, (i+1)*F) of both sides' concatenated
-// pieces; a frame that spans several pieces is one message of an hindexed
-// MPI datatype over their addresses (MPI_BOTTOM), so there is no staging
-// copy on either side. The Send keeps four frames in flight. The pieces are
+// pieces; pieces that lie end to end in memory (the consecutive blocks of
+// one pool) are one run, so most frames are one contiguous message of
+// bytes, and a frame of several runs is one message of an hindexed MPI
+// datatype over their addresses (MPI_BOTTOM): there is no staging copy on
+// either side. The Send keeps four frames in flight. The pieces are
 // pinned (runtime.Pinner) while MPI holds them. A receipt that is closed,
 // cancelled, done, or claimed by another Send answers rts with a refusal
 // (nack): a closed one fails the Send with transport.ErrPeerLost, the
@@ -96,7 +98,14 @@
 // copy (process_vm_readv) by the receiving rank, and the kernel copies 4
 // KiB pages (the Go heap's) at about half the speed of huge pages:
 // kvxfer bench --backend mpi --model llama-3.1-8b --isl 4096 went from
-// 4.25 to 7.6-8.7 GB/s with the advice alone.
+// 4.25 to 7.6-8.7 GB/s with the advice alone. It then faults the whole
+// region in (MADV_POPULATE_WRITE, Linux 5.14; contents kept), as a verbs
+// registration does, so that the first transfers into a pool do not fault
+// its pages in inside the peer's copy: on this machine (a VM) the first
+// 512 MiB request into an untouched pool took 1.3-2.0 s against about
+// 0.06 s once the pool was touched, and populating takes that time at
+// registration instead. A kernel that cannot populate leaves the first
+// touch to the first copy (logged at Debug).
 //
 // # Cancel and failure
 //

@@ -206,3 +206,32 @@ func frameBlocks(pieces [][]byte, off int64, n int) []block {
 	}
 	return out
 }
+
+// span is a run of bytes at an address: a block of a frame once its piece
+// is resolved to memory.
+type span struct {
+	Addr uintptr
+	Len  int
+}
+
+// mergeSpans joins each span to the one before it where it starts at that
+// one's end, in place, and returns the runs left: a frame whose blocks lie
+// end to end in memory (the consecutive blocks of one pool) becomes one
+// contiguous MPI message of bytes instead of an hindexed datatype, which
+// costs a datatype's creation and commit at every post. A run never grows
+// past maxRun bytes (MPI counts are C ints).
+func mergeSpans(spans []span, maxRun int) []span {
+	if len(spans) == 0 {
+		return spans
+	}
+	out := spans[:1]
+	for _, s := range spans[1:] {
+		last := &out[len(out)-1]
+		if last.Addr+uintptr(last.Len) == s.Addr && last.Len <= maxRun-s.Len {
+			last.Len += s.Len
+			continue
+		}
+		out = append(out, s)
+	}
+	return out
+}

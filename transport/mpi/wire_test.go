@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/transport"
@@ -144,4 +145,95 @@ func FuzzParseCtl(f *testing.F) {
 			t.Fatalf("accepted %x, which re-encodes as %x", b, out)
 		}
 	})
+}
+
+// naiveMerge is mergeSpans's reference: it marks every byte address with
+// the index of the span that holds it and cuts a new run wherever the next
+// byte is not at the next address or the run would pass maxRun.
+func naiveMerge(spans []span, maxRun int) []span {
+	var out []span
+	for _, s := range spans {
+		for i := range s.Len {
+			a := s.Addr + uintptr(i)
+			if n := len(out); n > 0 && out[n-1].Addr+uintptr(out[n-1].Len) == a && out[n-1].Len < maxRun && (i > 0 || out[n-1].Len+s.Len <= maxRun) {
+				out[n-1].Len++
+				continue
+			}
+			out = append(out, span{Addr: a, Len: 1})
+		}
+	}
+	return out
+}
+
+func TestMergeSpans(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		in     []span
+		maxRun int
+		want   []span
+	}{
+		{"empty", nil, 100, nil},
+		{"one", []span{{100, 10}}, 100, []span{{100, 10}}},
+		{"end to end", []span{{100, 10}, {110, 5}, {115, 1}}, 100, []span{{100, 16}}},
+		{"gap", []span{{100, 10}, {111, 5}}, 100, []span{{100, 10}, {111, 5}}},
+		{"backwards", []span{{110, 10}, {100, 10}}, 100, []span{{110, 10}, {100, 10}}},
+		{"overlap is not end to end", []span{{100, 10}, {105, 10}}, 100, []span{{100, 10}, {105, 10}}},
+		{"run bound", []span{{0, 60}, {60, 40}, {100, 1}}, 100, []span{{0, 100}, {100, 1}}},
+		{"pool blocks", []span{{1 << 30, 4 << 20}, {1<<30 + 4<<20, 4 << 20}, {1<<30 + 8<<20, 4 << 20}, {1<<30 + 12<<20, 4 << 20}}, 1<<31 - 1, []span{{1 << 30, 16 << 20}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := mergeSpans(slices.Clone(tc.in), tc.maxRun)
+			if !slices.Equal(got, tc.want) {
+				t.Fatalf("mergeSpans(%v, %d) = %v, want %v", tc.in, tc.maxRun, got, tc.want)
+			}
+		})
+	}
+}
+
+// TestMergeSpansProperty: over random spans, some end to end, mergeSpans
+// covers the same bytes in the same order, in runs that are each
+// contiguous, within the bound, and no two of which could have been one
+// (naiveMerge's runs, which cut only where they must).
+func TestMergeSpansProperty(t *testing.T) {
+	rng := rand.New(rand.NewPCG(7, 11))
+	for range 2000 {
+		n := rng.IntN(8)
+		in := make([]span, n)
+		at := uintptr(1000)
+		for i := range in {
+			switch rng.IntN(3) {
+			case 0: // end to end with the last
+			case 1:
+				at += uintptr(1 + rng.IntN(5))
+			default:
+				at = uintptr(rng.IntN(2000))
+			}
+			in[i] = span{Addr: at, Len: 1 + rng.IntN(20)}
+			at += uintptr(in[i].Len)
+		}
+		maxRun := 20 + rng.IntN(40)
+		got := mergeSpans(slices.Clone(in), maxRun)
+		if !slices.Equal(bytesOf(got), bytesOf(in)) {
+			t.Fatalf("mergeSpans(%v) = %v: covers other bytes", in, got)
+		}
+		for _, s := range got {
+			if s.Len > maxRun {
+				t.Fatalf("mergeSpans(%v, %d) = %v: run %v passes the bound", in, maxRun, got, s)
+			}
+		}
+		if want := naiveMerge(in, maxRun); len(got) != len(want) {
+			t.Fatalf("mergeSpans(%v, %d) = %v (%d runs), reference %v (%d)", in, maxRun, got, len(got), want, len(want))
+		}
+	}
+}
+
+// bytesOf lists the addresses of every byte of spans, in order.
+func bytesOf(spans []span) []uintptr {
+	var out []uintptr
+	for _, s := range spans {
+		for i := range s.Len {
+			out = append(out, s.Addr+uintptr(i))
+		}
+	}
+	return out
 }

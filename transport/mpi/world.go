@@ -12,6 +12,7 @@ import "C"
 import (
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"runtime"
 	"sync"
@@ -534,27 +535,35 @@ func (w *world) postData(recv bool, peer, tag int, pieces [][]byte, blocks []blo
 	if recv {
 		kind = slotRecv
 	}
+	// The blocks as memory, end-to-end ones joined: most frames are one
+	// contiguous message.
+	spans := make([]span, len(blocks))
+	for k, b := range blocks {
+		spans[k] = span{Addr: uintptr(unsafe.Pointer(&pieces[b.Piece][b.Off])), Len: b.Len}
+	}
+	spans = mergeSpans(spans, math.MaxInt32)
 	i := w.slot(h, kind)
 	var rc C.int
-	if len(blocks) == 1 {
+	if len(spans) == 1 {
+		// The first block's address, as a pointer: the run starts there.
 		b := blocks[0]
 		p := unsafe.Pointer(&pieces[b.Piece][b.Off])
 		if recv {
-			rc = C.kxm_irecv(p, C.int(b.Len), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+			rc = C.kxm_irecv(p, C.int(spans[0].Len), C.int(peer), C.int(tag), w.data, &w.reqs[i])
 		} else {
-			rc = C.kxm_isend(p, C.int(b.Len), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+			rc = C.kxm_isend(p, C.int(spans[0].Len), C.int(peer), C.int(tag), w.data, &w.reqs[i])
 		}
 	} else {
-		addrs := make([]C.MPI_Aint, len(blocks))
-		lens := make([]C.int, len(blocks))
-		for k, b := range blocks {
-			addrs[k] = C.MPI_Aint(uintptr(unsafe.Pointer(&pieces[b.Piece][b.Off])))
-			lens[k] = C.int(b.Len)
+		addrs := make([]C.MPI_Aint, len(spans))
+		lens := make([]C.int, len(spans))
+		for k, s := range spans {
+			addrs[k] = C.MPI_Aint(s.Addr)
+			lens[k] = C.int(s.Len)
 		}
 		if recv {
-			rc = C.kxm_irecvv(&addrs[0], &lens[0], C.int(len(blocks)), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+			rc = C.kxm_irecvv(&addrs[0], &lens[0], C.int(len(spans)), C.int(peer), C.int(tag), w.data, &w.reqs[i])
 		} else {
-			rc = C.kxm_isendv(&addrs[0], &lens[0], C.int(len(blocks)), C.int(peer), C.int(tag), w.data, &w.reqs[i])
+			rc = C.kxm_isendv(&addrs[0], &lens[0], C.int(len(spans)), C.int(peer), C.int(tag), w.data, &w.reqs[i])
 		}
 	}
 	if rc != 0 {
