@@ -169,6 +169,7 @@ func (t *Transport) readLoop(c *inConn) error {
 	t.mu.Unlock()
 
 	for {
+		c.vr.resetLowat()
 		if err := t.readFull(c, c.hdr[:]); err != nil {
 			return err
 		}
@@ -327,6 +328,7 @@ func (t *Transport) unkick(c *inConn) {
 
 // discard reads and drops n bytes.
 func (t *Transport) discard(c *inConn, n int64) error {
+	c.vr.resetLowat()
 	if c.scratch == nil {
 		c.scratch = make([]byte, scratchBytes)
 	}
