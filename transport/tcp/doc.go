@@ -65,7 +65,12 @@
 // in one system call (up to 1024 spans, as many bytes as the socket holds),
 // so that a receipt cut into many short spans (a direct scatter into the
 // blocks of another layout) costs no more system calls than one buffer;
-// otherwise one Read per span. A frame for an unknown or ended tag is read
+// otherwise one Read per span. A reader that finds its socket empty in the
+// middle of a frame raises SO_RCVLOWAT to what it still needs of the frame,
+// at most 1 MiB, so that it is woken once that much has arrived rather than
+// by every 64 KiB segment (fewer wake-ups, context switches and readv calls
+// when the sender outpaces it); it sets it back to one byte before it reads
+// a header, so a last frame never waits for bytes that will not come. A frame for an unknown or ended tag is read
 // into a small per-connection scratch buffer and dropped. A malformed frame closes that connection
 // (transport.ErrProtocol) and nothing else. A receipt completes when all its
 // bytes have arrived; an ABORT frame fails it with transport.ErrAborted.

@@ -21,13 +21,22 @@ type vecReader struct {
 
 // newVecReader returns the vecReader of nc; raw is the accepted
 // connection under it (nc itself without TLS), which the listener's
-// connection caps may wrap.
-func newVecReader(nc, raw net.Conn) vecReader {
+// connection caps may wrap. maxLowat bounds how many bytes a reader waits
+// for before it is woken (see sysReader).
+func newVecReader(nc, raw net.Conn, maxLowat int) vecReader {
 	v := vecReader{nc: nc}
 	if nc == raw {
-		v.sys = newSysReader(netlimit.Unwrap(raw))
+		v.sys = newSysReader(netlimit.Unwrap(raw), maxLowat)
 	}
 	return v
+}
+
+// resetLowat has the reader woken by any byte again, before it reads
+// anything but the rest of a frame (see sysReader).
+func (v *vecReader) resetLowat() {
+	if v.sys != nil {
+		v.sys.resetLowat()
+	}
 }
 
 // read reads into bufs, in order, and returns the count read: at least one

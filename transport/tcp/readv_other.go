@@ -8,6 +8,8 @@ import "net"
 // back to Read elsewhere.
 type sysReader struct{}
 
-func newSysReader(net.Conn) *sysReader { return nil }
+func newSysReader(net.Conn, int) *sysReader { return nil }
+
+func (*sysReader) resetLowat() {}
 
 func (*sysReader) readv([][]byte) (int, error) { panic("tcp: readv is Linux-only") }

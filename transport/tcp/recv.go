@@ -181,6 +181,7 @@ func (t *Transport) readLoop(c *inConn) error {
 	t.mu.Unlock()
 
 	for {
+		c.vr.resetLowat()
 		if t.opts.IdleTimeout > 0 {
 			// No receipt is being read into (c.cur is nil): no interrupt
 			// can be pending that this would undo.
@@ -368,6 +369,7 @@ func idle(c *inConn) bool {
 
 // discard reads and drops n bytes.
 func (t *Transport) discard(c *inConn, n int64) error {
+	c.vr.resetLowat()
 	if c.scratch == nil {
 		c.scratch = make([]byte, scratchBytes)
 	}

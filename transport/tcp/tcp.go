@@ -26,6 +26,10 @@ const (
 	cancelGrace = time.Second // Recv.Cancel: fallback before closing connections
 )
 
+// rcvLowat is how many bytes of a frame a reader that found its socket
+// empty waits for before it is woken (SO_RCVLOWAT, see sysReader).
+const rcvLowat = 1 << 20
+
 func init() { transport.Register(Backend{}) }
 
 // Backend is the tcp backend, registered under the name "tcp".
@@ -62,6 +66,8 @@ type Transport struct {
 	retire time.Duration
 	// srvTLS and cliTLS are clones of Options.TLS; nil without TLS.
 	srvTLS, cliTLS *tls.Config
+	// rcvLowat: rcvLowat, or what a test set before any connection came.
+	rcvLowat int
 
 	done      chan struct{} // closed when Close starts
 	closeOnce sync.Once
@@ -118,6 +124,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		retire:   max(opts.IdleTimeout*3/4, 0),
 		srvTLS:   srvTLS,
 		cliTLS:   cliTLS,
+		rcvLowat: rcvLowat,
 		done:     make(chan struct{}),
 		ops:      make(map[*sendOp]struct{}),
 		inbound:  make(map[*inConn]struct{}),
@@ -207,7 +214,7 @@ func (t *Transport) admit(nc net.Conn) bool {
 		// does not hold up the accept loop.
 		c.nc = tls.Server(nc, t.srvTLS)
 	}
-	c.vr = newVecReader(c.nc, c.raw)
+	c.vr = newVecReader(c.nc, c.raw, t.rcvLowat)
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()

@@ -21,6 +21,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(peerEnv) != "" {
 		os.Exit(peerMain()) // the peer process of BenchmarkOpProcess
 	}
+	if os.Getenv(bulkPeerEnv) != "" {
+		os.Exit(bulkPeerMain()) // the peer process of BenchmarkBulkProcess
+	}
 	goleak.VerifyTestMain(m)
 }
 

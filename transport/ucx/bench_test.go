@@ -63,12 +63,14 @@ func BenchmarkSend(b *testing.B) {
 // segments, the pool blocks of llama-3.1-8b at 32 tokens, as kvxfer bench
 // moves a 4096-token request (128 messages, all in flight); compare it
 // with kvxfer bench --baseline's ucx_c setting "4 MiB x 128 in flight".
+// "512MiB_16MiBx32" is the same bytes in 16 MiB segments, the message size
+// of ucx_c's usual best setting (16 MiB x 8 in flight).
 func BenchmarkSendProcess(b *testing.B) {
 	for _, sz := range []struct {
 		name string
 		n    int
 		seg  int // 0: one segment
-	}{{"4MiB", 4 << 20, 0}, {"512MiB", 512 << 20, 0}, {"512MiB_4MiBx128", 512 << 20, 4 << 20}} {
+	}{{"4MiB", 4 << 20, 0}, {"512MiB", 512 << 20, 0}, {"512MiB_4MiBx128", 512 << 20, 4 << 20}, {"512MiB_16MiBx32", 512 << 20, 16 << 20}} {
 		for _, mem := range []string{"thp", "goheap"} {
 			b.Run(sz.name+"/"+mem, func(b *testing.B) {
 				var env []string
