@@ -29,13 +29,14 @@ type moved struct {
 func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <-chan mover.Chunk) moved {
 	p := e.pair
 	pair := mover.Pair{Transport: r.transports[p.backend], Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs}
-	m := moved{backend: pair.Transport.Name(), chunks: 1}
+	m := moved{chunks: 1}
 	var err error
 	if p.direct == nil {
 		m.bytes, m.chunks, err = pair.SendStaged(ctx, descs)
 	} else if m.bytes, err = pair.SendDirect(ctx, p.direct); err != nil {
 		m.chunks = 0
 	}
+	m.backend = pair.Transport.Name() // after the move: ucx names what carried it
 	if err == nil && e.readyAfter {
 		r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(p.chunk)})
 	}
@@ -59,10 +60,10 @@ func (r *rank) recvPair(q *rankReq, e effStartRecv) moved {
 // source (with the request-info) to fill.
 func (r *rank) recvDirect(q *rankReq, e effRequestInfo) moved {
 	s := r.source(q, e.src)
-	m := moved{backend: s.tr.Name(), end: evReceived{src: e.src}}
-	if err := mover.Await(q.ctx, s.direct); err != nil {
+	err := mover.Await(q.ctx, s.direct)
+	m := moved{backend: s.tr.Name(), end: evReceived{src: e.src, err: err}} // after the move: ucx names what carried it
+	if err != nil {
 		s.direct.Cancel() // when ctx ended first; a no-op after Done
-		m.end = evReceived{src: e.src, err: err}
 		return m
 	}
 	m.bytes, m.chunks = int64(e.ri.NumBlocks)*e.plan.PackedBytesPerBlock(), 1
