@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"math"
 	"os"
 	"os/exec"
@@ -12,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/transport"
 	"gonum.org/v1/plot"
 )
 
@@ -149,7 +151,7 @@ func TestSweepBaselines(t *testing.T) {
 		if len(b.Variants) != 3 || b.Variants[0].GBps != 2.5 || b.Variants[2].GBps != 0 || !strings.Contains(b.Variants[2].Error, "block size too large") {
 			t.Errorf("%s: variants %+v, want 128K at 2.5, 1M at 5, 4M refused", name, b.Variants)
 		}
-		if multi := strings.Contains(b.Command, "-P 2"); multi != (name == BaselineIperf3Multi) {
+		if multi := strings.Contains(b.Command, fmt.Sprintf("-P %d", transport.DefaultStreams)); multi != (name == BaselineIperf3Multi) {
 			t.Errorf("%s: command %q", name, b.Command)
 		}
 	}

@@ -8,11 +8,14 @@ import (
 	"log/slog"
 	"maps"
 	"net"
+	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/accept"
+	"github.com/kvxfer/kvxfer/internal/hugepage"
 	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
@@ -56,11 +59,12 @@ func (Backend) Open(ctx context.Context, opts transport.Options) (transport.Tran
 // set. The write lock of an outConn (a channel) may be held while taking
 // peer.mu or outConn.mu, never the other way round.
 type Transport struct {
-	opts     transport.Options
-	log      *slog.Logger
-	ln       net.Listener
-	endpoint string
-	session  uint64 // our sender session, sent in every connection preface
+	opts         transport.Options
+	log          *slog.Logger
+	ln           net.Listener
+	endpoint     string
+	session      uint64      // our sender session, sent in every connection preface
+	adviceLogged atomic.Bool // RegisterMemory logged that huge pages were refused
 	// retire is how long a pooled outbound connection may stay unused:
 	// 3/4 of Options.IdleTimeout (0: forever).
 	retire time.Duration
@@ -226,4 +230,23 @@ func (t *Transport) admit(nc net.Conn) bool {
 	t.mu.Unlock()
 	go t.serve(c)
 	return true
+}
+
+// RegisterMemory advises huge pages for mem, the pool a rank sends from
+// and receives into (hugepage.Advise): the kernel copies a socket's bytes
+// to and from huge pages with fewer TLB misses. It never fails on the
+// advice (a refusal is logged once); mem stays the caller's, and nothing
+// else of it changes: tcp needs no registration to move it.
+func (t *Transport) RegisterMemory(mem []byte, _ *os.File) error {
+	if len(mem) == 0 {
+		return errors.New("tcp: register memory: empty region")
+	}
+	t.mu.Lock()
+	closed := t.closed
+	t.mu.Unlock()
+	if closed {
+		return &transport.ClosedError{Op: "register memory"}
+	}
+	hugepage.AdviseLogged(mem, t.log, "tcp", "", &t.adviceLogged)
+	return nil
 }
