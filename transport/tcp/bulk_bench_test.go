@@ -1,7 +1,6 @@
 package tcp
 
 import (
-	"bufio"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -9,8 +8,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"os/exec"
-	"strings"
 	"testing"
 	"time"
 
@@ -150,26 +147,9 @@ func BenchmarkBulkProcess(b *testing.B) {
 			}
 		}
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), bulkPeerEnv+"=1")
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	addr, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil {
-		cmd.Process.Kill()
-		cmd.Wait()
-		b.Fatalf("peer: %v", err)
-	}
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
+	cmd, addr, exited := startPeer(b, bulkPeerEnv)
 	defer func() { <-exited }()
-	c, err := net.Dial("tcp", strings.TrimSpace(addr))
+	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		cmd.Process.Kill()
 		b.Fatal(err)

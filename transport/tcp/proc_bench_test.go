@@ -96,30 +96,12 @@ func peerMain() int {
 // control connection, and its reader is not the goroutine that waits for the
 // receipt): the floor of that shape.
 func BenchmarkOpProcess(b *testing.B) {
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), peerEnv+"=1")
-	cmd.Stderr = os.Stderr
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		b.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		b.Fatal(err)
-	}
-	addr, err := bufio.NewReader(out).ReadString('\n')
-	if err != nil {
-		cmd.Process.Kill()
-		cmd.Wait()
-		b.Fatalf("peer: %v", err)
-	}
-	// exited ends an op whose peer has died (it says why on stderr), so
-	// that the timed loop needs no timer of its own.
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
+	cmd, addr, exited := startPeer(b, peerEnv)
 	defer func() { <-exited }()
 	var conns [2]net.Conn
+	var err error
 	for i := range conns {
-		if conns[i], err = net.Dial("tcp", strings.TrimSpace(addr)); err != nil {
+		if conns[i], err = net.Dial("tcp", addr); err != nil {
 			cmd.Process.Kill()
 			b.Fatal(err)
 		}
@@ -215,4 +197,31 @@ func BenchmarkOpProcess(b *testing.B) {
 			}
 		})
 	}
+}
+
+// startPeer starts this test binary as the peer process that env selects,
+// and returns it with the address it prints first. exited is closed when
+// the peer has ended: it ends an op whose peer has died (it says why on
+// stderr), so that a timed loop needs no timer of its own; the caller
+// waits for it before returning.
+func startPeer(b *testing.B, env string) (cmd *exec.Cmd, addr string, exited <-chan struct{}) {
+	cmd = exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), env+"=1")
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		b.Fatalf("peer: %v", err)
+	}
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	return cmd, strings.TrimSpace(line), done
 }
