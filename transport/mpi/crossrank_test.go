@@ -45,13 +45,15 @@ func crossRanks(t testing.TB) link {
 	if w.rank > 1 {
 		t.Skip("ranks 0 and 1 run it")
 	}
-	dir := filepath.Join(os.TempDir(), fmt.Sprintf("kvxfer-mpitest-%x", w.epoch), t.Name())
+	dir := filepath.Join(linkRoot(w), t.Name())
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
 	l := link{dir: dir, rank: w.rank}
 	// Rank 1 says it has read all it will read; rank 0 then removes the
-	// directory of the test.
+	// directory of the test. The directory above it stays until TestMain:
+	// removed here, it could vanish between rank 1's creating it for its
+	// next test and creating that test's directory in it.
 	t.Cleanup(func() {
 		if l.rank == 1 {
 			l.put(t, "end", nil)
@@ -59,9 +61,14 @@ func crossRanks(t testing.TB) link {
 		}
 		l.get(t, "end")
 		os.RemoveAll(dir)
-		os.Remove(filepath.Dir(dir)) // once no other test's directory is in it
 	})
 	return l
+}
+
+// linkRoot is the directory the cross-rank tests of world w keep their
+// links in.
+func linkRoot(w *world) string {
+	return filepath.Join(os.TempDir(), fmt.Sprintf("kvxfer-mpitest-%x", w.epoch))
 }
 
 func (l link) put(t testing.TB, name string, data []byte) {
