@@ -17,21 +17,16 @@ import (
 // need runs here, once per connection. The connections themselves are
 // internal/control's.
 
-// backendEndpoints returns the data-plane endpoint of each backend, in the
-// order of r.names.
-func (r *rank) backendEndpoints() []string {
+// hello is what the rank tells of itself when a control connection opens,
+// in either direction: its data planes' endpoints in the order of their
+// names.
+func (r *rank) hello() wire.Hello {
+	st, _ := r.state.MarshalBinary()
 	eps := make([]string, len(r.names))
 	for i, n := range r.names {
 		eps[i] = r.transports[n].Endpoint()
 	}
-	return eps
-}
-
-// hello is what the rank tells of itself when a control connection opens,
-// in either direction.
-func (r *rank) hello() wire.Hello {
-	st, _ := r.state.MarshalBinary()
-	return wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.names, Endpoints: r.backendEndpoints()}
+	return wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.names, Endpoints: eps}
 }
 
 // pickBackend picks the data plane for the pair over cc (chooseBackend),
@@ -40,7 +35,8 @@ func (r *rank) hello() wire.Hello {
 // been answered yet.
 func (r *rank) pickBackend(cc *control.Conn, mayWait bool) (backend string, ok bool, err error) {
 	peer := cc.Peer()
-	c := chooseBackend(r.set.backend, r.names, r.set.host, peer, r.shmAnswer(cc))
+	probeErr, known := cc.Probed()
+	c := chooseBackend(r.set.backend, r.names, r.set.host, peer, shmAnswer{known: known, err: probeErr})
 	if c.probe {
 		if !mayWait {
 			return "", false, nil
@@ -51,12 +47,6 @@ func (r *rank) pickBackend(cc *control.Conn, mayWait bool) (backend string, ok b
 		r.log.Info("shm not usable with this peer, falling back", "peer", peer.Endpoint, "peer_rank", peer.Rank, "reason", c.passed)
 	}
 	return c.backend, true, c.err
-}
-
-// shmAnswer returns what is known of the probe of cc's peer.
-func (r *rank) shmAnswer(cc *control.Conn) shmAnswer {
-	err, known := cc.Probed()
-	return shmAnswer{known: known, err: err}
 }
 
 // probeShm checks once per control connection that this rank can reach

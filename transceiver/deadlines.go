@@ -5,15 +5,16 @@ import (
 	"time"
 )
 
-// deadlines are the deadline ticks the requests of a rank asked for
-// (effArmTimer), earliest first, behind one timer: arming a request's
-// deadline costs a heap entry, not a timer of its own. The timer is armed
-// for the earliest deadline, or earlier: a deadline given up (its request
-// ended) leaves the timer as it is, and the tick finds nothing due and
-// arms it for the next one; the timer is reset only for a deadline earlier
-// than the one it is armed for (kv_transfer_timeout being the same for
-// every request, a new one is never earlier) and stopped when no deadline
-// is left. All of it is guarded by rank.mu; fire is called without it.
+// deadlines are the deadline ticks a rank's cores asked for
+// (effArmTimer): the requests' and the ask hold's, earliest first, behind
+// one timer: arming a deadline costs a heap entry, not a timer of its own.
+// The timer is armed for the earliest deadline, or earlier: a deadline
+// given up (its request ended) leaves the timer as it is, and the tick
+// finds nothing due and arms it for the next one; the timer is reset only
+// for a deadline earlier than the one it is armed for (kv_transfer_timeout
+// being the same for every request, a new one is rarely earlier) and
+// stopped when no deadline is left. All of it is guarded by rank.mu; fire
+// is called without it.
 type deadlines struct {
 	h     deadlineHeap
 	timer *time.Timer // nil until first armed
@@ -21,66 +22,75 @@ type deadlines struct {
 	fire  func()      // the timer's function
 }
 
-// deadlineHeap orders requests by their deadline (rankReq.due); each
-// knows its place (rankReq.dueAt, -1 when not in the heap).
-type deadlineHeap []*rankReq
+// tickEntry is one core's deadline tick: a request's (q), or the ask
+// hold's (q nil).
+type tickEntry struct {
+	at  time.Time
+	idx int // its place in the heap; -1: not armed
+	q   *rankReq
+}
+
+func newTickEntry(q *rankReq) tickEntry { return tickEntry{idx: -1, q: q} }
+
+// deadlineHeap orders deadlines by their time; each knows its place.
+type deadlineHeap []*tickEntry
 
 func (h deadlineHeap) Len() int           { return len(h) }
-func (h deadlineHeap) Less(i, j int) bool { return h[i].due.Before(h[j].due) }
+func (h deadlineHeap) Less(i, j int) bool { return h[i].at.Before(h[j].at) }
 func (h deadlineHeap) Swap(i, j int) {
 	h[i], h[j] = h[j], h[i]
-	h[i].dueAt, h[j].dueAt = i, j
+	h[i].idx, h[j].idx = i, j
 }
 
 func (h *deadlineHeap) Push(x any) {
-	q := x.(*rankReq)
-	q.dueAt = len(*h)
-	*h = append(*h, q)
+	e := x.(*tickEntry)
+	e.idx = len(*h)
+	*h = append(*h, e)
 }
 
 func (h *deadlineHeap) Pop() any {
 	old := *h
-	q := old[len(old)-1]
+	e := old[len(old)-1]
 	old[len(old)-1] = nil
 	*h = old[:len(old)-1]
-	q.dueAt = -1
-	return q
+	e.idx = -1
+	return e
 }
 
-// arm sets q's deadline to at, replacing the one it had.
-func (d *deadlines) arm(q *rankReq, at time.Time) {
-	q.due = at
-	if q.dueAt >= 0 {
-		heap.Fix(&d.h, q.dueAt)
+// arm sets e to at, replacing the time it had.
+func (d *deadlines) arm(e *tickEntry, at time.Time) {
+	e.at = at
+	if e.idx >= 0 {
+		heap.Fix(&d.h, e.idx)
 	} else {
-		heap.Push(&d.h, q)
+		heap.Push(&d.h, e)
 	}
 	if d.at.IsZero() || at.Before(d.at) {
 		d.reset(at)
 	}
 }
 
-// remove gives q's deadline up, if it has one.
-func (d *deadlines) remove(q *rankReq) {
-	if q.dueAt < 0 {
+// remove gives e up, if it is armed.
+func (d *deadlines) remove(e *tickEntry) {
+	if e.idx < 0 {
 		return
 	}
-	heap.Remove(&d.h, q.dueAt)
+	heap.Remove(&d.h, e.idx)
 	if len(d.h) == 0 {
 		d.stop()
 	}
 }
 
-// due takes out the requests whose deadline is not after now, and arms the
-// timer for the next one.
-func (d *deadlines) due(now time.Time) []*rankReq {
-	var out []*rankReq
-	for len(d.h) > 0 && !d.h[0].due.After(now) {
-		out = append(out, heap.Pop(&d.h).(*rankReq))
+// due takes out the deadlines not after now, and arms the timer for the
+// next one.
+func (d *deadlines) due(now time.Time) []*tickEntry {
+	var out []*tickEntry
+	for len(d.h) > 0 && !d.h[0].at.After(now) {
+		out = append(out, heap.Pop(&d.h).(*tickEntry))
 	}
 	d.at = time.Time{}
 	if len(d.h) > 0 {
-		d.reset(d.h[0].due)
+		d.reset(d.h[0].at)
 	}
 	return out
 }

@@ -9,8 +9,8 @@ import (
 )
 
 // TestDeadlines: random arms, re-arms, removals and ticks against a naive
-// reference (a map of deadlines): a tick takes out exactly the requests
-// whose deadline has come, and the timer is armed no later than the
+// reference (a map of deadlines): a tick takes out exactly the deadlines
+// that have come, and the timer is armed no later than the
 // earliest deadline left (stopped when none is).
 func TestDeadlines(t *testing.T) {
 	for seed := range uint64(20) {
@@ -19,11 +19,15 @@ func TestDeadlines(t *testing.T) {
 		d.fire = func() {}
 		defer d.stop()
 		base := time.Now().Add(time.Hour) // the timer never fires within the test
-		qs := make([]*rankReq, 16)
+		qs := make([]*tickEntry, 16)
 		for i := range qs {
-			qs[i] = &rankReq{reqID: uint64(i), dueAt: -1}
+			e := newTickEntry(&rankReq{reqID: uint64(i)})
+			if i == 0 {
+				e = newTickEntry(nil) // the ask hold's
+			}
+			qs[i] = &e
 		}
-		want := map[*rankReq]time.Time{}
+		want := map[*tickEntry]time.Time{}
 		now := base
 		for step := range 400 {
 			q := qs[rng.IntN(len(qs))]
@@ -38,14 +42,14 @@ func TestDeadlines(t *testing.T) {
 			case 3:
 				now = now.Add(time.Duration(rng.IntN(50)) * time.Millisecond)
 				got := d.due(now)
-				var exp []*rankReq
+				var exp []*tickEntry
 				for w, at := range want {
 					if !at.After(now) {
 						exp = append(exp, w)
 						delete(want, w)
 					}
 				}
-				byID := func(a, b *rankReq) int { return int(a.reqID) - int(b.reqID) }
+				byID := func(a, b *tickEntry) int { return int(id(a)) - int(id(b)) }
 				slices.SortFunc(got, byID)
 				slices.SortFunc(exp, byID)
 				if !slices.Equal(got, exp) {
@@ -66,18 +70,26 @@ func TestDeadlines(t *testing.T) {
 				t.Fatalf("seed %d step %d: timer at %v, earliest deadline %v", seed, step, d.at, first)
 			}
 			for i, q := range d.h {
-				if q.dueAt != i || !q.due.Equal(want[q]) {
-					t.Fatalf("seed %d step %d: entry %d: place %d, due %v, want %v", seed, step, i, q.dueAt, q.due, want[q])
+				if q.idx != i || !q.at.Equal(want[q]) {
+					t.Fatalf("seed %d step %d: entry %d: place %d, due %v, want %v", seed, step, i, q.idx, q.at, want[q])
 				}
 			}
 		}
 	}
 }
 
-func ids(qs []*rankReq) []uint64 {
-	out := make([]uint64, len(qs))
-	for i, q := range qs {
-		out[i] = q.reqID
+// id names an entry in the test: its request's id, 0 for the hold's.
+func id(e *tickEntry) uint64 {
+	if e.q == nil {
+		return 0
+	}
+	return e.q.reqID
+}
+
+func ids(es []*tickEntry) []uint64 {
+	out := make([]uint64, len(es))
+	for i, e := range es {
+		out[i] = id(e)
 	}
 	return out
 }

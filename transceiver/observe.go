@@ -76,12 +76,9 @@ func resultOf(err error) string {
 
 // rankStats are the figures of one request on one rank.
 type rankStats struct {
-	bytes   int64
-	chunks  int
-	backend string
-	start   time.Time
-	moving  time.Time // when data started to move; zero if it never did
-	end     time.Time
+	rankResult           // what the instance is told
+	start      time.Time // when the rank was handed the request
+	moving     time.Time // when data started to move; zero if it never did
 }
 
 func roleOf(s side) string {

@@ -74,10 +74,10 @@ type rank struct {
 	closed bool
 	reqs   map[reqKey]*rankReq
 	hold   *askHold // asks for context requests not handed to this rank yet
-	// deadlines are the requests' deadline ticks, behind one timer.
+	// deadlines are the requests' and the hold's deadline ticks, behind
+	// one timer.
 	deadlines deadlines
-	// stopHold stops the hold's timer (nil: none armed).
-	stopHold func() bool
+	holdDue   tickEntry
 }
 
 // reqKey names a request on a rank: send side by the context request's id,
@@ -106,11 +106,11 @@ type rankReq struct {
 	workers workers.Group
 
 	// Guarded by rank.mu.
-	over     bool                    // the core completed: later events are dropped
-	due      time.Time               // the deadline tick the core asked for (see deadlines)
-	dueAt    int                     // its place in rank.deadlines; -1: none armed
-	attempts map[uint64]*sendAttempt // send side: the pull attempts' sends, by attempt
-	srcs     map[int]*srcIO          // receive side: by context rank
+	over bool           // the core completed: later events are dropped
+	due  tickEntry      // the deadline tick the core asked for
+	srcs map[int]*srcIO // receive side: by context rank
+
+	attempts *mover.Attempts // send side: the pull attempts' sends
 }
 
 // srcIO is the data-plane state of one source of a receive.
@@ -118,27 +118,6 @@ type srcIO struct {
 	conn   *control.Conn
 	tr     transport.Transport
 	direct transport.Recv // receipt armed for a direct transfer; nil: none
-}
-
-// sendAttempt is what the sends of one pull attempt share: a context that
-// stops them (a child of the request's), and the chunk receipts for each,
-// by generation rank.
-type sendAttempt struct {
-	ctx    context.Context
-	cancel context.CancelCauseFunc
-	descs  map[int]chan mover.Chunk
-}
-
-// sendAttempt returns the sends' state of attempt a of q. Called with
-// r.mu held.
-func (q *rankReq) sendAttempt(a uint64) *sendAttempt {
-	sa := q.attempts[a]
-	if sa == nil {
-		ctx, cancel := context.WithCancelCause(q.ctx)
-		sa = &sendAttempt{ctx: ctx, cancel: cancel}
-		q.attempts[a] = sa
-	}
-	return sa
 }
 
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone, attempt attemptEnd) *rank {
@@ -152,7 +131,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
 		reqs:     map[reqKey]*rankReq{},
-		hold:     newAskHold(idx, set.timeout),
+		hold:     newAskHold(idx, set.timeout), holdDue: newTickEntry(nil),
 	}
 	r.deadlines.fire = r.tick
 	r.ctrl = control.New(control.Config{
@@ -175,12 +154,13 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	if err := r.pool.Retain(blocks...); err != nil {
 		return fmt.Errorf("transceiver: rank %d: hold blocks of request %d: %w", r.idx, id, err)
 	}
-	mem := make([][]byte, len(blocks))
-	for i, b := range blocks {
-		mem[i] = r.pool.Block(b)
+	mem, err := r.blockMem(blocks, id)
+	if err != nil {
+		r.pool.Release(blocks...)
+		return err
 	}
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
-	q.blocks = slices.Clone(blocks)
+	q.blocks, q.attempts = slices.Clone(blocks), mover.NewAttempts(q.ctx)
 	q.core = newSendCore(sendConfig{rank: r.idx, id: id, token: token, state: state, blocks: len(blocks), hashes: hashes, digest: digest,
 		backends: r.names, bufBytes: int64(r.sendBufs.Size()), timeout: r.set.timeout, senderTimeout: r.set.senderTimeout, plans: r.set.plans})
 	if err := r.admit(q); err != nil {
@@ -201,21 +181,32 @@ func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState
 	if err != nil {
 		return err
 	}
-	mem := make([][]byte, len(blocks))
-	for i, b := range blocks {
-		if mem[i] = r.pool.Block(b); mem[i] == nil {
-			return fmt.Errorf("transceiver: rank %d: block %d of request %d is not a pinned block of this rank's pool", r.idx, b, reqID)
-		}
+	mem, err := r.blockMem(blocks, reqID)
+	if err != nil {
+		return err
 	}
 	q := r.newReq(reqKey{sideRecv, id}, reqID, mem)
 	q.core, q.endpoints, q.srcs = core, op.Endpoints, map[int]*srcIO{}
 	return r.admit(q)
 }
 
+// blockMem returns the memory of the blocks of request reqID, pinned
+// blocks of this rank's pool.
+func (r *rank) blockMem(blocks []kvcache.BlockID, reqID uint64) ([][]byte, error) {
+	mem := make([][]byte, len(blocks))
+	for i, b := range blocks {
+		if mem[i] = r.pool.Block(b); mem[i] == nil {
+			return nil, fmt.Errorf("transceiver: rank %d: block %d of request %d is not a pinned block of this rank's pool", r.idx, b, reqID)
+		}
+	}
+	return mem, nil
+}
+
 func (r *rank) newReq(key reqKey, reqID uint64, mem [][]byte) *rankReq {
 	ctx, cancel := context.WithCancelCause(context.Background())
-	return &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel, dueAt: -1,
-		stats: rankStats{start: r.set.now()}, attempts: map[uint64]*sendAttempt{}}
+	q := &rankReq{key: key, reqID: reqID, mem: mem, ctx: ctx, cancel: cancel, stats: rankStats{start: r.set.now()}}
+	q.due = newTickEntry(q)
+	return q
 }
 
 // admit registers q and starts its core.
@@ -253,28 +244,32 @@ func (r *rank) admit(q *rankReq) error {
 
 // feed runs ev on the request find returns, under the lock, and carries
 // out the effects after; when there is no such request, it feeds the ask
-// hold held's event instead (held nil: nothing), under the same lock, so
-// that a request handed over meanwhile takes what the hold keeps. It
-// reports whether there was such a request and how many effects the event
-// had.
-func (r *rank) feed(find func() *rankReq, ev event, held func() event) (found bool, n int) {
+// hold held instead (nil: nothing), under the same lock, so that a request
+// handed over meanwhile takes what the hold keeps; an early ask learns
+// there whether the instance has begun its request on another rank
+// (begunFunc). It reports how many effects ev had on the request.
+func (r *rank) feed(find func() *rankReq, ev, held event) int {
 	r.mu.Lock()
 	q := find()
 	if q == nil {
 		var effs []effect
 		if held != nil && !r.closed {
-			effs = r.hold.step(held())
+			if a, ok := held.(evEarlyAsk); ok && r.begun != nil {
+				a.begunAt, a.begun = r.begun(a.ri.CtxRequestID, r.idx)
+				held = a
+			}
+			effs = r.hold.step(held)
 		}
 		r.mu.Unlock()
 		r.run(nil, effs)
-		return false, 0
+		return 0
 	}
 	effs, live := r.stepLocked(q, ev)
 	r.mu.Unlock()
 	if live {
 		r.run(q, effs)
 	}
-	return true, len(effs)
+	return len(effs)
 }
 
 // step feeds ev to q.
@@ -298,7 +293,7 @@ func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 	if q.core.state().over() {
 		q.over = true
 		delete(r.reqs, q.key)
-		r.deadlines.remove(q)
+		r.deadlines.remove(&q.due)
 		for _, id := range q.core.conns() {
 			if cc := r.ctrl.Conn(uint64(id)); cc != nil {
 				cc.Touch() // idle from now on, if nothing else uses it
@@ -324,9 +319,9 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			r.mu.Lock()
 			switch {
 			case q == nil && !r.closed:
-				rearm(&r.stopHold, e.at, func() { r.holdStep(evTick{now: time.Now()}) })
+				r.deadlines.arm(&r.holdDue, e.at)
 			case q != nil && !q.over:
-				r.deadlines.arm(q, e.at)
+				r.deadlines.arm(&q.due, e.at)
 			}
 			r.mu.Unlock()
 		case effRefuse:
@@ -342,21 +337,20 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effReady:
 			r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)})
 		case effStartSend:
-			// A direct send takes no chunk receipts: no queue for them.
-			ctx, descs := r.descQueue(q, e.attempt, e.gen, e.pair.direct == nil)
+			var descs chan mover.Chunk // a direct send takes no chunk receipts
+			if e.pair.direct == nil {
+				descs = q.attempts.Queue(e.attempt, e.gen)
+			}
+			ctx := q.attempts.Context(e.attempt)
 			r.work(q, func() moved { return r.sendPair(ctx, q, e, descs) })
 		case effChunk:
-			_, descs := r.descQueue(q, e.attempt, e.gen, true)
 			select {
-			case descs <- mover.Chunk{Index: e.index, Desc: e.desc}:
+			case q.attempts.Queue(e.attempt, e.gen) <- mover.Chunk{Index: e.index, Desc: e.desc}:
 			default:
 				r.step(q, evDescOverflow{gen: e.gen, attempt: e.attempt})
 			}
 		case effStopAttempt:
-			r.mu.Lock()
-			sa := q.sendAttempt(e.attempt)
-			r.mu.Unlock()
-			sa.cancel(fmt.Errorf("%w: pull attempt %d of request %d given up", ErrCanceled, e.attempt, q.reqID))
+			q.attempts.Stop(e.attempt, fmt.Errorf("%w: pull attempt %d of request %d given up", ErrCanceled, e.attempt, q.reqID))
 		case effAttemptEnded:
 			if e.err != nil {
 				r.log.Info("pull attempt failed; the context request stays pullable", "request", q.reqID, "attempt", e.attempt, "err", e.err)
@@ -397,23 +391,15 @@ func (r *rank) run(q *rankReq, effs []effect) {
 	}
 }
 
-// rearm replaces the timer whose Stop *stop holds with one that calls fire
-// at at.
-func rearm(stop *func() bool, at time.Time, fire func()) {
-	if *stop != nil {
-		(*stop)()
-	}
-	*stop = time.AfterFunc(time.Until(at), fire).Stop
-}
-
-// tick feeds a deadline tick to each request whose deadline has come.
+// tick feeds a deadline tick to each core whose deadline has come: the
+// requests' and the ask hold's.
 func (r *rank) tick() {
 	now := time.Now()
 	r.mu.Lock()
 	due := r.deadlines.due(now)
 	r.mu.Unlock()
-	for _, q := range due {
-		r.step(q, evTick{now: now})
+	for _, d := range due { // the hold's entry has no request: feed ticks the hold
+		r.feed(func() *rankReq { return d.q }, evTick{now: now}, evTick{now: now})
 	}
 }
 
@@ -449,24 +435,6 @@ func (r *rank) work(q *rankReq, move func() moved) {
 // maxIdleWorkers bounds the worker goroutines a rank keeps waiting for
 // work (see workers.Pool).
 const maxIdleWorkers = 16
-
-// descQueue returns the context of the sends of attempt a and, when
-// queue is set, the queue of chunk receipts of its send to gen (made on first
-// use; else nil unless made already).
-func (r *rank) descQueue(q *rankReq, a uint64, gen int, queue bool) (context.Context, chan mover.Chunk) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	sa := q.sendAttempt(a)
-	ch := sa.descs[gen]
-	if ch == nil && queue {
-		ch = make(chan mover.Chunk, 64)
-		if sa.descs == nil {
-			sa.descs = map[int]chan mover.Chunk{}
-		}
-		sa.descs[gen] = ch
-	}
-	return sa.ctx, ch
-}
 
 func (r *rank) source(q *rankReq, src int) *srcIO {
 	r.mu.Lock()
@@ -544,7 +512,7 @@ func (r *rank) finish(q *rankReq, err error, release bool) {
 			r.log.Warn(roleOf(q.key.side)+" transfer failed", "request", q.reqID, "backend", q.stats.backend, "err", err)
 		}
 		r.report(q.reqID, roleOf(q.key.side), err, q.stats)
-		r.done(r.idx, instKey{q.key.side, q.reqID}, err, rankResult{bytes: q.stats.bytes, chunks: q.stats.chunks, backend: q.stats.backend, end: q.stats.end})
+		r.done(r.idx, instKey{q.key.side, q.reqID}, err, q.stats.rankResult)
 	})
 }
 
@@ -558,20 +526,10 @@ func (r *rank) release(q *rankReq) {
 		return
 	}
 	for _, s := range q.srcs {
-		if s.direct == nil {
-			continue
-		}
-		select {
-		case <-s.direct.Done(): // filled or failed: nothing to give back
-		default:
-			s.direct.Cancel()
+		if s.direct != nil {
+			s.direct.Cancel() // a no-op once it has ended (filled or failed)
 		}
 	}
-}
-
-// holdStep feeds ev to the ask hold and carries out its effects.
-func (r *rank) holdStep(ev event) {
-	r.feed(func() *rankReq { return nil }, nil, func() event { return ev })
 }
 
 // Frame hands a control frame from cc to the request it is about (it
@@ -585,17 +543,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 	if err != nil || ev == nil {
 		return err
 	}
-	var early func() event
-	if held != nil {
-		early = func() event {
-			if a, ok := held.(evEarlyAsk); ok && r.begun != nil {
-				a.begunAt, a.begun = r.begun(a.ri.CtxRequestID, r.idx)
-				return a
-			}
-			return held
-		}
-	}
-	r.feed(func() *rankReq { return r.reqs[key] }, ev, early)
+	r.feed(func() *rankReq { return r.reqs[key] }, ev, held)
 	return nil
 }
 
@@ -638,14 +586,13 @@ func (r *rank) usersOf(id connID) []*rankReq {
 // cancel cancels the instance's request reqID of side on this rank. It
 // reports whether there was anything to cancel.
 func (r *rank) cancel(s side, reqID uint64, why error) bool {
-	var held func() event
+	var held event
 	if s == sideSend {
 		// Over on the instance before this rank was handed it: asks held
 		// for it are refused.
-		held = func() event { return evHeldEnded{id: reqID, err: why} }
+		held = evHeldEnded{id: reqID, err: why}
 	}
-	_, n := r.feed(r.byReqID(s, reqID), evCancel{err: why}, held)
-	return n > 0
+	return r.feed(r.byReqID(s, reqID), evCancel{err: why}, held) > 0
 }
 
 // decide feeds the instance's word on a pull attempt (evAttemptFailed,
@@ -675,10 +622,7 @@ func (r *rank) close() error {
 	}
 	r.closed = true
 	r.hold.step(evCancel{err: ErrClosed}) // (the connections close below)
-	if r.stopHold != nil {
-		r.stopHold()
-	}
-	r.deadlines.stop() // (the requests' ticks: each is cancelled below)
+	r.deadlines.stop()                    // (the requests' ticks: each is cancelled below)
 	qs := slices.Collect(maps.Values(r.reqs))
 	r.mu.Unlock()
 	for _, q := range qs {
