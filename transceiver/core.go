@@ -88,6 +88,15 @@ type (
 	}
 )
 
+// reply is an effect that is one control frame to a peer (effRefuse,
+// effReady, effAbort): the core says which frame, the driver writes it on
+// the route's connection.
+type reply interface {
+	effect
+	dest() route
+	frame() wire.Frame
+}
+
 // Effects of both sides.
 type (
 	// effArmTimer: send an evTick at at (the request's deadline due
@@ -121,6 +130,11 @@ func (effAbort) isEffect()    {}
 func (effStopAll) isEffect()  {}
 func (effRelease) isEffect()  {}
 func (effComplete) isEffect() {}
+
+func (e effAbort) dest() route { return e.to }
+func (e effAbort) frame() wire.Frame {
+	return &wire.Abort{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Reason: e.reason}
+}
 
 func (e effArmTimer) String() string { return "arm-timer at=" + e.at.Format(time.RFC3339Nano) }
 func (e effAbort) String() string {

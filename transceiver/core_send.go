@@ -262,6 +262,15 @@ func (e effRefuse) String() string {
 	}
 	return s
 }
+func (e effRefuse) dest() route { return e.to }
+func (e effRefuse) frame() wire.Frame {
+	return &wire.Refused{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Code: e.code, Reason: e.reason}
+}
+func (e effReady) dest() route { return e.to }
+func (e effReady) frame() wire.Frame {
+	return &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)}
+}
+
 func (e effReady) String() string { return fmt.Sprintf("ready gen=%d chunk=%d", e.gen, e.chunk) }
 func (e effStartSend) String() string {
 	s := fmt.Sprintf("start-send gen=%d %v", e.gen, e.pair)

@@ -97,9 +97,10 @@
 // control connections (accept loop, TLS, dial cache, the hello both
 // directions send, handshake and idle timeouts, one reader per
 // connection), handing the driver each frame and each lost connection and
-// asking it whether a connection is busy; control.go builds the rank's
-// hello and runs the probe of a peer's shm endpoint that the choice of a
-// pair's backend (backend.go, pure) may need; internal/mover is the data
+// asking it whether a connection is busy; internal/link reaches a context
+// rank through them (the cached connection or a dial) and chooses the
+// pair's backend (a pure function of both hellos, and of the probe of the
+// peer's shm endpoint it may need); internal/mover is the data
 // mover (one send or receive of a pair, direct or in chunks through the
 // staging buffers), which mover.go hands each pair as the core planned it.
 // The Transceiver feeds the consensus core what the ranks report and
@@ -107,9 +108,10 @@
 //
 // Time reaches the cores as events. A core asks for its deadline with an
 // arm-timer effect (a request has one, the one armed last); the driver
-// keeps the deadlines of a rank's requests in a heap behind one timer
-// (deadlines.go), armed for the earliest, and ticks each core whose
-// deadline has come; a tick before the deadline arms it again. The send core has a second deadline,
+// keeps the deadlines of a rank's requests, and its ask hold's, in a heap
+// behind one timer (deadlines.go), armed for the earliest, and ticks each
+// core whose deadline has come; a tick before the deadline arms it again.
+// The send core has a second deadline,
 // kv_transfer_sender_future_timeout from the start of its sends, and asks
 // for the tick of whichever comes first. The control connections'
 // handshake and idle timeouts are read deadlines. The tests of every

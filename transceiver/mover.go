@@ -38,7 +38,7 @@ func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <
 	}
 	m.backend = pair.Transport.Name() // after the move: ucx names what carried it
 	if err == nil && e.readyAfter {
-		r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(p.chunk)})
+		r.send(e.to, effReady{gen: e.gen, to: e.to, chunk: p.chunk}.frame())
 	}
 	m.end = evSent{gen: e.gen, attempt: e.attempt, err: err}
 	return m

@@ -16,7 +16,7 @@ import (
 
 // The driver's asks with AUTO on one host, where the choice of a pair's
 // backend waits for the probe of the peer's shm endpoint (one per control
-// connection, see probeShm), and what becomes of an ask, its request and
+// connection, see internal/link), and what becomes of an ask, its request and
 // the rank when that probe takes long, never answers, or outlives the
 // control connection. Every test here ends with the harness's checks
 // (pools back to their free count, no staging buffer in use) and

@@ -2,6 +2,7 @@ package transceiver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -13,6 +14,7 @@ import (
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
+	"github.com/kvxfer/kvxfer/transceiver/internal/link"
 	"github.com/kvxfer/kvxfer/transceiver/internal/mover"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 	"github.com/kvxfer/kvxfer/transceiver/internal/workers"
@@ -24,8 +26,9 @@ import (
 // receives, deadline ticks, cancels), one at a time under the rank's lock,
 // and carries out the effects the core returns (run), without the lock.
 // It is the Handler of the rank's control connections
-// (internal/control), and dials through them; the choice of backend is in
-// control.go, the data mover in mover.go.
+// (internal/control), and reaches context ranks through them
+// (internal/link, which also chooses a pair's backend); the data mover's
+// side is in mover.go.
 
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
@@ -56,6 +59,7 @@ type rank struct {
 	transports map[string]transport.Transport
 	names      []string       // of the transports, sorted
 	ctrl       *control.Plane // the control connections
+	links      *link.Linker   // the context ranks reached over ctrl
 	sendBufs   *mover.Buffers
 	recvBufs   *mover.Buffers
 	done       rankDone
@@ -65,10 +69,8 @@ type rank struct {
 
 	// goes runs every goroutine of this rank: sends, receives, dials.
 	goes *workers.Pool
-	life context.Context // ends when the rank closes: bounds shm probes
-	obs  Observer        // nil: none
-	csv  *timingCSV      // nil: none
-	stop context.CancelFunc
+	obs  Observer   // nil: none
+	csv  *timingCSV // nil: none
 
 	mu     sync.Mutex
 	closed bool
@@ -122,10 +124,9 @@ type srcIO struct {
 
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone, attempt attemptEnd) *rank {
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
-	life, stop := context.WithCancel(context.Background())
 	r := &rank{
-		life: life, stop: stop, goes: workers.NewPool(maxIdleWorkers),
 		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
+		goes:     workers.NewPool(maxIdleWorkers),
 		names:    slices.Sorted(maps.Keys(trs)),
 		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
 		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
@@ -145,7 +146,20 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		// too.
 		AcceptOK: set.peers.accepter(r.log), DialCheck: set.peers.endpointCheck,
 	}, r)
+	r.links = link.New(link.Config{Plane: r.ctrl, Want: set.backend, Auto: autoOrder(), Transports: trs, Host: set.host, Log: r.log})
 	return r
+}
+
+// hello is what the rank tells of itself when a control connection opens,
+// in either direction: its data planes' endpoints in the order of their
+// names.
+func (r *rank) hello() wire.Hello {
+	st, _ := r.state.MarshalBinary()
+	eps := make([]string, len(r.names))
+	for i, n := range r.names {
+		eps[i] = r.transports[n].Endpoint()
+	}
+	return wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.names, Endpoints: eps}
 }
 
 // respond holds a context request: its blocks are retained until the
@@ -333,9 +347,6 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			if e.note != "" {
 				r.log.Warn("request-info with a "+e.note, "request", e.to.sendID, "from", from)
 			}
-			r.send(e.to, &wire.Refused{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Code: e.code, Reason: e.reason})
-		case effReady:
-			r.send(e.to, &wire.Ready{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, ChunkBlocks: uint32(e.chunk)})
 		case effStartSend:
 			var descs chan mover.Chunk // a direct send takes no chunk receipts
 			if e.pair.direct == nil {
@@ -379,14 +390,15 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			}
 		case effStartRecv:
 			r.work(q, func() moved { return r.recvPair(q, e) })
-		case effAbort:
-			r.send(e.to, &wire.Abort{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Reason: e.reason})
 		case effStopAll:
 			q.cancel(ErrCanceled)
 		case effRelease:
 			release = true
 		case effComplete:
 			r.finish(q, e.err, release)
+		}
+		if rp, ok := e.(reply); ok {
+			r.send(rp.dest(), rp.frame())
 		}
 	}
 }
@@ -442,29 +454,13 @@ func (r *rank) source(q *rankReq, src int) *srcIO {
 	return q.srcs[src]
 }
 
-// ask reaches context rank src for q (dial, backend) and hands the
+// ask reaches context rank src for q (link.Linker.Get) and hands the
 // outcome to the core, which writes the request-info. Unless mayWait, it
 // does nothing and reports false where it would wait: no live connection
 // to src in the dial cache, or a probe of the peer's shm endpoint not
 // answered yet.
 func (r *rank) ask(q *rankReq, src int, mayWait bool) bool {
-	var cc *control.Conn
-	var release func()
-	var err error
-	if mayWait {
-		cc, release, err = r.ctrl.Dial(q.ctx, q.endpoints[src])
-	} else {
-		var ok bool
-		if cc, release, ok, err = r.ctrl.Cached(q.endpoints[src]); err == nil && !ok {
-			return false
-		}
-	}
-	if err != nil {
-		r.step(q, evAskFailed{src: src, err: err})
-		return true
-	}
-	defer release()
-	backend, ok, err := r.pickBackend(cc, mayWait)
+	l, ok, err := r.links.Get(q.ctx, q.endpoints[src], mayWait)
 	switch {
 	case !ok:
 		return false
@@ -472,10 +468,11 @@ func (r *rank) ask(q *rankReq, src int, mayWait bool) bool {
 		r.step(q, evAskFailed{src: src, err: err})
 		return true
 	}
+	defer l.Release()
 	r.mu.Lock()
-	q.srcs[src] = &srcIO{conn: cc, tr: r.transports[backend]}
+	q.srcs[src] = &srcIO{conn: l.Conn, tr: l.Transport}
 	r.mu.Unlock()
-	r.step(q, evDialled{src: src, conn: connID(cc.ID()), backend: backend})
+	r.step(q, evDialled{src: src, conn: connID(l.Conn.ID()), backend: l.Backend})
 	return true
 }
 
@@ -628,13 +625,11 @@ func (r *rank) close() error {
 	for _, q := range qs {
 		r.step(q, evCancel{err: ErrClosed})
 	}
-	err := r.ctrl.Close()
-	r.stop()
+	errs := []error{r.ctrl.Close()}
+	r.links.Close() // (probes in progress end)
 	r.goes.Close()
 	for _, tr := range r.transports {
-		if cerr := tr.Close(); cerr != nil && err == nil {
-			err = cerr
-		}
+		errs = append(errs, tr.Close())
 	}
-	return err
+	return errors.Join(errs...)
 }

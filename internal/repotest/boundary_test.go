@@ -96,6 +96,11 @@ var boundaries = []rule{
 	{pkg: "transceiver/internal/mover", may: []string{"transport", "layout"}, tests: []string{"kvcache", "transport/tcp"}},
 	// The goroutines of a rank's sends and receives: on nothing.
 	{pkg: "transceiver/internal/workers"},
+	// Reaching a context rank: its control connection and the pair's data
+	// plane (chosen from the Hellos, probed for shm); never requests,
+	// frames' meaning or layouts.
+	{pkg: "transceiver/internal/link", may: []string{"transceiver/internal/control", "transceiver/internal/wire", "transport"},
+		tests: []string{"internal/memnet"}},
 	// The backends share the receipt table and connection helpers of
 	// transport/internal, the accept loop and, for shm, memory files.
 	{pkg: "transport/...", may: []string{"transport", "transport/internal/...", "internal/netlimit", "internal/accept", "internal/memfd", "internal/memcopy", "internal/hugepage"},

@@ -1,4 +1,4 @@
-package transceiver
+package link
 
 import (
 	"errors"
@@ -7,6 +7,10 @@ import (
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
 	"github.com/kvxfer/kvxfer/transport"
 )
+
+// autoOrder is AUTO's order of preference in the tests (the transceiver
+// passes config.AutoPreference's).
+var autoOrder = []string{"shm", "ucx", "tcp"}
 
 // TestChooseBackend: the choice of a pair's data plane from both Hellos
 // and the shm probe's answer, case by case.
@@ -42,7 +46,7 @@ func TestChooseBackend(t *testing.T) {
 			shm: shmAnswer{known: true, err: unreachable}, passed: unreachable, err: errNoCommonBackend},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := chooseBackend(tc.want, tc.mine, "a", tc.peer, tc.shm)
+			c := chooseBackend(tc.want, autoOrder, tc.mine, "a", tc.peer, tc.shm)
 			if c.backend != tc.backend || c.probe != tc.probe || !errors.Is(c.passed, tc.passed) || (c.passed == nil) != (tc.passed == nil) {
 				t.Errorf("got backend %q probe %v passed %v; want %q %v %v", c.backend, c.probe, c.passed, tc.backend, tc.probe, tc.passed)
 			}

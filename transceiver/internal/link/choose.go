@@ -1,4 +1,4 @@
-package transceiver
+package link
 
 import (
 	"errors"
@@ -11,10 +11,10 @@ import (
 
 // The choice of a pair's data plane: a pure function of what both ranks
 // announced in their Hellos and, for shm, of whether this rank reaches the
-// peer's shm endpoint (a probe the driver runs once per control
-// connection, see control.go).
+// peer's shm endpoint (a probe Linker.Get runs once per control
+// connection).
 
-// shmAnswer is what the driver knows of the probe of a peer's shm
+// shmAnswer is what is known of the probe of a peer's shm
 // endpoint.
 type shmAnswer struct {
 	known bool  // the probe has been answered
@@ -37,10 +37,10 @@ var errNoCommonBackend = errors.New("no backend in common")
 
 // chooseBackend picks the data plane of the pair of this rank (its
 // configured backend want, the backends mine it has open, on host) and
-// peer: want itself unless it is "auto"; with AUTO, in autoOrder, the
-// first backend both have, where shm counts only with a peer on the same
-// host whose shm endpoint this rank reaches.
-func chooseBackend(want string, mine []string, host string, peer control.Peer, shm shmAnswer) backendChoice {
+// peer: want itself unless it is "auto"; with AUTO, in the order auto,
+// the first backend both have, where shm counts only with a peer on the
+// same host whose shm endpoint this rank reaches.
+func chooseBackend(want string, auto, mine []string, host string, peer control.Peer, shm shmAnswer) backendChoice {
 	has := func(name string) bool { return slices.Contains(mine, name) && slices.Contains(peer.Backends, name) }
 	if want != "auto" {
 		if !has(want) {
@@ -50,7 +50,7 @@ func chooseBackend(want string, mine []string, host string, peer control.Peer, s
 		return backendChoice{backend: want}
 	}
 	var passed error
-	for _, b := range autoOrder() {
+	for _, b := range auto {
 		switch {
 		case !has(b):
 		case b != "shm":
