@@ -106,6 +106,8 @@ func startJoin(ctx context.Context, dc *config.DisaggCluster, rec membership.Rec
 
 func (j *joiner) register(ctx context.Context, dc *config.DisaggCluster) {
 	defer close(j.done)
+	pause := time.NewTimer(0)
+	defer pause.Stop()
 	for attempt := 0; ; attempt++ {
 		rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
 		err := j.m.Register(rctx)
@@ -127,10 +129,11 @@ func (j *joiner) register(ctx context.Context, dc *config.DisaggCluster) {
 		if attempt%20 == 0 {
 			j.log.Warn("cannot join the cluster yet, retrying", "cluster_uri", dc.ClusterURI, "err", err, "attempt", attempt+1)
 		}
+		pause.Reset(250 * time.Millisecond)
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(250 * time.Millisecond):
+		case <-pause.C:
 		}
 	}
 }

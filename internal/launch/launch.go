@@ -268,6 +268,8 @@ func (l *Launched) openMembership(ctx context.Context, o Options, routerURL stri
 // waitMembers waits until the router has every started worker as a member.
 func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error {
 	deadline := time.Now().Add(within)
+	poll := time.NewTicker(50 * time.Millisecond)
+	defer poll.Stop()
 	for {
 		ci := l.router.ClusterInfo()
 		if len(ci.CurrentWorkers["context_servers"]) >= len(l.ContextURLs) && len(ci.CurrentWorkers["generation_servers"]) >= len(l.GenerationURL) && ci.IsReady {
@@ -279,7 +281,7 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		select {
 		case <-ctx.Done():
 			return context.Cause(ctx)
-		case <-time.After(50 * time.Millisecond):
+		case <-poll.C:
 		}
 	}
 }

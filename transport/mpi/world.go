@@ -64,7 +64,8 @@ type world struct {
 	nextRID    uint64
 	nextSID    uint64
 	wake       chan struct{}
-	bell       *C.int // the doorbell: nonzero when cmds (or a poke) wait; C memory, so that a spinning progress sees it
+	idle       *time.Timer // progress's wait with nothing posted (the progress goroutine's; nil until first used)
+	bell       *C.int      // the doorbell: nonzero when cmds (or a poke) wait; C memory, so that a spinning progress sees it
 	stop       chan struct{}
 	stopped    chan struct{}
 	finalErr   error // MPI_Finalize's, set before stopped closes
@@ -432,10 +433,16 @@ func (w *world) testsome() int {
 // more than budget on the wake channel.
 func (w *world) progress(budget, nap time.Duration) int {
 	if w.active == 0 {
+		if w.idle == nil {
+			w.idle = time.NewTimer(budget)
+		} else {
+			w.idle.Reset(budget)
+		}
 		select {
 		case <-w.wake:
-		case <-time.After(budget):
+		case <-w.idle.C:
 		}
+		w.idle.Stop()
 		return 0
 	}
 	var out C.int
