@@ -3,6 +3,7 @@ package serve
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -43,7 +44,9 @@ func (e *retryable) Unwrap() error { return e.err }
 // cannot help with (the worker sent a client error event, forwarded).
 var errStreamEnded = errors.New("the generation worker ended the stream with an error")
 
-// routeMigrating is route with migration on.
+// routeMigrating is route with migration on: a context phase and a
+// generation phase per attempt, until one answers the client or the
+// request cannot migrate.
 func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path string, orig object, stream bool, ri *routeInfo) {
 	ctx := req.Context()
 	cs := newClientStream(w, path == "/v1/chat/completions")
@@ -51,8 +54,7 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 	var so streamOptions
 	orig.get("stream_options", &so)
 	cs.usage = so.IncludeUsage
-	var avoid *upstream
-	migrating := false // the attempt is a migration not yet taken over
+	m := &migrating{r: r, w: w, cs: cs, path: path, orig: orig, stream: stream, ri: ri}
 	for migrations := 0; ; migrations++ {
 		var resume []int32
 		if stream {
@@ -60,116 +62,162 @@ func (r *Router) routeMigrating(w http.ResponseWriter, req *http.Request, path s
 		}
 		cr, out := r.runContext(ctx, path, orig, resume, ri)
 		if cr == nil {
-			if migrating && (out.err != nil || !out.finished) {
-				r.m.Migrations.WithLabelValues("failed").Inc()
-			}
-			if !cs.started {
-				r.writeOutcome(w, out, stream)
-			} else {
-				cs.contextOutcome(out)
-			}
+			m.contextEnded(out)
 			return
 		}
 		if r.afterContext != nil {
 			r.afterContext(ctx)
 		}
-		genReq := generationRequest(path, orig, cr)
-		if stream {
-			genReq.set("return_token_ids", true)
-		}
-		if len(resume) > 0 {
-			genReq.set(ResumeField, resume)
-		}
-		resp, srv, err := r.post(ctx, r.gen, path, genReq, avoid, ri)
-		var fail *retryable
-		switch {
-		case err != nil && ctx.Err() != nil:
-			r.releaseContext(ctx, cr)
+		srv, fail := m.generate(ctx, cr, resume, migrations)
+		if fail == nil {
 			return
-		case err != nil && srv == nil:
-			// No generation worker could be reached (post logged each):
-			// nothing to migrate to.
-			r.releaseContext(ctx, cr)
-			if migrating {
-				r.migrationFailed(cs, srv, err, "no generation worker reachable")
-			} else {
-				upstreamFailed(w, err)
-			}
-			return
-		case err != nil:
-			fail = &retryable{err: err}
-		case resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusGatewayTimeout:
-			b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
-			resp.Body.Close()
-			fail = &retryable{err: fmt.Errorf("generation server %s: %s: %s", srv.url, resp.Status, strings.TrimSpace(string(b)))}
-			if !cs.started && migrations >= r.migration {
-				// The worker's own answer says it best.
-				r.releaseContext(ctx, cr)
-				r.m.Migrations.WithLabelValues("failed").Inc()
-				r.warn("migrate-failed:"+srv.url, "generation failed and the request cannot migrate: the client gets the error",
-					"url", srv.url, "migrations", migrations, "limit", r.migration, "err", fail.err)
-				copyHeaders(w, resp)
-				w.WriteHeader(resp.StatusCode)
-				w.Write(b)
-				return
-			}
-		case resp.StatusCode != http.StatusOK:
-			// Refused for a reason another worker would share (a bad
-			// request, a full queue, a refused transfer): no migration.
-			r.releaseContext(ctx, cr)
-			if migrating {
-				r.m.Migrations.WithLabelValues("failed").Inc()
-			}
-			if !cs.started {
-				relay(w, resp, nil, streamCopy)
-				return
-			}
-			b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
-			resp.Body.Close()
-			cs.errorBody(resp.StatusCode, b)
-			return
-		default:
-			if migrating {
-				migrating = false
-				r.m.Migrations.WithLabelValues("ok").Inc()
-			}
-			err = cs.answer(resp, stream)
-			resp.Body.Close()
-			switch {
-			case err == nil, errors.Is(err, errClientGone), errors.Is(err, errStreamEnded):
-				return
-			case ctx.Err() != nil:
-				r.releaseContext(ctx, cr)
-				return
-			}
-			if !errors.As(err, &fail) {
-				fail = &retryable{err: err}
-			}
-			if srv != nil && !errors.Is(err, errStalled) && fail.event == nil {
-				// Cut without a word from the worker (it died, or its
-				// connection was reset): stop routing to it now.
-				r.markDown(r.gen, srv, "stream cut: "+err.Error())
-			}
 		}
 		// The generation failed: migrate, or end the request.
 		r.releaseContext(ctx, cr) // when it was never pulled
-		why := ""
-		switch {
-		case migrations >= r.migration:
-			why = fmt.Sprintf("the migration limit (%d) is reached", r.migration)
-		case stream && cs.untracked:
-			why = "the stream's text came without token ids: it cannot be resumed"
-		case stream && cs.finished:
-			why = "the stream was cut after its last chunk"
-		}
-		if why != "" {
-			r.migrationFailed(cs, srv, fail, why)
+		if !m.mayMigrate(srv, fail, migrations) {
 			return
 		}
-		r.warn("migrate:"+srv.url, "generation failed mid-request: migrating the request to another generation worker",
-			"url", srv.url, "tokens_sent", len(cs.seen), "migration", migrations+1, "limit", r.migration, "err", fail.err)
-		avoid, migrating = srv, true
+		m.avoid, m.moving = srv, true
 	}
+}
+
+// migrating is what the attempts of one request routed with migration
+// share.
+type migrating struct {
+	r      *Router
+	w      http.ResponseWriter
+	cs     *clientStream
+	path   string
+	orig   object
+	stream bool
+	ri     *routeInfo
+	avoid  *upstream // the generation worker that failed last
+	moving bool      // the attempt is a migration not yet taken over
+}
+
+// contextEnded answers the client when an attempt's context phase gave no
+// context to generate from (its outcome out: an error, or the whole
+// answer).
+func (m *migrating) contextEnded(out *contextOutcome) {
+	if m.moving && (out.err != nil || !out.finished) {
+		m.r.m.Migrations.WithLabelValues("failed").Inc()
+	}
+	if !m.cs.started {
+		m.r.writeOutcome(m.w, out, m.stream)
+	} else {
+		m.cs.contextOutcome(out)
+	}
+}
+
+// generate runs an attempt's generation phase from the context cr (the
+// tokens resume already sent to a streaming client). It returns the
+// failure migration may recover from, and the worker that failed (nil
+// when none could be reached); a nil failure: the request has ended
+// (answered, refused, or its client gone), its context released.
+func (m *migrating) generate(ctx context.Context, cr *contextResult, resume []int32, migrations int) (*upstream, *retryable) {
+	r, cs := m.r, m.cs
+	genReq := generationRequest(m.path, m.orig, cr)
+	if m.stream {
+		genReq.set("return_token_ids", true)
+	}
+	if len(resume) > 0 {
+		genReq.set(ResumeField, resume)
+	}
+	resp, srv, err := r.post(ctx, r.gen, m.path, genReq, m.avoid, m.ri)
+	switch {
+	case err != nil && ctx.Err() != nil:
+		r.releaseContext(ctx, cr)
+		return srv, nil
+	case err != nil && srv == nil:
+		// No generation worker could be reached (post logged each):
+		// nothing to migrate to.
+		r.releaseContext(ctx, cr)
+		if m.moving {
+			r.migrationFailed(cs, srv, err, "no generation worker reachable")
+		} else {
+			upstreamFailed(m.w, err)
+		}
+		return srv, nil
+	case err != nil:
+		return srv, &retryable{err: err}
+	case resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusGatewayTimeout:
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+		resp.Body.Close()
+		fail := &retryable{err: fmt.Errorf("generation server %s: %s: %s", srv.url, resp.Status, strings.TrimSpace(string(b)))}
+		if cs.started || migrations < r.migration {
+			return srv, fail
+		}
+		// The worker's own answer says it best.
+		r.releaseContext(ctx, cr)
+		r.m.Migrations.WithLabelValues("failed").Inc()
+		r.warn("migrate-failed:"+srv.url, "generation failed and the request cannot migrate: the client gets the error",
+			"url", srv.url, "migrations", migrations, "limit", r.migration, "err", fail.err)
+		copyHeaders(m.w, resp)
+		m.w.WriteHeader(resp.StatusCode)
+		m.w.Write(b)
+		return srv, nil
+	case resp.StatusCode != http.StatusOK:
+		// Refused for a reason another worker would share (a bad
+		// request, a full queue, a refused transfer): no migration.
+		r.releaseContext(ctx, cr)
+		if m.moving {
+			r.m.Migrations.WithLabelValues("failed").Inc()
+		}
+		if !cs.started {
+			relay(m.w, resp, nil, streamCopy)
+			return srv, nil
+		}
+		b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+		resp.Body.Close()
+		cs.errorBody(resp.StatusCode, b)
+		return srv, nil
+	}
+	if m.moving {
+		m.moving = false
+		r.m.Migrations.WithLabelValues("ok").Inc()
+	}
+	err = cs.answer(resp, m.stream)
+	resp.Body.Close()
+	switch {
+	case err == nil, errors.Is(err, errClientGone), errors.Is(err, errStreamEnded):
+		return srv, nil
+	case ctx.Err() != nil:
+		r.releaseContext(ctx, cr)
+		return srv, nil
+	}
+	var fail *retryable
+	if !errors.As(err, &fail) {
+		fail = &retryable{err: err}
+	}
+	if srv != nil && !errors.Is(err, errStalled) && fail.event == nil {
+		// Cut without a word from the worker (it died, or its
+		// connection was reset): stop routing to it now.
+		r.markDown(r.gen, srv, "stream cut: "+err.Error())
+	}
+	return srv, fail
+}
+
+// mayMigrate reports whether the request may migrate after its generation
+// on srv failed (fail, at attempt migrations), saying so in the log; when
+// it may not, it ends the request (migrationFailed).
+func (m *migrating) mayMigrate(srv *upstream, fail *retryable, migrations int) bool {
+	r, cs := m.r, m.cs
+	why := ""
+	switch {
+	case migrations >= r.migration:
+		why = fmt.Sprintf("the migration limit (%d) is reached", r.migration)
+	case m.stream && cs.untracked:
+		why = "the stream's text came without token ids: it cannot be resumed"
+	case m.stream && cs.finished:
+		why = "the stream was cut after its last chunk"
+	}
+	if why != "" {
+		r.migrationFailed(cs, srv, fail, why)
+		return false
+	}
+	r.warn("migrate:"+srv.url, "generation failed mid-request: migrating the request to another generation worker",
+		"url", srv.url, "tokens_sent", len(cs.seen), "migration", migrations+1, "limit", r.migration, "err", fail.err)
+	return true
 }
 
 // migrationFailed ends a request whose generation failed and cannot
