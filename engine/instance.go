@@ -410,12 +410,29 @@ func (in *Instance) forward(ctx context.Context, s *Sequence, toks []int32) ([]f
 // of each segment's last token. A row's results do not depend on the
 // other rows of the batch.
 func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int32) ([][]float32, error) {
+	if err := in.checkBatch(segs, toks); err != nil {
+		return nil, err
+	}
+	in.embed(segs, toks)
+	if err := in.layers(ctx, segs, len(toks)); err != nil {
+		return nil, err
+	}
+	for _, sg := range segs {
+		sg.s.n = sg.n0 + sg.T
+	}
+	return in.logits(segs), nil
+}
+
+// checkBatch checks that segs cut toks into runs of distinct sequences of
+// this instance, in order, that fit, and that every token is in the
+// vocabulary; it sets each segment's first position (n0).
+func (in *Instance) checkBatch(segs []segment, toks []int32) error {
 	if in.closed {
-		return nil, ErrClosed
+		return ErrClosed
 	}
 	T := len(toks)
 	if T == 0 || len(segs) == 0 {
-		return nil, fmt.Errorf("%w: no tokens to run", ErrBadRequest)
+		return fmt.Errorf("%w: no tokens to run", ErrBadRequest)
 	}
 	row := 0
 	for i := range segs {
@@ -423,36 +440,41 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 		s := sg.s
 		switch {
 		case s == nil || s.in != in:
-			return nil, fmt.Errorf("%w: sequence %d of the batch is not of this instance", ErrBadRequest, i)
+			return fmt.Errorf("%w: sequence %d of the batch is not of this instance", ErrBadRequest, i)
 		case sg.T <= 0 || sg.row0 != row:
-			return nil, fmt.Errorf("%w: sequence %d of the batch has rows %d..%d, want from %d", ErrBadRequest, i, sg.row0, sg.row0+sg.T, row)
+			return fmt.Errorf("%w: sequence %d of the batch has rows %d..%d, want from %d", ErrBadRequest, i, sg.row0, sg.row0+sg.T, row)
 		case s.n+sg.T > s.Capacity():
-			return nil, fmt.Errorf("engine: %d tokens do not fit: the sequence holds %d of %d", sg.T, s.n, s.Capacity())
+			return fmt.Errorf("engine: %d tokens do not fit: the sequence holds %d of %d", sg.T, s.n, s.Capacity())
 		}
 		for _, o := range segs[:i] {
 			if o.s == s {
-				return nil, fmt.Errorf("%w: sequence %d of the batch appears twice", ErrBadRequest, i)
+				return fmt.Errorf("%w: sequence %d of the batch appears twice", ErrBadRequest, i)
 			}
 		}
 		sg.n0 = s.n
 		row += sg.T
 	}
 	if row != T {
-		return nil, fmt.Errorf("%w: the batch's sequences have %d rows, %d tokens given", ErrBadRequest, row, T)
+		return fmt.Errorf("%w: the batch's sequences have %d rows, %d tokens given", ErrBadRequest, row, T)
 	}
 	for _, t := range toks {
 		if t < 0 || t >= VocabSize {
-			return nil, fmt.Errorf("%w: token %d out of the vocabulary [0,%d)", ErrBadRequest, t, VocabSize)
+			return fmt.Errorf("%w: token %d out of the vocabulary [0,%d)", ErrBadRequest, t, VocabSize)
 		}
 	}
-	m, cfg := in.model, in.cfg
-	H := cfg.Hidden
+	return nil
+}
+
+// embed sets the batch's activations (in.x) to the tokens' embeddings and
+// the rotary tables to the rows' positions.
+func (in *Instance) embed(segs []segment, toks []int32) {
+	m, H := in.model, in.cfg.Hidden
+	T := len(toks)
 	in.x = grow(in.x, T*H)
 	in.h = grow(in.h, T*H)
-	x, h := in.x, in.h
 	for t, tok := range toks {
 		for i, w := range m.embed[int(tok)*H : (int(tok)+1)*H] {
-			x[t*H+i] = float64(w)
+			in.x[t*H+i] = float64(w)
 		}
 	}
 	in.pos = grow(in.pos, T)
@@ -462,11 +484,19 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 		}
 	}
 	in.rope.fill(m.invFreq, in.pos)
-	// Stages run in order; x is the activation one stage hands the next.
+}
+
+// layers runs the T rows of the batch through every layer of every stage,
+// in order (x is the activation one stage hands the next), appending each
+// row's KV; it stops when ctx ends.
+func (in *Instance) layers(ctx context.Context, segs []segment, T int) error {
+	m, cfg := in.model, in.cfg
+	H := cfg.Hidden
+	x, h := in.x, in.h
 	for _, ranks := range in.stages {
 		for l := ranks[0].layerLo; l < ranks[0].layerHi; l++ {
 			if err := ctx.Err(); err != nil {
-				return nil, err
+				return err
 			}
 			lw := &m.layers[l]
 			normRows(h, x, lw.attnNorm, cfg.NormEps, T, H)
@@ -479,7 +509,7 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 			}
 			// A long prompt's attention stops part-way once ctx is done.
 			if err := ctx.Err(); err != nil {
-				return nil, err
+				return err
 			}
 			in.allReduceAdd(ranks, T)
 			normRows(h, x, lw.mlpNorm, cfg.NormEps, T, H)
@@ -489,16 +519,19 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 			in.allReduceAdd(ranks, T)
 		}
 	}
-	for _, sg := range segs {
-		sg.s.n = sg.n0 + sg.T
-	}
-	// LM head of each segment's last token, vocabulary-parallel over the
-	// last stage.
+	return nil
+}
+
+// logits returns the logits of each segment's last token: the LM head,
+// vocabulary-parallel over the last stage.
+func (in *Instance) logits(segs []segment) [][]float32 {
+	m, cfg := in.model, in.cfg
+	H := cfg.Hidden
 	S := len(segs)
 	in.hf = grow(in.hf, S*H)
 	for i, sg := range segs {
 		last := sg.row0 + sg.T - 1
-		rmsNorm(in.hf[i*H:(i+1)*H], x[last*H:(last+1)*H], m.finalNorm, cfg.NormEps)
+		rmsNorm(in.hf[i*H:(i+1)*H], in.x[last*H:(last+1)*H], m.finalNorm, cfg.NormEps)
 	}
 	in.lg = grow(in.lg, S*VocabSize)
 	for _, r := range in.stages[len(in.stages)-1] {
@@ -513,7 +546,7 @@ func (in *Instance) forwardBatch(ctx context.Context, segs []segment, toks []int
 		}
 		out[i] = lg
 	}
-	return out, nil
+	return out
 }
 
 // allReduceAdd sums the partial results of the ranks of a stage and adds
