@@ -292,12 +292,12 @@ func TestMedianProperty(t *testing.T) {
 // per-round ratios.
 func TestSweepRoundsAlternate(t *testing.T) {
 	var calls []string
-	runGBps := map[int][]float64{64: {2, 3, 2.5}, 128: {1, 1}} // by ISL, by round
+	runGBps := map[int][]float64{64: {2, 3, 2.5}, 128: {1, 1}, 256: {}} // by ISL, by round
 	baseGBps := []float64{4, 5, 2}
 	tried := map[int]int{}
 	s := Sweep{
 		Base:     Config{Model: "tiny", Requests: 2, Warmup: 1},
-		ISLs:     []int{64, 128},
+		ISLs:     []int{64, 128, 256},
 		Baseline: true,
 		Rounds:   3,
 		measureBaselines: func(_ context.Context, k int) []Baseline {
@@ -311,6 +311,9 @@ func TestSweepRoundsAlternate(t *testing.T) {
 			if c.ISL == 128 && k == 1 {
 				return nil, errors.New("bench: context side: dead")
 			}
+			if c.ISL == 256 {
+				return nil, errors.New("bench: backend tcp: refused")
+			}
 			r := round(runGBps[c.ISL][k], float64(10*(k+1)), float64(10*(k+1)+1))
 			r.ISL = c.ISL
 			return r, nil
@@ -323,20 +326,23 @@ func TestSweepRoundsAlternate(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := []string{
-		"baselines 1", "run isl=64 round 1", "run isl=128 round 1",
-		"baselines 2", "run isl=64 round 2", "run isl=128 round 2",
+		"baselines 1", "run isl=64 round 1", "run isl=128 round 1", "run isl=256 round 1",
+		"baselines 2", "run isl=64 round 2", "run isl=128 round 2", // isl=256 failed in round 1
 		"baselines 3", "run isl=64 round 3", // isl=128 failed in round 2
 	}
 	if !slices.Equal(calls, want) {
 		t.Fatalf("calls:\n%s\nwant:\n%s", strings.Join(calls, "\n"), strings.Join(want, "\n"))
 	}
-	if rep.Config.Rounds != 3 || len(rep.Baselines) != 1 || len(rep.Runs) != 2 {
+	if rep.Config.Rounds != 3 || len(rep.Baselines) != 1 || len(rep.Runs) != 3 {
 		t.Fatalf("config %+v, %d baselines, %d runs", rep.Config, len(rep.Baselines), len(rep.Runs))
 	}
 	if b := rep.Baselines[0]; b.GBps != 5 || len(b.Rounds) != 3 {
 		t.Errorf("baseline %+v, want the best of 4, 5, 2", b)
 	}
 	ok, bad := rep.Runs[0], rep.Runs[1]
+	if first := rep.Runs[2]; first.OK() || first.Error != "round 1 of 3: bench: backend tcp: refused" || len(first.Rounds) != 1 {
+		t.Errorf("isl 256: %+v", first)
+	}
 	if ok.GBps != 3 || len(ok.Rounds) != 3 || ok.Requests != 6 || ok.P50Ms != 20 || ok.P99Ms != 31 || !ok.OK() {
 		t.Errorf("isl 64: %+v", ok)
 	}

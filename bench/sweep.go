@@ -295,7 +295,7 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 			if err := ctx.Err(); err != nil {
 				break
 			}
-			if k > 0 && !rounds[i][k-1].OK() {
+			if n := len(rounds[i]); n > 0 && !rounds[i][n-1].OK() {
 				continue // failed: its row keeps the error
 			}
 			res := s.runRound(ctx, rc, i, len(runs), k)
