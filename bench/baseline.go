@@ -50,6 +50,12 @@ type Baseline struct {
 	// names the winner, whose figure and command are the baseline's.
 	Variants []Variant `json:"variants,omitempty"`
 	Best     string    `json:"best,omitempty"`
+	// Rounds are its figure in each round of the sweep (Sweep.Rounds), in
+	// order; GBps is the best of them. With several rounds, Variants and
+	// Best are the first round's search, and later rounds measure Best
+	// alone. A baseline skipped has none; one that failed in the first
+	// round is not measured again.
+	Rounds []BaselineRound `json:"rounds,omitempty"`
 }
 
 // Variant is one setting a baseline was measured with.
@@ -64,6 +70,10 @@ type Variant struct {
 // pickBest makes the best of b.Variants b's figure. When none was
 // measured, b.Error says why each failed.
 func (b *Baseline) pickBest() {
+	if len(b.Variants) == 0 && b.Error == "" && b.Skipped == "" {
+		b.Error = "no setting was measured"
+		return
+	}
 	var errs []string
 	for _, v := range b.Variants {
 		if v.GBps > b.GBps {
@@ -138,55 +148,96 @@ type baselineRunner struct {
 	bytes    int64
 	lookPath func(string) (string, error)
 	timeout  time.Duration // per external tool
-	report   func(Baseline)
+	report   func(b Baseline, round int)
 	tls      bool // some runs use TLS: measure the cipher's limit too
 	ucx      bool // some runs use backend ucx: measure ucx_perftest and the C UCP program too
 	mpi      bool // some runs use backend mpi: measure the C MPI program too
 	mpiBTL   string
+	// winners are the settings that won the first round, by baseline
+	// (keep); unmeasured the baselines it skipped or could not measure.
+	winners    map[string]string
+	unmeasured map[string]bool
 }
 
-func (br *baselineRunner) run(ctx context.Context) []Baseline {
-	var out []Baseline
-	add := func(b Baseline) {
-		b.Backends = backendsOf(b.Name)
-		out = append(out, b)
-		br.report(b)
-	}
-	add(copyBaseline(br.bytes, 1))
-	add(copyBaseline(br.bytes, 2))
+// baselineMeasure is one baseline of a sweep: its name and how a round
+// measures it.
+type baselineMeasure struct {
+	name    string
+	measure func(context.Context) Baseline
+}
 
-	raw := Baseline{Name: BaselineRawTCP, Description: "one TCP stream over loopback from the context process to this one, read through a 4 MiB buffer (best of 3)", Bytes: br.bytes}
-	if gbps, err := br.rawTCP(ctx); err != nil {
-		raw.Error = err.Error()
-	} else {
-		raw.GBps = gbps
-	}
-	add(raw)
-	add(br.iperf3(ctx, 1))
-	add(br.iperf3(ctx, transport.DefaultStreams))
-	if br.ucx {
-		add(br.ucxPerftest(ctx))
-		add(br.ucxC(ctx))
-	}
-	if br.mpi {
-		add(br.mpiBaseline(ctx))
+// measures are the baselines of the sweep in the order each round
+// measures them: the machine's limits when all (Sweep.Baseline), those of
+// the backends that some run uses, and the cipher's limit when some run
+// uses TLS.
+func (br *baselineRunner) measures(all bool) []baselineMeasure {
+	var out []baselineMeasure
+	add := func(name string, f func(context.Context) Baseline) { out = append(out, baselineMeasure{name, f}) }
+	if all {
+		add(BaselineCopy, func(context.Context) Baseline { return copyBaseline(br.bytes, 1, br.keep(BaselineCopy)) })
+		add(BaselineCopy2, func(context.Context) Baseline { return copyBaseline(br.bytes, 2, br.keep(BaselineCopy2)) })
+		add(BaselineRawTCP, br.raw)
+		add(BaselineIperf3, func(ctx context.Context) Baseline { return br.iperf3(ctx, 1) })
+		add(BaselineIperf3Multi, func(ctx context.Context) Baseline { return br.iperf3(ctx, transport.DefaultStreams) })
+		if br.ucx {
+			add(BaselineUCXPerftest, br.ucxPerftest)
+			add(BaselineUCXC, br.ucxC)
+		}
+		if br.mpi {
+			add(BaselineMPI, br.mpiBaseline)
+		}
 	}
 	if br.tls {
-		add(br.openssl(ctx))
+		add(BaselineOpenSSL, br.openssl)
 	}
 	return out
 }
 
-// runOnly measures the baselines of the functions given, and no other.
-func (br *baselineRunner) runOnly(ctx context.Context, fns ...func(context.Context) Baseline) []Baseline {
+// round measures each of ms once, round k of a sweep (0-based), and
+// returns them. Round 0 tries every setting of each and records the
+// winners (Baseline.Best); later rounds measure each winner alone, and do
+// not measure again a baseline that round 0 skipped or could not measure.
+func (br *baselineRunner) round(ctx context.Context, ms []baselineMeasure, k int) []Baseline {
+	if k == 0 {
+		br.winners, br.unmeasured = map[string]string{}, map[string]bool{}
+	}
 	var out []Baseline
-	for _, f := range fns {
-		b := f(ctx)
+	for _, m := range ms {
+		if k > 0 && br.unmeasured[m.name] {
+			continue
+		}
+		b := m.measure(ctx)
 		b.Backends = backendsOf(b.Name)
+		if k == 0 {
+			if b.Best != "" {
+				br.winners[m.name] = b.Best
+			}
+			br.unmeasured[m.name] = b.GBps <= 0
+		}
 		out = append(out, b)
-		br.report(b)
+		br.report(b, k)
 	}
 	return out
+}
+
+// keep returns whether the current round measures a setting of the
+// baseline name: every setting until the first round has picked a winner,
+// the winner alone after. A winner's setting may carry a note that the
+// run added in brackets ("... thp pages (advised; 2 GiB granted)").
+func (br *baselineRunner) keep(name string) func(setting string) bool {
+	w, ok := br.winners[name]
+	return func(setting string) bool { return !ok || w == setting || strings.HasPrefix(w, setting+" (") }
+}
+
+// raw is the raw TCP baseline: one stream from the context process.
+func (br *baselineRunner) raw(ctx context.Context) Baseline {
+	b := Baseline{Name: BaselineRawTCP, Description: "one TCP stream over loopback from the context process to this one, read through a 4 MiB buffer (best of 3)", Bytes: br.bytes}
+	if gbps, err := br.rawTCP(ctx); err != nil {
+		b.Error = err.Error()
+	} else {
+		b.GBps = gbps
+	}
+	return b
 }
 
 // opensslArgs is the openssl command of the cipher baseline: AES-128-GCM
@@ -315,8 +366,12 @@ func (br *baselineRunner) iperf3(ctx context.Context, streams int) Baseline {
 		b.Skipped = "iperf3 is not installed (Debian package iperf3)"
 		return b
 	}
+	keep := br.keep(b.Name)
 	for _, l := range iperf3Lengths {
 		v := Variant{Setting: "-l " + l}
+		if !keep(v.Setting) {
+			continue
+		}
 		for range iperf3Tries {
 			gbps, cmd, err := br.iperf3Once(ctx, exe, l, streams)
 			v.Command = cmd
@@ -379,7 +434,11 @@ func (br *baselineRunner) ucxPerftest(ctx context.Context) Baseline {
 	if whole := min(br.bytes, 512<<20); whole > sizes[0] {
 		sizes = append(sizes, whole)
 	}
+	keep := br.keep(b.Name)
 	for _, msg := range sizes {
+		if !keep("-s " + humanBytes(msg)) {
+			continue
+		}
 		// As many messages as make up the bytes (at least 8), after 2
 		// warm-up messages (the default is 10000).
 		iters := max(br.bytes/msg, 8)
@@ -612,10 +671,10 @@ const copyRounds = 5
 
 // copyBaseline measures a memory copy of n bytes (at most 1 GiB) on
 // threads threads, each copying its share: with Go's copy and, where the
-// binary has cgo, C's memcpy. The higher is the baseline. The shm backend's
+// binary has cgo, C's memcpy, each that keep keeps. The higher is the baseline. The shm backend's
 // receiver copies on two goroutines, so it is compared with both the one-
 // and the two-thread figure.
-func copyBaseline(n int64, threads int) Baseline {
+func copyBaseline(n int64, threads int, keep func(setting string) bool) Baseline {
 	n = min(n, 1<<30)
 	b := Baseline{Name: BaselineCopy, Bytes: n,
 		Description: fmt.Sprintf("memory copy in this process, one thread, best of %d after the pages are touched, Go copy and C memcpy", copyRounds)}
@@ -629,6 +688,9 @@ func copyBaseline(n int64, threads int) Baseline {
 		setting string
 		copy    func(dst, src []byte) error
 	}{{"go copy", func(d, s []byte) error { copy(d, s); return nil }}, {"memcpy (cgo)", cMemcpy}} {
+		if !keep(c.setting) {
+			continue
+		}
 		v := Variant{Setting: c.setting}
 		if err := copyOn(threads, dst, src, c.copy); err != nil {
 			v.Error = err.Error()

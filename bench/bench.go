@@ -115,8 +115,21 @@ type Result struct {
 	Error      string `json:"error,omitempty"`
 	PeerFailed int    `json:"peer_failed_transfers"`
 	PeerLeaked int    `json:"peer_leaked_blocks"`
-	// Ratios are GBps over each measured baseline that applies to Backend.
+	// Ratios are GBps over each measured baseline that applies to Backend:
+	// with several rounds (Sweep.Rounds), the best round's over the
+	// baseline's best round's.
 	Ratios []Ratio `json:"ratios,omitempty"`
+	// MedianRoundRatios are, per baseline of Ratios, the median of the
+	// per-round ratios (Rounds[k].Ratios: round k's GBps over round k's of
+	// the baseline, measured within a minute of each other), the figure
+	// the speed targets read. With one round they equal Ratios.
+	MedianRoundRatios []Ratio `json:"median_round_ratios,omitempty"`
+	// Rounds are the figures of each round, in order (one with a sweep of
+	// one round). With several, GBps and TransfersPerS are the best
+	// round's; Requests, Bytes, MeasuredS and the error counts are sums
+	// over the rounds; P50Ms and P99Ms are of every round's requests
+	// pooled.
+	Rounds []RunRound `json:"rounds,omitempty"`
 
 	// ProcessPerRank: every rank ran as its own process (see
 	// Config.ProcessPerRank). The cost of the instances' cross-process
@@ -131,6 +144,10 @@ type Result struct {
 	AgreementP99Us    float64 `json:"agreement_p99_us,omitempty"`
 	CtxAgreementP50Us float64 `json:"ctx_agreement_p50_us,omitempty"`
 	CtxAgreementP99Us float64 `json:"ctx_agreement_p99_us,omitempty"`
+
+	// The measured requests' latencies (ms) and agreement costs (µs),
+	// which the rounds of a run pool (mergeRuns).
+	lat, agree, ctxAgree []float64
 }
 
 // Par is a parallel layout in the report.
@@ -515,6 +532,7 @@ func (r *transferRun) finish() {
 		res.TransfersPerS = float64(res.Requests) / r.measured.Seconds()
 	}
 	res.P50Ms, res.P99Ms = percentile(r.lat, 50), percentile(r.lat, 99)
+	res.lat = r.lat
 	bye, err := r.peer.quit()
 	if err != nil {
 		res.addError(err.Error())

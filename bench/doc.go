@@ -18,7 +18,21 @@
 // have written (a C program built with cc against libucx at bench time,
 // see ucxbaseline.go; message sizes, windows and page sizes), when cc and
 // UCX's headers are (bench never installs anything). A ucx run is
-// compared with both UCX baselines. With Sweep.TLS {false, true} every run is also
+// compared with both UCX baselines.
+//
+// With Sweep.Rounds above 1 (kvxfer bench --rounds N) the sweep measures
+// in N rounds, in turns: round k measures every baseline once (the first
+// round tries every setting, later rounds the first round's winner alone)
+// and then makes every run once, each with its own context process and
+// warm-up, so that a baseline and a run are measured at the same moments
+// of a noisy machine. A baseline's and a run's figure is the best of its
+// rounds (each round's is in the report), a ratio is the best round over
+// the best round, and Result.MedianRoundRatios gives the median of the
+// per-round ratios, round k's run over round k's baseline; latency
+// percentiles are of every round's requests pooled. A run that fails in
+// a round fails, and is not made again (rounds.go).
+//
+// With Sweep.TLS {false, true} every run is also
 // made with mutual TLS on the transfer planes (certificates made for the
 // run, the context process's handed over as files), and the cipher's limit
 // on one core (openssl speed -evp aes-128-gcm, when installed) is measured

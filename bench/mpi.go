@@ -63,6 +63,14 @@ type mpiJob struct {
 	MPIBTL            string `json:"mpi_btl"`
 }
 
+// mpiResult is what rank 0 writes: its Result, and the latencies of its
+// measured requests, which the rounds of a sweep pool (Result keeps them
+// out of the report).
+type mpiResult struct {
+	Result      *Result   `json:"result"`
+	LatenciesMs []float64 `json:"latencies_ms"`
+}
+
 func jobOf(c *Config) mpiJob {
 	return mpiJob{Backend: c.Backend, Model: c.Model, ISL: c.ISL, Requests: c.Requests, Warmup: c.Warmup, Concurrency: c.Concurrency,
 		CtxTP: c.CtxTP, CtxPP: c.CtxPP, GenTP: c.GenTP, GenPP: c.GenPP, MLA: c.MLA, DType: c.DType, TokensPerBlock: c.TokensPerBlock,
@@ -170,10 +178,12 @@ func runMPIWorld(ctx context.Context, c *Config) (*Result, error) {
 		return nil, fmt.Errorf("bench: backend mpi: %s %s: no result from rank 0 (%v; mpirun: %v)\n%s",
 			mpirun, strings.Join(mpirunArgs(btl, argv...), " "), err, runErr, tailString(out.String(), 2000))
 	}
-	res := &Result{}
-	if err := json.Unmarshal(b, res); err != nil {
-		return nil, fmt.Errorf("bench: backend mpi: rank 0's result: %w", err)
+	var rr mpiResult
+	if err := json.Unmarshal(b, &rr); err != nil || rr.Result == nil {
+		return nil, fmt.Errorf("bench: backend mpi: rank 0's result %s: %v", filepath.Join(dir, "result.json"), err)
 	}
+	res := rr.Result
+	res.lat = rr.LatenciesMs
 	if runErr != nil {
 		res.addError(fmt.Sprintf("mpirun: %v: %s", runErr, tailString(out.String(), 2000)))
 	}
@@ -234,7 +244,7 @@ func MPIRankMain(ctx context.Context, rank, size int, env config.Env, log *slog.
 		if err != nil {
 			res.fail(err)
 		}
-		out, _ := json.Marshal(res)
+		out, _ := json.Marshal(mpiResult{Result: res, LatenciesMs: res.lat})
 		if err := os.WriteFile(filepath.Join(dir, "result.json"), out, 0o600); err != nil {
 			return fmt.Errorf("%w 0: result: %w", ErrMPIRank, err)
 		}

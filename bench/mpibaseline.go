@@ -168,9 +168,12 @@ func (br *baselineRunner) mpiBaseline(ctx context.Context) Baseline {
 	// as the run's, not the best of a few short bursts.
 	total := br.bytes * int64(max(1, br.cfg.Requests))
 	b.Bytes = total
+	keep := br.keep(b.Name)
 	for _, s := range mpiBWSettings {
 		for _, pages := range mpiBWPages {
-			b.Variants = append(b.Variants, runMPIBW(ctx, mpirun, btl, exe, s.size, s.window, br.bytes, total, pages))
+			if keep(mpiBWSetting(s.size, s.window, pages)) {
+				b.Variants = append(b.Variants, runMPIBW(ctx, mpirun, btl, exe, s.size, s.window, br.bytes, total, pages))
+			}
 		}
 	}
 	b.pickBest()
@@ -184,7 +187,7 @@ func runMPIBW(ctx context.Context, mpirun, btl, exe string, size int64, window i
 	count := max(total/size, 2*int64(window))
 	span = max(span, size*int64(window))
 	args := mpirunArgs(btl, exe, strconv.FormatInt(size, 10), strconv.Itoa(window), strconv.FormatInt(count, 10), strconv.FormatInt(span, 10), pages)
-	v := Variant{Setting: fmt.Sprintf("%s x %d in flight, %s pages", humanBytes(size), window, pages), Bytes: size * count,
+	v := Variant{Setting: mpiBWSetting(size, window, pages), Bytes: size * count,
 		Command: "mpirun " + strings.Join(args, " ")}
 	cmd := exec.CommandContext(ctx, mpirun, args...)
 	cmd.Env = mpirunEnv()
@@ -196,4 +199,9 @@ func runMPIBW(ctx context.Context, mpirun, btl, exe string, size int64, window i
 		v.Error = firstLine(err.Error()) + ": " + tail(out)
 	}
 	return v
+}
+
+// mpiBWSetting names a setting of the MPI baseline, as its Variant does.
+func mpiBWSetting(size int64, window int, pages string) string {
+	return fmt.Sprintf("%s x %d in flight, %s pages", humanBytes(size), window, pages)
 }

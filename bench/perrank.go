@@ -257,6 +257,7 @@ func (r *perRankRun) finish() {
 	}
 	res.P50Ms, res.P99Ms = percentile(r.lat, 50), percentile(r.lat, 99)
 	res.AgreementP50Us, res.AgreementP99Us = percentile(r.agree, 50), percentile(r.agree, 99)
+	res.lat, res.agree = r.lat, r.agree
 	var ctxAgree []float64
 	for _, ps := range []rankProcs{r.ctx, r.gen} {
 		// One at a time, each bye read before the next process exits (its
@@ -280,6 +281,7 @@ func (r *perRankRun) finish() {
 		}
 	}
 	res.CtxAgreementP50Us, res.CtxAgreementP99Us = percentile(ctxAgree, 50), percentile(ctxAgree, 99)
+	res.ctxAgree = ctxAgree
 	if res.Errors > 0 && r.verifyOn {
 		res.Verified, res.Verification = false, VerifyFailed
 	}

@@ -31,6 +31,9 @@ type Event struct {
 	Done, Total int
 	Result      *Result   // with PhaseDone
 	Baseline    *Baseline // with PhaseBaseline
+	// Round is the 1-based round of a sweep of Rounds rounds
+	// (Sweep.Rounds); both 0 when the sweep has one.
+	Round, Rounds int
 }
 
 // NewProgress returns a progress display writing to w: on a terminal a
@@ -65,7 +68,7 @@ func (p *progress) event(e Event) {
 		p.clear()
 		fmt.Fprintln(p.w, line)
 	}
-	if e.Runs == 0 || (e.Phase == PhaseDone && e.Run == e.Runs) {
+	if e.Runs == 0 || (e.Phase == PhaseDone && e.Run == e.Runs && e.Round == e.Rounds) {
 		p.clear()
 		return
 	}
@@ -76,13 +79,18 @@ func (p *progress) event(e Event) {
 	if e.Phase == PhaseDone {
 		frac = float64(e.Run) / float64(e.Runs)
 	}
+	round := ""
+	if e.Rounds > 1 {
+		frac = (float64(e.Round-1) + frac) / float64(e.Rounds)
+		round = fmt.Sprintf("round %d/%d  ", e.Round, e.Rounds)
+	}
 	bar := Bar(frac)
 	step := string(e.Phase)
 	if e.Total > 0 && e.Phase != PhaseDone {
 		step = fmt.Sprintf("%s %d/%d", e.Phase, e.Done, e.Total)
 	}
 	// \033[K clears what a longer previous line left behind.
-	fmt.Fprintf(p.w, "\r%s %3.0f%%  run %d/%d  %s  %s\033[K", bar, 100*frac, e.Run, e.Runs, e.Label, step)
+	fmt.Fprintf(p.w, "\r%s %3.0f%%  %srun %d/%d  %s  %s\033[K", bar, 100*frac, round, e.Run, e.Runs, e.Label, step)
 	p.drawn = true
 }
 
@@ -93,8 +101,17 @@ func (p *progress) clear() {
 	}
 }
 
-// plainLine is the line an event prints without a terminal ("" for none).
+// plainLine is the line an event prints without a terminal ("" for none),
+// naming its round in a sweep of several.
 func plainLine(e Event) string {
+	line := eventLine(e)
+	if line != "" && e.Rounds > 1 {
+		line = strings.Replace(line, "bench: ", fmt.Sprintf("bench: round %d/%d: ", e.Round, e.Rounds), 1)
+	}
+	return line
+}
+
+func eventLine(e Event) string {
 	switch e.Phase {
 	case PhaseBaseline:
 		b := e.Baseline

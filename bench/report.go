@@ -29,8 +29,12 @@ func (r *Report) WriteTable(w io.Writer) error {
 		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
 		fmt.Fprintln(tw, "BASELINE\tGB/s\tBYTES\tCOMPARED WITH\tNOTE")
 		for _, b := range r.Baselines {
+			note := baselineNote(b)
+			if rs := r.baselineRounds(b); rs != "" {
+				note = strings.TrimPrefix(note+"; rounds "+rs, "; ")
+			}
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", b.Name, baselineGBps(b), baselineBytes(b),
-				strings.Join(b.Backends, ", "), baselineNote(b))
+				strings.Join(b.Backends, ", "), note)
 		}
 		if err := tw.Flush(); err != nil {
 			return err
@@ -44,6 +48,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 		ratios := make([]string, len(run.Ratios))
 		for i, ra := range run.Ratios {
 			ratios[i] = fmt.Sprintf("%.2fx %s", ra.Ratio, ra.Baseline)
+			if m, ok := r.medianRatio(run, ra.Baseline); ok {
+				ratios[i] += fmt.Sprintf(" (median of rounds %.2fx)", m)
+			}
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\n", run.BackendLabel(), c.used, run.ISL,
 			run.Concurrency, run.DType, c.bytesPerReq, c.gbps, c.xfers, c.p50, c.p99, orDash(strings.Join(ratios, ", ")),
@@ -139,6 +146,9 @@ func (r *Report) mdBaselines(b *strings.Builder) (measured []string) {
 		if v := variantsNote(bl); v != "" {
 			how += "; " + v
 		}
+		if rs := r.baselineRounds(bl); rs != "" {
+			how += "; GB/s by round " + rs
+		}
 		fmt.Fprintf(b, "| %s | %s | %s | %s | %s |\n", bl.Name, baselineGBps(bl), baselineBytes(bl),
 			strings.Join(bl.Backends, ", "), mdCell(how))
 		if bl.GBps > 0 {
@@ -151,16 +161,32 @@ func (r *Report) mdBaselines(b *strings.Builder) (measured []string) {
 
 // mdRuns writes the Runs table, with a ratio column per measured baseline.
 func (r *Report) mdRuns(b *strings.Builder, measured []string) {
-	b.WriteString("## Runs\n\nGB/s is 1e9 bytes per second over the measured phase; latency is per request.\n\n")
+	b.WriteString("## Runs\n\nGB/s is 1e9 bytes per second over the measured phase; latency is per request.")
+	if n := r.Config.Rounds; n > 1 {
+		fmt.Fprintf(b, " Each figure is the best of %d rounds; the baselines and the runs alternate round by round"+
+			" (round k measures every baseline, then makes every run, each with its own context process and warm-up),"+
+			" and the baselines try their settings in round 1 and measure the winner alone after."+
+			" A ratio is the best round over the baseline's best round, and in brackets the median of the per-round ratios"+
+			" (round k's run over round k's baseline); p50 and p99 are of every round's requests pooled.", n)
+	}
+	b.WriteString("\n\n")
 	b.WriteString("| backend | carried by | ISL | concurrency | dtype | bytes/request | GB/s | transfers/s | p50 ms | p99 ms |")
 	for _, m := range measured {
 		fmt.Fprintf(b, " vs %s |", m)
 	}
-	b.WriteString(" verified | errors |\n|---|---|--:|--:|---|--:|--:|--:|--:|--:|")
+	b.WriteString(" verified | errors |")
+	if r.Config.Rounds > 1 {
+		b.WriteString(" GB/s by round |")
+	}
+	b.WriteString("\n|---|---|--:|--:|---|--:|--:|--:|--:|--:|")
 	for range measured {
 		b.WriteString("--:|")
 	}
-	b.WriteString("---|--:|\n")
+	b.WriteString("---|--:|")
+	if r.Config.Rounds > 1 {
+		b.WriteString("---|")
+	}
+	b.WriteString("\n")
 	for _, run := range r.Runs {
 		c := runCells(run)
 		fmt.Fprintf(b, "| %s | %s | %d | %d | %s | %s | %s | %s | %s | %s |", run.BackendLabel(), c.used, run.ISL,
@@ -170,11 +196,18 @@ func (r *Report) mdRuns(b *strings.Builder, measured []string) {
 			for _, ra := range run.Ratios {
 				if ra.Baseline == m {
 					cell = fmt.Sprintf("%.2f×", ra.Ratio)
+					if med, ok := r.medianRatio(run, m); ok {
+						cell += fmt.Sprintf(" (%.2f×)", med)
+					}
 				}
 			}
 			fmt.Fprintf(b, " %s |", cell)
 		}
-		fmt.Fprintf(b, " %s | %d |\n", verifiedCell(run), run.Errors)
+		fmt.Fprintf(b, " %s | %d |", verifiedCell(run), run.Errors)
+		if r.Config.Rounds > 1 {
+			fmt.Fprintf(b, " %s |", orDash(runRounds(run)))
+		}
+		b.WriteString("\n")
 	}
 }
 
@@ -191,7 +224,57 @@ func (r *Report) setupLine() string {
 	if slices.Contains(c.TLS, true) {
 		s += "; +tls: mutual TLS 1.3 on the control and tcp data connections (not on shm or ucx data)"
 	}
+	if c.Rounds > 1 {
+		s += fmt.Sprintf("; each figure is the best of %d rounds, baselines and runs alternating round by round", c.Rounds)
+	}
 	return s + "."
+}
+
+// medianRatio is run's median of per-round ratios to baseline, when the
+// sweep had several rounds.
+func (r *Report) medianRatio(run *Result, baseline string) (float64, bool) {
+	if r.Config.Rounds <= 1 {
+		return 0, false
+	}
+	for _, m := range run.MedianRoundRatios {
+		if m.Baseline == baseline {
+			return m.Ratio, true
+		}
+	}
+	return 0, false
+}
+
+// runRounds is run's GB/s in each round, "3.10 / 3.42 / failed".
+func runRounds(run *Result) string {
+	var s []string
+	for _, rr := range run.Rounds {
+		switch {
+		case rr.Error != "":
+			s = append(s, "failed")
+		case rr.Requests == 0:
+			s = append(s, "–")
+		default:
+			s = append(s, fmt.Sprintf("%.2f", rr.GBps))
+		}
+	}
+	return strings.Join(s, " / ")
+}
+
+// baselineRounds is b's GB/s in each round when the sweep had several
+// ("" otherwise).
+func (r *Report) baselineRounds(b Baseline) string {
+	if r.Config.Rounds <= 1 || len(b.Rounds) == 0 {
+		return ""
+	}
+	var s []string
+	for _, br := range b.Rounds {
+		if br.GBps > 0 {
+			s = append(s, fmt.Sprintf("%.2f", br.GBps))
+		} else {
+			s = append(s, "failed")
+		}
+	}
+	return strings.Join(s, " / ")
 }
 
 type cells struct{ used, bytesPerReq, gbps, xfers, p50, p99 string }

@@ -41,7 +41,7 @@ func TestReportSchemaRejects(t *testing.T) {
 			run(m)["ratios"] = []any{map[string]any{"baseline": "netcat", "ratio": 1.0}}
 		}},
 		{"started not a date", func(m map[string]any) { m["started"] = "yesterday" }},
-		{"report version 2", func(m map[string]any) { m["report_version"] = 2 }},
+		{"report version 1", func(m map[string]any) { m["report_version"] = 1 }},
 	} {
 		var m map[string]any
 		if err := json.Unmarshal(buf.Bytes(), &m); err != nil {

@@ -20,13 +20,18 @@ import (
 
 // ReportVersion is the version of the report's JSON form; it changes when a
 // field changes meaning or goes away (not when one is added).
-const ReportVersion = 1
+//
+// Version 2: a run's gbps and transfers_per_s are its best round's (see
+// Sweep.Rounds), no longer bytes over measured_s, which are sums over the
+// rounds; runs and baselines have rounds.
+const ReportVersion = 2
 
 // Sweep is a set of benchmark runs: every combination of its lists, in the
 // order backend, dtype, concurrency, ISL, TLS, each run with its own context
 // process and warm-up, one after the other so that memory stays bounded by
 // the largest run. With Baseline the machine's limits are measured first,
-// in the same process.
+// in the same process. With Rounds above 1 all of that is done Rounds
+// times, in turns (see Rounds).
 type Sweep struct {
 	// Base holds the settings every run shares. Its Backend, ISL,
 	// Concurrency and DType are used where the lists below are empty.
@@ -47,12 +52,27 @@ type Sweep struct {
 	// BaselineBytes is what each baseline moves; 0 means the largest
 	// request of the sweep, clamped to [64 MiB, 1 GiB].
 	BaselineBytes int64
+	// Rounds is how many times the sweep measures everything, in turns:
+	// round k measures every baseline once and then makes every run once
+	// (each with its own context process and warm-up), so that a
+	// baseline's and a run's figures are taken at the same moments of a
+	// noisy machine. A baseline's figure and a run's are then each the
+	// best of their rounds (Baseline.Rounds, Result.Rounds), and each ratio
+	// is also given as the median of the per-round ratios
+	// (Result.MedianRoundRatios). The first round tries every setting of a
+	// baseline (Baseline.Variants); later rounds measure its winner alone.
+	// 0 means 1: one measurement of each, as before rounds existed.
+	Rounds int
 	// Command is the command line, recorded in the report.
 	Command []string
 	// Progress is told about every step; nil discards.
 	Progress func(Event)
 
 	lookPath func(string) (string, error) // exec.LookPath; tests replace it
+	// measureBaselines measures round k's baselines and run makes one
+	// round of a run; nil means the real ones (tests replace them).
+	measureBaselines func(ctx context.Context, k int) []Baseline
+	run              func(ctx context.Context, c Config) (*Result, error)
 }
 
 // Report is the outcome of a sweep; its JSON form (see ReportSchema) is the
@@ -90,6 +110,7 @@ type SweepConfig struct {
 	Verify            bool              `json:"verify"`
 	Baseline          bool              `json:"baseline"`
 	BaselineBytes     int64             `json:"baseline_bytes"`
+	Rounds            int               `json:"rounds,omitempty"`
 	Env               map[string]string `json:"env"` // the TRTLLM_* and UCX_* variables that were set
 }
 
@@ -126,6 +147,13 @@ func (s *Sweep) fill() (SweepConfig, error) {
 	if s.Progress == nil {
 		s.Progress = func(Event) {}
 	}
+	if s.run == nil {
+		s.run = Run
+	}
+	if s.Rounds < 0 {
+		return SweepConfig{}, fmt.Errorf("bench: --rounds %d: want at least 1", s.Rounds)
+	}
+	s.Rounds = max(s.Rounds, 1)
 	if err := s.normalizeLists(); err != nil {
 		return SweepConfig{}, err
 	}
@@ -140,7 +168,7 @@ func (s *Sweep) fill() (SweepConfig, error) {
 	return SweepConfig{Model: m.Name, Backends: s.Backends, ISLs: s.ISLs, Concurrency: s.Concurrency, DTypes: s.DTypes, TLS: s.TLS,
 		Requests: base.Requests, Warmup: base.Warmup, Ctx: Par{base.CtxTP, base.CtxPP}, Gen: Par{base.GenTP, base.GenPP},
 		MLA: base.MLA || m.MLA, TokensPerBlock: base.TokensPerBlock, MaxTokensInBuffer: base.MaxTokensInBuffer,
-		Verify: base.Verify, Baseline: s.Baseline, BaselineBytes: s.BaselineBytes, Env: envVars(base.Env)}, nil
+		Verify: base.Verify, Baseline: s.Baseline, BaselineBytes: s.BaselineBytes, Rounds: s.Rounds, Env: envVars(base.Env)}, nil
 }
 
 // listsFromBase makes an empty list the one value of Base (before Base's
@@ -235,7 +263,8 @@ func envVars(e config.Env) map[string]string {
 // RunSweep runs the sweep. The error is for a sweep that cannot start (an
 // unknown model, backend name or dtype) or was cancelled; a run that fails
 // (a backend this binary lacks, a failed transfer) is a row of the report
-// with its error, and the other runs still run.
+// with its error, and the other runs still run. A run that fails in one
+// round is not made again in later rounds, and its row keeps the error.
 func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 	started := time.Now()
 	cfg, err := s.fill()
@@ -247,18 +276,70 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 	if rep.Command == nil {
 		rep.Command = []string{}
 	}
-	tlsOn := slices.Contains(s.TLS, true)
-	if s.Baseline || tlsOn {
-		br := &baselineRunner{cfg: s.Base, bytes: s.BaselineBytes, lookPath: s.lookPath, timeout: 2 * time.Minute,
-			report: func(b Baseline) { s.Progress(Event{Phase: PhaseBaseline, Baseline: &b}) }, tls: tlsOn,
-			ucx: slices.Contains(s.Backends, config.BackendUCX.Lower()), mpi: slices.ContainsFunc(s.Backends, isMPI), mpiBTL: s.Base.MPIBTL}
-		if s.Baseline {
-			rep.Baselines = br.run(ctx)
-		} else {
-			rep.Baselines = br.runOnly(ctx, br.openssl)
-		}
-		freeMemory()
+	if s.measureBaselines == nil {
+		s.measureBaselines = s.baselines()
 	}
+	runs := s.runs()
+	rounds := make([][]*Result, len(runs)) // rounds[i][k]: run i's round k
+	var baselines [][]Baseline             // baselines[k]: round k's
+	for k := range s.Rounds {
+		if err := ctx.Err(); err != nil {
+			break
+		}
+		bs := s.measureBaselines(ctx, k)
+		baselines = append(baselines, bs)
+		if bs != nil {
+			freeMemory()
+		}
+		for i, rc := range runs {
+			if err := ctx.Err(); err != nil {
+				break
+			}
+			if n := len(rounds[i]); n > 0 && !rounds[i][n-1].OK() {
+				continue // failed: its row keeps the error
+			}
+			res := s.runRound(ctx, rc, i, len(runs), k)
+			rounds[i] = append(rounds[i], res)
+			// The next run allocates its own pools: give this one's back.
+			freeMemory()
+		}
+	}
+	rep.Baselines = mergeBaselines(baselines)
+	for _, rs := range rounds {
+		if len(rs) == 0 {
+			continue // cancelled before it ran
+		}
+		res := mergeRuns(rs, s.Rounds)
+		res.Ratios = ratios(res, rep.Baselines)
+		res.MedianRoundRatios = roundRatios(res, rep.Baselines)
+		rep.Runs = append(rep.Runs, res)
+	}
+	rep.finish(started)
+	return rep, ctx.Err()
+}
+
+// baselines returns what measures round k's baselines of s: nothing
+// without Baseline or a run over TLS.
+func (s *Sweep) baselines() func(context.Context, int) []Baseline {
+	tlsOn := slices.Contains(s.TLS, true)
+	if !s.Baseline && !tlsOn {
+		return func(context.Context, int) []Baseline { return nil }
+	}
+	br := &baselineRunner{cfg: s.Base, bytes: s.BaselineBytes, lookPath: s.lookPath, timeout: 2 * time.Minute,
+		report: func(b Baseline, k int) {
+			e := Event{Phase: PhaseBaseline, Baseline: &b}
+			if s.Rounds > 1 {
+				e.Round, e.Rounds = k+1, s.Rounds
+			}
+			s.Progress(e)
+		}, tls: tlsOn,
+		ucx: slices.Contains(s.Backends, config.BackendUCX.Lower()), mpi: slices.ContainsFunc(s.Backends, isMPI), mpiBTL: s.Base.MPIBTL}
+	ms := br.measures(s.Baseline)
+	return func(ctx context.Context, k int) []Baseline { return br.round(ctx, ms, k) }
+}
+
+// runs are the configurations of every run of s, in order.
+func (s *Sweep) runs() []Config {
 	var runs []Config
 	for _, b := range s.Backends {
 		for _, d := range s.DTypes {
@@ -273,40 +354,38 @@ func RunSweep(ctx context.Context, s Sweep) (*Report, error) {
 			}
 		}
 	}
-	for i, rc := range runs {
-		if err := ctx.Err(); err != nil {
-			rep.finish(started)
-			return rep, err
-		}
-		label := rc.newResult().Label()
-		ev := Event{Run: i + 1, Runs: len(runs), Label: label}
-		rc.Progress = func(e Event) {
-			e.Run, e.Runs, e.Label = ev.Run, ev.Runs, ev.Label
-			s.Progress(e)
-		}
-		start := ev
-		start.Phase, start.Total = PhaseStart, rc.Warmup+rc.Requests
-		s.Progress(start)
-		res, err := Run(ctx, rc)
-		if res == nil {
-			res = rc.newResult()
-			if rc.Verify {
-				res.Verification = VerifyNotRun
-			}
-		}
-		if err != nil {
-			res.fail(err)
-		}
-		res.Ratios = ratios(res, rep.Baselines)
-		rep.Runs = append(rep.Runs, res)
-		done := ev
-		done.Phase, done.Result = PhaseDone, res
-		s.Progress(done)
-		// The next run allocates its own pools: give this one's back.
-		freeMemory()
+	return runs
+}
+
+// runRound makes round k of run i of n (configuration rc), telling
+// Progress, and returns its row: a failed set-up is a row with its error.
+func (s *Sweep) runRound(ctx context.Context, rc Config, i, n, k int) *Result {
+	label := rc.newResult().Label()
+	ev := Event{Run: i + 1, Runs: n, Label: label}
+	if s.Rounds > 1 {
+		ev.Round, ev.Rounds = k+1, s.Rounds
 	}
-	rep.finish(started)
-	return rep, ctx.Err()
+	rc.Progress = func(e Event) {
+		e.Run, e.Runs, e.Label, e.Round, e.Rounds = ev.Run, ev.Runs, ev.Label, ev.Round, ev.Rounds
+		s.Progress(e)
+	}
+	start := ev
+	start.Phase, start.Total = PhaseStart, rc.Warmup+rc.Requests
+	s.Progress(start)
+	res, err := s.run(ctx, rc)
+	if res == nil {
+		res = rc.newResult()
+		if rc.Verify {
+			res.Verification = VerifyNotRun
+		}
+	}
+	if err != nil {
+		res.fail(err)
+	}
+	done := ev
+	done.Phase, done.Result = PhaseDone, res
+	s.Progress(done)
+	return res
 }
 
 func (r *Report) finish(started time.Time) {

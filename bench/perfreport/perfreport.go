@@ -20,12 +20,24 @@ var ErrInput = errors.New("perfreport: bad input")
 // Report is the part of a kvxfer bench JSON report (bench/report.schema.json)
 // that the targets read.
 type Report struct {
+	Version   int        `json:"report_version"`
 	Args      []string   `json:"command"`
 	Started   string     `json:"started"`
 	Build     Build      `json:"build"`
+	Config    Config     `json:"config"`
 	Baselines []Baseline `json:"baselines"`
 	Runs      []Run      `json:"runs"`
 }
+
+// Config is the part of the report's configuration the summary names.
+type Config struct {
+	// Rounds is how many rounds the bench measured in (kvxfer bench
+	// --rounds); 0 in a report made before rounds existed, which had one.
+	Rounds int `json:"rounds"`
+}
+
+// rounds is how many rounds r measured in.
+func (r *Report) rounds() int { return max(r.Config.Rounds, 1) }
 
 // Command returns the command line of the report, as a shell would take
 // it, with env (NAME=value words, may be empty) in front: the bench does
@@ -68,6 +80,12 @@ type Baseline struct {
 	Description string  `json:"description"`
 	GBps        float64 `json:"gbps"`
 	Best        string  `json:"best"`
+	Rounds      []Round `json:"rounds"`
+}
+
+// Round is one round's figure of a run or a baseline.
+type Round struct {
+	GBps float64 `json:"gbps"`
 }
 
 // Run is one measured run of a report.
@@ -82,7 +100,12 @@ type Run struct {
 	TransfersPerS    float64 `json:"transfers_per_s"`
 	P50Ms            float64 `json:"p50_ms"`
 	Errors           int     `json:"errors"`
-	Ratios           []Ratio `json:"ratios"`
+	Ratios           []Ratio `json:"ratios"` // the best round over the baseline's best round
+	// MedianRoundRatios are, per baseline, the median of the per-round
+	// ratios (round k's run over round k's baseline): the figure the
+	// targets read.
+	MedianRoundRatios []Ratio `json:"median_round_ratios"`
+	Rounds            []Round `json:"rounds"`
 }
 
 // TPPP is one side's parallel layout.
@@ -190,13 +213,25 @@ func find(r *Report, match func(Run) bool) (Run, bool) {
 	return Run{}, false
 }
 
-func ratio(run Run, baseline string) (float64, bool) {
-	for _, q := range run.Ratios {
+func ratio(run Run, baseline string) (float64, bool) { return find1(run.Ratios, baseline) }
+
+func find1(qs []Ratio, baseline string) (float64, bool) {
+	for _, q := range qs {
 		if q.Baseline == baseline {
 			return q.Ratio, true
 		}
 	}
 	return 0, false
+}
+
+// targetRatio is the ratio every target reads: the median of the run's
+// per-round ratios to baseline. A report from before rounds (version 1)
+// measured one round, whose one ratio is that median.
+func targetRatio(rep *Report, run Run, baseline string) (float64, bool) {
+	if rep.Version < 2 {
+		return ratio(run, baseline)
+	}
+	return find1(run.MedianRoundRatios, baseline)
 }
 
 func backend(name string) func(Run) bool {
@@ -211,6 +246,10 @@ const (
 
 // Evaluate checks every target on ins. A target whose report or figure is
 // missing is reported as not met, saying what is missing, never skipped.
+// A ratio target reads, for every target alike, the median of the run's
+// per-round ratios (targetRatio): each of those divides two figures
+// measured within a minute of each other, where the best round over the
+// best round may divide figures of different minutes.
 func Evaluate(ins Inputs) []Result {
 	var out []Result
 	// ratioTarget divides the run's figure by the highest of baselines
@@ -243,18 +282,27 @@ func Evaluate(ins Inputs) []Result {
 		}
 		q, by := math.Inf(1), ""
 		for _, name := range baselines {
-			if r, ok := ratio(run, name); ok && r < q {
+			if r, ok := targetRatio(rep, run, name); ok && r < q {
 				q, by = r, name
 			}
 		}
 		if by == "" {
 			res.Measured = "no " + strings.Join(baselines, " or ") + " baseline in the report"
+			for _, name := range baselines {
+				if _, ok := ratio(run, name); ok {
+					res.Measured = "no median of the per-round ratios to " + strings.Join(baselines, " or ") + " in the report"
+				}
+			}
 			out = append(out, res)
 			return
 		}
 		res.Measured = fmt.Sprintf("%.2f GB/s = %.2f×", run.GBps, q)
 		if len(baselines) > 1 {
 			res.Measured += " " + by
+		}
+		if n := rep.rounds(); n > 1 {
+			best, _ := ratio(run, by)
+			res.Measured += fmt.Sprintf(" (median of %d rounds' ratios; best round over best round %.2f×)", n, best)
 		}
 		res.Met = q >= min
 		out = append(out, res)

@@ -231,3 +231,50 @@ func TestSpliceSection(t *testing.T) {
 		}
 	}
 }
+
+// TestEvaluateRounds: a report of several rounds is judged on the median
+// of the per-round ratios, for every ratio target alike, whether it is
+// below or above the best round over the best round; a report of version
+// 2 without the medians has no figure.
+func TestEvaluateRounds(t *testing.T) {
+	js := `{"report_version": 2, "command": ["kvxfer", "bench"], "config": {"rounds": 3},
+	  "baselines": [{"name": "iperf3", "gbps": 4, "best": "-l 1M", "rounds": [{"gbps": 3.5}, {"gbps": 4}, {"gbps": 3.8}]}],
+	  "runs": [{"backend_requested": "tcp", "backend": "tcp", "isl": 4096, "concurrency": 1, "ctx": {"tp": 1, "pp": 1}, "gen": {"tp": 1, "pp": 1},
+	    "gbps": 3.8, "ratios": [{"baseline": "iperf3", "ratio": 0.95}, {"baseline": "iperf3_multi", "ratio": 0.85}],
+	    "median_round_ratios": [{"baseline": "iperf3", "ratio": 0.85}, {"baseline": "iperf3_multi", "ratio": 0.95}],
+	    "rounds": [{"gbps": 3.8}, {"gbps": 3.4}, {"gbps": 3.3}]}]}`
+	path := filepath.Join(t.TempDir(), "r.json")
+	if err := os.WriteFile(path, []byte(js), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	main, err := ReadReport(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if main.rounds() != 3 || len(main.Runs[0].MedianRoundRatios) != 2 || len(main.Baselines[0].Rounds) != 3 {
+		t.Fatalf("read %+v", main)
+	}
+	got := Evaluate(Inputs{Main: main})
+	for i, want := range []struct {
+		met      bool
+		measured string
+	}{
+		{false, "3.80 GB/s = 0.85× (median of 3 rounds' ratios; best round over best round 0.95×)"},
+		{true, "3.80 GB/s = 0.95× (median of 3 rounds' ratios; best round over best round 0.85×)"},
+	} {
+		if got[i].Met != want.met || got[i].Measured != want.measured {
+			t.Errorf("target %d (%s): met %v %q, want %v %q", i, got[i].Target, got[i].Met, got[i].Measured, want.met, want.measured)
+		}
+	}
+	out := Render(Inputs{Main: main}, got)
+	for _, w := range []string{"the best of 3 rounds, the baselines and kvxfer alternating round by round", "median of the 3 per-round ratios",
+		"| identical layouts | iperf3 | 4.00 | -l 1M; GB/s by round 3.50 / 4.00 / 3.80 |"} {
+		if !strings.Contains(out, w) {
+			t.Errorf("the summary lacks %q:\n%s", w, out)
+		}
+	}
+	main.Runs[0].MedianRoundRatios = nil
+	if r := Evaluate(Inputs{Main: main})[0]; r.Met || !strings.Contains(r.Measured, "no median of the per-round ratios to iperf3") {
+		t.Errorf("a version 2 report without medians: %+v", r)
+	}
+}

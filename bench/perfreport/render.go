@@ -25,7 +25,13 @@ func Render(ins Inputs, results []Result) string {
 			met++
 		}
 	}
-	fmt.Fprintf(&b, "%d of %d targets met in this run. Every ratio divides two figures of one run of the command beside it.\n\n", met, len(results))
+	fmt.Fprintf(&b, "%d of %d targets met in this run. Every ratio divides two figures of one run of the command beside it.", met, len(results))
+	if n := rounds(ins); n > 1 {
+		fmt.Fprintf(&b, " Each figure of a ratio target is the best of %d rounds, the baselines and kvxfer alternating round by round"+
+			" (round k measures every baseline, then kvxfer); the target reads the median of the %d per-round ratios"+
+			" (round k's kvxfer over round k's baseline), the best round over the best round given beside it.", n, n)
+	}
+	b.WriteString("\n\n")
 	b.WriteString("| target | measured | met | command |\n|---|---|---|---|\n")
 	for _, r := range results {
 		ok := "**no**"
@@ -51,10 +57,29 @@ func Render(ins Inputs, results []Result) string {
 			if best == "" {
 				best = "–"
 			}
+			if in.rep.rounds() > 1 && len(bl.Rounds) > 0 {
+				var rs []string
+				for _, r := range bl.Rounds {
+					rs = append(rs, fmt.Sprintf("%.2f", r.GBps))
+				}
+				best += "; GB/s by round " + strings.Join(rs, " / ")
+			}
 			fmt.Fprintf(&b, "| %s | %s | %.2f | %s |\n", in.name, bl.Name, bl.GBps, cell(best))
 		}
 	}
 	return b.String()
+}
+
+// rounds is the most rounds any of the ratio targets' reports measured
+// in (make bench-report gives them all the same).
+func rounds(ins Inputs) int {
+	n := 0
+	for _, r := range []*Report{ins.Main, ins.TP2, ins.UCXTCP} {
+		if r != nil {
+			n = max(n, r.rounds())
+		}
+	}
+	return n
 }
 
 func short(rev string) string {

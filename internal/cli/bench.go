@@ -39,6 +39,15 @@ connections, certificates made for the run), and the cipher's limit on one core 
 speed -evp aes-128-gcm, 16 KiB blocks) is measured in the same run and compared with the
 runs that tcp carried over TLS.
 
+With --rounds N (N > 1) the sweep measures everything N times, in turns: round k
+measures every baseline once (the first round tries every setting, later rounds the
+first round's winner alone) and then makes every run once, each with its own context
+process and warm-up. Every baseline's and run's figure is then the best of its N rounds
+(the JSON records each round), a ratio is the best over the best, and the median of the
+per-round ratios (round k's run over round k's baseline, measured within a minute of each
+other) is reported next to it; p50 and p99 are of every round's requests pooled. A run
+that fails in one round fails, and is not made again.
+
 With --process-per-rank every rank of both instances runs as its own OS process (as
 engines run one process per GPU rank), the ranks of an instance agreeing over a
 coordinated group (rank 0's process coordinating); the cost of that agreement per
@@ -144,6 +153,7 @@ func addBenchFlags(f *pflag.FlagSet, s *bench.Sweep, bf *benchFlags) {
 	f.IntVar(&c.MaxTokensInBuffer, "max-tokens-in-buffer", 0, "staging buffer size in tokens (0: TRTLLM_KVCACHE_TRANSFER_BUFFER_SIZE)")
 	f.BoolVar(&c.Verify, "verify", false, "check every received byte against the reference (requests up to 1 GiB)")
 	f.BoolVar(&s.Baseline, "baseline", false, "also measure the machine's limits at their best (copy, raw TCP, iperf3, ucx_perftest) and report kvxfer's ratio to them")
+	f.IntVar(&s.Rounds, "rounds", 1, "measure everything this many times, in turns (round k: every baseline, then every run, each with its own context process and warm-up); each figure is the best of its rounds, and each ratio is also given as the median of the per-round ratios")
 	f.Int64Var(&s.BaselineBytes, "baseline-bytes", 0, "bytes each baseline moves (0: the largest request, clamped to 64 MiB..1 GiB)")
 	f.StringVar(&bf.jsonPath, "json", "", "write the report as JSON to this file (schema: --print-schema)")
 	f.StringVar(&bf.mdPath, "md", "", "write the report as Markdown to this file")

@@ -126,3 +126,57 @@ func TestPrintSchema(t *testing.T) {
 		t.Errorf("printed schema differs from the embedded one")
 	}
 }
+
+// TestBenchRounds: --rounds 2 measures the baselines and the run twice,
+// in turns; the JSON (checked against the schema) has each round's
+// figures, the best as the figure and the median of the per-round
+// ratios; the Markdown states the method. --rounds -1 is refused.
+func TestBenchRounds(t *testing.T) {
+	t.Setenv("KVXFER_CLI_CHILD", "1")
+	dir := t.TempDir()
+	jsonPath, mdPath := filepath.Join(dir, "r.json"), filepath.Join(dir, "r.md")
+	var stdout, stderr bytes.Buffer
+	code := Run(context.Background(), []string{"bench", "--model", "tiny", "--isl", "64", "--backend", "tcp", "--requests", "2",
+		"--warmup", "1", "--baseline", "--baseline-bytes", "4194304", "--rounds", "2", "--json", jsonPath, "--md", mdPath}, &stdout, &stderr)
+	if code != 0 {
+		t.Fatalf("exit status %d\n%s\n%s", code, stdout.String(), stderr.String())
+	}
+	for _, want := range []string{"bench: round 1/2: baseline copy:", "bench: round 2/2: baseline raw_tcp:", "bench: round 2/2: run 1/1 tcp isl=64"} {
+		if !strings.Contains(stderr.String(), want) {
+			t.Errorf("progress lacks %q:\n%s", want, stderr.String())
+		}
+	}
+	rep := benchtest.ReadReport(t, jsonPath)
+	if rep.Version != 2 || rep.Config.Rounds != 2 || len(rep.Runs) != 1 || !strings.Contains(strings.Join(rep.Command, " "), "--rounds 2") {
+		t.Fatalf("version %d, config %+v, %d runs, command %q", rep.Version, rep.Config, len(rep.Runs), rep.Command)
+	}
+	run := rep.Runs[0]
+	if len(run.Rounds) != 2 || run.Requests != 4 || run.GBps != max(run.Rounds[0].GBps, run.Rounds[1].GBps) || len(run.MedianRoundRatios) != len(run.Ratios) {
+		t.Errorf("run %+v", run)
+	}
+	for _, b := range rep.Baselines {
+		if b.Skipped != "" {
+			continue
+		}
+		if len(b.Rounds) != 2 || b.GBps != max(b.Rounds[0].GBps, b.Rounds[1].GBps) {
+			t.Errorf("baseline %s: %+v", b.Name, b)
+		}
+		if b.Name == bench.BaselineRawTCP {
+			q := run.Ratios[0]
+			if q.Baseline != b.Name || q.Ratio != run.GBps/b.GBps {
+				t.Errorf("ratio %+v, want %v / %v", q, run.GBps, b.GBps)
+			}
+		}
+	}
+	md, err := os.ReadFile(mdPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(md), "Each figure is the best of 2 rounds; the baselines and the runs alternate round by round") {
+		t.Errorf("the Markdown does not state the method:\n%s", md)
+	}
+	stderr.Reset()
+	if code := Run(context.Background(), []string{"bench", "--rounds", "-1"}, &stdout, &stderr); code == 0 || !strings.Contains(stderr.String(), "--rounds -1") {
+		t.Errorf("--rounds -1: exit %d, %s", code, stderr.String())
+	}
+}
