@@ -5,6 +5,7 @@ package shm
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -152,6 +154,85 @@ func TestIdleRetireRace(t *testing.T) {
 				t.Fatalf("round %d: %v", round, err)
 			}
 		}
+	}
+}
+
+// TestIdleNoRetireWithOpOpen: a pooled connection with an op open is not
+// retired, however long since it was handed out: a Send past the
+// threshold shares it, and both Sends deliver.
+func TestIdleNoRetireWithOpOpen(t *testing.T) {
+	const idle = 400 * time.Millisecond
+	a := open(t, transport.Options{IdleTimeout: idle})
+	b := open(t, transport.Options{IdleTimeout: idle})
+	move(t, a, b, [][]byte{fill(make([]byte, 4096), 1)}, [][]byte{make([]byte, 4096)})
+	oc := pooled(a, b.Endpoint())
+	release := make(chan struct{})
+	hook, holding := holdFirst(release)
+	setHook(t, hook)
+	unhold := sync.OnceFunc(func() { close(release) })
+	t.Cleanup(unhold) // before the transports close, should the test fail
+	errs := make(chan error, 2)
+	go func() { errs <- trySend(a, b, 8192) }()
+	<-holding
+	time.Sleep(idle * 7 / 8) // past the sender's 3/4 with the op open
+	go func() { errs <- trySend(a, b, 8192) }()
+	eventually(t, "both Sends open on the pooled connection", func() bool {
+		oc.mu.Lock()
+		defer oc.mu.Unlock()
+		return len(oc.pending) == 2
+	})
+	if pooled(a, b.Endpoint()) != oc {
+		t.Error("a pooled connection with an op open was retired")
+	}
+	unhold()
+	for range 2 {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// TestIdleRetiredAsHandedOut: a connection retired after the pool handed
+// it out, before its op started (a Send descheduled for 3/4 of the idle
+// timeout in between), refuses the op with errRetired, which makes send
+// ask the pool again; the retired connection ends cleanly on both sides.
+func TestIdleRetiredAsHandedOut(t *testing.T) {
+	const idle = 400 * time.Millisecond
+	var alog, blog syncbuf.Buffer
+	debug := &slog.HandlerOptions{Level: slog.LevelDebug}
+	a := open(t, transport.Options{IdleTimeout: idle, Logger: slog.New(slog.NewTextHandler(&alog, debug))})
+	b := open(t, transport.Options{IdleTimeout: idle, Logger: slog.New(slog.NewTextHandler(&blog, debug))})
+	move(t, a, b, [][]byte{fill(make([]byte, 4096), 1)}, [][]byte{make([]byte, 4096)})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	old, err := a.conn(ctx, b.Endpoint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	old.used.Add(-int64(idle)) // handed out 3/4 of idle ago, and more
+	fresh, err := a.conn(ctx, b.Endpoint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fresh == old {
+		t.Fatal("a connection unused for longer than 3/4 of the idle timeout was handed out again")
+	}
+	if _, err := old.acquire(ctx, 1); !errors.Is(err, errRetired) {
+		t.Fatalf("an op on a retired connection: %v, want errRetired", err)
+	}
+	within(t, 2*time.Second, "the retired connection's reader", func() { <-old.dead })
+	if err := old.deadErr(); !errors.Is(err, errRetired) {
+		t.Errorf("the retired connection ended with %v, want errRetired", err)
+	}
+	eventually(t, "one connection left on the receiver", func() bool { return inbound(b) == 1 })
+	move(t, a, b, [][]byte{fill(make([]byte, 4096), 2)}, [][]byte{make([]byte, 4096)})
+	if pooled(a, b.Endpoint()) != fresh {
+		t.Error("the Send after a retirement did not use the new connection")
+	}
+	// A clean end: nothing logged on either side (a broken connection is
+	// logged at debug, a protocol error at warn).
+	if l := alog.String() + blog.String(); l != "" {
+		t.Errorf("a retirement logged:\n%s", l)
 	}
 }
 
