@@ -114,12 +114,16 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *m
 	for s := range windowSlots {
 		oc.free = append(oc.free, s)
 	}
-	oc.stamp()
+	oc.stamp(t.now())
 	return oc
 }
 
-// stamp notes that the connection is in use now (see used).
-func (oc *outConn) stamp() { oc.used.Store(int64(time.Since(oc.t.epoch))) }
+// now is the time since t opened, on the monotonic clock: what outConn.used
+// holds.
+func (t *Transport) now() time.Duration { return time.Since(t.epoch) }
+
+// stamp notes that the connection is in use at now (see used).
+func (oc *outConn) stamp(now time.Duration) { oc.used.Store(int64(now)) }
 
 // retireIfUnused takes the connection out of use if it has been unused
 // for t.retire and no op is open on it: the receiver, which closes a
@@ -128,9 +132,9 @@ func (oc *outConn) stamp() { oc.used.Store(int64(time.Since(oc.t.epoch))) }
 // whether it did; the caller, holding t.mu, takes it out of the pool and
 // closes it (closeRetired). An op that got the connection from the pool
 // just before fails to start on it (errRetired) and asks for another.
-func (oc *outConn) retireIfUnused() bool {
+func (oc *outConn) retireIfUnused(now time.Duration) bool {
 	t := oc.t
-	if t.retire <= 0 || time.Since(t.epoch)-time.Duration(oc.used.Load()) < t.retire {
+	if t.retire <= 0 || now-time.Duration(oc.used.Load()) < t.retire {
 		return false
 	}
 	oc.mu.Lock()
@@ -408,13 +412,14 @@ func (t *Transport) conn(ctx context.Context, ep string) (*outConn, error) {
 	for {
 		t.mu.Lock()
 		if oc := t.peers[ep]; oc != nil {
-			if oc.retireIfUnused() {
+			now := t.now()
+			if oc.retireIfUnused(now) {
 				delete(t.peers, ep)
 				t.mu.Unlock()
 				oc.closeRetired()
 				continue
 			}
-			oc.stamp()
+			oc.stamp(now)
 			t.mu.Unlock()
 			return oc, nil
 		}
@@ -523,7 +528,7 @@ func (oc *outConn) readLoop() {
 				oc.returnCredit(p.weight)
 			}
 			oc.mu.Unlock()
-			oc.stamp()
+			oc.stamp(oc.t.now())
 			if p == nil {
 				err = errProto("answer for op %d, which is not waiting", m.op)
 				break
