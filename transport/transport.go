@@ -58,11 +58,12 @@ type Options struct {
 	// means DefaultMaxConnsPerHost; a negative value, no bound.
 	MaxConnsPerHost int
 	// IdleTimeout closes an inbound data connection that has carried no
-	// frame for this long (tcp), and a sender retires a pooled connection
-	// it has not used for 3/4 of it, so that the receiver never closes a
-	// connection a sender is about to use: give both ends the same value.
-	// 0 means DefaultIdleTimeout; a negative value, no timeout. The shm,
-	// ucx and mpi backends ignore it.
+	// frame for this long (tcp), or made no progress, no message, part or
+	// answer (shm), and a sender retires a pooled connection it has not
+	// used for 3/4 of it, so that the receiver never closes a connection a
+	// sender is about to use: give both ends the same value. 0 means
+	// DefaultIdleTimeout; a negative value, no timeout. The ucx and mpi
+	// backends ignore it.
 	IdleTimeout time.Duration
 }
 

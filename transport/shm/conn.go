@@ -91,6 +91,10 @@ func (mr *msgReader) fill() error {
 		mr.buf = nb
 	}
 	n, oobn, flags, _, err := mr.nc.ReadMsgUnix(mr.buf[mr.w:], mr.oob)
+	// A failed recvmsg returns n = -1. A read deadline is not the end: the
+	// reader may call next again and find what it had read of a message
+	// (the idle check does), so the buffer must stay as it was.
+	n = max(n, 0)
 	if oobn > 0 {
 		if ferr := mr.takeFds(mr.oob[:oobn]); ferr != nil {
 			return ferr

@@ -142,6 +142,32 @@
 // A receiver's writes have a deadline, so a sender that stops reading
 // cannot hold its worker; a CANCEL is taken once per op.
 //
+// # Idle connections
+//
+// The socket is any local process's to connect to, so with
+// transport.Options.IdleTimeout (default 5 minutes; negative: none) a
+// receiver closes an accepted connection that has made no progress for
+// that long after its window: no message read, no part taken from the
+// ring, nothing written to the sender (releases, answers, IDLE). Parts
+// flow through the ring without a message while both sides are busy, so
+// a silent socket alone is not idleness: the reader's deadline fires
+// every IdleTimeout and the connection is kept if it moved since the
+// last one, else closed; so a connection is closed between one and two
+// IdleTimeouts after it last moved. That frees the place (MaxConns) and
+// the mapping of a connection that said HELLO, announced its window and
+// went silent, or stopped inside an op (its receipt fails with
+// transport.ErrPeerLost) or inside a message. A connection that keeps
+// sending messages, even ones that do nothing (a POST with no part), is
+// kept, as tcp keeps one that carries frames for unknown tags.
+//
+// A sender retires its pooled connection to an endpoint once it has been
+// unused for 3/4 of its own IdleTimeout (not handed to a Send or an
+// abort, no op answered on it) with no op open: the next Send takes it
+// out of the pool, ends it cleanly (the receiver reads the end between
+// two messages) and dials anew. With one setting on both ends a receiver
+// never closes a connection a sender is about to post a part in (the part
+// would be lost with it, and the Send fail with transport.ErrPeerLost).
+//
 // A malformed message or ring entry, a part outside the window, a slot
 // reused before its release, a ring count out of bounds, or too many open
 // ops close that connection only (transport.ErrProtocol, logged). A

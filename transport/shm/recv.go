@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -26,6 +27,11 @@ import (
 // it is refused (ERR, "cannot map") rather than let peers exhaust the
 // address space of this process.
 const maxMapped = 1 << 40
+
+// errIdle ends an accepted connection that made no progress for the idle
+// timeout (transport.Options.IdleTimeout): no message, no part taken from
+// the ring, no write to the sender.
+var errIdle = errors.New("shm: data connection idle")
 
 // maxOpenOps bounds the ops a sender keeps open on one connection; a
 // receiver allows twice as many (an op is forgotten on each side at
@@ -132,6 +138,12 @@ type inConn struct {
 	expecting int
 
 	out []msg // the messages flush writes; whoever holds workMu uses it
+
+	// msgs counts the messages read after the window (reader only), wrote
+	// the writes to the sender: with taken, the progress that keeps the
+	// connection from being closed as idle (idleCheck).
+	msgs  uint64
+	wrote atomic.Uint64
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {
@@ -165,9 +177,12 @@ func (c *inConn) serve() {
 	c.mu.Lock()
 	failed := c.failed
 	c.mu.Unlock()
-	if failed != nil {
+	switch {
+	case failed != nil:
 		err = failed // logged by fail
-	} else {
+	case errors.Is(err, errIdle):
+		c.t.log.Debug("shm: closed an idle data connection", "remote", c.remote, "idle_timeout", c.t.idle, "err", err)
+	default:
 		conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
 	}
 	c.teardown(err)
@@ -235,12 +250,26 @@ func (c *inConn) readLoop() error {
 	if err := c.onWindow(m); err != nil {
 		return err
 	}
-	c.nc.SetReadDeadline(time.Time{})
+	// From here, parts go through the ring and the socket may be silent
+	// while they flow: the deadline checks progress (idleCheck).
+	var seen uint64
+	if c.t.idle > 0 {
+		seen = c.progress()
+		c.nc.SetReadDeadline(time.Now().Add(c.t.idle))
+	} else {
+		c.nc.SetReadDeadline(time.Time{})
+	}
 	for {
 		m, err := c.mr.next()
 		if err != nil {
+			if c.t.idle > 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+				if err = c.idleCheck(&seen); err == nil {
+					continue // msgReader keeps what it read of a message
+				}
+			}
 			return err
 		}
+		c.msgs++
 		switch m.typ {
 		case msgWindow:
 			err = c.onWindow(m)
@@ -259,6 +288,39 @@ func (c *inConn) readLoop() error {
 			return err
 		}
 	}
+}
+
+// progress returns a count that grows whenever the connection moves: a
+// message read from the sender, a part taken from the ring, a write to
+// the sender (releases, answers, IDLE). Reader only.
+func (c *inConn) progress() uint64 {
+	c.pullMu.Lock()
+	taken := c.taken
+	c.pullMu.Unlock()
+	return c.msgs + taken + c.wrote.Load()
+}
+
+// idleCheck runs when the read deadline, the idle timeout's, has passed:
+// a connection that moved since the deadline was set (seen, its progress
+// then) gets another idle timeout; one that did not is idle, or stalled
+// inside an op or a message, and idleCheck returns why it is closed.
+// Reader only.
+func (c *inConn) idleCheck(seen *uint64) error {
+	if now := c.progress(); now != *seen {
+		*seen = now
+		c.nc.SetReadDeadline(time.Now().Add(c.t.idle))
+		return nil
+	}
+	c.mu.Lock()
+	open := len(c.ops)
+	c.mu.Unlock()
+	switch partial := c.mr.w - c.mr.r; {
+	case partial > 0:
+		return fmt.Errorf("%w: stalled inside a message (%d bytes of it read), no progress for %v", errIdle, partial, c.t.idle)
+	case open > 0:
+		return fmt.Errorf("%w: %d ops open, no part, message or answer for %v", errIdle, open, c.t.idle)
+	}
+	return fmt.Errorf("%w: no part, message or answer for %v", errIdle, c.t.idle)
 }
 
 // onWindow maps the sender's window, read-only. A window that cannot be
@@ -555,6 +617,9 @@ func (c *inConn) write(ms ...msg) error {
 	// the queue) forever.
 	c.nc.SetWriteDeadline(time.Now().Add(helloTimeout))
 	_, err := c.nc.Write(c.wbuf)
+	if err == nil {
+		c.wrote.Add(1)
+	}
 	if err != nil && !errors.Is(err, syscall.EPIPE) && !errors.Is(err, syscall.ECONNRESET) {
 		c.nc.Close()
 	}

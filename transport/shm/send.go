@@ -24,6 +24,10 @@ import (
 // (an ERR: the receipt is unknown, busy, cancelled...).
 var errAnswered = errors.New("shm: send: answered early")
 
+// errRetired ends a pooled connection that was unused for 3/4 of the idle
+// timeout (see outConn.retireIfUnused).
+var errRetired = errors.New("shm: send: connection retired after 3/4 of the idle timeout unused")
+
 // Window geometry: a sender copies each part of a Send into one slot of
 // its window on the connection, which the receiver maps read-only.
 const (
@@ -67,6 +71,10 @@ type outConn struct {
 	// idle is set when the receiver said IDLE and no POST has answered it
 	// yet: whoever clears it writes the POST.
 	idle atomic.Bool
+	// used is when the pool last handed the connection out or an op on it
+	// was answered (time since Transport.epoch): conn retires it once it
+	// has been unused for Transport.retire.
+	used atomic.Int64
 
 	mu       sync.Mutex
 	err      error // why it died; set before dead closes
@@ -106,7 +114,45 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *m
 	for s := range windowSlots {
 		oc.free = append(oc.free, s)
 	}
+	oc.stamp(t.now())
 	return oc
+}
+
+// now is the time since t opened, on the monotonic clock: what outConn.used
+// holds.
+func (t *Transport) now() time.Duration { return time.Since(t.epoch) }
+
+// stamp notes that the connection is in use at now (see used).
+func (oc *outConn) stamp(now time.Duration) { oc.used.Store(int64(now)) }
+
+// retireIfUnused takes the connection out of use if it has been unused
+// for t.retire and no op is open on it: the receiver, which closes a
+// connection that made no progress for its idle timeout, may be about to
+// close it, and a part posted now would be lost with it. It reports
+// whether it did; the caller, holding t.mu, takes it out of the pool and
+// closes it (closeRetired). An op that got the connection from the pool
+// just before fails to start on it (errRetired) and asks for another.
+func (oc *outConn) retireIfUnused(now time.Duration) bool {
+	t := oc.t
+	if t.retire <= 0 || now-time.Duration(oc.used.Load()) < t.retire {
+		return false
+	}
+	oc.mu.Lock()
+	defer oc.mu.Unlock()
+	if oc.err != nil || len(oc.pending) > 0 {
+		return false
+	}
+	oc.err = errRetired
+	return true
+}
+
+// closeRetired ends a retired connection cleanly: the receiver reads its
+// end (EOF) between two messages and closes its side, which ends the
+// reader goroutine here; a receiver that does not close it within the
+// grace period has it closed under it.
+func (oc *outConn) closeRetired() {
+	oc.nc.CloseWrite()
+	oc.nc.SetReadDeadline(time.Now().Add(grace))
 }
 
 // Send copies src, part by part, into this transport's window on the
@@ -181,19 +227,25 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 	if sctx.Err() != nil {
 		return ended()
 	}
-	oc, err := t.conn(sctx, d.Endpoint)
-	if err != nil {
-		if sctx.Err() != nil {
-			return ended()
+	var oc *outConn
+	var p *pendingOp
+	for p == nil {
+		var err error
+		oc, err = t.conn(sctx, d.Endpoint)
+		if err != nil {
+			if sctx.Err() != nil {
+				return ended()
+			}
+			return peerLost("send to", d.Endpoint, err)
 		}
-		return peerLost("send to", d.Endpoint, err)
-	}
-	p, err := oc.acquire(sctx, 1)
-	if err != nil {
-		if sctx.Err() != nil {
+		p, err = oc.acquire(sctx, 1)
+		switch {
+		case errors.Is(err, errRetired): // retired as it was handed out
+		case err != nil && sctx.Err() != nil:
 			return ended()
+		case err != nil:
+			return oc.lost(err)
 		}
-		return oc.lost(err)
 	}
 	cur := cursor{src: src}
 	var off int64
@@ -360,6 +412,14 @@ func (t *Transport) conn(ctx context.Context, ep string) (*outConn, error) {
 	for {
 		t.mu.Lock()
 		if oc := t.peers[ep]; oc != nil {
+			now := t.now()
+			if oc.retireIfUnused(now) {
+				delete(t.peers, ep)
+				t.mu.Unlock()
+				oc.closeRetired()
+				continue
+			}
+			oc.stamp(now)
 			t.mu.Unlock()
 			return oc, nil
 		}
@@ -468,6 +528,7 @@ func (oc *outConn) readLoop() {
 				oc.returnCredit(p.weight)
 			}
 			oc.mu.Unlock()
+			oc.stamp(oc.t.now())
 			if p == nil {
 				err = errProto("answer for op %d, which is not waiting", m.op)
 				break

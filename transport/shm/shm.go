@@ -75,6 +75,14 @@ type Transport struct {
 	endpoint string
 	slotLen  int   // bytes of a window slot: the largest part
 	credit   int64 // connCredit when opened
+	// idle closes an accepted connection that made no progress for this
+	// long, after its window (0: never); retire is how long a pooled
+	// outbound connection may stay unused: 3/4 of idle (0: forever).
+	// Both are Options.IdleTimeout's.
+	idle, retire time.Duration
+	// epoch is when the Transport opened: outbound connections stamp
+	// their last use as the monotonic time since it.
+	epoch time.Time
 
 	done      chan struct{} // closed when Close starts
 	closeOnce sync.Once
@@ -108,15 +116,20 @@ var (
 // random bits in hex, and starts accepting connections. The goroutines it
 // starts stop in Close; ctx bounds only the opening.
 //
-// Of the options, only Logger, MaxConns and FrameBytes apply: a window
-// slot, the largest part a Send copies at once and so what a receiver
-// copies between two checks for cancel, is FrameBytes rounded down to a
-// multiple of 4096, at most 1 MiB (0 means transport.DefaultFrameBytes).
-// ListenAddr, Streams and MaxConnsPerHost are TCP's. The socket has no TCP
-// port, but every process of the host in the same network namespace can
-// connect to it (its name is random, not secret: /proc/net/unix lists it),
-// so at most MaxConns inbound connections are kept and a silent one is
-// closed at its hello deadline.
+// Of the options, only Logger, MaxConns, IdleTimeout and FrameBytes
+// apply: a window slot, the largest part a Send copies at once and so what
+// a receiver copies between two checks for cancel, is FrameBytes rounded
+// down to a multiple of 4096, at most 1 MiB (0 means
+// transport.DefaultFrameBytes). ListenAddr, Streams and MaxConnsPerHost
+// are TCP's. The socket has no TCP port, but every process of the host in
+// the same network namespace can connect to it (its name is random, not
+// secret: /proc/net/unix lists it), so at most MaxConns inbound
+// connections are kept, one silent before its window is closed at its
+// hello deadline (10 s), and one that made no progress after it (no
+// message, no part, no answer) for IdleTimeout is closed then (negative:
+// never). A pooled outbound connection unused for 3/4 of IdleTimeout is
+// retired and redialled at the next Send (see the package documentation,
+// Idle connections).
 func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	opts = opts.WithDefaults()
 	slot := min(opts.FrameBytes, maxSlotLen)
@@ -137,6 +150,9 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		endpoint: ep,
 		slotLen:  slot,
 		credit:   connCredit,
+		idle:     max(opts.IdleTimeout, 0),
+		retire:   max(opts.IdleTimeout*3/4, 0),
+		epoch:    time.Now(),
 		done:     make(chan struct{}),
 		ops:      make(map[*sendOp]context.CancelCauseFunc),
 		inbound:  make(map[*inConn]struct{}),
