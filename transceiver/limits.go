@@ -34,9 +34,10 @@ type ConnLimits struct {
 	// IdleTimeout closes an inbound control connection that has had no
 	// request in flight and no frame for this long (default
 	// DefaultIdleTimeout), and an inbound data connection of the tcp
-	// backend that has carried no frame for this long. A rank closes the
-	// control and tcp data connections it dialled after 3/4 of its own
-	// IdleTimeout, and dials again when it next needs one, so that with
+	// backend that has carried no frame, or of the shm backend that has
+	// made no progress, for this long. A rank closes the control, tcp and
+	// shm data connections it dialled after 3/4 of its own IdleTimeout
+	// unused, and dials again when it next needs one, so that with
 	// one setting across the cluster a dialler never sends on a connection
 	// its peer is closing.
 	IdleTimeout time.Duration
