@@ -274,5 +274,10 @@
 // rendezvous lanes (put zero-copy, one per interface), with it only active
 // messages. Measured here (tag_bw, 16 MiB, three runs each), the cost is
 // small: 3.9-4.6 GB/s without -e, 3.7-4.1 with; with -e and 1 MiB
-// segments (UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE) 5.5-6.9.
+// segments (UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE) 5.5-6.9. Without
+// the put lane the receiver copies every fragment out of UCX's receive
+// buffer: in kvxfer bench over tcp that memmove is 28.6% of the receiving
+// process's CPU samples, the kernel's receive copy 19.5% (ucx_c's receiver
+// has only the latter), and still kvxfer's median request moves at ucx_c's
+// rate (docs/perf-notes-ucx.md).
 package ucx

@@ -267,13 +267,13 @@ void kx_wake(kx_worker *w)
 	ucp_worker_signal(w->worker);
 }
 
-int kx_unexpected_tag(kx_worker *w, uint64_t *tag)
+int kx_unexpected_tag(kx_worker *w)
 {
 	ucp_tag_recv_info_t info;
 	if (ucp_tag_probe_nb(w->worker, 0, 0, 0, &info) == NULL) {
 		return 0;
 	}
-	*tag = info.sender_tag;
+	w->probe_tag = info.sender_tag;
 	return 1;
 }
 
@@ -298,12 +298,6 @@ void kx_drain_one(kx_worker *w)
 	} else {
 		push(w, KX_EV_DRAIN, 0, info.length, NULL, NULL, UCS_PTR_STATUS(r));
 	}
-}
-
-kx_event *kx_events(kx_worker *w, size_t *n)
-{
-	*n = w->nev;
-	return w->ev;
 }
 
 void kx_events_clear(kx_worker *w)

@@ -4,7 +4,8 @@
 // goroutine of one Transport, one call at a time but not always from the
 // same OS thread: the worker is created with UCS_THREAD_MODE_SERIALIZED.
 // UCX callbacks never call into Go; they append an event to the worker's
-// event list, which Go drains after each progress.
+// event list (ev[0..nev)), which Go reads from the struct after each
+// progress and empties with kx_events_clear.
 // Tagged requests are freed by Go when it handles their event, not in the
 // callback, so that a request Go still knows of is never recycled under it
 // (ucp_request_cancel on a completed, unfreed request does nothing).
@@ -45,6 +46,7 @@ typedef struct kx_worker {
 	char          scratch[256]; // where stale messages are dropped
 	int           in_post;      // inside kx_tag_recv, whose id is post_id
 	uint64_t      post_id;
+	uint64_t      probe_tag;    // kx_unexpected_tag's answer
 } kx_worker;
 
 // The active-message id of kvxfer's control messages.
@@ -65,15 +67,15 @@ int      kx_arm(kx_worker *w);
 int      kx_readable(int fd);
 // kx_wake makes efd readable (ucp_worker_signal, safe from any thread).
 void     kx_wake(kx_worker *w);
-// kx_unexpected_tag reports (1) the tag of the first unexpected tagged
-// message, or 0 when there is none.
-int  kx_unexpected_tag(kx_worker *w, uint64_t *tag);
+// kx_unexpected_tag reports whether there is an unexpected tagged message
+// (1, its tag in w->probe_tag) or not (0).
+int  kx_unexpected_tag(kx_worker *w);
 // kx_drain_one receives the first unexpected tagged message into scratch
 // memory, truncating it (a KX_EV_DRAIN follows).
 void kx_drain_one(kx_worker *w);
 
-kx_event *kx_events(kx_worker *w, size_t *n);
-void      kx_events_clear(kx_worker *w);
+// kx_events_clear frees the events' copies and empties the list.
+void kx_events_clear(kx_worker *w);
 
 // kx_ep_create connects to a worker address with UCP_ERR_HANDLING_MODE_PEER;
 // failures come as KX_EV_EPERR with id peer_id. *epctx is the error

@@ -134,6 +134,20 @@ func TestName(t *testing.T) {
 			if b.Name() == "ucx" {
 				t.Errorf("receiver's Name = %q: it connected back, it should know", b.Name())
 			}
+			// The flag that decides whether the progress goroutine spins
+			// follows the live endpoints: set with a tcp lane, cleared once
+			// the peer is gone (b's goodbye).
+			overTCP := func() bool { return onLoop(t, a, func(l *loop) bool { return l.overTCP() }) }
+			if got := overTCP(); got != contains(tls, "tcp") {
+				t.Errorf("overTCP = %v with lanes %v", got, tls)
+			}
+			b.Close()
+			for deadline := time.Now().Add(transporttest.Limit); overTCP() && time.Now().Before(deadline); {
+				time.Sleep(10 * time.Millisecond)
+			}
+			if overTCP() {
+				t.Errorf("overTCP still set after the only peer closed")
+			}
 		})
 	}
 }
@@ -291,8 +305,23 @@ func TestCancelBothSides(t *testing.T) {
 			}
 			roundTrip(t, a, b, 5<<20)
 			roundTrip(t, b, a, 5<<20)
+			// Every aborted Send has ended: the count that gates the
+			// abort timers is back to zero.
+			if n := onLoop(t, a, func(l *loop) int { return l.aborting }); n != 0 {
+				t.Errorf("%d sends still counted as aborting", n)
+			}
 		})
 	}
+}
+
+// onLoop runs f on tr's progress goroutine and returns its result.
+func onLoop[T any](t testing.TB, tr *Transport, f func(*loop) T) T {
+	t.Helper()
+	ch := make(chan T, 1)
+	if !tr.submit(func() { ch <- f(tr.lp) }) {
+		t.Fatal("the progress goroutine is gone")
+	}
+	return <-ch
 }
 
 // TestIdleDoesNotSpin: an idle transport sleeps in poll on UCX's event fd.
