@@ -279,5 +279,5 @@
 // buffer: in kvxfer bench over tcp that memmove is 28.6% of the receiving
 // process's CPU samples, the kernel's receive copy 19.5% (ucx_c's receiver
 // has only the latter), and still kvxfer's median request moves at ucx_c's
-// rate (docs/perf-notes-ucx.md).
+// rate (docs/perf-notes.md, "What UCX's gap to ucx_c is made of").
 package ucx
