@@ -41,7 +41,8 @@ var boundaries = []rule{
 	// The C ABI's logic: handles, codes, config loading as config check
 	// does, pools over the caller's memory; it registers the tcp and shm
 	// data planes the library carries.
-	{pkg: "internal/capi", may: []string{"transceiver", "kvcache", "layout", "config", "internal/tlsconf", "transport", "transport/tcp", "transport/shm"}},
+	{pkg: "internal/capi", may: []string{"transceiver", "kvcache", "layout", "config", "internal/tlsconf", "transport", "transport/tcp", "transport/shm"},
+		tests: []string{"internal/freeport"}},
 	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
 	// The launcher behind `kvxfer up`: worker processes and the router.
 	// With disagg_cluster it opens the router's membership store
