@@ -95,11 +95,31 @@ class GatherDriver:
 
 
 def free_address():
+    """A loopback address for a coordinator that listens on it later, in
+    another process: a port below the ephemeral range (as the Go tests'
+    internal/freeport picks), which no connection's or :0 listener's
+    ephemeral port can take in the meantime, as one probed with port 0 and
+    closed could be."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1:%d" % s.getsockname()[1]
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    if low <= 21000:
+        low = 32768
+    for _ in range(200):
+        port = random.randint(20000, low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return "127.0.0.1:%d" % port
+    raise AssertionError("no free loopback port in 20000-%d" % (low - 1))
 
 
 @pytest.fixture
