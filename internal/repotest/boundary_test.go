@@ -62,7 +62,7 @@ var boundaries = []rule{
 	// kv_cache_aware router, which matches them to the workers' events.
 	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
 		"membership", "membership/memstore", "layout", "transport", "kvcache"},
-		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
+		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf", "internal/freeport"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
 	// Its transfer-failure logs are rate-limited (netlimit.RateLog), which
