@@ -94,6 +94,30 @@ class GatherDriver:
         self.thread.join(30)
 
 
+def stop_process(pid, timeout=10):
+    """SIGSTOPs pid and returns once every thread of it has stopped. kill
+    returns before that: under load a process was still running right
+    after it and served a whole transfer (2 ms) before it stopped."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir("/proc/%d/task" % pid):
+            try:
+                with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                pass
+        if states and all(st in "Tt" for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("process %d not stopped %ss after SIGSTOP: thread states %s" % (pid, timeout, states))
+        time.sleep(0.001)
+
+
 def free_address():
     """A loopback address for a coordinator that listens on it later, in
     another process: a port below the ephemeral range (as the Go tests'
