@@ -7,12 +7,13 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
+
+	"github.com/kvxfer/kvxfer/internal/freeport"
 )
 
 // fakeWorker plays a context or generation worker for router tests.
@@ -194,14 +195,16 @@ func TestRouterFinishedInContext(t *testing.T) {
 	}
 }
 
+// deadURL is the URL of a loopback port nothing listens on. The port is
+// below the ephemeral range (package freeport): one probed with :0 and
+// closed could become another test process's listener (any :0 bind may
+// take it), and the worker would no longer refuse connections.
 func deadURL(t *testing.T) string {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	p, err := freeport.Port()
 	if err != nil {
 		t.Fatal(err)
 	}
-	u := "http://" + ln.Addr().String()
-	ln.Close()
-	return u
+	return fmt.Sprintf("http://127.0.0.1:%d", p)
 }
 
 func TestRouterRetriesUnreachable(t *testing.T) {

@@ -7,11 +7,13 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 )
@@ -23,12 +25,14 @@ func openSplit(t *testing.T, mode GroupMode) []*Transceiver {
 	c := loadTCP(t)
 	spec := GroupSpec{Mode: mode, Processes: 2}
 	if mode == GroupCoordinated {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		// Below the ephemeral range (package freeport): a port probed with
+		// :0 and closed could be taken by any connection's or listener's
+		// ephemeral port before the coordinator listens on it again in Open.
+		p, err := freeport.Port()
 		if err != nil {
 			t.Fatal(err)
 		}
-		spec.Coordinator = ln.Addr().String()
-		ln.Close() // the coordinator listens on it again in Open
+		spec.Coordinator = net.JoinHostPort("127.0.0.1", strconv.Itoa(p))
 	}
 	out := make([]*Transceiver, 2)
 	errs := make([]error, 2)

@@ -277,10 +277,13 @@ const (
 )
 
 // joinAndMeasure starts a worker under load and returns how long from its
-// registration until it answered its first request.
-func (c *dynCluster) joinAndMeasure(name, role string) (*dynProc, time.Duration) {
+// registration until it was handed its first request (its pool's first
+// blocks taken, or an answer seen first) and until it answered it. The
+// answer adds the request's own latency, seconds when 16 clients load a
+// 2-core machine that runs other packages' tests too.
+func (c *dynCluster) joinAndMeasure(name, role string) (p *dynProc, received, answered time.Duration) {
 	c.t.Helper()
-	p := c.startWorker(name, role)
+	p = c.startWorker(name, role)
 	start := time.Now()
 	var registered time.Time
 	for {
@@ -296,8 +299,16 @@ func (c *dynCluster) joinAndMeasure(name, role string) (*dynProc, time.Duration)
 				}
 			}
 		}
-		if !registered.IsZero() && c.completions(p.url) > 0 {
-			return p, time.Since(registered)
+		if !registered.IsZero() {
+			done := c.completions(p.url) > 0
+			if received == 0 {
+				if free, total := freeBlocks(c.t, p.url); done || free < total {
+					received = time.Since(registered)
+				}
+			}
+			if done {
+				return p, received, time.Since(registered)
+			}
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
@@ -404,10 +415,14 @@ func TestDynamicMembershipEtcd(t *testing.T) {
 	}
 
 	// 2. A new generation worker takes traffic.
-	gen2, took := c.joinAndMeasure("generation-2", "generation")
+	gen2, received, took := c.joinAndMeasure("generation-2", "generation")
 	t.Logf("generation-2 answered its first request %v after its registration", took)
-	if took > joinBound {
-		t.Errorf("a new worker took traffic %v after registering, want ≤ %v", took, joinBound)
+	t.Logf("generation-2 was handed its first request %v after its registration", received)
+	// The bound is on the routing, not on the answer: a run on a loaded
+	// machine, where the 16 clients' requests took seconds each, answered
+	// the first 8.4 s after the registration.
+	if received > joinBound {
+		t.Errorf("a new worker was handed its first request %v after registering, want ≤ %v", received, joinBound)
 	}
 
 	// 3. SIGTERM of a context worker under load: no request fails.

@@ -309,8 +309,9 @@ func TestContextWorkerKilledBeforePull(t *testing.T) {
 		Prompt []int32 `json:"prompt_token_ids"`
 	}
 	json.Unmarshal([]byte(raw), &c)
-	syscall.Kill(l.Workers()["context-0"], syscall.SIGKILL)
-	time.Sleep(100 * time.Millisecond)
+	pid := l.Workers()["context-0"]
+	syscall.Kill(pid, syscall.SIGKILL)
+	waitDead(t, pid)
 	dp := c.Choices[0].Disagg
 	dp.RequestType = serve.TypeGenerationOnly
 	b, _ := json.Marshal(map[string]any{"prompt": c.Prompt, "max_tokens": 8, "disaggregated_params": dp})
@@ -324,6 +325,38 @@ func TestContextWorkerKilledBeforePull(t *testing.T) {
 	}
 	if !strings.Contains(raw, "kv_transfer") || !strings.Contains(raw, "context rank") {
 		t.Errorf("unclear error %d %s", code, raw)
+	}
+}
+
+// waitDead waits until process pid, SIGKILLed, has died (gone, a zombie,
+// or its pid another process's): kill returns before the process stops
+// running, and a loaded machine can leave it running long enough to
+// answer (a SIGSTOPped process served a whole transfer after kill
+// returned: python/tests' test_sync_timeout).
+func waitDead(t *testing.T, pid int) {
+	t.Helper()
+	// stat returns the fields after the command name: the state first,
+	// the start time 20th.
+	stat := func() []string {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if i := bytes.LastIndexByte(b, ')'); err == nil && i >= 0 {
+			if f := strings.Fields(string(b[i+1:])); len(f) >= 20 {
+				return f
+			}
+		}
+		return nil
+	}
+	first := stat()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		f := stat()
+		if first == nil || f == nil || f[0] == "Z" || f[19] != first[19] {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("process %d still not dead 10 s after SIGKILL (state %s)", pid, f[0])
+		}
+		time.Sleep(time.Millisecond)
 	}
 }
 

@@ -41,7 +41,8 @@ var boundaries = []rule{
 	// The C ABI's logic: handles, codes, config loading as config check
 	// does, pools over the caller's memory; it registers the tcp and shm
 	// data planes the library carries.
-	{pkg: "internal/capi", may: []string{"transceiver", "kvcache", "layout", "config", "internal/tlsconf", "transport", "transport/tcp", "transport/shm"}},
+	{pkg: "internal/capi", may: []string{"transceiver", "kvcache", "layout", "config", "internal/tlsconf", "transport", "transport/tcp", "transport/shm"},
+		tests: []string{"internal/freeport"}},
 	{pkg: "internal/cli", may: []string{"*"}, ext: []string{"github.com/spf13/cobra", "github.com/spf13/pflag"}},
 	// The launcher behind `kvxfer up`: worker processes and the router.
 	// With disagg_cluster it opens the router's membership store
@@ -61,7 +62,7 @@ var boundaries = []rule{
 	// kv_cache_aware router, which matches them to the workers' events.
 	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
 		"membership", "membership/memstore", "layout", "transport", "kvcache"},
-		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
+		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf", "internal/freeport"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
 	// Its transfer-failure logs are rate-limited (netlimit.RateLog), which

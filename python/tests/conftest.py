@@ -94,12 +94,56 @@ class GatherDriver:
         self.thread.join(30)
 
 
+def stop_process(pid, timeout=10):
+    """SIGSTOPs pid and returns once every thread of it has stopped. kill
+    returns before that: under load a process was still running right
+    after it and served a whole transfer (2 ms) before it stopped."""
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for tid in os.listdir("/proc/%d/task" % pid):
+            try:
+                with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # a thread that ended
+                pass
+        if states and all(st in "Tt" for st in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("process %d not stopped %ss after SIGSTOP: thread states %s" % (pid, timeout, states))
+        time.sleep(0.001)
+
+
 def free_address():
+    """A loopback address for a coordinator that listens on it later, in
+    another process: a port below the ephemeral range (as the Go tests'
+    internal/freeport picks), which no connection's or :0 listener's
+    ephemeral port can take in the meantime, as one probed with port 0 and
+    closed could be."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return "127.0.0.1:%d" % s.getsockname()[1]
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    if low <= 21000:
+        low = 32768
+    for _ in range(200):
+        port = random.randint(20000, low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return "127.0.0.1:%d" % port
+    raise AssertionError("no free loopback port in 20000-%d" % (low - 1))
 
 
 @pytest.fixture

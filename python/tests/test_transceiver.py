@@ -16,7 +16,7 @@ import pytest
 
 import kvxfer
 import reference
-from conftest import TCP, GatherDriver, free_address
+from conftest import TCP, GatherDriver, free_address, stop_process
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -159,8 +159,8 @@ def test_sync_timeout(ranks):
     raises KvxferTimeoutError at its timeout, and cancels the pull."""
     prefill, gen = ranks(TCP, model()), ranks(TCP, model())
     opaque = prefill.call("respond", 1, 16, 1, [0, 1])
-    os.kill(prefill.proc.pid, signal.SIGSTOP)
     try:
+        stop_process(prefill.proc.pid)
         t0 = time.monotonic()
         ans = gen.call("receive_sync", 5, 16, opaque, [0, 1], 1.0)
         took = time.monotonic() - t0

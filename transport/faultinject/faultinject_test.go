@@ -212,12 +212,11 @@ func TestTruncateExpect(t *testing.T) {
 // A held-back Send completes after a later one.
 func TestReorder(t *testing.T) {
 	a, b := pair(t, "seed=0;send:reorder/2=2s")
-	// Find which of the first two sends is held: the plan decides, and it
-	// does the same every run.
+	// The plan holds the first of the two sends (it does the same every
+	// run); the second must go while the first is held.
 	p, _ := faultinject.ParsePlan("seed=0;send:reorder/2=2s")
-	held := 1
 	if _, hit := p.Hit(faultinject.OpSend, 1); !hit {
-		held = 2
+		t.Fatal("the plan does not hold the first send: the test's premise changed")
 	}
 	var order []int
 	var mu sync.Mutex
@@ -234,7 +233,17 @@ func TestReorder(t *testing.T) {
 			defer wg.Done()
 			<-start
 			if i == 2 {
-				time.Sleep(20 * time.Millisecond) // the first goes first
+				// The first goes first: the second waits until the first
+				// is numbered (and so held), then a moment for it to reach
+				// its hold. A sleep alone let a first goroutine descheduled
+				// for longer (a loaded machine) be numbered second.
+				for deadline := time.Now().Add(10 * time.Second); a.Injected(faultinject.OpSend, faultinject.Reorder) == 0; time.Sleep(time.Millisecond) {
+					if time.Now().After(deadline) {
+						t.Error("the first send not numbered within 10 s")
+						return
+					}
+				}
+				time.Sleep(20 * time.Millisecond)
 			}
 			if err := a.Send(context.Background(), r.Descriptor(), [][]byte{payload(100)}); err != nil {
 				t.Error(err)
@@ -250,7 +259,7 @@ func TestReorder(t *testing.T) {
 	began := time.Now()
 	close(start)
 	wg.Wait()
-	if held == 1 && (len(order) != 2 || order[0] != 2) {
+	if len(order) != 2 || order[0] != 2 {
 		t.Errorf("completion order %v, want the held first send last", order)
 	}
 	if time.Since(began) > time.Second {

@@ -45,7 +45,13 @@ func crossRanks(t testing.TB) link {
 	if w.rank > 1 {
 		t.Skip("ranks 0 and 1 run it")
 	}
-	dir := filepath.Join(linkRoot(w), t.Name())
+	// The directory is the test's name and its place in the run: a test
+	// run again (-test.count) gets a new one, so that rank 1's next run
+	// cannot write into the directory rank 0 is about to remove, nor read
+	// the files of the run before. Both ranks run the same tests in the
+	// same order, so they count alike.
+	linkRuns++
+	dir := filepath.Join(linkRoot(w), fmt.Sprintf("%s.%d", t.Name(), linkRuns))
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		t.Fatal(err)
 	}
@@ -64,6 +70,9 @@ func crossRanks(t testing.TB) link {
 	})
 	return l
 }
+
+// linkRuns counts the cross-rank tests this rank has started.
+var linkRuns int
 
 // linkRoot is the directory the cross-rank tests of world w keep their
 // links in.
