@@ -123,14 +123,20 @@ func (e *Error) Error() string {
 // Unwrap returns Err.
 func (e *Error) Unwrap() error { return e.Err }
 
-// next numbers an operation and returns the rule that hits it, if any.
-func (t *Transport) next(op Op) (uint64, Rule, bool) {
+// next numbers an operation and returns the rule that hits it, if any,
+// and the channel that the next completion of an operation op closes,
+// taken before the number: a hold (reorder) then learns of every
+// completion from then on, also one between the numbering and the hold.
+func (t *Transport) next(op Op) (uint64, Rule, bool, <-chan struct{}) {
+	t.mu.Lock()
+	done := t.done[op]
+	t.mu.Unlock()
 	n := t.count[op].Add(1)
 	r, ok := t.plan.Hit(op, n)
 	if ok {
 		t.injected[op][r.Kind].Add(1)
 	}
-	return n, r, ok
+	return n, r, ok, done
 }
 
 // completed wakes the operations of kind op held back for reordering.
@@ -155,19 +161,16 @@ func wait(ctx context.Context, d time.Duration, closing <-chan struct{}) bool {
 	}
 }
 
-// hold waits until another operation op completes, at most d, or until
-// ctx ends (false).
-func (t *Transport) hold(ctx context.Context, op Op, d time.Duration) bool {
+// hold waits until another operation completes (done, from next), at most
+// d, or until ctx ends (false).
+func (t *Transport) hold(ctx context.Context, done <-chan struct{}, d time.Duration) bool {
 	if d <= 0 {
 		d = DefaultHold
 	}
-	t.mu.Lock()
-	ch := t.done[op]
-	t.mu.Unlock()
 	tm := time.NewTimer(d)
 	defer tm.Stop()
 	select {
-	case <-ch:
+	case <-done:
 	case <-tm.C:
 	case <-t.closing:
 	case <-ctx.Done():
@@ -178,7 +181,7 @@ func (t *Transport) hold(ctx context.Context, op Op, d time.Duration) bool {
 
 // Send is the wrapped transport's Send, unless a rule hits it.
 func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][]byte) error {
-	n, r, hit := t.next(OpSend)
+	n, r, hit, done := t.next(OpSend)
 	defer t.completed(OpSend)
 	if !hit {
 		return t.inner.Send(ctx, desc, src)
@@ -193,7 +196,7 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 		}
 	case Reorder:
 		defer t.holdSend()()
-		if !t.hold(ctx, OpSend, r.Duration) {
+		if !t.hold(ctx, done, r.Duration) {
 			return &transport.TimeoutError{Op: "send", Peer: "(held by faultinject)", Err: ctx.Err()}
 		}
 	case Truncate:
@@ -234,7 +237,7 @@ func orDefault(d, def time.Duration) time.Duration {
 
 // Expect is the wrapped transport's Expect, unless a rule hits it.
 func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
-	n, r, hit := t.next(OpExpect)
+	n, r, hit, done := t.next(OpExpect)
 	defer t.completed(OpExpect)
 	if !hit {
 		return t.inner.Expect(dst)
@@ -245,7 +248,7 @@ func (t *Transport) Expect(dst [][]byte) (transport.Recv, error) {
 	case Delay:
 		time.Sleep(orDefault(r.Duration, DefaultDelay))
 	case Reorder:
-		t.hold(context.Background(), OpExpect, r.Duration)
+		t.hold(context.Background(), done, r.Duration)
 	case Truncate:
 		in, err := t.inner.Expect(dst)
 		if err != nil {
