@@ -51,10 +51,10 @@ type Baseline struct {
 	Variants []Variant `json:"variants,omitempty"`
 	Best     string    `json:"best,omitempty"`
 	// Rounds are its figure in each round of the sweep (Sweep.Rounds), in
-	// order; GBps is the best of them. With several rounds, Variants and
-	// Best are the first round's search, and later rounds measure Best
-	// alone. A baseline skipped has none; one that failed in the first
-	// round is not measured again.
+	// order, each the best setting of that round's search; GBps is the best
+	// of them, and with several rounds Variants and Best are the search of
+	// the round that gave it. A baseline skipped has none; one that failed
+	// in the first round is not measured again.
 	Rounds []BaselineRound `json:"rounds,omitempty"`
 }
 
@@ -153,9 +153,8 @@ type baselineRunner struct {
 	ucx      bool // some runs use backend ucx: measure ucx_perftest and the C UCP program too
 	mpi      bool // some runs use backend mpi: measure the C MPI program too
 	mpiBTL   string
-	// winners are the settings that won the first round, by baseline
-	// (keep); unmeasured the baselines it skipped or could not measure.
-	winners    map[string]string
+	// unmeasured are the baselines the first round skipped or could not
+	// measure.
 	unmeasured map[string]bool
 }
 
@@ -174,8 +173,8 @@ func (br *baselineRunner) measures(all bool) []baselineMeasure {
 	var out []baselineMeasure
 	add := func(name string, f func(context.Context) Baseline) { out = append(out, baselineMeasure{name, f}) }
 	if all {
-		add(BaselineCopy, func(context.Context) Baseline { return copyBaseline(br.bytes, 1, br.keep(BaselineCopy)) })
-		add(BaselineCopy2, func(context.Context) Baseline { return copyBaseline(br.bytes, 2, br.keep(BaselineCopy2)) })
+		add(BaselineCopy, func(context.Context) Baseline { return copyBaseline(br.bytes, 1) })
+		add(BaselineCopy2, func(context.Context) Baseline { return copyBaseline(br.bytes, 2) })
 		add(BaselineRawTCP, br.raw)
 		add(BaselineIperf3, func(ctx context.Context) Baseline { return br.iperf3(ctx, 1) })
 		add(BaselineIperf3Multi, func(ctx context.Context) Baseline { return br.iperf3(ctx, transport.DefaultStreams) })
@@ -194,12 +193,14 @@ func (br *baselineRunner) measures(all bool) []baselineMeasure {
 }
 
 // round measures each of ms once, round k of a sweep (0-based), and
-// returns them. Round 0 tries every setting of each and records the
-// winners (Baseline.Best); later rounds measure each winner alone, and do
-// not measure again a baseline that round 0 skipped or could not measure.
+// returns them. Every round tries every setting of each baseline (its
+// figure in the round is its best setting's), so that no round measures
+// the reference tool with a setting that won an earlier round only by
+// chance; later rounds do not measure again a baseline that round 0
+// skipped or could not measure.
 func (br *baselineRunner) round(ctx context.Context, ms []baselineMeasure, k int) []Baseline {
 	if k == 0 {
-		br.winners, br.unmeasured = map[string]string{}, map[string]bool{}
+		br.unmeasured = map[string]bool{}
 	}
 	var out []Baseline
 	for _, m := range ms {
@@ -209,24 +210,12 @@ func (br *baselineRunner) round(ctx context.Context, ms []baselineMeasure, k int
 		b := m.measure(ctx)
 		b.Backends = backendsOf(b.Name)
 		if k == 0 {
-			if b.Best != "" {
-				br.winners[m.name] = b.Best
-			}
 			br.unmeasured[m.name] = b.GBps <= 0
 		}
 		out = append(out, b)
 		br.report(b, k)
 	}
 	return out
-}
-
-// keep returns whether the current round measures a setting of the
-// baseline name: every setting until the first round has picked a winner,
-// the winner alone after. A winner's setting may carry a note that the
-// run added in brackets ("... thp pages (advised; 2 GiB granted)").
-func (br *baselineRunner) keep(name string) func(setting string) bool {
-	w, ok := br.winners[name]
-	return func(setting string) bool { return !ok || w == setting || strings.HasPrefix(w, setting+" (") }
 }
 
 // raw is the raw TCP baseline: one stream from the context process.
@@ -366,12 +355,8 @@ func (br *baselineRunner) iperf3(ctx context.Context, streams int) Baseline {
 		b.Skipped = "iperf3 is not installed (Debian package iperf3)"
 		return b
 	}
-	keep := br.keep(b.Name)
 	for _, l := range iperf3Lengths {
 		v := Variant{Setting: "-l " + l}
-		if !keep(v.Setting) {
-			continue
-		}
 		for range iperf3Tries {
 			gbps, cmd, err := br.iperf3Once(ctx, exe, l, streams)
 			v.Command = cmd
@@ -434,11 +419,7 @@ func (br *baselineRunner) ucxPerftest(ctx context.Context) Baseline {
 	if whole := min(br.bytes, 512<<20); whole > sizes[0] {
 		sizes = append(sizes, whole)
 	}
-	keep := br.keep(b.Name)
 	for _, msg := range sizes {
-		if !keep("-s " + humanBytes(msg)) {
-			continue
-		}
 		// As many messages as make up the bytes (at least 8), after 2
 		// warm-up messages (the default is 10000).
 		iters := max(br.bytes/msg, 8)
@@ -671,10 +652,10 @@ const copyRounds = 5
 
 // copyBaseline measures a memory copy of n bytes (at most 1 GiB) on
 // threads threads, each copying its share: with Go's copy and, where the
-// binary has cgo, C's memcpy, each that keep keeps. The higher is the baseline. The shm backend's
+// binary has cgo, C's memcpy. The higher is the baseline. The shm backend's
 // receiver copies on two goroutines, so it is compared with both the one-
 // and the two-thread figure.
-func copyBaseline(n int64, threads int, keep func(setting string) bool) Baseline {
+func copyBaseline(n int64, threads int) Baseline {
 	n = min(n, 1<<30)
 	b := Baseline{Name: BaselineCopy, Bytes: n,
 		Description: fmt.Sprintf("memory copy in this process, one thread, best of %d after the pages are touched, Go copy and C memcpy", copyRounds)}
@@ -688,9 +669,6 @@ func copyBaseline(n int64, threads int, keep func(setting string) bool) Baseline
 		setting string
 		copy    func(dst, src []byte) error
 	}{{"go copy", func(d, s []byte) error { copy(d, s); return nil }}, {"memcpy (cgo)", cMemcpy}} {
-		if !keep(c.setting) {
-			continue
-		}
 		v := Variant{Setting: c.setting}
 		if err := copyOn(threads, dst, src, c.copy); err != nil {
 			v.Error = err.Error()

@@ -21,8 +21,8 @@
 // compared with both UCX baselines.
 //
 // With Sweep.Rounds above 1 (kvxfer bench --rounds N) the sweep measures
-// in N rounds, in turns: round k measures every baseline once (the first
-// round tries every setting, later rounds the first round's winner alone)
+// in N rounds, in turns: round k measures every baseline once (trying
+// every setting of each, as one round would)
 // and then makes every run once, each with its own context process and
 // warm-up, so that a baseline and a run are measured at the same moments
 // of a noisy machine. A baseline's and a run's figure is the best of its

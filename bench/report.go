@@ -165,7 +165,7 @@ func (r *Report) mdRuns(b *strings.Builder, measured []string) {
 	if n := r.Config.Rounds; n > 1 {
 		fmt.Fprintf(b, " Each figure is the best of %d rounds; the baselines and the runs alternate round by round"+
 			" (round k measures every baseline, then makes every run, each with its own context process and warm-up),"+
-			" and the baselines try their settings in round 1 and measure the winner alone after."+
+			" and every round tries every setting of a baseline."+
 			" A ratio is the best round over the baseline's best round, and in brackets the median of the per-round ratios"+
 			" (round k's run over round k's baseline); p50 and p99 are of every round's requests pooled.", n)
 	}

@@ -132,8 +132,8 @@ func worseVerification(a, b string) string {
 }
 
 // mergeBaselines makes one list of the rounds of the baselines, rounds[k]
-// being round k's list. A baseline is its first round's record (its
-// description, the settings searched and the winner) with Rounds, every
+// being round k's list. A baseline is the record of its best round (its
+// settings searched, the winner and its command) with Rounds, every
 // round's figure, and the best of them as its figure. A baseline that was
 // measured in one round and failed in another has no figure (GBps 0): its
 // Error names the rounds that failed, and no ratio is taken to it. One
@@ -167,8 +167,10 @@ func mergeBaselines(rounds [][]Baseline) []Baseline {
 			}
 			b.Rounds = append(b.Rounds, BaselineRound{GBps: r.GBps, Error: r.Error})
 			switch {
-			case r.GBps > 0:
-				best = max(best, r.GBps)
+			case r.GBps > best:
+				best = r.GBps
+				b.Variants, b.Best, b.Command = r.Variants, r.Best, r.Command
+			case r.GBps > 0: // a figure, not the best
 			case r.Error != "":
 				errs = append(errs, roundPrefix(k, n)+r.Error)
 			default:
@@ -182,7 +184,7 @@ func mergeBaselines(rounds [][]Baseline) []Baseline {
 		if n > 1 && b.GBps > 0 {
 			b.Description += fmt.Sprintf("; best of %d rounds", n)
 			if len(first.Variants) > 1 {
-				b.Description += " (the settings searched in round 1, its winner alone after)"
+				b.Description += " (every setting tried in every round)"
 			}
 		}
 		out = append(out, b)

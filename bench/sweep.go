@@ -59,8 +59,8 @@ type Sweep struct {
 	// noisy machine. A baseline's figure and a run's are then each the
 	// best of their rounds (Baseline.Rounds, Result.Rounds), and each ratio
 	// is also given as the median of the per-round ratios
-	// (Result.MedianRoundRatios). The first round tries every setting of a
-	// baseline (Baseline.Variants); later rounds measure its winner alone.
+	// (Result.MedianRoundRatios). Every round tries every setting of a
+	// baseline (Baseline.Variants) and takes its best.
 	// 0 means 1: one measurement of each, as before rounds existed.
 	Rounds int
 	// Command is the command line, recorded in the report.

@@ -84,7 +84,6 @@ func (br *baselineRunner) ucxC(ctx context.Context) Baseline {
 	}
 	defer cleanup()
 	span := min(br.bytes, 1<<30)
-	keep := br.keep(b.Name)
 	for _, s := range ucxBWSettings {
 		size := s.size
 		if size == 0 || size > span {
@@ -100,9 +99,6 @@ func (br *baselineRunner) ucxC(ctx context.Context) Baseline {
 			Command: "ucxbw " + strings.Join(args, " ")}
 		if slices.ContainsFunc(b.Variants, func(o Variant) bool { return o.Setting == v.Setting }) {
 			continue // a span too small for the larger settings
-		}
-		if !keep(v.Setting) {
-			continue
 		}
 		out, err := exec.CommandContext(ctx, exe, args...).CombinedOutput()
 		if err == nil {

@@ -40,8 +40,8 @@ speed -evp aes-128-gcm, 16 KiB blocks) is measured in the same run and compared 
 runs that tcp carried over TLS.
 
 With --rounds N (N > 1) the sweep measures everything N times, in turns: round k
-measures every baseline once (the first round tries every setting, later rounds the
-first round's winner alone) and then makes every run once, each with its own context
+measures every baseline once (trying every setting of each, in every round) and then
+makes every run once, each with its own context
 process and warm-up. Every baseline's and run's figure is then the best of its N rounds
 (the JSON records each round), a ratio is the best over the best, and the median of the
 per-round ratios (round k's run over round k's baseline, measured within a minute of each
