@@ -22,9 +22,10 @@ type side uint8
 const (
 	sideSend side = iota // the context (prefill) instance: holds the KV cache, sends it
 	sideRecv             // the generation instance: pulls it into its own blocks
+	sideHold             // a context rank's ask hold (askHold), among its requests
 )
 
-func (s side) String() string { return [...]string{"send", "recv"}[s] }
+func (s side) String() string { return [...]string{"send", "recv", "hold"}[s] }
 
 // connID names one of a rank's control connections (0: none yet).
 type connID uint64

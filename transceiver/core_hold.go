@@ -105,6 +105,9 @@ func (e effTakeAsk) String() string {
 	return fmt.Sprintf("take-ask gen=%d request=%d", e.ri.GenRank, e.ri.CtxRequestID)
 }
 
+// state is the hold's phase: waiting, for as long as the rank lives.
+func (h *askHold) state() phase { return phaseWaiting }
+
 // len is how many asks the rank holds.
 func (h *askHold) len() int { return len(h.asks) }
 

@@ -22,8 +22,8 @@ type deadlines struct {
 	fire  func()      // the timer's function
 }
 
-// tickEntry is one core's deadline tick: a request's (q), or the ask
-// hold's (q nil).
+// tickEntry is the deadline tick of one core of a rank: a request's, or
+// its ask hold's (q, among the rank's requests under sideHold).
 type tickEntry struct {
 	at  time.Time
 	idx int // its place in the heap; -1: not armed

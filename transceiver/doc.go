@@ -171,7 +171,9 @@
 // that comes before this process has applied the begin at all is refused
 // as unknown: the log usually travels faster than the opaque state, which
 // goes through a router. With every rank in one process, asks are never
-// held (no ask can come before the state is handed out).
+// held (no ask can come before the state is handed out). The driver keeps
+// the hold among the rank's requests, so that it is fed, ticked, told of
+// lost connections and cancelled at close as they are.
 //
 // A process whose link breaks (its connection to the coordinator, a round
 // of the all-gather, which the caller then reports with Fail) has left: its

@@ -11,13 +11,11 @@ import (
 // receive of a pair of ranks, as the core planned it (sendPlan, recvPlan),
 // over the pair's backend, on one of the rank's workers.
 
-// moved is what a send or a receive of a pair moved, over which backend,
-// and the event that tells the core it ended.
+// moved is what a send or a receive of a pair moved, and the event that
+// tells the core it ended.
 type moved struct {
-	bytes   int64
-	chunks  int
-	backend string
-	end     event
+	mover.Moved
+	end event
 }
 
 // sendPair sends q's bytes for one generation rank as e planned them:
@@ -29,19 +27,11 @@ type moved struct {
 func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <-chan mover.Chunk) moved {
 	p := e.pair
 	pair := mover.Pair{Transport: r.transports[p.backend], Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs}
-	m := moved{chunks: 1}
-	var err error
-	if p.direct == nil {
-		m.bytes, m.chunks, err = pair.SendStaged(ctx, descs)
-	} else if m.bytes, err = pair.SendDirect(ctx, p.direct); err != nil {
-		m.chunks = 0
-	}
-	m.backend = pair.Transport.Name() // after the move: ucx names what carried it
-	if err == nil && e.readyAfter {
+	m := pair.Send(ctx, p.direct, descs)
+	if m.Err == nil && e.readyAfter {
 		r.send(e.to, effReady{gen: e.gen, to: e.to, chunk: p.chunk}.frame())
 	}
-	m.end = evSent{gen: e.gen, attempt: e.attempt, err: err}
-	return m
+	return moved{m, evSent{gen: e.gen, attempt: e.attempt, err: m.Err}}
 }
 
 // recvPair receives q's bytes from one context rank in chunks, unpacked
@@ -50,22 +40,16 @@ func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <
 func (r *rank) recvPair(q *rankReq, e effStartRecv) moved {
 	s := r.source(q, e.src)
 	pair := mover.Pair{Transport: s.tr, Blocks: q.mem[:e.pair.n], Plan: e.pair.plan, Chunk: e.pair.chunk, Buffers: r.recvBufs}
-	n, chunks, err := pair.ReceiveStaged(q.ctx, func(c mover.Chunk) error {
+	m := pair.Receive(q.ctx, func(c mover.Chunk) error {
 		return s.conn.Send(&wire.ChunkDesc{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Index: uint32(c.Index), Desc: c.Desc})
 	})
-	return moved{bytes: n, chunks: chunks, backend: s.tr.Name(), end: evReceived{src: e.src, err: err}}
+	return moved{m, evReceived{src: e.src, err: m.Err}}
 }
 
 // recvDirect waits for the receipt armed for a direct transfer from e's
 // source (with the request-info) to fill.
 func (r *rank) recvDirect(q *rankReq, e effRequestInfo) moved {
 	s := r.source(q, e.src)
-	err := mover.Await(q.ctx, s.direct)
-	m := moved{backend: s.tr.Name(), end: evReceived{src: e.src, err: err}} // after the move: ucx names what carried it
-	if err != nil {
-		s.direct.Cancel() // when ctx ended first; a no-op after Done
-		return m
-	}
-	m.bytes, m.chunks = int64(e.ri.NumBlocks)*e.plan.PackedBytesPerBlock(), 1
-	return m
+	m := mover.Pair{Transport: s.tr, Blocks: q.mem, Plan: e.plan}.AwaitDirect(q.ctx, s.direct)
+	return moved{m, evReceived{src: e.src, err: m.Err}}
 }

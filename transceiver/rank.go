@@ -21,14 +21,8 @@ import (
 	"github.com/kvxfer/kvxfer/transport"
 )
 
-// The driver: one rank's goroutines around the protocol cores. It feeds a
-// request's core the events that happen to it (frames, ends of sends and
-// receives, deadline ticks, cancels), one at a time under the rank's lock,
-// and carries out the effects the core returns (run), without the lock.
-// It is the Handler of the rank's control connections
-// (internal/control), and reaches context ranks through them
-// (internal/link, which also chooses a pair's backend); the data mover's
-// side is in mover.go.
+// The driver: one rank's goroutines around the protocol cores (see "Pure
+// cores, one driver" in doc.go); the data mover's side is in mover.go.
 
 // rankDone is how a rank reports that its part of a request ended.
 type rankDone func(rank int, key instKey, err error, res rankResult)
@@ -74,12 +68,13 @@ type rank struct {
 
 	mu     sync.Mutex
 	closed bool
-	reqs   map[reqKey]*rankReq
-	hold   *askHold // asks for context requests not handed to this rank yet
-	// deadlines are the requests' and the hold's deadline ticks, behind
-	// one timer.
+	// reqs are the requests in flight and, under the key sideHold, the
+	// ask hold: asks for context requests not handed to this rank yet
+	// (hold, its core).
+	reqs map[reqKey]*rankReq
+	hold *askHold
+	// deadlines are the deadline ticks of reqs, behind one timer.
 	deadlines deadlines
-	holdDue   tickEntry
 }
 
 // reqKey names a request on a rank: send side by the context request's id,
@@ -131,35 +126,19 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
 		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
 		log:      set.logger.With("rank", idx),
-		reqs:     map[reqKey]*rankReq{},
-		hold:     newAskHold(idx, set.timeout), holdDue: newTickEntry(nil),
+		hold:     newAskHold(idx, set.timeout),
 	}
+	held := r.newReq(reqKey{side: sideHold}, 0, nil)
+	held.core = r.hold
+	r.reqs = map[reqKey]*rankReq{held.key: held}
 	r.deadlines.fire = r.tick
-	r.ctrl = control.New(control.Config{
-		Listener: ln, Name: fmt.Sprintf("control rank %d", idx),
-		Limits: control.Limits{MaxConns: set.limits.MaxControlConns, MaxConnsPerHost: set.limits.MaxControlConnsPerHost,
-			HandshakeTimeout: set.limits.HandshakeTimeout, IdleTimeout: set.limits.IdleTimeout},
-		Observer: set.conns, Dial: set.net.Dial, Log: r.log, Hello: r.hello(),
-		TLSServer: set.tlsServer, TLSClient: set.tls,
-		// RequestAndReceiveAsync has checked every endpoint already; the
-		// dial is the one place that dials, so the rule is enforced there
-		// too.
-		AcceptOK: set.peers.accepter(r.log), DialCheck: set.peers.endpointCheck,
-	}, r)
+	st, _ := state.MarshalBinary()
+	cc := set.control // with this rank's listener, name, log and hello
+	cc.Listener, cc.Name, cc.Log, cc.AcceptOK = ln, fmt.Sprintf("control rank %d", idx), r.log, set.peers.accepter(r.log)
+	cc.Hello = link.Hello(uint32(idx), st, set.host, trs)
+	r.ctrl = control.New(cc, r)
 	r.links = link.New(link.Config{Plane: r.ctrl, Want: set.backend, Auto: autoOrder(), Transports: trs, Host: set.host, Log: r.log})
 	return r
-}
-
-// hello is what the rank tells of itself when a control connection opens,
-// in either direction: its data planes' endpoints in the order of their
-// names.
-func (r *rank) hello() wire.Hello {
-	st, _ := r.state.MarshalBinary()
-	eps := make([]string, len(r.names))
-	for i, n := range r.names {
-		eps[i] = r.transports[n].Endpoint()
-	}
-	return wire.Hello{Version: wire.Version, Rank: uint32(r.idx), State: st, Host: r.set.host, Backends: r.names, Endpoints: eps}
 }
 
 // respond holds a context request: its blocks are retained until the
@@ -261,27 +240,30 @@ func (r *rank) admit(q *rankReq) error {
 // hold held instead (nil: nothing), under the same lock, so that a request
 // handed over meanwhile takes what the hold keeps; an early ask learns
 // there whether the instance has begun its request on another rank
-// (begunFunc). It reports how many effects ev had on the request.
+// (begunFunc). It reports how many effects ev had on the request (0 when
+// the hold took held).
 func (r *rank) feed(find func() *rankReq, ev, held event) int {
 	r.mu.Lock()
 	q := find()
-	if q == nil {
-		var effs []effect
-		if held != nil && !r.closed {
-			if a, ok := held.(evEarlyAsk); ok && r.begun != nil {
-				a.begunAt, a.begun = r.begun(a.ri.CtxRequestID, r.idx)
-				held = a
-			}
-			effs = r.hold.step(held)
+	if q == nil && held != nil && !r.closed {
+		if a, ok := held.(evEarlyAsk); ok && r.begun != nil {
+			a.begunAt, a.begun = r.begun(a.ri.CtxRequestID, r.idx)
+			held = a
 		}
-		r.mu.Unlock()
-		r.run(nil, effs)
+		q, ev = r.reqs[reqKey{side: sideHold}], held
+	}
+	var effs []effect
+	live := q != nil
+	if live {
+		effs, live = r.stepLocked(q, ev)
+	}
+	r.mu.Unlock()
+	if !live {
 		return 0
 	}
-	effs, live := r.stepLocked(q, ev)
-	r.mu.Unlock()
-	if live {
-		r.run(q, effs)
+	r.run(q, effs)
+	if q.key.side == sideHold {
+		return 0
 	}
 	return len(effs)
 }
@@ -318,23 +300,17 @@ func (r *rank) stepLocked(q *rankReq, evs ...event) ([]effect, bool) {
 	return effs, true
 }
 
-// run carries out effects of q's core (nil q: the effects of the rank's
-// ask hold, for requests this rank does not hold).
+// run carries out effects of q's core.
 func (r *rank) run(q *rankReq, effs []effect) {
-	if q != nil {
-		defer q.workers.Done()
-	}
+	defer q.workers.Done()
 	release := false
 	for _, e := range effs {
 		switch e := e.(type) {
 		case effArmTimer:
-			// A request has one deadline tick, and so has the ask hold:
-			// the one armed last.
+			// A core has one deadline tick: the one armed last. (The
+			// hold outlives close, which stops the timer.)
 			r.mu.Lock()
-			switch {
-			case q == nil && !r.closed:
-				r.deadlines.arm(&r.holdDue, e.at)
-			case q != nil && !q.over:
+			if !q.over && !r.closed {
 				r.deadlines.arm(&q.due, e.at)
 			}
 			r.mu.Unlock()
@@ -348,16 +324,10 @@ func (r *rank) run(q *rankReq, effs []effect) {
 				r.log.Warn("request-info with a "+e.note, "request", e.to.sendID, "from", from)
 			}
 		case effStartSend:
-			var descs chan mover.Chunk // a direct send takes no chunk receipts
-			if e.pair.direct == nil {
-				descs = q.attempts.Queue(e.attempt, e.gen)
-			}
-			ctx := q.attempts.Context(e.attempt)
+			ctx, descs := q.attempts.Start(e.attempt, e.gen, e.pair.direct == nil)
 			r.work(q, func() moved { return r.sendPair(ctx, q, e, descs) })
 		case effChunk:
-			select {
-			case q.attempts.Queue(e.attempt, e.gen) <- mover.Chunk{Index: e.index, Desc: e.desc}:
-			default:
+			if !q.attempts.Announce(e.attempt, e.gen, mover.Chunk{Index: e.index, Desc: e.desc}) {
 				r.step(q, evDescOverflow{gen: e.gen, attempt: e.attempt})
 			}
 		case effStopAttempt:
@@ -410,8 +380,8 @@ func (r *rank) tick() {
 	r.mu.Lock()
 	due := r.deadlines.due(now)
 	r.mu.Unlock()
-	for _, d := range due { // the hold's entry has no request: feed ticks the hold
-		r.feed(func() *rankReq { return d.q }, evTick{now: now}, evTick{now: now})
+	for _, d := range due {
+		r.step(d.q, evTick{now: now})
 	}
 }
 
@@ -436,9 +406,9 @@ func (r *rank) work(q *rankReq, move func() moved) {
 		defer q.workers.Done() // after the step: the completion reads the stats
 		m := move()
 		r.mu.Lock()
-		q.stats.bytes += m.bytes
-		q.stats.chunks += m.chunks
-		q.stats.backend = m.backend
+		q.stats.bytes += m.Bytes
+		q.stats.chunks += m.Chunks
+		q.stats.backend = m.Backend
 		r.mu.Unlock()
 		r.step(q, m.end)
 	})
@@ -533,9 +503,6 @@ func (r *rank) release(q *rankReq) {
 // implements control.Handler). dialled: cc is a connection this rank
 // dialled, to a context rank.
 func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
-	if p, ok := f.(*wire.Ping); ok {
-		return cc.Send(&wire.Pong{Nonce: p.Nonce})
-	}
 	key, ev, held, err := frameEvent(f, connID(cc.ID()), cc.Peer().Rank, dialled, time.Now())
 	if err != nil || ev == nil {
 		return err
@@ -549,10 +516,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 func (r *rank) Lost(cc *control.Conn, err error) {
 	id := connID(cc.ID())
 	r.mu.Lock()
-	hit := r.usersOf(id)
-	if !r.closed {
-		r.hold.step(evConnLost{conn: id}) // (no effects: the askers are gone)
-	}
+	hit := r.usersOf(id) // the hold among them, when it holds asks from cc
 	r.mu.Unlock()
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
@@ -565,7 +529,7 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 func (r *rank) Busy(cc *control.Conn) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return len(r.usersOf(connID(cc.ID()))) > 0 || slices.Contains(r.hold.conns(), connID(cc.ID()))
+	return len(r.usersOf(connID(cc.ID()))) > 0
 }
 
 // usersOf returns the requests in flight that use connection id. Called
@@ -618,8 +582,7 @@ func (r *rank) close() error {
 		return nil
 	}
 	r.closed = true
-	r.hold.step(evCancel{err: ErrClosed}) // (the connections close below)
-	r.deadlines.stop()                    // (the requests' ticks: each is cancelled below)
+	r.deadlines.stop() // (each core is cancelled below)
 	qs := slices.Collect(maps.Values(r.reqs))
 	r.mu.Unlock()
 	for _, q := range qs {

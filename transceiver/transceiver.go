@@ -3,7 +3,6 @@ package transceiver
 import (
 	"context"
 	"crypto/rand"
-	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -20,6 +19,7 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver/internal/control"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -318,11 +318,11 @@ type rankSettings struct {
 	now         func() time.Time // for statistics
 	net         network          // where ranks listen, dial and open data planes
 	peers       *peerPolicy      // hosts this rank may dial and accept
-	tls         *tls.Config      // client side of the control plane's mutual TLS; nil: plain TCP
-	tlsServer   *tls.Config      // its server side
 	limits      ConnLimits       // with defaults
-	conns       connObs          // the Observer's ConnObserver, if any
 	plans       *planMemo        // the instance's: layout results once per peer state
+	// control is the control plane's configuration that every rank
+	// shares: limits, observer, dial, TLS (nil: plain TCP), dial check.
+	control control.Config
 
 	// senderTimeout is kv_transfer_sender_future_timeout: how long a
 	// context rank's sends may take once they start (0: no bound of
@@ -354,11 +354,20 @@ func settingsOf(cfg *config.CacheTransceiver, opts *Options, backend config.Back
 	if set.now == nil {
 		set.now = time.Now
 	}
+	l := set.limits
+	set.control = control.Config{
+		Limits: control.Limits{MaxConns: l.MaxControlConns, MaxConnsPerHost: l.MaxControlConnsPerHost, HandshakeTimeout: l.HandshakeTimeout, IdleTimeout: l.IdleTimeout},
+		Dial:   set.net.Dial,
+		// RequestAndReceiveAsync has checked every endpoint already; the
+		// dial is the one place that dials, so the rule is enforced there
+		// too.
+		DialCheck: peers.endpointCheck,
+	}
 	if opts.TLS != nil {
-		set.tls, set.tlsServer = opts.TLS.Client, opts.TLS.Server
+		set.control.TLSClient, set.control.TLSServer = opts.TLS.Client, opts.TLS.Server
 	}
 	if co, ok := opts.Observer.(ConnObserver); ok {
-		set.conns = connObs{co}
+		set.control.Observer = connObs{co}
 	}
 	if set.sendBuffers <= 0 {
 		set.sendBuffers = config.DefaultSendBuffers

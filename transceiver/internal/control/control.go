@@ -101,8 +101,9 @@ type Config struct {
 // Handler is what the Plane hands its connections' events to (the
 // transceiver's driver). See the package doc for when it is called.
 type Handler interface {
-	// Frame takes a frame that arrived on c after the handshake; dialled
-	// tells which side c is of. An error closes c (then Lost).
+	// Frame takes a frame that arrived on c after the handshake, but a
+	// Ping, which the Plane answers itself; dialled tells which side c is
+	// of. An error closes c (then Lost).
 	Frame(c *Conn, f wire.Frame, dialled bool) error
 	// Lost says that c has closed, and why (io.EOF: the peer closed it;
 	// ErrClosed: the Plane closed). Called once per Conn the Handler or a
@@ -278,7 +279,12 @@ func (p *Plane) serve(c *Conn) {
 	}
 	for err == nil {
 		var f wire.Frame
-		if f, err = p.nextFrame(c, idle); err == nil {
+		if f, err = p.nextFrame(c, idle); err != nil {
+			break
+		}
+		if ping, ok := f.(*wire.Ping); ok { // the Plane's own: answered here
+			err = c.Send(&wire.Pong{Nonce: ping.Nonce})
+		} else {
 			err = p.h.Frame(c, f, c.dialled)
 		}
 	}

@@ -500,13 +500,14 @@ func TestTCP(t *testing.T) {
 	if c.Peer().Rank != 0 {
 		t.Fatalf("peer rank %d, want 0", c.Peer().Rank)
 	}
-	if err := c.Send(&wire.Ping{}); err != nil {
+	// The ping crosses, its pong comes back (TestPing): a frame each way.
+	if err := c.Send(&wire.Ping{Nonce: 7}); err != nil {
 		t.Fatal(err)
 	}
 	select {
-	case f := <-ps[0].h.frames:
-		if _, ok := f.(*wire.Ping); !ok {
-			t.Fatalf("got %s, want a ping", f.Type())
+	case f := <-ps[1].h.frames:
+		if p, ok := f.(*wire.Pong); !ok || p.Nonce != 7 {
+			t.Fatalf("got %s, want the pong of the ping", f.Type())
 		}
 	case <-ctx.Done():
 		t.Fatal("no frame arrived over TCP")
@@ -695,4 +696,35 @@ func TestConnProbe(t *testing.T) {
 	if err := c.Probe(func() error { t.Error("a second probe ran"); return nil }); err != answer {
 		t.Errorf("a later Probe: %v", err)
 	}
+}
+
+// TestPing: a Ping is the Plane's own: it answers with a Pong of the same
+// nonce, without the Handler, in either direction; the Pong, like any
+// other frame, goes to the Handler of the side that pinged.
+func TestPing(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{}, 0)
+		c := newPlane(t, nw, Limits{}, 1)
+		cc, release, err := c.Dial(context.Background(), s.Endpoint())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer release()
+		if err := cc.Send(&wire.Ping{Nonce: 42}); err != nil {
+			t.Fatal(err)
+		}
+		synctest.Wait()
+		select {
+		case f := <-c.h.frames:
+			if p, ok := f.(*wire.Pong); !ok || p.Nonce != 42 {
+				t.Fatalf("the dialler got %#v, want a Pong with nonce 42", f)
+			}
+		default:
+			t.Fatal("no Pong came back to the dialler")
+		}
+		if len(s.h.frames) != 0 {
+			t.Fatalf("the accepting side's Handler was handed %d frames for a Ping", len(s.h.frames))
+		}
+	})
 }

@@ -3,7 +3,7 @@
 // (to context ranks it pulls from, cached per endpoint). It owns their
 // sockets, their TLS, the Hello handshake in both directions, their
 // handshake and idle timeouts, and one reader goroutine per connection
-// that hands each frame to a Handler. It knows frames and peers, never
+// that answers Pings itself and hands every other frame to a Handler. It knows frames and peers, never
 // requests: what a frame means, and which backend a pair uses, is the
 // transceiver's.
 //

@@ -1,10 +1,13 @@
 package link
 
 import (
+	"bytes"
 	"errors"
+	"slices"
 	"testing"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -54,5 +57,27 @@ func TestChooseBackend(t *testing.T) {
 				t.Errorf("error %v, want %v", c.err, tc.err)
 			}
 		})
+	}
+}
+
+// endpointTr is a data plane that has a name and an endpoint.
+type endpointTr struct{ fakeTr }
+
+func (e *endpointTr) Endpoint() string { return e.name + "-ep" }
+
+// TestHello: a rank's Hello names its data planes in sorted order, each
+// with its own endpoint, and carries its rank, state, host and the wire's
+// version.
+func TestHello(t *testing.T) {
+	trs := map[string]transport.Transport{}
+	for _, n := range []string{"ucx", "shm", "tcp"} {
+		trs[n] = &endpointTr{fakeTr{name: n}}
+	}
+	h := Hello(3, []byte{1, 2}, "host-a", trs)
+	if !slices.Equal(h.Backends, []string{"shm", "tcp", "ucx"}) || !slices.Equal(h.Endpoints, []string{"shm-ep", "tcp-ep", "ucx-ep"}) {
+		t.Errorf("backends %v at %v; want shm, tcp, ucx, each at its own endpoint", h.Backends, h.Endpoints)
+	}
+	if h.Version != wire.Version || h.Rank != 3 || h.Host != "host-a" || !bytes.Equal(h.State, []byte{1, 2}) {
+		t.Errorf("hello %+v: want version %d, rank 3, host-a, state [1 2]", h, wire.Version)
 	}
 }

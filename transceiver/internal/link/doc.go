@@ -5,6 +5,8 @@
 // ranks announced in their Hellos and, for shm under AUTO, of whether this
 // rank reaches the peer's shm endpoint: a probe run once per control
 // connection, whose answer the connection keeps (control.Conn.Probe).
+// Hello builds what a rank announces of itself, which the peer's choice
+// reads.
 //
 // A Linker holds no goroutine of its own; Get runs on its caller's, and a
 // probe it runs is bounded by a timeout and by the Linker's Close.

@@ -6,14 +6,14 @@ import (
 )
 
 // QueueChunks is how many chunk announcements a staged send's queue holds
-// (Attempts.Queue): more than any receiver keeps in flight, so a queue
+// (Attempts.Announce): more than any receiver keeps in flight, so a queue
 // that is full means a peer that announces more than it may.
 const QueueChunks = 64
 
 // Attempts is what the sends of a context request's pull attempts share:
 // for each attempt, a context that stops its sends (a child of the
 // request's), and, for each of its staged sends, the queue of chunk
-// announcements the send reads (SendStaged). An attempt's state is made
+// announcements a staged send reads (Pair.Send). An attempt's state is made
 // on first use and lives as long as the Attempts; a request has a handful
 // of attempts at most. Safe for concurrent use.
 type Attempts struct {
@@ -45,20 +45,38 @@ func (s *Attempts) get(a uint64) *attempt {
 	return at
 }
 
-// Context returns the context of attempt a's sends.
-func (s *Attempts) Context(a uint64) context.Context {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.get(a).ctx
-}
-
-// Queue returns the queue of chunk announcements of attempt a's staged
-// send to generation rank gen (QueueChunks long), made on first use: the
-// announcements may come before the send starts.
-func (s *Attempts) Queue(a uint64, gen int) chan Chunk {
+// Start returns what attempt a's send to generation rank gen reads: the
+// attempt's context and, for a staged send (staged), its queue of chunk
+// announcements (nil for a direct send, which takes none).
+func (s *Attempts) Start(a uint64, gen int, staged bool) (context.Context, <-chan Chunk) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	at := s.get(a)
+	if !staged {
+		return at.ctx, nil
+	}
+	return at.ctx, at.queue(gen)
+}
+
+// Announce queues chunk announcement c for attempt a's staged send to
+// generation rank gen, which may not have started yet. It reports false,
+// queueing nothing, when the queue is full: the peer announced more than
+// it may.
+func (s *Attempts) Announce(a uint64, gen int, c Chunk) bool {
+	s.mu.Lock()
+	q := s.get(a).queue(gen)
+	s.mu.Unlock()
+	select {
+	case q <- c:
+		return true
+	default:
+		return false
+	}
+}
+
+// queue returns the queue of chunk announcements to generation rank gen
+// (QueueChunks long), made on first use. Called with Attempts.mu held.
+func (at *attempt) queue(gen int) chan Chunk {
 	q := at.queues[gen]
 	if q == nil {
 		q = make(chan Chunk, QueueChunks)

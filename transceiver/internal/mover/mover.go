@@ -33,27 +33,56 @@ type Chunk struct {
 // bytes is the packed size of n blocks.
 func (p Pair) bytes(n int) int64 { return int64(n) * p.Plan.PackedBytesPerBlock() }
 
-// SendDirect sends every block straight from the blocks to the receipt
-// the receiver armed with ExpectDirect.
-func (p Pair) SendDirect(ctx context.Context, to transport.Descriptor) (int64, error) {
-	if err := p.Transport.Send(ctx, to, Segments(p.Blocks, p.Plan.SrcSpans())); err != nil {
-		return 0, err
+// Moved is what one send or receive of a pair moved before it ended, and
+// over which backend.
+type Moved struct {
+	Bytes  int64
+	Chunks int
+	// Backend is the transport's name read after the move: ucx names the
+	// transport that carried it.
+	Backend string
+	Err     error // nil: every byte moved
+}
+
+// Send sends the blocks: straight to the receipt the receiver armed with
+// ExpectDirect when direct is not nil (one chunk), else staged, each
+// chunk to the receipt announced for it on chunks (see sendStaged).
+func (p Pair) Send(ctx context.Context, direct transport.Descriptor, chunks <-chan Chunk) Moved {
+	var m Moved
+	if direct == nil {
+		m.Bytes, m.Chunks, m.Err = p.sendStaged(ctx, chunks)
+	} else if m.Err = p.Transport.Send(ctx, direct, Segments(p.Blocks, p.Plan.SrcSpans())); m.Err == nil {
+		m.Bytes, m.Chunks = p.bytes(len(p.Blocks)), 1
 	}
-	return p.bytes(len(p.Blocks)), nil
+	m.Backend = p.Transport.Name()
+	return m
 }
 
 // ExpectDirect arms the receipt of a direct transfer straight into the
-// blocks; the caller hands its descriptor to the sender, waits with Await
-// and cancels it if it gives up.
+// blocks; the caller hands its descriptor to the sender and waits with
+// AwaitDirect.
 func (p Pair) ExpectDirect() (transport.Recv, error) {
 	return p.Transport.Expect(Segments(p.Blocks, p.Plan.DstSpans()))
 }
 
-// SendStaged sends the blocks chunk by chunk through a staging buffer,
+// AwaitDirect waits for rv, armed with ExpectDirect, to fill; when ctx
+// ends first it cancels rv and returns ctx's cause.
+func (p Pair) AwaitDirect(ctx context.Context, rv transport.Recv) Moved {
+	m := Moved{Err: Await(ctx, rv)}
+	if m.Err != nil {
+		rv.Cancel() // a no-op once it has ended
+	} else {
+		m.Bytes, m.Chunks = p.bytes(len(p.Blocks)), 1
+	}
+	m.Backend = p.Transport.Name()
+	return m
+}
+
+// sendStaged sends the blocks chunk by chunk through a staging buffer,
 // each chunk to the receipt announced for it. chunks yields the
 // announcements in order (the caller checks the order). It returns the
 // bytes and chunks sent before it ended.
-func (p Pair) SendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, error) {
+func (p Pair) sendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, error) {
 	var sent int64
 	n := 0
 	for lo := 0; lo < len(p.Blocks); lo += p.Chunk {
@@ -84,12 +113,18 @@ func (p Pair) SendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, 
 	return sent, n, nil
 }
 
-// ReceiveStaged receives the chunks of a staged transfer, keeping up to
-// two in flight when there are two buffers: for each, a receipt into a
-// buffer announced to the sender (announce), then, once it is in, an
-// unpack into the blocks. It returns the bytes and chunks received before
-// it ended.
-func (p Pair) ReceiveStaged(ctx context.Context, announce func(Chunk) error) (int64, int, error) {
+// Receive receives the chunks of a staged transfer, keeping up to two in
+// flight when there are two buffers: for each, a receipt into a buffer
+// announced to the sender (announce), then, once it is in, an unpack into
+// the blocks.
+func (p Pair) Receive(ctx context.Context, announce func(Chunk) error) Moved {
+	var m Moved
+	m.Bytes, m.Chunks, m.Err = p.receiveStaged(ctx, announce)
+	m.Backend = p.Transport.Name()
+	return m
+}
+
+func (p Pair) receiveStaged(ctx context.Context, announce func(Chunk) error) (int64, int, error) {
 	w := window{p: p, ctx: ctx, announce: announce, depth: min(2, p.Buffers.Count())}
 	defer w.cancel()
 	total := (len(p.Blocks) + p.Chunk - 1) / p.Chunk

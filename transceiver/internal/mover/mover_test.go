@@ -119,26 +119,28 @@ func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Tr
 	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: chunk, Buffers: rb}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	var got, sent int64
-	var gotChunks, sentChunks int
-	var rerr, serr error
+	var sm, rm Moved
 	if direct {
 		rv, err := rp.ExpectDirect()
 		if err != nil {
 			t.Fatalf("%s: ExpectDirect: %v", name, err)
 		}
-		sent, serr = sp.SendDirect(ctx, rv.Descriptor())
-		rerr = Await(ctx, rv)
-		got, gotChunks, sentChunks = sent, 1, 1
+		sm = sp.Send(ctx, rv.Descriptor(), nil)
+		rm = rp.AwaitDirect(ctx, rv)
 	} else {
 		chunks := make(chan Chunk, 64)
 		done := make(chan struct{})
 		go func() {
 			defer close(done)
-			sent, sentChunks, serr = sp.SendStaged(ctx, chunks)
+			sm = sp.Send(ctx, nil, chunks)
 		}()
-		got, gotChunks, rerr = rp.ReceiveStaged(ctx, func(c Chunk) error { chunks <- c; return nil })
+		rm = rp.Receive(ctx, func(c Chunk) error { chunks <- c; return nil })
 		<-done
+	}
+	serr, rerr := sm.Err, rm.Err
+	got, gotChunks, sent, sentChunks := rm.Bytes, rm.Chunks, sm.Bytes, sm.Chunks
+	if sm.Backend != send.Name() || rm.Backend != recv.Name() {
+		t.Errorf("%s: moved over %q and %q, want %q and %q", name, sm.Backend, rm.Backend, send.Name(), recv.Name())
 	}
 	if serr != nil || rerr != nil {
 		t.Fatalf("%s: send %v, receive %v", name, serr, rerr)
@@ -163,10 +165,11 @@ func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Tr
 	}
 }
 
-// TestReceiveStagedStops: a staged receive whose context ends, or whose
+// TestStagedStops: a staged receive whose context ends, or whose
 // announce fails, returns that error at once with every buffer back and
-// its receipts cancelled; a send whose context ends returns its cause.
-func TestReceiveStagedStops(t *testing.T) {
+// its receipts cancelled; so does a direct one, its receipt cancelled; a
+// send whose context ends returns its cause.
+func TestStagedStops(t *testing.T) {
 	recv := openTCP(t)
 	cs := cacheState(1, 1)
 	plan, err := layout.NewPlan(cs, 0, cs, 0)
@@ -181,12 +184,13 @@ func TestReceiveStagedStops(t *testing.T) {
 	stop := errors.New("the request stopped")
 	ctx, cancel := context.WithCancelCause(context.Background())
 	announced := 0
-	got, chunks, err := rp.ReceiveStaged(ctx, func(Chunk) error {
+	m := rp.Receive(ctx, func(Chunk) error {
 		if announced++; announced == 2 {
 			cancel(stop) // no sender: both chunks stay in flight
 		}
 		return nil
 	})
+	got, chunks, err := m.Bytes, m.Chunks, m.Err
 	if !errors.Is(err, stop) || got != 0 || chunks != 0 {
 		t.Errorf("receive with its context ended: %d bytes, %d chunks, %v; want 0, 0 and the cause", got, chunks, err)
 	}
@@ -195,15 +199,32 @@ func TestReceiveStagedStops(t *testing.T) {
 	}
 
 	refused := errors.New("control connection lost")
-	_, _, err = rp.ReceiveStaged(context.Background(), func(Chunk) error { return refused })
+	err = rp.Receive(context.Background(), func(Chunk) error { return refused }).Err
 	if !errors.Is(err, refused) || rb.InUse() != 0 {
 		t.Errorf("receive whose announce failed: %v with %d buffers taken; want the announce's error and 0", err, rb.InUse())
+	}
+
+	dp := Pair{Transport: recv, Blocks: dst, Plan: plan}
+	rv, err := dp.ExpectDirect()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := dp.AwaitDirect(ctx, rv); !errors.Is(m.Err, stop) || m.Bytes != 0 || m.Chunks != 0 {
+		t.Errorf("direct receive with its context ended: %d bytes, %d chunks, %v; want 0, 0 and the cause", m.Bytes, m.Chunks, m.Err)
+	}
+	select {
+	case <-rv.Done():
+		if !errors.Is(rv.Err(), transport.ErrCanceled) {
+			t.Errorf("direct receipt given up ended with %v, want %v", rv.Err(), transport.ErrCanceled)
+		}
+	default:
+		t.Error("a direct receipt given up is still armed")
 	}
 
 	sctx, scancel := context.WithCancelCause(context.Background())
 	scancel(stop)
 	sp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: NewBuffers(1, rb.Size())}
-	if _, _, err := sp.SendStaged(sctx, make(chan Chunk)); !errors.Is(err, stop) {
+	if err := sp.Send(sctx, nil, make(chan Chunk)).Err; !errors.Is(err, stop) {
 		t.Errorf("send with its context ended: %v, want the cause", err)
 	}
 }
