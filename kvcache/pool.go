@@ -181,9 +181,35 @@ func (p *Pool) Block(id BlockID) []byte {
 	if !p.usable("use", id) {
 		return nil
 	}
+	return p.slice(id)
+}
+
+// slice is block id's memory, its capacity limited to the block.
+func (p *Pool) slice(id BlockID) []byte {
 	off := int64(id) * p.blockBytes
 	end := off + p.blockBytes
 	return p.mem[off:end:end]
+}
+
+// Blocks returns the memory of pinned blocks ids, in order, as Block
+// does; where Block would return nil it returns an error (a *BlockError
+// wrapping ErrBadBlock, or ErrClosed) naming the first such block, and
+// does not panic under the invariants tag: the ids may be a caller's
+// input, checked here.
+func (p *Pool) Blocks(ids []BlockID) ([][]byte, error) {
+	mem := make([][]byte, len(ids))
+	for i, id := range ids {
+		switch {
+		case p.closed.Load():
+			return nil, ErrClosed
+		case uint32(id) >= uint32(len(p.refs)):
+			return nil, p.outOfRange("use", id)
+		case p.refs[id].Load() <= 0:
+			return nil, &BlockError{Op: "use", ID: id, Err: errNotPinned}
+		}
+		mem[i] = p.slice(id)
+	}
+	return mem, nil
 }
 
 // BlockOffset returns the byte offset of pinned block id in the arena

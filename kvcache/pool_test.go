@@ -295,6 +295,39 @@ func TestBlockOfUnpinned(t *testing.T) {
 	}
 }
 
+// TestBlocks: Blocks returns the pinned blocks' memory in order, each
+// capped at its block, and names the first block that is not pinned, out
+// of range or of a closed pool, without panicking even under the
+// invariants tag.
+func TestBlocks(t *testing.T) {
+	p := newTestPool(t, 4)
+	ids, _ := p.Allocate(3)
+	mem, err := p.Blocks([]BlockID{ids[2], ids[0]})
+	if err != nil || len(mem) != 2 || &mem[0][0] != &p.Block(ids[2])[0] || &mem[1][0] != &p.Block(ids[0])[0] ||
+		int64(cap(mem[0])) != p.BlockBytes() {
+		t.Fatalf("Blocks of two pinned blocks: %d slices, %v; want their memory in order, each capped at its block", len(mem), err)
+	}
+	p.Release(ids[1])
+	for _, tc := range []struct {
+		ids  []BlockID
+		want string
+	}{
+		{[]BlockID{ids[0], ids[1]}, fmt.Sprintf("kvcache: use block %d: bad block id (not pinned)", ids[1])},
+		{[]BlockID{ids[0], 4}, "kvcache: use block 4: bad block id (out of range [0, 4))"},
+		{[]BlockID{-1}, "kvcache: use block -1: bad block id (out of range [0, 4))"},
+	} {
+		mem, err := p.Blocks(tc.ids)
+		var be *BlockError
+		if mem != nil || !errors.As(err, &be) || !errors.Is(err, ErrBadBlock) || err.Error() != tc.want {
+			t.Errorf("Blocks(%v) = %d slices, %v; want %q", tc.ids, len(mem), err, tc.want)
+		}
+	}
+	p.Close()
+	if _, err := p.Blocks(ids[:1]); !errors.Is(err, ErrClosed) {
+		t.Errorf("Blocks after Close: %v, want %v", err, ErrClosed)
+	}
+}
+
 func TestReuse(t *testing.T) {
 	p := newTestPool(t, 3)
 	h1, h2 := hashN(1), hashN(2)

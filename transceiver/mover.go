@@ -11,45 +11,38 @@ import (
 // receive of a pair of ranks, as the core planned it (sendPlan, recvPlan),
 // over the pair's backend, on one of the rank's workers.
 
-// moved is what a send or a receive of a pair moved, and the event that
-// tells the core it ended.
-type moved struct {
-	mover.Moved
-	end event
-}
-
 // sendPair sends q's bytes for one generation rank as e planned them:
 // straight to the receipt armed for a direct transfer, else staged, each
 // chunk to the receipt announced for it (descs, in the order the core
 // checked); then the Ready that follows the data when e says so. ctx is
 // the attempt's: it ends when the attempt is given up or the request
 // stops.
-func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <-chan mover.Chunk) moved {
+func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <-chan mover.Chunk) (mover.Moved, event) {
 	p := e.pair
 	pair := mover.Pair{Transport: r.transports[p.backend], Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs}
 	m := pair.Send(ctx, p.direct, descs)
 	if m.Err == nil && e.readyAfter {
 		r.send(e.to, effReady{gen: e.gen, to: e.to, chunk: p.chunk}.frame())
 	}
-	return moved{m, evSent{gen: e.gen, attempt: e.attempt, err: m.Err}}
+	return m, evSent{gen: e.gen, attempt: e.attempt, err: m.Err}
 }
 
 // recvPair receives q's bytes from one context rank in chunks, unpacked
 // into the blocks, announcing each chunk's receipt on the pair's control
 // connection.
-func (r *rank) recvPair(q *rankReq, e effStartRecv) moved {
-	s := r.source(q, e.src)
+func (r *rank) recvPair(q *rankReq, e effStartRecv) (mover.Moved, event) {
+	s := q.srcs[e.src]
 	pair := mover.Pair{Transport: s.tr, Blocks: q.mem[:e.pair.n], Plan: e.pair.plan, Chunk: e.pair.chunk, Buffers: r.recvBufs}
 	m := pair.Receive(q.ctx, func(c mover.Chunk) error {
 		return s.conn.Send(&wire.ChunkDesc{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Index: uint32(c.Index), Desc: c.Desc})
 	})
-	return moved{m, evReceived{src: e.src, err: m.Err}}
+	return m, evReceived{src: e.src, err: m.Err}
 }
 
 // recvDirect waits for the receipt armed for a direct transfer from e's
 // source (with the request-info) to fill.
-func (r *rank) recvDirect(q *rankReq, e effRequestInfo) moved {
-	s := r.source(q, e.src)
+func (r *rank) recvDirect(q *rankReq, e effRequestInfo) (mover.Moved, event) {
+	s := q.srcs[e.src]
 	m := mover.Pair{Transport: s.tr, Blocks: q.mem, Plan: e.plan}.AwaitDirect(q.ctx, s.direct)
-	return moved{m, evReceived{src: e.src, err: m.Err}}
+	return m, evReceived{src: e.src, err: m.Err}
 }

@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"sync"
 	"time"
+
+	"github.com/kvxfer/kvxfer/transceiver/internal/mover"
 )
 
 // Roles of a rank in a transfer.
@@ -79,6 +81,13 @@ type rankStats struct {
 	rankResult           // what the instance is told
 	start      time.Time // when the rank was handed the request
 	moving     time.Time // when data started to move; zero if it never did
+}
+
+// add accounts what a send or a receive moved.
+func (st *rankStats) add(m mover.Moved) {
+	st.bytes += m.Bytes
+	st.chunks += m.Chunks
+	st.backend = m.Backend
 }
 
 func roleOf(s side) string {

@@ -103,11 +103,15 @@ type rankReq struct {
 	workers workers.Group
 
 	// Guarded by rank.mu.
-	over bool           // the core completed: later events are dropped
-	due  tickEntry      // the deadline tick the core asked for
-	srcs map[int]*srcIO // receive side: by context rank
+	over bool      // the core completed: later events are dropped
+	due  tickEntry // the deadline tick the core asked for
 
 	attempts *mover.Attempts // send side: the pull attempts' sends
+	// srcs are the receive side's sources, by context rank. Each is
+	// written by its one ask before the core hears of it (evDialled), its
+	// direct receipt by the request-info's effect before the receive
+	// starts; read after that, or once workers have ended, so unlocked.
+	srcs []srcIO
 }
 
 // srcIO is the data-plane state of one source of a receive.
@@ -147,10 +151,10 @@ func (r *rank) respond(id uint64, token [16]byte, state layout.CacheState, block
 	if err := r.pool.Retain(blocks...); err != nil {
 		return fmt.Errorf("transceiver: rank %d: hold blocks of request %d: %w", r.idx, id, err)
 	}
-	mem, err := r.blockMem(blocks, id)
+	mem, err := r.pool.Blocks(blocks)
 	if err != nil {
 		r.pool.Release(blocks...)
-		return err
+		return fmt.Errorf("transceiver: rank %d: request %d: %w", r.idx, id, err)
 	}
 	q := r.newReq(reqKey{sideSend, id}, id, mem)
 	q.blocks, q.attempts = slices.Clone(blocks), mover.NewAttempts(q.ctx)
@@ -174,25 +178,13 @@ func (r *rank) receive(id, reqID uint64, op *OpaqueState, self layout.CacheState
 	if err != nil {
 		return err
 	}
-	mem, err := r.blockMem(blocks, reqID)
+	mem, err := r.pool.Blocks(blocks)
 	if err != nil {
-		return err
+		return fmt.Errorf("transceiver: rank %d: request %d: %w", r.idx, reqID, err)
 	}
 	q := r.newReq(reqKey{sideRecv, id}, reqID, mem)
-	q.core, q.endpoints, q.srcs = core, op.Endpoints, map[int]*srcIO{}
+	q.core, q.endpoints, q.srcs = core, op.Endpoints, make([]srcIO, len(op.Endpoints))
 	return r.admit(q)
-}
-
-// blockMem returns the memory of the blocks of request reqID, pinned
-// blocks of this rank's pool.
-func (r *rank) blockMem(blocks []kvcache.BlockID, reqID uint64) ([][]byte, error) {
-	mem := make([][]byte, len(blocks))
-	for i, b := range blocks {
-		if mem[i] = r.pool.Block(b); mem[i] == nil {
-			return nil, fmt.Errorf("transceiver: rank %d: block %d of request %d is not a pinned block of this rank's pool", r.idx, b, reqID)
-		}
-	}
-	return mem, nil
 }
 
 func (r *rank) newReq(key reqKey, reqID uint64, mem [][]byte) *rankReq {
@@ -325,7 +317,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			}
 		case effStartSend:
 			ctx, descs := q.attempts.Start(e.attempt, e.gen, e.pair.direct == nil)
-			r.work(q, func() moved { return r.sendPair(ctx, q, e, descs) })
+			r.work(q, func() (mover.Moved, event) { return r.sendPair(ctx, q, e, descs) })
 		case effChunk:
 			if !q.attempts.Announce(e.attempt, e.gen, mover.Chunk{Index: e.index, Desc: e.desc}) {
 				r.step(q, evDescOverflow{gen: e.gen, attempt: e.attempt})
@@ -342,24 +334,22 @@ func (r *rank) run(q *rankReq, effs []effect) {
 		case effAsk:
 			// On this goroutine when the connection is up already (the
 			// request-info is then one write away); a dial, or a probe of
-			// the peer's shm endpoint, on a goroutine of its own.
-			if !r.ask(q, e.src, false) {
-				q.workers.Add(1)
-				r.goes.Go(func() {
-					defer q.workers.Done()
-					r.ask(q, e.src, true)
-				})
-			}
+			// the peer's shm endpoint, on a worker.
+			q.workers.Add(1)
+			r.links.Reach(q.ctx, q.endpoints[e.src], r.goes.Go, func(l link.Link, err error) {
+				defer q.workers.Done()
+				r.linked(q, e.src, l, err)
+			})
 		case effRequestInfo:
 			if err := r.requestInfo(q, e); err != nil {
 				r.step(q, evAskFailed{src: e.src, err: err})
 				break
 			}
 			if e.direct {
-				r.work(q, func() moved { return r.recvDirect(q, e) })
+				r.work(q, func() (mover.Moved, event) { return r.recvDirect(q, e) })
 			}
 		case effStartRecv:
-			r.work(q, func() moved { return r.recvPair(q, e) })
+			r.work(q, func() (mover.Moved, event) { return r.recvPair(q, e) })
 		case effStopAll:
 			q.cancel(ErrCanceled)
 		case effRelease:
@@ -393,9 +383,10 @@ func (r *rank) send(to route, f wire.Frame) {
 	}
 }
 
-// work runs a send or a receive of q on a worker goroutine, accounts its
+// work runs a send or a receive of q (move: what it moved, and the event
+// that tells the core it ended) on a worker goroutine, accounts its
 // figures and feeds the core its end.
-func (r *rank) work(q *rankReq, move func() moved) {
+func (r *rank) work(q *rankReq, move func() (mover.Moved, event)) {
 	r.mu.Lock()
 	if q.stats.moving.IsZero() {
 		q.stats.moving = r.set.now()
@@ -404,13 +395,11 @@ func (r *rank) work(q *rankReq, move func() moved) {
 	q.workers.Add(1)
 	r.goes.Go(func() {
 		defer q.workers.Done() // after the step: the completion reads the stats
-		m := move()
+		m, end := move()
 		r.mu.Lock()
-		q.stats.bytes += m.Bytes
-		q.stats.chunks += m.Chunks
-		q.stats.backend = m.Backend
+		q.stats.add(m)
 		r.mu.Unlock()
-		r.step(q, m.end)
+		r.step(q, end)
 	})
 }
 
@@ -418,47 +407,28 @@ func (r *rank) work(q *rankReq, move func() moved) {
 // work (see workers.Pool).
 const maxIdleWorkers = 16
 
-func (r *rank) source(q *rankReq, src int) *srcIO {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return q.srcs[src]
-}
-
-// ask reaches context rank src for q (link.Linker.Get) and hands the
-// outcome to the core, which writes the request-info. Unless mayWait, it
-// does nothing and reports false where it would wait: no live connection
-// to src in the dial cache, or a probe of the peer's shm endpoint not
-// answered yet.
-func (r *rank) ask(q *rankReq, src int, mayWait bool) bool {
-	l, ok, err := r.links.Get(q.ctx, q.endpoints[src], mayWait)
-	switch {
-	case !ok:
-		return false
-	case err != nil:
+// linked hands the core the outcome of reaching context rank src for q
+// (effAsk); the core then writes the request-info.
+func (r *rank) linked(q *rankReq, src int, l link.Link, err error) {
+	if err != nil {
 		r.step(q, evAskFailed{src: src, err: err})
-		return true
+		return
 	}
 	defer l.Release()
-	r.mu.Lock()
-	q.srcs[src] = &srcIO{conn: l.Conn, tr: l.Transport}
-	r.mu.Unlock()
+	q.srcs[src] = srcIO{conn: l.Conn, tr: l.Transport}
 	r.step(q, evDialled{src: src, conn: connID(l.Conn.ID()), backend: l.Backend})
-	return true
 }
 
 // requestInfo sends the request-info, first arming the receipt of a direct
 // transfer straight into the blocks when the core asks for one.
 func (r *rank) requestInfo(q *rankReq, e effRequestInfo) error {
-	s := r.source(q, e.src)
+	s := &q.srcs[e.src]
 	if e.direct {
 		rv, err := mover.Pair{Transport: s.tr, Blocks: q.mem, Plan: e.plan}.ExpectDirect()
 		if err != nil {
 			return err
 		}
-		r.mu.Lock()
-		s.direct = rv
-		r.mu.Unlock()
-		e.ri.Desc = rv.Descriptor()
+		s.direct, e.ri.Desc = rv, rv.Descriptor()
 	}
 	return s.conn.Send(&e.ri)
 }
@@ -515,9 +485,7 @@ func (r *rank) Frame(cc *control.Conn, f wire.Frame, dialled bool) error {
 // control.Handler).
 func (r *rank) Lost(cc *control.Conn, err error) {
 	id := connID(cc.ID())
-	r.mu.Lock()
-	hit := r.usersOf(id) // the hold among them, when it holds asks from cc
-	r.mu.Unlock()
+	hit := r.usersOf(id)
 	lost := fmt.Errorf("%w: control connection to %s: %v", ErrPeerLost, cc.Peer().Endpoint, err)
 	for _, q := range hit {
 		r.step(q, evConnLost{conn: id, err: lost})
@@ -526,15 +494,13 @@ func (r *rank) Lost(cc *control.Conn, err error) {
 
 // Busy reports whether a request in flight uses cc (it implements
 // control.Handler): the connection is then not idle.
-func (r *rank) Busy(cc *control.Conn) bool {
+func (r *rank) Busy(cc *control.Conn) bool { return len(r.usersOf(connID(cc.ID()))) > 0 }
+
+// usersOf returns the cores that use connection id: requests in flight,
+// and the ask hold when it holds asks from it.
+func (r *rank) usersOf(id connID) []*rankReq {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return len(r.usersOf(connID(cc.ID()))) > 0
-}
-
-// usersOf returns the requests in flight that use connection id. Called
-// with r.mu held.
-func (r *rank) usersOf(id connID) []*rankReq {
 	var hit []*rankReq
 	for _, q := range r.reqs {
 		if slices.Contains(q.core.conns(), id) {

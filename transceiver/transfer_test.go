@@ -242,6 +242,30 @@ func TestWrongToken(t *testing.T) {
 	gen.release(t, again.Blocks)
 }
 
+// TestUnpinnedBlocks: a pull into blocks the caller does not hold is
+// refused with an error naming the block, before anything is asked of the
+// context side, and the context request stays pullable.
+func TestUnpinnedBlocks(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, s, testCfg(), 16)
+	gen := newInst(t, s, testCfg(), 16)
+	creq, l := startSend(t, sender, 6, 8)
+	bad := genReqFor(gen, t, creq, 2)
+	gen.release(t, bad.Blocks[:1]) // the request's first rank's blocks
+	want := fmt.Sprintf("block %d: bad block id (not pinned)", bad.Blocks[0][0])
+	err := gen.t.RequestAndReceiveSync(context.Background(), bad)
+	if !errors.Is(err, kvcache.ErrBadBlock) || !strings.Contains(err.Error(), want) {
+		t.Fatalf("pull into unpinned blocks: %v; want %v naming %q", err, kvcache.ErrBadBlock, want)
+	}
+	gen.release(t, bad.Blocks[1:])
+	good := genReqFor(gen, t, creq, 2)
+	if err := gen.t.RequestAndReceiveSync(context.Background(), good); err != nil {
+		t.Fatalf("the genuine pull after a refused one: %v", err)
+	}
+	gen.verify(t, l, 0, good.Blocks)
+	gen.release(t, good.Blocks)
+}
+
 func TestIncompatible(t *testing.T) {
 	cs := state(4, 4, 16, 4, kvcache.BF16, 1, 1, false)
 	gs := state(4, 4, 32, 8, kvcache.FP16, 1, 1, false)

@@ -8,8 +8,9 @@
 // Hello builds what a rank announces of itself, which the peer's choice
 // reads.
 //
-// A Linker holds no goroutine of its own; Get runs on its caller's, and a
-// probe it runs is bounded by a timeout and by the Linker's Close.
+// A Linker holds no goroutine of its own; Get runs on its caller's, Reach
+// on its caller's or on the one its caller starts for it, and a probe
+// either runs is bounded by a timeout and by the Linker's Close.
 // Get is safe for concurrent use: concurrent Gets of one endpoint share
 // one dial and one probe.
 package link

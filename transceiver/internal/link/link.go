@@ -102,6 +102,22 @@ func (k *Linker) Get(ctx context.Context, endpoint string, wait bool) (l Link, o
 	return Link{Conn: cc, Backend: c.backend, Transport: k.cfg.Transports[c.backend], release: release}, true, nil
 }
 
+// Reach reaches the context rank at endpoint as Get does and hands done
+// the link, to release, or the error. done runs on the caller's goroutine
+// where nothing needs a wait (the connection is in the dial cache, its
+// backend chosen), else on the goroutine start runs it on, which dials
+// and probes as needed; ctx bounds the dial.
+func (k *Linker) Reach(ctx context.Context, endpoint string, start func(func()), done func(Link, error)) {
+	if l, ok, err := k.Get(ctx, endpoint, false); ok {
+		done(l, err)
+		return
+	}
+	start(func() {
+		l, _, err := k.Get(ctx, endpoint, true)
+		done(l, err)
+	})
+}
+
 // probeShm checks once per control connection that this rank can reach
 // the peer's shm endpoint and map memory with it (same host and namespace,
 // working memory files); the connection keeps the answer while it is

@@ -171,6 +171,46 @@ func TestGetNoProbe(t *testing.T) {
 	}
 }
 
+// TestReach: Reach hands the link over on the caller's goroutine when the
+// connection is cached and needs no probe, and on the goroutine start
+// runs it on when it must dial or probe; a failure reaches done as well.
+func TestReach(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		sh := &probing{}
+		ep, _, k := setup(t, "auto", "h", sh)
+		type got struct {
+			l   Link
+			err error
+		}
+		var starts int
+		start := func(f func()) { starts++; go f() }
+		out := make(chan got, 1)
+		done := func(l Link, err error) { out <- got{l, err} }
+		k.Reach(t.Context(), ep, start, done) // nothing cached: dial and probe
+		synctest.Wait()
+		if g := <-out; g.err != nil || g.l.Backend != "shm" || starts != 1 || sh.calls.Load() != 1 {
+			t.Fatalf("first Reach: backend %q err %v, %d goroutines started, %d probes; want shm, nil, 1, 1", g.l.Backend, g.err, starts, sh.calls.Load())
+		} else {
+			g.l.Release()
+		}
+		k.Reach(t.Context(), ep, start, done) // cached and probed: on this goroutine
+		select {
+		case g := <-out:
+			if g.err != nil || g.l.Backend != "shm" || starts != 1 {
+				t.Fatalf("second Reach: backend %q err %v, %d goroutines started; want shm, nil, still 1", g.l.Backend, g.err, starts)
+			}
+			g.l.Release()
+		default:
+			t.Fatal("Reach of a cached, probed connection did not hand the link over before returning")
+		}
+		k.Reach(t.Context(), "127.0.0.1:1", start, done) // nobody listening
+		synctest.Wait()
+		if g := <-out; g.err == nil || starts != 2 {
+			t.Fatalf("Reach of a dead endpoint: err %v after %d starts; want an error after 2", g.err, starts)
+		}
+	})
+}
+
 // TestGetFails: a failed dial and no data plane in common are errors,
 // with ok true (nothing to wait for).
 func TestGetFails(t *testing.T) {
