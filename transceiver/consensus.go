@@ -1,7 +1,9 @@
 package transceiver
 
 import (
+	"cmp"
 	"fmt"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -266,71 +268,70 @@ func (c *consensus) step(ev instEvent) []instEffect {
 		c.reqs[ev.key] = &instReq{ranks: slices.Clone(ev.ranks), reported: map[int]bool{}, start: ev.now, sent: map[int]uint64{}}
 		return nil
 	case ranksLostEvent:
-		// In key order, so that every process replaying the same log
-		// produces the same effects in the same order.
-		keys := make([]instKey, 0, len(c.reqs))
-		for k := range c.reqs {
-			keys = append(keys, k)
-		}
-		slices.SortFunc(keys, func(a, b instKey) int {
-			if a.side != b.side {
-				return int(a.side) - int(b.side)
-			}
-			switch {
-			case a.id < b.id:
-				return -1
-			case a.id > b.id:
-				return 1
-			}
-			return 0
-		})
-		var effs []instEffect
-		for _, k := range keys {
-			r := c.reqs[k]
-			var lost, others []int
-			for _, rk := range r.ranks {
-				switch {
-				case r.reported[rk]:
-				case slices.Contains(ev.ranks, rk):
-					lost = append(lost, rk)
-				default:
-					others = append(others, rk)
-				}
-			}
-			if len(lost) == 0 {
-				continue
-			}
-			if r.err == nil {
-				r.err = ev.err
-				if len(others) > 0 {
-					effs = append(effs, cancelRanksEffect{key: k, ranks: others,
-						cause: fmt.Errorf("%w: rank %d failed: %v", ErrCanceled, lost[0], ev.err)})
-				}
-			}
-			for _, rk := range lost {
-				effs = append(effs, c.report(k, r, rk, rankResult{}, ev.now)...)
-			}
-		}
-		return effs
+		return c.ranksLost(ev)
 	case startFailedEvent:
-		r := c.reqs[ev.key]
-		if r == nil {
-			return nil
-		}
-		r.silent = true
-		if r.err == nil {
-			r.err = ev.err
-		}
-		var done []instEffect
-		for _, rk := range ev.ranks {
-			done = append(done, c.report(ev.key, r, rk, rankResult{}, ev.now)...)
-		}
-		if len(done) > 0 {
-			return done // every rank has reported: nothing left to cancel
-		}
-		return c.cancelOthers(ev.key, r, -1, fmt.Errorf("%w: another rank failed to start: %v", ErrCanceled, ev.err))
+		return c.startFailed(ev)
 	}
 	panic(fmt.Sprintf("transceiver: consensus: unknown event %T", ev))
+}
+
+// ranksLost fails, on behalf of the ranks lost, every request they had
+// not reported, in key order, so that every process replaying the same log
+// produces the same effects in the same order.
+func (c *consensus) ranksLost(ev ranksLostEvent) []instEffect {
+	keys := slices.SortedFunc(maps.Keys(c.reqs), func(a, b instKey) int {
+		return cmp.Or(cmp.Compare(a.side, b.side), cmp.Compare(a.id, b.id))
+	})
+	var effs []instEffect
+	for _, k := range keys {
+		r := c.reqs[k]
+		var lost, others []int
+		for _, rk := range r.ranks {
+			switch {
+			case r.reported[rk]:
+			case slices.Contains(ev.ranks, rk):
+				lost = append(lost, rk)
+			default:
+				others = append(others, rk)
+			}
+		}
+		if len(lost) == 0 {
+			continue
+		}
+		if r.err == nil {
+			r.err = ev.err
+			if len(others) > 0 {
+				effs = append(effs, cancelRanksEffect{key: k, ranks: others,
+					cause: fmt.Errorf("%w: rank %d failed: %v", ErrCanceled, lost[0], ev.err)})
+			}
+		}
+		for _, rk := range lost {
+			effs = append(effs, c.report(k, r, rk, rankResult{}, ev.now)...)
+		}
+	}
+	return effs
+}
+
+// startFailed records that the ranks ev names could not start a request:
+// they report it failed, silently (the caller has its error), and the
+// others are cancelled.
+func (c *consensus) startFailed(ev startFailedEvent) []instEffect {
+	r := c.reqs[ev.key]
+	if r == nil {
+		return nil
+	}
+	r.silent = true
+	if r.err == nil {
+		r.err = ev.err
+	}
+	var done []instEffect
+	for _, rk := range ev.ranks {
+		done = append(done, c.report(ev.key, r, rk, rankResult{}, ev.now)...)
+	}
+	if len(done) > 0 {
+		return done // every rank has reported: nothing left to cancel
+	}
+	return c.cancelOthers(ev.key, r, -1, fmt.Errorf("%w: another rank failed to start: %v", ErrCanceled, ev.err))
 }
 
 // attemptEnd decides a pull attempt: the first failure reported fails it;

@@ -42,7 +42,7 @@ func (in *holdInterp) run(t *testing.T, c *scriptCmd) string {
 	case "handed-over":
 		return in.print(in.h.step(evHandedOver{id: uint64(c.int(t, "id", scriptSendID))}))
 	case "ended":
-		return in.print(in.h.step(evHeldEnded{id: uint64(c.int(t, "id", scriptSendID)), err: cmp(scriptErr(c, "err"), ErrCanceled)}))
+		return in.print(in.h.step(evHeldEnded{id: uint64(c.int(t, "id", scriptSendID)), err: orDefault(scriptErr(c, "err"), ErrCanceled)}))
 	case "abort":
 		return in.print(in.h.step(evHeldAbort{from: route{conn: connID(c.int(t, "conn", 1)), recvID: uint64(c.int(t, "req", 100))}}))
 	case "conn-lost":

@@ -167,7 +167,7 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 		return in.step(t, route{}, evSent{gen: gen, attempt: uint64(c.int(t, "attempt", int(in.core.attempt))), err: scriptErr(c, "err")})
 	case "attempt-failed":
 		// The instance's word: attempt-failed attempt= [err=] [at=]
-		return in.step(t, route{}, evAttemptFailed{attempt: uint64(c.int(t, "attempt", 0)), err: cmp(scriptErr(c, "err"), errors.New("failed on another rank")), now: scriptAt(t, c)})
+		return in.step(t, route{}, evAttemptFailed{attempt: uint64(c.int(t, "attempt", 0)), err: orDefault(scriptErr(c, "err"), errors.New("failed on another rank")), now: scriptAt(t, c)})
 	case "commit":
 		return in.step(t, route{}, evCommit{attempt: uint64(c.int(t, "attempt", 0))})
 	case "abort":
@@ -177,7 +177,7 @@ func (in *sendInterp) run(t *testing.T, c *scriptCmd) string {
 	case "tick":
 		return in.step(t, route{}, evTick{now: scriptAt(t, c)})
 	case "cancel":
-		return in.step(t, route{}, evCancel{err: cmp(scriptErr(c, "err"), ErrCanceled)})
+		return in.step(t, route{}, evCancel{err: orDefault(scriptErr(c, "err"), ErrCanceled)})
 	case "phase":
 		return "phase " + in.core.state().String()
 	}
@@ -245,7 +245,7 @@ func (in *sendInterp) print(from route, effs []effect) string {
 	return strings.Join(lines, "\n")
 }
 
-func cmp(err, def error) error {
+func orDefault(err, def error) error {
 	if err == nil {
 		return def
 	}
@@ -305,7 +305,7 @@ func (in *recvInterp) run(t *testing.T, c *scriptCmd) string {
 	case "tick":
 		return in.step(evTick{now: scriptAt(t, c)})
 	case "cancel":
-		return in.step(evCancel{err: cmp(scriptErr(c, "err"), ErrCanceled)})
+		return in.step(evCancel{err: orDefault(scriptErr(c, "err"), ErrCanceled)})
 	case "phase":
 		return "phase " + in.core.state().String()
 	}

@@ -96,8 +96,9 @@
 // not handed to another. Around it, internal/control keeps the
 // control connections (accept loop, TLS, dial cache, the hello both
 // directions send, handshake and idle timeouts, one reader per
-// connection), handing the driver each frame and each lost connection and
-// asking it whether a connection is busy; internal/link reaches a context
+// connection, answering pings), handing the driver every other frame and
+// each lost connection and asking it whether a connection is busy;
+// internal/link builds a rank's hello and reaches a context
 // rank through them (the cached connection or a dial) and chooses the
 // pair's backend (a pure function of both hellos, and of the probe of the
 // peer's shm endpoint it may need); internal/mover is the data
