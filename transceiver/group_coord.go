@@ -181,49 +181,16 @@ func (g *CoordinatedGroup) startCoordinator(ctx context.Context, m groupMember, 
 	g.mu.Lock()
 	g.ln = ln
 	g.mu.Unlock()
-	stop := context.AfterFunc(ctx, func() { ln.Close() })
-	type joiner struct {
-		c    net.Conn
-		r    *bufio.Reader
-		join groupJoin
+	others, err := g.acceptJoins(ctx, ln)
+	if err != nil {
+		return err
 	}
-	var others []joiner
 	fail := func(err error) error {
-		stop()
-		ln.Close()
 		for _, j := range others {
 			j.c.Close()
 		}
 		return err
 	}
-	for len(others) < g.cfg.Processes-1 {
-		c, err := ln.Accept()
-		if err == nil {
-			keepAlive(c)
-		}
-		if err != nil {
-			if ctx.Err() != nil {
-				err = context.Cause(ctx)
-			}
-			return fail(fmt.Errorf("transceiver: coordinated group: %d of %d processes joined: %w", len(others)+1, g.cfg.Processes, err))
-		}
-		c.SetReadDeadline(time.Now().Add(g.cfg.WriteTimeout))
-		r := bufio.NewReader(c)
-		msg, err := g.readJoinFrame(r)
-		if err == nil && msg.typ != groupMsgJoin {
-			err = fmt.Errorf("%w: first message of type %d, want a join", ErrBadGroupMessage, msg.typ)
-		}
-		if err != nil {
-			// Not a process of this instance: refuse it, keep waiting.
-			c.Close()
-			continue
-		}
-		c.SetReadDeadline(time.Time{})
-		others = append(others, joiner{c, r, msg.join})
-	}
-	stop()
-	// Every process has joined: no one else is to connect.
-	ln.Close()
 	slices.SortFunc(others, func(a, b joiner) int { return slices.Min(a.join.ranks) - slices.Min(b.join.ranks) })
 	joins := []groupJoin{self}
 	for _, j := range others {
@@ -255,6 +222,52 @@ func (g *CoordinatedGroup) startCoordinator(ctx context.Context, m groupMember, 
 	g.wg.Add(1)
 	go g.sequence(m)
 	return nil
+}
+
+// joiner is a process that joined the coordinator: its connection, the
+// reader of it, and what it said of itself.
+type joiner struct {
+	c    net.Conn
+	r    *bufio.Reader
+	join groupJoin
+}
+
+// acceptJoins accepts the join of every other process of the group on ln,
+// dropping connections whose first message is no valid join, until all
+// have joined or ctx ends. Either way it closes ln (no one else is to
+// connect); on failure it closes the connections of those that joined.
+func (g *CoordinatedGroup) acceptJoins(ctx context.Context, ln net.Listener) ([]joiner, error) {
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+	defer ln.Close()
+	var others []joiner
+	for len(others) < g.cfg.Processes-1 {
+		c, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				err = context.Cause(ctx)
+			}
+			for _, j := range others {
+				j.c.Close()
+			}
+			return nil, fmt.Errorf("transceiver: coordinated group: %d of %d processes joined: %w", len(others)+1, g.cfg.Processes, err)
+		}
+		keepAlive(c)
+		c.SetReadDeadline(time.Now().Add(g.cfg.WriteTimeout))
+		r := bufio.NewReader(c)
+		msg, err := g.readJoinFrame(r)
+		if err == nil && msg.typ != groupMsgJoin {
+			err = fmt.Errorf("%w: first message of type %d, want a join", ErrBadGroupMessage, msg.typ)
+		}
+		if err != nil {
+			// Not a process of this instance: refuse it, keep waiting.
+			c.Close()
+			continue
+		}
+		c.SetReadDeadline(time.Time{})
+		others = append(others, joiner{c, r, msg.join})
+	}
+	return others, nil
 }
 
 // readFrom reads the batches of process p and queues them for the log; when
