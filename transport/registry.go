@@ -47,6 +47,29 @@ func Register(b Backend) {
 	register(b.Name(), entry{backend: b})
 }
 
+// RegisterOpen registers the backend name whose Open is open, the
+// backend package's own constructor. Where open fails, the backend's Open
+// returns a nil Transport, never a nil *T inside a non-nil interface.
+func RegisterOpen[T Transport](name string, open func(context.Context, Options) (T, error)) {
+	Register(opener[T]{name: name, open: open})
+}
+
+// opener is a Backend made of a name and a constructor.
+type opener[T Transport] struct {
+	name string
+	open func(context.Context, Options) (T, error)
+}
+
+func (b opener[T]) Name() string { return b.name }
+
+func (b opener[T]) Open(ctx context.Context, opts Options) (Transport, error) {
+	t, err := b.open(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	return t, nil
+}
+
 // RegisterUnavailable records a backend that this binary names but cannot
 // use, with the reason (wrapping ErrNotBuilt).
 func RegisterUnavailable(name string, why error) {

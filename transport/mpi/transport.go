@@ -17,14 +17,6 @@ import (
 // sendWindow is how many frames of one Send are in flight at once.
 const sendWindow = 4
 
-type backend struct{}
-
-func (backend) Name() string { return "mpi" }
-
-func (backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
-	return Open(ctx, opts)
-}
-
 // Transport is one data plane on the process's MPI world. Several may be
 // open in one process; each has its own receipts, and its Endpoint names
 // the world rank and its number within the process.

@@ -23,7 +23,7 @@ import (
 	"github.com/kvxfer/kvxfer/transport"
 )
 
-func init() { transport.Register(backend{}) }
+func init() { transport.RegisterOpen("mpi", Open) }
 
 // Timing of the progress goroutine.
 const (

@@ -42,22 +42,7 @@ const (
 // variable only so that tests can lower it before they open transports.
 var connCredit int64 = maxOpenOps
 
-func init() { transport.Register(Backend{}) }
-
-// Backend is the shm backend, registered under the name "shm".
-type Backend struct{}
-
-// Name returns "shm".
-func (Backend) Name() string { return "shm" }
-
-// Open calls the package's Open.
-func (Backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
-	t, err := Open(ctx, opts)
-	if err != nil {
-		return nil, err
-	}
-	return t, nil
-}
+func init() { transport.RegisterOpen("shm", Open) }
 
 // Transport is the shm data plane of one rank: a listener on an abstract
 // Unix socket whose senders post parts in their windows' rings, which it

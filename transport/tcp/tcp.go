@@ -33,22 +33,7 @@ const (
 // empty waits for before it is woken (SO_RCVLOWAT, see sysReader).
 const rcvLowat = 1 << 20
 
-func init() { transport.Register(Backend{}) }
-
-// Backend is the tcp backend, registered under the name "tcp".
-type Backend struct{}
-
-// Name returns "tcp".
-func (Backend) Name() string { return "tcp" }
-
-// Open calls the package's Open.
-func (Backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
-	t, err := Open(ctx, opts)
-	if err != nil {
-		return nil, err
-	}
-	return t, nil
-}
+func init() { transport.RegisterOpen("tcp", Open) }
 
 // Transport is the tcp data plane of one rank: a listener that receives
 // frames into the memory of armed receipts, and a pool of connections per

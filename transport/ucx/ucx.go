@@ -23,15 +23,7 @@ import (
 	"github.com/kvxfer/kvxfer/transport/internal/receipt"
 )
 
-func init() { transport.Register(backend{}) }
-
-type backend struct{}
-
-func (backend) Name() string { return "ucx" }
-
-func (backend) Open(ctx context.Context, opts transport.Options) (transport.Transport, error) {
-	return Open(ctx, opts)
-}
+func init() { transport.RegisterOpen("ucx", Open) }
 
 // Timing of the failure paths and of sleep.
 const (
