@@ -47,7 +47,6 @@ type attemptEnd func(rank int, key instKey, attempt uint64, err error)
 // never called under rank.mu: effects run after the lock is released.
 type rank struct {
 	idx        int
-	state      layout.CacheState // the instance's state (DP rank 0)
 	pool       *kvcache.Pool
 	set        rankSettings
 	transports map[string]transport.Transport
@@ -124,7 +123,7 @@ type srcIO struct {
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone, attempt attemptEnd) *rank {
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	r := &rank{
-		idx: idx, state: state, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
+		idx: idx, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
 		goes:     workers.NewPool(maxIdleWorkers),
 		names:    slices.Sorted(maps.Keys(trs)),
 		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
