@@ -251,90 +251,100 @@ const (
 // measured within a minute of each other, where the best round over the
 // best round may divide figures of different minutes.
 func Evaluate(ins Inputs) []Result {
-	var out []Result
-	// ratioTarget divides the run's figure by the highest of baselines
-	// measured in its report (the lowest of its ratios to them).
-	ratioTarget := func(rep *Report, env, label, be string, baselines []string, min float64, extra func(Run) bool) {
-		what := baselines[0]
-		if len(baselines) > 1 {
-			what = "the best of " + strings.Join(baselines, ", ")
-		}
-		res := Result{Target: fmt.Sprintf("%s ≥ %.2f× %s", label, min, what)}
-		if rep != nil {
-			res.Command = rep.Command(env)
-		}
-		if rep != nil && env != "" {
-			// The baselines must have run in the same environment: the
-			// bench records UCX_TLS in the UCX baselines' descriptions.
-			for _, name := range baselines {
-				if bl, ok := rep.baseline(name); ok && !strings.Contains(bl.Description, env) {
-					res.Measured = fmt.Sprintf("the report's %s did not run with %s (%q)", name, env, bl.Description)
-					out = append(out, res)
-					return
-				}
-			}
-		}
-		run, ok := find(rep, func(r Run) bool { return backend(be)(r) && r.ISL == bigISL && (extra == nil || extra(r)) })
-		if !ok {
-			res.Measured = fmt.Sprintf("no error-free %s run of %d tokens in the report", be, bigISL)
-			out = append(out, res)
-			return
-		}
-		q, by := math.Inf(1), ""
-		for _, name := range baselines {
-			if r, ok := targetRatio(rep, run, name); ok && r < q {
-				q, by = r, name
-			}
-		}
-		if by == "" {
-			res.Measured = "no " + strings.Join(baselines, " or ") + " baseline in the report"
-			for _, name := range baselines {
-				if _, ok := ratio(run, name); ok {
-					res.Measured = "no median of the per-round ratios to " + strings.Join(baselines, " or ") + " in the report"
-				}
-			}
-			out = append(out, res)
-			return
-		}
-		res.Measured = fmt.Sprintf("%.2f GB/s = %.2f×", run.GBps, q)
-		if len(baselines) > 1 {
-			res.Measured += " " + by
-		}
-		if n := rep.rounds(); n > 1 {
-			best, _ := ratio(run, by)
-			res.Measured += fmt.Sprintf(" (median of %d rounds' ratios; best round over best round %.2f×)", n, best)
-		}
-		res.Met = q >= min
-		out = append(out, res)
-	}
 	ucx := []string{"ucx_perftest", "ucx_c"} // UCX's tool, and UCX on written huge pages
-	ratioTarget(ins.Main, "", "tcp, identical layouts", "tcp", []string{"iperf3"}, 0.9, nil)
-	ratioTarget(ins.Main, "", "tcp, identical layouts", "tcp", []string{"iperf3_multi"}, 0.9, nil)
-	ratioTarget(ins.TP2, "", "tcp, context TP2 → generation TP1", "tcp", []string{"iperf3"}, 0.85, func(r Run) bool { return r.Ctx.TP == 2 && r.Gen.TP == 1 })
-	ratioTarget(ins.UCXTCP, "UCX_TLS=tcp", "ucx, UCX_TLS=tcp", "ucx", ucx, 0.9, nil)
-	ratioTarget(ins.Main, "", "ucx, UCX's own choice of transports", "ucx", ucx, 0.95, nil)
-	ratioTarget(ins.Main, "", "shm", "shm", []string{"copy"}, 0.9, nil)
-
-	for _, be := range []string{"tcp", "shm"} {
-		res := Result{Target: be + ", one 64 KiB block, one at a time: p50 ≤ 0.100 ms"}
-		if ins.Small != nil {
-			res.Command = ins.Small.Command("")
-		}
-		if run, ok := find(ins.Small, func(r Run) bool { return backend(be)(r) && r.ISL == smallISL && r.Concurrency == 1 }); ok {
-			res.Measured, res.Met = fmt.Sprintf("p50 %.3f ms", run.P50Ms), run.P50Ms <= 0.1
-		} else {
-			res.Measured = "no error-free " + be + " run at concurrency 1 in the report"
-		}
-		out = append(out, res)
-		res = Result{Target: be + ", one 64 KiB block, 8 at a time: ≥ 10,000 transfers/s", Command: res.Command}
-		if run, ok := find(ins.Small, func(r Run) bool { return backend(be)(r) && r.ISL == smallISL && r.Concurrency == 8 }); ok {
-			res.Measured, res.Met = fmt.Sprintf("%.0f transfers/s", run.TransfersPerS), run.TransfersPerS >= 10000
-		} else {
-			res.Measured = "no error-free " + be + " run at concurrency 8 in the report"
-		}
-		out = append(out, res)
+	out := []Result{
+		ratioTarget(ins.Main, "", "tcp, identical layouts", "tcp", []string{"iperf3"}, 0.9, nil),
+		ratioTarget(ins.Main, "", "tcp, identical layouts", "tcp", []string{"iperf3_multi"}, 0.9, nil),
+		ratioTarget(ins.TP2, "", "tcp, context TP2 → generation TP1", "tcp", []string{"iperf3"}, 0.85, func(r Run) bool { return r.Ctx.TP == 2 && r.Gen.TP == 1 }),
+		ratioTarget(ins.UCXTCP, "UCX_TLS=tcp", "ucx, UCX_TLS=tcp", "ucx", ucx, 0.9, nil),
+		ratioTarget(ins.Main, "", "ucx, UCX's own choice of transports", "ucx", ucx, 0.95, nil),
+		ratioTarget(ins.Main, "", "shm", "shm", []string{"copy"}, 0.9, nil),
 	}
+	for _, be := range []string{"tcp", "shm"} {
+		out = append(out, smallTargets(ins.Small, be)...)
+	}
+	return append(out, layoutTarget(ins))
+}
 
+// ratioTarget checks that the run of backend be in rep (and extra, when
+// not nil) reaches min of the highest of baselines measured in rep (the
+// lowest of its ratios to them); env, when set, is the environment the
+// baselines must have run in.
+func ratioTarget(rep *Report, env, label, be string, baselines []string, min float64, extra func(Run) bool) Result {
+	what := baselines[0]
+	if len(baselines) > 1 {
+		what = "the best of " + strings.Join(baselines, ", ")
+	}
+	res := Result{Target: fmt.Sprintf("%s ≥ %.2f× %s", label, min, what)}
+	if rep != nil {
+		res.Command = rep.Command(env)
+	}
+	if rep != nil && env != "" {
+		// The baselines must have run in the same environment: the
+		// bench records UCX_TLS in the UCX baselines' descriptions.
+		for _, name := range baselines {
+			if bl, ok := rep.baseline(name); ok && !strings.Contains(bl.Description, env) {
+				res.Measured = fmt.Sprintf("the report's %s did not run with %s (%q)", name, env, bl.Description)
+				return res
+			}
+		}
+	}
+	run, ok := find(rep, func(r Run) bool { return backend(be)(r) && r.ISL == bigISL && (extra == nil || extra(r)) })
+	if !ok {
+		res.Measured = fmt.Sprintf("no error-free %s run of %d tokens in the report", be, bigISL)
+		return res
+	}
+	q, by := math.Inf(1), ""
+	for _, name := range baselines {
+		if r, ok := targetRatio(rep, run, name); ok && r < q {
+			q, by = r, name
+		}
+	}
+	if by == "" {
+		res.Measured = "no " + strings.Join(baselines, " or ") + " baseline in the report"
+		for _, name := range baselines {
+			if _, ok := ratio(run, name); ok {
+				res.Measured = "no median of the per-round ratios to " + strings.Join(baselines, " or ") + " in the report"
+			}
+		}
+		return res
+	}
+	res.Measured = fmt.Sprintf("%.2f GB/s = %.2f×", run.GBps, q)
+	if len(baselines) > 1 {
+		res.Measured += " " + by
+	}
+	if n := rep.rounds(); n > 1 {
+		best, _ := ratio(run, by)
+		res.Measured += fmt.Sprintf(" (median of %d rounds' ratios; best round over best round %.2f×)", n, best)
+	}
+	res.Met = q >= min
+	return res
+}
+
+// smallTargets checks the small-transfer targets of backend be in rep:
+// p50 one at a time, and transfers per second 8 at a time.
+func smallTargets(rep *Report, be string) []Result {
+	res := Result{Target: be + ", one 64 KiB block, one at a time: p50 ≤ 0.100 ms"}
+	if rep != nil {
+		res.Command = rep.Command("")
+	}
+	if run, ok := find(rep, func(r Run) bool { return backend(be)(r) && r.ISL == smallISL && r.Concurrency == 1 }); ok {
+		res.Measured, res.Met = fmt.Sprintf("p50 %.3f ms", run.P50Ms), run.P50Ms <= 0.1
+	} else {
+		res.Measured = "no error-free " + be + " run at concurrency 1 in the report"
+	}
+	conc := Result{Target: be + ", one 64 KiB block, 8 at a time: ≥ 10,000 transfers/s", Command: res.Command}
+	if run, ok := find(rep, func(r Run) bool { return backend(be)(r) && r.ISL == smallISL && r.Concurrency == 8 }); ok {
+		conc.Measured, conc.Met = fmt.Sprintf("%.0f transfers/s", run.TransfersPerS), run.TransfersPerS >= 10000
+	} else {
+		conc.Measured = "no error-free " + be + " run at concurrency 8 in the report"
+	}
+	return []Result{res, conc}
+}
+
+// layoutTarget checks that every layout pairing benchmarked packs and
+// unpacks at 0.8× copy at least.
+func layoutTarget(ins Inputs) Result {
 	res := Result{Target: "layout Pack/Unpack, every pairing: ≥ 0.80× copy", Command: ins.LayoutCommand}
 	if len(ins.Layout) == 0 {
 		res.Measured = "no layout benchmark output"
@@ -348,6 +358,5 @@ func Evaluate(ins Inputs) []Result {
 		res.Measured = fmt.Sprintf("lowest %.2f× (%s)", worst.XCopy, worst.Name)
 		res.Met = worst.XCopy >= 0.8 && !math.IsNaN(worst.XCopy)
 	}
-	out = append(out, res)
-	return out
+	return res
 }
