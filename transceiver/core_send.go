@@ -370,27 +370,57 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 		return []effect{refuseUnknown(c.cfg.rank, from, ri, "wrong transfer token")}
 	}
 	g := int(ri.GenRank)
-	var effs []effect
-	refuse := func(code uint8, format string, args ...any) []effect {
+	refuse := func(effs []effect, code uint8, format string, args ...any) []effect {
 		return append(effs, effRefuse{gen: g, to: from, code: code, reason: fmt.Sprintf(format, args...)})
 	}
 	expected, pair, code, reason := c.checkAsk(ri)
 	if code != 0 {
-		return refuse(code, "%s", reason)
+		return refuse(nil, code, "%s", reason)
 	}
 	if c.phase.over() {
-		return refuse(wire.RefusedBadRequest, "the transfer is already %s", c.phase)
+		return refuse(nil, wire.RefusedBadRequest, "the transfer is already %s", c.phase)
 	}
-	a := ri.GenRequestID
+	effs, take := c.attemptOf(from, ri, refuse)
+	if !take {
+		return effs
+	}
+	if c.phase != phaseWaiting {
+		return refuse(effs, wire.RefusedBadRequest, "the transfer is already %s", c.phase)
+	}
+	if c.expected == nil {
+		c.expected = slices.Clone(expected)
+	} else if !slices.Equal(c.expected, expected) {
+		return refuse(effs, wire.RefusedBadRequest, "generation ranks of one request disagree on the generation layout")
+	}
+	if !slices.Contains(c.expected, g) { // (no plan pairs a non-target: checkAsk refuses it first)
+		return refuse(effs, wire.RefusedBadRequest, "generation rank %d is not a target of this context rank (targets %v)", g, c.expected)
+	}
+	if _, dup := c.peers[g]; dup {
+		return refuse(effs, wire.RefusedBadRequest, "generation rank %d asked twice", g)
+	}
+	c.peers[g] = &sendPeer{to: from, pair: pair}
+	c.attempt = ri.GenRequestID
+	if len(c.peers) < len(c.expected) {
+		return effs
+	}
+	return append(effs, c.serve(now)...)
+}
+
+// attemptOf places ask ri, of pull attempt ri.GenRequestID, against the
+// attempt this rank knows: it reports the ask's answer, or take, with the
+// effects of giving up an attempt the ask supersedes, when the ask goes on
+// to be taken. refuse appends a refusal of the ask to effs.
+func (c *sendCore) attemptOf(from route, ri *wire.RequestInfo, refuse func(effs []effect, code uint8, format string, args ...any) []effect) (effs []effect, take bool) {
+	g, a := int(ri.GenRank), ri.GenRequestID
 	switch {
 	case a == 0:
-		return refuse(wire.RefusedBadRequest, "a request-info without a generation request id")
+		return refuse(nil, wire.RefusedBadRequest, "a request-info without a generation request id"), false
 	case slices.Contains(c.failed, a):
 		// A late ask of an attempt that failed (on another rank, or
 		// before this generation rank asked): an abort, as its peers of
 		// the attempt got, not a refusal: the request is still held.
-		return append(effs, effAbort{side: sideSend, peer: g, to: from,
-			reason: fmt.Sprintf("pull attempt %d of context request %d has failed; the request is held for another", a, c.cfg.id)})
+		return []effect{effAbort{side: sideSend, peer: g, to: from,
+			reason: fmt.Sprintf("pull attempt %d of context request %d has failed; the request is held for another", a, c.cfg.id)}}, false
 	case c.attempt != 0 && a != c.attempt && (c.phase == phaseMoving || c.phase == phaseSent):
 		// Another attempt is under way, or has finished here and waits
 		// for the instance's word. The ask waits until that attempt is
@@ -401,39 +431,27 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 		// gives a live attempt up: a generation side that completed its
 		// receive may ask again before this rank's sends have returned.
 		if len(c.deferred) >= maxDeferredAsks {
-			return refuse(wire.RefusedUnavailable, "too many asks waiting on context rank %d", c.cfg.rank)
+			return refuse(nil, wire.RefusedUnavailable, "too many asks waiting on context rank %d", c.cfg.rank), false
 		}
 		c.deferred = append(c.deferred, deferredAsk{from: from, ri: ri})
-		return effs
+		return nil, false
 	case c.attempt != 0 && a != c.attempt:
 		// An attempt whose asks have not all come, nothing sent yet: the
 		// owner has given it up for a new one.
 		effs = c.abandon(fmt.Errorf("%w: generation rank %d: pull attempt %d superseded by pull attempt %d", ErrPeerAborted, g, c.attempt, a), -1)
 		if c.phase.over() {
-			return append(effs, refuseUnknown(c.cfg.rank, from, ri, ""))
+			return append(effs, refuseUnknown(c.cfg.rank, from, ri, "")), false
 		}
 	}
-	if c.phase != phaseWaiting {
-		return refuse(wire.RefusedBadRequest, "the transfer is already %s", c.phase)
-	}
-	if c.expected == nil {
-		c.expected = slices.Clone(expected)
-	} else if !slices.Equal(c.expected, expected) {
-		return refuse(wire.RefusedBadRequest, "generation ranks of one request disagree on the generation layout")
-	}
-	if !slices.Contains(c.expected, g) { // (no plan pairs a non-target: checkAsk refuses it first)
-		return refuse(wire.RefusedBadRequest, "generation rank %d is not a target of this context rank (targets %v)", g, c.expected)
-	}
-	if _, dup := c.peers[g]; dup {
-		return refuse(wire.RefusedBadRequest, "generation rank %d asked twice", g)
-	}
-	c.peers[g] = &sendPeer{to: from, pair: pair}
-	c.attempt = a
-	if len(c.peers) < len(c.expected) {
-		return effs
-	}
-	// Everyone asked: serve them, in the order of the target list.
+	return effs, true
+}
+
+// serve starts serving every generation rank once all have asked, in the
+// order of the target list: the Ready of each staged send, then the sends
+// (no send for a peer that gets no bytes), and the second deadline.
+func (c *sendCore) serve(now time.Time) []effect {
 	c.phase = phaseMoving
+	var effs []effect
 	for _, g := range c.expected {
 		if p := c.peers[g]; p.pair.direct == nil {
 			effs = append(effs, effReady{gen: g, to: p.to, chunk: p.pair.chunk})
@@ -442,7 +460,7 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 	for _, g := range c.expected {
 		if p := c.peers[g]; p.pair.plan.PackedBytesPerBlock() > 0 {
 			c.sending[g] = true
-			effs = append(effs, effStartSend{gen: g, to: p.to, pair: p.pair, attempt: a, readyAfter: p.pair.direct != nil})
+			effs = append(effs, effStartSend{gen: g, to: p.to, pair: p.pair, attempt: c.attempt, readyAfter: p.pair.direct != nil})
 		}
 	}
 	if len(c.sending) == 0 {
