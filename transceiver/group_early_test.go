@@ -1,9 +1,11 @@
 package transceiver
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"regexp"
 	"strings"
 	"testing"
@@ -12,6 +14,7 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
 )
 
 // Early asks across processes (askHold): a split context instance whose
@@ -274,5 +277,36 @@ func TestHostileEarlyAsk(t *testing.T) {
 				t.Fatalf("the owner's pull after the forged ones: %v", ok)
 			}
 		})
+	}
+}
+
+// TestHandoverDropsAsksOfLostConns: an ask held for a request whose
+// control connection has left the plane (its Lost not applied to the hold
+// yet) is not handed to the request's send core when the rank is handed
+// the request: the core would never hear that its asker is gone.
+func TestHandoverDropsAsksOfLostConns(t *testing.T) {
+	var logs bytes.Buffer
+	st := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, st, testCfg(), 16, func(o *Options) { o.Logger = slog.New(slog.NewTextHandler(&logs, nil)) })
+	r := sender.t.ranks[0]
+	const id = 42
+	now := time.Now()
+	r.mu.Lock()
+	r.hold.step(evEarlyAsk{from: route{conn: 999, sendID: id, recvID: 7}, ri: &wire.RequestInfo{CtxRequestID: id, GenRequestID: 7},
+		now: now, begun: true, begunAt: now}) // connection 999: never in the plane
+	held := r.hold.len()
+	r.mu.Unlock()
+	if held != 1 {
+		t.Fatalf("%d asks held, want 1", held)
+	}
+	startSend(t, sender, id, 8)
+	r.mu.Lock()
+	held = r.hold.len()
+	r.mu.Unlock()
+	if held != 0 {
+		t.Errorf("%d asks still held after the handover", held)
+	}
+	if strings.Contains(logs.String(), "refused request-info") {
+		t.Errorf("the ask of a connection gone reached the send core, which answered it:\n%s", logs.String())
 	}
 }

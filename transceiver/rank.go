@@ -213,9 +213,11 @@ func (r *rank) admit(q *rankReq) error {
 	now := time.Now()
 	evs := []event{evStart{now: now}}
 	if q.key.side == sideSend {
-		// Asks that came before this rank was handed the request.
+		// Asks that came before this rank was handed the request, but
+		// those whose connection has left the plane: its Lost may have
+		// looked for the connection's users before this request had any.
 		for _, e := range r.hold.step(evHandedOver{id: q.key.id}) {
-			if h, ok := e.(effTakeAsk); ok {
+			if h, ok := e.(effTakeAsk); ok && r.ctrl.Conn(uint64(h.from.conn)) != nil {
 				evs = append(evs, evAsk{from: h.from, ri: h.ri, now: now})
 			}
 		}
