@@ -115,7 +115,7 @@ func (m *migrating) contextEnded(out *contextOutcome) {
 // when none could be reached); a nil failure: the request has ended
 // (answered, refused, or its client gone), its context released.
 func (m *migrating) generate(ctx context.Context, cr *contextResult, resume []int32, migrations int) (*upstream, *retryable) {
-	r, cs := m.r, m.cs
+	r := m.r
 	genReq := generationRequest(m.path, m.orig, cr)
 	if m.stream {
 		genReq.set("return_token_ids", true)
@@ -125,65 +125,98 @@ func (m *migrating) generate(ctx context.Context, cr *contextResult, resume []in
 	}
 	resp, srv, err := r.post(ctx, r.gen, m.path, genReq, m.avoid, m.ri)
 	switch {
-	case err != nil && ctx.Err() != nil:
-		r.releaseContext(ctx, cr)
-		return srv, nil
-	case err != nil && srv == nil:
-		// No generation worker could be reached (post logged each):
-		// nothing to migrate to.
-		r.releaseContext(ctx, cr)
-		if m.moving {
-			r.migrationFailed(cs, srv, err, "no generation worker reachable")
-		} else {
-			upstreamFailed(m.w, err)
-		}
-		return srv, nil
 	case err != nil:
-		return srv, &retryable{err: err}
+		return srv, m.postFailed(ctx, cr, srv, err)
 	case resp.StatusCode == http.StatusBadGateway || resp.StatusCode == http.StatusGatewayTimeout:
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
-		resp.Body.Close()
-		fail := &retryable{err: fmt.Errorf("generation server %s: %s: %s", srv.url, resp.Status, strings.TrimSpace(string(b)))}
-		if cs.started || migrations < r.migration {
-			return srv, fail
-		}
-		// The worker's own answer says it best.
-		r.releaseContext(ctx, cr)
-		r.m.Migrations.WithLabelValues("failed").Inc()
-		r.warn("migrate-failed:"+srv.url, "generation failed and the request cannot migrate: the client gets the error",
-			"url", srv.url, "migrations", migrations, "limit", r.migration, "err", fail.err)
-		copyHeaders(m.w, resp)
-		m.w.WriteHeader(resp.StatusCode)
-		m.w.Write(b)
-		return srv, nil
+		return srv, m.gatewayFailed(ctx, cr, srv, resp, migrations)
 	case resp.StatusCode != http.StatusOK:
-		// Refused for a reason another worker would share (a bad
-		// request, a full queue, a refused transfer): no migration.
-		r.releaseContext(ctx, cr)
-		if m.moving {
-			r.m.Migrations.WithLabelValues("failed").Inc()
-		}
-		if !cs.started {
-			relay(m.w, resp, nil, streamCopy)
-			return srv, nil
-		}
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
-		resp.Body.Close()
-		cs.errorBody(resp.StatusCode, b)
+		m.refused(ctx, cr, resp)
 		return srv, nil
 	}
 	if m.moving {
 		m.moving = false
 		r.m.Migrations.WithLabelValues("ok").Inc()
 	}
-	err = cs.answer(resp, m.stream)
+	err = m.cs.answer(resp, m.stream)
 	resp.Body.Close()
+	return srv, m.answerFailed(ctx, cr, srv, err)
+}
+
+// postFailed handles a generation request that reached no answer (err):
+// the failure migration may recover from, or nil when the request has
+// ended (its ctx done, or no generation worker reachable).
+func (m *migrating) postFailed(ctx context.Context, cr *contextResult, srv *upstream, err error) *retryable {
+	r := m.r
 	switch {
-	case err == nil, errors.Is(err, errClientGone), errors.Is(err, errStreamEnded):
-		return srv, nil
 	case ctx.Err() != nil:
 		r.releaseContext(ctx, cr)
-		return srv, nil
+		return nil
+	case srv == nil:
+		// No generation worker could be reached (post logged each):
+		// nothing to migrate to.
+		r.releaseContext(ctx, cr)
+		if m.moving {
+			r.migrationFailed(m.cs, srv, err, "no generation worker reachable")
+		} else {
+			upstreamFailed(m.w, err)
+		}
+		return nil
+	}
+	return &retryable{err: err}
+}
+
+// gatewayFailed handles a bad gateway or gateway timeout answer of the
+// generation worker srv: the failure, while the request may still
+// migrate; else nil, the worker's own answer relayed to the client.
+func (m *migrating) gatewayFailed(ctx context.Context, cr *contextResult, srv *upstream, resp *http.Response, migrations int) *retryable {
+	r := m.r
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	resp.Body.Close()
+	fail := &retryable{err: fmt.Errorf("generation server %s: %s: %s", srv.url, resp.Status, strings.TrimSpace(string(b)))}
+	if m.cs.started || migrations < r.migration {
+		return fail
+	}
+	// The worker's own answer says it best.
+	r.releaseContext(ctx, cr)
+	r.m.Migrations.WithLabelValues("failed").Inc()
+	r.warn("migrate-failed:"+srv.url, "generation failed and the request cannot migrate: the client gets the error",
+		"url", srv.url, "migrations", migrations, "limit", r.migration, "err", fail.err)
+	copyHeaders(m.w, resp)
+	m.w.WriteHeader(resp.StatusCode)
+	m.w.Write(b)
+	return nil
+}
+
+// refused ends the request with the generation worker's refusal resp,
+// for a reason another worker would share (a bad request, a full queue,
+// a refused transfer): no migration.
+func (m *migrating) refused(ctx context.Context, cr *contextResult, resp *http.Response) {
+	r, cs := m.r, m.cs
+	r.releaseContext(ctx, cr)
+	if m.moving {
+		r.m.Migrations.WithLabelValues("failed").Inc()
+	}
+	if !cs.started {
+		relay(m.w, resp, nil, streamCopy)
+		return
+	}
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	resp.Body.Close()
+	cs.errorBody(resp.StatusCode, b)
+}
+
+// answerFailed turns the end err of the answer from the generation worker
+// srv into the failure migration may recover from, or nil when the
+// request has ended; a worker that cut the stream without a word is
+// marked down.
+func (m *migrating) answerFailed(ctx context.Context, cr *contextResult, srv *upstream, err error) *retryable {
+	r := m.r
+	switch {
+	case err == nil, errors.Is(err, errClientGone), errors.Is(err, errStreamEnded):
+		return nil
+	case ctx.Err() != nil:
+		r.releaseContext(ctx, cr)
+		return nil
 	}
 	var fail *retryable
 	if !errors.As(err, &fail) {
@@ -194,7 +227,7 @@ func (m *migrating) generate(ctx context.Context, cr *contextResult, resume []in
 		// connection was reset): stop routing to it now.
 		r.markDown(r.gen, srv, "stream cut: "+err.Error())
 	}
-	return srv, fail
+	return fail
 }
 
 // mayMigrate reports whether the request may migrate after its generation
@@ -376,21 +409,57 @@ func (cs *clientStream) event(data []byte) ([]byte, error) {
 		return data, nil
 	}
 	if raw, ok := o["error"]; ok {
-		var e struct {
-			Message string `json:"message"`
-			Code    int    `json:"code"`
-		}
-		json.Unmarshal(raw, &e)
-		if e.Code >= 500 {
-			return nil, &retryable{err: fmt.Errorf("the generation worker's error event: %s (%d)", e.Message, e.Code), event: data}
-		}
-		if !cs.write(data) {
-			return nil, errClientGone
-		}
-		return nil, errStreamEnded
+		return nil, cs.workerError(raw, data)
 	}
+	changed := cs.sameIDs(o)
+	var choices []object
+	if _, err := o.get("choices", &choices); err != nil {
+		cs.untracked = true
+		return data, nil
+	}
+	for _, ch := range choices {
+		drop, chChanged := cs.choice(ch)
+		if drop {
+			return nil, nil // a migrated stream's role chunk: the client has it
+		}
+		changed = changed || chChanged
+	}
+	if !changed {
+		return data, nil
+	}
+	if len(choices) > 0 {
+		o.set("choices", choices)
+	}
+	b, err := json.Marshal(o)
+	if err != nil {
+		return data, nil
+	}
+	return b, nil
+}
+
+// workerError is what event returns for the worker's error event data,
+// whose error field is raw: a *retryable for a server error, else the
+// event forwarded and errStreamEnded (errClientGone when the client is).
+func (cs *clientStream) workerError(raw, data []byte) error {
+	var e struct {
+		Message string `json:"message"`
+		Code    int    `json:"code"`
+	}
+	json.Unmarshal(raw, &e)
+	if e.Code >= 500 {
+		return &retryable{err: fmt.Errorf("the generation worker's error event: %s (%d)", e.Message, e.Code), event: data}
+	}
+	if !cs.write(data) {
+		return errClientGone
+	}
+	return errStreamEnded
+}
+
+// sameIDs gives event o the id and creation time of the stream's first
+// event, so that the client sees one across the workers of the stream;
+// it reports whether o changed.
+func (cs *clientStream) sameIDs(o object) bool {
 	changed := false
-	// One id and creation time across the workers of the stream.
 	for _, k := range []string{"id", "created"} {
 		v, ok := o[k]
 		if !ok {
@@ -408,56 +477,47 @@ func (cs *clientStream) event(data []byte) ([]byte, error) {
 			changed = true
 		}
 	}
-	var choices []object
-	if _, err := o.get("choices", &choices); err != nil {
+	return changed
+}
+
+// choice records what one choice of an event carries (its token ids,
+// whether it finished, whether the role is sent) and drops the token ids
+// the client did not ask for. drop: the choice is a role chunk the client
+// already has, and the event is not forwarded; changed: ch changed.
+func (cs *clientStream) choice(ch object) (drop, changed bool) {
+	var ids []int32
+	hasIDs, _ := ch.get("token_ids", &ids)
+	cs.seen = append(cs.seen, ids...)
+	var text string
+	var fr *string
+	ch.get("finish_reason", &fr)
+	if fr != nil {
+		cs.finished = true
+	}
+	if cs.chat {
+		var delta struct {
+			Role    *string `json:"role"`
+			Content string  `json:"content"`
+		}
+		ch.get("delta", &delta)
+		if delta.Role != nil && delta.Content == "" && fr == nil && len(ids) == 0 {
+			if cs.roleSent {
+				return true, false
+			}
+			cs.roleSent = true
+		}
+		text = delta.Content
+	} else {
+		ch.get("text", &text)
+	}
+	if text != "" && !hasIDs {
 		cs.untracked = true
-		return data, nil
 	}
-	for _, ch := range choices {
-		var ids []int32
-		hasIDs, _ := ch.get("token_ids", &ids)
-		cs.seen = append(cs.seen, ids...)
-		var text string
-		var fr *string
-		ch.get("finish_reason", &fr)
-		if fr != nil {
-			cs.finished = true
-		}
-		if cs.chat {
-			var delta struct {
-				Role    *string `json:"role"`
-				Content string  `json:"content"`
-			}
-			ch.get("delta", &delta)
-			if delta.Role != nil && delta.Content == "" && fr == nil && len(ids) == 0 {
-				if cs.roleSent {
-					return nil, nil // a migrated stream's role chunk: the client has it
-				}
-				cs.roleSent = true
-			}
-			text = delta.Content
-		} else {
-			ch.get("text", &text)
-		}
-		if text != "" && !hasIDs {
-			cs.untracked = true
-		}
-		if hasIDs && !cs.ids {
-			delete(ch, "token_ids")
-			changed = true
-		}
+	if hasIDs && !cs.ids {
+		delete(ch, "token_ids")
+		changed = true
 	}
-	if !changed {
-		return data, nil
-	}
-	if len(choices) > 0 {
-		o.set("choices", choices)
-	}
-	b, err := json.Marshal(o)
-	if err != nil {
-		return data, nil
-	}
-	return b, nil
+	return false, changed
 }
 
 // contextOutcome ends a started stream with a migration's context phase

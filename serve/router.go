@@ -326,45 +326,11 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	mk := func(name string, urls []string, p Policy, args config.RouterArgs, tpb int) (*group, error) {
-		switch p {
-		case "":
-			p = RoundRobin
-		case RoundRobin, LoadBalancing, KVCacheAware, Conversation:
-		default:
-			return nil, fmt.Errorf("serve: %s router policy %q (valid: %s, %s, %s, %s)",
-				name, p, RoundRobin, LoadBalancing, KVCacheAware, Conversation)
-		}
-		def := config.DefaultRouterArgs()
-		or := func(v, d int) int {
-			if v <= 0 {
-				return d
-			}
-			return v
-		}
-		args.MaxBatchSize, args.TokensPerBlock, args.MaxSessions = or(args.MaxBatchSize, def.MaxBatchSize), or(args.TokensPerBlock, def.TokensPerBlock), or(args.MaxSessions, def.MaxSessions)
-		if args.MatchThreshold <= 0 || args.MatchThreshold > 1 {
-			args.MatchThreshold = def.MatchThreshold
-		}
-		args.HashSkipCount = max(args.HashSkipCount, 0)
-		g := &group{name: name, policy: p, args: args, tokensPerBlock: or(tpb, config.DefaultTokensPerBlock)}
-		if p == Conversation {
-			g.conv = newSessions(args.MaxSessions, args.MatchThreshold)
-		}
-		for _, u := range urls {
-			nu, err := upstreamURL(u, o.TLS != nil)
-			if err != nil {
-				return nil, err
-			}
-			g.servers = append(g.servers, newUpstream(nu))
-		}
-		return g, nil
-	}
-	cg, err := mk("context", o.Context, o.ContextPolicy, o.ContextArgs, o.ContextTokensPerBlock)
+	cg, err := newGroup("context", o.Context, o.ContextPolicy, o.ContextArgs, o.ContextTokensPerBlock, o.TLS != nil)
 	if err != nil {
 		return nil, err
 	}
-	gg, err := mk("generation", o.Generation, o.GenerationPolicy, o.GenerationArgs, o.GenerationTokensPerBlock)
+	gg, err := newGroup("generation", o.Generation, o.GenerationPolicy, o.GenerationArgs, o.GenerationTokensPerBlock, o.TLS != nil)
 	if err != nil {
 		return nil, err
 	}
@@ -372,15 +338,9 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	if client == nil {
 		client = NewHTTPClient(o.TLS)
 	}
-	or := func(d, def time.Duration) time.Duration {
-		if d <= 0 {
-			return def
-		}
-		return d
-	}
 	r := &Router{prefill: cg, gen: gg, client: client, log: log, reg: metrics.NewRegistry(), rl: netlimit.NewRateLog(log, time.Second),
-		d: RouterDeadlines{HeaderTimeout: or(o.HeaderTimeout, DefaultHeaderTimeout), ChunkTimeout: or(o.ChunkTimeout, DefaultChunkTimeout),
-			HealthTimeout: or(o.HealthTimeout, DefaultHealthTimeout), ProbeInterval: or(o.ProbeInterval, DefaultProbeInterval)}}
+		d: RouterDeadlines{HeaderTimeout: durationOr(o.HeaderTimeout, DefaultHeaderTimeout), ChunkTimeout: durationOr(o.ChunkTimeout, DefaultChunkTimeout),
+			HealthTimeout: durationOr(o.HealthTimeout, DefaultHealthTimeout), ProbeInterval: durationOr(o.ProbeInterval, DefaultProbeInterval)}}
 	switch {
 	case o.MigrationLimit == 0:
 		r.migration = DefaultMigrationLimit
@@ -392,7 +352,7 @@ func NewRouter(o RouterOptions) (*Router, error) {
 	r.tls = o.TLS != nil
 	r.kvPolled = cg.policy == KVCacheAware || gg.policy == KVCacheAware
 	r.needPrompt = r.kvPolled || cg.policy == Conversation || gg.policy == Conversation || o.ConditionalDisagg != nil
-	r.kvNudge, r.kvInterval = make(chan struct{}, 1), or(o.KVEventsInterval, DefaultKVEventsInterval)
+	r.kvNudge, r.kvInterval = make(chan struct{}, 1), durationOr(o.KVEventsInterval, DefaultKVEventsInterval)
 	r.reuseToken, r.cond = ReuseToken(o.Secret), o.ConditionalDisagg
 	r.paths = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvxfer_router_prefill_path_total",
 		Help: "Requests routed, by where their prompt was prefilled: local (on the generation worker, conditional disaggregation) or disaggregated (on a context worker)."}, []string{"path"})
@@ -402,6 +362,61 @@ func NewRouter(o RouterOptions) (*Router, error) {
 		r.startCluster(*o.Cluster)
 	}
 	return r, nil
+}
+
+// durationOr is d, or def when d is not positive.
+func durationOr(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
+
+// newGroup is the router's group name (context or generation) of the
+// servers at urls (https with useTLS), routed by policy p (RoundRobin when
+// empty) with args, defaults filled in.
+func newGroup(name string, urls []string, p Policy, args config.RouterArgs, tpb int, useTLS bool) (*group, error) {
+	switch p {
+	case "":
+		p = RoundRobin
+	case RoundRobin, LoadBalancing, KVCacheAware, Conversation:
+	default:
+		return nil, fmt.Errorf("serve: %s router policy %q (valid: %s, %s, %s, %s)",
+			name, p, RoundRobin, LoadBalancing, KVCacheAware, Conversation)
+	}
+	args = routerArgsWithDefaults(args)
+	g := &group{name: name, policy: p, args: args, tokensPerBlock: intOr(tpb, config.DefaultTokensPerBlock)}
+	if p == Conversation {
+		g.conv = newSessions(args.MaxSessions, args.MatchThreshold)
+	}
+	for _, u := range urls {
+		nu, err := upstreamURL(u, useTLS)
+		if err != nil {
+			return nil, err
+		}
+		g.servers = append(g.servers, newUpstream(nu))
+	}
+	return g, nil
+}
+
+// routerArgsWithDefaults is args with config.DefaultRouterArgs in place of
+// the fields unset or out of range.
+func routerArgsWithDefaults(args config.RouterArgs) config.RouterArgs {
+	def := config.DefaultRouterArgs()
+	args.MaxBatchSize, args.TokensPerBlock, args.MaxSessions = intOr(args.MaxBatchSize, def.MaxBatchSize), intOr(args.TokensPerBlock, def.TokensPerBlock), intOr(args.MaxSessions, def.MaxSessions)
+	if args.MatchThreshold <= 0 || args.MatchThreshold > 1 {
+		args.MatchThreshold = def.MatchThreshold
+	}
+	args.HashSkipCount = max(args.HashSkipCount, 0)
+	return args
+}
+
+// intOr is v, or d when v is not positive.
+func intOr(v, d int) int {
+	if v <= 0 {
+		return d
+	}
+	return v
 }
 
 // newUpstreamTransport is the transport of the router's default client;

@@ -43,64 +43,9 @@ func (r *Report) achievedX() bool {
 // bytes of its new blocks (dashed), and the prefix-hit rate; at a single
 // rate, TTFT by turn takes the place of the charts against the rate.
 func (r *Report) WritePNG(w io.Writer) error {
-	ttft, tput := r.newPlot("TTFT (ms): p50 solid, p99 dashed"), r.newPlot("output throughput (tokens/s)")
-	xlabel := "request rate asked (requests/s)"
-	if r.achievedX() {
-		xlabel = "request throughput reached (requests/s)"
-	}
-	ttft.X.Label.Text, tput.X.Label.Text = xlabel, xlabel
-	var ymaxT, ymaxP float64
-	for i, t := range r.Config.Targets {
-		var p50, p99, out plotter.XYs
-		for _, run := range r.Runs {
-			if run.Target != t || run.Completed == 0 {
-				continue
-			}
-			x := r.xOf(run)
-			p50 = append(p50, plotter.XY{X: x, Y: run.TTFT.P50})
-			p99 = append(p99, plotter.XY{X: x, Y: run.TTFT.P99})
-			out = append(out, plotter.XY{X: x, Y: run.OutputThroughput})
-			ymaxT = max(ymaxT, run.TTFT.P99)
-			ymaxP = max(ymaxP, run.OutputThroughput)
-		}
-		if len(p50) == 0 {
-			continue
-		}
-		for _, xy := range []plotter.XYs{p50, p99, out} {
-			slices.SortFunc(xy, func(a, b plotter.XY) int { return int(math.Copysign(1, a.X-b.X)) })
-		}
-		c, glyph := bench.SeriesStyle(i)
-		for _, s := range []struct {
-			p      *plot.Plot
-			xy     plotter.XYs
-			dashed bool
-			legend bool
-		}{{ttft, p50, false, true}, {ttft, p99, true, false}, {tput, out, false, true}} {
-			line, points, err := plotter.NewLinePoints(s.xy)
-			if err != nil {
-				return err
-			}
-			line.Color, line.Width = c, vg.Points(2.5)
-			if s.dashed {
-				line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
-			}
-			points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
-			s.p.Add(line, points)
-			if s.legend {
-				s.p.Legend.Add(t.Short(), line, points)
-			}
-		}
-	}
-	for _, a := range []struct {
-		p    *plot.Plot
-		ymax float64
-	}{{ttft, ymaxT}, {tput, ymaxP}} {
-		a.p.Y.Min, a.p.Y.Max = 0, max(a.ymax, 1)*1.1
-		a.p.Y.Tick.Marker = plot.TickerFunc(bench.LinearTicks)
-		a.p.X.Tick.Marker = plot.TickerFunc(bench.LinearTicks)
-		if a.ymax == 0 {
-			a.p.Title.Text += " (no completed run)"
-		}
+	ttft, tput, err := r.rateCharts()
+	if err != nil {
+		return err
 	}
 	rows := [][]*plot.Plot{{ttft, tput}}
 	width := plotWidth
@@ -117,6 +62,97 @@ func (r *Report) WritePNG(w io.Writer) error {
 			rows = append(rows, []*plot.Plot{kv, hit})
 		}
 	}
+	return writeTiles(w, rows, width)
+}
+
+// rateCharts are the charts against the request rate: TTFT p50 and p99,
+// and output-token throughput, a line per target.
+func (r *Report) rateCharts() (ttft, tput *plot.Plot, err error) {
+	ttft, tput = r.newPlot("TTFT (ms): p50 solid, p99 dashed"), r.newPlot("output throughput (tokens/s)")
+	xlabel := "request rate asked (requests/s)"
+	if r.achievedX() {
+		xlabel = "request throughput reached (requests/s)"
+	}
+	ttft.X.Label.Text, tput.X.Label.Text = xlabel, xlabel
+	var ymaxT, ymaxP float64
+	for i, t := range r.Config.Targets {
+		p50, p99, out := r.targetSeries(t)
+		for k := range p99 {
+			ymaxT, ymaxP = max(ymaxT, p99[k].Y), max(ymaxP, out[k].Y)
+		}
+		if len(p50) == 0 {
+			continue
+		}
+		if err := addTargetLines(ttft, tput, i, t, p50, p99, out); err != nil {
+			return nil, nil, err
+		}
+	}
+	scaleAxes(ttft, ymaxT)
+	scaleAxes(tput, ymaxP)
+	return ttft, tput, nil
+}
+
+// targetSeries are target t's points against the request rate, of its
+// runs that completed a request: TTFT p50 and p99 and output throughput,
+// in the order of x.
+func (r *Report) targetSeries(t Target) (p50, p99, out plotter.XYs) {
+	for _, run := range r.Runs {
+		if run.Target != t || run.Completed == 0 {
+			continue
+		}
+		x := r.xOf(run)
+		p50 = append(p50, plotter.XY{X: x, Y: run.TTFT.P50})
+		p99 = append(p99, plotter.XY{X: x, Y: run.TTFT.P99})
+		out = append(out, plotter.XY{X: x, Y: run.OutputThroughput})
+	}
+	for _, xy := range []plotter.XYs{p50, p99, out} {
+		slices.SortFunc(xy, func(a, b plotter.XY) int { return int(math.Copysign(1, a.X-b.X)) })
+	}
+	return p50, p99, out
+}
+
+// addTargetLines adds the lines of target t, the i-th, to the charts:
+// TTFT p50 (solid, in the legend) and p99 (dashed) to ttft, output
+// throughput to tput.
+func addTargetLines(ttft, tput *plot.Plot, i int, t Target, p50, p99, out plotter.XYs) error {
+	c, glyph := bench.SeriesStyle(i)
+	for _, s := range []struct {
+		p      *plot.Plot
+		xy     plotter.XYs
+		dashed bool
+		legend bool
+	}{{ttft, p50, false, true}, {ttft, p99, true, false}, {tput, out, false, true}} {
+		line, points, err := plotter.NewLinePoints(s.xy)
+		if err != nil {
+			return err
+		}
+		line.Color, line.Width = c, vg.Points(2.5)
+		if s.dashed {
+			line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
+		}
+		points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
+		s.p.Add(line, points)
+		if s.legend {
+			s.p.Legend.Add(t.Short(), line, points)
+		}
+	}
+	return nil
+}
+
+// scaleAxes sets chart p's axes: y from 0 to a tenth above ymax, linear
+// ticks; a chart with nothing drawn (ymax 0) says so in its title.
+func scaleAxes(p *plot.Plot, ymax float64) {
+	p.Y.Min, p.Y.Max = 0, max(ymax, 1)*1.1
+	p.Y.Tick.Marker = plot.TickerFunc(bench.LinearTicks)
+	p.X.Tick.Marker = plot.TickerFunc(bench.LinearTicks)
+	if ymax == 0 {
+		p.Title.Text += " (no completed run)"
+	}
+}
+
+// writeTiles writes the charts rows, aligned in tiles, to w as a PNG
+// image width wide.
+func writeTiles(w io.Writer, rows [][]*plot.Plot, width vg.Length) error {
 	img := vgimg.NewWith(vgimg.UseWH(width, plotHeight*vg.Length(len(rows))), vgimg.UseDPI(plotDPI), vgimg.UseBackgroundColor(color.White))
 	dc := draw.New(img)
 	tiles := draw.Tiles{Rows: len(rows), Cols: len(rows[0]), PadX: vg.Points(20), PadY: vg.Points(20), PadTop: vg.Points(10), PadBottom: vg.Points(10),

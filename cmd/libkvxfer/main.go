@@ -223,43 +223,21 @@ func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks 
 			return null("transceiver or pools")
 		}
 		o := capi.Options{State: d, Logger: logger}
-		n := st.Parallel.NumRanks()
-		if ranks != nil && nRanks > 0 {
-			if int(nRanks) > n {
-				return &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: %d ranks listed, the instance has %d", nRanks, n)}
-			}
-			for _, r := range unsafe.Slice((*int32)(unsafe.Pointer(ranks)), int(nRanks)) {
-				o.Ranks = append(o.Ranks, int(r))
-			}
+		if o.Ranks, err = hostedRanks(ranks, nRanks, st.Parallel.NumRanks()); err != nil {
+			return err
 		}
-		hosted := n
+		hosted := st.Parallel.NumRanks()
 		if len(o.Ranks) > 0 {
 			hosted = len(o.Ranks)
 		}
 		ps := unsafe.Slice(pools, hosted)
-		for i := range ps {
-			p := &ps[i]
-			spec := capi.PoolSpec{NumBlocks: int(p.num_blocks), BlockBytes: int64(p.block_bytes)}
-			if p.base != nil {
-				if p.size == 0 {
-					return &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: pools[%d]: base set, size 0", i)}
-				}
-				spec.Memory = unsafe.Slice((*byte)(p.base), int(p.size))
-			}
-			o.Pools = append(o.Pools, spec)
+		if o.Pools, err = poolSpecs(ps); err != nil {
+			return err
 		}
 		join := 60 * time.Second
 		if group != nil {
-			if uintptr(group.struct_size) < unsafe.Sizeof(*group) {
-				return &capi.Error{Code: capi.CodeInvalidArgument,
-					Err: fmt.Errorf("kvxfer: group.struct_size is %d, this library's kvxfer_group has %d bytes (set it to sizeof(kvxfer_group))", group.struct_size, unsafe.Sizeof(*group))}
-			}
-			o.Group = capi.GroupSpec{Mode: capi.GroupMode(group.mode), Process: int(group.process), Processes: int(group.processes)}
-			if group.coordinator != nil {
-				o.Group.Coordinator = C.GoString(group.coordinator)
-			}
-			if group.join_timeout_ms > 0 {
-				join = time.Duration(group.join_timeout_ms) * time.Millisecond
+			if o.Group, join, err = groupSpec(group, join); err != nil {
+				return err
 			}
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), join)
@@ -271,22 +249,80 @@ func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks 
 		if err != nil {
 			return err
 		}
-		for i := range ps {
-			mem := t.PoolMemory(i)
-			rank := i
-			if len(o.Ranks) > 0 {
-				rank = o.Ranks[i]
-			}
-			ps[i].block_bytes = C.uint64_t(st.RankLayout(rank).BlockBytes())
-			if ps[i].base == nil {
-				// kvxfer's mapping (not Go memory): C may hold it until close.
-				ps[i].base, ps[i].size = unsafe.Pointer(unsafe.SliceData(mem)), C.uint64_t(len(mem))
-			}
-		}
+		returnPools(ps, t, o.Ranks, st)
 		*out = C.uint64_t(transceivers.Put(t))
 		logger.Info("transceiver open", "handle", uint64(*out), "state", st.Parallel.String(), "endpoints", strings.Join(t.Endpoints(), ","))
 		return nil
 	})
+}
+
+// hostedRanks are the ranks listed in C's ranks[nRanks], of an instance
+// of n ranks; none (every rank hosted) when the list is empty.
+func hostedRanks(ranks *C.int32_t, nRanks C.size_t, n int) ([]int, error) {
+	if ranks == nil || nRanks == 0 {
+		return nil, nil
+	}
+	if int(nRanks) > n {
+		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: %d ranks listed, the instance has %d", nRanks, n)}
+	}
+	var hosted []int
+	for _, r := range unsafe.Slice((*int32)(unsafe.Pointer(ranks)), int(nRanks)) {
+		hosted = append(hosted, int(r))
+	}
+	return hosted, nil
+}
+
+// poolSpecs are the pools C's ps describe, one per hosted rank: the
+// caller's memory where base is set, else kvxfer's to map.
+func poolSpecs(ps []C.kvxfer_pool) ([]capi.PoolSpec, error) {
+	var specs []capi.PoolSpec
+	for i := range ps {
+		p := &ps[i]
+		spec := capi.PoolSpec{NumBlocks: int(p.num_blocks), BlockBytes: int64(p.block_bytes)}
+		if p.base != nil {
+			if p.size == 0 {
+				return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: pools[%d]: base set, size 0", i)}
+			}
+			spec.Memory = unsafe.Slice((*byte)(p.base), int(p.size))
+		}
+		specs = append(specs, spec)
+	}
+	return specs, nil
+}
+
+// groupSpec is the process group C's group describes, and the time to
+// join it: the group's join timeout when set, else join.
+func groupSpec(group *C.kvxfer_group, join time.Duration) (capi.GroupSpec, time.Duration, error) {
+	if uintptr(group.struct_size) < unsafe.Sizeof(*group) {
+		return capi.GroupSpec{}, join, &capi.Error{Code: capi.CodeInvalidArgument,
+			Err: fmt.Errorf("kvxfer: group.struct_size is %d, this library's kvxfer_group has %d bytes (set it to sizeof(kvxfer_group))", group.struct_size, unsafe.Sizeof(*group))}
+	}
+	g := capi.GroupSpec{Mode: capi.GroupMode(group.mode), Process: int(group.process), Processes: int(group.processes)}
+	if group.coordinator != nil {
+		g.Coordinator = C.GoString(group.coordinator)
+	}
+	if group.join_timeout_ms > 0 {
+		join = time.Duration(group.join_timeout_ms) * time.Millisecond
+	}
+	return g, join, nil
+}
+
+// returnPools tells C, in ps, each hosted rank's block size (ranks
+// listed, or every rank) and, for a pool it did not give, kvxfer's
+// mapping of t.
+func returnPools(ps []C.kvxfer_pool, t *capi.Transceiver, ranks []int, st layout.CacheState) {
+	for i := range ps {
+		mem := t.PoolMemory(i)
+		rank := i
+		if len(ranks) > 0 {
+			rank = ranks[i]
+		}
+		ps[i].block_bytes = C.uint64_t(st.RankLayout(rank).BlockBytes())
+		if ps[i].base == nil {
+			// kvxfer's mapping (not Go memory): C may hold it until close.
+			ps[i].base, ps[i].size = unsafe.Pointer(unsafe.SliceData(mem)), C.uint64_t(len(mem))
+		}
+	}
 }
 
 //export kvxfer_go_transceiver_close

@@ -3,6 +3,7 @@ package cli
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"strconv"
 
@@ -24,97 +25,132 @@ func routable(cl *config.Cluster) error {
 	return errors.New("the router needs context_servers.urls and generation_servers.urls (kvxfer up starts workers and picks ports itself)")
 }
 
+// routerFlags are kvxfer router's flags.
+type routerFlags struct {
+	cfgPath, host string
+	port          int
+	lf            logFlags
+	admin         adminFlag
+	tf            tlsFlags
+	hf            httpFlags
+	df            deadlineFlags
+	mf            migrationFlag
+}
+
 func newRouterCmd(e env) *cobra.Command {
-	var (
-		cfgPath, host string
-		port          int
-		lf            logFlags
-		admin         adminFlag
-		tf            tlsFlags
-		hf            httpFlags
-		df            deadlineFlags
-		mf            migrationFlag
-	)
+	var rf routerFlags
 	cmd := &cobra.Command{
 		Use:   "router",
 		Short: "Run the disaggregated router in front of running workers (cluster file with urls, or disagg_cluster)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			log, err := lf.logger(cmd)
-			if err != nil {
-				return err
-			}
-			if cfgPath == "" {
-				return errors.New("--config: a cluster file with context_servers.urls and generation_servers.urls, or disagg_cluster, is required")
-			}
-			cl, err := loadCluster(cfgPath, e, log)
-			if err != nil {
-				return err
-			}
-			if err := routable(cl); err != nil {
-				return fmt.Errorf("%s: %w", cfgPath, err)
-			}
-			tc, err := tf.loadOr(cl.Security.TLS)
-			if err != nil {
-				return err
-			}
-			ro := serve.ClusterRouting(cl)
-			ro.Logger, ro.RouterDeadlines, ro.MigrationLimit = log, serve.RouterDeadlines(df), mf.limit()
-			// The cluster secret, when there is one, also proves the router
-			// to the workers' KV cache event and cached-prefix routes.
-			secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
-			if err != nil {
-				return err
-			}
-			ro.Secret = secret
-			if tc != nil {
-				ro.TLS = tc.Client
-			}
-			if host == "" {
-				host = cl.Hostname
-			}
-			if !cmd.Flags().Changed("port") {
-				port = cl.Port
-			}
-			if dc := cl.DisaggCluster; dc != nil {
-				co, closeStore, err := routerMembership(cmd.Context(), dc, secret, cl.Security.Etcd, host, port, log)
-				if err != nil {
-					return fmt.Errorf("%s: %w", cfgPath, err)
-				}
-				defer closeStore()
-				ro.Cluster = co
-			}
-			r, err := serve.NewRouter(ro)
-			if err != nil {
-				return err
-			}
-			defer r.Close()
-			ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
-			if err != nil {
-				return err
-			}
-			log.Info("listening", "plane", "http", "addr", ln.Addr().String(), "limits", hf.lim.WithDefaults())
-			ln = serve.LimitListener(ln, "router http", hf.lim, log, metrics.NewConns(r.Registry()))
-			wait, err := admin.start(cmd.Context(), log)
-			if err != nil {
-				return err
-			}
-			defer wait()
-			log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs,
-				"migration_limit", r.MigrationLimit())
-			return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), hf.lim), log)
+			return rf.run(cmd, e)
 		},
 	}
-	cmd.Flags().StringVar(&cfgPath, "config", "", "cluster file (disagg_config.yaml)")
-	cmd.Flags().StringVar(&host, "host", "", "listen host (default: the file's hostname)")
-	cmd.Flags().IntVar(&port, "port", config.DefaultPort, "listen port (default: the file's port)")
-	tf.add(cmd, "to the workers (the router's own listener stays plain HTTP)")
-	lf.add(cmd)
-	admin.add(cmd)
-	hf.add(cmd)
-	df.add(cmd)
-	mf.add(cmd)
+	cmd.Flags().StringVar(&rf.cfgPath, "config", "", "cluster file (disagg_config.yaml)")
+	cmd.Flags().StringVar(&rf.host, "host", "", "listen host (default: the file's hostname)")
+	cmd.Flags().IntVar(&rf.port, "port", config.DefaultPort, "listen port (default: the file's port)")
+	rf.tf.add(cmd, "to the workers (the router's own listener stays plain HTTP)")
+	rf.lf.add(cmd)
+	rf.admin.add(cmd)
+	rf.hf.add(cmd)
+	rf.df.add(cmd)
+	rf.mf.add(cmd)
 	return cmd
+}
+
+// run is kvxfer router: it routes for the cluster of --config until the
+// command's context ends.
+func (rf *routerFlags) run(cmd *cobra.Command, e env) error {
+	log, err := rf.lf.logger(cmd)
+	if err != nil {
+		return err
+	}
+	cl, err := rf.cluster(e, log)
+	if err != nil {
+		return err
+	}
+	ro, err := rf.options(cl, e, log)
+	if err != nil {
+		return err
+	}
+	if rf.host == "" {
+		rf.host = cl.Hostname
+	}
+	if !cmd.Flags().Changed("port") {
+		rf.port = cl.Port
+	}
+	if dc := cl.DisaggCluster; dc != nil {
+		co, closeStore, err := routerMembership(cmd.Context(), dc, ro.Secret, cl.Security.Etcd, rf.host, rf.port, log)
+		if err != nil {
+			return fmt.Errorf("%s: %w", rf.cfgPath, err)
+		}
+		defer closeStore()
+		ro.Cluster = co
+	}
+	r, err := serve.NewRouter(ro)
+	if err != nil {
+		return err
+	}
+	defer r.Close()
+	return rf.listenAndServe(cmd, r, cl, log)
+}
+
+// cluster is the cluster file of --config, checked to be one the router
+// can route for.
+func (rf *routerFlags) cluster(e env, log *slog.Logger) (*config.Cluster, error) {
+	if rf.cfgPath == "" {
+		return nil, errors.New("--config: a cluster file with context_servers.urls and generation_servers.urls, or disagg_cluster, is required")
+	}
+	cl, err := loadCluster(rf.cfgPath, e, log)
+	if err != nil {
+		return nil, err
+	}
+	if err := routable(cl); err != nil {
+		return nil, fmt.Errorf("%s: %w", rf.cfgPath, err)
+	}
+	return cl, nil
+}
+
+// options are the router's options for cl and the flags: routing,
+// deadlines, the migration limit, the cluster secret and the workers' TLS.
+func (rf *routerFlags) options(cl *config.Cluster, e env, log *slog.Logger) (serve.RouterOptions, error) {
+	tc, err := rf.tf.loadOr(cl.Security.TLS)
+	if err != nil {
+		return serve.RouterOptions{}, err
+	}
+	ro := serve.ClusterRouting(cl)
+	ro.Logger, ro.RouterDeadlines, ro.MigrationLimit = log, serve.RouterDeadlines(rf.df), rf.mf.limit()
+	// The cluster secret, when there is one, also proves the router
+	// to the workers' KV cache event and cached-prefix routes.
+	secret, err := loadSecret(&cl.Security, config.LoadEnv(e.lookup, e.environ), log)
+	if err != nil {
+		return serve.RouterOptions{}, err
+	}
+	ro.Secret = secret
+	if tc != nil {
+		ro.TLS = tc.Client
+	}
+	return ro, nil
+}
+
+// listenAndServe serves r's HTTP API on the listen address, and the admin
+// endpoint when asked, until the command's context ends.
+func (rf *routerFlags) listenAndServe(cmd *cobra.Command, r *serve.Router, cl *config.Cluster, log *slog.Logger) error {
+	ln, err := net.Listen("tcp", net.JoinHostPort(rf.host, strconv.Itoa(rf.port)))
+	if err != nil {
+		return err
+	}
+	log.Info("listening", "plane", "http", "addr", ln.Addr().String(), "limits", rf.hf.lim.WithDefaults())
+	ln = serve.LimitListener(ln, "router http", rf.hf.lim, log, metrics.NewConns(r.Registry()))
+	wait, err := rf.admin.start(cmd.Context(), log)
+	if err != nil {
+		return err
+	}
+	defer wait()
+	log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs,
+		"migration_limit", r.MigrationLimit())
+	return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), rf.hf.lim), log)
 }
 
 // deadlineFlags are the router's per-phase deadlines, for kvxfer router

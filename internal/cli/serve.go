@@ -18,6 +18,7 @@ import (
 	"github.com/kvxfer/kvxfer/internal/launch"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/serve"
+	"github.com/kvxfer/kvxfer/transceiver"
 	"github.com/spf13/cobra"
 )
 
@@ -222,25 +223,10 @@ func serveWorker(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serv
 	srv := serve.NewHTTPServer(w.Handler(), sf.hf.lim)
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
-	var j *joiner
-	if dc := wc.DisaggCluster; dc != nil {
-		host, err := advertiseHost(sf.advertise, sf.host)
-		if err != nil {
-			srv.Close()
-			return err
-		}
-		_, port, _ := net.SplitHostPort(ln.Addr().String())
-		rec, err := w.MemberRecord(scheme + net.JoinHostPort(host, port))
-		if err != nil {
-			srv.Close()
-			return err
-		}
-		if j, err = startJoin(ctx, dc, rec, secret, wc.Security.Etcd, log); err != nil {
-			srv.Close()
-			return err
-		}
-		log.Info("joining the cluster", "cluster_uri", dc.ClusterURI, "cluster_name", dc.ClusterName, "advertised_url", rec.URL,
-			"layout_fingerprint", rec.LayoutFingerprint, "backends", rec.Backends)
+	j, err := joinCluster(ctx, sf, wc, w, ln, scheme, secret, log)
+	if err != nil {
+		srv.Close()
+		return err
 	}
 	select {
 	case err := <-errc:
@@ -250,16 +236,7 @@ func serveWorker(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serv
 		return err
 	case <-ctx.Done():
 	}
-	sig := "SIGTERM"
-	select {
-	case s := <-sigs:
-		sig = s.String()
-		if s == syscall.SIGINT {
-			sig = "SIGINT"
-		}
-	case <-time.After(50 * time.Millisecond):
-		sig = "cancel"
-	}
+	sig := endingSignal(sigs)
 	drain := termDrain
 	if sig == "SIGINT" {
 		drain = intDrain
@@ -271,7 +248,7 @@ func serveWorker(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serv
 		time.Sleep(min(leaveGrace, time.Until(deadline)/2))
 	}
 	sctx, cancel := context.WithDeadline(context.Background(), deadline)
-	err := srv.Shutdown(sctx)
+	err = srv.Shutdown(sctx)
 	cancel()
 	if err != nil {
 		log.Warn("requests still in flight at the drain deadline: closed", "err", err)
@@ -279,25 +256,69 @@ func serveWorker(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serv
 	}
 	<-errc
 	if tr := w.Transceiver(); tr != nil {
-		// Context requests whose KV is not pulled yet stay until pulled or
-		// expired (kv_transfer_timeout_ms), within the drain deadline of a
-		// SIGINT.
-		held := deadline
-		if sig != "SIGINT" && wc.CacheTransceiver != nil && wc.CacheTransceiver.KVTransferTimeoutMs > 0 {
-			held = time.Now().Add(time.Duration(wc.CacheTransceiver.KVTransferTimeoutMs) * time.Millisecond)
-		}
-		if n := tr.PendingContext(); n > 0 {
-			log.Info("waiting for held context requests to be pulled", "held", n, "until", held.Format(time.RFC3339))
-		}
-		for tr.PendingContext() > 0 && time.Now().Before(held) {
-			time.Sleep(20 * time.Millisecond)
-		}
-		if n := tr.PendingContext(); n > 0 {
-			log.Warn("context requests still held at exit: their generation workers will not get their KV", "held", n)
-		}
+		waitHeldContext(tr, wc, sig, deadline, log)
 	}
 	log.Info("worker stopped", "signal", sig)
 	return nil
+}
+
+// joinCluster starts the worker's membership in wc's disagg_cluster, with
+// the URL it is reached at on ln; it is nil, with no error, without
+// disagg_cluster.
+func joinCluster(ctx context.Context, sf *serveFlags, wc *config.Worker, w *serve.Worker, ln net.Listener, scheme string, secret []byte, log *slog.Logger) (*joiner, error) {
+	dc := wc.DisaggCluster
+	if dc == nil {
+		return nil, nil
+	}
+	host, err := advertiseHost(sf.advertise, sf.host)
+	if err != nil {
+		return nil, err
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	rec, err := w.MemberRecord(scheme + net.JoinHostPort(host, port))
+	if err != nil {
+		return nil, err
+	}
+	j, err := startJoin(ctx, dc, rec, secret, wc.Security.Etcd, log)
+	if err != nil {
+		return nil, err
+	}
+	log.Info("joining the cluster", "cluster_uri", dc.ClusterURI, "cluster_name", dc.ClusterName, "advertised_url", rec.URL,
+		"layout_fingerprint", rec.LayoutFingerprint, "backends", rec.Backends)
+	return j, nil
+}
+
+// endingSignal names what ended the worker's context: "SIGINT",
+// "SIGTERM", or "cancel" when no signal arrives soon after.
+func endingSignal(sigs <-chan os.Signal) string {
+	select {
+	case s := <-sigs:
+		if s == syscall.SIGINT {
+			return "SIGINT"
+		}
+		return s.String()
+	case <-time.After(50 * time.Millisecond):
+		return "cancel"
+	}
+}
+
+// waitHeldContext waits for the context requests whose KV is not pulled
+// yet: until pulled or expired (kv_transfer_timeout_ms), within the drain
+// deadline of a SIGINT.
+func waitHeldContext(tr *transceiver.Transceiver, wc *config.Worker, sig string, deadline time.Time, log *slog.Logger) {
+	held := deadline
+	if sig != "SIGINT" && wc.CacheTransceiver != nil && wc.CacheTransceiver.KVTransferTimeoutMs > 0 {
+		held = time.Now().Add(time.Duration(wc.CacheTransceiver.KVTransferTimeoutMs) * time.Millisecond)
+	}
+	if n := tr.PendingContext(); n > 0 {
+		log.Info("waiting for held context requests to be pulled", "held", n, "until", held.Format(time.RFC3339))
+	}
+	for tr.PendingContext() > 0 && time.Now().Before(held) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	if n := tr.PendingContext(); n > 0 {
+		log.Warn("context requests still held at exit: their generation workers will not get their KV", "held", n)
+	}
 }
 
 // workerConfig is the worker file of --config; without one, the default

@@ -93,20 +93,9 @@ func startEtcd(t testing.TB, bin string, server *tlsconf.Files) (string, error) 
 	if err != nil {
 		return "", err
 	}
-	scheme := "http"
-	var tlsArgs []string
-	var probe *tls.Config
-	if server != nil {
-		scheme = "https"
-		tlsArgs = []string{"--cert-file", server.CertFile, "--key-file", server.KeyFile,
-			"--trusted-ca-file", server.CAFile, "--client-cert-auth"}
-		// The health probe presents etcd's own certificate (it is valid
-		// for clients too).
-		c, err := tlsconf.LoadClient(server.CAFile, server.CertFile, server.KeyFile)
-		if err != nil {
-			return "", err
-		}
-		probe = c
+	scheme, tlsArgs, probe, err := etcdTLS(server)
+	if err != nil {
+		return "", err
 	}
 	client := scheme + "://127.0.0.1:" + strconv.Itoa(cport)
 	peer := "http://127.0.0.1:" + strconv.Itoa(pport)
@@ -135,25 +124,8 @@ func startEtcd(t testing.TB, bin string, server *tlsconf.Files) (string, error) 
 		_ = cmd.Process.Kill()
 		<-exited
 	}
-	deadline := time.Now().Add(15 * time.Second)
-	for {
-		if ok := healthy(client, probe); ok {
-			break
-		}
-		select {
-		case err := <-exited:
-			exited <- err
-			stop()
-			b, _ := os.ReadFile(logf.Name())
-			return "", fmt.Errorf("etcd exited (%v): %s", err, tail(b, 2000))
-		default:
-		}
-		if time.Now().After(deadline) {
-			stop()
-			b, _ := os.ReadFile(logf.Name())
-			return "", fmt.Errorf("etcd not healthy after 15 s: %s", tail(b, 2000))
-		}
-		time.Sleep(50 * time.Millisecond)
+	if err := waitHealthy(client, probe, exited, stop, logf.Name()); err != nil {
+		return "", err
 	}
 	t.Cleanup(func() {
 		stop()
@@ -163,6 +135,49 @@ func startEtcd(t testing.TB, bin string, server *tlsconf.Files) (string, error) 
 		}
 	})
 	return "127.0.0.1:" + strconv.Itoa(cport), nil
+}
+
+// etcdTLS is the client URL scheme and etcd's TLS flags for server (plain
+// HTTP when nil), and the TLS of the health probe.
+func etcdTLS(server *tlsconf.Files) (scheme string, args []string, probe *tls.Config, err error) {
+	if server == nil {
+		return "http", nil, nil, nil
+	}
+	args = []string{"--cert-file", server.CertFile, "--key-file", server.KeyFile,
+		"--trusted-ca-file", server.CAFile, "--client-cert-auth"}
+	// The health probe presents etcd's own certificate (it is valid
+	// for clients too).
+	probe, err = tlsconf.LoadClient(server.CAFile, server.CertFile, server.KeyFile)
+	if err != nil {
+		return "", nil, nil, err
+	}
+	return "https", args, probe, nil
+}
+
+// waitHealthy waits up to 15 s for the etcd at client to answer its
+// health check; when it exits first or never does, it is stopped and the
+// error carries the tail of its log, logName.
+func waitHealthy(client string, probe *tls.Config, exited chan error, stop func(), logName string) error {
+	deadline := time.Now().Add(15 * time.Second)
+	for {
+		if ok := healthy(client, probe); ok {
+			return nil
+		}
+		select {
+		case err := <-exited:
+			exited <- err
+			stop()
+			b, _ := os.ReadFile(logName)
+			return fmt.Errorf("etcd exited (%v): %s", err, tail(b, 2000))
+		default:
+		}
+		if time.Now().After(deadline) {
+			stop()
+			b, _ := os.ReadFile(logName)
+			return fmt.Errorf("etcd not healthy after 15 s: %s", tail(b, 2000))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
 }
 
 func healthy(client string, tc *tls.Config) bool {
