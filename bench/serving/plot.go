@@ -116,25 +116,39 @@ func (r *Report) targetSeries(t Target) (p50, p99, out plotter.XYs) {
 // throughput to tput.
 func addTargetLines(ttft, tput *plot.Plot, i int, t Target, p50, p99, out plotter.XYs) error {
 	c, glyph := bench.SeriesStyle(i)
-	for _, s := range []struct {
-		p      *plot.Plot
-		xy     plotter.XYs
-		dashed bool
-		legend bool
-	}{{ttft, p50, false, true}, {ttft, p99, true, false}, {tput, out, false, true}} {
-		line, points, err := plotter.NewLinePoints(s.xy)
-		if err != nil {
+	name := t.Short()
+	for _, s := range []series{{ttft, p50, false, name}, {ttft, p99, true, ""}, {tput, out, false, name}} {
+		if err := addSeries(s, c, glyph); err != nil {
 			return err
 		}
-		line.Color, line.Width = c, vg.Points(2.5)
-		if s.dashed {
-			line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
-		}
-		points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
-		s.p.Add(line, points)
-		if s.legend {
-			s.p.Legend.Add(t.Short(), line, points)
-		}
+	}
+	return nil
+}
+
+// series is one line of a chart: its points on p, dashed or solid, and
+// its name in p's legend ("": not in it).
+type series struct {
+	p      *plot.Plot
+	xy     plotter.XYs
+	dashed bool
+	legend string
+}
+
+// addSeries adds s to its chart as a line with points in colour c and
+// glyph.
+func addSeries(s series, c color.Color, glyph draw.GlyphDrawer) error {
+	line, points, err := plotter.NewLinePoints(s.xy)
+	if err != nil {
+		return err
+	}
+	line.Color, line.Width = c, vg.Points(2.5)
+	if s.dashed {
+		line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
+	}
+	points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
+	s.p.Add(line, points)
+	if s.legend != "" {
+		s.p.Legend.Add(s.legend, line, points)
 	}
 	return nil
 }
@@ -231,27 +245,16 @@ func (r *Report) turnPlots() (kv, hit, ttft *plot.Plot, err error) {
 			}
 		}
 		c, glyph := bench.SeriesStyle(i)
-		for _, s := range []struct {
-			p      *plot.Plot
-			xy     plotter.XYs
-			dashed bool
-			legend bool
-		}{{kv, moved, false, true}, {kv, fresh, true, len(moved) == 0}, {hit, rate, false, true}, {ttft, p50, false, true}, {ttft, p99, true, false}} {
+		name, freshName := run.Label(), ""
+		if len(moved) == 0 {
+			freshName = name
+		}
+		for _, s := range []series{{kv, moved, false, name}, {kv, fresh, true, freshName}, {hit, rate, false, name}, {ttft, p50, false, name}, {ttft, p99, true, ""}} {
 			if len(s.xy) == 0 {
 				continue
 			}
-			line, points, err := plotter.NewLinePoints(s.xy)
-			if err != nil {
+			if err := addSeries(s, c, glyph); err != nil {
 				return nil, nil, nil, err
-			}
-			line.Color, line.Width = c, vg.Points(2.5)
-			if s.dashed {
-				line.Dashes = []vg.Length{vg.Points(7), vg.Points(4)}
-			}
-			points.GlyphStyle = draw.GlyphStyle{Color: c, Radius: vg.Points(4), Shape: glyph}
-			s.p.Add(line, points)
-			if s.legend {
-				s.p.Legend.Add(run.Label(), line, points)
 			}
 		}
 		hits += len(rate)
