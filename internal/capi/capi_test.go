@@ -24,9 +24,17 @@ const tcpYAML = "cache_transceiver_config:\n  backend: TCP\n  kv_transfer_timeou
 
 func noEnv() config.Env { return config.LoadEnv(func(string) (string, bool) { return "", false }, nil) }
 
+// smallBuffers is the tests' environment: a 1 MiB transfer buffer. TRT-LLM's
+// default, 512 MiB, is allocated at a rank's first staged send; under -race,
+// clearing a freed one again for the next test's buffer took seconds, in
+// which the whole test process stalled and requests timed out.
+func smallBuffers() config.Env {
+	return config.EnvFromMap(map[string]string{config.EnvTransferBuffer: "1MiB"})
+}
+
 func loadTCP(t *testing.T) *Config {
 	t.Helper()
-	c, err := LoadConfig("test.yaml", []byte(tcpYAML), noEnv())
+	c, err := LoadConfig("test.yaml", []byte(tcpYAML), smallBuffers())
 	if err != nil {
 		t.Fatal(err)
 	}
