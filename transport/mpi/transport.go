@@ -434,94 +434,113 @@ func (w *world) postFrames(s *send) {
 func (w *world) dispatch(src int, m ctlMsg) {
 	switch m.Kind {
 	case ctlRTS:
-		w.mu.Lock()
-		t := w.transports[m.Transport]
-		r := w.recvs[m.Receipt]
-		w.mu.Unlock()
-		switch {
-		case t == nil:
-			w.sendCtl(src, ctlMsg{Kind: ctlNack, Code: codeClosed, Receipt: m.Receipt, Send: m.Send})
-		case r == nil || r.t != t || r.claimed || r.finished:
-			w.sendCtl(src, ctlMsg{Kind: ctlNack, Code: codeGone, Receipt: m.Receipt, Send: m.Send})
-		case int64(m.A) != r.total:
-			w.sendCtl(src, ctlMsg{Kind: ctlNack, Code: codeSize, Receipt: m.Receipt, Send: m.Send})
-		default:
-			w.claim(r, src, m.Send)
-		}
+		w.onRTS(src, m)
 	case ctlCount:
-		w.mu.Lock()
-		r := w.recvs[m.Receipt]
-		w.mu.Unlock()
-		if r == nil || (r.claimed && (r.src != src || r.sid != m.Send)) {
-			return
-		}
-		switch {
-		case !r.claimed:
-			if m.Code == codeAbort {
-				w.finish(r, fmt.Errorf("mpi: receipt %d: rank %d: %w", r.id, src, transport.ErrAborted))
-			}
-		case r.local:
-			r.count, r.counted = m.A, true
-			w.sinkIfCounted(r)
-		default:
-			// The sender stopped after m.A frames: the rest will not come.
-			r.ending = fmt.Errorf("mpi: receipt %d: rank %d: %w", r.id, src, transport.ErrAborted)
-			for i := int(min(m.A, uint64(len(r.frames)))); i < len(r.frames); i++ {
-				if r.frames[i] >= 0 {
-					w.cancelReq(r.frames[i])
-				}
-			}
-			if r.pending == 0 {
-				w.finish(r, r.ending)
-			}
-		}
+		w.onCount(src, m)
 	case ctlCTS, ctlNack, ctlStop:
-		w.mu.Lock()
-		s := w.sends[m.Send]
-		w.mu.Unlock()
-		if s == nil {
-			if m.Kind == ctlStop {
-				// That Send ended having posted every frame (or said
-				// how many it posted in an earlier count).
-				w.sendCtl(src, ctlMsg{Kind: ctlCount, Code: codeFin, Receipt: m.Receipt, Send: m.Send, A: allFrames})
+		w.onSendCtl(src, m)
+	}
+}
+
+// onRTS answers a sender's request to send into a receipt of this rank:
+// the receipt claimed for it, or a nack that says why not.
+func (w *world) onRTS(src int, m ctlMsg) {
+	w.mu.Lock()
+	t := w.transports[m.Transport]
+	r := w.recvs[m.Receipt]
+	w.mu.Unlock()
+	switch {
+	case t == nil:
+		w.sendCtl(src, ctlMsg{Kind: ctlNack, Code: codeClosed, Receipt: m.Receipt, Send: m.Send})
+	case r == nil || r.t != t || r.claimed || r.finished:
+		w.sendCtl(src, ctlMsg{Kind: ctlNack, Code: codeGone, Receipt: m.Receipt, Send: m.Send})
+	case int64(m.A) != r.total:
+		w.sendCtl(src, ctlMsg{Kind: ctlNack, Code: codeSize, Receipt: m.Receipt, Send: m.Send})
+	default:
+		w.claim(r, src, m.Send)
+	}
+}
+
+// onCount takes a sender's word of how many frames it posted for a
+// receipt (an abort before the claim, a local count, or a Send that
+// stopped: the frames after the count will not come).
+func (w *world) onCount(src int, m ctlMsg) {
+	w.mu.Lock()
+	r := w.recvs[m.Receipt]
+	w.mu.Unlock()
+	if r == nil || (r.claimed && (r.src != src || r.sid != m.Send)) {
+		return
+	}
+	switch {
+	case !r.claimed:
+		if m.Code == codeAbort {
+			w.finish(r, fmt.Errorf("mpi: receipt %d: rank %d: %w", r.id, src, transport.ErrAborted))
+		}
+	case r.local:
+		r.count, r.counted = m.A, true
+		w.sinkIfCounted(r)
+	default:
+		// The sender stopped after m.A frames: the rest will not come.
+		r.ending = fmt.Errorf("mpi: receipt %d: rank %d: %w", r.id, src, transport.ErrAborted)
+		for i := int(min(m.A, uint64(len(r.frames)))); i < len(r.frames); i++ {
+			if r.frames[i] >= 0 {
+				w.cancelReq(r.frames[i])
 			}
+		}
+		if r.pending == 0 {
+			w.finish(r, r.ending)
+		}
+	}
+}
+
+// onSendCtl takes a receiver's answer about a Send of this rank: clear to
+// send, a nack, or a stop.
+func (w *world) onSendCtl(src int, m ctlMsg) {
+	w.mu.Lock()
+	s := w.sends[m.Send]
+	w.mu.Unlock()
+	if s == nil {
+		if m.Kind == ctlStop {
+			// That Send ended having posted every frame (or said
+			// how many it posted in an earlier count).
+			w.sendCtl(src, ctlMsg{Kind: ctlCount, Code: codeFin, Receipt: m.Receipt, Send: m.Send, A: allFrames})
+		}
+		return
+	}
+	if s.d.Rank != src || s.d.Receipt != m.Receipt {
+		w.log.Warn("mpi: control message for a send from the wrong rank", "kind", m.Kind, "from", src)
+		return
+	}
+	switch m.Kind {
+	case ctlCTS:
+		if s.cts || s.stopping != nil {
 			return
 		}
-		if s.d.Rank != src || s.d.Receipt != m.Receipt {
-			w.log.Warn("mpi: control message for a send from the wrong rank", "kind", m.Kind, "from", src)
+		fb := int(m.B)
+		if fb <= 0 || fb > transport.MaxFrameBytes || m.A == 0 || m.A > uint64(w.tagUB) {
+			w.stopSend(s, fmt.Errorf("%w: mpi: send to %s: cts with frame bytes %d, tag %d", transport.ErrProtocol, peerName(s.d), m.B, m.A))
 			return
 		}
-		switch m.Kind {
-		case ctlCTS:
-			if s.cts || s.stopping != nil {
-				return
-			}
-			fb := int(m.B)
-			if fb <= 0 || fb > transport.MaxFrameBytes || m.A == 0 || m.A > uint64(w.tagUB) {
-				w.stopSend(s, fmt.Errorf("%w: mpi: send to %s: cts with frame bytes %d, tag %d", transport.ErrProtocol, peerName(s.d), m.B, m.A))
-				return
-			}
-			s.cts, s.tag, s.fb = true, int(m.A), fb
-			s.frames = frameCount(s.d.Total, fb)
-			w.postFrames(s)
-			w.endSendIfDrained(s)
-		case ctlNack:
-			s.counted = true // the receipt was never claimed by s: nothing to count
-			w.stopSend(s, nackError(s, m.Code))
-		case ctlStop:
-			err := fmt.Errorf("mpi: send to %s: %w", peerName(s.d), ErrReceiptGone)
-			if m.Code == codeClosed {
-				err = fmt.Errorf("mpi: send to %s: the receiving transport closed: %w", peerName(s.d), transport.ErrPeerLost)
-			}
-			if s.stopping == nil {
-				s.stopping = err
-			}
-			if !s.counted {
-				s.counted = true
-				w.sendCtl(src, ctlMsg{Kind: ctlCount, Code: codeFin, Receipt: s.d.Receipt, Send: s.id, A: uint64(s.posted)})
-			}
-			w.endSendIfDrained(s)
+		s.cts, s.tag, s.fb = true, int(m.A), fb
+		s.frames = frameCount(s.d.Total, fb)
+		w.postFrames(s)
+		w.endSendIfDrained(s)
+	case ctlNack:
+		s.counted = true // the receipt was never claimed by s: nothing to count
+		w.stopSend(s, nackError(s, m.Code))
+	case ctlStop:
+		err := fmt.Errorf("mpi: send to %s: %w", peerName(s.d), ErrReceiptGone)
+		if m.Code == codeClosed {
+			err = fmt.Errorf("mpi: send to %s: the receiving transport closed: %w", peerName(s.d), transport.ErrPeerLost)
 		}
+		if s.stopping == nil {
+			s.stopping = err
+		}
+		if !s.counted {
+			s.counted = true
+			w.sendCtl(src, ctlMsg{Kind: ctlCount, Code: codeFin, Receipt: s.d.Receipt, Send: s.id, A: uint64(s.posted)})
+		}
+		w.endSendIfDrained(s)
 	}
 }
 
