@@ -100,30 +100,11 @@ const (
 	RefusedHandshakeTimeout = netlimit.ReasonHandshakeTimeout
 )
 
-// connObs adapts a ConnObserver to control.Observer; without one, its
-// methods do nothing.
+// connObs adapts a ConnObserver (never nil: without one the control plane
+// has no observer) to control.Observer.
 type connObs struct{ o ConnObserver }
 
-func (c connObs) Opened() {
-	if c.o != nil {
-		c.o.ControlConnOpened()
-	}
-}
-
-func (c connObs) Closed() {
-	if c.o != nil {
-		c.o.ControlConnClosed()
-	}
-}
-
-func (c connObs) Refused(reason string) {
-	if c.o != nil {
-		c.o.ControlConnRefused(reason)
-	}
-}
-
-func (c connObs) IdleClosed() {
-	if c.o != nil {
-		c.o.ControlConnIdleClosed()
-	}
-}
+func (c connObs) Opened()               { c.o.ControlConnOpened() }
+func (c connObs) Closed()               { c.o.ControlConnClosed() }
+func (c connObs) Refused(reason string) { c.o.ControlConnRefused(reason) }
+func (c connObs) IdleClosed()           { c.o.ControlConnIdleClosed() }
