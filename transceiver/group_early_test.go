@@ -1,7 +1,6 @@
 package transceiver
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -12,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
@@ -285,7 +285,7 @@ func TestHostileEarlyAsk(t *testing.T) {
 // yet) is not handed to the request's send core when the rank is handed
 // the request: the core would never hear that its asker is gone.
 func TestHandoverDropsAsksOfLostConns(t *testing.T) {
-	var logs bytes.Buffer
+	var logs syncbuf.Buffer // the instance's goroutines may log while the test reads
 	st := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	sender := newInst(t, st, testCfg(), 16, func(o *Options) { o.Logger = slog.New(slog.NewTextHandler(&logs, nil)) })
 	r := sender.t.ranks[0]

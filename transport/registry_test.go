@@ -6,6 +6,11 @@ import (
 	"testing"
 )
 
+var (
+	errNoDevice        = errors.New("no such device")
+	registryTestOpened Options // what the registry test's constructor was given
+)
+
 // nilTransport is a Transport type whose constructor fails with a nil
 // *nilTransport, as a backend's Open does.
 type nilTransport struct{ Transport }
@@ -14,14 +19,15 @@ type nilTransport struct{ Transport }
 // its name, in lower case, and opens with its constructor; a failed open
 // yields a nil Transport, not a nil pointer in a non-nil interface.
 func TestRegisterOpen(t *testing.T) {
-	fail := errors.New("no such device")
-	var opened Options
-	RegisterOpen("Registry-Test", func(_ context.Context, o Options) (*nilTransport, error) {
-		opened = o
-		return nil, fail
-	})
+	if _, err := Get("registry-test"); err != nil { // once per test binary (-count)
+		RegisterOpen("Registry-Test", func(_ context.Context, o Options) (*nilTransport, error) {
+			registryTestOpened = o
+			return nil, errNoDevice
+		})
+	}
 	tr, err := Open(context.Background(), "registry-test", Options{Streams: 3})
-	if !errors.Is(err, fail) || tr != nil {
+	opened := registryTestOpened
+	if !errors.Is(err, errNoDevice) || tr != nil {
 		t.Fatalf("Open of a failing backend: %v, %#v; want its error and a nil Transport", err, tr)
 	}
 	if opened.Streams != 3 {
