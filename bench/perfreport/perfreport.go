@@ -267,15 +267,15 @@ func Evaluate(ins Inputs) []Result {
 }
 
 // ratioTarget checks that the run of backend be in rep (and extra, when
-// not nil) reaches min of the highest of baselines measured in rep (the
+// not nil) reaches least times the highest of baselines measured in rep (the
 // lowest of its ratios to them); env, when set, is the environment the
 // baselines must have run in.
-func ratioTarget(rep *Report, env, label, be string, baselines []string, min float64, extra func(Run) bool) Result {
+func ratioTarget(rep *Report, env, label, be string, baselines []string, least float64, extra func(Run) bool) Result {
 	what := baselines[0]
 	if len(baselines) > 1 {
 		what = "the best of " + strings.Join(baselines, ", ")
 	}
-	res := Result{Target: fmt.Sprintf("%s ≥ %.2f× %s", label, min, what)}
+	res := Result{Target: fmt.Sprintf("%s ≥ %.2f× %s", label, least, what)}
 	if rep != nil {
 		res.Command = rep.Command(env)
 	}
@@ -317,7 +317,7 @@ func ratioTarget(rep *Report, env, label, be string, baselines []string, min flo
 		best, _ := ratio(run, by)
 		res.Measured += fmt.Sprintf(" (median of %d rounds' ratios; best round over best round %.2f×)", n, best)
 	}
-	res.Met = q >= min
+	res.Met = q >= least
 	return res
 }
 
