@@ -81,7 +81,13 @@
 // being written gets a grace of one second (then its connection, whose byte
 // stream is now corrupt, is closed and dropped from the pool, and a later
 // Send redials), an ABORT for the tag is written, and Send returns an error
-// wrapping ctx.Err() (a *transport.TimeoutError for a deadline).
+// wrapping ctx.Err() (a *transport.TimeoutError for a deadline). An ABORT
+// that no connection takes within the grace (a receiver that stalls with
+// its buffers full, or does not answer a dial) is left to one goroutine per
+// receiver, which writes the ABORTs it holds on a connection of their own
+// once the receiver answers, for up to 30 seconds, and drops them when the
+// receiver refuses the connection or the Transport closes; the receipt's
+// owner ends a receipt whose ABORT never came at its own deadline.
 //
 // Recv.Cancel: the receipt ends with transport.ErrCanceled; a reader in the
 // middle of one of its frames is interrupted (a read deadline in the past),

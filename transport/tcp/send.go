@@ -26,6 +26,10 @@ type peer struct {
 
 	mu    sync.Mutex
 	slots []*outConn // nil: not dialled, or dropped
+	// aborts are the tags whose ABORT no Send could deliver within
+	// writeGrace, left to deliverAborts, which runs while aborting.
+	aborts   []uint64
+	aborting bool
 }
 
 // outConn is one pooled outbound connection.
@@ -86,7 +90,9 @@ type sendOp struct {
 // connection, now corrupt, is closed and dropped from the pool. Send then
 // writes an ABORT frame for the tag on a live connection to the peer (dialled
 // for the purpose, within writeGrace, if there is none) and returns an error
-// wrapping ctx.Err(), a *transport.TimeoutError for a deadline. Close of the
+// wrapping ctx.Err(), a *transport.TimeoutError for a deadline. An ABORT that
+// no connection took within writeGrace (a receiver that stalls) is delivered
+// after Send returns, for up to abortPatience. Close of the
 // Transport does the same and Send returns a *transport.ClosedError. A
 // broken connection or a peer that cannot be reached fails Send with
 // transport.ErrPeerLost (after an ABORT on any other live connection).
@@ -163,7 +169,9 @@ func (t *Transport) Send(ctx context.Context, desc transport.Descriptor, src [][
 	default:
 		ret, dial = peerLost("send to", d.Endpoint, err), false
 	}
-	op.abort(dial)
+	if !op.abort(dial) && !isClosed(ret) {
+		p.abortLater(op.tag)
+	}
 	return ret
 }
 
@@ -243,8 +251,10 @@ func (op *sendOp) interrupt() {
 }
 
 // abort tells the receiver, best effort, that op will not complete: an ABORT
-// frame on the first live connection that takes it within writeGrace.
-func (op *sendOp) abort(dial bool) {
+// frame on the first live connection that takes it within writeGrace, or,
+// when dial is set, on a connection dialled for it. It reports whether one
+// took it.
+func (op *sendOp) abort(dial bool) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), writeGrace)
 	defer cancel()
 	p := op.p
@@ -258,20 +268,102 @@ func (op *sendOp) abort(dial bool) {
 	p.mu.Unlock()
 	for _, oc := range live {
 		if oc.writeAbort(ctx, op.tag) == nil {
-			return
+			return true
 		}
 	}
 	if !dial {
-		return
+		return false
 	}
 	for i := range p.slots {
 		if oc, err := p.conn(ctx, i); err == nil && oc.writeAbort(ctx, op.tag) == nil {
-			return
+			return true
 		}
 		if ctx.Err() != nil {
-			return
+			return false
 		}
 	}
+	return false
+}
+
+// abortPatience bounds how long a Transport goes on trying to deliver the
+// ABORT of a Send that could not deliver it within writeGrace: long enough
+// for a receiver that stalled (a paused process, a swapping machine) to
+// read again, far shorter than the idle timeout after which it would drop
+// the connection anyway. The receipt's owner ends it at its own deadline
+// if the ABORT never arrives.
+const abortPatience = 30 * time.Second
+
+// abortRetry is the pause between two tries to deliver late ABORTs to a
+// receiver that did not answer the last one in time.
+const abortRetry = 100 * time.Millisecond
+
+// abortLater leaves the ABORT for tag to deliverAborts, started unless it
+// runs. Called only inside a Send, which Close waits for before it waits
+// for the goroutine.
+func (p *peer) abortLater(tag uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.aborts = append(p.aborts, tag)
+	if !p.aborting {
+		p.aborting = true
+		p.t.wg.Add(1)
+		go p.deliverAborts()
+	}
+}
+
+// deliverAborts writes the ABORTs left to it on a connection of its own,
+// dialled for them and closed after, until none is left. It gives up on
+// those it has, and ends, at abortPatience, when the receiver refuses the
+// connection (its receipts went with it), or when the Transport closes.
+func (p *peer) deliverAborts() {
+	defer p.t.wg.Done()
+	ctx, cancel := context.WithTimeout(p.t.life, abortPatience)
+	defer cancel()
+	var tags []uint64
+	refused := false
+	for {
+		p.mu.Lock()
+		tags = append(tags, p.aborts...)
+		p.aborts = nil
+		if len(tags) == 0 || refused || ctx.Err() != nil {
+			p.aborting = false
+			p.mu.Unlock()
+			break
+		}
+		p.mu.Unlock()
+		var err error
+		tags, err = p.writeAborts(ctx, tags)
+		var ne net.Error
+		refused = err != nil && !(errors.As(err, &ne) && ne.Timeout())
+		if err != nil && !refused {
+			select { // the receiver did not answer in time: again, shortly
+			case <-ctx.Done():
+			case <-time.After(abortRetry):
+			}
+		}
+	}
+	if len(tags) > 0 && p.t.life.Err() == nil {
+		p.t.log.Warn("tcp: could not tell a receiver that transfers were aborted; it ends their receipts at its own deadline",
+			"peer", p.addr, "aborted", len(tags), "patience", abortPatience)
+	}
+}
+
+// writeAborts writes an ABORT for each of tags on a connection dialled for
+// them within ctx, which it closes after: a connection of their own, so
+// that they do not queue behind frames a stalled receiver has not read. It
+// returns the tags not written, and why.
+func (p *peer) writeAborts(ctx context.Context, tags []uint64) ([]uint64, error) {
+	oc, err := p.dial(ctx, 0)
+	if err != nil {
+		return tags, err
+	}
+	defer oc.raw.Close()
+	for i, tag := range tags {
+		if err := oc.writeAbort(ctx, tag); err != nil {
+			return tags[i:], err
+		}
+	}
+	return nil, nil
 }
 
 // conn returns the connection of slot i, dialling it when there is none.
@@ -294,14 +386,37 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 	if oc != nil {
 		return oc, nil
 	}
+	oc, err := p.dial(ctx, i)
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	if cur := p.slots[i]; cur != nil { // a concurrent Send dialled it first
+		p.mu.Unlock()
+		oc.raw.Close()
+		return cur, nil
+	}
+	p.slots[i] = oc
+	// Safe against Close's Wait: dials happen only inside a Send, which
+	// Close waits for before it waits for these goroutines.
+	p.t.wg.Add(1)
+	p.mu.Unlock()
+	go oc.watch()
+	return oc, nil
+}
+
+// dial opens a connection to the receiver for slot i within ctx: TCP, TLS
+// when configured, the preface and the receiver's accept. The caller owns
+// it (p.conn pools it).
+func (p *peer) dial(ctx context.Context, i int) (*outConn, error) {
 	var d net.Dialer
 	raw, err := d.DialContext(ctx, "tcp", p.addr)
 	if err != nil {
 		return nil, err
 	}
 	raw.(*net.TCPConn).SetNoDelay(true)
-	oc = &outConn{p: p, slot: i, nc: raw, raw: raw, lock: make(chan struct{}, 1)}
-	oc.used.Store(now.UnixNano())
+	oc := &outConn{p: p, slot: i, nc: raw, raw: raw, lock: make(chan struct{}, 1)}
+	oc.used.Store(time.Now().UnixNano())
 	if dl, ok := ctx.Deadline(); ok {
 		raw.SetDeadline(dl)
 	}
@@ -325,18 +440,6 @@ func (p *peer) conn(ctx context.Context, i int) (*outConn, error) {
 		return nil, err
 	}
 	raw.SetDeadline(time.Time{})
-	p.mu.Lock()
-	if cur := p.slots[i]; cur != nil { // a concurrent Send dialled it first
-		p.mu.Unlock()
-		raw.Close()
-		return cur, nil
-	}
-	p.slots[i] = oc
-	// Safe against Close's Wait: dials happen only inside a Send, which
-	// Close waits for before it waits for these goroutines.
-	p.t.wg.Add(1)
-	p.mu.Unlock()
-	go oc.watch()
 	return oc, nil
 }
 

@@ -58,11 +58,15 @@ type Transport struct {
 	// rcvLowat: rcvLowat, or what a test set before any connection came.
 	rcvLowat int
 
-	done      chan struct{} // closed when Close starts
+	done chan struct{} // closed when Close starts
+	// life ends when Close starts (endLife): the context of work that
+	// outlives the call that started it (the ABORTs delivered late).
+	life      context.Context
+	endLife   context.CancelFunc
 	closeOnce sync.Once
 
 	sends sync.WaitGroup // in-flight Sends; Add only under mu while !closed
-	wg    sync.WaitGroup // accept loop, inbound readers, outbound watchers
+	wg    sync.WaitGroup // accept loop, inbound readers, outbound watchers, late ABORTs
 
 	mu       sync.Mutex
 	closed   bool
@@ -120,6 +124,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		sessions: make(map[uint64]*session),
 		peers:    make(map[string]*peer),
 	}
+	t.life, t.endLife = context.WithCancel(context.Background())
 	t.receipts = receipt.NewTable(receipt.Config[filling]{
 		Format:    descFormat,
 		Endpoint:  ep,
@@ -161,6 +166,7 @@ func (t *Transport) Close() error {
 		}
 		t.mu.Unlock()
 		close(t.done)
+		t.endLife()
 		for _, op := range ops {
 			op.cancel(&transport.ClosedError{Op: "send"})
 		}
