@@ -358,6 +358,10 @@ func (p *peer) writeAborts(ctx context.Context, tags []uint64) ([]uint64, error)
 		return tags, err
 	}
 	defer oc.raw.Close()
+	// A write that waits for room ends with ctx (Close), not only at its
+	// deadline.
+	stop := context.AfterFunc(ctx, func() { oc.raw.Close() })
+	defer stop()
 	for i, tag := range tags {
 		if err := oc.writeAbort(ctx, tag); err != nil {
 			return tags[i:], err
