@@ -154,15 +154,16 @@ func New(cfg Config, h Handler) *Plane {
 	if obs == nil {
 		obs = nopObserver{}
 	}
+	refusals := netlimit.NewRateLog(cfg.Log, time.Second)
 	var ln net.Listener = cfg.Listener
 	if cfg.TLSServer != nil {
-		ln = &tlsListener{Listener: ln, cfg: cfg.TLSServer, log: cfg.Log}
+		ln = &tlsListener{Listener: ln, cfg: cfg.TLSServer, log: refusals}
 	}
 	life, stop := context.WithCancel(context.Background())
 	p := &Plane{
 		cfg: cfg, h: h, obs: obs, life: life, stop: stop,
 		ln:       netlimit.NewListener(ln, cfg.Name, netlimit.Limits{MaxConns: cfg.Limits.MaxConns, MaxConnsPerHost: cfg.Limits.MaxConnsPerHost}, cfg.Log, obs),
-		refusals: netlimit.NewRateLog(cfg.Log, time.Second),
+		refusals: refusals,
 		dialed:   map[string]*dialEntry{}, conns: map[uint64]*Conn{},
 	}
 	p.hello = cfg.Hello
