@@ -340,7 +340,11 @@ func (p *Plane) acceptHello(c *Conn) error {
 		c.Send(&wire.Refused{Code: wire.RefusedVersion, Reason: reason})
 		return errors.New(reason)
 	}
-	c.peer.fromHello(h)
+	// The accepting side keeps the peer's rank and host, and none of the
+	// rest, which it never reads: a stranger's hello carries up to about
+	// 140 KiB of state, backends and endpoints of its choosing, which the
+	// connection would hold until it closes.
+	c.peer.Rank, c.peer.Host = int(h.Rank), h.Host
 	c.Touch()
 	return c.Send(&p.hello)
 }
