@@ -249,9 +249,9 @@
 // time), that has expired (ErrExpiredOpaqueState) or whose nonce it has
 // already accepted (ErrReplayedOpaqueState). Accepted nonces are kept until
 // their expiry, but for the nonce of a pull that failed without a refusal
-// from the context side, which is given back so that the owner may pull
-// again (the context instance still holds the request, or refuses the
-// state), at most Options.NonceCacheSize of them; when that many are
+// from the context side, or of a request refused before its pull began,
+// which is given back so that the owner may pull again (the context
+// instance still holds the request, or refuses the state), at most Options.NonceCacheSize of them; when that many are
 // unexpired, new states are refused (ErrReplayCacheFull) rather than old
 // nonces forgotten. Expiry compares the generation host's clock with the
 // context host's: a clock skew between them shortens or stretches the

@@ -2,6 +2,7 @@ package transceiver
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"log/slog"
 	"net"
@@ -392,4 +393,56 @@ func TestPeerClosedIdleConn(t *testing.T) {
 			t.Errorf("peak %d, open %d control connections, want 1 and 1", senderObs.peak.Load(), senderObs.open.Load())
 		}
 	})
+}
+
+// TestRefusalFloodLogBounded: a stranger who completes a hello and then
+// streams request-infos (unknown ids, and a real id with wrong tokens) gets
+// every one refused, but buys no log line per frame: the rank's log grows
+// by a bounded number of lines however long the flood, and the request
+// asked for is still pulled by its owner.
+func TestRefusalFloodLogBounded(t *testing.T) {
+	const asks = 400
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	var logs syncbuf.Buffer
+	sender := newInst(t, cs, testCfg(), 16, func(o *Options) { o.Logger = slog.New(slog.NewTextHandler(&logs, nil)) })
+	gen := newInst(t, cs, testCfg(), 16)
+	creq, l := startSend(t, sender, 9, 8)
+	st, _ := cs.MarshalBinary()
+	c := hostileHello(t, sender.t.Endpoints()[0], "127.0.0.1", st)
+	if c == nil {
+		t.Fatal("the hostile hello was refused")
+	}
+	defer c.Close()
+	var out []byte
+	for i := range asks {
+		ri := &wire.RequestInfo{CtxRequestID: 1000 + uint64(i), GenRequestID: uint64(i + 1), GenState: st, NumBlocks: 2, Backend: "tcp"}
+		if i%2 == 1 { // the real id, a wrong token
+			ri.CtxRequestID, ri.Token = creq.ID, [16]byte{0: byte(i), 1: byte(i >> 8), 15: 1}
+		}
+		out, _ = wire.Append(out, ri)
+	}
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	go c.Write(out) // the answers are read meanwhile: neither side blocks on a full buffer
+	br := bufio.NewReader(c)
+	for i := range asks {
+		f, err := wire.Read(br)
+		if err != nil {
+			t.Fatalf("answer %d: %v", i, err)
+		}
+		if r, ok := f.(*wire.Refused); !ok || r.Code != wire.RefusedUnknown {
+			t.Fatalf("answer %d: %#v, want a refusal as unknown", i, f)
+		}
+	}
+	if n := strings.Count(logs.String(), "request-info"); n > 4 {
+		t.Errorf("%d log lines about request-infos for a flood of %d refused asks: one line per frame a stranger sends", n, asks)
+	}
+	gb := genReqFor(gen, t, creq, 2)
+	cctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := gen.t.RequestAndReceiveSync(cctx, gb); err != nil {
+		t.Fatalf("the owner's pull after the flood: %v", err)
+	}
+	gen.verify(t, l, 0, gb.Blocks)
+	gen.release(t, gb.Blocks)
+	waitDone(t, creq, 10*time.Second)
 }

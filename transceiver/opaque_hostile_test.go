@@ -662,3 +662,40 @@ func FuzzOpaqueState(f *testing.F) {
 		}
 	})
 }
+
+// TestNonceGivenBackAtLocalRefusal: a signed state that
+// RequestAndReceiveAsync refuses for the caller's own mistake, after the
+// guard accepted it but before any pull began (blocks for the wrong number
+// of ranks, another layout, an id in flight), keeps no nonce: the owner's
+// corrected request with the same state pulls it, rather than being told
+// that the state was replayed.
+func TestNonceGivenBackAtLocalRefusal(t *testing.T) {
+	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, cs, testCfg(), 16, withSecret(testSecret, nil))
+	gen := newInst(t, cs, testCfg(), 16, withSecret(testSecret, nil))
+	creq, l := startSend(t, sender, 9, 8)
+	bad := genReqFor(gen, t, creq, 2)
+	bad.Blocks = append(bad.Blocks, nil) // blocks for one rank too many
+	if err := gen.t.RequestAndReceiveAsync(bad); err == nil || errors.Is(err, ErrReplayedOpaqueState) {
+		t.Fatalf("request with blocks for 2 ranks of 1: %v, want a refusal of its own", err)
+	}
+	gen.release(t, bad.Blocks)
+	if n := gen.t.guard.nonces(); n != 0 {
+		t.Errorf("%d nonces kept after a refusal before any pull", n)
+	}
+	good := genReqFor(gen, t, creq, 2)
+	cctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := gen.t.RequestAndReceiveSync(cctx, good); err != nil {
+		t.Fatalf("the owner's corrected request with the same state: %v", err)
+	}
+	gen.verify(t, l, 0, good.Blocks)
+	gen.release(t, good.Blocks)
+	waitDone(t, creq, 10*time.Second)
+	// Pulled: now the state is spent.
+	again := genReqFor(gen, t, creq, 2)
+	if err := gen.t.RequestAndReceiveAsync(again); !errors.Is(err, ErrReplayedOpaqueState) {
+		t.Errorf("the state after its pull: %v, want ErrReplayedOpaqueState", err)
+	}
+	gen.release(t, again.Blocks)
+}

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver/internal/control"
@@ -59,6 +60,7 @@ type rank struct {
 	attempt    attemptEnd
 	begun      begunFunc // nil: asks are never held
 	log        *slog.Logger
+	refusals   *netlimit.RateLog // the log of refused request-infos (logRefusal)
 
 	// goes runs every goroutine of this rank: sends, receives, dials.
 	goes *workers.Pool
@@ -131,6 +133,7 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		log:      set.logger.With("rank", idx),
 		hold:     newAskHold(idx, set.timeout),
 	}
+	r.refusals = netlimit.NewRateLog(r.log, time.Second)
 	held := r.newReq(reqKey{side: sideHold}, 0, nil)
 	held.core = r.hold
 	r.reqs = map[reqKey]*rankReq{held.key: held}
@@ -308,14 +311,7 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			}
 			r.mu.Unlock()
 		case effRefuse:
-			from := ""
-			if cc := r.ctrl.Conn(uint64(e.to.conn)); cc != nil {
-				from = cc.Peer().Endpoint
-			}
-			r.log.Info("refused request-info", "request", e.to.sendID, "gen_rank", e.gen, "from", from, "reason", e.reason)
-			if e.note != "" {
-				r.log.Warn("request-info with a "+e.note, "request", e.to.sendID, "from", from)
-			}
+			r.logRefusal(e)
 		case effStartSend:
 			ctx, descs := q.attempts.Start(e.attempt, e.gen, e.pair.direct == nil)
 			r.work(q, func() (mover.Moved, event) { return r.sendPair(ctx, q, e, descs) })
@@ -362,6 +358,25 @@ func (r *rank) run(q *rankReq, effs []effect) {
 			r.send(rp.dest(), rp.frame())
 		}
 	}
+}
+
+// logRefusal logs a refused request-info, at most one line a second per
+// refusal code (and per whether the core noted why, say a wrong token),
+// with the count of those left out: anyone who completes a hello can
+// write asks as fast as the connection takes them, each refused, and must
+// not buy a log line with every frame.
+func (r *rank) logRefusal(e effRefuse) {
+	from := ""
+	if cc := r.ctrl.Conn(uint64(e.to.conn)); cc != nil {
+		from = cc.Peer().Endpoint
+	}
+	key := "refused request-info: " + refusalCodes[e.code]
+	args := []any{"request", e.to.sendID, "gen_rank", e.gen, "from", from, "code", refusalCodes[e.code], "reason", e.reason}
+	if e.note != "" {
+		key += ", noted"
+		args = append(args, "note", e.note)
+	}
+	r.refusals.Warn(key, "refused request-info", args...)
 }
 
 // tick feeds a deadline tick to each core whose deadline has come: the

@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
+	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -182,4 +184,37 @@ func TestTLSRefused(t *testing.T) {
 			t.Fatalf("pull from a plain context rank = %v, want a TLS handshake error", err)
 		}
 	})
+}
+
+// TestTLSRefusalFloodLogBounded: strangers that open plain connections to
+// a control listener with TLS, write a line and wait, are each refused at
+// the handshake, but buy no log line per connection: the refusals are
+// logged as the connection caps' are, a line a second with the count left
+// out.
+func TestTLSRefusalFloodLogBounded(t *testing.T) {
+	const flood = 200
+	ca, err := tlsconf.NewAuthority("transceiver test CA", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := state(2, 4, 16, 8, kvcache.BF16, 1, 1, false)
+	var logs syncbuf.Buffer
+	sender := newInstTLS(t, st, testCfg(), 16, tlsParty(t, ca, "sender"), slog.New(slog.NewTextHandler(&logs, nil)))
+	ep := sender.t.Endpoints()[0]
+	for i := range flood {
+		c, err := net.DialTimeout("tcp", ep, 5*time.Second)
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		c.Write([]byte("GET / HTTP/1.0\r\n\r\n"))
+		_, err = io.Copy(io.Discard, c) // until the listener closes it: its refusal is logged by then
+		c.Close()
+		if err != nil {
+			t.Fatalf("connection %d: not closed by the listener: %v", i, err)
+		}
+	}
+	if n := strings.Count(logs.String(), "TLS handshake failed"); n == 0 || n > 3 {
+		t.Errorf("%d log lines for %d refused TLS handshakes, want 1 to 3", n, flood)
+	}
 }

@@ -737,7 +737,7 @@ func (t *Transceiver) start(req *Request, s side, all []int, here []*rank, st Re
 // again. With a cluster secret, a signed state accepted by this instance is
 // refused here afterwards (ErrReplayedOpaqueState) once a pull of it has
 // completed or been refused by the context instance; a pull that failed
-// otherwise gives it back.
+// otherwise gives it back, and so does an error returned here.
 func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if req.Type != GenerationOnly {
 		return fmt.Errorf("transceiver: receive: request %d is %s, want generation_only", req.ID, req.Type)
@@ -757,6 +757,15 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if err := t.guard.check(&op, true); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
 	}
+	// Refused below for the caller's own mistake, before its pull began,
+	// the state keeps no nonce: its owner may correct the request. Once
+	// the pull has the nonce (t.nonces), its end decides.
+	handed := false
+	defer func() {
+		if !handed && op.Signed && t.guard.key != nil {
+			t.guard.giveBack(op.Nonce)
+		}
+	}()
 	all, ranks, err := t.takingPart(req.DPRank)
 	if err != nil {
 		return err
@@ -786,6 +795,7 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 			t.mu.Lock()
 			t.nonces[key] = op.Nonce
 			t.mu.Unlock()
+			handed = true
 		}
 		return r.receive(id, req.ID, &op, genState, req.Blocks[t.pos[r.idx]], req.LastBlockHash, req.PromptDigest)
 	})

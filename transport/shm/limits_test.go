@@ -4,11 +4,15 @@ package shm
 
 import (
 	"errors"
+	"io"
+	"log/slog"
 	"net"
 	"os"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -58,4 +62,33 @@ func TestConnectionCap(t *testing.T) {
 	if c := dial(); closed(c, 50*time.Millisecond) {
 		t.Fatal("a connection was refused after a place was freed")
 	}
+}
+
+// TestProtocolErrorFloodLogBounded: any process of the host can connect to
+// the abstract socket and write junk; each such connection is closed for
+// breaking the protocol, but buys no warning of its own: the closes are
+// logged a line a second with the count left out, and the receiver still
+// takes a genuine transfer.
+func TestProtocolErrorFloodLogBounded(t *testing.T) {
+	const flood = 200
+	var logs syncbuf.Buffer
+	a := open(t, transport.Options{})
+	b := open(t, transport.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	for i := range flood {
+		c, err := net.Dial("unix", b.Endpoint())
+		if err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		c.Write([]byte("GET / HTTP/1.0\r\n\r\n"))
+		_, err = io.Copy(io.Discard, c) // until b closes it: logged by then
+		c.Close()
+		if err != nil {
+			t.Fatalf("connection %d: not closed by the receiver: %v", i, err)
+		}
+	}
+	if n := strings.Count(logs.String(), "closing connection"); n == 0 || n > 3 {
+		t.Errorf("%d log lines for %d connections closed for protocol errors, want 1 to 3", n, flood)
+	}
+	healthy(t, a, b, shared(t, 1<<20, a))
 }

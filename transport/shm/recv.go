@@ -183,9 +183,21 @@ func (c *inConn) serve() {
 	case errors.Is(err, errIdle):
 		c.t.log.Debug("shm: closed an idle data connection", "remote", c.remote, "idle_timeout", c.t.idle, "err", err)
 	default:
-		conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+		c.logEnd(err)
 	}
 	c.teardown(err)
+}
+
+// logEnd logs why the connection ended. A protocol error is logged at most
+// once a second, with the count of those left out: any process of the host
+// can connect and write junk, and must not buy a warning with each
+// connection.
+func (c *inConn) logEnd(err error) {
+	if errors.Is(err, transport.ErrProtocol) {
+		c.t.protoLog.Warn("protocol", "shm: closing connection", "remote", c.remote, "err", err)
+		return
+	}
+	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
 }
 
 // teardown closes the connection, stops the worker (closing first frees a
@@ -720,7 +732,7 @@ func (c *inConn) look() {
 // fail closes the connection for a protocol error the worker found in the
 // ring; the reader then ends, and the connection is torn down with err.
 func (c *inConn) fail(err error) {
-	conn.LogEnd(c.t.log, "shm", "connection", c.remote, err)
+	c.logEnd(err)
 	c.mu.Lock()
 	c.failed = err
 	c.mu.Unlock()

@@ -89,7 +89,15 @@ type Transport struct {
 
 	maxConns int               // inbound connections kept at most (<= 0: no bound)
 	refusals *netlimit.RateLog // logs refused connections
+	// protoLog logs the accepted connections closed for breaking the
+	// protocol (inConn.logEnd).
+	protoLog *netlimit.RateLog
 }
+
+// protoLogEvery is the interval of Transport.protoLog: a line per
+// interval. Tests that check the close of each of a series of malformed
+// connections set it to 0 before Open.
+var protoLogEvery = time.Second
 
 var (
 	_ transport.Transport       = (*Transport)(nil)
@@ -145,6 +153,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		dialing:  make(map[string]chan struct{}),
 		maxConns: opts.MaxConns,
 		refusals: netlimit.NewRateLog(opts.Logger, time.Second),
+		protoLog: netlimit.NewRateLog(opts.Logger, protoLogEvery),
 	}
 	t.receipts = receipt.NewTable(receipt.Config[*rop]{Format: descFormat, Endpoint: ep, Lock: &t.mu})
 	t.wg.Add(1)

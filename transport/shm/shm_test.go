@@ -771,7 +771,9 @@ func testArena(t *testing.T, n int) *memfd.Mapping {
 func TestMalformed(t *testing.T) {
 	var logs syncbuf.Buffer
 	a := open(t, transport.Options{})
+	protoLogEvery = 0 // every case's close logged at once, not a line a second
 	b := open(t, transport.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	protoLogEvery = time.Second
 	src := shared(t, 1<<20, a)
 	healthy(t, a, b, src) // a's pooled connection to b is up
 	reg := testArena(t, 4096)

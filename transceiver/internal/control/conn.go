@@ -39,7 +39,8 @@ type Conn struct {
 }
 
 // Peer is what the other side of a Conn told of itself in its Hello, and
-// where it is.
+// where it is. Of an accepted Conn's peer only Rank, Host and Endpoint are
+// kept.
 type Peer struct {
 	Rank      int
 	State     []byte   // its layout.CacheState, marshalled

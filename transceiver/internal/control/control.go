@@ -154,15 +154,16 @@ func New(cfg Config, h Handler) *Plane {
 	if obs == nil {
 		obs = nopObserver{}
 	}
+	refusals := netlimit.NewRateLog(cfg.Log, time.Second)
 	var ln net.Listener = cfg.Listener
 	if cfg.TLSServer != nil {
-		ln = &tlsListener{Listener: ln, cfg: cfg.TLSServer, log: cfg.Log}
+		ln = &tlsListener{Listener: ln, cfg: cfg.TLSServer, log: refusals}
 	}
 	life, stop := context.WithCancel(context.Background())
 	p := &Plane{
 		cfg: cfg, h: h, obs: obs, life: life, stop: stop,
 		ln:       netlimit.NewListener(ln, cfg.Name, netlimit.Limits{MaxConns: cfg.Limits.MaxConns, MaxConnsPerHost: cfg.Limits.MaxConnsPerHost}, cfg.Log, obs),
-		refusals: netlimit.NewRateLog(cfg.Log, time.Second),
+		refusals: refusals,
 		dialed:   map[string]*dialEntry{}, conns: map[uint64]*Conn{},
 	}
 	p.hello = cfg.Hello
@@ -339,7 +340,11 @@ func (p *Plane) acceptHello(c *Conn) error {
 		c.Send(&wire.Refused{Code: wire.RefusedVersion, Reason: reason})
 		return errors.New(reason)
 	}
-	c.peer.fromHello(h)
+	// The accepting side keeps the peer's rank and host, and none of the
+	// rest, which it never reads: a stranger's hello carries up to about
+	// 140 KiB of state, backends and endpoints of its choosing, which the
+	// connection would hold until it closes.
+	c.peer.Rank, c.peer.Host = int(h.Rank), h.Host
 	c.Touch()
 	return c.Send(&p.hello)
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -726,5 +727,56 @@ func TestPing(t *testing.T) {
 		if len(s.h.frames) != 0 {
 			t.Fatalf("the accepting side's Handler was handed %d frames for a Ping", len(s.h.frames))
 		}
+	})
+}
+
+// TestAcceptedHelloNotKept: a stranger's hello may carry up to MaxBackends
+// endpoints of MaxBlob bytes and a MaxBlob state; an accepted connection
+// keeps none of that (its side never reads them), so that each connection
+// a stranger holds open after its hello, until the idle timeout, costs the
+// rank its reader and not about 140 KiB of the stranger's choosing.
+func TestAcceptedHelloNotKept(t *testing.T) {
+	const conns = 64
+	synctest.Test(t, func(t *testing.T) {
+		nw := memnet.New()
+		s := newPlane(t, nw, Limits{}, 0)
+		big := &wire.Hello{Version: wire.Version, Rank: 1, State: make([]byte, wire.MaxBlob), Host: strings.Repeat("h", wire.MaxName)}
+		for i := range wire.MaxBackends {
+			big.Backends = append(big.Backends, strings.Repeat(string(rune('a'+i)), wire.MaxName))
+			big.Endpoints = append(big.Endpoints, strings.Repeat(string(rune('A'+i)), wire.MaxBlob))
+		}
+		hello, err := wire.Append(nil, big)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var before, after runtime.MemStats
+		runtime.GC()
+		runtime.ReadMemStats(&before)
+		var raws []net.Conn
+		for range conns {
+			raw, err := nw.Dial(context.Background(), s.Endpoint())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer raw.Close()
+			if _, err := raw.Write(hello); err != nil {
+				t.Fatal(err)
+			}
+			if f, err := wire.Read(bufio.NewReader(raw)); err != nil || f.Type() != wire.TypeHello {
+				t.Fatalf("answer to the hello: %v %v", f, err)
+			}
+			raws = append(raws, raw)
+		}
+		runtime.GC()
+		runtime.ReadMemStats(&after)
+		per := (int64(after.HeapAlloc) - int64(before.HeapAlloc)) / conns
+		t.Logf("%d bytes of heap per accepted connection after a hello of %d bytes", per, len(hello))
+		if per > int64(len(hello))/3 {
+			t.Errorf("each accepted connection holds %d bytes of heap after a hello of %d bytes, want at most %d", per, len(hello), len(hello)/3)
+		}
+		if s.Len() != conns {
+			t.Errorf("%d connections open, want %d", s.Len(), conns)
+		}
+		runtime.KeepAlive(raws)
 	})
 }

@@ -4,8 +4,9 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
-	"log/slog"
 	"net"
+
+	"github.com/kvxfer/kvxfer/internal/netlimit"
 )
 
 // Mutual TLS of the control plane (Config.TLSServer, Config.TLSClient).
@@ -21,7 +22,7 @@ import (
 type tlsListener struct {
 	net.Listener
 	cfg *tls.Config
-	log *slog.Logger
+	log *netlimit.RateLog // the refused handshakes: anyone can cause one per connection
 }
 
 // Accept returns the next connection as a TLS server connection; the
@@ -42,8 +43,10 @@ type tlsConn struct {
 	*tls.Conn
 	raw net.Conn
 	// Server side: log, and the first Read runs the handshake and logs a
-	// refused one. shook is touched only by the connection's reader.
-	log   *slog.Logger
+	// refused one, at most once a second with the count of those left
+	// out (a stranger pays a connection for each). shook is touched only
+	// by the connection's reader.
+	log   *netlimit.RateLog
 	shook bool
 }
 
@@ -54,7 +57,7 @@ func (c *tlsConn) Read(p []byte) (int, error) {
 		c.shook = true
 		if err := c.Conn.Handshake(); err != nil {
 			if !errors.Is(err, net.ErrClosed) {
-				c.log.Warn("transceiver: refused a control connection: TLS handshake failed",
+				c.log.Warn("tls handshake", "transceiver: refused a control connection: TLS handshake failed",
 					"remote", c.raw.RemoteAddr().String(), "err", err)
 			}
 			return 0, err

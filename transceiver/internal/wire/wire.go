@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 
 	"github.com/kvxfer/kvxfer/internal/wirefield"
 )
@@ -203,14 +204,36 @@ func Read(r *bufio.Reader) (Frame, error) {
 	if n == 0 || n > MaxFrame {
 		return nil, fmt.Errorf("%w: length %d not in 1..%d", ErrMalformed, n, MaxFrame)
 	}
-	buf := make([]byte, n)
-	if _, err := io.ReadFull(r, buf); err != nil {
-		if err == io.EOF {
-			err = io.ErrUnexpectedEOF
-		}
+	buf, err := readBody(r, int(n))
+	if err != nil {
 		return nil, err
 	}
 	return Decode(buf)
+}
+
+// bodyStart is the most memory readBody gives a frame before its bytes
+// arrive (unless more are buffered already).
+const bodyStart = 4 << 10
+
+// readBody reads the n bytes of a frame's body. Its memory grows with what
+// arrives, doubling, rather than being taken at once from the length: a
+// stranger's 4-byte header announcing MaxFrame, before any hello, would
+// otherwise hold MaxFrame bytes for the handshake or frame timeout.
+func readBody(r *bufio.Reader, n int) ([]byte, error) {
+	buf := make([]byte, min(n, max(r.Buffered(), bodyStart)))
+	for got := 0; ; {
+		k, err := io.ReadFull(r, buf[got:])
+		if got += k; err != nil {
+			if err == io.EOF {
+				err = io.ErrUnexpectedEOF
+			}
+			return nil, err
+		}
+		if got == n {
+			return buf, nil
+		}
+		buf = slices.Grow(buf, min(n-got, got))[:got+min(n-got, got)]
+	}
 }
 
 // Decode decodes one frame body (type byte and payload, no length prefix).

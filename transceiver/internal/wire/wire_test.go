@@ -6,8 +6,10 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"runtime"
 	"strings"
 	"testing"
+	"testing/iotest"
 
 	"github.com/google/go-cmp/cmp"
 )
@@ -130,6 +132,91 @@ func FuzzDecode(f *testing.F) {
 			fr2, err := Decode(b[4:])
 			if err != nil || !cmp.Equal(fr, fr2, cmp.Comparer(func(a, b []byte) bool { return bytes.Equal(a, b) })) {
 				t.Fatalf("re-encoding changed the frame: %v", err)
+			}
+		}
+	})
+}
+
+// TestAnnouncedLengthNotAllocated: a header that announces a MaxFrame
+// frame, followed by a few bytes and nothing more (a peer that stalls
+// inside its first frame, before any hello), costs the reader about what
+// arrived, not MaxFrame: otherwise every connection a stranger opens buys
+// 256 KiB for 4 bytes, for the whole handshake or frame timeout.
+func TestAnnouncedLengthNotAllocated(t *testing.T) {
+	var hdr [4]byte
+	binary.LittleEndian.PutUint32(hdr[:], MaxFrame)
+	in := append(hdr[:], byte(TypeHello), 1, 2, 3)
+	const runs = 16
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	for range runs {
+		if _, err := Read(bufio.NewReaderSize(bytes.NewReader(in), 16)); !errors.Is(err, io.ErrUnexpectedEOF) {
+			t.Fatalf("Read of a truncated frame: %v, want io.ErrUnexpectedEOF", err)
+		}
+	}
+	runtime.ReadMemStats(&after)
+	if per := (after.TotalAlloc - before.TotalAlloc) / runs; per > MaxFrame/8 {
+		t.Errorf("a header announcing %d bytes and 4 bytes of body cost %d bytes of allocation per read, want at most %d", MaxFrame, per, MaxFrame/8)
+	}
+}
+
+// TestReadLargeFrameInPieces: a frame near MaxFrame that arrives a byte at
+// a time reads whole and equal.
+func TestReadLargeFrameInPieces(t *testing.T) {
+	h := &Hello{Version: Version, Rank: 1, State: bytes.Repeat([]byte{5}, MaxBlob), Host: strings.Repeat("h", MaxName)}
+	for i := range MaxBackends {
+		h.Backends = append(h.Backends, strings.Repeat(string(rune('a'+i)), MaxName))
+		h.Endpoints = append(h.Endpoints, strings.Repeat(string(rune('A'+i)), MaxBlob))
+	}
+	b, err := Append(nil, h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b) < MaxFrame/2 {
+		t.Fatalf("frame of %d bytes: not large enough to test", len(b))
+	}
+	got, err := Read(bufio.NewReaderSize(iotest.OneByteReader(bytes.NewReader(b)), 16))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(Frame(h), got); diff != "" {
+		t.Errorf("large hello (-want +got):\n%s", diff)
+	}
+}
+
+// FuzzRead: the stream reader never panics, reads at most what it is given,
+// and every frame it returns is the one Decode gives for its bytes.
+func FuzzRead(f *testing.F) {
+	var all []byte
+	for _, s := range samples() {
+		b, _ := Append(nil, s)
+		f.Add(b)
+		f.Add(b[:len(b)-1])
+		all = append(all, b...)
+	}
+	f.Add(all)
+	f.Add([]byte{0xff, 0xff, 0x03, 0x00, byte(TypeHello)})
+	f.Fuzz(func(t *testing.T, in []byte) {
+		br := bytes.NewReader(in)
+		r := bufio.NewReaderSize(br, 16)
+		off := 0
+		for {
+			fr, err := Read(r)
+			if err != nil {
+				return
+			}
+			n := int(binary.LittleEndian.Uint32(in[off:]))
+			want, err := Decode(in[off+4 : off+4+n])
+			if err != nil {
+				t.Fatalf("Read returned %s, Decode of the same bytes fails: %v", fr.Type(), err)
+			}
+			if diff := cmp.Diff(want, fr, cmp.Comparer(func(a, b []byte) bool { return bytes.Equal(a, b) })); diff != "" {
+				t.Fatalf("Read and Decode differ (-decode +read):\n%s", diff)
+			}
+			off += 4 + n
+			if off != len(in)-br.Len()-r.Buffered() {
+				t.Fatalf("after a frame ending at byte %d the reader is at byte %d", off, len(in)-br.Len()-r.Buffered())
 			}
 		}
 	})
