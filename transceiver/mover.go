@@ -2,6 +2,9 @@ package transceiver
 
 import (
 	"context"
+	"net"
+
+	"github.com/kvxfer/kvxfer/transport"
 
 	"github.com/kvxfer/kvxfer/transceiver/internal/mover"
 	"github.com/kvxfer/kvxfer/transceiver/internal/wire"
@@ -19,12 +22,35 @@ import (
 // stops.
 func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <-chan mover.Chunk) (mover.Moved, event) {
 	p := e.pair
-	pair := mover.Pair{Transport: r.transports[p.backend], Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs}
+	tr := r.transports[p.backend]
+	pair := mover.Pair{Transport: tr, Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs, Check: r.descCheck(tr, e.to)}
 	m := pair.Send(ctx, p.direct, descs)
 	if m.Err == nil && e.readyAfter {
 		r.send(e.to, effReady{gen: e.gen, to: e.to, chunk: p.chunk}.frame())
 	}
 	return m, evSent{gen: e.gen, attempt: e.attempt, err: m.Err}
+}
+
+// descCheck returns the check of the descriptors a generation rank hands
+// this rank over the control connection of to, for a backend that connects
+// where a descriptor says (transport.Dialer; nil for the others): the host
+// must be one this rank may send that peer's data to (peerPolicy.dataCheck).
+func (r *rank) descCheck(tr transport.Transport, to route) func(transport.Descriptor) error {
+	d, ok := tr.(transport.Dialer)
+	if !ok {
+		return nil
+	}
+	var peer string
+	if cc := r.ctrl.Conn(uint64(to.conn)); cc != nil {
+		peer, _, _ = net.SplitHostPort(cc.Peer().Endpoint)
+	}
+	return func(desc transport.Descriptor) error {
+		host, err := d.DescriptorHost(desc)
+		if err != nil {
+			return err
+		}
+		return r.set.peers.dataCheck(host, peer)
+	}
 }
 
 // recvPair receives q's bytes from one context rank in chunks, unpacked

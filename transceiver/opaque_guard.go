@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvxfer/kvxfer/transport"
+
 	"github.com/kvxfer/kvxfer/config"
 )
 
@@ -252,6 +254,36 @@ func (p *peerPolicy) dialCheck(host string) error {
 		how += ", or give both instances the cluster secret (security.secret_file, " + config.EnvClusterSecret + ")"
 	}
 	return fmt.Errorf("%w: host %s is not loopback and not on the allow-list %v: %s", ErrPeerNotAllowed, host, p.list, how)
+}
+
+// dataCheck returns nil when this rank may send a generation peer's data to
+// host, the host a descriptor of that peer names (transport.Dialer), peer
+// being the remote address of the control connection the descriptor came
+// on (empty: unknown). A descriptor is the peer's choice, signed by nobody,
+// so neither the secret nor "open" widens this: host must be the peer's
+// own address, or loopback when the peer itself is on this host, or on the
+// allow-list. Else the error wraps ErrPeerNotAllowed and
+// transport.ErrBadDescriptor (the peer's fault), naming the host.
+func (p *peerPolicy) dataCheck(host, peer string) error {
+	pa, perr := netip.ParseAddr(strings.Trim(peer, "[]"))
+	local := perr == nil && pa.Unmap().IsLoopback()
+	if a, err := netip.ParseAddr(strings.Trim(host, "[]")); err == nil && a.Zone() == "" {
+		a = a.Unmap()
+		if (perr == nil && a == pa.Unmap()) || ((a.IsLoopback() || a.IsUnspecified()) && local) || p.listed(a) {
+			return nil
+		}
+	} else if err != nil {
+		name := strings.ToLower(strings.TrimSuffix(host, "."))
+		if (name == "localhost" && local) || p.names[name] {
+			return nil
+		}
+	}
+	who := "the generation peer at " + peer
+	if peer == "" {
+		who = "a generation peer whose control connection is gone"
+	}
+	return fmt.Errorf("%w: %w: %s named host %s as its data endpoint, which is neither its own address, nor loopback of a peer on this host, nor on the allow-list %v: add it to security.allowed_peer_hosts or to %s",
+		ErrPeerNotAllowed, transport.ErrBadDescriptor, who, host, p.list, config.EnvAllowedPeerHosts)
 }
 
 // endpointCheck is dialCheck for a control endpoint (host:port).

@@ -187,6 +187,17 @@ type MemoryRegistrar interface {
 	RegisterMemory(mem []byte, f *os.File) error
 }
 
+// Dialer is implemented by backends whose Send connects to an address that
+// the descriptor names (tcp). The descriptor comes from the receiving peer,
+// so the address is the peer's choice: DescriptorHost returns its host (an
+// IP address or a name, no port), so that the sender can refuse to connect
+// where the peer has no business sending it (transceiver: the peer's own
+// host, loopback when the peer is local, or the allow-list). An error wraps
+// ErrBadDescriptor.
+type Dialer interface {
+	DescriptorHost(desc Descriptor) (string, error)
+}
+
 // Prober is implemented by backends that work only between some pairs of
 // ranks (shm: the same host, sharing memory). Probe checks, without moving
 // any data of a request, that this transport can Send to the transport whose

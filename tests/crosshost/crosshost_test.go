@@ -40,11 +40,14 @@ type cluster struct {
 	ps      *procs
 	dir     string
 	dc      string // the disagg_cluster block
-	router  string // the router's URL
-	client  *http.Client
-	aggURL  string
-	wantMu  sync.Mutex
-	wantIDs map[int][]int32
+	// peerHosts, when set, is the workers' security.allowed_peer_hosts
+	// (a proxy between them: see faults).
+	peerHosts []string
+	router    string // the router's URL
+	client    *http.Client
+	aggURL    string
+	wantMu    sync.Mutex
+	wantIDs   map[int][]int32
 }
 
 func newCluster(t *testing.T) *cluster {
@@ -112,8 +115,12 @@ func (cl *cluster) startEtcd(bin string) string {
 // workerFile writes a worker file for the transceiver backend.
 func (cl *cluster) workerFile(backend string) string {
 	p := filepath.Join(cl.dir, "worker-"+strings.ToLower(backend)+".yaml")
+	sec := ""
+	if len(cl.peerHosts) > 0 {
+		sec = "security: {allowed_peer_hosts: [" + strings.Join(cl.peerHosts, ", ") + "]}\n"
+	}
 	os.WriteFile(p, fmt.Appendf(nil, "kv_cache_config: {tokens_per_block: 16, max_tokens: 8192}\n"+
-		"cache_transceiver_config: {backend: %s, kv_transfer_timeout_ms: 5000}\n%s", backend, cl.dc), 0o600)
+		"cache_transceiver_config: {backend: %s, kv_transfer_timeout_ms: 5000}\n%s%s", backend, sec, cl.dc), 0o600)
 	return p
 }
 

@@ -33,6 +33,13 @@ func (cl *cluster) faults(next int) {
 	cl.g.ip("addr", "add", P+"/32", "dev", "lo")
 	cl.c.ip("addr", "add", Q+"/32", "dev", "lo")
 
+	// Through the proxy each side sees the other's connections come from
+	// the test's namespace (the bridge's address) and sends its data to the
+	// peer's alias, neither of them the peer's own address: an operator
+	// with such a proxy lists both, or the context worker refuses to send
+	// a generation peer's data to an address the peer merely named.
+	cl.peerHosts = []string{cl.lab.prefix + "0/24", cl.lab.alias + "0/24"}
+	defer func() { cl.peerHosts = nil }()
 	w := cl.startWorkers("TCP", P, Q)
 	px := newProxy()
 	t.Cleanup(px.close)

@@ -223,6 +223,20 @@ func (t *Transport) admit(nc net.Conn) bool {
 	return true
 }
 
+// DescriptorHost returns the host of the endpoint that desc names: where
+// a Send with desc connects (transport.Dialer).
+func (t *Transport) DescriptorHost(desc transport.Descriptor) (string, error) {
+	d, err := descFormat.Decode(desc)
+	if err != nil {
+		return "", err
+	}
+	host, _, err := net.SplitHostPort(d.Endpoint)
+	if err != nil {
+		return "", fmt.Errorf("tcp: %w: endpoint %q: %v", transport.ErrBadDescriptor, d.Endpoint, err)
+	}
+	return host, nil
+}
+
 // RegisterMemory advises huge pages for mem, the pool a rank sends from
 // and receives into (hugepage.Advise): the kernel copies a socket's bytes
 // to and from huge pages with fewer TLB misses. It never fails on the

@@ -21,6 +21,17 @@ type Pair struct {
 	Chunk int
 	// Buffers are the staging buffers of this side.
 	Buffers *Buffers
+	// Check, when not nil, is asked about every descriptor the receiver
+	// handed the sender before anything is sent to it (or a staging buffer
+	// taken for it); its error ends the send.
+	Check func(transport.Descriptor) error
+}
+
+func (p Pair) check(d transport.Descriptor) error {
+	if p.Check == nil {
+		return nil
+	}
+	return p.Check(d)
 }
 
 // Chunk is the receipt the receiver armed for one staged chunk, as it
@@ -51,6 +62,7 @@ func (p Pair) Send(ctx context.Context, direct transport.Descriptor, chunks <-ch
 	var m Moved
 	if direct == nil {
 		m.Bytes, m.Chunks, m.Err = p.sendStaged(ctx, chunks)
+	} else if m.Err = p.check(direct); m.Err != nil {
 	} else if m.Err = p.Transport.Send(ctx, direct, Segments(p.Blocks, p.Plan.SrcSpans())); m.Err == nil {
 		m.Bytes, m.Chunks = p.bytes(len(p.Blocks)), 1
 	}
@@ -92,6 +104,9 @@ func (p Pair) sendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, 
 		case c = <-chunks:
 		case <-ctx.Done():
 			return sent, n, context.Cause(ctx)
+		}
+		if err := p.check(c.Desc); err != nil {
+			return sent, n, err
 		}
 		buf, err := p.Buffers.Get(ctx)
 		if err != nil {
