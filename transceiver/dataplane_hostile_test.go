@@ -82,12 +82,12 @@ func withEndpoint(t *testing.T, desc transport.Descriptor, old, endpoint string)
 	return append(out, desc[i+len(old):]...)
 }
 
-// TestDataEndpointOfPeersChoice: a generation peer that holds a request's
+// TestHostileDataEndpoint: a generation peer that holds a request's
 // token (any client of the context worker's API gets its own) cannot have
 // the context rank connect to a host of its choosing by naming it in the
 // descriptor of its request-info: the send is refused before any dial,
 // and the request is still pulled by its owner.
-func TestDataEndpointOfPeersChoice(t *testing.T) {
+func TestHostileDataEndpoint(t *testing.T) {
 	cs := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 	var logs syncbuf.Buffer
 	sender := newInst(t, cs, testCfg(), 16, func(o *Options) { o.Logger = slog.New(slog.NewTextHandler(&logs, nil)) })
