@@ -2,10 +2,15 @@ package tcp
 
 import (
 	"errors"
+	"io"
+	"log/slog"
 	"net"
+	"strings"
 	"syscall"
 	"testing"
+	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -55,4 +60,50 @@ func TestConnectionCaps(t *testing.T) {
 		t.Fatal("a connection was refused after a place was freed")
 	}
 	move(t, a, b, [][]byte{seq(4096, 2)}, [][]byte{make([]byte, 4096)})
+}
+
+// TestCloseFloodLogBounded: any process that reaches the data listener can
+// open connections that break the protocol (a bad preface, a malformed
+// frame) or fail the TLS handshake; each is closed, but buys no warning of
+// its own: such closes are logged a line a second per cause with the count
+// left out, and the receiver still takes a genuine transfer.
+func TestCloseFloodLogBounded(t *testing.T) {
+	const flood = 200
+	ca := testCA()
+	for _, tc := range []struct {
+		name string
+		tls  bool
+		line string
+	}{
+		{"protocol", false, "closing data connection"},
+		{"TLS", true, "TLS handshake failed"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var logs syncbuf.Buffer
+			opts := transport.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))}
+			aOpts := transport.Options{}
+			if tc.tls {
+				opts.TLS, aOpts.TLS = party(t, ca, "rx"), party(t, ca, "tx")
+			}
+			b := open(t, opts)
+			a := open(t, aOpts)
+			for i := range flood {
+				c, err := net.Dial("tcp", b.Endpoint())
+				if err != nil {
+					t.Fatalf("connection %d: %v", i, err)
+				}
+				c.SetDeadline(time.Now().Add(5 * time.Second))
+				c.Write([]byte(strings.Repeat("GET / HTTP/1.0\r\n\r\n", prefaceLen)[:prefaceLen]))
+				_, err = io.Copy(io.Discard, c) // until b closes it: logged by then
+				c.Close()
+				if err != nil && !errors.Is(err, syscall.ECONNRESET) {
+					t.Fatalf("connection %d: not closed by the receiver: %v", i, err)
+				}
+			}
+			if n := strings.Count(logs.String(), tc.line); n == 0 || n > 3 {
+				t.Errorf("%d log lines %q for %d connections closed, want 1 to 3", n, tc.line, flood)
+			}
+			move(t, a, b, [][]byte{seq(1<<20, 3)}, [][]byte{make([]byte, 1<<20)})
+		})
+	}
 }

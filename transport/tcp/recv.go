@@ -110,11 +110,14 @@ func (t *Transport) serve(c *inConn) {
 	// frame).
 	clean := errors.Is(err, io.EOF) || err == errIdle
 	var herr *handshakeError
-	if errors.As(err, &herr) && !errors.Is(err, net.ErrClosed) {
-		t.log.Warn("tcp: refused a data connection: TLS handshake failed", "remote", c.remote, "err", herr.err)
-	} else if err == errIdle {
+	switch {
+	case errors.As(err, &herr) && !errors.Is(err, net.ErrClosed):
+		t.closes.Warn("tls", "tcp: refused a data connection: TLS handshake failed", "remote", c.remote, "err", herr.err)
+	case err == errIdle:
 		t.log.Debug("tcp: closed an idle data connection", "remote", c.remote, "idle_timeout", t.opts.IdleTimeout)
-	} else {
+	case errors.Is(err, transport.ErrProtocol):
+		t.closes.Warn("protocol", "tcp: closing data connection", "remote", c.remote, "err", err)
+	default:
 		conn.LogEnd(t.log, "tcp", "data connection", c.remote, err)
 	}
 	lost := peerLost("receive from", c.remote, err)

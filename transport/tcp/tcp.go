@@ -29,6 +29,10 @@ const (
 	cancelGrace = time.Second // Recv.Cancel: fallback before closing connections
 )
 
+// closeLogEvery is the interval of Transport.closes. Tests that check the
+// close of each of a series of bad connections set it to 0 before Open.
+var closeLogEvery = time.Second
+
 // rcvLowat is how many bytes of a frame a reader that found its socket
 // empty waits for before it is woken (SO_RCVLOWAT, see sysReader).
 const rcvLowat = 1 << 20
@@ -57,6 +61,10 @@ type Transport struct {
 	srvTLS, cliTLS *tls.Config
 	// rcvLowat: rcvLowat, or what a test set before any connection came.
 	rcvLowat int
+	// closes logs the accepted connections closed for breaking the
+	// protocol or failing the TLS handshake: any process that reaches the
+	// listener can open them, so a line a second per cause, not one each.
+	closes *netlimit.RateLog
 
 	done chan struct{} // closed when Close starts
 	// life ends when Close starts (endLife): the context of work that
@@ -108,9 +116,10 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		ln.Close()
 		return nil, fmt.Errorf("tcp: open: endpoint %q longer than %d bytes", ep, maxEndpoint)
 	}
+	log := opts.Logger.With("backend", "tcp", "endpoint", ep)
 	t := &Transport{
 		opts:     opts,
-		log:      opts.Logger.With("backend", "tcp", "endpoint", ep),
+		log:      log,
 		ln:       ln,
 		endpoint: ep,
 		session:  receipt.Rand64(),
@@ -118,6 +127,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		srvTLS:   srvTLS,
 		cliTLS:   cliTLS,
 		rcvLowat: rcvLowat,
+		closes:   netlimit.NewRateLog(log, closeLogEvery),
 		done:     make(chan struct{}),
 		ops:      make(map[*sendOp]struct{}),
 		inbound:  make(map[*inConn]struct{}),

@@ -90,7 +90,9 @@ func TestTLSRefusals(t *testing.T) {
 	}
 	var logs syncbuf.Buffer
 	rxTLS := party(t, ca, "rx")
+	closeLogEvery = 0 // every case's refusal logged at once, not a line a second
 	rx := open(t, transport.Options{TLS: rxTLS, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	closeLogEvery = time.Second
 	member := open(t, transport.Options{TLS: party(t, ca, "tx")})
 	if rx.Name() != "tcp(tls)" {
 		t.Errorf("Name = %q, want tcp(tls)", rx.Name())
