@@ -168,6 +168,26 @@ func TestTable(t *testing.T) {
 	}
 }
 
+// TestTableKinds: a handle of one kind is not a handle of another (the
+// header's KVXFER_ERR_BAD_HANDLE), so a config handle given where a
+// transceiver's is due cannot reach, or close, a transceiver.
+func TestTableKinds(t *testing.T) {
+	configs, transceivers := NewTable[string]("config"), NewTable[string]("transceiver")
+	c, tr := configs.Put("c"), transceivers.Put("t")
+	if _, err := transceivers.Get(c); !errors.Is(err, ErrBadHandle) || !strings.Contains(err.Error(), "transceiver handle") {
+		t.Errorf("a config handle given as a transceiver's: %v", err)
+	}
+	if _, ok := transceivers.Delete(c); ok {
+		t.Error("deleting a config handle from the transceivers deleted a transceiver")
+	}
+	if _, err := configs.Get(tr); !errors.Is(err, ErrBadHandle) {
+		t.Errorf("a transceiver handle given as a config's: %v", err)
+	}
+	if v, err := transceivers.Get(tr); err != nil || v != "t" {
+		t.Errorf("Get(%d) = %q, %v", tr, v, err)
+	}
+}
+
 // desc is a small model: 4 layers, 4 KV heads of 16 fp16 values, 8 tokens
 // per block.
 func desc(tp int) StateDesc {
