@@ -396,6 +396,14 @@ func TestBadArguments(t *testing.T) {
 			_, err := Open(ctx, c, Options{State: desc(1), Pools: []PoolSpec{{NumBlocks: 2}}, Group: GroupSpec{Mode: GroupGather, Processes: 1}})
 			return err
 		}(), CodeInvalidArgument, "no group is needed"},
+		{"ranks repeated", func() error {
+			_, err := Open(ctx, c, Options{State: desc(2), Ranks: []int{1, 1}, Pools: []PoolSpec{{NumBlocks: 2}, {NumBlocks: 2}}})
+			return err
+		}(), CodeInvalidArgument, "ranks [1 1]: not ascending without repeats"},
+		{"ranks descending", func() error {
+			_, err := Open(ctx, c, Options{State: desc(2), Ranks: []int{1, 0}, Pools: []PoolSpec{{NumBlocks: 2}, {NumBlocks: 2}}})
+			return err
+		}(), CodeInvalidArgument, "ranks [1 0]: not ascending without repeats"},
 		{"gather without a group", func() error {
 			_, err := tr.Outbox()
 			return err

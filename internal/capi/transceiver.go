@@ -167,9 +167,12 @@ func Open(ctx context.Context, c *Config, o Options) (*Transceiver, error) {
 	if len(ranks) == 0 {
 		ranks = seq(st.Parallel.NumRanks())
 	}
-	for _, r := range ranks {
+	for i, r := range ranks {
 		if r < 0 || r >= st.Parallel.NumRanks() {
 			return nil, errorf(CodeInvalidArgument, "capi: open: rank %d out of range [0,%d) of %s", r, st.Parallel.NumRanks(), st.Parallel)
+		}
+		if i > 0 && r <= ranks[i-1] {
+			return nil, errorf(CodeInvalidArgument, "capi: open: ranks %v: not ascending without repeats (ranks[%d] is %d after %d)", ranks, i, r, ranks[i-1])
 		}
 	}
 	if len(o.Pools) != len(ranks) {
