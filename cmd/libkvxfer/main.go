@@ -21,6 +21,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"strings"
 	"time"
@@ -262,8 +263,8 @@ func hostedRanks(ranks *C.int32_t, nRanks C.size_t, n int) ([]int, error) {
 	if ranks == nil || nRanks == 0 {
 		return nil, nil
 	}
-	if int(nRanks) > n {
-		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: %d ranks listed, the instance has %d", nRanks, n)}
+	if uint64(nRanks) > uint64(n) {
+		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: n_ranks is %d, the instance has %d ranks", uint64(nRanks), n)}
 	}
 	var hosted []int
 	for _, r := range unsafe.Slice((*int32)(unsafe.Pointer(ranks)), int(nRanks)) {
@@ -280,8 +281,8 @@ func poolSpecs(ps []C.kvxfer_pool) ([]capi.PoolSpec, error) {
 		p := &ps[i]
 		spec := capi.PoolSpec{NumBlocks: int(p.num_blocks), BlockBytes: int64(p.block_bytes)}
 		if p.base != nil {
-			if p.size == 0 {
-				return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: pools[%d]: base set, size 0", i)}
+			if p.size == 0 || uint64(p.size) > math.MaxInt {
+				return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: pools[%d]: base set, size %d (want 1..%d)", i, uint64(p.size), math.MaxInt)}
 			}
 			spec.Memory = unsafe.Slice((*byte)(p.base), int(p.size))
 		}
@@ -549,7 +550,10 @@ func kvxfer_go_group_deliver(h C.uint64_t, flat *C.uint8_t, lens *C.size_t, n C.
 		}
 		ls := unsafe.Slice((*C.size_t)(lens), int(n))
 		total := 0
-		for _, l := range ls {
+		for i, l := range ls {
+			if uint64(l) > uint64(math.MaxInt-total) {
+				return &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: group deliver: lens[%d] is %d: the contributions add up past any buffer", i, uint64(l))}
+			}
 			total += int(l)
 		}
 		if flat == nil && total > 0 {

@@ -1,0 +1,60 @@
+"""The C ABI under a careless caller, called through ctypes in this process:
+lengths and counts that do not fit, NULLs where the header wants an array.
+Each must be refused with KVXFER_ERR_INVALID_ARGUMENT and a message that
+names the argument, never KVXFER_ERR_INTERNAL (a panic of kvxfer) nor a
+silent default."""
+
+import ctypes
+
+import kvxfer
+from conftest import TCP
+from kvxfer import _lib
+
+SIZE_MAX = 2**64 - 1
+INVALID_ARGUMENT = 1
+
+
+def _state(tp=1):
+    s, keep = kvxfer.CacheState(layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, tp=tp)._c()
+    return s, keep
+
+
+def _create(cfg, state, ranks, n_ranks, pools, group=None):
+    lib = _lib.lib()
+    h = ctypes.c_uint64()
+    rc = lib.kvxfer_transceiver_create(cfg._h, ctypes.byref(state), ranks, n_ranks, pools, group, None, ctypes.byref(h))
+    return rc, lib.kvxfer_last_error().decode(), h.value
+
+
+def test_lengths_that_overflow_are_invalid_arguments():
+    """size_t counts past what an int holds (SIZE_MAX, or lens that sum past
+    it) are refused as invalid arguments, naming the argument."""
+    lib = _lib.lib()
+    cfg = kvxfer.Config.from_dict(TCP)
+    s, _keep = _state(tp=2)
+    pools = (_lib.PoolC * 2)()
+    for p in pools:
+        p.num_blocks = 4
+    ranks = (ctypes.c_int32 * 2)(0, 1)
+    rc, msg, h = _create(cfg, s, ranks, SIZE_MAX, pools)
+    if rc == 0:
+        lib.kvxfer_transceiver_close(h)
+    assert (rc, "n_ranks" in msg) == (INVALID_ARGUMENT, True), (rc, msg)
+
+    mem = ctypes.create_string_buffer(64)
+    big = (_lib.PoolC * 1)()
+    big[0].base, big[0].size, big[0].num_blocks = ctypes.addressof(mem), SIZE_MAX, 1
+    s1, _keep1 = _state()
+    rc, msg, h = _create(cfg, s1, None, 0, big)
+    if rc == 0:
+        lib.kvxfer_transceiver_close(h)
+    assert (rc, "pools[0]" in msg and "size" in msg) == (INVALID_ARGUMENT, True), (rc, msg)
+
+    with kvxfer.KvCacheTransceiver(cfg, kvxfer.CacheState(layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, tp=2),
+                                   num_blocks=4, ranks=[0], group=kvxfer.GatherGroup(0, 2)) as tr:
+        for lens in ([SIZE_MAX, 1], [2**63, 2**63], [SIZE_MAX]):
+            arr = (ctypes.c_size_t * len(lens))(*lens)
+            rc = lib.kvxfer_group_deliver(tr._h, b"x", arr, len(lens))
+            msg = lib.kvxfer_last_error().decode()
+            assert (rc, "lens" in msg) == (INVALID_ARGUMENT, True), (lens, rc, msg)
+
