@@ -258,9 +258,14 @@ func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks 
 }
 
 // hostedRanks are the ranks listed in C's ranks[nRanks], of an instance
-// of n ranks; none (every rank hosted) when the list is empty.
+// of n ranks; none (every rank hosted) when the list is empty. ranks NULL
+// with a count is refused: it is no list, and taking it for every rank
+// would open ranks the caller did not mean to host.
 func hostedRanks(ranks *C.int32_t, nRanks C.size_t, n int) ([]int, error) {
-	if ranks == nil || nRanks == 0 {
+	if ranks == nil && nRanks > 0 {
+		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: ranks is NULL and n_ranks is %d (NULL and 0: every rank)", uint64(nRanks))}
+	}
+	if nRanks == 0 {
 		return nil, nil
 	}
 	if uint64(nRanks) > uint64(n) {

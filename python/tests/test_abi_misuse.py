@@ -58,3 +58,16 @@ def test_lengths_that_overflow_are_invalid_arguments():
             msg = lib.kvxfer_last_error().decode()
             assert (rc, "lens" in msg) == (INVALID_ARGUMENT, True), (lens, rc, msg)
 
+
+def test_null_ranks_with_a_count_is_refused():
+    """ranks NULL with n_ranks > 0 is inconsistent: the header's "every rank"
+    is NULL and 0. It is refused, not taken as every rank."""
+    lib = _lib.lib()
+    cfg = kvxfer.Config.from_dict(TCP)
+    s, _keep = _state()
+    pools = (_lib.PoolC * 1)()
+    pools[0].num_blocks = 4
+    rc, msg, h = _create(cfg, s, None, 1, pools)
+    if rc == 0:
+        lib.kvxfer_transceiver_close(h)
+    assert (rc, "ranks is NULL" in msg) == (INVALID_ARGUMENT, True), (rc, msg)
