@@ -239,6 +239,26 @@ class KvCacheTransceiver:
         flat = [b for x in per for b in x]
         return (ctypes.c_int32 * len(flat))(*flat), nb
 
+    # _register records req as the request of its id on side gen (0: context,
+    # 1: generation) before the call that starts it, so that a status call
+    # of another thread finds it however soon it ends. It returns whether it
+    # did: an id already recorded is one in flight, whose request keeps its
+    # place (the library refuses the second with InFlightError).
+    def _register(self, gen, req):
+        with self._mu:
+            if req.request_id in self._reqs[gen]:
+                return False
+            self._reqs[gen][req.request_id] = req
+            return True
+
+    # _unregister undoes _register after the call failed, when it recorded req.
+    def _unregister(self, gen, req, mine):
+        if not mine:
+            return
+        with self._mu:
+            if self._reqs[gen].get(req.request_id) is req:
+                del self._reqs[gen][req.request_id]
+
     def _handle(self):
         if not self._h:
             raise error_for(10, "kvxfer: the transceiver is shut down")
@@ -261,8 +281,7 @@ class KvCacheTransceiver:
         n = ctypes.c_size_t()
         buf = ctypes.create_string_buffer(4096)
         u8 = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
-        with self._mu:
-            self._reqs[0][req.request_id] = req
+        mine = self._register(0, req)
         try:
             _check(self._lib.kvxfer_respond_and_send(self._handle(), req.request_id, req.dp_rank, req.num_tokens, ids, nb,
                                                      u8, len(buf), ctypes.byref(n)))
@@ -271,9 +290,7 @@ class KvCacheTransceiver:
                 u8 = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
                 _check(self._lib.kvxfer_context_opaque_state(self._h, req.request_id, u8, len(buf), ctypes.byref(n)))
         except KvxferError:
-            with self._mu:
-                if self._reqs[0].get(req.request_id) is req:
-                    del self._reqs[0][req.request_id]
+            self._unregister(0, req, mine)
             raise
         req.opaque_state = buf.raw[: n.value]
         req.state, req.error = DISAGG_CONTEXT_TRANS_IN_PROGRESS, None
@@ -284,14 +301,11 @@ class KvCacheTransceiver:
         DISAGG_GENERATION_TRANS_IN_PROGRESS."""
         ids, nb = self._blocks(req)
         op = bytes(req.opaque_state or b"")
-        with self._mu:
-            self._reqs[1][req.request_id] = req
+        mine = self._register(1, req)
         try:
             _check(self._lib.kvxfer_request_and_receive(self._handle(), req.request_id, req.dp_rank, req.num_tokens, op, len(op), ids, nb))
         except KvxferError:
-            with self._mu:
-                if self._reqs[1].get(req.request_id) is req:
-                    del self._reqs[1][req.request_id]
+            self._unregister(1, req, mine)
             raise
         req.state, req.error = DISAGG_GENERATION_TRANS_IN_PROGRESS, None
 

@@ -1,0 +1,41 @@
+"""The binding's own bookkeeping under a careless or concurrent caller, in
+this process (a context and a generation instance side by side): what it
+keeps per request, what it hands ctypes, and what it frees."""
+
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import kvxfer
+from conftest import TCP
+from kvxfer import _lib
+
+
+def model(**kw):
+    base = dict(layers=4, kv_heads=4, head_dim=32, tokens_per_block=8, dtype="bf16")
+    base.update(kw)
+    return kvxfer.CacheState(**base)
+
+
+def test_reused_id_keeps_the_request_in_flight():
+    """A second respond (or receive) with the id of a request in flight is
+    refused (InFlightError), and the first request stays the one its status
+    call reports: its own object, with its state and blocks."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    with kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=8) as ctx, \
+            kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=8) as gen:
+        first = kvxfer.Request(1, [0, 1], num_tokens=16)
+        ctx.respond_and_send_async(first)
+        with pytest.raises(kvxfer.InFlightError):
+            ctx.respond_and_send_async(kvxfer.Request(1, [2, 3], num_tokens=16))
+        pull = kvxfer.Request(7, [4, 5], num_tokens=16, opaque_state=first.opaque_state)
+        gen.request_and_receive_async(pull)
+        with pytest.raises(kvxfer.InFlightError):
+            gen.request_and_receive_async(kvxfer.Request(7, [6, 7], num_tokens=16, opaque_state=first.opaque_state))
+        [got] = gen.check_gen_transfer_status(1, timeout=20)
+        assert got is pull and pull.state == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, (got, pull.error)
+        [got] = ctx.check_context_transfer_status(1, timeout=20)
+        assert got is first and first.state == kvxfer.DISAGG_CONTEXT_COMPLETE, (got, first.error)
