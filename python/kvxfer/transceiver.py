@@ -240,24 +240,30 @@ class KvCacheTransceiver:
         return (ctypes.c_int32 * len(flat))(*flat), nb
 
     # _register records req as the request of its id on side gen (0: context,
-    # 1: generation) before the call that starts it, so that a status call
-    # of another thread finds it however soon it ends. It returns whether it
-    # did: an id already recorded is one in flight, whose request keeps its
-    # place (the library refuses the second with InFlightError).
+    # 1: generation), in progress, before the call that starts it, so that a
+    # status call of another thread finds it however soon it ends, and the
+    # end state it sets is not overwritten afterwards. It returns what
+    # _unregister needs to undo it, None when it did not: an id already
+    # recorded is one in flight, whose request keeps its place (the library
+    # refuses the second with InFlightError).
     def _register(self, gen, req):
         with self._mu:
             if req.request_id in self._reqs[gen]:
-                return False
+                return None
             self._reqs[gen][req.request_id] = req
-            return True
+            undo = (req.state, req.error)
+            req.state = DISAGG_GENERATION_TRANS_IN_PROGRESS if gen else DISAGG_CONTEXT_TRANS_IN_PROGRESS
+            req.error = None
+            return undo
 
-    # _unregister undoes _register after the call failed, when it recorded req.
-    def _unregister(self, gen, req, mine):
-        if not mine:
+    # _unregister undoes _register after the call failed.
+    def _unregister(self, gen, req, undo):
+        if undo is None:
             return
         with self._mu:
             if self._reqs[gen].get(req.request_id) is req:
                 del self._reqs[gen][req.request_id]
+                req.state, req.error = undo
 
     def _handle(self):
         if not self._h:
@@ -267,7 +273,8 @@ class KvCacheTransceiver:
     def respond_and_send_async(self, req):
         """Context side: hand req, whose prefill is done, to the transceiver.
         Sets req.opaque_state (for the generation side) and the state
-        DISAGG_CONTEXT_TRANS_IN_PROGRESS.
+        DISAGG_CONTEXT_TRANS_IN_PROGRESS (before the call: a status call of
+        another thread that reports its end first sets the end state).
 
         With the instance's ranks in several processes (a group), every
         process makes this call for the request, each at its own time, and
@@ -281,7 +288,7 @@ class KvCacheTransceiver:
         n = ctypes.c_size_t()
         buf = ctypes.create_string_buffer(4096)
         u8 = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
-        mine = self._register(0, req)
+        undo = self._register(0, req)
         try:
             _check(self._lib.kvxfer_respond_and_send(self._handle(), req.request_id, req.dp_rank, req.num_tokens, ids, nb,
                                                      u8, len(buf), ctypes.byref(n)))
@@ -290,10 +297,9 @@ class KvCacheTransceiver:
                 u8 = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
                 _check(self._lib.kvxfer_context_opaque_state(self._h, req.request_id, u8, len(buf), ctypes.byref(n)))
         except KvxferError:
-            self._unregister(0, req, mine)
+            self._unregister(0, req, undo)
             raise
         req.opaque_state = buf.raw[: n.value]
-        req.state, req.error = DISAGG_CONTEXT_TRANS_IN_PROGRESS, None
 
     def request_and_receive_async(self, req):
         """Generation side: start pulling req's KV cache into req.block_ids
@@ -301,13 +307,12 @@ class KvCacheTransceiver:
         DISAGG_GENERATION_TRANS_IN_PROGRESS."""
         ids, nb = self._blocks(req)
         op = bytes(req.opaque_state or b"")
-        mine = self._register(1, req)
+        undo = self._register(1, req)
         try:
             _check(self._lib.kvxfer_request_and_receive(self._handle(), req.request_id, req.dp_rank, req.num_tokens, op, len(op), ids, nb))
         except KvxferError:
-            self._unregister(1, req, mine)
+            self._unregister(1, req, undo)
             raise
-        req.state, req.error = DISAGG_GENERATION_TRANS_IN_PROGRESS, None
 
     def request_and_receive_sync(self, req, timeout=None):
         """request_and_receive_async and a wait for the end (at most timeout

@@ -39,3 +39,58 @@ def test_reused_id_keeps_the_request_in_flight():
         assert got is pull and pull.state == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, (got, pull.error)
         [got] = ctx.check_context_transfer_status(1, timeout=20)
         assert got is first and first.state == kvxfer.DISAGG_CONTEXT_COMPLETE, (got, first.error)
+
+
+class _Between:
+    """The library, but after the call named name returns (before the
+    binding's code after it runs) it runs then() on another thread and
+    waits for it: a status call of another thread in that window."""
+
+    def __init__(self, real, name, then):
+        self._real, self._name, self._then = real, name, then
+
+    def __getattr__(self, attr):
+        fn = getattr(self._real, attr)
+        if attr != self._name:
+            return fn
+
+        def call(*args):
+            rc = fn(*args)
+            t = threading.Thread(target=self._then)
+            t.start()
+            t.join(30)
+            return rc
+
+        return call
+
+
+def test_a_request_that_ends_at_once_keeps_its_end_state():
+    """A request that ends, and is reported by another thread's status call,
+    before respond_and_send_async or request_and_receive_async returns keeps
+    the state that call gave it (the end), not IN_PROGRESS."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    with kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=8) as ctx, \
+            kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=8) as gen:
+        seen = []
+        real = ctx._lib
+
+        def cancel_and_report():
+            real.kvxfer_cancel(ctx._h, 1, None)
+            seen.extend(ctx.check_context_transfer_status(1, timeout=20))
+
+        ctx._lib = _Between(real, "kvxfer_respond_and_send", cancel_and_report)
+        req = kvxfer.Request(1, [0, 1], num_tokens=16)
+        ctx.respond_and_send_async(req)
+        ctx._lib = real
+        assert seen == [req], seen
+        assert req.state == kvxfer.DISAGG_TRANS_ERROR and isinstance(req.error, kvxfer.CanceledError), (req.state, req.error)
+
+        done = kvxfer.Request(2, [2, 3], num_tokens=16)
+        ctx.respond_and_send_async(done)
+        gen._lib = _Between(gen._lib, "kvxfer_request_and_receive",
+                            lambda: seen.extend(gen.check_gen_transfer_status(1, timeout=20)))
+        pull = kvxfer.Request(8, [4, 5], num_tokens=16, opaque_state=done.opaque_state)
+        gen.request_and_receive_async(pull)
+        gen._lib = real
+        assert seen[1:] == [pull], seen
+        assert pull.state == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, (pull.state, pull.error)
