@@ -221,8 +221,7 @@ class KvCacheTransceiver:
         self.num_blocks = [cpools[i].num_blocks for i in range(n)]
         self._mu = threading.Lock()
         self._reqs = ({}, {})  # by id: context side, generation side
-        self._finished = (_lib.FinishedC * _FINISHED_BATCH)()
-        self._opaque = ctypes.create_string_buffer(4096)
+        self._tls = threading.local()  # each thread's array for the status calls
 
     # The block ids of req as the C ABI wants them: hosted rank by hosted rank.
     def _blocks(self, req):
@@ -336,14 +335,20 @@ class KvCacheTransceiver:
         deadline = None if timeout is None else time.monotonic() + timeout
         out = []
         n = ctypes.c_size_t()
+        # The array is this thread's: another thread's status call, between
+        # this one's library call and its reading, would write over a
+        # shared one.
+        finished = getattr(self._tls, "finished", None)
+        if finished is None:
+            finished = self._tls.finished = (_lib.FinishedC * _FINISHED_BATCH)()
         while True:
             ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            rc = fn(self._handle(), at, ms, self._finished, _FINISHED_BATCH, ctypes.byref(n))
+            rc = fn(self._handle(), at, ms, finished, _FINISHED_BATCH, ctypes.byref(n))
             err = None
             if rc != _lib.OK:
                 err = error_for(rc, self._lib.kvxfer_last_error().decode("utf-8", "replace"))
             for i in range(n.value):
-                f = self._finished[i]
+                f = finished[i]
                 out.append(self._finish(gen, f.request_id, f.status))
             if err is not None:
                 if out:  # what ended is returned; the wait's failure is not lost for a later call

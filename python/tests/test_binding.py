@@ -94,3 +94,32 @@ def test_a_request_that_ends_at_once_keeps_its_end_state():
         gen._lib = real
         assert seen[1:] == [pull], seen
         assert pull.state == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, (pull.state, pull.error)
+
+
+def test_status_calls_of_two_threads_keep_their_own_results():
+    """Two threads' status calls on one transceiver (its context and its
+    generation side) each get their own side's requests: the other's call,
+    between one's library call and its reading of the results, does not
+    write over them."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    with kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=8) as tr, \
+            kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=8) as other:
+        cancelled = kvxfer.Request(1, [0, 1], num_tokens=16)
+        tr.respond_and_send_async(cancelled)
+        assert tr.cancel_request(cancelled)
+        src = kvxfer.Request(2, [0, 1], num_tokens=16)
+        other.respond_and_send_async(src)
+        pull = kvxfer.Request(8, [4, 5], num_tokens=16, opaque_state=src.opaque_state)
+        tr.request_and_receive_async(pull)
+        while not tr.check_gen_transfer_complete():
+            threading.Event().wait(0.01)
+        gen_seen = []
+        real = tr._lib
+        tr._lib = _Between(real, "kvxfer_check_context_status",
+                           lambda: gen_seen.extend(tr.check_gen_transfer_status(1, timeout=20)))
+        try:
+            ctx_seen = tr.check_context_transfer_status(1, timeout=20)
+        finally:
+            tr._lib = real
+        assert gen_seen == [pull] and pull.state == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, (gen_seen, pull)
+        assert ctx_seen == [cancelled] and isinstance(cancelled.error, kvxfer.CanceledError), (ctx_seen, cancelled)
