@@ -3,6 +3,7 @@
 import ctypes
 import dataclasses
 import json
+import operator
 import os
 import threading
 import time
@@ -18,6 +19,25 @@ DISAGG_GENERATION_INIT = "DISAGG_GENERATION_INIT"
 DISAGG_GENERATION_TRANS_IN_PROGRESS = "DISAGG_GENERATION_TRANS_IN_PROGRESS"
 DISAGG_GENERATION_TRANS_COMPLETE = "DISAGG_GENERATION_TRANS_COMPLETE"
 DISAGG_TRANS_ERROR = "DISAGG_TRANS_ERROR"
+
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+UINT64 = (0, 2**64 - 1)
+
+
+def _int(what, v, bounds):
+    """v as an int of the C type whose bounds are given (INT32, UINT64),
+    checked: ctypes would cut one that does not fit without a word (2**32 + 1
+    as an int32 is 1), naming another block, request or shape."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise error_for(1, f"kvxfer: {what} is {v!r}, not an integer") from None
+    lo, hi = bounds
+    if not lo <= i <= hi:
+        raise error_for(1, f"kvxfer: {what} is {i}, out of range [{lo}, {hi}] of its C type")
+    return i
 
 
 def _check(rc):
@@ -96,13 +116,16 @@ class CacheState:
             raise error_for(1, f"kvxfer: dtype {self.dtype!r}: want one of {sorted(_lib.DTYPES)}")
         if self.attention.lower() not in _lib.ATTENTION:
             raise error_for(1, f"kvxfer: attention {self.attention!r}: want default or mla")
+        ints = [_int(f"cache state {name}", getattr(self, name), INT32)
+                for name in ("layers", "kv_heads", "head_dim", "tokens_per_block", "kv_factor")]
+        par = [_int(f"cache state {name}", getattr(self, name), INT32) for name in ("tp", "pp")]
         s = _lib.CacheStateC(
-            ctypes.sizeof(_lib.CacheStateC), self.layers, self.kv_heads, self.head_dim, self.tokens_per_block,
-            self.kv_factor, _lib.DTYPES[self.dtype], _lib.ATTENTION[self.attention.lower()], self.tp, self.pp,
-            int(self.attention_dp), self.dp_size, None)
+            ctypes.sizeof(_lib.CacheStateC), *ints, _lib.DTYPES[self.dtype], _lib.ATTENTION[self.attention.lower()], *par,
+            int(bool(self.attention_dp)), _int("cache state dp_size", self.dp_size, INT32), None)
         keep = None
         if self.layers_per_pp:
-            keep = (ctypes.c_int32 * len(self.layers_per_pp))(*self.layers_per_pp)
+            lpp = [_int(f"cache state layers_per_pp[{i}]", v, INT32) for i, v in enumerate(self.layers_per_pp)]
+            keep = (ctypes.c_int32 * len(lpp))(*lpp)
             s.layers_per_pp = ctypes.cast(keep, ctypes.POINTER(ctypes.c_int32))
         return s, keep
 
@@ -114,7 +137,7 @@ class CacheState:
         """The bytes of one block of rank."""
         s, _keep = self._c()
         out = ctypes.c_uint64()
-        _check(_lib.lib().kvxfer_block_bytes(ctypes.byref(s), rank, ctypes.byref(out)))
+        _check(_lib.lib().kvxfer_block_bytes(ctypes.byref(s), _int("rank", rank, INT32), ctypes.byref(out)))
         return out.value
 
 
@@ -131,8 +154,9 @@ class CoordinatedGroup:
     join_timeout: float = 60.0
 
     def _c(self):
-        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_COORDINATED, self.process, self.processes,
-                           self.coordinator.encode(), int(self.join_timeout * 1000))
+        ms = min(int(self.join_timeout * 1000), INT64[1])
+        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_COORDINATED, _int("group process", self.process, INT32),
+                           _int("group processes", self.processes, INT32), self.coordinator.encode(), ms)
 
 
 @dataclasses.dataclass
@@ -144,7 +168,8 @@ class GatherGroup:
     processes: int
 
     def _c(self):
-        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_GATHER, self.process, self.processes, None, 0)
+        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_GATHER, _int("group process", self.process, INT32),
+                           _int("group processes", self.processes, INT32), None, 0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -184,7 +209,9 @@ class KvCacheTransceiver:
     def __init__(self, config, cache_state, pools=None, num_blocks=None, ranks=None, group=None, listen_host=None):
         self._lib = _lib.lib()
         self.cache_state = cache_state
-        self.ranks = list(ranks) if ranks else list(range(cache_state.num_ranks))
+        self.ranks = [_int(f"ranks[{i}]", r, INT32) for i, r in enumerate(ranks)] if ranks else list(range(cache_state.num_ranks))
+        if num_blocks is not None:
+            num_blocks = _int("num_blocks", num_blocks, INT32)
         n = len(self.ranks)
         cpools = (_lib.PoolC * n)()
         self._keep = []  # the ctypes views that pin the caller's buffers
@@ -223,8 +250,12 @@ class KvCacheTransceiver:
         self._reqs = ({}, {})  # by id: context side, generation side
         self._tls = threading.local()  # each thread's array for the status calls
 
-    # The block ids of req as the C ABI wants them: hosted rank by hosted rank.
+    # The block ids of req as the C ABI wants them: hosted rank by hosted
+    # rank, with req's integers checked against their C types.
     def _blocks(self, req):
+        _int("request_id", req.request_id, UINT64)
+        _int(f"request {req.request_id}: dp_rank", req.dp_rank, INT32)
+        _int(f"request {req.request_id}: num_tokens", req.num_tokens, INT32)
         ids = req.block_ids
         if len(ids) == 0 or not hasattr(ids[0], "__len__"):
             per = [list(ids)]  # a flat list: the blocks of a process hosting one rank
@@ -235,7 +266,7 @@ class KvCacheTransceiver:
         nb = len(per[0])
         if any(len(x) != nb for x in per):
             raise error_for(1, f"kvxfer: request {req.request_id}: the hosted ranks have different numbers of blocks {[len(x) for x in per]}")
-        flat = [b for x in per for b in x]
+        flat = [_int(f"request {req.request_id}: block id", b, INT32) for x in per for b in x]
         return (ctypes.c_int32 * len(flat))(*flat), nb
 
     # _register records req as the request of its id on side gen (0: context,
@@ -320,7 +351,7 @@ class KvCacheTransceiver:
         check_gen_transfer_status."""
         ids, nb = self._blocks(req)
         op = bytes(req.opaque_state or b"")
-        ms = -1 if timeout is None else int(timeout * 1000)
+        ms = -1 if timeout is None or timeout == float("inf") else min(int(timeout * 1000), INT64[1])
         req.state = DISAGG_GENERATION_TRANS_IN_PROGRESS
         try:
             _check(self._lib.kvxfer_request_and_receive_sync(self._handle(), req.request_id, req.dp_rank, req.num_tokens, op, len(op), ids, nb, ms))
@@ -331,8 +362,8 @@ class KvCacheTransceiver:
 
     def _check_status(self, gen, at_least, timeout):
         fn = self._lib.kvxfer_check_gen_status if gen else self._lib.kvxfer_check_context_status
-        at = -1 if at_least is None else int(at_least)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        at = -1 if at_least is None else _int("at_least_request_num", at_least, INT32)
+        deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
         out = []
         n = ctypes.c_size_t()
         # The array is this thread's: another thread's status call, between
@@ -342,7 +373,7 @@ class KvCacheTransceiver:
         if finished is None:
             finished = self._tls.finished = (_lib.FinishedC * _FINISHED_BATCH)()
         while True:
-            ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ms = -1 if deadline is None else min(max(0, int((deadline - time.monotonic()) * 1000)), INT64[1])
             rc = fn(self._handle(), at, ms, finished, _FINISHED_BATCH, ctypes.byref(n))
             err = None
             if rc != _lib.OK:
@@ -399,7 +430,7 @@ class KvCacheTransceiver:
         """Cancels req's transfer on whichever side it is in flight; True
         when one was cancelled (it is then reported with CanceledError)."""
         c = ctypes.c_int32()
-        _check(self._lib.kvxfer_cancel(self._handle(), req.request_id, ctypes.byref(c)))
+        _check(self._lib.kvxfer_cancel(self._handle(), _int("request_id", req.request_id, UINT64), ctypes.byref(c)))
         return bool(c.value)
 
     def gather_outbox(self):

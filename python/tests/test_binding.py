@@ -123,3 +123,36 @@ def test_status_calls_of_two_threads_keep_their_own_results():
             tr._lib = real
         assert gen_seen == [pull] and pull.state == kvxfer.DISAGG_GENERATION_TRANS_COMPLETE, (gen_seen, pull)
         assert ctx_seen == [cancelled] and isinstance(cancelled.error, kvxfer.CanceledError), (ctx_seen, cancelled)
+
+
+def test_integers_that_do_not_fit_are_refused():
+    """ctypes cuts an int to its C type without a word (2**32 + 1 as an
+    int32 is 1): every integer the binding hands the library is checked
+    against its C type first, and one that does not fit is an
+    InvalidArgumentError naming it, not another block, id or shape."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    pool = np.zeros(4 * model().block_bytes(), dtype=np.uint8)
+    with kvxfer.KvCacheTransceiver(cfg, model(), pools=[pool]) as tr:
+        for req, what in [
+            (kvxfer.Request(1, [2**32 + 1]), "block id"),
+            (kvxfer.Request(2**64 + 2, [0]), "request_id"),
+            (kvxfer.Request(-1, [0]), "request_id"),
+            (kvxfer.Request(3, [0], num_tokens=2**32 + 16), "num_tokens"),
+            (kvxfer.Request(4, [0], dp_rank=2**32), "dp_rank"),
+        ]:
+            with pytest.raises(kvxfer.InvalidArgumentError, match=what):
+                tr.respond_and_send_async(req)
+            assert req.opaque_state is None and req.state == kvxfer.CONTEXT_INIT, req
+        with pytest.raises(kvxfer.InvalidArgumentError, match="at_least"):
+            tr.check_context_transfer_status(2**32 + 1)
+        with pytest.raises(kvxfer.InvalidArgumentError, match="request_id"):
+            tr.cancel_request(kvxfer.Request(2**64, [0]))
+        assert tr.check_context_transfer_status(0) == []  # nothing was started
+    with pytest.raises(kvxfer.InvalidArgumentError, match="layers"):
+        model(layers=2**32 + 4).block_bytes()
+    with pytest.raises(kvxfer.InvalidArgumentError, match="rank"):
+        model(tp=2).block_bytes(2**32)
+    with pytest.raises(kvxfer.InvalidArgumentError, match="ranks"):
+        kvxfer.KvCacheTransceiver(cfg, model(tp=2), num_blocks=4, ranks=[2**32], group=kvxfer.GatherGroup(0, 2))
+    with pytest.raises(kvxfer.InvalidArgumentError, match="num_blocks"):
+        kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=2**32 + 4)
