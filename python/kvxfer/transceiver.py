@@ -244,7 +244,9 @@ class KvCacheTransceiver:
         if pools is not None:
             self.pools = [mv for mv, _ in self._keep]
         else:
-            self.pools = [memoryview((ctypes.c_uint8 * cpools[i].size).from_address(cpools[i].base)) for i in range(n)]
+            # Cast to "B": a ctypes array's own format ("<B") is one a
+            # memoryview can neither index nor assign through.
+            self.pools = [memoryview((ctypes.c_uint8 * cpools[i].size).from_address(cpools[i].base)).cast("B") for i in range(n)]
         self.num_blocks = [cpools[i].num_blocks for i in range(n)]
         self._mu = threading.Lock()
         self._reqs = ({}, {})  # by id: context side, generation side

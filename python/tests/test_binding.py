@@ -156,3 +156,15 @@ def test_integers_that_do_not_fit_are_refused():
         kvxfer.KvCacheTransceiver(cfg, model(tp=2), num_blocks=4, ranks=[2**32], group=kvxfer.GatherGroup(0, 2))
     with pytest.raises(kvxfer.InvalidArgumentError, match="num_blocks"):
         kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=2**32 + 4)
+
+
+def test_kvxfer_pools_are_bytes():
+    """The pools kvxfer allocates are memoryviews of bytes the caller can
+    index and assign through, as the caller's own (a bytearray) are."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    with kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=4) as tr:
+        pool = tr.pools[0]
+        assert pool.format == "B" and pool.nbytes == 4 * model().block_bytes()
+        pool[0], pool[-1] = 7, 9
+        assert (pool[0], pool[-1]) == (7, 9)
+        assert np.frombuffer(pool, dtype=np.uint8)[-1] == 9
