@@ -204,7 +204,8 @@ class KvCacheTransceiver:
     (None: every rank of the instance); when not all, group (a
     CoordinatedGroup or a GatherGroup) says how this process agrees with
     the processes hosting the others. Methods are safe to call from several
-    threads. Use it as a context manager, or call shutdown()."""
+    threads. Use it as a context manager, or call shutdown(); one dropped
+    without either is shut down when collected."""
 
     def __init__(self, config, cache_state, pools=None, num_blocks=None, ranks=None, group=None, listen_host=None):
         self._lib = _lib.lib()
@@ -244,9 +245,13 @@ class KvCacheTransceiver:
         if pools is not None:
             self.pools = [mv for mv, _ in self._keep]
         else:
-            # Cast to "B": a ctypes array's own format ("<B") is one a
-            # memoryview can neither index nor assign through.
-            self.pools = [memoryview((ctypes.c_uint8 * cpools[i].size).from_address(cpools[i].base)).cast("B") for i in range(n)]
+            self.pools = []
+            for i in range(n):
+                arr = (ctypes.c_uint8 * cpools[i].size).from_address(cpools[i].base)
+                arr.owner = self  # a pool the caller holds keeps the mapping (see __del__)
+                # Cast to "B": a ctypes array's own format ("<B") is one a
+                # memoryview can neither index nor assign through.
+                self.pools.append(memoryview(arr).cast("B"))
         self.num_blocks = [cpools[i].num_blocks for i in range(n)]
         self._mu = threading.Lock()
         self._reqs = ({}, {})  # by id: context side, generation side
@@ -482,6 +487,19 @@ class KvCacheTransceiver:
             self.pools = []
             _check(self._lib.kvxfer_transceiver_close(h))
             self._keep = []
+
+    def __del__(self):
+        # Dropped without shutdown: close before the caller's pools this
+        # object pins (self._keep) are let go, which the ranks would go on
+        # writing into, and stop the ranks' goroutines and listeners. A pool
+        # kvxfer allocated keeps this object alive while the caller holds
+        # it (its owner), so that it is not unmapped under the caller. At
+        # interpreter exit, or in a forked child (ForkedError), it is let go
+        # quietly.
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
     def __enter__(self):
         return self

@@ -158,6 +158,65 @@ def test_integers_that_do_not_fit_are_refused():
         kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=2**32 + 4)
 
 
+def _open(h):
+    """Whether transceiver handle h is still open in the library."""
+    c = ctypes.c_int32()
+    rc = _lib.lib().kvxfer_gen_transfer_complete(h, ctypes.byref(c))
+    assert rc in (0, 3), (rc, _lib.lib().kvxfer_last_error())
+    return rc == 0
+
+
+def test_a_dropped_transceiver_is_closed():
+    """A transceiver dropped without shutdown is closed when collected
+    (before the caller's pools it pins are let go, which it would otherwise
+    go on writing into), and not before: kvxfer's own pools, while the
+    caller holds one, keep it open and mapped."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    tr = kvxfer.KvCacheTransceiver(cfg, model(), pools=[bytearray(4 * model().block_bytes())])
+    h = tr._h
+    del tr
+    gc.collect()
+    assert not _open(h), "a dropped transceiver is still open"
+
+    tr = kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=4)
+    h, pools = tr._h, tr.pools
+    del tr
+    gc.collect()
+    assert _open(h), "closed while the caller holds its pools"
+    pools[0][0] = 7  # still mapped
+    assert pools[0][0] == 7
+    del pools
+    gc.collect()
+    assert not _open(h), "a dropped transceiver is still open once its pools are dropped too"
+
+
+def test_dropped_at_exit_and_in_a_forked_child():
+    """At interpreter exit, and in a forked child (where every call is
+    refused), a transceiver never shut down is let go quietly: no exception
+    printed from __del__, exit status 0."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import os, sys
+        sys.path.insert(0, %r)
+        import kvxfer
+        cfg = kvxfer.Config.from_dict({"cache_transceiver_config": {"backend": "TCP"}})
+        tr = kvxfer.KvCacheTransceiver(cfg, kvxfer.CacheState(layers=4, kv_heads=4, head_dim=32, tokens_per_block=8),
+                                       num_blocks=4)
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # the child's interpreter exits, collecting tr
+        _, status = os.waitpid(pid, 0)
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """) % os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True, text=True)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_kvxfer_pools_are_bytes():
     """The pools kvxfer allocates are memoryviews of bytes the caller can
     index and assign through, as the caller's own (a bytearray) are."""
