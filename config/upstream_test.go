@@ -200,6 +200,8 @@ func TestClusterShapes(t *testing.T) {
 		{"hostname: h\ndisagg_cluster: {cluster_name: x}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "missing"},
 		{"context_servers: {}\n", KindCluster, SevError, "generation_servers", "missing"},
 		{"context_servers: {num_instances: 0, urls: ['a:1']}\ngeneration_servers: {}\n", KindCluster, SevError, "context_servers.urls", "has 1 entries but num_instances is 0"},
+		// A null entry is a missing url, not one fewer instance.
+		{"context_servers: {urls: [null, 'a:1']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, SevError, "context_servers.urls[0]", "want a string, got null"},
 		// A bad url is named by its own index, whatever entry before it was refused.
 		{"context_servers: {urls: [5, 'bad']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, SevError, "context_servers.urls[1]", `"bad" is not host:port`},
 	} {
