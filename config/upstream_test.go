@@ -368,6 +368,40 @@ generation_servers:
 	}
 }
 
+// TestEnvWithoutEffect: a transfer-path variable whose value TensorRT-LLM
+// would ignore (a flag not 1, a count its flag does not turn on) loads, as
+// upstream, with a warning of kind KindNotApplied naming it, rather than
+// without a word.
+func TestEnvWithoutEffect(t *testing.T) {
+	for _, tc := range []struct {
+		env       map[string]string
+		name, msg string
+	}{
+		{map[string]string{EnvRequestConcurrent: "true"}, EnvRequestConcurrent, "only the value 1 turns it on"},
+		{map[string]string{EnvRecvBufferCount: "4"}, EnvRecvBufferCount, EnvRequestConcurrent + "=1"},
+		{map[string]string{EnvRequestConcurrent: "0", EnvRecvBufferCount: "4"}, EnvRecvBufferCount, EnvRequestConcurrent + "=1"},
+	} {
+		f, err := LoadBytes("w.yaml", []byte("cache_transceiver_config: {backend: TCP}\n"), EnvFromMap(tc.env))
+		if err != nil {
+			t.Errorf("env %v: %v", tc.env, err)
+			continue
+		}
+		found := false
+		for _, w := range f.NotApplied() {
+			found = found || (w.Path == "env "+tc.name && strings.Contains(w.Msg, tc.msg))
+		}
+		if !found {
+			t.Errorf("env %v: no not-applied warning on %s containing %q; warnings %v", tc.env, tc.name, tc.msg, f.Warnings)
+		}
+	}
+	// Set to what turns them on: no warning.
+	f, err := LoadBytes("w.yaml", []byte("cache_transceiver_config: {backend: TCP}\n"),
+		EnvFromMap(map[string]string{EnvRequestConcurrent: "1", EnvRecvBufferCount: "4"}))
+	if err != nil || len(f.NotApplied()) != 0 {
+		t.Errorf("concurrent receive with 4 buffers: %v, not applied %v", err, f.NotApplied())
+	}
+}
+
 // TestRouterArgs: the router keys kvxfer applies are read with their
 // defaults; the ones it does not use are warnings; bad values are errors.
 func TestRouterArgs(t *testing.T) {
