@@ -254,3 +254,27 @@ func TestSplitContextLateRank(t *testing.T) {
 		})
 	}
 }
+
+// TestGatherDeliverCodes: a round that is not one (a contribution that
+// does not decode) breaks the group with KVXFER_ERR_GROUP, the header's
+// code for a group lost or bad, and so does every later round and request.
+func TestGatherDeliverCodes(t *testing.T) {
+	procs := openSplit(t, GroupGather)
+	p := procs[0]
+	mine, err := p.Outbox()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine = bytes.Clone(mine)
+	p.HandedOut()
+	err = p.Deliver([][]byte{mine, []byte("not a contribution")})
+	if CodeOf(err) != CodeGroup || !strings.Contains(err.Error(), "contribution of process 1") {
+		t.Errorf("a round with a contribution that does not decode: %v (%v), want %v", err, CodeOf(err), CodeGroup)
+	}
+	if err := p.Deliver([][]byte{mine, mine}); CodeOf(err) != CodeGroup {
+		t.Errorf("a round after the group broke: %v (%v), want %v", err, CodeOf(err), CodeGroup)
+	}
+	if _, err := p.RespondAndSend(1, 0, 8, [][]kvcache.BlockID{{0}}); CodeOf(err) != CodeGroup {
+		t.Errorf("a request after the group broke: %v (%v), want %v", err, CodeOf(err), CodeGroup)
+	}
+}

@@ -239,13 +239,16 @@ func (t *Transceiver) HandedOut() {
 }
 
 // Deliver applies a round of the gather group: every process's
-// contribution, in process order.
+// contribution, in process order. Its errors are CodeGroup: a round that
+// is not one (a contribution that does not decode, a join that does not
+// make the instance) breaks the group on this process, and a broken group
+// is the header's KVXFER_ERR_GROUP ("lost, or bad"), not a peer's.
 func (t *Transceiver) Deliver(all [][]byte) error {
 	if t.gather == nil {
 		return t.errNoGather("group deliver")
 	}
 	if err := t.gather.Deliver(all); err != nil {
-		return &Error{Code: CodePeer, Err: fmt.Errorf("capi: group deliver: %w", err)}
+		return &Error{Code: CodeGroup, Err: fmt.Errorf("capi: group deliver: %w", err)}
 	}
 	return nil
 }
