@@ -133,6 +133,8 @@ type Transceiver struct {
 	pools  []*kvcache.Pool
 	shared []bool // pools[i] is kvxfer's (shareable), not the caller's
 	gather *transceiver.GatherGroup
+	// processes is the gather group's number of processes.
+	processes int
 
 	outMu  sync.Mutex
 	outbox []byte // the gather group's contribution taken, not yet handed out
@@ -199,7 +201,7 @@ func Open(ctx context.Context, c *Config, o Options) (*Transceiver, error) {
 		}
 		t.pools, t.shared = append(t.pools, p), append(t.shared, shared)
 	}
-	t.gather = gather
+	t.gather, t.processes = gather, o.Group.Processes
 	t.tr, err = transceiver.New(ctx, c.ct, transceiver.Options{State: st, Ranks: t.ranks, Pools: t.pools, Group: group,
 		ListenHost: o.ListenHost, Logger: o.Logger, Secret: c.secret, AllowedPeerHosts: c.allowed, TLS: c.tls})
 	if err != nil {
@@ -242,10 +244,16 @@ func (t *Transceiver) HandedOut() {
 // contribution, in process order. Its errors are CodeGroup: a round that
 // is not one (a contribution that does not decode, a join that does not
 // make the instance) breaks the group on this process, and a broken group
-// is the header's KVXFER_ERR_GROUP ("lost, or bad"), not a peer's.
+// is the header's KVXFER_ERR_GROUP ("lost, or bad"), not a peer's. A
+// number of contributions other than the group's processes is the
+// caller's mistake (its n), refused before the group sees it, which would
+// break on it: the caller may deliver the round again.
 func (t *Transceiver) Deliver(all [][]byte) error {
 	if t.gather == nil {
 		return t.errNoGather("group deliver")
+	}
+	if len(all) != t.processes {
+		return errorf(CodeInvalidArgument, "capi: group deliver: %d contributions, the group has %d processes (one each, in process order)", len(all), t.processes)
 	}
 	if err := t.gather.Deliver(all); err != nil {
 		return &Error{Code: CodeGroup, Err: fmt.Errorf("capi: group deliver: %w", err)}
