@@ -516,3 +516,61 @@ func TestConcurrentCalls(t *testing.T) {
 		}
 	}
 }
+
+// TestBadRequestArguments: a request's own arguments that do not fit the
+// instance (a DP rank without attention DP, a negative prompt length, a
+// hosted rank of the request without blocks) are KVXFER_ERR_INVALID_ARGUMENT
+// naming them, checked before the transceiver: a receive's opaque state is
+// then not spent (with a cluster secret its nonce is recorded once) and
+// the corrected call pulls it.
+func TestBadRequestArguments(t *testing.T) {
+	env := config.EnvFromMap(map[string]string{config.EnvTransferBuffer: "1MiB", config.EnvClusterSecret: strings.Repeat("5a", 32)})
+	c, err := LoadConfig("secret.yaml", []byte(tcpYAML), env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	openSigned := func() *Transceiver {
+		tr, err := Open(context.Background(), c, Options{State: desc(1), Pools: []PoolSpec{{NumBlocks: 4}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tr.Close() })
+		return tr
+	}
+	prefill, gen := openSigned(), openSigned()
+	for _, tc := range []struct {
+		name string
+		err  error
+		msg  string
+	}{
+		{"negative prompt", func() error { _, err := prefill.RespondAndSend(2, 0, -1, [][]kvcache.BlockID{{0}}); return err }(), "num_tokens -1"},
+		{"dp rank without attention DP", func() error { _, err := prefill.RespondAndSend(3, 1, 8, [][]kvcache.BlockID{{0}}); return err }(), "dp_rank 1"},
+		{"no blocks", func() error { _, err := prefill.RespondAndSend(4, 0, 8, [][]kvcache.BlockID{{}}); return err }(), "no blocks"},
+	} {
+		if CodeOf(tc.err) != CodeInvalidArgument || !strings.Contains(tc.err.Error(), tc.msg) {
+			t.Errorf("%s: %v (%v), want %v and %q", tc.name, tc.err, CodeOf(tc.err), CodeInvalidArgument, tc.msg)
+		}
+	}
+	opaque, err := prefill.RespondAndSend(1, 0, 8, [][]kvcache.BlockID{{0}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dp := range []int{-1, 1} {
+		err := gen.RequestAndReceive(5, dp, 8, opaque, [][]kvcache.BlockID{{1}})
+		if CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), fmt.Sprintf("dp_rank %d", dp)) {
+			t.Errorf("receive with dp_rank %d: %v (%v), want %v", dp, err, CodeOf(err), CodeInvalidArgument)
+		}
+	}
+	if err := gen.RequestAndReceive(5, 0, -8, opaque, [][]kvcache.BlockID{{1}}); CodeOf(err) != CodeInvalidArgument {
+		t.Errorf("receive with num_tokens -8: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	if err := gen.RequestAndReceive(5, 0, 8, opaque, [][]kvcache.BlockID{{1}}); err != nil {
+		t.Fatalf("the corrected receive: %v (%v)", err, CodeOf(err))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	got, err := gen.CheckGenStatus(ctx, 1, 8)
+	if err != nil || len(got) != 1 || got[0].Code != OK {
+		t.Errorf("the corrected receive ended: %+v, %v", got, err)
+	}
+}

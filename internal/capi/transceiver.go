@@ -362,13 +362,30 @@ func (t *Transceiver) PoolMemory(i int) []byte {
 // Endpoints returns the control endpoints of the hosted ranks.
 func (t *Transceiver) Endpoints() []string { return t.tr.Endpoints() }
 
-// blocksOf checks the caller's block ids (blocks[i] for hosted rank i) and
-// returns them as the transceiver's Request.Blocks.
-func (t *Transceiver) blocksOf(op string, id uint64, blocks [][]kvcache.BlockID) ([][]kvcache.BlockID, error) {
+// checkRequest checks a request's own arguments against the instance: its
+// DP rank, its prompt length (0: unknown), and the caller's block ids
+// (blocks[i] for hosted rank i), which it returns as the transceiver's
+// Request.Blocks. On the context side every hosted rank of the request's
+// DP group gives the same number of blocks, not none. They are checked
+// here, before the transceiver, so that they are the caller's
+// CodeInvalidArgument, and so that a receive refused for one of them has
+// not spent its opaque state (the transceiver records a signed state's
+// nonce before it looks at them).
+func (t *Transceiver) checkRequest(op string, id uint64, dpRank, tokens int, blocks [][]kvcache.BlockID) ([][]kvcache.BlockID, error) {
+	pc := t.state.Parallel
+	switch {
+	case !pc.AttentionDP && dpRank != 0:
+		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: dp_rank %d, but the instance has no attention DP (want 0)", op, id, dpRank)
+	case pc.AttentionDP && (dpRank < 0 || dpRank >= pc.DPSize):
+		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: dp_rank %d out of range [0,%d)", op, id, dpRank, pc.DPSize)
+	case tokens < 0:
+		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: num_tokens %d (want the prompt's length, or 0: unknown)", op, id, tokens)
+	}
 	if len(blocks) != len(t.ranks) {
 		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block ids for %d ranks, this process hosts %d", op, id, len(blocks), len(t.ranks))
 	}
 	out := make([][]kvcache.BlockID, len(t.ranks))
+	first := -1 // the first hosted rank of the request's DP group
 	for i, r := range t.ranks {
 		for _, b := range blocks[i] {
 			if b < 0 || int(b) >= t.pools[i].NumBlocks() {
@@ -376,8 +393,32 @@ func (t *Transceiver) blocksOf(op string, id uint64, blocks [][]kvcache.BlockID)
 			}
 		}
 		out[i] = slices.Clone(blocks[i])
+		if op != "respond" || !t.inDPGroup(r, dpRank) {
+			continue
+		}
+		switch {
+		case len(blocks[i]) == 0:
+			return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: no blocks for rank %d, which holds part of DP group %d", op, id, r, dpRank)
+		case first < 0:
+			first = i
+		case len(blocks[i]) != len(blocks[first]):
+			return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: %d blocks for rank %d, %d for rank %d (the ranks of a request hold as many)",
+				op, id, len(blocks[i]), r, len(blocks[first]), t.ranks[first])
+		}
 	}
 	return out, nil
+}
+
+// inDPGroup reports whether rank holds part of the requests of DP group dp
+// (every rank does without attention DP).
+func (t *Transceiver) inDPGroup(rank, dp int) bool {
+	pc := t.state.Parallel
+	if !pc.AttentionDP {
+		return true
+	}
+	_, _, tp := pc.Coords(rank)
+	g, _ := pc.DPGroup(tp)
+	return g == dp
 }
 
 // reserve records a new request of side s under the caller's id.
@@ -403,7 +444,7 @@ func (t *Transceiver) unreserve(s side, id uint64) {
 // generation side needs to pull it. tokens is the prompt's length (0:
 // unknown, not checked by the generation side).
 func (t *Transceiver) RespondAndSend(id uint64, dpRank, tokens int, blocks [][]kvcache.BlockID) ([]byte, error) {
-	bs, err := t.blocksOf("respond", id, blocks)
+	bs, err := t.checkRequest("respond", id, dpRank, tokens, blocks)
 	if err != nil {
 		return nil, err
 	}
@@ -452,7 +493,7 @@ func (t *Transceiver) receive(sync bool, ctx context.Context, id uint64, dpRank,
 	if len(opaque) == 0 {
 		return errorf(CodeBadOpaqueState, "capi: receive: request %d: empty opaque state", id)
 	}
-	bs, err := t.blocksOf("receive", id, blocks)
+	bs, err := t.checkRequest("receive", id, dpRank, tokens, blocks)
 	if err != nil {
 		return err
 	}
