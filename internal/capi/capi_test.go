@@ -520,8 +520,9 @@ func TestConcurrentCalls(t *testing.T) {
 // TestBadRequestArguments: a request's own arguments that do not fit the
 // instance (a DP rank without attention DP, a negative prompt length, a
 // hosted rank of the request without blocks) are KVXFER_ERR_INVALID_ARGUMENT
-// naming them, checked before the transceiver: a receive's opaque state is
-// then not spent (with a cluster secret its nonce is recorded once) and
+// naming them, and so is a block listed twice (a receive would write two
+// of the context's blocks into one), checked before the transceiver: a
+// receive's opaque state is then not spent (with a cluster secret its nonce is recorded once) and
 // the corrected call pulls it.
 func TestBadRequestArguments(t *testing.T) {
 	env := config.EnvFromMap(map[string]string{config.EnvTransferBuffer: "1MiB", config.EnvClusterSecret: strings.Repeat("5a", 32)})
@@ -563,6 +564,12 @@ func TestBadRequestArguments(t *testing.T) {
 	}
 	if err := gen.RequestAndReceive(5, 0, -8, opaque, [][]kvcache.BlockID{{1}}); CodeOf(err) != CodeInvalidArgument {
 		t.Errorf("receive with num_tokens -8: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	if err := gen.RequestAndReceive(5, 0, 8, opaque, [][]kvcache.BlockID{{1, 1}}); CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), "block 1 of rank 0 is listed twice") {
+		t.Errorf("receive into one block twice: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	if _, err := prefill.RespondAndSend(6, 0, 16, [][]kvcache.BlockID{{2, 2}}); CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), "block 2 of rank 0 is listed twice") {
+		t.Errorf("respond of one block twice: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
 	}
 	if err := gen.RequestAndReceive(5, 0, 8, opaque, [][]kvcache.BlockID{{1}}); err != nil {
 		t.Fatalf("the corrected receive: %v (%v)", err, CodeOf(err))

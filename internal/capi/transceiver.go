@@ -364,8 +364,8 @@ func (t *Transceiver) Endpoints() []string { return t.tr.Endpoints() }
 
 // checkRequest checks a request's own arguments against the instance: its
 // DP rank, its prompt length (0: unknown), and the caller's block ids
-// (blocks[i] for hosted rank i), which it returns as the transceiver's
-// Request.Blocks. On the context side every hosted rank of the request's
+// (blocks[i] for hosted rank i: in range, none twice), which it returns as
+// the transceiver's Request.Blocks. On the context side every hosted rank of the request's
 // DP group gives the same number of blocks, not none. They are checked
 // here, before the transceiver, so that they are the caller's
 // CodeInvalidArgument, and so that a receive refused for one of them has
@@ -387,10 +387,16 @@ func (t *Transceiver) checkRequest(op string, id uint64, dpRank, tokens int, blo
 	out := make([][]kvcache.BlockID, len(t.ranks))
 	first := -1 // the first hosted rank of the request's DP group
 	for i, r := range t.ranks {
+		seen := make(map[kvcache.BlockID]struct{}, len(blocks[i]))
 		for _, b := range blocks[i] {
 			if b < 0 || int(b) >= t.pools[i].NumBlocks() {
 				return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block %d of rank %d is out of range [0,%d)", op, id, b, r, t.pools[i].NumBlocks())
 			}
+			if _, dup := seen[b]; dup {
+				// A receive would write two of the context's blocks into it.
+				return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block %d of rank %d is listed twice", op, id, b, r)
+			}
+			seen[b] = struct{}{}
 		}
 		out[i] = slices.Clone(blocks[i])
 		if op != "respond" || !t.inDPGroup(r, dpRank) {
