@@ -72,7 +72,8 @@ class Config:
     def from_yaml(cls, text, name="config"):
         data = text.encode() if isinstance(text, str) else bytes(text)
         h = ctypes.c_uint64()
-        _check(_lib.lib().kvxfer_config_load_yaml(data, len(data), name.encode(), ctypes.byref(h)))
+        nm = None if name is None else name.encode()  # None: the header's NULL, named "config"
+        _check(_lib.lib().kvxfer_config_load_yaml(data, len(data), nm, ctypes.byref(h)))
         return cls(h.value)
 
     @classmethod

@@ -227,3 +227,10 @@ def test_kvxfer_pools_are_bytes():
         pool[0], pool[-1] = 7, 9
         assert (pool[0], pool[-1]) == (7, 9)
         assert np.frombuffer(pool, dtype=np.uint8)[-1] == 9
+
+
+def test_config_without_a_name():
+    """name=None is the header's NULL name: messages then say "config"."""
+    kvxfer.Config.from_yaml("cache_transceiver_config: {backend: TCP}\n", name=None).close()
+    with pytest.raises(kvxfer.ConfigError, match=r"^config:1:"):
+        kvxfer.Config.from_dict({"cache_transceiver_config": {"backend": "PIGEON"}}, name=None)
