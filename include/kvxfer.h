@@ -58,6 +58,8 @@
  * names what is wrong and where. The message is per thread: it belongs to
  * the last failed call on the calling thread, and stays valid until the
  * next kvxfer call on that thread. Calls that succeed leave it unchanged.
+ * It is whole however long (a config's every problem), up to 1 MiB, past
+ * which it is cut at a line and ends "(kvxfer: message cut here)".
  *
  * THREADS
  * Every function may be called from any thread, concurrently, on the same

@@ -6,6 +6,8 @@ silent default."""
 
 import ctypes
 
+import pytest
+
 import kvxfer
 from conftest import TCP
 from kvxfer import _lib
@@ -71,3 +73,28 @@ def test_null_ranks_with_a_count_is_refused():
     if rc == 0:
         lib.kvxfer_transceiver_close(h)
     assert (rc, "ranks is NULL" in msg) == (INVALID_ARGUMENT, True), (rc, msg)
+
+
+def test_a_long_message_is_whole():
+    """kvxfer_last_error holds the whole message however long (config check's
+    every problem at once): it was cut at 4095 bytes, in the middle of a
+    line, and the problems after it were lost."""
+    keys = "".join(f"  bogus_key_{i}: {i}\n" for i in range(300))
+    try:
+        kvxfer.Config.from_yaml("cache_transceiver_config:\n  backend: TCP\n" + keys)
+    except kvxfer.ConfigError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("300 unknown keys loaded")
+    assert len(msg) > 4096, len(msg)
+    assert msg.count("unknown key") == 300 and "cache_transceiver_config.bogus_key_299: unknown key" in msg, msg[-300:]
+    # Past 1 MiB (80,000 problems) it is cut at a line, and says so.
+    keys = "".join(f"  k{i}: 1\n" for i in range(80000))
+    with pytest.raises(kvxfer.ConfigError) as e:
+        kvxfer.Config.from_yaml("cache_transceiver_config:\n  backend: TCP\n" + keys)
+    msg = str(e.value)
+    assert len(msg) <= 1 << 20 and msg.endswith("transceiver_runtime)\n(kvxfer: message cut here)"), (len(msg), msg[-200:])
+    h = ctypes.c_uint64()
+    lib = _lib.lib()
+    assert lib.kvxfer_config_load_yaml(b"x: [", 4, b"short", ctypes.byref(h)) == 2
+    assert lib.kvxfer_last_error().decode().startswith("short:"), "a short message after a long one"
