@@ -410,6 +410,9 @@ class KvCacheTransceiver:
             buf = ctypes.create_string_buffer(4096)
             n = ctypes.c_size_t()
             rc = self._lib.kvxfer_request_error(self._h, int(gen), rid, buf, len(buf), ctypes.byref(n))
+            if rc == _lib.ERR_BUFFER_TOO_SMALL and n.value >= len(buf):  # a longer message: ask again with room for it
+                buf = ctypes.create_string_buffer(n.value + 1)
+                rc = self._lib.kvxfer_request_error(self._h, int(gen), rid, buf, len(buf), ctypes.byref(n))
             msg = buf.value.decode("utf-8", "replace") if rc == _lib.OK else f"request {rid} failed ({_lib.STATUS_NAMES.get(status)})"
             req.state, req.error = DISAGG_TRANS_ERROR, error_for(status, msg)
         return req

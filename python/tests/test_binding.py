@@ -234,3 +234,31 @@ def test_config_without_a_name():
     kvxfer.Config.from_yaml("cache_transceiver_config: {backend: TCP}\n", name=None).close()
     with pytest.raises(kvxfer.ConfigError, match=r"^config:1:"):
         kvxfer.Config.from_dict({"cache_transceiver_config": {"backend": "PIGEON"}}, name=None)
+
+
+def test_a_long_request_error_is_whole():
+    """A failed request's message longer than the binding's first buffer
+    (here the reason a process gave for failing its group) reaches
+    req.error whole, not as a stand-in naming only the status."""
+    cfg = kvxfer.Config.from_dict(TCP)
+    tp2 = model(tp=2)
+    procs = [kvxfer.KvCacheTransceiver(cfg, tp2, num_blocks=4, ranks=[p], group=kvxfer.GatherGroup(p, 2)) for p in range(2)]
+    try:
+        reqs = [kvxfer.Request(1, [0], num_tokens=8) for _ in procs]
+        for _ in range(1000):
+            everyone = [p.gather_outbox() for p in procs]
+            for p in procs:
+                p.gather_deliver(everyone)
+            try:
+                procs[0].respond_and_send_async(reqs[0])
+                break
+            except kvxfer.GroupError:  # not joined yet
+                continue
+        why = "the communicator said: " + "x" * 10000
+        procs[0].gather_fail(why)
+        [got] = procs[0].check_context_transfer_status(1, timeout=20)
+        assert got is reqs[0] and isinstance(got.error, kvxfer.GroupError), (got.state, got.error)
+        assert why in str(got.error), str(got.error)[:300]
+    finally:
+        for p in procs:
+            p.shutdown()
