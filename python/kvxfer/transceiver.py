@@ -83,9 +83,17 @@ class Config:
         return cls(h.value)
 
     def close(self):
+        """Frees the config (idempotent); transceivers made from it stay valid."""
         if self._h:
             _lib.lib().kvxfer_config_free(self._h)
             self._h = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     def __del__(self):
         try:

@@ -262,3 +262,15 @@ def test_a_long_request_error_is_whole():
     finally:
         for p in procs:
             p.shutdown()
+
+
+def test_config_as_a_context_manager():
+    """A Config is freed at the end of a with block, as a transceiver is shut
+    down; transceivers made from it stay valid."""
+    with kvxfer.Config.from_dict(TCP) as cfg:
+        tr = kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=4)
+    assert cfg._h == 0
+    with tr:
+        assert tr.check_gen_transfer_complete()
+    with pytest.raises(kvxfer.BadHandleError, match="config handle"):
+        kvxfer.KvCacheTransceiver(cfg, model(), num_blocks=4)
