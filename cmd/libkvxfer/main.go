@@ -42,15 +42,20 @@ var (
 	logger       = newLogger()
 )
 
-// newLogger logs to stderr at KVXFER_LOG_LEVEL (default warn).
+// newLogger logs to stderr at KVXFER_LOG_LEVEL (default warn). A value
+// that is not a level is said, once, rather than taken silently for warn.
 func newLogger() *slog.Logger {
 	var lvl slog.Level = slog.LevelWarn
-	if v, ok := os.LookupEnv("KVXFER_LOG_LEVEL"); ok {
-		if err := lvl.UnmarshalText([]byte(v)); err != nil {
-			lvl = slog.LevelWarn
-		}
+	v, set := os.LookupEnv("KVXFER_LOG_LEVEL")
+	bad := set && lvl.UnmarshalText([]byte(v)) != nil
+	if bad {
+		lvl = slog.LevelWarn
 	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("lib", "kvxfer", "pid", os.Getpid())
+	l := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("lib", "kvxfer", "pid", os.Getpid())
+	if bad {
+		l.Warn("KVXFER_LOG_LEVEL is not a level: want debug, info, warn or error; logging at warn", "KVXFER_LOG_LEVEL", v)
+	}
+	return l
 }
 
 // ret turns err into a status and, for an error, the thread's message. A

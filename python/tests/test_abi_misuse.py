@@ -98,3 +98,19 @@ def test_a_long_message_is_whole():
     lib = _lib.lib()
     assert lib.kvxfer_config_load_yaml(b"x: [", 4, b"short", ctypes.byref(h)) == 2
     assert lib.kvxfer_last_error().decode().startswith("short:"), "a short message after a long one"
+
+
+def test_a_bad_log_level_is_said():
+    """KVXFER_LOG_LEVEL with a value that is not a level is said on stderr,
+    naming the variable, rather than silently taken for warn."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.path.insert(0, %r); import kvxfer; "
+              "kvxfer.Config.from_dict({'cache_transceiver_config': {'backend': 'TCP'}})") % os.path.dirname(
+                  os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, KVXFER_LOG_LEVEL="verbose")
+    r = subprocess.run([sys.executable, "-c", script], env=env, timeout=60, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "KVXFER_LOG_LEVEL=verbose" in r.stderr and "debug, info, warn or error" in r.stderr, r.stderr
