@@ -103,15 +103,21 @@ func (l *loader) serverGroup(n *yaml.Node, path string, g *ServerGroup, top entr
 	}
 }
 
-// urls loads a server group's urls, each host:port.
+// urls loads a server group's urls, each host:port. Each is checked, and
+// named, at its own place in the list: g.URLs holds only the strings,
+// which an entry strList refused would shift.
 func (l *loader) urls(n *yaml.Node, path string, g *ServerGroup) {
 	l.strList(n, path, &g.URLs)
-	if n.Kind != yaml.SequenceNode {
+	if n.Kind != yaml.SequenceNode || len(n.Content) > MaxParallel {
 		return
 	}
-	for i, u := range g.URLs {
-		if err := checkHostPort(u); err != nil {
-			l.errAt(deref(n.Content[i]), fmt.Sprintf("%s[%d]", path, i), "%v", err)
+	for i, e := range n.Content {
+		e = deref(e)
+		if e.Kind != yaml.ScalarNode || e.Tag != "!!str" {
+			continue // strList has said why
+		}
+		if err := checkHostPort(e.Value); err != nil {
+			l.errAt(e, fmt.Sprintf("%s[%d]", path, i), "%v", err)
 		}
 	}
 }

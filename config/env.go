@@ -232,9 +232,18 @@ func checkInterface(env Env, name string) error {
 }
 
 // envNotes warns about the variables of the transfer path that are set
-// but have no effect in kvxfer: those it does not apply yet, and those it
-// reads only to say so. Once per file.
+// but have no effect in kvxfer: those it does not apply yet, those it
+// reads only to say so, and those whose value TensorRT-LLM would ignore
+// too (a flag not 1, a count its flag does not turn on). Once per file.
 func envNotes(env Env, c *collector) {
+	concurrent, set := env.Raw[EnvRequestConcurrent]
+	if set && concurrent != "1" && concurrent != "0" && concurrent != "" {
+		c.envWarn(KindNotApplied, EnvRequestConcurrent, "%s accepted, no effect: only the value 1 turns it on (as in TensorRT-LLM)", concurrent)
+	}
+	if v, ok := env.Raw[EnvRecvBufferCount]; ok && !env.Flag(EnvRequestConcurrent) {
+		c.envWarn(KindNotApplied, EnvRecvBufferCount, "%s accepted, no effect: the count of concurrent receives counts only with %s=1 (as in TensorRT-LLM)",
+			v, EnvRequestConcurrent)
+	}
 	for _, name := range env.Names() {
 		if why, ok := notAppliedYet[name]; ok && env.Raw[name] != "" {
 			c.envWarn(KindNotApplied, name, "%s accepted, not applied yet: %s", env.Raw[name], why)

@@ -439,8 +439,14 @@ func (l *loader) strList(n *yaml.Node, path string, dst *[]string) {
 	out := make([]string, 0, len(entries))
 	for i, e := range entries {
 		e = deref(e)
+		ep := fmt.Sprintf("%s[%d]", path, i)
+		if e.Kind == yaml.ScalarNode && e.Tag == "!!null" {
+			// Unlike a key's null (unset), an entry's is a missing value.
+			l.errAt(e, ep, "want a string, got null")
+			continue
+		}
 		var s string
-		if l.str(e, fmt.Sprintf("%s[%d]", path, i), &s) {
+		if l.str(e, ep, &s) {
 			out = append(out, s)
 		}
 	}

@@ -200,6 +200,10 @@ func TestClusterShapes(t *testing.T) {
 		{"hostname: h\ndisagg_cluster: {cluster_name: x}\n", KindCluster, SevError, "disagg_cluster.cluster_uri", "missing"},
 		{"context_servers: {}\n", KindCluster, SevError, "generation_servers", "missing"},
 		{"context_servers: {num_instances: 0, urls: ['a:1']}\ngeneration_servers: {}\n", KindCluster, SevError, "context_servers.urls", "has 1 entries but num_instances is 0"},
+		// A null entry is a missing url, not one fewer instance.
+		{"context_servers: {urls: [null, 'a:1']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, SevError, "context_servers.urls[0]", "want a string, got null"},
+		// A bad url is named by its own index, whatever entry before it was refused.
+		{"context_servers: {urls: [5, 'bad']}\ngeneration_servers: {urls: ['b:2']}\n", KindCluster, SevError, "context_servers.urls[1]", `"bad" is not host:port`},
 	} {
 		tc.check(t)
 	}
@@ -361,6 +365,40 @@ generation_servers:
 	want := []string{"env TRTLLM_NIXL_KVCACHE_BACKEND", "context_servers.cache_transceiver_config.transceiver_runtime"}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Errorf("not applied:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// TestEnvWithoutEffect: a transfer-path variable whose value TensorRT-LLM
+// would ignore (a flag not 1, a count its flag does not turn on) loads, as
+// upstream, with a warning of kind KindNotApplied naming it, rather than
+// without a word.
+func TestEnvWithoutEffect(t *testing.T) {
+	for _, tc := range []struct {
+		env       map[string]string
+		name, msg string
+	}{
+		{map[string]string{EnvRequestConcurrent: "true"}, EnvRequestConcurrent, "only the value 1 turns it on"},
+		{map[string]string{EnvRecvBufferCount: "4"}, EnvRecvBufferCount, EnvRequestConcurrent + "=1"},
+		{map[string]string{EnvRequestConcurrent: "0", EnvRecvBufferCount: "4"}, EnvRecvBufferCount, EnvRequestConcurrent + "=1"},
+	} {
+		f, err := LoadBytes("w.yaml", []byte("cache_transceiver_config: {backend: TCP}\n"), EnvFromMap(tc.env))
+		if err != nil {
+			t.Errorf("env %v: %v", tc.env, err)
+			continue
+		}
+		found := false
+		for _, w := range f.NotApplied() {
+			found = found || (w.Path == "env "+tc.name && strings.Contains(w.Msg, tc.msg))
+		}
+		if !found {
+			t.Errorf("env %v: no not-applied warning on %s containing %q; warnings %v", tc.env, tc.name, tc.msg, f.Warnings)
+		}
+	}
+	// Set to what turns them on: no warning.
+	f, err := LoadBytes("w.yaml", []byte("cache_transceiver_config: {backend: TCP}\n"),
+		EnvFromMap(map[string]string{EnvRequestConcurrent: "1", EnvRecvBufferCount: "4"}))
+	if err != nil || len(f.NotApplied()) != 0 {
+		t.Errorf("concurrent receive with 4 buffers: %v, not applied %v", err, f.NotApplied())
 	}
 }
 

@@ -58,6 +58,8 @@
  * names what is wrong and where. The message is per thread: it belongs to
  * the last failed call on the calling thread, and stays valid until the
  * next kvxfer call on that thread. Calls that succeed leave it unchanged.
+ * It is whole however long (a config's every problem), up to 1 MiB, past
+ * which it is cut at a line and ends "(kvxfer: message cut here)".
  *
  * THREADS
  * Every function may be called from any thread, concurrently, on the same
@@ -223,7 +225,10 @@ int kvxfer_transceiver_create(uint64_t config, const kvxfer_cache_state *state,
  * succeeds, so a caller whose buffer was too small asks again), the caller
  * all-gathers them over its communicator, and every process delivers all
  * n contributions in process order (kvxfer_group_deliver: flat holds them
- * one after the other, lens their lengths). Every process takes part in
+ * one after the other, lens their lengths; n is the group's processes,
+ * another n is KVXFER_ERR_INVALID_ARGUMENT and leaves the round to be
+ * delivered again, while a round that is not one, a contribution that does
+ * not decode, breaks the group: KVXFER_ERR_GROUP). Every process takes part in
  * every round (an empty contribution is fine); rounds must not overlap. A
  * request completes at the round after its last rank's report, so run
  * rounds often (every few hundred microseconds while requests are in

@@ -21,6 +21,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"strings"
 	"time"
@@ -41,15 +42,20 @@ var (
 	logger       = newLogger()
 )
 
-// newLogger logs to stderr at KVXFER_LOG_LEVEL (default warn).
+// newLogger logs to stderr at KVXFER_LOG_LEVEL (default warn). A value
+// that is not a level is said, once, rather than taken silently for warn.
 func newLogger() *slog.Logger {
 	var lvl slog.Level = slog.LevelWarn
-	if v, ok := os.LookupEnv("KVXFER_LOG_LEVEL"); ok {
-		if err := lvl.UnmarshalText([]byte(v)); err != nil {
-			lvl = slog.LevelWarn
-		}
+	v, set := os.LookupEnv("KVXFER_LOG_LEVEL")
+	bad := set && lvl.UnmarshalText([]byte(v)) != nil
+	if bad {
+		lvl = slog.LevelWarn
 	}
-	return slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("lib", "kvxfer", "pid", os.Getpid())
+	l := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("lib", "kvxfer", "pid", os.Getpid())
+	if bad {
+		l.Warn("KVXFER_LOG_LEVEL is not a level: want debug, info, warn or error; logging at warn", "KVXFER_LOG_LEVEL", v)
+	}
+	return l
 }
 
 // ret turns err into a status and, for an error, the thread's message. A
@@ -257,13 +263,18 @@ func kvxfer_go_transceiver_create(ch C.uint64_t, s *C.kvxfer_cache_state, ranks 
 }
 
 // hostedRanks are the ranks listed in C's ranks[nRanks], of an instance
-// of n ranks; none (every rank hosted) when the list is empty.
+// of n ranks; none (every rank hosted) when the list is empty. ranks NULL
+// with a count is refused: it is no list, and taking it for every rank
+// would open ranks the caller did not mean to host.
 func hostedRanks(ranks *C.int32_t, nRanks C.size_t, n int) ([]int, error) {
-	if ranks == nil || nRanks == 0 {
+	if ranks == nil && nRanks > 0 {
+		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: ranks is NULL and n_ranks is %d (NULL and 0: every rank)", uint64(nRanks))}
+	}
+	if nRanks == 0 {
 		return nil, nil
 	}
-	if int(nRanks) > n {
-		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: %d ranks listed, the instance has %d", nRanks, n)}
+	if uint64(nRanks) > uint64(n) {
+		return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: n_ranks is %d, the instance has %d ranks", uint64(nRanks), n)}
 	}
 	var hosted []int
 	for _, r := range unsafe.Slice((*int32)(unsafe.Pointer(ranks)), int(nRanks)) {
@@ -280,8 +291,8 @@ func poolSpecs(ps []C.kvxfer_pool) ([]capi.PoolSpec, error) {
 		p := &ps[i]
 		spec := capi.PoolSpec{NumBlocks: int(p.num_blocks), BlockBytes: int64(p.block_bytes)}
 		if p.base != nil {
-			if p.size == 0 {
-				return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: pools[%d]: base set, size 0", i)}
+			if p.size == 0 || uint64(p.size) > math.MaxInt {
+				return nil, &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: pools[%d]: base set, size %d (want 1..%d)", i, uint64(p.size), math.MaxInt)}
 			}
 			spec.Memory = unsafe.Slice((*byte)(p.base), int(p.size))
 		}
@@ -549,7 +560,10 @@ func kvxfer_go_group_deliver(h C.uint64_t, flat *C.uint8_t, lens *C.size_t, n C.
 		}
 		ls := unsafe.Slice((*C.size_t)(lens), int(n))
 		total := 0
-		for _, l := range ls {
+		for i, l := range ls {
+			if uint64(l) > uint64(math.MaxInt-total) {
+				return &capi.Error{Code: capi.CodeInvalidArgument, Err: fmt.Errorf("kvxfer: group deliver: lens[%d] is %d: the contributions add up past any buffer", i, uint64(l))}
+			}
 			total += int(l)
 		}
 		if flat == nil && total > 0 {

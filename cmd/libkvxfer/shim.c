@@ -20,46 +20,75 @@ static pid_t kvxfer_load_pid;
 
 __attribute__((constructor)) static void kvxfer_record_pid(void) { kvxfer_load_pid = getpid(); }
 
-// The buffer is per thread through a pthread key (freed when the thread
+// The message is per thread through a pthread key (freed when the thread
 // exits), not a __thread array: a dlopen()ed library has only a small
 // surplus of static TLS, which a large __thread array would exhaust
-// ("cannot allocate memory in static TLS block").
-enum { KVXFER_ERR_CAP = 4096 };
+// ("cannot allocate memory in static TLS block"). It grows to the message
+// (config check's every problem at once runs to many kilobytes), up to
+// KVXFER_ERR_MAX, past which it is cut at a line and says so.
+enum { KVXFER_ERR_CAP = 4096, KVXFER_ERR_MAX = 1 << 20 };
+typedef struct kvxfer_err {
+    size_t cap; // bytes of msg
+    char msg[];
+} kvxfer_err;
 static pthread_key_t kvxfer_err_key;
 static pthread_once_t kvxfer_err_once = PTHREAD_ONCE_INIT;
 
 static void kvxfer_err_key_init(void) { pthread_key_create(&kvxfer_err_key, free); }
 
-// kvxfer_err_buf returns this thread's message buffer, or NULL when none
-// can be allocated.
-static char *kvxfer_err_buf(void) {
+// kvxfer_err_buf returns this thread's message, with room for at least
+// need bytes (its NUL included) when it can have it, or NULL when it has
+// none at all.
+static kvxfer_err *kvxfer_err_buf(size_t need) {
     pthread_once(&kvxfer_err_once, kvxfer_err_key_init);
-    char *b = pthread_getspecific(kvxfer_err_key);
-    if (b == NULL) {
-        b = calloc(1, KVXFER_ERR_CAP);
-        if (b != NULL && pthread_setspecific(kvxfer_err_key, b) != 0) {
-            free(b);
-            b = NULL;
-        }
+    kvxfer_err *e = pthread_getspecific(kvxfer_err_key);
+    if (e != NULL && e->cap >= need) {
+        return e;
     }
-    return b;
+    size_t cap = need > KVXFER_ERR_CAP ? need : KVXFER_ERR_CAP;
+    kvxfer_err *grown = realloc(e, sizeof(kvxfer_err) + cap);
+    if (grown == NULL) {
+        return e; // the old one, smaller: the message is cut to it
+    }
+    if (e == NULL) {
+        grown->msg[0] = 0;
+    }
+    grown->cap = cap;
+    if (pthread_setspecific(kvxfer_err_key, grown) != 0) {
+        free(grown);
+        return NULL;
+    }
+    return grown;
 }
 
 void kvxfer_shim_set_error(const char *msg, size_t len) {
-    char *b = kvxfer_err_buf();
-    if (b == NULL) {
+    static const char cut[] = "\n(kvxfer: message cut here)";
+    size_t want = len < KVXFER_ERR_MAX ? len + 1 : KVXFER_ERR_MAX;
+    kvxfer_err *e = kvxfer_err_buf(want);
+    if (e == NULL) {
         return;
     }
-    if (len >= KVXFER_ERR_CAP) {
-        len = KVXFER_ERR_CAP - 1;
+    if (len < e->cap) {
+        memcpy(e->msg, msg, len);
+        e->msg[len] = 0;
+        return;
     }
-    memcpy(b, msg, len);
-    b[len] = 0;
+    // Too long: cut at the last line that fits with the note (in a line
+    // when it is the first).
+    size_t room = e->cap - sizeof(cut), keep = room;
+    while (keep > 0 && msg[keep] != '\n') {
+        keep--;
+    }
+    if (keep == 0) {
+        keep = room;
+    }
+    memcpy(e->msg, msg, keep);
+    memcpy(e->msg + keep, cut, sizeof(cut));
 }
 
 const char *kvxfer_last_error(void) {
-    char *b = kvxfer_err_buf();
-    return b != NULL ? b : "kvxfer: no memory for the error message";
+    kvxfer_err *e = kvxfer_err_buf(1);
+    return e != NULL ? e->msg : "kvxfer: no memory for the error message";
 }
 
 uint32_t kvxfer_abi_version(void) { return KVXFER_ABI_VERSION; }
@@ -68,9 +97,9 @@ uint32_t kvxfer_abi_version(void) { return KVXFER_ABI_VERSION; }
     do {                                                                                       \
         pid_t self = getpid();                                                                 \
         if (self != kvxfer_load_pid) {                                                         \
-            char *b_ = kvxfer_err_buf();                                                       \
-            if (b_ != NULL)                                                                    \
-                snprintf(b_, KVXFER_ERR_CAP,                                                   \
+            kvxfer_err *e_ = kvxfer_err_buf(KVXFER_ERR_CAP);                                   \
+            if (e_ != NULL)                                                                    \
+                snprintf(e_->msg, e_->cap,                                                     \
                      "kvxfer: %s called in process %d, a forked child of process %d, which "   \
                      "loaded libkvxfer: the Go runtime inside it does not survive fork; load " \
                      "the library in the final process (after the fork)",                      \

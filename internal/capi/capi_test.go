@@ -168,6 +168,26 @@ func TestTable(t *testing.T) {
 	}
 }
 
+// TestTableKinds: a handle of one kind is not a handle of another (the
+// header's KVXFER_ERR_BAD_HANDLE), so a config handle given where a
+// transceiver's is due cannot reach, or close, a transceiver.
+func TestTableKinds(t *testing.T) {
+	configs, transceivers := NewTable[string]("config"), NewTable[string]("transceiver")
+	c, tr := configs.Put("c"), transceivers.Put("t")
+	if _, err := transceivers.Get(c); !errors.Is(err, ErrBadHandle) || !strings.Contains(err.Error(), "transceiver handle") {
+		t.Errorf("a config handle given as a transceiver's: %v", err)
+	}
+	if _, ok := transceivers.Delete(c); ok {
+		t.Error("deleting a config handle from the transceivers deleted a transceiver")
+	}
+	if _, err := configs.Get(tr); !errors.Is(err, ErrBadHandle) {
+		t.Errorf("a transceiver handle given as a config's: %v", err)
+	}
+	if v, err := transceivers.Get(tr); err != nil || v != "t" {
+		t.Errorf("Get(%d) = %q, %v", tr, v, err)
+	}
+}
+
 // desc is a small model: 4 layers, 4 KV heads of 16 fp16 values, 8 tokens
 // per block.
 func desc(tp int) StateDesc {
@@ -376,6 +396,14 @@ func TestBadArguments(t *testing.T) {
 			_, err := Open(ctx, c, Options{State: desc(1), Pools: []PoolSpec{{NumBlocks: 2}}, Group: GroupSpec{Mode: GroupGather, Processes: 1}})
 			return err
 		}(), CodeInvalidArgument, "no group is needed"},
+		{"ranks repeated", func() error {
+			_, err := Open(ctx, c, Options{State: desc(2), Ranks: []int{1, 1}, Pools: []PoolSpec{{NumBlocks: 2}, {NumBlocks: 2}}})
+			return err
+		}(), CodeInvalidArgument, "ranks [1 1]: not ascending without repeats"},
+		{"ranks descending", func() error {
+			_, err := Open(ctx, c, Options{State: desc(2), Ranks: []int{1, 0}, Pools: []PoolSpec{{NumBlocks: 2}, {NumBlocks: 2}}})
+			return err
+		}(), CodeInvalidArgument, "ranks [1 0]: not ascending without repeats"},
 		{"gather without a group", func() error {
 			_, err := tr.Outbox()
 			return err
@@ -486,5 +514,70 @@ func TestConcurrentCalls(t *testing.T) {
 		if n != 1 {
 			t.Errorf("request %d reported %d times", id, n)
 		}
+	}
+}
+
+// TestBadRequestArguments: a request's own arguments that do not fit the
+// instance (a DP rank without attention DP, a negative prompt length, a
+// hosted rank of the request without blocks) are KVXFER_ERR_INVALID_ARGUMENT
+// naming them, and so is a block listed twice (a receive would write two
+// of the context's blocks into one), checked before the transceiver: a
+// receive's opaque state is then not spent (with a cluster secret its nonce is recorded once) and
+// the corrected call pulls it.
+func TestBadRequestArguments(t *testing.T) {
+	env := config.EnvFromMap(map[string]string{config.EnvTransferBuffer: "1MiB", config.EnvClusterSecret: strings.Repeat("5a", 32)})
+	c, err := LoadConfig("secret.yaml", []byte(tcpYAML), env)
+	if err != nil {
+		t.Fatal(err)
+	}
+	openSigned := func() *Transceiver {
+		tr, err := Open(context.Background(), c, Options{State: desc(1), Pools: []PoolSpec{{NumBlocks: 4}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { tr.Close() })
+		return tr
+	}
+	prefill, gen := openSigned(), openSigned()
+	for _, tc := range []struct {
+		name string
+		err  error
+		msg  string
+	}{
+		{"negative prompt", func() error { _, err := prefill.RespondAndSend(2, 0, -1, [][]kvcache.BlockID{{0}}); return err }(), "num_tokens -1"},
+		{"dp rank without attention DP", func() error { _, err := prefill.RespondAndSend(3, 1, 8, [][]kvcache.BlockID{{0}}); return err }(), "dp_rank 1"},
+		{"no blocks", func() error { _, err := prefill.RespondAndSend(4, 0, 8, [][]kvcache.BlockID{{}}); return err }(), "no blocks"},
+	} {
+		if CodeOf(tc.err) != CodeInvalidArgument || !strings.Contains(tc.err.Error(), tc.msg) {
+			t.Errorf("%s: %v (%v), want %v and %q", tc.name, tc.err, CodeOf(tc.err), CodeInvalidArgument, tc.msg)
+		}
+	}
+	opaque, err := prefill.RespondAndSend(1, 0, 8, [][]kvcache.BlockID{{0}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, dp := range []int{-1, 1} {
+		err := gen.RequestAndReceive(5, dp, 8, opaque, [][]kvcache.BlockID{{1}})
+		if CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), fmt.Sprintf("dp_rank %d", dp)) {
+			t.Errorf("receive with dp_rank %d: %v (%v), want %v", dp, err, CodeOf(err), CodeInvalidArgument)
+		}
+	}
+	if err := gen.RequestAndReceive(5, 0, -8, opaque, [][]kvcache.BlockID{{1}}); CodeOf(err) != CodeInvalidArgument {
+		t.Errorf("receive with num_tokens -8: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	if err := gen.RequestAndReceive(5, 0, 8, opaque, [][]kvcache.BlockID{{1, 1}}); CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), "block 1 of rank 0 is listed twice") {
+		t.Errorf("receive into one block twice: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	if _, err := prefill.RespondAndSend(6, 0, 16, [][]kvcache.BlockID{{2, 2}}); CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), "block 2 of rank 0 is listed twice") {
+		t.Errorf("respond of one block twice: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	if err := gen.RequestAndReceive(5, 0, 8, opaque, [][]kvcache.BlockID{{1}}); err != nil {
+		t.Fatalf("the corrected receive: %v (%v)", err, CodeOf(err))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	got, err := gen.CheckGenStatus(ctx, 1, 8)
+	if err != nil || len(got) != 1 || got[0].Code != OK {
+		t.Errorf("the corrected receive ended: %+v, %v", got, err)
 	}
 }

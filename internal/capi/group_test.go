@@ -254,3 +254,61 @@ func TestSplitContextLateRank(t *testing.T) {
 		})
 	}
 }
+
+// TestGatherDeliverCodes: a round that is not one (a contribution that
+// does not decode) breaks the group with KVXFER_ERR_GROUP, the header's
+// code for a group lost or bad, and so does every later round and request.
+func TestGatherDeliverCodes(t *testing.T) {
+	procs := openSplit(t, GroupGather)
+	p := procs[0]
+	mine, err := p.Outbox()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine = bytes.Clone(mine)
+	p.HandedOut()
+	err = p.Deliver([][]byte{mine, []byte("not a contribution")})
+	if CodeOf(err) != CodeGroup || !strings.Contains(err.Error(), "contribution of process 1") {
+		t.Errorf("a round with a contribution that does not decode: %v (%v), want %v", err, CodeOf(err), CodeGroup)
+	}
+	if err := p.Deliver([][]byte{mine, mine}); CodeOf(err) != CodeGroup {
+		t.Errorf("a round after the group broke: %v (%v), want %v", err, CodeOf(err), CodeGroup)
+	}
+	if _, err := p.RespondAndSend(1, 0, 8, [][]kvcache.BlockID{{0}}); CodeOf(err) != CodeGroup {
+		t.Errorf("a request after the group broke: %v (%v), want %v", err, CodeOf(err), CodeGroup)
+	}
+}
+
+// TestGatherDeliverMiscount: a deliver of another number of contributions
+// than the group has processes is the caller's mistake, refused with
+// KVXFER_ERR_INVALID_ARGUMENT before the group sees it: the group is not
+// broken, and the rounds that follow make it.
+func TestGatherDeliverMiscount(t *testing.T) {
+	procs := openSplit(t, GroupGather)
+	mine, err := procs[0].Outbox()
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine = bytes.Clone(mine)
+	err = procs[0].Deliver([][]byte{mine})
+	if CodeOf(err) != CodeInvalidArgument || !strings.Contains(err.Error(), "1 contributions, the group has 2 processes") {
+		t.Errorf("a round of 1 contribution for 2 processes: %v (%v), want %v", err, CodeOf(err), CodeInvalidArgument)
+	}
+	stop := make(chan struct{})
+	wg := gatherRounds(t, procs, stop)
+	defer func() {
+		close(stop)
+		wg.Wait()
+	}()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		_, err := procs[0].RespondAndSend(1, 0, 8, [][]kvcache.BlockID{{0}})
+		if err == nil {
+			return
+		}
+		if CodeOf(err) != CodeGroup || !strings.Contains(err.Error(), "not joined yet") || time.Now().After(deadline) {
+			t.Fatalf("a request after the refused round: %v (%v)", err, CodeOf(err))
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

@@ -133,6 +133,8 @@ type Transceiver struct {
 	pools  []*kvcache.Pool
 	shared []bool // pools[i] is kvxfer's (shareable), not the caller's
 	gather *transceiver.GatherGroup
+	// processes is the gather group's number of processes.
+	processes int
 
 	outMu  sync.Mutex
 	outbox []byte // the gather group's contribution taken, not yet handed out
@@ -167,9 +169,12 @@ func Open(ctx context.Context, c *Config, o Options) (*Transceiver, error) {
 	if len(ranks) == 0 {
 		ranks = seq(st.Parallel.NumRanks())
 	}
-	for _, r := range ranks {
+	for i, r := range ranks {
 		if r < 0 || r >= st.Parallel.NumRanks() {
 			return nil, errorf(CodeInvalidArgument, "capi: open: rank %d out of range [0,%d) of %s", r, st.Parallel.NumRanks(), st.Parallel)
+		}
+		if i > 0 && r <= ranks[i-1] {
+			return nil, errorf(CodeInvalidArgument, "capi: open: ranks %v: not ascending without repeats (ranks[%d] is %d after %d)", ranks, i, r, ranks[i-1])
 		}
 	}
 	if len(o.Pools) != len(ranks) {
@@ -196,7 +201,7 @@ func Open(ctx context.Context, c *Config, o Options) (*Transceiver, error) {
 		}
 		t.pools, t.shared = append(t.pools, p), append(t.shared, shared)
 	}
-	t.gather = gather
+	t.gather, t.processes = gather, o.Group.Processes
 	t.tr, err = transceiver.New(ctx, c.ct, transceiver.Options{State: st, Ranks: t.ranks, Pools: t.pools, Group: group,
 		ListenHost: o.ListenHost, Logger: o.Logger, Secret: c.secret, AllowedPeerHosts: c.allowed, TLS: c.tls})
 	if err != nil {
@@ -236,13 +241,22 @@ func (t *Transceiver) HandedOut() {
 }
 
 // Deliver applies a round of the gather group: every process's
-// contribution, in process order.
+// contribution, in process order. Its errors are CodeGroup: a round that
+// is not one (a contribution that does not decode, a join that does not
+// make the instance) breaks the group on this process, and a broken group
+// is the header's KVXFER_ERR_GROUP ("lost, or bad"), not a peer's. A
+// number of contributions other than the group's processes is the
+// caller's mistake (its n), refused before the group sees it, which would
+// break on it: the caller may deliver the round again.
 func (t *Transceiver) Deliver(all [][]byte) error {
 	if t.gather == nil {
 		return t.errNoGather("group deliver")
 	}
+	if len(all) != t.processes {
+		return errorf(CodeInvalidArgument, "capi: group deliver: %d contributions, the group has %d processes (one each, in process order)", len(all), t.processes)
+	}
 	if err := t.gather.Deliver(all); err != nil {
-		return &Error{Code: CodePeer, Err: fmt.Errorf("capi: group deliver: %w", err)}
+		return &Error{Code: CodeGroup, Err: fmt.Errorf("capi: group deliver: %w", err)}
 	}
 	return nil
 }
@@ -348,22 +362,69 @@ func (t *Transceiver) PoolMemory(i int) []byte {
 // Endpoints returns the control endpoints of the hosted ranks.
 func (t *Transceiver) Endpoints() []string { return t.tr.Endpoints() }
 
-// blocksOf checks the caller's block ids (blocks[i] for hosted rank i) and
-// returns them as the transceiver's Request.Blocks.
-func (t *Transceiver) blocksOf(op string, id uint64, blocks [][]kvcache.BlockID) ([][]kvcache.BlockID, error) {
+// checkRequest checks a request's own arguments against the instance: its
+// DP rank, its prompt length (0: unknown), and the caller's block ids
+// (blocks[i] for hosted rank i: in range, none twice), which it returns as
+// the transceiver's Request.Blocks. On the context side every hosted rank of the request's
+// DP group gives the same number of blocks, not none. They are checked
+// here, before the transceiver, so that they are the caller's
+// CodeInvalidArgument, and so that a receive refused for one of them has
+// not spent its opaque state (the transceiver records a signed state's
+// nonce before it looks at them).
+func (t *Transceiver) checkRequest(op string, id uint64, dpRank, tokens int, blocks [][]kvcache.BlockID) ([][]kvcache.BlockID, error) {
+	pc := t.state.Parallel
+	switch {
+	case !pc.AttentionDP && dpRank != 0:
+		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: dp_rank %d, but the instance has no attention DP (want 0)", op, id, dpRank)
+	case pc.AttentionDP && (dpRank < 0 || dpRank >= pc.DPSize):
+		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: dp_rank %d out of range [0,%d)", op, id, dpRank, pc.DPSize)
+	case tokens < 0:
+		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: num_tokens %d (want the prompt's length, or 0: unknown)", op, id, tokens)
+	}
 	if len(blocks) != len(t.ranks) {
 		return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block ids for %d ranks, this process hosts %d", op, id, len(blocks), len(t.ranks))
 	}
 	out := make([][]kvcache.BlockID, len(t.ranks))
+	first := -1 // the first hosted rank of the request's DP group
 	for i, r := range t.ranks {
+		seen := make(map[kvcache.BlockID]struct{}, len(blocks[i]))
 		for _, b := range blocks[i] {
 			if b < 0 || int(b) >= t.pools[i].NumBlocks() {
 				return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block %d of rank %d is out of range [0,%d)", op, id, b, r, t.pools[i].NumBlocks())
 			}
+			if _, dup := seen[b]; dup {
+				// A receive would write two of the context's blocks into it.
+				return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: block %d of rank %d is listed twice", op, id, b, r)
+			}
+			seen[b] = struct{}{}
 		}
 		out[i] = slices.Clone(blocks[i])
+		if op != "respond" || !t.inDPGroup(r, dpRank) {
+			continue
+		}
+		switch {
+		case len(blocks[i]) == 0:
+			return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: no blocks for rank %d, which holds part of DP group %d", op, id, r, dpRank)
+		case first < 0:
+			first = i
+		case len(blocks[i]) != len(blocks[first]):
+			return nil, errorf(CodeInvalidArgument, "capi: %s: request %d: %d blocks for rank %d, %d for rank %d (the ranks of a request hold as many)",
+				op, id, len(blocks[i]), r, len(blocks[first]), t.ranks[first])
+		}
 	}
 	return out, nil
+}
+
+// inDPGroup reports whether rank holds part of the requests of DP group dp
+// (every rank does without attention DP).
+func (t *Transceiver) inDPGroup(rank, dp int) bool {
+	pc := t.state.Parallel
+	if !pc.AttentionDP {
+		return true
+	}
+	_, _, tp := pc.Coords(rank)
+	g, _ := pc.DPGroup(tp)
+	return g == dp
 }
 
 // reserve records a new request of side s under the caller's id.
@@ -389,7 +450,7 @@ func (t *Transceiver) unreserve(s side, id uint64) {
 // generation side needs to pull it. tokens is the prompt's length (0:
 // unknown, not checked by the generation side).
 func (t *Transceiver) RespondAndSend(id uint64, dpRank, tokens int, blocks [][]kvcache.BlockID) ([]byte, error) {
-	bs, err := t.blocksOf("respond", id, blocks)
+	bs, err := t.checkRequest("respond", id, dpRank, tokens, blocks)
 	if err != nil {
 		return nil, err
 	}
@@ -438,7 +499,7 @@ func (t *Transceiver) receive(sync bool, ctx context.Context, id uint64, dpRank,
 	if len(opaque) == 0 {
 		return errorf(CodeBadOpaqueState, "capi: receive: request %d: empty opaque state", id)
 	}
-	bs, err := t.blocksOf("receive", id, blocks)
+	bs, err := t.checkRequest("receive", id, dpRank, tokens, blocks)
 	if err != nil {
 		return err
 	}

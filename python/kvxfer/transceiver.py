@@ -3,6 +3,7 @@
 import ctypes
 import dataclasses
 import json
+import operator
 import os
 import threading
 import time
@@ -18,6 +19,25 @@ DISAGG_GENERATION_INIT = "DISAGG_GENERATION_INIT"
 DISAGG_GENERATION_TRANS_IN_PROGRESS = "DISAGG_GENERATION_TRANS_IN_PROGRESS"
 DISAGG_GENERATION_TRANS_COMPLETE = "DISAGG_GENERATION_TRANS_COMPLETE"
 DISAGG_TRANS_ERROR = "DISAGG_TRANS_ERROR"
+
+
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+UINT64 = (0, 2**64 - 1)
+
+
+def _int(what, v, bounds):
+    """v as an int of the C type whose bounds are given (INT32, UINT64),
+    checked: ctypes would cut one that does not fit without a word (2**32 + 1
+    as an int32 is 1), naming another block, request or shape."""
+    try:
+        i = operator.index(v)
+    except TypeError:
+        raise error_for(1, f"kvxfer: {what} is {v!r}, not an integer") from None
+    lo, hi = bounds
+    if not lo <= i <= hi:
+        raise error_for(1, f"kvxfer: {what} is {i}, out of range [{lo}, {hi}] of its C type")
+    return i
 
 
 def _check(rc):
@@ -52,7 +72,8 @@ class Config:
     def from_yaml(cls, text, name="config"):
         data = text.encode() if isinstance(text, str) else bytes(text)
         h = ctypes.c_uint64()
-        _check(_lib.lib().kvxfer_config_load_yaml(data, len(data), name.encode(), ctypes.byref(h)))
+        nm = None if name is None else name.encode()  # None: the header's NULL, named "config"
+        _check(_lib.lib().kvxfer_config_load_yaml(data, len(data), nm, ctypes.byref(h)))
         return cls(h.value)
 
     @classmethod
@@ -62,9 +83,17 @@ class Config:
         return cls(h.value)
 
     def close(self):
+        """Frees the config (idempotent); transceivers made from it stay valid."""
         if self._h:
             _lib.lib().kvxfer_config_free(self._h)
             self._h = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
 
     def __del__(self):
         try:
@@ -96,13 +125,16 @@ class CacheState:
             raise error_for(1, f"kvxfer: dtype {self.dtype!r}: want one of {sorted(_lib.DTYPES)}")
         if self.attention.lower() not in _lib.ATTENTION:
             raise error_for(1, f"kvxfer: attention {self.attention!r}: want default or mla")
+        ints = [_int(f"cache state {name}", getattr(self, name), INT32)
+                for name in ("layers", "kv_heads", "head_dim", "tokens_per_block", "kv_factor")]
+        par = [_int(f"cache state {name}", getattr(self, name), INT32) for name in ("tp", "pp")]
         s = _lib.CacheStateC(
-            ctypes.sizeof(_lib.CacheStateC), self.layers, self.kv_heads, self.head_dim, self.tokens_per_block,
-            self.kv_factor, _lib.DTYPES[self.dtype], _lib.ATTENTION[self.attention.lower()], self.tp, self.pp,
-            int(self.attention_dp), self.dp_size, None)
+            ctypes.sizeof(_lib.CacheStateC), *ints, _lib.DTYPES[self.dtype], _lib.ATTENTION[self.attention.lower()], *par,
+            int(bool(self.attention_dp)), _int("cache state dp_size", self.dp_size, INT32), None)
         keep = None
         if self.layers_per_pp:
-            keep = (ctypes.c_int32 * len(self.layers_per_pp))(*self.layers_per_pp)
+            lpp = [_int(f"cache state layers_per_pp[{i}]", v, INT32) for i, v in enumerate(self.layers_per_pp)]
+            keep = (ctypes.c_int32 * len(lpp))(*lpp)
             s.layers_per_pp = ctypes.cast(keep, ctypes.POINTER(ctypes.c_int32))
         return s, keep
 
@@ -114,7 +146,7 @@ class CacheState:
         """The bytes of one block of rank."""
         s, _keep = self._c()
         out = ctypes.c_uint64()
-        _check(_lib.lib().kvxfer_block_bytes(ctypes.byref(s), rank, ctypes.byref(out)))
+        _check(_lib.lib().kvxfer_block_bytes(ctypes.byref(s), _int("rank", rank, INT32), ctypes.byref(out)))
         return out.value
 
 
@@ -131,8 +163,9 @@ class CoordinatedGroup:
     join_timeout: float = 60.0
 
     def _c(self):
-        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_COORDINATED, self.process, self.processes,
-                           self.coordinator.encode(), int(self.join_timeout * 1000))
+        ms = min(int(self.join_timeout * 1000), INT64[1])
+        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_COORDINATED, _int("group process", self.process, INT32),
+                           _int("group processes", self.processes, INT32), self.coordinator.encode(), ms)
 
 
 @dataclasses.dataclass
@@ -144,7 +177,8 @@ class GatherGroup:
     processes: int
 
     def _c(self):
-        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_GATHER, self.process, self.processes, None, 0)
+        return _lib.GroupC(ctypes.sizeof(_lib.GroupC), _lib.GROUP_GATHER, _int("group process", self.process, INT32),
+                           _int("group processes", self.processes, INT32), None, 0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -179,12 +213,15 @@ class KvCacheTransceiver:
     (None: every rank of the instance); when not all, group (a
     CoordinatedGroup or a GatherGroup) says how this process agrees with
     the processes hosting the others. Methods are safe to call from several
-    threads. Use it as a context manager, or call shutdown()."""
+    threads. Use it as a context manager, or call shutdown(); one dropped
+    without either is shut down when collected."""
 
     def __init__(self, config, cache_state, pools=None, num_blocks=None, ranks=None, group=None, listen_host=None):
         self._lib = _lib.lib()
         self.cache_state = cache_state
-        self.ranks = list(ranks) if ranks else list(range(cache_state.num_ranks))
+        self.ranks = [_int(f"ranks[{i}]", r, INT32) for i, r in enumerate(ranks)] if ranks else list(range(cache_state.num_ranks))
+        if num_blocks is not None:
+            num_blocks = _int("num_blocks", num_blocks, INT32)
         n = len(self.ranks)
         cpools = (_lib.PoolC * n)()
         self._keep = []  # the ctypes views that pin the caller's buffers
@@ -217,15 +254,24 @@ class KvCacheTransceiver:
         if pools is not None:
             self.pools = [mv for mv, _ in self._keep]
         else:
-            self.pools = [memoryview((ctypes.c_uint8 * cpools[i].size).from_address(cpools[i].base)) for i in range(n)]
+            self.pools = []
+            for i in range(n):
+                arr = (ctypes.c_uint8 * cpools[i].size).from_address(cpools[i].base)
+                arr.owner = self  # a pool the caller holds keeps the mapping (see __del__)
+                # Cast to "B": a ctypes array's own format ("<B") is one a
+                # memoryview can neither index nor assign through.
+                self.pools.append(memoryview(arr).cast("B"))
         self.num_blocks = [cpools[i].num_blocks for i in range(n)]
         self._mu = threading.Lock()
         self._reqs = ({}, {})  # by id: context side, generation side
-        self._finished = (_lib.FinishedC * _FINISHED_BATCH)()
-        self._opaque = ctypes.create_string_buffer(4096)
+        self._tls = threading.local()  # each thread's array for the status calls
 
-    # The block ids of req as the C ABI wants them: hosted rank by hosted rank.
+    # The block ids of req as the C ABI wants them: hosted rank by hosted
+    # rank, with req's integers checked against their C types.
     def _blocks(self, req):
+        _int("request_id", req.request_id, UINT64)
+        _int(f"request {req.request_id}: dp_rank", req.dp_rank, INT32)
+        _int(f"request {req.request_id}: num_tokens", req.num_tokens, INT32)
         ids = req.block_ids
         if len(ids) == 0 or not hasattr(ids[0], "__len__"):
             per = [list(ids)]  # a flat list: the blocks of a process hosting one rank
@@ -236,8 +282,34 @@ class KvCacheTransceiver:
         nb = len(per[0])
         if any(len(x) != nb for x in per):
             raise error_for(1, f"kvxfer: request {req.request_id}: the hosted ranks have different numbers of blocks {[len(x) for x in per]}")
-        flat = [b for x in per for b in x]
+        flat = [_int(f"request {req.request_id}: block id", b, INT32) for x in per for b in x]
         return (ctypes.c_int32 * len(flat))(*flat), nb
+
+    # _register records req as the request of its id on side gen (0: context,
+    # 1: generation), in progress, before the call that starts it, so that a
+    # status call of another thread finds it however soon it ends, and the
+    # end state it sets is not overwritten afterwards. It returns what
+    # _unregister needs to undo it, None when it did not: an id already
+    # recorded is one in flight, whose request keeps its place (the library
+    # refuses the second with InFlightError).
+    def _register(self, gen, req):
+        with self._mu:
+            if req.request_id in self._reqs[gen]:
+                return None
+            self._reqs[gen][req.request_id] = req
+            undo = (req.state, req.error)
+            req.state = DISAGG_GENERATION_TRANS_IN_PROGRESS if gen else DISAGG_CONTEXT_TRANS_IN_PROGRESS
+            req.error = None
+            return undo
+
+    # _unregister undoes _register after the call failed.
+    def _unregister(self, gen, req, undo):
+        if undo is None:
+            return
+        with self._mu:
+            if self._reqs[gen].get(req.request_id) is req:
+                del self._reqs[gen][req.request_id]
+                req.state, req.error = undo
 
     def _handle(self):
         if not self._h:
@@ -247,7 +319,8 @@ class KvCacheTransceiver:
     def respond_and_send_async(self, req):
         """Context side: hand req, whose prefill is done, to the transceiver.
         Sets req.opaque_state (for the generation side) and the state
-        DISAGG_CONTEXT_TRANS_IN_PROGRESS.
+        DISAGG_CONTEXT_TRANS_IN_PROGRESS (before the call: a status call of
+        another thread that reports its end first sets the end state).
 
         With the instance's ranks in several processes (a group), every
         process makes this call for the request, each at its own time, and
@@ -261,8 +334,7 @@ class KvCacheTransceiver:
         n = ctypes.c_size_t()
         buf = ctypes.create_string_buffer(4096)
         u8 = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
-        with self._mu:
-            self._reqs[0][req.request_id] = req
+        undo = self._register(0, req)
         try:
             _check(self._lib.kvxfer_respond_and_send(self._handle(), req.request_id, req.dp_rank, req.num_tokens, ids, nb,
                                                      u8, len(buf), ctypes.byref(n)))
@@ -271,12 +343,9 @@ class KvCacheTransceiver:
                 u8 = ctypes.cast(buf, ctypes.POINTER(ctypes.c_uint8))
                 _check(self._lib.kvxfer_context_opaque_state(self._h, req.request_id, u8, len(buf), ctypes.byref(n)))
         except KvxferError:
-            with self._mu:
-                if self._reqs[0].get(req.request_id) is req:
-                    del self._reqs[0][req.request_id]
+            self._unregister(0, req, undo)
             raise
         req.opaque_state = buf.raw[: n.value]
-        req.state, req.error = DISAGG_CONTEXT_TRANS_IN_PROGRESS, None
 
     def request_and_receive_async(self, req):
         """Generation side: start pulling req's KV cache into req.block_ids
@@ -284,16 +353,12 @@ class KvCacheTransceiver:
         DISAGG_GENERATION_TRANS_IN_PROGRESS."""
         ids, nb = self._blocks(req)
         op = bytes(req.opaque_state or b"")
-        with self._mu:
-            self._reqs[1][req.request_id] = req
+        undo = self._register(1, req)
         try:
             _check(self._lib.kvxfer_request_and_receive(self._handle(), req.request_id, req.dp_rank, req.num_tokens, op, len(op), ids, nb))
         except KvxferError:
-            with self._mu:
-                if self._reqs[1].get(req.request_id) is req:
-                    del self._reqs[1][req.request_id]
+            self._unregister(1, req, undo)
             raise
-        req.state, req.error = DISAGG_GENERATION_TRANS_IN_PROGRESS, None
 
     def request_and_receive_sync(self, req, timeout=None):
         """request_and_receive_async and a wait for the end (at most timeout
@@ -302,7 +367,7 @@ class KvCacheTransceiver:
         check_gen_transfer_status."""
         ids, nb = self._blocks(req)
         op = bytes(req.opaque_state or b"")
-        ms = -1 if timeout is None else int(timeout * 1000)
+        ms = -1 if timeout is None or timeout == float("inf") else min(int(timeout * 1000), INT64[1])
         req.state = DISAGG_GENERATION_TRANS_IN_PROGRESS
         try:
             _check(self._lib.kvxfer_request_and_receive_sync(self._handle(), req.request_id, req.dp_rank, req.num_tokens, op, len(op), ids, nb, ms))
@@ -313,18 +378,24 @@ class KvCacheTransceiver:
 
     def _check_status(self, gen, at_least, timeout):
         fn = self._lib.kvxfer_check_gen_status if gen else self._lib.kvxfer_check_context_status
-        at = -1 if at_least is None else int(at_least)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        at = -1 if at_least is None else _int("at_least_request_num", at_least, INT32)
+        deadline = None if timeout is None or timeout == float("inf") else time.monotonic() + timeout
         out = []
         n = ctypes.c_size_t()
+        # The array is this thread's: another thread's status call, between
+        # this one's library call and its reading, would write over a
+        # shared one.
+        finished = getattr(self._tls, "finished", None)
+        if finished is None:
+            finished = self._tls.finished = (_lib.FinishedC * _FINISHED_BATCH)()
         while True:
-            ms = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-            rc = fn(self._handle(), at, ms, self._finished, _FINISHED_BATCH, ctypes.byref(n))
+            ms = -1 if deadline is None else min(max(0, int((deadline - time.monotonic()) * 1000)), INT64[1])
+            rc = fn(self._handle(), at, ms, finished, _FINISHED_BATCH, ctypes.byref(n))
             err = None
             if rc != _lib.OK:
                 err = error_for(rc, self._lib.kvxfer_last_error().decode("utf-8", "replace"))
             for i in range(n.value):
-                f = self._finished[i]
+                f = finished[i]
                 out.append(self._finish(gen, f.request_id, f.status))
             if err is not None:
                 if out:  # what ended is returned; the wait's failure is not lost for a later call
@@ -347,6 +418,9 @@ class KvCacheTransceiver:
             buf = ctypes.create_string_buffer(4096)
             n = ctypes.c_size_t()
             rc = self._lib.kvxfer_request_error(self._h, int(gen), rid, buf, len(buf), ctypes.byref(n))
+            if rc == _lib.ERR_BUFFER_TOO_SMALL and n.value >= len(buf):  # a longer message: ask again with room for it
+                buf = ctypes.create_string_buffer(n.value + 1)
+                rc = self._lib.kvxfer_request_error(self._h, int(gen), rid, buf, len(buf), ctypes.byref(n))
             msg = buf.value.decode("utf-8", "replace") if rc == _lib.OK else f"request {rid} failed ({_lib.STATUS_NAMES.get(status)})"
             req.state, req.error = DISAGG_TRANS_ERROR, error_for(status, msg)
         return req
@@ -375,7 +449,7 @@ class KvCacheTransceiver:
         """Cancels req's transfer on whichever side it is in flight; True
         when one was cancelled (it is then reported with CanceledError)."""
         c = ctypes.c_int32()
-        _check(self._lib.kvxfer_cancel(self._handle(), req.request_id, ctypes.byref(c)))
+        _check(self._lib.kvxfer_cancel(self._handle(), _int("request_id", req.request_id, UINT64), ctypes.byref(c)))
         return bool(c.value)
 
     def gather_outbox(self):
@@ -425,6 +499,19 @@ class KvCacheTransceiver:
             self.pools = []
             _check(self._lib.kvxfer_transceiver_close(h))
             self._keep = []
+
+    def __del__(self):
+        # Dropped without shutdown: close before the caller's pools this
+        # object pins (self._keep) are let go, which the ranks would go on
+        # writing into, and stop the ranks' goroutines and listeners. A pool
+        # kvxfer allocated keeps this object alive while the caller holds
+        # it (its owner), so that it is not unmapped under the caller. At
+        # interpreter exit, or in a forked child (ForkedError), it is let go
+        # quietly.
+        try:
+            self.shutdown()
+        except Exception:
+            pass
 
     def __enter__(self):
         return self
