@@ -236,38 +236,116 @@ type joiner struct {
 // dropping connections whose first message is no valid join, until all
 // have joined or ctx ends. Either way it closes ln (no one else is to
 // connect); on failure it closes the connections of those that joined.
+//
+// Joins are read concurrently, each within WriteTimeout, so that a
+// connection that says nothing (a stranger, a port scan) does not keep the
+// processes behind it waiting; at most maxPendingJoins of them are read at
+// once, and those beyond are closed at once.
 func (g *CoordinatedGroup) acceptJoins(ctx context.Context, ln net.Listener) ([]joiner, error) {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
-	defer ln.Close()
+	h := &joinHandshakes{g: g, joined: make(chan joiner), failed: make(chan error, 1), done: make(chan struct{}), conns: map[net.Conn]bool{}}
+	h.wg.Go(func() { h.accept(ln) })
 	var others []joiner
-	for len(others) < g.cfg.Processes-1 {
-		c, err := ln.Accept()
-		if err != nil {
+	var err error
+	for err == nil && len(others) < g.cfg.Processes-1 {
+		select {
+		case j := <-h.joined:
+			others = append(others, j)
+		case err = <-h.failed:
 			if ctx.Err() != nil {
 				err = context.Cause(ctx)
 			}
-			for _, j := range others {
-				j.c.Close()
-			}
-			return nil, fmt.Errorf("transceiver: coordinated group: %d of %d processes joined: %w", len(others)+1, g.cfg.Processes, err)
 		}
-		keepAlive(c)
-		c.SetReadDeadline(time.Now().Add(g.cfg.WriteTimeout))
-		r := bufio.NewReader(c)
-		msg, err := g.readJoinFrame(r)
-		if err == nil && msg.typ != groupMsgJoin {
-			err = fmt.Errorf("%w: first message of type %d, want a join", ErrBadGroupMessage, msg.typ)
+	}
+	ln.Close()
+	h.stop()
+	if err != nil {
+		for _, j := range others {
+			j.c.Close()
 		}
+		return nil, fmt.Errorf("transceiver: coordinated group: %d of %d processes joined: %w", len(others)+1, g.cfg.Processes, err)
+	}
+	return others, nil
+}
+
+// maxPendingJoins bounds the connections whose join the coordinator reads
+// at once.
+const maxPendingJoins = 64
+
+// joinHandshakes reads the joins of the connections the coordinator
+// accepts, each on a goroutine of its own, owned by acceptJoins (stop).
+type joinHandshakes struct {
+	g      *CoordinatedGroup
+	joined chan joiner
+	failed chan error    // the accept loop's end
+	done   chan struct{} // closed by stop
+	wg     sync.WaitGroup
+
+	mu      sync.Mutex
+	conns   map[net.Conn]bool // being read
+	stopped bool              // stop has closed them
+}
+
+// accept accepts connections until ln is closed, and starts reading the
+// join of each, up to maxPendingJoins at a time.
+func (h *joinHandshakes) accept(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
 		if err != nil {
-			// Not a process of this instance: refuse it, keep waiting.
+			h.failed <- err
+			return
+		}
+		h.mu.Lock()
+		refuse := h.stopped || len(h.conns) >= maxPendingJoins
+		if !refuse {
+			h.conns[c] = true
+		}
+		h.mu.Unlock()
+		if refuse {
 			c.Close()
 			continue
 		}
-		c.SetReadDeadline(time.Time{})
-		others = append(others, joiner{c, r, msg.join})
+		h.wg.Go(func() { h.read(c) })
 	}
-	return others, nil
+}
+
+// read reads the join of c within WriteTimeout and hands it over; a
+// connection whose first message is not a valid join is closed.
+func (h *joinHandshakes) read(c net.Conn) {
+	keepAlive(c)
+	c.SetReadDeadline(time.Now().Add(h.g.cfg.WriteTimeout))
+	r := bufio.NewReader(c)
+	msg, err := h.g.readJoinFrame(r)
+	if err == nil && msg.typ != groupMsgJoin {
+		err = fmt.Errorf("%w: first message of type %d, want a join", ErrBadGroupMessage, msg.typ)
+	}
+	h.mu.Lock()
+	delete(h.conns, c)
+	h.mu.Unlock()
+	if err != nil { // not a process of this instance: refused
+		c.Close()
+		return
+	}
+	c.SetReadDeadline(time.Time{})
+	select {
+	case h.joined <- joiner{c, r, msg.join}:
+	case <-h.done:
+		c.Close()
+	}
+}
+
+// stop ends the reads in progress (their connections are closed) and
+// waits for every goroutine; the listener must be closed first.
+func (h *joinHandshakes) stop() {
+	close(h.done)
+	h.mu.Lock()
+	h.stopped = true
+	for c := range h.conns {
+		c.Close()
+	}
+	h.mu.Unlock()
+	h.wg.Wait()
 }
 
 // readFrom reads the batches of process p and queues them for the log; when

@@ -903,3 +903,64 @@ func TestGatherGroupRounds(t *testing.T) {
 		t.Fatalf("a round after the group broke: %v, want ErrGroupLost", err)
 	}
 }
+
+// TestHostileSilentJoiner: connections to the coordinator that say nothing
+// (a stranger, a port scan) do not keep the group's processes waiting
+// behind them: the group forms at once, not after each silent
+// connection's WriteTimeout.
+func TestHostileSilentJoiner(t *testing.T) {
+	cfg := testCfg()
+	st := state(2, 4, 16, 8, kvcache.FP16, 2, 1, false)
+	bubble(t, func(t *testing.T, nw *memNetwork) {
+		ln, err := nw.Listen(t.Context(), "127.0.0.1")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer ln.Close()
+		var silent []net.Conn
+		for range 3 {
+			c, err := nw.DialFrom(t.Context(), "127.0.0.9", ln.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			silent = append(silent, c)
+		}
+		start := time.Now()
+		trs := make([]*Transceiver, 2)
+		errs := make([]error, 2)
+		var wg sync.WaitGroup
+		for r := range 2 {
+			gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
+			if r == 0 {
+				gc.Listener = ln
+			}
+			g, err := NewCoordinatedGroup(gc)
+			if err != nil {
+				t.Fatal(err)
+			}
+			p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			opts := Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g}
+			withNetwork(nw)(&opts)
+			wg.Go(func() {
+				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+				defer cancel()
+				trs[r], errs[r] = New(ctx, cfg, opts)
+			})
+		}
+		wg.Wait()
+		for r, err := range errs {
+			if err != nil {
+				t.Fatalf("process %d: %v", r, err)
+			}
+			defer trs[r].Close()
+		}
+		if d := time.Since(start); d > 0 {
+			t.Errorf("the group formed after %v behind %d silent connections, want at once", d, len(silent))
+		}
+	})
+}
