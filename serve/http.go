@@ -28,10 +28,17 @@ func writeError(w http.ResponseWriter, code int, typ, msg string) {
 	json.NewEncoder(w).Encode(e)
 }
 
-func readBody(req *http.Request) ([]byte, error) {
+// readBody reads a request's body: 413 when it is over MaxBody, 400 when
+// it cannot be read.
+func readBody(req *http.Request) ([]byte, *httpError) {
 	b, err := io.ReadAll(http.MaxBytesReader(nil, req.Body, MaxBody))
-	if err != nil {
-		return nil, fmt.Errorf("reading the request body: %v (at most %d bytes)", err, MaxBody)
+	var tooLarge *http.MaxBytesError
+	switch {
+	case errors.As(err, &tooLarge):
+		return nil, &httpError{http.StatusRequestEntityTooLarge, "request_too_large",
+			fmt.Sprintf("the request body is over %d bytes (MaxBody)", MaxBody)}
+	case err != nil:
+		return nil, badRequest("reading the request body: %v", err)
 	}
 	return b, nil
 }

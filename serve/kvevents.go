@@ -264,9 +264,9 @@ func (w *Worker) cachedPrefix(rw http.ResponseWriter, r *http.Request) {
 	if !w.authorized(rw, r) {
 		return
 	}
-	body, err := readBody(r)
-	if err != nil {
-		writeError(rw, http.StatusBadRequest, "invalid_request_error", err.Error())
+	body, herr := readBody(r)
+	if herr != nil {
+		writeError(rw, herr.code, herr.typ, CachedPrefixPath+": "+herr.msg)
 		return
 	}
 	var cr completionRequest

@@ -470,9 +470,9 @@ func (r *Router) Registry() *prometheus.Registry { return r.reg }
 func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	start := time.Now()
 	defer func() { r.m.Latency.WithLabelValues(path).Observe(time.Since(start).Seconds()) }()
-	orig, stream, err := readRouted(req)
-	if err != nil {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+	orig, stream, herr := readRouted(req)
+	if herr != nil {
+		writeError(w, herr.code, herr.typ, herr.msg)
 		return
 	}
 	if ok, role, why := r.ready(); !ok {
@@ -598,24 +598,24 @@ func relay(w http.ResponseWriter, resp *http.Response, err error, copyBody func(
 // readRouted reads a client's request to the router: a JSON object without
 // disaggregated_params (the router sets them), and whether it asks for a
 // stream.
-func readRouted(req *http.Request) (object, bool, error) {
-	body, err := readBody(req)
-	if err != nil {
-		return nil, false, err
+func readRouted(req *http.Request) (object, bool, *httpError) {
+	body, herr := readBody(req)
+	if herr != nil {
+		return nil, false, herr
 	}
 	var orig object
 	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
-		return nil, false, errors.New("request body must be a JSON object")
+		return nil, false, badRequest("request body must be a JSON object")
 	}
 	if err := takeConversation(orig); err != nil {
-		return nil, false, err
+		return nil, false, badRequest("%v", err)
 	}
 	if _, ok := orig[ResumeField]; ok {
-		return nil, false, errors.New(ResumeField + " is set by the router when it migrates a request; send the plain OpenAI request")
+		return nil, false, badRequest("%s is set by the router when it migrates a request; send the plain OpenAI request", ResumeField)
 	}
 	var stream bool
 	if _, err := orig.get("stream", &stream); err != nil {
-		return nil, false, err
+		return nil, false, badRequest("%v", err)
 	}
 	return orig, stream, nil
 }

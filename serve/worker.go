@@ -242,9 +242,9 @@ func (w *Worker) Handler() http.Handler {
 const CancelContextPath = "/v1/disaggregated/cancel"
 
 func (w *Worker) cancelContext(rw http.ResponseWriter, r *http.Request) {
-	body, err := readBody(r)
-	if err != nil {
-		writeError(rw, http.StatusBadRequest, "invalid_request_error", err.Error())
+	body, herr := readBody(r)
+	if herr != nil {
+		writeError(rw, herr.code, herr.typ, herr.msg)
 		return
 	}
 	var dp DisaggregatedParams
