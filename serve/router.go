@@ -981,22 +981,39 @@ func (d *doneBody) Close() error {
 	return err
 }
 
+// models answers /v1/models with the first generation worker's that
+// answers (503 while the cluster is not ready).
 func (r *Router) models(w http.ResponseWriter, req *http.Request) {
+	if ok, role, why := r.ready(); !ok {
+		writeNotReady(w, role, why)
+		return
+	}
 	resp, err := r.get(req.Context(), r.gen, "/v1/models")
 	relay(w, resp, err, func(w http.ResponseWriter, body io.Reader) { io.Copy(w, io.LimitReader(body, MaxBody)) })
 }
 
+// get asks the group's servers for path in policy order, under the
+// per-phase deadlines (do), until one answers.
 func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response, error) {
 	var errs []error
 	for _, s := range g.order() {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.url+path, nil)
-		resp, err := r.client.Do(req)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url+path, nil)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := r.do(g, s, req)
 		if err == nil {
 			return resp, nil
 		}
-		errs = append(errs, err)
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", s.url, err))
 	}
-	return nil, errors.Join(errs...)
+	if len(errs) == 0 {
+		return nil, fmt.Errorf("no %s server to ask GET %s", g.name, path)
+	}
+	return nil, fmt.Errorf("no %s server answered GET %s: %w", g.name, path, errors.Join(errs...))
 }
 
 // health probes every worker at once, each within HealthTimeout (one
