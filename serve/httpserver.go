@@ -18,6 +18,7 @@ const (
 	DefaultHTTPMaxConnsPerHost   = 1024
 	DefaultHTTPIdleTimeout       = 2 * time.Minute
 	DefaultHTTPReadHeaderTimeout = 10 * time.Second
+	DefaultHTTPWriteTimeout      = 30 * time.Second
 )
 
 // HTTPLimits bound the connections of a worker's or router's HTTP server. A
@@ -32,6 +33,13 @@ type HTTPLimits struct {
 	IdleTimeout time.Duration
 	// ReadHeaderTimeout bounds the reading of a request's headers.
 	ReadHeaderTimeout time.Duration
+	// WriteTimeout bounds each write of an answer (each event of a
+	// stream, each flush): a client that takes no more bytes for this long
+	// (it stopped reading, or went away without a word) has its connection
+	// closed, which ends its request and what the request holds upstream.
+	// Unlike http.Server.WriteTimeout it bounds one write, not the whole
+	// answer, so a stream may last as long as it produces.
+	WriteTimeout time.Duration
 }
 
 // WithDefaults returns l with zero fields set to their defaults.
@@ -48,21 +56,64 @@ func (l HTTPLimits) WithDefaults() HTTPLimits {
 	if l.ReadHeaderTimeout == 0 {
 		l.ReadHeaderTimeout = DefaultHTTPReadHeaderTimeout
 	}
+	if l.WriteTimeout == 0 {
+		l.WriteTimeout = DefaultHTTPWriteTimeout
+	}
 	return l
 }
 
 // String describes l for logs: "max 4096 connections, 1024 per host, idle
-// timeout 2m0s".
+// timeout 2m0s, write timeout 30s".
 func (l HTTPLimits) String() string {
-	return netlimit.Limits{MaxConns: l.MaxConns, MaxConnsPerHost: l.MaxConnsPerHost}.String() + ", idle timeout " + l.IdleTimeout.String()
+	return netlimit.Limits{MaxConns: l.MaxConns, MaxConnsPerHost: l.MaxConnsPerHost}.String() + ", idle timeout " + l.IdleTimeout.String() +
+		", write timeout " + l.WriteTimeout.String()
 }
 
 // NewHTTPServer returns a server of h with the timeouts of lim (after
 // WithDefaults). Serve it on a listener from LimitListener.
 func NewHTTPServer(h http.Handler, lim HTTPLimits) *http.Server {
 	lim = lim.WithDefaults()
+	if lim.WriteTimeout > 0 {
+		h = writeDeadlines(h, lim.WriteTimeout)
+	}
 	return &http.Server{Handler: h, ReadHeaderTimeout: max(0, lim.ReadHeaderTimeout), IdleTimeout: max(0, lim.IdleTimeout)}
 }
+
+// writeDeadlines gives each write and flush of h's answers d to complete
+// (HTTPLimits.WriteTimeout). A write that misses it fails, the handler
+// sees its client gone, and the server closes the connection.
+func writeDeadlines(h http.Handler, d time.Duration) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		// None while the handler works before its first write: the
+		// connection may carry the deadline of its previous answer.
+		rc.SetWriteDeadline(time.Time{})
+		h.ServeHTTP(&deadlineWriter{ResponseWriter: w, rc: rc, d: d}, r)
+		// The server writes what the handler left buffered after it
+		// returns.
+		rc.SetWriteDeadline(time.Now().Add(d))
+	})
+}
+
+// deadlineWriter sets the write deadline before each write and flush.
+type deadlineWriter struct {
+	http.ResponseWriter
+	rc *http.ResponseController
+	d  time.Duration
+}
+
+func (w *deadlineWriter) Write(b []byte) (int, error) {
+	w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *deadlineWriter) Flush() {
+	w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	w.rc.Flush()
+}
+
+// Unwrap lets http.ResponseController reach the server's writer.
+func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // LimitListener wraps ln so that it keeps at most lim's connections (after
 // WithDefaults), refusing the excess at once with a rate-limited log line
