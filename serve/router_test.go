@@ -280,6 +280,8 @@ func TestRouterBadRequests(t *testing.T) {
 		{`[1,2]`, "JSON object"},
 		{`{"prompt":"x","stream":"yes"}`, `field \"stream\"`},
 		{`{"prompt":"x","disaggregated_params":{}}`, "set by the router"},
+		{`{"prompt":"x","conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}`, "conversation_id has 1026 bytes of JSON, at most 1024"},
+		{`{"prompt":"x","disaggregated_params":{"conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}}`, "conversation_id has 1026 bytes"},
 	} {
 		resp, body := post(t, rs.URL+"/v1/completions", tc.body)
 		if resp.StatusCode != 400 || !strings.Contains(body, tc.want) {
