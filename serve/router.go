@@ -595,6 +595,20 @@ func relay(w http.ResponseWriter, resp *http.Response, err error, copyBody func(
 	copyBody(w, resp.Body)
 }
 
+// notJSONObject says why a body did not decode as a JSON object: what it
+// is instead, or where its JSON breaks.
+func notJSONObject(err error) string {
+	var typ *json.UnmarshalTypeError
+	var syn *json.SyntaxError
+	switch {
+	case errors.As(err, &typ):
+		return ", not a JSON " + typ.Value
+	case errors.As(err, &syn):
+		return fmt.Sprintf(": %v (at byte %d)", err, syn.Offset)
+	}
+	return ": " + err.Error()
+}
+
 // readRouted reads a client's request to the router: a JSON object without
 // disaggregated_params (the router sets them), and whether it asks for a
 // stream.
@@ -604,8 +618,11 @@ func readRouted(req *http.Request) (object, bool, *httpError) {
 		return nil, false, herr
 	}
 	var orig object
-	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
-		return nil, false, badRequest("request body must be a JSON object")
+	if err := json.Unmarshal(body, &orig); err != nil {
+		return nil, false, badRequest("request body must be a JSON object%s", notJSONObject(err))
+	}
+	if orig == nil {
+		return nil, false, badRequest("request body must be a JSON object, not null")
 	}
 	if err := takeConversation(orig); err != nil {
 		return nil, false, badRequest("%v", err)

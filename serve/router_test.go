@@ -276,8 +276,11 @@ func TestRouterBadRequests(t *testing.T) {
 	_, gu := startFake(t, "gen", "")
 	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
 	for _, tc := range []struct{ body, want string }{
-		{`not json`, "JSON object"},
-		{`[1,2]`, "JSON object"},
+		{`not json`, "request body must be a JSON object: invalid character 'o' in literal null (expecting 'u') (at byte 2)"},
+		{`[1,2]`, "request body must be a JSON object, not a JSON array"},
+		{`null`, "request body must be a JSON object, not null"},
+		{`{"prompt":"x"`, "request body must be a JSON object: unexpected end of JSON input"},
+		{`{"prompt":"x"} {"prompt":"y"}`, "invalid character '{' after top-level value"},
 		{`{"prompt":"x","stream":"yes"}`, `field \"stream\"`},
 		{`{"prompt":"x","disaggregated_params":{}}`, "set by the router"},
 		{`{"prompt":"x","conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}`, "conversation_id has 1026 bytes of JSON, at most 1024"},
