@@ -350,8 +350,9 @@ func badRequest(format string, args ...any) *httpError {
 // client can get wrong.
 func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Request, *httpError) {
 	var cr completionRequest
-	dec := json.NewDecoder(strings.NewReader(string(body)))
-	if err := dec.Decode(&cr); err != nil {
+	// Unmarshal, not a Decoder: it refuses what follows the object, as
+	// the router does.
+	if err := json.Unmarshal(body, &cr); err != nil {
 		return nil, engine.Request{}, badRequest("request body: %v", err)
 	}
 	var er engine.Request

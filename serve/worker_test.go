@@ -405,3 +405,19 @@ func TestOversizeBody413(t *testing.T) {
 		t.Errorf("a body of MaxBody bytes: %d %.200s", resp.StatusCode, body)
 	}
 }
+
+// TestWorkerRefusesTrailingData: the worker decoded the first JSON value of
+// a body and ignored what followed it (a second object, garbage), where
+// the router refuses the body; it refuses it too now.
+func TestWorkerRefusesTrailingData(t *testing.T) {
+	w := startTestWorker(t, WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	for _, body := range []string{`{"prompt":"x","max_tokens":1} {"prompt":"y"}`, `{"prompt":"x","max_tokens":1}garbage`} {
+		resp, b := post(t, w.srv.URL+"/v1/completions", body)
+		if resp.StatusCode != http.StatusBadRequest || !strings.Contains(b, "after top-level value") {
+			t.Errorf("%s: %d %s", body, resp.StatusCode, b)
+		}
+	}
+	if resp, b := post(t, w.srv.URL+"/v1/completions", `{"prompt":"x","max_tokens":1}`+"\n"); resp.StatusCode != 200 {
+		t.Errorf("a body with a trailing newline: %d %s", resp.StatusCode, b)
+	}
+}
