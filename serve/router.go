@@ -701,7 +701,7 @@ func (r *Router) runContext(ctx context.Context, path string, orig object, resum
 	if err != nil {
 		return nil, &contextOutcome{err: err}
 	}
-	prefillBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	prefillBody, err := readUpstream(resp.Body)
 	resp.Body.Close()
 	if err != nil {
 		return nil, &contextOutcome{err: fmt.Errorf("reading the context server's answer: %w", err)}
@@ -734,6 +734,16 @@ func (r *Router) runContext(ctx context.Context, path string, orig object, resum
 		ids = ch.PromptTokenIDs
 	}
 	return &contextResult{params: *ch.DisaggregatedParams, ids: ids, server: strings.TrimSuffix(resp.Request.URL.String(), path)}, nil
+}
+
+// readUpstream reads a worker's whole answer, at most MaxBody bytes: a
+// longer one is an error, never cut short into broken JSON.
+func readUpstream(body io.Reader) ([]byte, error) {
+	b, err := io.ReadAll(io.LimitReader(body, MaxBody+1))
+	if err == nil && len(b) > MaxBody {
+		err = fmt.Errorf("the answer is over %d bytes (MaxBody)", MaxBody)
+	}
+	return b, err
 }
 
 // replayFinished returns a context-phase answer that already finished; a
