@@ -65,9 +65,9 @@ func disaggOf(f *engine.Final) *DisaggregatedParams {
 // complete serves /v1/completions and /v1/chat/completions.
 func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 	arrived := time.Now()
-	body, err := readBody(r)
-	if err != nil {
-		writeError(rw, http.StatusBadRequest, "invalid_request_error", err.Error())
+	body, herr := readBody(r)
+	if herr != nil {
+		writeError(rw, herr.code, herr.typ, herr.msg)
 		return
 	}
 	cr, er, herr := w.parse(body, chat)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strconv"
 
@@ -28,10 +29,20 @@ func writeError(w http.ResponseWriter, code int, typ, msg string) {
 	json.NewEncoder(w).Encode(e)
 }
 
-func readBody(req *http.Request) ([]byte, error) {
+// readBody reads a request's body: 413 when it is over MaxBody, 408 when it
+// did not come within HTTPLimits.BodyTimeout, 400 when it cannot be read.
+func readBody(req *http.Request) ([]byte, *httpError) {
 	b, err := io.ReadAll(http.MaxBytesReader(nil, req.Body, MaxBody))
-	if err != nil {
-		return nil, fmt.Errorf("reading the request body: %v (at most %d bytes)", err, MaxBody)
+	var tooLarge *http.MaxBytesError
+	var timeout net.Error
+	switch {
+	case errors.As(err, &tooLarge):
+		return nil, &httpError{http.StatusRequestEntityTooLarge, "request_too_large",
+			fmt.Sprintf("the request body is over %d bytes (MaxBody)", MaxBody)}
+	case errors.As(err, &timeout) && timeout.Timeout():
+		return nil, &httpError{http.StatusRequestTimeout, "request_timeout", "the request body did not come in time: " + err.Error()}
+	case err != nil:
+		return nil, badRequest("reading the request body: %v", err)
 	}
 	return b, nil
 }

@@ -1,6 +1,7 @@
 package serve
 
 import (
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -18,6 +19,8 @@ const (
 	DefaultHTTPMaxConnsPerHost   = 1024
 	DefaultHTTPIdleTimeout       = 2 * time.Minute
 	DefaultHTTPReadHeaderTimeout = 10 * time.Second
+	DefaultHTTPWriteTimeout      = 30 * time.Second
+	DefaultHTTPBodyTimeout       = time.Minute
 )
 
 // HTTPLimits bound the connections of a worker's or router's HTTP server. A
@@ -32,6 +35,17 @@ type HTTPLimits struct {
 	IdleTimeout time.Duration
 	// ReadHeaderTimeout bounds the reading of a request's headers.
 	ReadHeaderTimeout time.Duration
+	// WriteTimeout bounds each write of an answer (each event of a
+	// stream, each flush): a client that takes no more bytes for this long
+	// (it stopped reading, or went away without a word) has its connection
+	// closed, which ends its request and what the request holds upstream.
+	// Unlike http.Server.WriteTimeout it bounds one write, not the whole
+	// answer, so a stream may last as long as it produces.
+	WriteTimeout time.Duration
+	// BodyTimeout bounds the reading of a request's body, from the end of
+	// its headers (which ReadHeaderTimeout bounds): a client that sends it
+	// slower has its request answered 408 and its connection closed.
+	BodyTimeout time.Duration
 }
 
 // WithDefaults returns l with zero fields set to their defaults.
@@ -48,21 +62,106 @@ func (l HTTPLimits) WithDefaults() HTTPLimits {
 	if l.ReadHeaderTimeout == 0 {
 		l.ReadHeaderTimeout = DefaultHTTPReadHeaderTimeout
 	}
+	if l.WriteTimeout == 0 {
+		l.WriteTimeout = DefaultHTTPWriteTimeout
+	}
+	if l.BodyTimeout == 0 {
+		l.BodyTimeout = DefaultHTTPBodyTimeout
+	}
 	return l
 }
 
 // String describes l for logs: "max 4096 connections, 1024 per host, idle
-// timeout 2m0s".
+// timeout 2m0s, write timeout 30s, body timeout 1m0s".
 func (l HTTPLimits) String() string {
-	return netlimit.Limits{MaxConns: l.MaxConns, MaxConnsPerHost: l.MaxConnsPerHost}.String() + ", idle timeout " + l.IdleTimeout.String()
+	return netlimit.Limits{MaxConns: l.MaxConns, MaxConnsPerHost: l.MaxConnsPerHost}.String() + ", idle timeout " + l.IdleTimeout.String() +
+		", write timeout " + l.WriteTimeout.String() + ", body timeout " + l.BodyTimeout.String()
 }
 
 // NewHTTPServer returns a server of h with the timeouts of lim (after
 // WithDefaults). Serve it on a listener from LimitListener.
 func NewHTTPServer(h http.Handler, lim HTTPLimits) *http.Server {
 	lim = lim.WithDefaults()
+	if lim.WriteTimeout > 0 {
+		h = writeDeadlines(h, lim.WriteTimeout)
+	}
+	if lim.BodyTimeout > 0 {
+		h = bodyDeadline(h, lim.BodyTimeout)
+	}
 	return &http.Server{Handler: h, ReadHeaderTimeout: max(0, lim.ReadHeaderTimeout), IdleTimeout: max(0, lim.IdleTimeout)}
 }
+
+// writeDeadlines gives each write and flush of h's answers d to complete
+// (HTTPLimits.WriteTimeout). A write that misses it fails, the handler
+// sees its client gone, and the server closes the connection.
+func writeDeadlines(h http.Handler, d time.Duration) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		// None while the handler works before its first write: the
+		// connection may carry the deadline of its previous answer.
+		rc.SetWriteDeadline(time.Time{})
+		h.ServeHTTP(&deadlineWriter{ResponseWriter: w, rc: rc, d: d}, r)
+		// The server writes what the handler left buffered after it
+		// returns.
+		rc.SetWriteDeadline(time.Now().Add(d))
+	})
+}
+
+// bodyDeadline gives a request's body d to arrive (HTTPLimits.BodyTimeout).
+// http.Server.ReadTimeout would do it for the body, but it stays on the
+// connection while the handler runs, and a stream that outlived it would
+// be cancelled as if its client had gone.
+func bodyDeadline(h http.Handler, d time.Duration) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Body == nil || r.Body == http.NoBody {
+			h.ServeHTTP(w, r)
+			return
+		}
+		rc := http.NewResponseController(w)
+		rc.SetReadDeadline(time.Now().Add(d))
+		r.Body = &deadlineBody{ReadCloser: r.Body, rc: rc}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// deadlineBody lifts the read deadline when the body ends: from there on
+// the server reads the connection only to learn that the client left. A
+// body that failed keeps it: the server reads what is left of it before
+// answering, and must not wait for a client that stopped sending.
+type deadlineBody struct {
+	io.ReadCloser
+	rc   *http.ResponseController
+	done bool
+}
+
+func (b *deadlineBody) Read(p []byte) (int, error) {
+	n, err := b.ReadCloser.Read(p)
+	if err == io.EOF && !b.done {
+		b.done = true
+		b.rc.SetReadDeadline(time.Time{})
+	}
+	return n, err
+}
+
+// deadlineWriter sets the write deadline before each write and flush.
+type deadlineWriter struct {
+	http.ResponseWriter
+	rc *http.ResponseController
+	d  time.Duration
+}
+
+func (w *deadlineWriter) Write(b []byte) (int, error) {
+	w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *deadlineWriter) Flush() {
+	w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	w.rc.Flush()
+}
+
+// Unwrap lets http.ResponseController reach the server's writer.
+func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // LimitListener wraps ln so that it keeps at most lim's connections (after
 // WithDefaults), refusing the excess at once with a rate-limited log line

@@ -4,11 +4,14 @@ import (
 	"bufio"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -183,12 +186,152 @@ func TestHTTPKeepAliveFlood(t *testing.T) {
 
 func TestHTTPLimitsDefaults(t *testing.T) {
 	got := HTTPLimits{MaxConnsPerHost: -1}.WithDefaults()
-	want := HTTPLimits{MaxConns: DefaultHTTPMaxConns, MaxConnsPerHost: -1, IdleTimeout: DefaultHTTPIdleTimeout, ReadHeaderTimeout: DefaultHTTPReadHeaderTimeout}
+	want := HTTPLimits{MaxConns: DefaultHTTPMaxConns, MaxConnsPerHost: -1, IdleTimeout: DefaultHTTPIdleTimeout, ReadHeaderTimeout: DefaultHTTPReadHeaderTimeout,
+		WriteTimeout: DefaultHTTPWriteTimeout, BodyTimeout: DefaultHTTPBodyTimeout}
 	if got != want {
 		t.Errorf("WithDefaults = %+v, want %+v", got, want)
 	}
 	srv := NewHTTPServer(http.NotFoundHandler(), HTTPLimits{IdleTimeout: -1})
 	if srv.IdleTimeout != 0 || srv.ReadHeaderTimeout != DefaultHTTPReadHeaderTimeout {
 		t.Errorf("server timeouts: idle %v, read header %v", srv.IdleTimeout, srv.ReadHeaderTimeout)
+	}
+}
+
+// TestStalledReaderReleased: a client that stops reading a stream, its
+// connection left open (its receive window closed), used to hold the
+// router's handler, its connection to the generation worker and the
+// worker's handler for as long as it kept the connection: no write of an
+// answer had a deadline. Each write now has HTTPLimits.WriteTimeout: past
+// it the router closes the client's connection and the upstream request
+// ends.
+func TestStalledReaderReleased(t *testing.T) {
+	released := make(chan struct{})
+	gen := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/completions" {
+			return
+		}
+		defer close(released)
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		ev := []byte(`data: {"choices":[{"text":"` + strings.Repeat("x", 256<<10) + "\"}]}\n\n")
+		for range 256 { // 64 MiB at most: far more than the sockets' buffers
+			if _, err := w.Write(ev); err != nil {
+				return
+			}
+		}
+		t.Error("the generation worker wrote its whole stream: the client read it")
+	}))
+	defer gen.Close()
+	_, cu := startFake(t, "ctx", "length")
+	r, err := NewRouter(RouterOptions{Context: []string{cu}, Generation: []string{gen.URL}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const writeTimeout = 300 * time.Millisecond
+	srv := NewHTTPServer(r.Handler(), HTTPLimits{WriteTimeout: writeTimeout})
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	defer func() {
+		srv.Close()
+		<-served
+	}()
+
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	c.(*net.TCPConn).SetReadBuffer(4 << 10)
+	body := `{"prompt":"x","max_tokens":100,"stream":true}`
+	if _, err := fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body); err != nil {
+		t.Fatal(err)
+	}
+	// The client reads nothing from here on.
+	start := time.Now()
+	select {
+	case <-released:
+		t.Logf("upstream released %v after the request", time.Since(start).Round(time.Millisecond))
+	case <-time.After(20 * time.Second):
+		t.Fatal("the generation worker still streams to a router whose client stopped reading 20 s ago")
+	}
+}
+
+// TestSlowBodyRefused: a client that sends its headers on time and then
+// its body a trickle at a time (a slowloris of the body) used to hold a
+// handler and its connection for as long as it kept sending: only the
+// headers had a deadline. The body has HTTPLimits.BodyTimeout now: past
+// it the answer is 408 and the connection closed. A stream that lasts
+// longer than the body timeout is not cut by it.
+func TestSlowBodyRefused(t *testing.T) {
+	w := startTestWorker(t, WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const bodyTimeout = 300 * time.Millisecond
+	srv := NewHTTPServer(w.w.Handler(), HTTPLimits{BodyTimeout: bodyTimeout})
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ln) }()
+	defer func() {
+		srv.Close()
+		<-served
+	}()
+
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	start := time.Now()
+	if _, err := io.WriteString(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\""); err != nil {
+		t.Fatal(err)
+	}
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+	if err != nil {
+		t.Fatalf("no answer to a body that stopped coming, %v after the headers: %v", time.Since(start).Round(time.Millisecond), err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusRequestTimeout || !strings.Contains(string(b), "did not come in time") {
+		t.Errorf("%s %s", resp.Status, b)
+	}
+
+	// A request that outlives the body timeout after its body is not cut
+	// by it: the deadline is lifted when the body ends.
+	long := NewHTTPServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body)
+		select {
+		case <-time.After(3 * bodyTimeout):
+			io.WriteString(rw, "done")
+		case <-r.Context().Done():
+			t.Error("the request's context ended after its body was read: the body deadline was left on the connection")
+		}
+	}), HTTPLimits{BodyTimeout: bodyTimeout})
+	ln2, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	served2 := make(chan error, 1)
+	go func() { served2 <- long.Serve(ln2) }()
+	defer func() {
+		long.Close()
+		<-served2
+	}()
+	client := &http.Client{Timeout: 30 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err = client.Post("http://"+ln2.Addr().String(), "text/plain", strings.NewReader("a body"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != 200 || string(b) != "done" {
+		t.Errorf("a request longer than the body timeout: %s %q", resp.Status, b)
 	}
 }

@@ -185,40 +185,18 @@ func (w *Worker) kvEvents(rw http.ResponseWriter, r *http.Request) {
 		}
 		limit = n
 	}
-	drain := !q.Has("after")
-	var after uint64
-	if drain {
-		w.drainMu.Lock()
-		defer w.drainMu.Unlock()
-		after = w.drainAfter
+	var page kvEventsPage
+	if !q.Has("after") {
+		page = w.drainKVEvents(limit)
 	} else {
-		n, err := strconv.ParseUint(q.Get("after"), 10, 64)
+		after, err := strconv.ParseUint(q.Get("after"), 10, 64)
 		if err != nil {
 			writeError(rw, http.StatusBadRequest, "invalid_request_error", fmt.Sprintf("%s: after %q is not an event id", KVEventsPath, q.Get("after")))
 			return
 		}
-		after = n
+		page = w.readKVEvents(after, limit)
 	}
-	src := w.eng.KVEvents
-	if w.kvEventsSource != nil {
-		src = w.kvEventsSource
-	}
-	events, lost := src(after)
-	out := make([]kvEventJSON, 0, min(len(events), limit))
-	size, next, more := 2, after, false
-	for i, e := range events {
-		if i == limit || (i > 0 && size > MaxKVEventsBytes) {
-			more = true
-			break
-		}
-		ej := eventJSON(e)
-		size += 64 + 40*(len(e.Hashes)) // about its JSON length
-		out = append(out, ej)
-		next = e.ID
-	}
-	if drain {
-		w.drainAfter = next
-	}
+	out, next, lost, more := page.events, page.next, page.lost, page.more
 	h := rw.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set(KVEventsNextHeader, strconv.FormatUint(next, 10))
@@ -230,6 +208,48 @@ func (w *Worker) kvEvents(rw http.ResponseWriter, r *http.Request) {
 		h.Set(KVEventsMoreHeader, "true")
 	}
 	json.NewEncoder(rw).Encode(out)
+}
+
+// kvEventsPage is one answer of KVEventsPath: its events, the cursor
+// after them, and whether events were lost before them or more follow.
+type kvEventsPage struct {
+	events     []kvEventJSON
+	next       uint64
+	lost, more bool
+}
+
+// readKVEvents returns the events after the id after, at most limit of
+// them and about MaxKVEventsBytes.
+func (w *Worker) readKVEvents(after uint64, limit int) kvEventsPage {
+	src := w.eng.KVEvents
+	if w.kvEventsSource != nil {
+		src = w.kvEventsSource
+	}
+	events, lost := src(after)
+	p := kvEventsPage{events: make([]kvEventJSON, 0, min(len(events), limit)), next: after, lost: lost}
+	size := 2
+	for i, e := range events {
+		if i == limit || (i > 0 && size > MaxKVEventsBytes) {
+			p.more = true
+			break
+		}
+		size += 64 + 40*(len(e.Hashes)) // about its JSON length
+		p.events = append(p.events, eventJSON(e))
+		p.next = e.ID
+	}
+	return p
+}
+
+// drainKVEvents is readKVEvents after the shared cursor of cursor-less
+// readers, which it advances past what it returns. The lock covers the
+// cursor only, never the answer's writing: a reader whose client does not
+// read holds up no other.
+func (w *Worker) drainKVEvents(limit int) kvEventsPage {
+	w.drainMu.Lock()
+	defer w.drainMu.Unlock()
+	p := w.readKVEvents(w.drainAfter, limit)
+	w.drainAfter = p.next
+	return p
 }
 
 // CachedPrefix is CachedPrefixPath's answer.
@@ -244,9 +264,9 @@ func (w *Worker) cachedPrefix(rw http.ResponseWriter, r *http.Request) {
 	if !w.authorized(rw, r) {
 		return
 	}
-	body, err := readBody(r)
-	if err != nil {
-		writeError(rw, http.StatusBadRequest, "invalid_request_error", err.Error())
+	body, herr := readBody(r)
+	if herr != nil {
+		writeError(rw, herr.code, herr.typ, CachedPrefixPath+": "+herr.msg)
 		return
 	}
 	var cr completionRequest

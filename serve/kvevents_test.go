@@ -5,8 +5,11 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/engine"
 	"github.com/kvxfer/kvxfer/kvcache"
@@ -282,5 +285,69 @@ func TestWorkerReusesPrefixesPerSalt(t *testing.T) {
 	code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", map[string]any{"prompt": "x", "cache_salt": strings.Repeat("s", MaxCacheSaltLen+1)})
 	if code != 400 || !strings.Contains(raw, "cache_salt has 1025 bytes") {
 		t.Errorf("oversized salt: %d %s", code, raw)
+	}
+}
+
+// stuckWriter is a ResponseWriter whose client does not read: Write blocks
+// until release is closed.
+type stuckWriter struct {
+	h       http.Header
+	writing chan struct{} // closed at the first Write
+	once    sync.Once
+	release chan struct{}
+}
+
+func (s *stuckWriter) Header() http.Header { return s.h }
+func (s *stuckWriter) WriteHeader(int)     {}
+func (s *stuckWriter) Write(b []byte) (int, error) {
+	s.once.Do(func() { close(s.writing) })
+	<-s.release
+	return 0, io.ErrClosedPipe
+}
+
+// TestKVEventsDrainReaderStuck: a cursor-less reader of the events (as
+// upstream's router drains them) whose client stops reading its answer
+// used to hold the drain cursor's lock while the answer was written: every
+// other cursor-less read then hung for as long. The lock now covers the
+// cursor only, and the next reader gets the events that follow.
+func TestKVEventsDrainReaderStuck(t *testing.T) {
+	tw := startTestWorker(t, WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	tw.w.kvEventsSource = func(after uint64) ([]engine.KVEvent, bool) {
+		var out []engine.KVEvent
+		for id := after + 1; id <= after+3; id++ {
+			out = append(out, engine.KVEvent{ID: id, Type: engine.KVEventRemoved, Hashes: make([]kvcache.Hash, 2)})
+		}
+		return out, false
+	}
+	h := tw.w.Handler()
+	stuck := &stuckWriter{h: http.Header{}, writing: make(chan struct{}), release: make(chan struct{})}
+	served := make(chan struct{})
+	go func() {
+		defer close(served)
+		h.ServeHTTP(stuck, httptest.NewRequest(http.MethodGet, KVEventsPath, nil))
+	}()
+	defer func() {
+		close(stuck.release)
+		<-served
+	}()
+	select {
+	case <-stuck.writing:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first reader's answer was never written")
+	}
+	rec := httptest.NewRecorder()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		h.ServeHTTP(rec, httptest.NewRequest(http.MethodGet, KVEventsPath, nil))
+	}()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("a cursor-less read hangs while another reader's client does not read its answer")
+	}
+	var evs []kvEventJSON
+	if err := json.Unmarshal(rec.Body.Bytes(), &evs); err != nil || rec.Code != 200 || len(evs) != 3 || evs[0].EventID != 4 {
+		t.Errorf("second reader: %d %s (%v), want events 4..6", rec.Code, rec.Body, err)
 	}
 }

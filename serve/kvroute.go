@@ -100,20 +100,26 @@ func (r *Router) newRouteInfo(path string, orig object) *routeInfo {
 	return ri
 }
 
+// MaxConversationIDLen bounds a request's conversation_id, in bytes of
+// its JSON: the conversation policy remembers up to MaxSessions of them.
+const MaxConversationIDLen = 1024
+
 // takeConversation moves a conversation id out of a client's
 // disaggregated_params (TensorRT-LLM's place for it) to conversation_id;
-// any other disaggregated_params field is refused.
+// any other disaggregated_params field is refused, and so is a
+// conversation_id over MaxConversationIDLen.
 func takeConversation(orig object) error {
-	raw, ok := orig["disaggregated_params"]
-	if !ok {
-		return nil
+	if raw, ok := orig["disaggregated_params"]; ok {
+		var dp map[string]json.RawMessage
+		if err := json.Unmarshal(raw, &dp); err != nil || len(dp) != 1 || dp["conversation_id"] == nil {
+			return errors.New("disaggregated_params is set by the router; send the plain OpenAI request (only disaggregated_params.conversation_id may be set, for the conversation router)")
+		}
+		orig["conversation_id"] = dp["conversation_id"]
+		delete(orig, "disaggregated_params")
 	}
-	var dp map[string]json.RawMessage
-	if err := json.Unmarshal(raw, &dp); err != nil || len(dp) != 1 || dp["conversation_id"] == nil {
-		return errors.New("disaggregated_params is set by the router; send the plain OpenAI request (only disaggregated_params.conversation_id may be set, for the conversation router)")
+	if n := len(orig["conversation_id"]); n > MaxConversationIDLen {
+		return fmt.Errorf("conversation_id has %d bytes of JSON, at most %d", n, MaxConversationIDLen)
 	}
-	orig["conversation_id"] = dp["conversation_id"]
-	delete(orig, "disaggregated_params")
 	return nil
 }
 

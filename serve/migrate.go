@@ -309,7 +309,7 @@ func (cs *clientStream) answer(resp *http.Response, stream bool) error {
 		if cs.started {
 			return &retryable{err: errors.New("the migrated generation worker did not stream")}
 		}
-		b, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+		b, err := readUpstream(resp.Body)
 		if err != nil {
 			return &retryable{err: fmt.Errorf("reading the generation server's answer: %w", err)}
 		}

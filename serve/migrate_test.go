@@ -505,3 +505,34 @@ func TestNoGenerationWorkerIsNoMigration(t *testing.T) {
 		}
 	}
 }
+
+// TestUpstreamAnswerOverMaxBody: a generation worker's whole answer longer
+// than MaxBody used to be cut at MaxBody and sent to the client as a 200
+// of broken JSON; a context worker's, to end as "has no choices". Both
+// are a 502 that says the answer was too long.
+func TestUpstreamAnswerOverMaxBody(t *testing.T) {
+	huge := func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/health" {
+			return
+		}
+		io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"choices":[{"text":"`+strings.Repeat("x", MaxBody)+`","finish_reason":"length"}]}`)
+	}
+	bigGen := httptest.NewServer(http.HandlerFunc(huge))
+	defer bigGen.Close()
+	bigCtx := httptest.NewServer(http.HandlerFunc(huge))
+	defer bigCtx.Close()
+	_, cu := startFake(t, "ctx", "length")
+	_, gu := startFake(t, "gen", "")
+	for _, tc := range []struct {
+		name     string
+		ctx, gen string
+	}{{"generation", cu, bigGen.URL}, {"context", bigCtx.URL, gu}} {
+		rs := newTestRouter(t, []string{tc.ctx}, []string{tc.gen}, RoundRobin)
+		resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"hi","max_tokens":4}`)
+		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(body, fmt.Sprintf("over %d bytes", MaxBody)) {
+			t.Errorf("%s worker's answer over MaxBody: %d %.300s", tc.name, resp.StatusCode, body)
+		}
+	}
+}

@@ -63,13 +63,14 @@ func rankKVAware(cands []kvCandidate, blocks, maxBatch int, rr uint64) []int {
 }
 
 // sessions is the conversation policy's memory: each conversation's worker
-// and its last prompt's prefix hashes, at most max of them, the least
-// recently used evicted first. A request with a conversation_id continues
+// and its last prompt's prefix hashes, at most max of them and
+// maxHashes hashes in all, the least recently used evicted first. A request with a conversation_id continues
 // it; one without continues the conversation whose hashes share the
 // longest prefix with its own, when that prefix is at least threshold of
 // its blocks (TensorRT-LLM's implicit match). Safe for concurrent use.
 type sessions struct {
 	max       int
+	maxHashes int // bounds nhashes (maxSessionHashes)
 	threshold float64
 
 	mu     sync.Mutex
@@ -77,7 +78,17 @@ type sessions struct {
 	byID   map[string]*list.Element // conversation id → its element
 	byHash map[kvcache.Hash]map[string]struct{}
 	next   uint64 // implicit ids
+	// nhashes counts the hashes of the conversations remembered.
+	nhashes int
 }
+
+// maxSessionHashes bounds the prefix hashes the conversation memory keeps
+// over all its conversations (about 150 bytes each with their index):
+// MaxSessions alone let a client's long prompts (up to MaxPromptTokens
+// each, a hash per block) grow the router by gigabytes. Beyond it the
+// least recently used conversations are evicted, as beyond MaxSessions;
+// the newest is kept however long its prompt.
+const maxSessionHashes = 1 << 20
 
 type session struct {
 	id     string
@@ -86,7 +97,7 @@ type session struct {
 }
 
 func newSessions(maxSessions int, threshold float64) *sessions {
-	return &sessions{max: max(maxSessions, 1), threshold: threshold, lru: list.New(),
+	return &sessions{max: max(maxSessions, 1), maxHashes: maxSessionHashes, threshold: threshold, lru: list.New(),
 		byID: map[string]*list.Element{}, byHash: map[kvcache.Hash]map[string]struct{}{}}
 }
 
@@ -138,6 +149,7 @@ func (s *sessions) record(conv, server string, hashes []kvcache.Hash) string {
 	}
 	ss := &session{id: conv, server: server, hashes: hashes}
 	s.byID[conv] = s.lru.PushFront(ss)
+	s.nhashes += len(hashes)
 	for _, h := range hashes {
 		m := s.byHash[h]
 		if m == nil {
@@ -146,7 +158,7 @@ func (s *sessions) record(conv, server string, hashes []kvcache.Hash) string {
 		}
 		m[conv] = struct{}{}
 	}
-	for s.lru.Len() > s.max {
+	for s.lru.Len() > s.max || s.nhashes > s.maxHashes && s.lru.Len() > 1 {
 		old := s.lru.Back()
 		s.unindex(old.Value.(*session))
 		s.lru.Remove(old)
@@ -177,7 +189,9 @@ func (s *sessions) len() int {
 	return s.lru.Len()
 }
 
+// unindex drops ss's hashes from the index.
 func (s *sessions) unindex(ss *session) {
+	s.nhashes -= len(ss.hashes)
 	for _, h := range ss.hashes {
 		if m := s.byHash[h]; m != nil {
 			delete(m, ss.id)

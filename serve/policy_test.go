@@ -170,6 +170,34 @@ func TestSessions(t *testing.T) {
 			t.Errorf("a: %q", srv)
 		}
 	})
+	t.Run("hash budget", func(t *testing.T) {
+		// Long prompts used to be kept whole for up to MaxSessions
+		// conversations: a client's 1M-token prompts grew the router by
+		// gigabytes. The hashes kept in all are bounded; the least
+		// recently used conversations go first, the newest stays.
+		s := newSessions(1000, 0.75)
+		s.maxHashes = 100
+		for i := range 10 {
+			s.record(fmt.Sprint("c", i), "w1", hashesOf(int32(1000*(i+1)), 30))
+		}
+		if s.nhashes > 100 || s.len() != 3 || len(s.byHash) != 90 {
+			t.Errorf("%d hashes kept in %d conversations (%d indexed), want at most 100 in 3", s.nhashes, s.len(), len(s.byHash))
+		}
+		if srv, _ := s.lookup("c9", nil, all); srv != "w1" {
+			t.Errorf("the newest conversation was evicted")
+		}
+		if srv, _ := s.lookup("c6", nil, all); srv != "" {
+			t.Errorf("c6 kept beyond the budget")
+		}
+		s.record("huge", "w2", hashesOf(50_000, 500))
+		if s.len() != 1 || s.nhashes != 500 {
+			t.Errorf("one conversation over the budget: %d conversations, %d hashes; want it alone", s.len(), s.nhashes)
+		}
+		s.forget("w2")
+		if s.nhashes != 0 || len(s.byHash) != 0 {
+			t.Errorf("after forget: %d hashes counted, %d indexed", s.nhashes, len(s.byHash))
+		}
+	})
 	t.Run("forget a worker", func(t *testing.T) {
 		s := newSessions(10, 0.75)
 		s.record("a", "w1", p)

@@ -470,9 +470,9 @@ func (r *Router) Registry() *prometheus.Registry { return r.reg }
 func (r *Router) route(w http.ResponseWriter, req *http.Request, path string) {
 	start := time.Now()
 	defer func() { r.m.Latency.WithLabelValues(path).Observe(time.Since(start).Seconds()) }()
-	orig, stream, err := readRouted(req)
-	if err != nil {
-		writeError(w, http.StatusBadRequest, "invalid_request_error", err.Error())
+	orig, stream, herr := readRouted(req)
+	if herr != nil {
+		writeError(w, herr.code, herr.typ, herr.msg)
 		return
 	}
 	if ok, role, why := r.ready(); !ok {
@@ -595,27 +595,44 @@ func relay(w http.ResponseWriter, resp *http.Response, err error, copyBody func(
 	copyBody(w, resp.Body)
 }
 
+// notJSONObject says why a body did not decode as a JSON object: what it
+// is instead, or where its JSON breaks.
+func notJSONObject(err error) string {
+	var typ *json.UnmarshalTypeError
+	var syn *json.SyntaxError
+	switch {
+	case errors.As(err, &typ):
+		return ", not a JSON " + typ.Value
+	case errors.As(err, &syn):
+		return fmt.Sprintf(": %v (at byte %d)", err, syn.Offset)
+	}
+	return ": " + err.Error()
+}
+
 // readRouted reads a client's request to the router: a JSON object without
 // disaggregated_params (the router sets them), and whether it asks for a
 // stream.
-func readRouted(req *http.Request) (object, bool, error) {
-	body, err := readBody(req)
-	if err != nil {
-		return nil, false, err
+func readRouted(req *http.Request) (object, bool, *httpError) {
+	body, herr := readBody(req)
+	if herr != nil {
+		return nil, false, herr
 	}
 	var orig object
-	if err := json.Unmarshal(body, &orig); err != nil || orig == nil {
-		return nil, false, errors.New("request body must be a JSON object")
+	if err := json.Unmarshal(body, &orig); err != nil {
+		return nil, false, badRequest("request body must be a JSON object%s", notJSONObject(err))
+	}
+	if orig == nil {
+		return nil, false, badRequest("request body must be a JSON object, not null")
 	}
 	if err := takeConversation(orig); err != nil {
-		return nil, false, err
+		return nil, false, badRequest("%v", err)
 	}
 	if _, ok := orig[ResumeField]; ok {
-		return nil, false, errors.New(ResumeField + " is set by the router when it migrates a request; send the plain OpenAI request")
+		return nil, false, badRequest("%s is set by the router when it migrates a request; send the plain OpenAI request", ResumeField)
 	}
 	var stream bool
 	if _, err := orig.get("stream", &stream); err != nil {
-		return nil, false, err
+		return nil, false, badRequest("%v", err)
 	}
 	return orig, stream, nil
 }
@@ -684,7 +701,7 @@ func (r *Router) runContext(ctx context.Context, path string, orig object, resum
 	if err != nil {
 		return nil, &contextOutcome{err: err}
 	}
-	prefillBody, err := io.ReadAll(io.LimitReader(resp.Body, MaxBody))
+	prefillBody, err := readUpstream(resp.Body)
 	resp.Body.Close()
 	if err != nil {
 		return nil, &contextOutcome{err: fmt.Errorf("reading the context server's answer: %w", err)}
@@ -717,6 +734,16 @@ func (r *Router) runContext(ctx context.Context, path string, orig object, resum
 		ids = ch.PromptTokenIDs
 	}
 	return &contextResult{params: *ch.DisaggregatedParams, ids: ids, server: strings.TrimSuffix(resp.Request.URL.String(), path)}, nil
+}
+
+// readUpstream reads a worker's whole answer, at most MaxBody bytes: a
+// longer one is an error, never cut short into broken JSON.
+func readUpstream(body io.Reader) ([]byte, error) {
+	b, err := io.ReadAll(io.LimitReader(body, MaxBody+1))
+	if err == nil && len(b) > MaxBody {
+		err = fmt.Errorf("the answer is over %d bytes (MaxBody)", MaxBody)
+	}
+	return b, err
 }
 
 // replayFinished returns a context-phase answer that already finished; a
@@ -981,22 +1008,39 @@ func (d *doneBody) Close() error {
 	return err
 }
 
+// models answers /v1/models with the first generation worker's that
+// answers (503 while the cluster is not ready).
 func (r *Router) models(w http.ResponseWriter, req *http.Request) {
+	if ok, role, why := r.ready(); !ok {
+		writeNotReady(w, role, why)
+		return
+	}
 	resp, err := r.get(req.Context(), r.gen, "/v1/models")
 	relay(w, resp, err, func(w http.ResponseWriter, body io.Reader) { io.Copy(w, io.LimitReader(body, MaxBody)) })
 }
 
+// get asks the group's servers for path in policy order, under the
+// per-phase deadlines (do), until one answers.
 func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response, error) {
 	var errs []error
 	for _, s := range g.order() {
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, s.url+path, nil)
-		resp, err := r.client.Do(req)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.url+path, nil)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := r.do(g, s, req)
 		if err == nil {
 			return resp, nil
 		}
-		errs = append(errs, err)
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", s.url, err))
 	}
-	return nil, errors.Join(errs...)
+	if len(errs) == 0 {
+		return nil, fmt.Errorf("no %s server to ask GET %s", g.name, path)
+	}
+	return nil, fmt.Errorf("no %s server answered GET %s: %w", g.name, path, errors.Join(errs...))
 }
 
 // health probes every worker at once, each within HealthTimeout (one

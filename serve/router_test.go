@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvxfer/kvxfer/internal/freeport"
 )
@@ -275,10 +276,15 @@ func TestRouterBadRequests(t *testing.T) {
 	_, gu := startFake(t, "gen", "")
 	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
 	for _, tc := range []struct{ body, want string }{
-		{`not json`, "JSON object"},
-		{`[1,2]`, "JSON object"},
+		{`not json`, "request body must be a JSON object: invalid character 'o' in literal null (expecting 'u') (at byte 2)"},
+		{`[1,2]`, "request body must be a JSON object, not a JSON array"},
+		{`null`, "request body must be a JSON object, not null"},
+		{`{"prompt":"x"`, "request body must be a JSON object: unexpected end of JSON input"},
+		{`{"prompt":"x"} {"prompt":"y"}`, "invalid character '{' after top-level value"},
 		{`{"prompt":"x","stream":"yes"}`, `field \"stream\"`},
 		{`{"prompt":"x","disaggregated_params":{}}`, "set by the router"},
+		{`{"prompt":"x","conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}`, "conversation_id has 1026 bytes of JSON, at most 1024"},
+		{`{"prompt":"x","disaggregated_params":{"conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}}`, "conversation_id has 1026 bytes"},
 	} {
 		resp, body := post(t, rs.URL+"/v1/completions", tc.body)
 		if resp.StatusCode != 400 || !strings.Contains(body, tc.want) {
@@ -333,5 +339,56 @@ func TestReplayFinishedChat(t *testing.T) {
 	if !strings.Contains(body, `"object":"chat.completion.chunk"`) || !strings.Contains(body, `"delta":{"role":"assistant","content":"x"}`) ||
 		strings.Contains(body, `"message"`) || !strings.HasSuffix(body, "data: [DONE]\n\n") {
 		t.Fatalf("%q", body)
+	}
+}
+
+// TestRouterModelsNoWorkerOrStalled: GET /v1/models used to panic (the
+// client saw its connection reset) when the cluster had no generation
+// worker registered yet, and to wait on a stalled generation worker for the
+// HTTP client's 10-minute header timeout without trying another. It now
+// answers 503 naming the missing role, and a stalled worker costs the
+// header deadline, after which the next one answers.
+func TestRouterModelsNoWorkerOrStalled(t *testing.T) {
+	_, rs, _ := dynRouter(t, nil)
+	resp, body := get(t, rs.URL+"/v1/models")
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(body, "cluster_not_ready") {
+		t.Errorf("no worker registered: %d %s", resp.StatusCode, body)
+	}
+
+	stalled := make(chan struct{})
+	stall := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case <-stalled:
+		case <-r.Context().Done():
+		}
+	}))
+	defer stall.Close()
+	defer close(stalled)
+	models := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, `{"object":"list","data":[{"id":"tiny-gqa"}]}`)
+	}))
+	defer models.Close()
+	r, err := NewRouter(RouterOptions{Context: []string{models.URL}, Generation: []string{stall.URL, models.URL},
+		RouterDeadlines: RouterDeadlines{HeaderTimeout: 300 * time.Millisecond, ProbeInterval: time.Hour}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	srv := httptest.NewServer(r.Handler())
+	defer srv.Close()
+	client := &http.Client{Timeout: 10 * time.Second}
+	defer client.CloseIdleConnections()
+	for i := range 2 { // round robin: the stalled worker comes first once
+		start := time.Now()
+		resp, err := client.Get(srv.URL + "/v1/models")
+		if err != nil {
+			t.Fatalf("GET %d: %v after %v", i, err, time.Since(start))
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(string(b), "tiny-gqa") {
+			t.Errorf("GET %d: %d %s after %v", i, resp.StatusCode, b, time.Since(start))
+		}
 	}
 }

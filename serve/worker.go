@@ -242,9 +242,9 @@ func (w *Worker) Handler() http.Handler {
 const CancelContextPath = "/v1/disaggregated/cancel"
 
 func (w *Worker) cancelContext(rw http.ResponseWriter, r *http.Request) {
-	body, err := readBody(r)
-	if err != nil {
-		writeError(rw, http.StatusBadRequest, "invalid_request_error", err.Error())
+	body, herr := readBody(r)
+	if herr != nil {
+		writeError(rw, herr.code, herr.typ, herr.msg)
 		return
 	}
 	var dp DisaggregatedParams
@@ -350,8 +350,9 @@ func badRequest(format string, args ...any) *httpError {
 // client can get wrong.
 func (w *Worker) parse(body []byte, chat bool) (*completionRequest, engine.Request, *httpError) {
 	var cr completionRequest
-	dec := json.NewDecoder(strings.NewReader(string(body)))
-	if err := dec.Decode(&cr); err != nil {
+	// Unmarshal, not a Decoder: it refuses what follows the object, as
+	// the router does.
+	if err := json.Unmarshal(body, &cr); err != nil {
 		return nil, engine.Request{}, badRequest("request body: %v", err)
 	}
 	var er engine.Request

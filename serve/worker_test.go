@@ -382,3 +382,42 @@ func TestWorkerMetrics(t *testing.T) {
 		t.Error("no bytes counted")
 	}
 }
+
+// TestOversizeBody413: a body over MaxBody used to be a 400 like a
+// malformed one; it is 413 on every route that reads a body, the worker's
+// and the router's, and the answer says the bound.
+func TestOversizeBody413(t *testing.T) {
+	w := startTestWorker(t, WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	_, cu := startFake(t, "ctx", "length")
+	_, gu := startFake(t, "gen", "")
+	rs := newTestRouter(t, []string{cu}, []string{gu}, RoundRobin)
+	big := `{"prompt":"` + strings.Repeat("x", MaxBody) + `"}`
+	for _, url := range []string{w.srv.URL + "/v1/completions", w.srv.URL + "/v1/chat/completions", w.srv.URL + CancelContextPath,
+		w.srv.URL + CachedPrefixPath, rs.URL + "/v1/completions", rs.URL + "/v1/chat/completions"} {
+		resp, body := post(t, url, big)
+		if resp.StatusCode != http.StatusRequestEntityTooLarge || !strings.Contains(body, fmt.Sprintf("over %d bytes", MaxBody)) {
+			t.Errorf("%s: %d %.200s", url, resp.StatusCode, body)
+		}
+	}
+	// At the bound it is read (and refused for what it says, not its size).
+	atBound := `{"prompt":"` + strings.Repeat("x", MaxBody-len(`{"prompt":""}`)) + `"}`
+	if resp, body := post(t, w.srv.URL+"/v1/completions", atBound); resp.StatusCode != http.StatusBadRequest || !strings.Contains(body, "exceeds") {
+		t.Errorf("a body of MaxBody bytes: %d %.200s", resp.StatusCode, body)
+	}
+}
+
+// TestWorkerRefusesTrailingData: the worker decoded the first JSON value of
+// a body and ignored what followed it (a second object, garbage), where
+// the router refuses the body; it refuses it too now.
+func TestWorkerRefusesTrailingData(t *testing.T) {
+	w := startTestWorker(t, WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	for _, body := range []string{`{"prompt":"x","max_tokens":1} {"prompt":"y"}`, `{"prompt":"x","max_tokens":1}garbage`} {
+		resp, b := post(t, w.srv.URL+"/v1/completions", body)
+		if resp.StatusCode != http.StatusBadRequest || !strings.Contains(b, "after top-level value") {
+			t.Errorf("%s: %d %s", body, resp.StatusCode, b)
+		}
+	}
+	if resp, b := post(t, w.srv.URL+"/v1/completions", `{"prompt":"x","max_tokens":1}`+"\n"); resp.StatusCode != 200 {
+		t.Errorf("a body with a trailing newline: %d %s", resp.StatusCode, b)
+	}
+}

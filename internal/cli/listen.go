@@ -16,4 +16,8 @@ func (h *httpFlags) add(cmd *cobra.Command) {
 		"HTTP connections from one client IP kept open at most (-1: no bound)")
 	f.DurationVar(&h.lim.IdleTimeout, "http-idle-timeout", serve.DefaultHTTPIdleTimeout,
 		"close a keep-alive HTTP connection idle this long")
+	f.DurationVar(&h.lim.WriteTimeout, "http-write-timeout", serve.DefaultHTTPWriteTimeout,
+		"close an HTTP connection whose client takes no part of an answer (an event of a stream) for this long (-1s: no bound)")
+	f.DurationVar(&h.lim.BodyTimeout, "http-body-timeout", serve.DefaultHTTPBodyTimeout,
+		"answer 408 and close an HTTP connection whose request body has not all come this long after its headers (-1s: no bound)")
 }
