@@ -750,37 +750,13 @@ func joinFails(t *testing.T, st layout.CacheState, cfg *config.CacheTransceiver,
 			t.Fatal(err)
 		}
 		mods := parties(t)
-		errs := make([]error, 2)
-		var wg sync.WaitGroup
 		start := time.Now()
-		for r := range 2 {
-			gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
-			if r == 0 {
-				gc.Listener = ln
+		trs, errs := formGroup(t, nw, ln, st, cfg, time.Second, mods)
+		for _, tr := range trs {
+			if tr != nil {
+				tr.Close()
 			}
-			g, err := NewCoordinatedGroup(gc)
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer p.Close()
-			opts := Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g}
-			mods[r](&opts)
-			withNetwork(nw)(&opts)
-			wg.Go(func() {
-				ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-				defer cancel()
-				tr, err := New(ctx, cfg, opts)
-				if err == nil {
-					tr.Close()
-				}
-				errs[r] = err
-			})
 		}
-		wg.Wait()
 		ln.Close()
 		for r, err := range errs {
 			if !errors.Is(err, context.DeadlineExceeded) {
@@ -791,6 +767,44 @@ func joinFails(t *testing.T, st layout.CacheState, cfg *config.CacheTransceiver,
 			t.Errorf("the refused join took %v, want its deadline, 1s", d)
 		}
 	})
+}
+
+// formGroup starts the two processes of a coordinated group of state st
+// on nw (process 0 the coordinator, on ln), the Options of process r
+// changed by mods[r] (nil: none), each New within timeout, and returns
+// what each New returned. The pools are closed at the test's end.
+func formGroup(t *testing.T, nw *memNetwork, ln net.Listener, st layout.CacheState, cfg *config.CacheTransceiver, timeout time.Duration, mods [2]func(*Options)) ([2]*Transceiver, [2]error) {
+	t.Helper()
+	var trs [2]*Transceiver
+	var errs [2]error
+	var wg sync.WaitGroup
+	for r := range 2 {
+		gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
+		if r == 0 {
+			gc.Listener = ln
+		}
+		g, err := NewCoordinatedGroup(gc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { p.Close() })
+		opts := Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g}
+		if mods[r] != nil {
+			mods[r](&opts)
+		}
+		withNetwork(nw)(&opts)
+		wg.Go(func() {
+			ctx, cancel := context.WithTimeout(context.Background(), timeout)
+			defer cancel()
+			trs[r], errs[r] = New(ctx, cfg, opts)
+		})
+	}
+	wg.Wait()
+	return trs, errs
 }
 
 // TestGroupTLS: a coordinated group takes the Transceiver's mutual TLS:
@@ -927,32 +941,7 @@ func TestHostileSilentJoiner(t *testing.T) {
 			silent = append(silent, c)
 		}
 		start := time.Now()
-		trs := make([]*Transceiver, 2)
-		errs := make([]error, 2)
-		var wg sync.WaitGroup
-		for r := range 2 {
-			gc := CoordinatedConfig{Processes: 2, Coordinator: ln.Addr().String()}
-			if r == 0 {
-				gc.Listener = ln
-			}
-			g, err := NewCoordinatedGroup(gc)
-			if err != nil {
-				t.Fatal(err)
-			}
-			p, err := kvcache.NewPool(st.RankLayout(r), 2, PoolAllocator(cfg))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer p.Close()
-			opts := Options{State: st, Ranks: []int{r}, Pools: []*kvcache.Pool{p}, Group: g}
-			withNetwork(nw)(&opts)
-			wg.Go(func() {
-				ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-				defer cancel()
-				trs[r], errs[r] = New(ctx, cfg, opts)
-			})
-		}
-		wg.Wait()
+		trs, errs := formGroup(t, nw, ln, st, cfg, time.Minute, [2]func(*Options){})
 		for r, err := range errs {
 			if err != nil {
 				t.Fatalf("process %d: %v", r, err)
