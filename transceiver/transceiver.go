@@ -661,7 +661,10 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	}
 	nb := len(req.Blocks[t.pos[ranks[0].idx]])
 	for _, r := range ranks {
-		if n := len(req.Blocks[t.pos[r.idx]]); n == 0 || n != nb {
+		switch n := len(req.Blocks[t.pos[r.idx]]); {
+		case n == 0:
+			return fmt.Errorf("transceiver: respond: request %d: rank %d has no blocks", req.ID, r.idx)
+		case n != nb:
 			return fmt.Errorf("transceiver: respond: request %d: rank %d has %d blocks, rank %d has %d", req.ID, r.idx, n, ranks[0].idx, nb)
 		}
 	}

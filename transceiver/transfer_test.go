@@ -580,3 +580,26 @@ func TestAutoPicksPerPeer(t *testing.T) {
 		t.Errorf("SHM on heap pools: %q, want shm", st.Backend)
 	}
 }
+
+// TestRespondBlockCounts: a context request whose ranks hold no blocks, or
+// different numbers of them, is refused with an error that says which.
+func TestRespondBlockCounts(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 2, 1, false)
+	sender := newInst(t, s, testCfg(), 16)
+	for _, tc := range []struct {
+		name   string
+		blocks [][]kvcache.BlockID
+		want   string
+	}{
+		{"none on the first rank", [][]kvcache.BlockID{{}, {1}}, "rank 0 has no blocks"},
+		{"none on another rank", [][]kvcache.BlockID{{1}, {}}, "rank 1 has no blocks"},
+		{"different counts", [][]kvcache.BlockID{{1, 2}, {1}}, "rank 1 has 1 blocks, rank 0 has 2"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := sender.t.RespondAndSendAsync(&Request{ID: 7, Type: ContextOnly, Blocks: tc.blocks})
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("RespondAndSendAsync = %v, want an error with %q", err, tc.want)
+			}
+		})
+	}
+}
