@@ -94,7 +94,11 @@ func TestHTTPKeepAliveFlood(t *testing.T) {
 	const (
 		flood   = 500
 		perHost = 200
-		idle    = 500 * time.Millisecond
+		// Long enough that the whole flood is open before the first of
+		// it goes idle, on a busy machine too: with 500 ms, a flood that
+		// took longer saw its first connections closed before the cap
+		// was reached, and nothing refused.
+		idle = 3 * time.Second
 	)
 	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
 	if err != nil {

@@ -174,8 +174,13 @@ func TestManyClients(t *testing.T) {
 	if testing.Short() {
 		n, inflight = 64, 16
 	}
-	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1)
-	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1)
+	// 64 requests in flight queue at the generation worker: under -race on
+	// a busy 2-core machine a context request can wait longer than the
+	// 10 s the other tests give it before its pull starts, which is the
+	// timeout doing its job, not what this test is about.
+	slow := func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 60_000 }
+	prefillW := newTestWorker(t, RoleContext, "tiny-gqa", 2, 1, slow)
+	genW := newTestWorker(t, RoleGeneration, "tiny-gqa", 1, 1, slow)
 	rs := newTestRouter(t, []string{prefillW.srv.URL}, []string{genW.srv.URL}, LoadBalancing)
 	var wg sync.WaitGroup
 	sem := make(chan struct{}, inflight)
