@@ -43,9 +43,16 @@ func checkPoolsWhole(t testing.TB, e *Engine) {
 // and the tokens taken from the cache.
 func reuseRun(t *testing.T, e *Engine, prompt []int32, n int) (run, int) {
 	t.Helper()
+	return reuseRunSalted(t, e, "", prompt, n)
+}
+
+// reuseRunSalted is reuseRun for a request with cache salt salt.
+func reuseRunSalted(t *testing.T, e *Engine, salt string, prompt []int32, n int) (run, int) {
+	t.Helper()
 	in := e.inst
+	root := kvcache.RootHash(salt)
 	r := &request{typ: transceiver.ContextAndGeneration, prompt: prompt, promptLen: len(prompt),
-		root: kvcache.RootHash(""), hashes: kvcache.HashBlocks(kvcache.Hash{}, prompt, in.tpb)}
+		root: root, hashes: kvcache.HashBlocks(root, prompt, in.tpb)}
 	m := e.matchPrefix(r)
 	s := in.NewSequence()
 	s.adopt(&m)
@@ -170,6 +177,99 @@ func TestReuseBitExact(t *testing.T) {
 			}
 			if !sawFull || !sawPartial {
 				t.Fatalf("reused whole blocks %v, part of a block %v: want both", sawFull, sawPartial)
+			}
+			checkPoolsFree(t, e.inst)
+		})
+	}
+}
+
+// TestReuseSaltsNeverShare is TestReuseBitExact with tenants: prompts of
+// three cache salts (one of them none) drawn from two tokens, so that
+// they share long prefixes across tenants, run in turn on a pool small
+// enough to evict. Each run gives the tokens, logits and KV of a run
+// without reuse, and reuses at most what its own tenant published before
+// (the naive reference: the longest prefix it shares with an earlier
+// prompt, or prompt and answer, of the same salt), never what another
+// tenant's did, with partial reuse by copy and in place.
+func TestReuseSaltsNeverShare(t *testing.T) {
+	const tpb, n = 4, 4
+	common := func(a, b []int32) int {
+		k := 0
+		for k < len(a) && k < len(b) && a[k] == b[k] {
+			k++
+		}
+		return k
+	}
+	for _, copyPartial := range []bool{true, false} {
+		t.Run(fmt.Sprintf("copy %v", copyPartial), func(t *testing.T) {
+			icfg := InstanceConfig{TP: 2, TokensPerBlock: tpb, DType: kvcache.FP32, PoolTokens: tpb * 40}
+			opts := reuseOpts
+			opts.CopyOnPartialReuse = copyPartial
+			e, err := New(newTestInstance(t, "tiny-gqa", icfg), opts)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ref := newTestInstance(t, "tiny-gqa", icfg)
+			salts := []string{"", "tenant-a", "tenant-b"}
+			rng := rand.New(rand.NewPCG(7, uint64(len(fmt.Sprint(copyPartial)))))
+			type seq struct {
+				salt string
+				toks []int32
+			}
+			var earlier []seq // every prompt, and every prompt with its answer fed back
+			saltedHits, refused := 0, 0
+			for i := range 40 {
+				salt := salts[rng.IntN(len(salts))]
+				p := []int32{BOS}
+				if len(earlier) > 0 && rng.IntN(4) != 0 {
+					base := earlier[rng.IntN(len(earlier))].toks // any tenant's
+					p = slices.Clone(base[:1+rng.IntN(len(base))])
+				}
+				for range 1 + rng.IntN(10) {
+					p = append(p, int32(7+rng.IntN(2)))
+				}
+				own, other := 0, 0
+				for _, s := range earlier {
+					if s.salt == salt {
+						own = max(own, common(p, s.toks))
+					} else {
+						other = max(other, common(p, s.toks))
+					}
+				}
+				got, cached := reuseRunSalted(t, e, salt, p, n)
+				want := generate(t, ref, p, n, 0, 0)
+				if cached > own {
+					t.Fatalf("prompt %d (salt %q, %d tokens): %d tokens reused, but its tenant published at most %d of them (other tenants %d)",
+						i, salt, len(p), cached, own, other)
+				}
+				if !slices.Equal(got.tokens, want.tokens) || !slices.Equal(got.kv, want.kv) {
+					t.Fatalf("prompt %d (salt %q, %d cached): tokens %v, KV equal %v; without reuse %v",
+						i, salt, cached, got.tokens, slices.Equal(got.kv, want.kv), want.tokens)
+				}
+				for s := range got.logits {
+					for v := range got.logits[s] {
+						if math.Float32bits(got.logits[s][v]) != math.Float32bits(want.logits[s][v]) {
+							t.Fatalf("prompt %d (salt %q, %d cached): step %d logit %d = %v, without reuse %v",
+								i, salt, cached, s, v, got.logits[s][v], want.logits[s][v])
+						}
+					}
+				}
+				if salt != "" && cached > 0 {
+					saltedHits++
+				}
+				// Another tenant had published a whole block more of
+				// this prompt than its own tenant: the case under test.
+				if min(other, len(p)-1)/tpb > own/tpb {
+					refused++
+				}
+				earlier = append(earlier, seq{salt, p}, seq{salt, append(slices.Clone(p), got.tokens[:n-1]...)})
+			}
+			if saltedHits == 0 || refused < 3 {
+				t.Fatalf("%d salted prompts reused their own tenant's blocks, %d could have reused another's: want some of both",
+					saltedHits, refused)
+			}
+			if st := e.inst.pools[0].Stats(); st.Evictions == 0 {
+				t.Errorf("no eviction in %+v: the pool is meant to be small enough", st)
 			}
 			checkPoolsFree(t, e.inst)
 		})

@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"encoding/binary"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -260,4 +261,187 @@ func TestTakePartial(t *testing.T) {
 	}
 	p.Release(got)
 	checkConsistent(t, p)
+}
+
+// TestPartialTakeProperty drives the partial-reuse calls (MatchPartial,
+// TakePartial, TakeCached) interleaved with allocation, commits and
+// releases against a naive reference: the committed blocks with their
+// parent, tokens and holders. Every block allocated gets a fresh stamp in
+// its memory, as a request's writes would, so a block found after it was
+// evicted and rewritten shows. It checks that a match finds the reference's
+// longest match, and a block that holds the stamp of the tokens it matched;
+// that a take finds only blocks nobody holds, and that nothing finds a
+// taken block again; and the counts.
+func TestPartialTakeProperty(t *testing.T) {
+	const nb, tpb = 12, 4
+	for seed := range uint64(40) {
+		rng := rand.New(rand.NewPCG(seed, 3))
+		p := newTestPool(t, nb)
+		p.TrackEvictions(true)
+		type entry struct {
+			parent Hash
+			toks   []int32
+			id     BlockID
+			stamp  uint64
+		}
+		live := map[Hash]entry{} // committed blocks, by hash
+		refs := map[BlockID]int{}
+		stamps := map[BlockID]uint64{} // the stamp each pinned block was given
+		var held []BlockID             // one entry per reference
+		next := uint64(0)
+		parents := []Hash{{}, RootHash("tenant"), BlockHash(Hash{}, []int32{0, 0, 0, 0})}
+		stampOf := func(id BlockID) uint64 { return binary.LittleEndian.Uint64(p.Block(id)) }
+		forgetEvicted := func() {
+			ev, lost := p.DrainEvicted(nil)
+			if lost {
+				t.Fatalf("seed %d: eviction record lost", seed)
+			}
+			for _, h := range ev {
+				delete(live, h)
+			}
+		}
+		pin := func(id BlockID) { refs[id]++; held = append(held, id) }
+		best := func(par Hash, q []int32, unused bool) int {
+			want := 0
+			for _, e := range live {
+				if e.parent != par || unused && refs[e.id] > 0 {
+					continue
+				}
+				k := 0
+				for k < len(q) && k < tpb && e.toks[k] == q[k] {
+					k++
+				}
+				want = max(want, k)
+			}
+			return want
+		}
+		// found checks a block a match or take returned for q under par.
+		found := func(op string, id BlockID, h Hash, n int, par Hash, q []int32) entry {
+			e, ok := live[h]
+			if !ok || e.id != id || e.parent != par || !slices.Equal(e.toks[:n], q[:n]) {
+				t.Fatalf("seed %d: %s(%v) = block %d %v (%d tokens): not a committed block of that parent and tokens", seed, op, q, id, h, n)
+			}
+			if got := stampOf(id); got != e.stamp {
+				t.Fatalf("seed %d: %s found block %d holding stamp %d, committed with %d: rewritten since", seed, op, id, got, e.stamp)
+			}
+			return e
+		}
+		for step := range 150 {
+			par := parents[rng.IntN(len(parents))]
+			q := make([]int32, 1+rng.IntN(tpb))
+			for i := range q {
+				q[i] = int32(rng.IntN(2))
+			}
+			switch rng.IntN(6) {
+			case 0, 1: // a request's block: allocate, write, commit
+				ids, err := p.Allocate(1)
+				if err != nil {
+					break
+				}
+				forgetEvicted()
+				id := ids[0]
+				if refs[id] != 0 {
+					t.Fatalf("seed %d step %d: allocated block %d, which %d references hold", seed, step, id, refs[id])
+				}
+				next++
+				binary.LittleEndian.PutUint64(p.Block(id), next)
+				stamps[id] = next
+				pin(id)
+				toks := make([]int32, tpb)
+				for i := range toks {
+					toks[i] = int32(rng.IntN(2))
+				}
+				h, ok, err := p.CommitTokens(id, par, toks)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, dup := live[h]; ok == dup {
+					t.Fatalf("seed %d step %d: CommitTokens indexed %v, already indexed %v", seed, step, ok, dup)
+				}
+				if ok {
+					live[h] = entry{par, toks, id, next}
+				}
+			case 2: // release one reference
+				if len(held) == 0 {
+					break
+				}
+				i := rng.IntN(len(held))
+				id := held[i]
+				if err := p.Release(id); err != nil {
+					t.Fatal(err)
+				}
+				held = slices.Delete(held, i, i+1)
+				refs[id]--
+			case 3: // copy on partial reuse: match and pin, shared
+				id, h, n, ok := p.MatchPartial(par, q)
+				if want := best(par, q, false); n != want || ok != (want > 0) {
+					t.Fatalf("seed %d step %d: MatchPartial(%v) = %d tokens (%v), reference %d", seed, step, q, n, ok, want)
+				}
+				if ok {
+					found("MatchPartial", id, h, n, par, q)
+					pin(id)
+				}
+			case 4: // partial reuse in place: take a block nobody holds
+				want := best(par, q, true)
+				id, h, n, ok := p.TakePartial(par, q)
+				if n != want || ok != (want > 0) {
+					t.Fatalf("seed %d step %d: TakePartial(%v) = %d tokens (%v), reference %d", seed, step, q, n, ok, want)
+				}
+				if ok {
+					found("TakePartial", id, h, n, par, q)
+					delete(live, h)
+					forgetEvicted()
+					pin(id)
+				}
+			case 5: // take a committed block by hash, as the other ranks do
+				var hs []Hash
+				for h := range live {
+					hs = append(hs, h)
+				}
+				if len(hs) == 0 {
+					break
+				}
+				slices.SortFunc(hs, func(a, b Hash) int { return slices.Compare(a[:], b[:]) })
+				h := hs[rng.IntN(len(hs))]
+				e := live[h]
+				id, ok := p.TakeCached(h)
+				if ok != (refs[e.id] == 0) {
+					t.Fatalf("seed %d step %d: TakeCached of block %d held by %d = %v", seed, step, e.id, refs[e.id], ok)
+				}
+				if ok {
+					found("TakeCached", id, h, tpb, e.parent, e.toks)
+					delete(live, h)
+					forgetEvicted()
+					pin(id)
+				}
+			}
+			for h := range live {
+				if p.PeekPrefix([]Hash{h}) != 1 {
+					t.Fatalf("seed %d step %d: the reference's block %v is not indexed", seed, step, h)
+				}
+			}
+			st := p.Stats()
+			if st.Indexed != len(live) || st.Pinned != countPinned(refs) {
+				t.Fatalf("seed %d step %d: %+v, reference %d indexed, %d pinned", seed, step, st, len(live), countPinned(refs))
+			}
+			checkConsistent(t, p)
+		}
+		if err := p.Release(held...); err != nil {
+			t.Fatal(err)
+		}
+		if st := p.Stats(); st.Pinned != 0 || st.Available() != nb {
+			t.Fatalf("seed %d: after releasing everything: %+v", seed, st)
+		}
+	}
+}
+
+// countPinned counts the blocks with references.
+func countPinned(refs map[BlockID]int) int {
+	n := 0
+	for _, r := range refs {
+		if r > 0 {
+			n++
+		}
+	}
+	return n
 }
