@@ -42,10 +42,12 @@ type promptTokensDetails struct {
 
 func msOf(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
 
-func usageOf(f *engine.Final) *usageJSON {
+// usageOf is a finished request's usage, its cached tokens in whole blocks
+// (Worker.shown).
+func (w *Worker) usageOf(f *engine.Final) *usageJSON {
 	t := f.Timing
 	return &usageJSON{PromptTokens: f.Usage.PromptTokens, CompletionTokens: f.Usage.CompletionTokens,
-		TotalTokens: f.Usage.PromptTokens + f.Usage.CompletionTokens, Details: promptTokensDetails{CachedTokens: f.Usage.CachedTokens},
+		TotalTokens: f.Usage.PromptTokens + f.Usage.CompletionTokens, Details: promptTokensDetails{CachedTokens: w.shown(f.Usage.CachedTokens)},
 		Timing: &timingJSON{QueueMs: msOf(t.Queue), PrefillMs: msOf(t.Prefill), KVTransferMs: msOf(t.KVTransfer),
 			KVTransferBytes: t.TransferBytes, KVTransferBlocks: t.TransferBlocks, KVBlockBytes: t.BlockBytes,
 			FirstDecodeMs: msOf(t.FirstDecode), TotalMs: msOf(t.Total)}}
@@ -129,7 +131,7 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 		choice["token_ids"] = ids
 	}
 	resp := map[string]any{"id": id, "object": object, "created": time.Now().Unix(), "model": w.model,
-		"choices": []any{choice}, "usage": usageOf(final)}
+		"choices": []any{choice}, "usage": w.usageOf(final)}
 	if er.Type == transceiver.ContextOnly || cr.ReturnTokenIDs {
 		resp["prompt_token_ids"] = final.PromptTokenIDs
 	}
@@ -141,7 +143,7 @@ func (w *Worker) complete(rw http.ResponseWriter, r *http.Request, chat bool) {
 // its time per output token.
 func (w *Worker) observeFinal(f *engine.Final) {
 	w.promptTokens.Add(float64(f.Usage.PromptTokens))
-	w.cachedTokens.Add(float64(f.Usage.CachedTokens))
+	w.cachedTokens.Add(float64(w.shown(f.Usage.CachedTokens)))
 	if n := f.Usage.CompletionTokens - 1; n > 0 && f.Timing.Decode > 0 {
 		w.m.TPOT.Observe(f.Timing.Decode.Seconds() / float64(n))
 	}
@@ -230,7 +232,7 @@ func (w *Worker) streamEvents(rw http.ResponseWriter, s *engine.Stream, id, obje
 			return
 		}
 		if fl.usage {
-			send(map[string]any{"id": id, "object": object, "created": created, "model": w.model, "choices": []any{}, "usage": usageOf(f)})
+			send(map[string]any{"id": id, "object": object, "created": created, "model": w.model, "choices": []any{}, "usage": w.usageOf(f)})
 		}
 	}
 	fmt.Fprint(rw, "data: [DONE]\n\n")

@@ -283,7 +283,7 @@ func (w *Worker) cachedPrefix(rw http.ResponseWriter, r *http.Request) {
 		writeError(rw, http.StatusBadRequest, "invalid_request_error", fmt.Sprintf("%s: cache_salt has %d bytes, at most %d", CachedPrefixPath, len(cr.CacheSalt), MaxCacheSaltLen))
 		return
 	}
-	c := min(max(w.eng.CachedPrefixSalted(prompt, cr.CacheSalt), 0), len(prompt))
+	c := w.shown(min(max(w.eng.CachedPrefixSalted(prompt, cr.CacheSalt), 0), len(prompt)))
 	rw.Header().Set("Content-Type", "application/json")
 	json.NewEncoder(rw).Encode(CachedPrefix{PromptTokens: len(prompt), CachedTokens: c, ComputeTokens: len(prompt) - c})
 }

@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -350,4 +351,62 @@ func TestKVEventsDrainReaderStuck(t *testing.T) {
 	if err := json.Unmarshal(rec.Body.Bytes(), &evs); err != nil || rec.Code != 200 || len(evs) != 3 || evs[0].EventID != 4 {
 		t.Errorf("second reader: %d %s (%v), want events 4..6", rec.Code, rec.Body, err)
 	}
+}
+
+// TestHostileCachedCountProbe: with partial reuse a worker reuses a cached
+// block's first matching tokens, but what leaves it — a client's
+// usage.prompt_tokens_details.cached_tokens, the hit-token counter on
+// /metrics, the cached-prefix route — counts whole blocks only: a client
+// that knows how another user's prompt begins cannot read what follows one
+// token at a time through the count.
+func TestHostileCachedCountProbe(t *testing.T) {
+	w := newSecureWorker(t, RoleBoth, nil, 10_000) // 16 tokens per block
+	victim := make([]int, 40)
+	for i := range victim {
+		victim[i] = 100 + i
+	}
+	complete := func(prompt []int) int {
+		t.Helper()
+		code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 1})
+		if code != 200 {
+			t.Fatalf("%d %s", code, raw)
+		}
+		var r struct {
+			Usage struct {
+				Details struct {
+					Cached int `json:"cached_tokens"`
+				} `json:"prompt_tokens_details"`
+			} `json:"usage"`
+		}
+		if err := json.Unmarshal([]byte(raw), &r); err != nil {
+			t.Fatal(err)
+		}
+		return r.Usage.Details.Cached
+	}
+	complete(victim) // its two full blocks are cached now
+	// The probe: the victim's first block and 4 more of its tokens (the
+	// attacker's guesses, all right), then a filler.
+	probe := append(slices.Clone(victim[:20]), 7, 7, 7, 7, 7)
+	code, _, raw := postJSON(t, w.srv.URL+CachedPrefixPath, map[string]any{"prompt": probe})
+	if code != 200 || !strings.Contains(raw, `"cached_tokens":16,`) {
+		t.Errorf("cached-prefix route for the probe: %d %s, want 16 cached tokens (whole blocks)", code, raw)
+	}
+	if got := complete(probe); got != 16 {
+		t.Errorf("the probe's cached_tokens = %d, want 16: whole blocks, not the 4 tokens of the next block it guessed right", got)
+	}
+	_, m := get(t, w.srv.URL+"/metrics")
+	if !strings.Contains(m, "kvxfer_prefix_cache_hit_tokens_total 16\n") {
+		t.Errorf("/metrics: the hit tokens are not whole blocks:\n%s", grepLines(m, "kvxfer_prefix_cache_hit_tokens_total"))
+	}
+}
+
+// grepLines returns the lines of s that contain sub.
+func grepLines(s, sub string) string {
+	var out []string
+	for l := range strings.Lines(s) {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "")
 }

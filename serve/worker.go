@@ -96,8 +96,10 @@ type Worker struct {
 	// kvEventsSource, when set (by tests), replaces the engine's KVEvents.
 	kvEventsSource func(after uint64) ([]engine.KVEvent, bool)
 	// promptTokens and cachedTokens count prompt tokens served and those
-	// found in the worker's reusable cache.
+	// found in the worker's reusable cache (whole blocks: see shown).
 	promptTokens, cachedTokens prometheus.Counter
+	// tpb is the tokens per KV block.
+	tpb int
 }
 
 // NewWorker builds the model, its sharded instance, the transceiver (when
@@ -136,7 +138,7 @@ func NewWorker(ctx context.Context, o WorkerOptions) (*Worker, error) {
 		return nil, err
 	}
 	w := &Worker{role: o.Role, model: o.Model, log: log, reg: metrics.NewRegistry(), created: time.Now().Unix(),
-		reuseToken: ReuseToken(o.Secret), epoch: newEpoch()}
+		reuseToken: ReuseToken(o.Secret), epoch: newEpoch(), tpb: wc.KVCache.TokensPerBlock}
 	w.m = metrics.New(w.reg)
 	w.promptTokens = prometheus.NewCounter(prometheus.CounterOpts{Name: "kvxfer_prefix_cache_prompt_tokens_total",
 		Help: "Prompt tokens of the requests the worker served."})
@@ -201,6 +203,20 @@ func (w *Worker) Engine() *engine.Engine { return w.eng }
 
 // Registry returns the worker's metrics registry.
 func (w *Worker) Registry() *prometheus.Registry { return w.reg }
+
+// shown is how many of n cached prompt tokens the worker tells anyone
+// outside: whole blocks only. With partial reuse the engine also reuses
+// the matching first tokens of the next cached block; a count exact to
+// the token would let a client that knows how another user's prompt
+// begins read what follows it one token at a time (guess a token, see
+// whether the count grows), where whole blocks leave it a whole block to
+// guess at once.
+func (w *Worker) shown(n int) int {
+	if w.tpb <= 0 {
+		return n
+	}
+	return n / w.tpb * w.tpb
+}
 
 // Handler returns the worker's HTTP handler.
 func (w *Worker) Handler() http.Handler {
