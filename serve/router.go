@@ -12,6 +12,7 @@ import (
 	"maps"
 	"net"
 	"net/http"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -624,6 +625,9 @@ func readRouted(req *http.Request) (object, bool, *httpError) {
 	if orig == nil {
 		return nil, false, badRequest("request body must be a JSON object, not null")
 	}
+	if herr := checkKeyCase(orig); herr != nil {
+		return nil, false, herr
+	}
 	if err := takeConversation(orig); err != nil {
 		return nil, false, badRequest("%v", err)
 	}
@@ -635,6 +639,34 @@ func readRouted(req *http.Request) (object, bool, *httpError) {
 		return nil, false, badRequest("%v", err)
 	}
 	return orig, stream, nil
+}
+
+// requestFields are the keys of a request the worker reads
+// (completionRequest's JSON names), by their lowercase form.
+var requestFields = func() map[string]string {
+	m := map[string]string{}
+	t := reflect.TypeFor[completionRequest]()
+	for i := range t.NumField() {
+		if name, _, _ := strings.Cut(t.Field(i).Tag.Get("json"), ","); name != "" && name != "-" {
+			m[strings.ToLower(name)] = name
+		}
+	}
+	return m
+}()
+
+// checkKeyCase refuses a key that is a request field spelled otherwise
+// ("Cache_Salt"): the worker decodes keys whatever their case
+// (encoding/json), the router reads and refuses them only as spelled, so
+// such a key would route a request as one thing and serve it as another
+// (unsalted here, salted there), or pass a field the router keeps for
+// itself.
+func checkKeyCase(orig object) *httpError {
+	for k := range orig {
+		if name, ok := requestFields[strings.ToLower(k)]; ok && k != name {
+			return badRequest("key %q is the request field %q spelled otherwise; send it as %q", k, name, name)
+		}
+	}
+	return nil
 }
 
 // contextResult is what the generation phase takes from the context

@@ -283,6 +283,12 @@ func TestRouterBadRequests(t *testing.T) {
 		{`{"prompt":"x"} {"prompt":"y"}`, "invalid character '{' after top-level value"},
 		{`{"prompt":"x","stream":"yes"}`, `field \"stream\"`},
 		{`{"prompt":"x","disaggregated_params":{}}`, "set by the router"},
+		// A worker reads keys whatever their case (encoding/json), the
+		// router only as spelled: a key the router would miss is refused.
+		{`{"prompt":"x","KVXFER_RESUME_TOKEN_IDS":[1]}`, `key \"KVXFER_RESUME_TOKEN_IDS\" is the request field \"kvxfer_resume_token_ids\"`},
+		{`{"prompt":"x","Disaggregated_Params":{}}`, `key \"Disaggregated_Params\"`},
+		{`{"prompt":"x","Cache_Salt":"tenant-a"}`, `key \"Cache_Salt\"`},
+		{`{"prompt":"x","Stream":true}`, `key \"Stream\"`},
 		{`{"prompt":"x","conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}`, "conversation_id has 1026 bytes of JSON, at most 1024"},
 		{`{"prompt":"x","disaggregated_params":{"conversation_id":"` + strings.Repeat("c", MaxConversationIDLen) + `"}}`, "conversation_id has 1026 bytes"},
 	} {
