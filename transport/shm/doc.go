@@ -125,8 +125,15 @@
 // connection is closed (failing the other ops on it). A Send that ends
 // before its first part was posted writes ABORT for the tag (dialling for it
 // if needed, within a second), which fails the receipt with
-// transport.ErrAborted unless another Send is filling it. Close of the
-// Transport cancels its Sends the same way.
+// transport.ErrAborted unless another Send is filling it. An ABORT that no
+// connection took within that second (a receiver that stalled, a paused
+// process that does not answer the dial's HELLO) is left to one goroutine
+// per receiver, which redials and writes the ABORTs it holds once the
+// receiver answers, for up to 30 seconds, and drops them when nothing
+// listens at the endpoint any more, the receiver refuses the window, or
+// the Transport closes; the receipt's owner ends a receipt whose ABORT
+// never came at its own deadline. Close of the Transport cancels its Sends
+// the same way (with no late ABORT).
 //
 // Recv.Cancel: the receipt ends with transport.ErrCanceled; a copy into it
 // finishes its part (at most one slot) and Cancel returns once it has. The
