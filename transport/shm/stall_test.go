@@ -151,3 +151,62 @@ func (t *Transport) abortsPending(ep string) bool {
 	_, ok := t.aborts[ep]
 	return ok
 }
+
+// TestGiveUpOnePart: a Send of one part whose receiver stalls after the
+// part was posted (its reader, which takes a one-part op itself, does not
+// run) and that gives up after the grace must not have its receipt
+// completed when the receiver runs again: the CANCEL, then the
+// connection's end, are there before the receiver copies the part. Both
+// the POST alone read before the stall and the POST and CANCEL read
+// together are covered, as the reader is held wherever it is.
+func TestGiveUpOnePart(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 64 << 10
+	src := fill(shared(t, 1<<20, a), 5)
+	healthy(t, a, b, src) // the connection is up
+	c := onlyInbound(t, b)
+	workerAsleep(t, c)
+	c.pullMu.Lock() // the reader stops in the POST's pull
+	held := true
+	defer func() {
+		if held {
+			c.pullMu.Unlock()
+		}
+	}()
+	dst := make([]byte, n)
+	r, err := b.Expect([][]byte{dst})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	res := make(chan error, 1)
+	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src[:n]}) }()
+	a.mu.Lock()
+	oc := a.peers[b.Endpoint()]
+	a.mu.Unlock()
+	within(t, 5*time.Second, "the part to be posted", func() {
+		for {
+			oc.mu.Lock()
+			posted := oc.posted
+			oc.mu.Unlock()
+			if posted > 1 { // healthy's part, then this one
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	})
+	time.Sleep(50 * time.Millisecond) // the POST is read, or in the socket
+	cancel()
+	var serr error
+	within(t, 5*time.Second, "Send", func() { serr = <-res })
+	if !errors.Is(serr, context.Canceled) {
+		t.Fatalf("Send = %v, want context.Canceled (the sender gave up)", serr)
+	}
+	c.pullMu.Unlock()
+	held = false
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if err := r.Err(); !errors.Is(err, transport.ErrAborted) && !errors.Is(err, transport.ErrPeerLost) {
+		t.Errorf("Recv.Err = %v after its Send gave up (%v), want ErrAborted or ErrPeerLost", err, serr)
+	}
+	healthy(t, a, b, src) // a redials
+}
