@@ -108,6 +108,11 @@
 // answers and says IDLE as the worker would: handing the parts to the
 // worker would cost a goroutine hand-off, and with it a thread's wake-up,
 // per op (BenchmarkSendSmallCrossProcess: 102 µs per op against 110-129).
+// It does so only with no other input waiting (one non-blocking peek):
+// a receiver that stalled (a paused process) finds the POST, the CANCEL
+// of a sender that gave up and the connection's end all there at once,
+// and reads the CANCEL and the end before it copies, so that the receipt
+// fails rather than completing for a Send that returned an error.
 // An op of several parts that all came in one POST goes to the worker:
 // the reader reads nothing while it copies, and would go on copying after
 // a CANCEL or the connection's end, where the worker stops between parts.
@@ -125,8 +130,15 @@
 // connection is closed (failing the other ops on it). A Send that ends
 // before its first part was posted writes ABORT for the tag (dialling for it
 // if needed, within a second), which fails the receipt with
-// transport.ErrAborted unless another Send is filling it. Close of the
-// Transport cancels its Sends the same way.
+// transport.ErrAborted unless another Send is filling it. An ABORT that no
+// connection took within that second (a receiver that stalled, a paused
+// process that does not answer the dial's HELLO) is left to one goroutine
+// per receiver, which redials and writes the ABORTs it holds once the
+// receiver answers, for up to 30 seconds, and drops them when nothing
+// listens at the endpoint any more, the receiver refuses the window, or
+// the Transport closes; the receipt's owner ends a receipt whose ABORT
+// never came at its own deadline. Close of the Transport cancels its Sends
+// the same way (with no late ABORT).
 //
 // Recv.Cancel: the receipt ends with transport.ErrCanceled; a copy into it
 // finishes its part (at most one slot) and Cancel returns once it has. The

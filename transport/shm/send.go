@@ -164,8 +164,10 @@ func (oc *outConn) closeRetired() {
 // src is not used after Send returns.
 //
 // When ctx ends first, Send tells the receiver to stop (CANCEL; ABORT when
-// no part had gone out) and waits for the receiver to confirm that it
-// stopped, for at most a second; the receipt fails with
+// no part had gone out, delivered after Send returns, for up to
+// abortPatience, when no connection took it within a second) and waits for
+// the receiver to confirm that it stopped, for at most a second; the
+// receipt fails with
 // transport.ErrAborted, and Send returns an error wrapping ctx.Err() (a
 // *transport.TimeoutError for a deadline), or nil if the receiver had copied
 // everything first. A receiver that does not confirm in time has the
@@ -221,7 +223,10 @@ type cursor struct {
 // send runs a Send once its descriptor is checked.
 func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src [][]byte) error {
 	ended := func() error { // ctx ended before the first part was posted
-		t.abort(d.Endpoint, d.Tag)
+		var ce *transport.ClosedError
+		if !t.abort(d.Endpoint, d.Tag) && !errors.As(context.Cause(sctx), &ce) {
+			t.abortLater(d.Endpoint, d.Tag)
+		}
 		return ctxErr(ctx, sctx, d.Endpoint)
 	}
 	if sctx.Err() != nil {
@@ -393,17 +398,104 @@ func ctxErr(ctx, sctx context.Context, ep string) error {
 
 // abort tells the receiver, best effort and within the grace period, that
 // the Send for tag ended before it posted a part: the receipt fails with
-// ErrAborted.
-func (t *Transport) abort(ep string, tag uint64) {
+// ErrAborted. It reports whether a connection took the ABORT.
+func (t *Transport) abort(ep string, tag uint64) bool {
 	ctx, cancel := context.WithTimeout(context.Background(), grace)
 	defer cancel()
 	oc, err := t.conn(ctx, ep)
 	if err != nil {
-		return
+		return false
 	}
 	if err := oc.writeMsg(ctx, &msg{typ: msgAbort, tag: tag}); err != nil {
 		oc.kill(fmt.Errorf("abort not written within %v: %w", grace, err))
+		return false
 	}
+	return true
+}
+
+// abortPatience bounds how long a Transport goes on trying to deliver the
+// ABORT of a Send that could not deliver it within the grace: long enough
+// for a receiver that stalled (a paused process, a swapping machine) to
+// answer a dial again. The receipt's owner ends it at its own deadline if
+// the ABORT never arrives.
+const abortPatience = 30 * time.Second
+
+// abortRetry is the pause between two tries to deliver late ABORTs to a
+// receiver whose last dial failed for a reason that may pass.
+const abortRetry = 100 * time.Millisecond
+
+// abortLater leaves the ABORT for tag to deliverAborts, started unless it
+// runs for ep. Called only inside a Send, whose count in t.sends keeps
+// Close's Wait from passing before the goroutine is counted.
+func (t *Transport) abortLater(ep string, tag uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	tags, running := t.aborts[ep]
+	t.aborts[ep] = append(tags, tag)
+	if !running {
+		t.sends.Add(1)
+		go t.deliverAborts(ep)
+	}
+}
+
+// deliverAborts writes the ABORTs left to it for ep on the pooled
+// connection, dialling it as often as needed, until none is left. It gives
+// up on those it has, and ends, at abortPatience, when the receiver cannot
+// be reached for a reason that does not pass by waiting (no listener, a
+// refused window: its receipts are gone with it), or when the Transport
+// closes.
+func (t *Transport) deliverAborts(ep string) {
+	defer t.sends.Done()
+	ctx, cancel := context.WithTimeout(t.life, abortPatience)
+	defer cancel()
+	var tags []uint64
+	var err error
+	for {
+		t.mu.Lock()
+		tags = append(tags, t.aborts[ep]...)
+		t.aborts[ep] = t.aborts[ep][:0]
+		if len(tags) == 0 || ctx.Err() != nil || receiverGone(err) {
+			delete(t.aborts, ep)
+			t.mu.Unlock()
+			break
+		}
+		t.mu.Unlock()
+		if tags, err = t.writeAborts(ctx, ep, tags); err != nil && !receiverGone(err) {
+			select { // the receiver did not answer in time: again, shortly
+			case <-ctx.Done():
+			case <-time.After(abortRetry):
+			}
+		}
+	}
+	if len(tags) > 0 && t.life.Err() == nil {
+		t.log.Warn("shm: could not tell a receiver that transfers were aborted; it ends their receipts at its own deadline",
+			"peer", ep, "aborted", len(tags), "patience", abortPatience, "err", err)
+	}
+}
+
+// receiverGone reports whether err, of a dial or a write, says that the
+// receiver is not there to take an ABORT, and will not be: nothing listens
+// at its endpoint, or it refused the window. A receiver that does not
+// answer (stalled, its backlog full) may yet.
+func receiverGone(err error) bool {
+	return errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.ENOENT) || errors.Is(err, ErrRefused)
+}
+
+// writeAborts writes an ABORT for each of tags on the pooled connection to
+// ep within ctx. It returns the tags not written, and why.
+func (t *Transport) writeAborts(ctx context.Context, ep string, tags []uint64) ([]uint64, error) {
+	oc, err := t.conn(ctx, ep)
+	if err != nil {
+		return tags, err
+	}
+	for i, tag := range tags {
+		if err := oc.writeMsg(ctx, &msg{typ: msgAbort, tag: tag}); err != nil {
+			err = fmt.Errorf("abort not written: %w", err)
+			oc.kill(err)
+			return tags[i:], err
+		}
+	}
+	return nil, nil
 }
 
 // conn returns the pooled connection to ep, dialling it when there is

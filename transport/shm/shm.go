@@ -69,10 +69,17 @@ type Transport struct {
 	// their last use as the monotonic time since it.
 	epoch time.Time
 
-	done      chan struct{} // closed when Close starts
+	done chan struct{} // closed when Close starts
+	// life ends when Close starts: the context of work that outlives the
+	// Send that started it (the ABORTs delivered late).
+	life      context.Context
+	endLife   context.CancelFunc
 	closeOnce sync.Once
 
-	sends sync.WaitGroup // in-flight Sends and Probes; Add only under mu while !closed
+	// sends counts in-flight Sends and Probes, and the goroutines that
+	// deliver late ABORTs (added by a Send, before it ends); Add only
+	// under mu while !closed, or inside a Send.
+	sends sync.WaitGroup
 	wg    sync.WaitGroup // accept loop, connection readers and workers
 
 	mapped atomic.Int64 // bytes of senders' windows mapped (see maxMapped)
@@ -86,6 +93,10 @@ type Transport struct {
 	inbound  map[*inConn]struct{}
 	peers    map[string]*outConn      // outbound connections by endpoint
 	dialing  map[string]chan struct{} // closed when a dial ends
+	// aborts holds, per receiver endpoint, the tags whose ABORT no
+	// connection took within the grace, left to deliverAborts, which runs
+	// while the endpoint has an entry.
+	aborts map[string][]uint64
 
 	maxConns int               // inbound connections kept at most (<= 0: no bound)
 	refusals *netlimit.RateLog // logs refused connections
@@ -151,10 +162,12 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 		inbound:  make(map[*inConn]struct{}),
 		peers:    make(map[string]*outConn),
 		dialing:  make(map[string]chan struct{}),
+		aborts:   make(map[string][]uint64),
 		maxConns: opts.MaxConns,
 		refusals: netlimit.NewRateLog(opts.Logger, time.Second),
 		protoLog: netlimit.NewRateLog(opts.Logger, protoLogEvery),
 	}
+	t.life, t.endLife = context.WithCancel(context.Background())
 	t.receipts = receipt.NewTable(receipt.Config[*rop]{Format: descFormat, Endpoint: ep, Lock: &t.mu})
 	t.wg.Add(1)
 	go t.accept()
@@ -186,6 +199,7 @@ func (t *Transport) Close() error {
 		}
 		t.mu.Unlock()
 		close(t.done)
+		t.endLife()
 		for _, c := range cancels {
 			c(&transport.ClosedError{Op: "send"})
 		}

@@ -101,7 +101,11 @@
 // completions do not come within 2 s (a receiver alive but not
 // progressing), the endpoint is closed by force: UCX fails every request on
 // it, and every Send on it returns (with ErrPeerLost, or the ctx error for
-// the aborted ones). The error wraps ctx's: a *transport.TimeoutError for a
+// the aborted ones). The ABORTs queued on it go with it, so an ABORT for
+// each of those Sends that had no answer is queued again on a fresh
+// endpoint, which UCX holds until the receiver wires it up: a receiver
+// that stalled before it had (a paused process) fails those receipts when
+// it runs again, rather than at its own deadline. The error wraps ctx's: a *transport.TimeoutError for a
 // deadline. The transfer itself is not shortened: UCX carries on with a
 // message it has started; over tcp the ABORT even queues behind the data, so
 // a Send cancelled mid-way usually completes and returns nil.

@@ -636,10 +636,44 @@ func (l *loop) abortTimers(now time.Time) {
 			l.maybeEndSend(s)
 			continue
 		}
-		if s.peer != nil && !s.peer.failed {
-			l.t.log.Warn("ucx: peer did not settle an aborted send in time; closing the endpoint", "peer", s.peer.name)
-			l.failPeer(s.peer, fmt.Errorf("ucx: peer %s: %w (no answer to abort)", s.peer.name, transport.ErrPeerLost))
+		if p := s.peer; p != nil && !p.failed {
+			l.t.log.Warn("ucx: peer did not settle an aborted send in time; closing the endpoint", "peer", p.name)
+			// The ABORTs queued on the endpoint go with it: a receiver
+			// that stalled before the endpoint was wired up (a paused
+			// process) has seen none of them, and would keep the receipts
+			// of these sends armed until its own deadline.
+			var tags []uint64
+			for o := range p.sends {
+				if !o.ended && o.ack == 0 {
+					tags = append(tags, o.tagBase)
+				}
+			}
+			l.failPeer(p, fmt.Errorf("ucx: peer %s: %w (no answer to abort)", p.name, transport.ErrPeerLost))
+			l.abortAgain(p.key, tags)
 		}
+	}
+}
+
+// abortAgain queues an ABORT for each of tags on a fresh endpoint to the
+// transport at ep (raw), for sends whose endpoint was closed by force
+// before the receiver answered. UCX holds the messages until the receiver
+// wires the endpoint up, so one that stalled gets them when it runs again
+// and fails the receipts; one that died fails the endpoint (keepalive),
+// and Close closes it by force.
+func (l *loop) abortAgain(ep string, tags []uint64) {
+	if l.closing || len(tags) == 0 {
+		return
+	}
+	p, err := l.peer([]byte(ep))
+	if err != nil {
+		l.t.log.Debug("ucx: cannot reconnect to deliver aborts", "peer", peerName([]byte(ep)), "err", err)
+		return
+	}
+	for _, tag := range tags {
+		if p.failed {
+			return
+		}
+		l.ctrl(p, &ctrlMsg{typ: ctrlAbort, a: tag})
 	}
 }
 

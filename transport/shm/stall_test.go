@@ -1,0 +1,212 @@
+//go:build linux
+
+package shm
+
+import (
+	"bytes"
+	"context"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/transport"
+)
+
+// stop pauses the child process (SIGSTOP), as a receiver that stalls (a
+// paused process, a machine swapping) would be; it is continued at the
+// end of t at the latest.
+func (c *child) stop(t *testing.T) {
+	t.Helper()
+	if err := syscall.Kill(c.cmd.Process.Pid, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.cont(t) })
+	// The signal is delivered when the child's threads next run: wait
+	// until the kernel says it is stopped.
+	stat := fmt.Sprintf("/proc/%d/stat", c.cmd.Process.Pid)
+	eventually(t, "the child stopped", func() bool {
+		b, err := os.ReadFile(stat)
+		if err != nil {
+			return false
+		}
+		// The state follows the command's closing parenthesis.
+		_, rest, ok := bytes.Cut(b, []byte(") "))
+		return ok && len(rest) > 0 && rest[0] == 'T'
+	})
+}
+
+// cont continues the child paused by stop.
+func (c *child) cont(t *testing.T) {
+	t.Helper()
+	if err := syscall.Kill(c.cmd.Process.Pid, syscall.SIGCONT); err != nil && !errors.Is(err, syscall.ESRCH) {
+		t.Error(err)
+	}
+}
+
+// lineWithin is line with a bound of its own: the rest of the child's
+// next line that starts with prefix, or false when none came within limit.
+func (c *child) lineWithin(t *testing.T, prefix string, limit time.Duration) (string, bool) {
+	t.Helper()
+	timer := time.NewTimer(limit)
+	defer timer.Stop()
+	for {
+		select {
+		case l := <-c.lines:
+			if rest, ok := strings.CutPrefix(l, prefix); ok {
+				return strings.TrimSpace(rest), true
+			}
+			t.Logf("child: %s", l)
+		case <-c.done:
+			return "", false
+		case <-timer.C:
+			return "", false
+		}
+	}
+}
+
+// TestAbortReachesStalledReceiver: a Send that times out while its receiver
+// process is paused for longer than the ABORT's grace, before it could
+// post a part (the dial's HELLO went unanswered), still fails the receipt
+// once the receiver runs again, instead of leaving it armed until the
+// receiver's own deadline (the child's: 30 s).
+func TestAbortReachesStalledReceiver(t *testing.T) {
+	const n = 1 << 20
+	a := open(t, transport.Options{})
+	src := fill(shared(t, n, a), 42)
+	c := startChild(t, "recv", n, false)
+	c.line(t, "EP ")
+	desc, err := hex.DecodeString(c.line(t, "DESC "))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.stop(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	var serr error
+	within(t, 5*time.Second, "Send to a paused receiver", func() { serr = a.Send(ctx, desc, [][]byte{src}) })
+	var te *transport.TimeoutError
+	if !errors.As(serr, &te) {
+		t.Fatalf("Send = %v, want a TimeoutError", serr)
+	}
+	time.Sleep(2 * grace) // well past the ABORT's grace
+	c.cont(t)
+	got, ok := c.lineWithin(t, "RECV ", 10*time.Second)
+	if !ok {
+		t.Fatal("receipt of the timed-out Send still armed 10 s after its receiver ran again")
+	}
+	if !strings.Contains(got, transport.ErrAborted.Error()) {
+		t.Errorf("child: RECV %s, want %q", got, transport.ErrAborted)
+	}
+}
+
+// TestLateAbortEnds: the delivery of a late ABORT to a paused receiver
+// ends with the Transport's Close, and soon after the receiver's process
+// dies (nothing listens at its endpoint any more), rather than at
+// abortPatience.
+func TestLateAbortEnds(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		end  func(t *testing.T, a *Transport, c *child)
+	}{
+		{"Close", func(_ *testing.T, a *Transport, _ *child) { a.Close() }},
+		{"receiver killed", func(t *testing.T, _ *Transport, c *child) { c.kill(t) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const n = 64 << 10
+			a := open(t, transport.Options{})
+			c := startChild(t, "recv", n, false)
+			ep := c.line(t, "EP ")
+			desc, err := hex.DecodeString(c.line(t, "DESC "))
+			if err != nil {
+				t.Fatal(err)
+			}
+			c.stop(t)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+			defer cancel()
+			if err := a.Send(ctx, desc, [][]byte{make([]byte, n)}); err == nil {
+				t.Fatal("Send to a paused receiver succeeded")
+			}
+			if !a.abortsPending(ep) {
+				t.Fatal("no late ABORT pending after the Send")
+			}
+			start := time.Now()
+			tc.end(t, a, c)
+			eventually(t, "late ABORT given up", func() bool { return !a.abortsPending(ep) })
+			if d := time.Since(start); d > 5*time.Second {
+				t.Errorf("late ABORT given up after %v, want well under abortPatience (%v)", d, abortPatience)
+			}
+		})
+	}
+}
+
+// abortsPending reports whether late ABORTs to ep are being delivered.
+func (t *Transport) abortsPending(ep string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.aborts[ep]
+	return ok
+}
+
+// TestGiveUpOnePart: a Send of one part whose receiver stalls after the
+// part was posted (its reader, which takes a one-part op itself, does not
+// run) and that gives up after the grace must not have its receipt
+// completed when the receiver runs again: the CANCEL, then the
+// connection's end, are there before the receiver copies the part. Both
+// the POST alone read before the stall and the POST and CANCEL read
+// together are covered, as the reader is held wherever it is.
+func TestGiveUpOnePart(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 64 << 10
+	src := fill(shared(t, 1<<20, a), 5)
+	healthy(t, a, b, src) // the connection is up
+	c := onlyInbound(t, b)
+	workerAsleep(t, c)
+	c.pullMu.Lock() // the reader stops in the POST's pull
+	held := true
+	defer func() {
+		if held {
+			c.pullMu.Unlock()
+		}
+	}()
+	dst := make([]byte, n)
+	r, err := b.Expect([][]byte{dst})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	res := make(chan error, 1)
+	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src[:n]}) }()
+	a.mu.Lock()
+	oc := a.peers[b.Endpoint()]
+	a.mu.Unlock()
+	within(t, 5*time.Second, "the part to be posted", func() {
+		for {
+			oc.mu.Lock()
+			posted := oc.posted
+			oc.mu.Unlock()
+			if posted > 1 { // healthy's part, then this one
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	})
+	time.Sleep(50 * time.Millisecond) // the POST is read, or in the socket
+	cancel()
+	var serr error
+	within(t, 5*time.Second, "Send", func() { serr = <-res })
+	if !errors.Is(serr, context.Canceled) {
+		t.Fatalf("Send = %v, want context.Canceled (the sender gave up)", serr)
+	}
+	c.pullMu.Unlock()
+	held = false
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if err := r.Err(); !errors.Is(err, transport.ErrAborted) && !errors.Is(err, transport.ErrPeerLost) {
+		t.Errorf("Recv.Err = %v after its Send gave up (%v), want ErrAborted or ErrPeerLost", err, serr)
+	}
+	healthy(t, a, b, src) // a redials
+}
