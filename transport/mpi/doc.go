@@ -121,7 +121,9 @@
 //     frames, tells the receiver how many it posted (the receipt then
 //     fails with transport.ErrAborted once those arrived), and returns
 //     once the frames in flight are drained: up to four frames later, not
-//     at once. A Send that had posted every frame finishes normally.
+//     at once, and with a receiving rank that has stopped (a paused
+//     process) not before it runs again, since the receiver makes the
+//     copies. A Send that had posted every frame finishes normally.
 //   - A sender or receiver that dies is not one of these cases: see above.
 //
 // The conformance suite of transport/transporttest passes between two

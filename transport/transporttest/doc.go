@@ -39,8 +39,10 @@
 //   - mpi: MPI cannot cancel a send in flight. A Send whose ctx ends
 //     stops between frames and returns once the (at most four) frames in
 //     flight are drained, so "Send cancelled during the transfer" returns
-//     up to four frames late; a Send that had posted every frame finishes
-//     normally (the suite accepts a Send done before its cancel). A
+//     up to four frames late (with a receiving rank that has stopped, a
+//     paused process, not before it runs again: the drain waits for its
+//     copies); a Send that had posted every frame finishes normally (the
+//     suite accepts a Send done before its cancel). A
 //     receive is cancelled with MPI_Cancel, and the receiving world drains
 //     the frames the sender had already posted into scratch memory.
 //   - mpi: the suite's "peer death" is a Transport that closes in a live
