@@ -275,6 +275,11 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		if len(ci.CurrentWorkers["context_servers"]) >= len(l.ContextURLs) && len(ci.CurrentWorkers["generation_servers"]) >= len(l.GenerationURL) && ci.IsReady {
 			return nil
 		}
+		// A worker that exits after it answered /health (its
+		// registration failed, or it crashed) will not register.
+		if err := l.exited(); err != nil {
+			return err
+		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("launch: the workers did not all register within %v: %s", within, ci.Reason)
 		}
@@ -284,6 +289,18 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		case <-poll.C:
 		}
 	}
+}
+
+// exited returns an error naming the first worker that has exited, or nil.
+func (l *Launched) exited() error {
+	for _, w := range l.workers {
+		select {
+		case err := <-w.done:
+			return fmt.Errorf("launch: worker %s exited before it registered: %v", w.name, err)
+		default:
+		}
+	}
+	return nil
 }
 
 // startWorkers starts the processes of every server group (and the

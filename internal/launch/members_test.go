@@ -1,0 +1,125 @@
+package launch
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/connect"
+)
+
+// fakeWorkerEnv makes this test binary a fake worker when Start runs it
+// (see fakeWorkerMain): its value is the fake's behaviour.
+const fakeWorkerEnv = "KVXFER_LAUNCH_FAKE_WORKER"
+
+// fakeWorkerMain is a worker that Start can run: it answers /health on the
+// socket it inherits (fd 3), then, by mode, exits ("exit", 400 ms after its
+// start) or registers a record of another URL than its own in the
+// cluster's store and stays ("foreign"). It reports whether it ran.
+func fakeWorkerMain() bool {
+	mode := os.Getenv(fakeWorkerEnv)
+	if mode == "" {
+		return false
+	}
+	ln, err := net.FileListener(os.NewFile(3, "listener"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fake worker:", err)
+		os.Exit(2)
+	}
+	go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
+	role, cfg := "", ""
+	for i, a := range os.Args {
+		if i+1 < len(os.Args) && a == "--role" {
+			role = os.Args[i+1]
+		}
+		if i+1 < len(os.Args) && a == "--config" {
+			cfg = os.Args[i+1]
+		}
+	}
+	switch mode {
+	case "exit":
+		time.Sleep(400 * time.Millisecond)
+		os.Exit(3)
+	case "foreign":
+		f, err := config.LoadFile(cfg, config.LoadEnv(os.LookupEnv, os.Environ()))
+		if err != nil || f.Worker == nil || f.Worker.DisaggCluster == nil {
+			fmt.Fprintln(os.Stderr, "fake worker: config:", err)
+			os.Exit(2)
+		}
+		dc := f.Worker.DisaggCluster
+		secret, _, err := f.Worker.Security.LoadSecret(config.LoadEnv(os.LookupEnv, os.Environ()))
+		if err != nil {
+			os.Exit(2)
+		}
+		st, err := connect.Open(context.Background(), *dc, connect.Options{Token: connect.Token(secret)})
+		if err != nil {
+			os.Exit(2)
+		}
+		// Not this worker's URL: a record of another process (a stale one
+		// of an earlier run, or another cluster's of the same name).
+		other, _ := net.Listen("tcp", "127.0.0.1:0")
+		rec := membership.Record{Role: membership.Role(role), URL: "http://" + other.Addr().String(), Model: "m",
+			Layout: membership.Layout{TP: 1, PP: 1, DP: 1}, Incarnation: membership.NewIncarnation()}
+		m, err := membership.NewMember(st, rec, connect.MemberOptions(*dc))
+		if err == nil {
+			err = m.Register(context.Background())
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "fake worker: register:", err)
+			os.Exit(2)
+		}
+		select {}
+	}
+	os.Exit(2)
+	return true
+}
+
+// startFakes runs Start on a disagg_cluster of one context and one
+// generation worker, both fakes of mode, within ready.
+func startFakes(t *testing.T, mode string, ready time.Duration) (*Launched, time.Duration, error) {
+	t.Helper()
+	cl := cluster(t, `hostname: 127.0.0.1
+port: 8000
+context_servers: {num_instances: 1}
+generation_servers: {num_instances: 1}
+disagg_cluster:
+  cluster_uri: http://127.0.0.1:8000
+  cluster_name: fakes
+  heartbeat_interval_sec: 1
+  inactive_timeout_sec: 3
+`)
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: ready,
+		Env: []string{fakeWorkerEnv + "=" + mode}})
+	took := time.Since(start)
+	if l != nil {
+		t.Cleanup(l.Stop)
+	}
+	return l, took, err
+}
+
+// TestWaitMembersWorkerExits: with disagg_cluster, a worker that exits
+// after it answered /health but before it registered fails Start at once,
+// naming the worker and its exit, instead of a wait for registrations
+// that cannot come until the Ready bound.
+func TestWaitMembersWorkerExits(t *testing.T) {
+	_, took, err := startFakes(t, "exit", 20*time.Second)
+	if err == nil || !strings.Contains(err.Error(), "exited") || !strings.Contains(err.Error(), "-0") {
+		t.Fatalf("Start: %v, want an error naming the worker that exited", err)
+	}
+	if took > 10*time.Second {
+		t.Errorf("Start failed after %v: it waited for registrations from a worker that had exited", took)
+	}
+	t.Logf("Start failed after %v: %v", took.Round(time.Millisecond), err)
+}
