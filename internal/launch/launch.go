@@ -265,14 +265,18 @@ func (l *Launched) openMembership(ctx context.Context, o Options, routerURL stri
 	return co, nil
 }
 
-// waitMembers waits until the router has every started worker as a member.
+// waitMembers waits until the router has every started worker as a member,
+// by its URL: other records in the store (a stale one of an earlier run
+// whose lease has not ended, another cluster's of the same name) are not
+// the workers it started.
 func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error {
 	deadline := time.Now().Add(within)
 	poll := time.NewTicker(50 * time.Millisecond)
 	defer poll.Stop()
 	for {
 		ci := l.router.ClusterInfo()
-		if len(ci.CurrentWorkers["context_servers"]) >= len(l.ContextURLs) && len(ci.CurrentWorkers["generation_servers"]) >= len(l.GenerationURL) && ci.IsReady {
+		missing := l.unregistered(ci)
+		if len(missing) == 0 && ci.IsReady {
 			return nil
 		}
 		// A worker that exits after it answered /health (its
@@ -281,6 +285,9 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 			return err
 		}
 		if time.Now().After(deadline) {
+			if len(missing) > 0 {
+				return fmt.Errorf("launch: workers %s did not register within %v (the router's members: %s)", strings.Join(missing, ", "), within, memberURLs(ci))
+			}
 			return fmt.Errorf("launch: the workers did not all register within %v: %s", within, ci.Reason)
 		}
 		select {
@@ -289,6 +296,62 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		case <-poll.C:
 		}
 	}
+}
+
+// unregistered returns the names of the started workers (of a role that
+// registers) that the router does not have as members. A worker that
+// listens on an unspecified address (0.0.0.0) advertises a host of its
+// own choice: it is matched by its port.
+func (l *Launched) unregistered(ci serve.ClusterInfo) []string {
+	var missing []string
+	for _, w := range l.workers {
+		var group string
+		switch {
+		case strings.HasPrefix(w.name, serve.RoleContext+"-"):
+			group = "context_servers"
+		case strings.HasPrefix(w.name, serve.RoleGeneration+"-"):
+			group = "generation_servers"
+		default:
+			continue // the aggregated worker does not register
+		}
+		if !registered(w.url, ci.CurrentWorkers[group]) {
+			missing = append(missing, w.name)
+		}
+	}
+	return missing
+}
+
+// registered reports whether a registered worker of ws has url (or, for
+// an unspecified host, its port).
+func registered(url string, ws []serve.ClusterWorker) bool {
+	hostPort := url[strings.Index(url, "://")+3:]
+	host, port, _ := net.SplitHostPort(hostPort)
+	anyHost := host == "" || net.ParseIP(host) != nil && net.ParseIP(host).IsUnspecified()
+	for _, m := range ws {
+		if m.Static {
+			continue
+		}
+		if m.URL == url || anyHost && strconv.Itoa(m.Port) == port {
+			return true
+		}
+	}
+	return false
+}
+
+// memberURLs lists the registered workers of ci, for an error.
+func memberURLs(ci serve.ClusterInfo) string {
+	var us []string
+	for _, g := range []string{"context_servers", "generation_servers"} {
+		for _, m := range ci.CurrentWorkers[g] {
+			if !m.Static {
+				us = append(us, m.Role+" "+m.URL)
+			}
+		}
+	}
+	if len(us) == 0 {
+		return "none"
+	}
+	return strings.Join(us, ", ")
 }
 
 // exited returns an error naming the first worker that has exited, or nil.

@@ -123,3 +123,17 @@ func TestWaitMembersWorkerExits(t *testing.T) {
 	}
 	t.Logf("Start failed after %v: %v", took.Round(time.Millisecond), err)
 }
+
+// TestWaitMembersOwnURLs: Start waits for the workers it started, by
+// URL, not for as many members as it started: records of other URLs (a
+// stale one of an earlier run whose lease has not ended, another
+// cluster's under the same name) do not make it report the cluster up
+// while its own workers are not routable; the error names the workers
+// that did not register.
+func TestWaitMembersOwnURLs(t *testing.T) {
+	_, took, err := startFakes(t, "foreign", 3*time.Second)
+	if err == nil || !strings.Contains(err.Error(), "context-0") || !strings.Contains(err.Error(), "generation-0") {
+		t.Fatalf("Start after %v: %v, want an error naming the workers that did not register", took, err)
+	}
+	t.Logf("Start failed after %v: %v", took.Round(time.Millisecond), err)
+}
