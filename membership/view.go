@@ -61,6 +61,11 @@ type ViewOptions struct {
 	// of each batch of events or resync, never concurrently and never
 	// with View's lock held (it may call Workers).
 	OnChange func([]Change)
+	// Accept, when set, says whether the router may route to a record
+	// that decoded and agrees with its key: one it refuses (an error
+	// saying why) is skipped like a record that does not decode, logged
+	// and counted in BadRecords.
+	Accept func(*Record) error
 	// RetryMin and RetryMax bound the backoff between failed resyncs
 	// (default 100 ms and 2 s).
 	RetryMin, RetryMax time.Duration
@@ -249,6 +254,10 @@ func (v *View) decode(key string, value []byte, rev int64) (WorkerInfo, bool) {
 	if err == nil {
 		if rid, _ := rec.ID(); rec.Role != role || rec.Incarnation != inc || rid != id {
 			err = fmt.Errorf("%w: record of %s %s under key %s", ErrInvalid, rec.Role, rid, clip(key))
+		} else if v.opts.Accept != nil {
+			if aerr := v.opts.Accept(rec); aerr != nil {
+				err = fmt.Errorf("%w: record of %s %s refused: %v", ErrInvalid, rec.Role, clip(rec.URL), aerr)
+			}
 		}
 	}
 	if err != nil {
