@@ -218,6 +218,13 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 		l.client, l.scheme = serve.NewHTTPClient(routerTLS.Client), "https://"
 	}
 	if o.Cluster.DisaggCluster != nil {
+		// The ranks of an MPI world (kvxfer serve-mpi) do not register:
+		// the router, started first without static urls, would wait for
+		// members that never come.
+		if mpi, _, err := UsesMPI(o.Cluster, workerEnv(o.Env)); err == nil && mpi {
+			return errors.New("launch: the workers' backend resolves to MPI, whose ranks do not register in a disagg_cluster: " +
+				"remove disagg_cluster (kvxfer up gives the router the workers' urls), or choose another backend")
+		}
 		// The workers register themselves: the router (and for http://
 		// its built-in store) comes first, the workers join it.
 		if err := l.startRouter(o, routerTLS); err != nil {

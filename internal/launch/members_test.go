@@ -137,3 +137,34 @@ func TestWaitMembersOwnURLs(t *testing.T) {
 	}
 	t.Logf("Start failed after %v: %v", took.Round(time.Millisecond), err)
 }
+
+// TestStartMPIDisaggCluster: kvxfer up refuses at once a disagg_cluster
+// whose workers would run in one MPI world: its ranks (kvxfer serve-mpi)
+// do not register, so the router, started first with no static urls,
+// would wait out the Ready bound for members that never come.
+func TestStartMPIDisaggCluster(t *testing.T) {
+	cl := cluster(t, `hostname: 127.0.0.1
+port: 8000
+context_servers: {num_instances: 1, cache_transceiver_config: {backend: MPI}}
+generation_servers: {num_instances: 1, cache_transceiver_config: {backend: MPI}}
+disagg_cluster:
+  cluster_uri: http://127.0.0.1:8000
+  cluster_name: mpi
+`)
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 10 * time.Second,
+		Env: []string{fakeWorkerEnv + "=exit"}})
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "MPI") || !strings.Contains(err.Error(), "disagg_cluster") {
+		t.Fatalf("Start: %v, want a refusal naming MPI and disagg_cluster", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("refused after %v", took)
+	}
+}
