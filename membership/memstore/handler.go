@@ -16,6 +16,8 @@ import (
 type HandlerOptions struct {
 	// Token, when set, is the bearer token every call must carry
 	// (Authorization: Bearer <token>); compared in constant time.
+	// Without one, a call that carries a proxy's headers (Forwarded,
+	// X-Forwarded-For, X-Forwarded-Host, X-Real-IP, Via) is refused.
 	Token string
 	// MaxWait bounds one watch poll (default and at most MaxWait).
 	MaxWait time.Duration
@@ -54,6 +56,9 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeErr(w, http.StatusUnauthorized, "unauthorized", "a valid bearer token is required")
 			return
 		}
+	} else if h := proxied(r); h != "" {
+		writeErr(w, http.StatusForbidden, "forbidden", "a store without a cluster secret answers direct calls only, not one a proxy forwarded ("+h+")")
+		return
 	}
 	req, err := decodeRequest(name, http.MaxBytesReader(w, r.Body, maxRequestBody+1))
 	if err != nil {
@@ -99,6 +104,19 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(resp)
+}
+
+// proxied returns the header that shows r was forwarded by a proxy, or "".
+// Without a token the store trusts its loopback peers (kvxfer router
+// allows no other way), and a proxy in front of the router makes anyone
+// it serves such a peer. Not proof: a proxy may add none of these.
+func proxied(r *http.Request) string {
+	for _, h := range []string{"Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-Ip", "Via"} {
+		if r.Header.Get(h) != "" {
+			return h
+		}
+	}
+	return ""
 }
 
 // watch answers one long poll: the events from q.From on, waiting up to

@@ -302,3 +302,42 @@ func TestRouterRestart(t *testing.T) {
 		}
 	}
 }
+
+// TestHTTPProxiedWithoutToken: a store without a token (kvxfer router
+// allows that on loopback only) refuses a call that a proxy forwarded
+// (Forwarded, X-Forwarded-For, X-Real-IP, Via): the loopback peer is then
+// the proxy, and the caller anyone the proxy serves, who could revoke the
+// workers' leases (List shows them) or fill the store. With a token, a
+// call through a proxy is as good as any other.
+func TestHTTPProxiedWithoutToken(t *testing.T) {
+	s := New(Options{})
+	defer s.Close()
+	open := serve(t, s, HandlerOptions{})
+	withToken := serve(t, s, HandlerOptions{Token: "sekrit"})
+	post := func(addr, token string, hdr [2]string) int {
+		req, _ := http.NewRequest(http.MethodPost, "http://"+addr+BasePath+"/list", strings.NewReader(`{"prefix":"/"}`))
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		if hdr[0] != "" {
+			req.Header.Set(hdr[0], hdr[1])
+		}
+		r, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Body.Close()
+		return r.StatusCode
+	}
+	if st := post(open, "", [2]string{}); st != http.StatusOK {
+		t.Errorf("direct call without token: %d, want 200", st)
+	}
+	for _, h := range [][2]string{{"X-Forwarded-For", "203.0.113.9"}, {"Forwarded", "for=203.0.113.9"}, {"X-Real-Ip", "203.0.113.9"}, {"Via", "1.1 proxy"}} {
+		if st := post(open, "", h); st != http.StatusForbidden {
+			t.Errorf("%s without token: %d, want 403", h[0], st)
+		}
+		if st := post(withToken, "sekrit", h); st != http.StatusOK {
+			t.Errorf("%s with the token: %d, want 200", h[0], st)
+		}
+	}
+}
