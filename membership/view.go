@@ -94,7 +94,18 @@ type View struct {
 	all    map[string]WorkerInfo // by key
 	active map[urlKey]WorkerInfo
 	stats  ViewStats
+
+	// Lines about skipped records: at most one a second (badEvery), the
+	// next one counting those left out. Never held with mu.
+	logMu      sync.Mutex
+	badLogged  time.Time
+	badSkipped uint64
 }
+
+// badEvery is the least time between two lines about skipped records:
+// whoever can write to the store could otherwise have the router log one
+// line per record, and every bad record again at each resync.
+const badEvery = time.Second
 
 type urlKey struct {
 	role Role
@@ -261,10 +272,27 @@ func (v *View) decode(key string, value []byte, rev int64) (WorkerInfo, bool) {
 		}
 	}
 	if err != nil {
-		v.log.Warn("membership: skipping a worker record", "key", clip(key), "err", err)
+		v.logBad(key, err)
 		return WorkerInfo{}, false
 	}
 	return WorkerInfo{Key: key, ID: id, Record: *rec, ModRev: rev}, true
+}
+
+// logBad logs a skipped record unless a line was logged less than
+// badEvery ago; the next line says how many were skipped meanwhile
+// (ViewStats.BadRecords counts them all).
+func (v *View) logBad(key string, err error) {
+	v.logMu.Lock()
+	now := time.Now()
+	if !v.badLogged.IsZero() && now.Sub(v.badLogged) < badEvery {
+		v.badSkipped++
+		v.logMu.Unlock()
+		return
+	}
+	more := v.badSkipped
+	v.badLogged, v.badSkipped = now, 0
+	v.logMu.Unlock()
+	v.log.Warn("membership: skipping a worker record", "key", clip(key), "err", err, "skipped_unlogged_before", more)
 }
 
 // recompute derives the active set from all (the newest incarnation per
