@@ -104,12 +104,15 @@ type Launched struct {
 	GenerationURL []string
 	AggregatedURL string // "" unless Options.Aggregated
 
-	router  *serve.Router
-	client  *http.Client // to the workers (mutual TLS when on)
-	scheme  string       // of the workers' URLs: "http://" or "https://"
-	server  *http.Server
-	ln      net.Listener
-	workers []*worker
+	router *serve.Router
+	client *http.Client // to the workers (mutual TLS when on)
+	scheme string       // of the workers' URLs: "http://" or "https://"
+	server *http.Server
+	ln     net.Listener
+	// routerLn is the router's listener, opened before any worker starts
+	// (a taken port fails Start at once); startRouter serves it.
+	routerLn net.Listener
+	workers  []*worker
 	// With disagg_cluster: the workers' cluster_uri, and the stores to
 	// close after the router.
 	clusterURI string
@@ -216,6 +219,11 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 	l.client, l.scheme = serve.NewHTTPClient(nil), "http://"
 	if routerTLS != nil {
 		l.client, l.scheme = serve.NewHTTPClient(routerTLS.Client), "https://"
+	}
+	// The router's port first: taken, it fails Start before any worker
+	// starts (and loads its model).
+	if l.routerLn, err = listenRouter(o); err != nil {
+		return err
 	}
 	if o.Cluster.DisaggCluster != nil {
 		// The ranks of an MPI world (kvxfer serve-mpi) do not register:
@@ -490,17 +498,13 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 // the cluster's (or the options') host and port.
 func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	cl := o.Cluster
-	host := o.Host
-	if host == "" {
-		host = cl.Hostname
-	}
-	port := o.Port
-	if port == 0 {
-		port = cl.Port
-	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(max(port, 0))))
-	if err != nil {
-		return fmt.Errorf("launch: router listen: %w", err)
+	ln := l.routerLn
+	l.routerLn = nil
+	var err error
+	if ln == nil {
+		if ln, err = listenRouter(o); err != nil {
+			return err
+		}
 	}
 	l.RouterURL = "http://" + ln.Addr().String()
 	ro := serve.ClusterRouting(cl)
@@ -528,6 +532,24 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 		l.server.Serve(l.ln)
 	}()
 	return nil
+}
+
+// listenRouter opens the router's listener on the options' (or the
+// cluster's) host and port.
+func listenRouter(o Options) (net.Listener, error) {
+	host := o.Host
+	if host == "" {
+		host = o.Cluster.Hostname
+	}
+	port := o.Port
+	if port == 0 {
+		port = o.Cluster.Port
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(max(port, 0))))
+	if err != nil {
+		return nil, fmt.Errorf("launch: router listen: %w", err)
+	}
+	return ln, nil
 }
 
 // groupListener opens the HTTP listener of instance idx of a group: on its
@@ -720,6 +742,9 @@ func (l *Launched) healthy(client *http.Client, w *worker) bool {
 // Idempotent.
 func (l *Launched) Stop() {
 	l.stopped.Do(func() {
+		if l.routerLn != nil { // opened, never served
+			l.routerLn.Close()
+		}
 		if l.server != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			l.server.Shutdown(ctx)

@@ -20,13 +20,16 @@ import (
 const fakeWorkerEnv = "KVXFER_LAUNCH_FAKE_WORKER"
 
 // fakeWorkerMain is a worker that Start can run: it answers /health on the
-// socket it inherits (fd 3), then, by mode, exits ("exit", 400 ms after its
+// socket it inherits (fd 3) unless its mode is "silent", then, by mode, exits ("exit", 400 ms after its
 // start) or registers a record of another URL than its own in the
 // cluster's store and stays ("foreign"). It reports whether it ran.
 func fakeWorkerMain() bool {
 	mode := os.Getenv(fakeWorkerEnv)
 	if mode == "" {
 		return false
+	}
+	if mode == "silent" { // a worker still loading: it never answers
+		select {}
 	}
 	ln, err := net.FileListener(os.NewFile(3, "listener"))
 	if err != nil {
@@ -166,5 +169,32 @@ disagg_cluster:
 	}
 	if took := time.Since(start); took > 5*time.Second {
 		t.Errorf("refused after %v", took)
+	}
+}
+
+// TestStartRouterPortTaken: kvxfer up whose router port is taken fails
+// before it starts any worker, saying so, not after every worker started
+// and became healthy (a large model's load).
+func TestStartRouterPortTaken(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	port := taken.Addr().(*net.TCPAddr).Port
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: port, Host: "127.0.0.1", Ready: 5 * time.Second,
+		Env: []string{fakeWorkerEnv + "=silent"}})
+	t.Logf("Start returned after %v", time.Since(start).Round(time.Millisecond))
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "router listen") || !strings.Contains(err.Error(), fmt.Sprint(port)) {
+		t.Fatalf("Start: %v, want the router's listen error on port %d", err, port)
 	}
 }
