@@ -296,7 +296,7 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		}
 		// A worker that exits after it answered /health (its
 		// registration failed, or it crashed) will not register.
-		if err := l.exited(); err != nil {
+		if err := l.exited("registered"); err != nil {
 			return err
 		}
 		if time.Now().After(deadline) {
@@ -369,12 +369,13 @@ func memberURLs(ci serve.ClusterInfo) string {
 	return strings.Join(us, ", ")
 }
 
-// exited returns an error naming the first worker that has exited, or nil.
-func (l *Launched) exited() error {
+// exited returns an error naming the first worker that has exited before
+// it did what, or nil.
+func (l *Launched) exited(what string) error {
 	for _, w := range l.workers {
 		select {
 		case err := <-w.done:
-			return fmt.Errorf("launch: worker %s exited before it registered: %v", w.name, err)
+			return fmt.Errorf("launch: worker %s exited before it %s: %v", w.name, what, err)
 		default:
 		}
 	}
@@ -708,10 +709,10 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 	defer retry.Stop()
 	for _, w := range l.workers {
 		for !l.healthy(client, w) {
-			select {
-			case err := <-w.done:
-				return fmt.Errorf("launch: worker %s exited before it was healthy: %v", w.name, err)
-			default:
+			// Any worker, not only the one waited for: one that died
+			// while another loads is reported at once.
+			if err := l.exited("was healthy"); err != nil {
+				return err
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("launch: worker %s not healthy within %v", w.name, within)

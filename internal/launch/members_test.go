@@ -28,6 +28,18 @@ func fakeWorkerMain() bool {
 	if mode == "" {
 		return false
 	}
+	isCtx := false
+	for i, a := range os.Args {
+		if i+1 < len(os.Args) && a == "--role" {
+			isCtx = os.Args[i+1] == "context"
+		}
+	}
+	if mode == "loading-context" { // the context worker still loads, the generation worker dies
+		if isCtx {
+			select {}
+		}
+		os.Exit(4)
+	}
 	if mode == "silent" { // a worker still loading: it never answers
 		select {}
 	}
@@ -196,5 +208,29 @@ func TestStartRouterPortTaken(t *testing.T) {
 	}
 	if err == nil || !strings.Contains(err.Error(), "router listen") || !strings.Contains(err.Error(), fmt.Sprint(port)) {
 		t.Fatalf("Start: %v, want the router's listen error on port %d", err, port)
+	}
+}
+
+// TestStartWorkerDiesWhileAnotherLoads: a worker that exits while Start
+// waits for another one to answer /health fails Start at once, naming it,
+// not after the first one is healthy or the Ready bound.
+func TestStartWorkerDiesWhileAnotherLoads(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=loading-context"}})
+	took := time.Since(start)
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "generation-0 exited") {
+		t.Fatalf("Start after %v: %v, want an error naming generation-0's exit", took, err)
+	}
+	if took > 4*time.Second {
+		t.Errorf("Start failed after %v", took)
 	}
 }
