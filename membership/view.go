@@ -66,6 +66,11 @@ type ViewOptions struct {
 	// saying why) is skipped like a record that does not decode, logged
 	// and counted in BadRecords.
 	Accept func(*Record) error
+	// ListTimeout bounds each list of the workers (default 10 s): a store
+	// out of reach (an etcd client waits for a connection without a
+	// deadline of its own) is then given up, logged and listed again with
+	// backoff.
+	ListTimeout time.Duration
 	// RetryMin and RetryMax bound the backoff between failed resyncs
 	// (default 100 ms and 2 s).
 	RetryMin, RetryMax time.Duration
@@ -115,6 +120,9 @@ type urlKey struct {
 // NewView returns an empty View of opts.Cluster's workers in store. It
 // does not own store.
 func NewView(store Store, opts ViewOptions) *View {
+	if opts.ListTimeout <= 0 {
+		opts.ListTimeout = 10 * time.Second
+	}
 	if opts.RetryMin <= 0 {
 		opts.RetryMin = 100 * time.Millisecond
 	}
@@ -186,7 +194,9 @@ func (v *View) Run(ctx context.Context) error {
 
 // resync replaces the picture with a full list.
 func (v *View) resync(ctx context.Context, prefix string, first bool) error {
-	kvs, rev, err := v.store.List(ctx, prefix)
+	lctx, cancel := context.WithTimeout(ctx, v.opts.ListTimeout)
+	kvs, rev, err := v.store.List(lctx, prefix)
+	cancel()
 	if err != nil {
 		return fmt.Errorf("membership: list %s: %w", prefix, err)
 	}

@@ -139,3 +139,54 @@ func TestViewBadRecordsLogBounded(t *testing.T) {
 		t.Errorf("%d warnings for %d bad records in %v, want at most %d", warns, n, time.Since(start).Round(time.Millisecond), limit)
 	}
 }
+
+// stallStore is a store whose List never answers until its ctx ends (an
+// etcd out of reach: its client waits for a connection without a deadline
+// of its own), and counts the calls.
+type stallStore struct {
+	membership.Store
+	mu    sync.Mutex
+	lists int
+}
+
+func (s *stallStore) List(ctx context.Context, prefix string) ([]membership.KV, int64, error) {
+	s.mu.Lock()
+	s.lists++
+	s.mu.Unlock()
+	<-ctx.Done()
+	return nil, 0, ctx.Err()
+}
+
+// TestViewListStalls: a List that does not answer is bounded: the view
+// gives it up, says so and lists again with backoff, rather than wait in
+// it, silent, for as long as the store stays out of reach.
+func TestViewListStalls(t *testing.T) {
+	s := &stallStore{}
+	h := &countHandler{}
+	v := membership.NewView(s, membership.ViewOptions{Cluster: "c", Logger: slog.New(h), ListTimeout: 100 * time.Millisecond,
+		RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond})
+	rctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); v.Run(rctx) }() //nolint:errcheck // ends with ctx
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		s.mu.Lock()
+		n := s.lists
+		s.mu.Unlock()
+		if n >= 3 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	s.mu.Lock()
+	n := s.lists
+	s.mu.Unlock()
+	h.mu.Lock()
+	warns := h.warns
+	h.mu.Unlock()
+	t.Logf("%d lists, %d warnings", n, warns)
+	if n < 3 || warns < 1 {
+		t.Errorf("%d lists and %d warnings in 3 s: want the stalled list given up and retried, and said", n, warns)
+	}
+}
