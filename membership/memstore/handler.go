@@ -25,7 +25,8 @@ type HandlerOptions struct {
 
 // Handler serves s over HTTP at BasePath (kvxfer router mounts it with
 // mux.Handle(BasePath+"/", h)). Each watch is a long poll of at most
-// MaxWait that holds one of s's watcher slots while it waits; the client
+// MaxWait that holds one of s's poll slots (Options.MaxPolls, apart from
+// the watchers of the router's own view) while it waits; the client
 // keeps the revision, so the server keeps no state per client.
 func Handler(s *Store, opts HandlerOptions) http.Handler {
 	if opts.MaxWait <= 0 || opts.MaxWait > MaxWait {
@@ -122,7 +123,7 @@ func proxied(r *http.Request) string {
 // watch answers one long poll: the events from q.From on, waiting up to
 // q.WaitMs (at most opts.MaxWait) for the first.
 func (h *handler) watch(ctx context.Context, q *watchReq) (watchResp, error) {
-	wt, err := h.s.Watch(ctx, q.Prefix, q.From)
+	wt, err := h.s.watch(q.Prefix, q.From, true)
 	if err != nil {
 		return watchResp{}, err
 	}
@@ -130,7 +131,7 @@ func (h *handler) watch(ctx context.Context, q *watchReq) (watchResp, error) {
 	wctx, cancel := context.WithTimeout(ctx, min(time.Duration(min(q.WaitMs, int64(MaxWait/time.Millisecond)))*time.Millisecond, h.opts.MaxWait))
 	defer cancel()
 	evs, err := wt.Next(wctx)
-	next := wt.(*watcher).nextRev()
+	next := wt.nextRev()
 	if err != nil && !(errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil) {
 		return watchResp{}, err
 	}

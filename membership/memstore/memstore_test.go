@@ -341,3 +341,49 @@ func TestHTTPProxiedWithoutToken(t *testing.T) {
 		}
 	}
 }
+
+// TestHTTPPollsSpareTheRouter: the HTTP long polls have a cap of their
+// own (MaxPolls): whoever holds as many polls as it may (each waits up to
+// MaxWait, and a client polls again at once) does not take the watcher
+// slots of the router's own view, which it needs after a compaction to
+// watch again.
+func TestHTTPPollsSpareTheRouter(t *testing.T) {
+	s := New(Options{MaxWatchers: 1, MaxPolls: 2})
+	defer s.Close()
+	addr := serve(t, s, HandlerOptions{})
+	poll := func() (int, error) {
+		// From a revision far ahead: the poll waits its whole wait_ms.
+		r, err := http.Post("http://"+addr+BasePath+"/watch", "application/json", strings.NewReader(`{"prefix":"/","from":1000000,"wait_ms":3000}`))
+		if err != nil {
+			return 0, err
+		}
+		r.Body.Close()
+		return r.StatusCode, nil
+	}
+	type res struct {
+		status int
+		err    error
+	}
+	held := make(chan res, 2)
+	for range 2 {
+		go func() { st, err := poll(); held <- res{st, err} }()
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for s.polling() < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st, err := poll(); err != nil || st != http.StatusTooManyRequests {
+		t.Errorf("a third poll: %d, %v, want 429", st, err)
+	}
+	w, err := s.Watch(t.Context(), "/", 0)
+	if err != nil {
+		t.Errorf("the router's watch while the polls are held: %v", err)
+	} else {
+		w.Close()
+	}
+	for range 2 {
+		if r := <-held; r.err != nil || r.status != http.StatusOK {
+			t.Errorf("held poll: %d, %v", r.status, r.err)
+		}
+	}
+}
