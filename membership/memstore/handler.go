@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
 	"time"
@@ -21,6 +22,8 @@ type HandlerOptions struct {
 	Token string
 	// MaxWait bounds one watch poll (default and at most MaxWait).
 	MaxWait time.Duration
+	// AllowUnleased lets a put carry no lease (the conformance suite).
+	AllowUnleased bool
 }
 
 // Handler serves s over HTTP at BasePath (kvxfer router mounts it with
@@ -84,6 +87,12 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			resp = ttlResp{TTLMs: ttl.Milliseconds()}
 		}
 	case *putReq:
+		if q.Lease == 0 && !h.opts.AllowUnleased {
+			// A worker's record lives by its lease: one without would
+			// outlive whoever put it, counted and routed to by the router.
+			fail(w, fmt.Errorf("%w: put of %s without a lease", membership.ErrInvalid, clipName(q.Key)))
+			return
+		}
 		var rev int64
 		rev, err = h.s.Put(ctx, q.Key, q.Value, q.Lease)
 		resp = revResp{Rev: rev}

@@ -32,7 +32,9 @@ func serve(t *testing.T, s *Store, opts HandlerOptions) string {
 func TestConformance(t *testing.T) {
 	s := New(Options{MinTTL: 500 * time.Millisecond, History: 64})
 	t.Cleanup(func() { s.Close() })
-	addr := serve(t, s, HandlerOptions{})
+	// The suite puts keys without a lease, which the store allows and
+	// the handler refuses by default.
+	addr := serve(t, s, HandlerOptions{AllowUnleased: true})
 	membershiptest.Run(t, membershiptest.Harness{
 		Addr: addr,
 		Dial: func(t testing.TB, addr string) membership.Store {
@@ -384,6 +386,43 @@ func TestHTTPPollsSpareTheRouter(t *testing.T) {
 	for range 2 {
 		if r := <-held; r.err != nil || r.status != http.StatusOK {
 			t.Errorf("held poll: %d, %v", r.status, r.err)
+		}
+	}
+}
+
+// TestHTTPPutNeedsLease: over HTTP a key is put under a lease or not at
+// all: a record without one would outlive whoever put it, and the router
+// would count it in minimal_instances, and route to it, for as long as it
+// runs. AllowUnleased (the conformance suite) lifts that.
+func TestHTTPPutNeedsLease(t *testing.T) {
+	s := New(Options{})
+	defer s.Close()
+	for _, tc := range []struct {
+		opts   HandlerOptions
+		status int
+	}{{HandlerOptions{}, http.StatusBadRequest}, {HandlerOptions{AllowUnleased: true}, http.StatusOK}} {
+		addr := serve(t, s, tc.opts)
+		post := func(name, body string) (int, string) {
+			r, err := http.Post("http://"+addr+BasePath+"/"+name, "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Body.Close()
+			var b [512]byte
+			n, _ := r.Body.Read(b[:])
+			return r.StatusCode, string(b[:n])
+		}
+		if st, body := post("put", `{"key":"/kvxfer/c/workers/context/x_1-0000000000000001","value":"e30="}`); st != tc.status ||
+			st != http.StatusOK && !strings.Contains(body, "lease") {
+			t.Errorf("%+v: put without a lease: %d %s, want %d", tc.opts, st, body, tc.status)
+		}
+		st, body := post("grant", `{"ttl_ms":5000}`)
+		var lease int64
+		if st != http.StatusOK || func() error { _, err := fmt.Sscanf(body, `{"lease":%d`, &lease); return err }() != nil {
+			t.Fatalf("grant: %d %s", st, body)
+		}
+		if st, body := post("put", fmt.Sprintf(`{"key":"/k","value":"e30=","lease":%d}`, lease)); st != http.StatusOK {
+			t.Errorf("%+v: put under a lease: %d %s", tc.opts, st, body)
 		}
 	}
 }
