@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
 	"unicode/utf8"
 )
 
@@ -81,8 +82,8 @@ func (r *Record) Validate() error {
 		return err
 	}
 	for name, v := range map[string]string{"model": r.Model, "layout_fingerprint": r.LayoutFingerprint} {
-		if len(v) > maxFieldLen || !utf8.ValidString(v) {
-			return fmt.Errorf("%w: %s: more than %d bytes or not UTF-8", ErrInvalid, name, maxFieldLen)
+		if len(v) > maxFieldLen || !printable(v) {
+			return fmt.Errorf("%w: %s: more than %d bytes, or not UTF-8 without control characters", ErrInvalid, name, maxFieldLen)
 		}
 	}
 	for _, n := range []int{r.Layout.TP, r.Layout.PP, r.Layout.DP} {
@@ -94,7 +95,7 @@ func (r *Record) Validate() error {
 		return fmt.Errorf("%w: %d backends, at most %d", ErrInvalid, len(r.Backends), maxBackends)
 	}
 	for _, b := range r.Backends {
-		if b == "" || len(b) > 32 || !utf8.ValidString(b) {
+		if b == "" || len(b) > 32 || !printable(b) {
 			return fmt.Errorf("%w: backend %q", ErrInvalid, clip(b))
 		}
 	}
@@ -102,6 +103,22 @@ func (r *Record) Validate() error {
 		return fmt.Errorf("%w: incarnation 0 (use NewIncarnation)", ErrInvalid)
 	}
 	return nil
+}
+
+// printable reports whether s is UTF-8 without control characters: a
+// record's strings end up in logs, /cluster_info and the table of kvxfer
+// cluster status, where a newline, a tab or an escape sequence would forge
+// or hide rows, or drive the operator's terminal.
+func printable(s string) bool {
+	if !utf8.ValidString(s) {
+		return false
+	}
+	for _, c := range s {
+		if unicode.IsControl(c) {
+			return false
+		}
+	}
+	return true
 }
 
 // ID is r's member id: <host>_<port>-<incarnation>, with every byte of the

@@ -66,6 +66,12 @@ func TestRecordValidate(t *testing.T) {
 		{"empty backend", func(r *Record) { r.Backends = []string{""} }, "backend"},
 		{"incarnation", func(r *Record) { r.Incarnation = 0 }, "incarnation"},
 		{"model", func(r *Record) { r.Model = strings.Repeat("m", 300) }, "model"},
+		// Control characters would forge or hide rows of kvxfer cluster
+		// status's table, or drive the operator's terminal.
+		{"model newline", func(r *Record) { r.Model = "llama\ncontext\thttp://10.9.9.9:1" }, "model"},
+		{"fingerprint tab", func(r *Record) { r.LayoutFingerprint = "abc\tdef" }, "layout_fingerprint"},
+		{"backend escape", func(r *Record) { r.Backends = []string{"TCP\x1b[2J"} }, "backend"},
+		{"model C1", func(r *Record) { r.Model = "llama\u0085" }, "model"},
 	} {
 		r := testRecord()
 		tc.edit(&r)

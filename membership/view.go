@@ -61,6 +61,16 @@ type ViewOptions struct {
 	// of each batch of events or resync, never concurrently and never
 	// with View's lock held (it may call Workers).
 	OnChange func([]Change)
+	// Accept, when set, says whether the router may route to a record
+	// that decoded and agrees with its key: one it refuses (an error
+	// saying why) is skipped like a record that does not decode, logged
+	// and counted in BadRecords.
+	Accept func(*Record) error
+	// ListTimeout bounds each list of the workers (default 10 s): a store
+	// out of reach (an etcd client waits for a connection without a
+	// deadline of its own) is then given up, logged and listed again with
+	// backoff.
+	ListTimeout time.Duration
 	// RetryMin and RetryMax bound the backoff between failed resyncs
 	// (default 100 ms and 2 s).
 	RetryMin, RetryMax time.Duration
@@ -89,7 +99,18 @@ type View struct {
 	all    map[string]WorkerInfo // by key
 	active map[urlKey]WorkerInfo
 	stats  ViewStats
+
+	// Lines about skipped records: at most one a second (badEvery), the
+	// next one counting those left out. Never held with mu.
+	logMu      sync.Mutex
+	badLogged  time.Time
+	badSkipped uint64
 }
+
+// badEvery is the least time between two lines about skipped records:
+// whoever can write to the store could otherwise have the router log one
+// line per record, and every bad record again at each resync.
+const badEvery = time.Second
 
 type urlKey struct {
 	role Role
@@ -99,6 +120,9 @@ type urlKey struct {
 // NewView returns an empty View of opts.Cluster's workers in store. It
 // does not own store.
 func NewView(store Store, opts ViewOptions) *View {
+	if opts.ListTimeout <= 0 {
+		opts.ListTimeout = 10 * time.Second
+	}
 	if opts.RetryMin <= 0 {
 		opts.RetryMin = 100 * time.Millisecond
 	}
@@ -170,7 +194,9 @@ func (v *View) Run(ctx context.Context) error {
 
 // resync replaces the picture with a full list.
 func (v *View) resync(ctx context.Context, prefix string, first bool) error {
-	kvs, rev, err := v.store.List(ctx, prefix)
+	lctx, cancel := context.WithTimeout(ctx, v.opts.ListTimeout)
+	kvs, rev, err := v.store.List(lctx, prefix)
+	cancel()
 	if err != nil {
 		return fmt.Errorf("membership: list %s: %w", prefix, err)
 	}
@@ -249,13 +275,34 @@ func (v *View) decode(key string, value []byte, rev int64) (WorkerInfo, bool) {
 	if err == nil {
 		if rid, _ := rec.ID(); rec.Role != role || rec.Incarnation != inc || rid != id {
 			err = fmt.Errorf("%w: record of %s %s under key %s", ErrInvalid, rec.Role, rid, clip(key))
+		} else if v.opts.Accept != nil {
+			if aerr := v.opts.Accept(rec); aerr != nil {
+				err = fmt.Errorf("%w: record of %s %s refused: %v", ErrInvalid, rec.Role, clip(rec.URL), aerr)
+			}
 		}
 	}
 	if err != nil {
-		v.log.Warn("membership: skipping a worker record", "key", clip(key), "err", err)
+		v.logBad(key, err)
 		return WorkerInfo{}, false
 	}
 	return WorkerInfo{Key: key, ID: id, Record: *rec, ModRev: rev}, true
+}
+
+// logBad logs a skipped record unless a line was logged less than
+// badEvery ago; the next line says how many were skipped meanwhile
+// (ViewStats.BadRecords counts them all).
+func (v *View) logBad(key string, err error) {
+	v.logMu.Lock()
+	now := time.Now()
+	if !v.badLogged.IsZero() && now.Sub(v.badLogged) < badEvery {
+		v.badSkipped++
+		v.logMu.Unlock()
+		return
+	}
+	more := v.badSkipped
+	v.badLogged, v.badSkipped = now, 0
+	v.logMu.Unlock()
+	v.log.Warn("membership: skipping a worker record", "key", clip(key), "err", err, "skipped_unlogged_before", more)
 }
 
 // recompute derives the active set from all (the newest incarnation per

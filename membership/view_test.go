@@ -2,6 +2,8 @@ package membership_test
 
 import (
 	"context"
+	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"testing"
@@ -79,5 +81,112 @@ func TestViewRecords(t *testing.T) {
 	// an update or within the list.
 	if !slices.Equal(got, []string{"joined http://10.1.1.1:80", "updated http://10.1.1.1:80"}) && !slices.Equal(got, []string{"joined http://10.1.1.1:80"}) {
 		t.Errorf("changes %v", got)
+	}
+}
+
+// countHandler counts the records logged at Warn or above.
+type countHandler struct {
+	mu    sync.Mutex
+	warns int
+}
+
+func (h *countHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (h *countHandler) Handle(_ context.Context, r slog.Record) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if r.Level >= slog.LevelWarn {
+		h.warns++
+	}
+	return nil
+}
+func (h *countHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h *countHandler) WithGroup(string) slog.Handler      { return h }
+
+// TestViewBadRecordsLogBounded: a flood of records that do not decode
+// (anyone who can write to the store) is counted, each one, but logged at
+// most about once a second, not once per record and again at each resync.
+func TestViewBadRecordsLogBounded(t *testing.T) {
+	s := memstore.New(memstore.Options{})
+	defer s.Close()
+	ctx := t.Context()
+	h := &countHandler{}
+	v := membership.NewView(s, membership.ViewOptions{Cluster: "c", Logger: slog.New(h)})
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); v.Run(rctx) }() //nolint:errcheck // ends with ctx
+	defer func() { cancel(); <-done }()
+	const n = 300
+	start := time.Now()
+	for i := range n {
+		if _, err := s.Put(ctx, membership.Key("c", membership.RoleGeneration, fmt.Sprintf("x_%d-%016x", i, i+1)), []byte("{bad"), 0); err != nil {
+			t.Fatal(err)
+		}
+		if i == n/2 {
+			s.Compact(s.Rev()) // a resync lists the bad records again
+		}
+	}
+	rev := s.Rev()
+	for deadline := time.Now().Add(5 * time.Second); v.Stats().Rev < rev && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st := v.Stats(); st.BadRecords < n {
+		t.Errorf("stats %+v: want at least %d bad records counted", st, n)
+	}
+	h.mu.Lock()
+	warns := h.warns
+	h.mu.Unlock()
+	if limit := 3 + int(time.Since(start)/time.Second)*2; warns > limit {
+		t.Errorf("%d warnings for %d bad records in %v, want at most %d", warns, n, time.Since(start).Round(time.Millisecond), limit)
+	}
+}
+
+// stallStore is a store whose List never answers until its ctx ends (an
+// etcd out of reach: its client waits for a connection without a deadline
+// of its own), and counts the calls.
+type stallStore struct {
+	membership.Store
+	mu    sync.Mutex
+	lists int
+}
+
+func (s *stallStore) List(ctx context.Context, prefix string) ([]membership.KV, int64, error) {
+	s.mu.Lock()
+	s.lists++
+	s.mu.Unlock()
+	<-ctx.Done()
+	return nil, 0, ctx.Err()
+}
+
+// TestViewListStalls: a List that does not answer is bounded: the view
+// gives it up, says so and lists again with backoff, rather than wait in
+// it, silent, for as long as the store stays out of reach.
+func TestViewListStalls(t *testing.T) {
+	s := &stallStore{}
+	h := &countHandler{}
+	v := membership.NewView(s, membership.ViewOptions{Cluster: "c", Logger: slog.New(h), ListTimeout: 100 * time.Millisecond,
+		RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond})
+	rctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); v.Run(rctx) }() //nolint:errcheck // ends with ctx
+	defer func() { cancel(); <-done }()
+	deadline := time.Now().Add(3 * time.Second)
+	for time.Now().Before(deadline) {
+		s.mu.Lock()
+		n := s.lists
+		s.mu.Unlock()
+		if n >= 3 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	s.mu.Lock()
+	n := s.lists
+	s.mu.Unlock()
+	h.mu.Lock()
+	warns := h.warns
+	h.mu.Unlock()
+	t.Logf("%d lists, %d warnings", n, warns)
+	if n < 3 || warns < 1 {
+		t.Errorf("%d lists and %d warnings in 3 s: want the stalled list given up and retried, and said", n, warns)
 	}
 }

@@ -36,6 +36,9 @@ type ClusterOptions struct {
 	Handler http.Handler
 	// URI is cluster_uri, shown in /cluster_info.
 	URI string
+	// Accept, when set, is the view's filter of the records the router
+	// may route to (membership.ViewOptions.Accept).
+	Accept func(*membership.Record) error
 }
 
 // routerCluster is a router's membership state.
@@ -48,7 +51,7 @@ type routerCluster struct {
 // startCluster starts watching the membership; Close stops it.
 func (r *Router) startCluster(o ClusterOptions) {
 	c := &routerCluster{opts: o, handler: o.Handler}
-	c.view = membership.NewView(o.Store, membership.ViewOptions{Cluster: o.Name, Logger: r.log,
+	c.view = membership.NewView(o.Store, membership.ViewOptions{Cluster: o.Name, Logger: r.log, Accept: o.Accept,
 		OnChange: func(changes []membership.Change) { r.syncMembers(changes) }})
 	r.cluster = c
 	r.probes.Add(1)

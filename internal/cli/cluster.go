@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"net/url"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -66,10 +67,31 @@ func routerMembership(ctx context.Context, dc *config.DisaggCluster, secret []by
 	st := memstore.New(memstore.Options{})
 	co.Store = st
 	co.Handler = memstore.Handler(st, memstore.HandlerOptions{Token: connect.Token(secret)})
+	if len(secret) == 0 {
+		// Whoever reaches the store unauthenticated (any local process,
+		// or anyone through a proxy in front of the router) registers:
+		// like a worker without a secret, the router then sends requests
+		// only to loopback.
+		co.Accept = loopbackMember
+	}
 	log.Info("cluster membership: the router serves the built-in store", "cluster_uri", dc.ClusterURI, "path", memstore.BasePath,
 		"cluster_name", dc.ClusterName, "token", len(secret) > 0,
 		"minimal_instances", fmt.Sprintf("context %d, generation %d", dc.MinContext, dc.MinGeneration))
 	return co, func() { st.Close() }, nil
+}
+
+// loopbackMember accepts a record whose URL's host is a loopback address
+// or localhost (a name is not resolved: it could resolve elsewhere later).
+func loopbackMember(rec *membership.Record) error {
+	u, err := url.Parse(rec.URL)
+	if err != nil {
+		return err
+	}
+	if !isLoopback(u.Hostname()) {
+		return fmt.Errorf("the built-in store has no cluster secret: the router routes only to loopback workers, not %s "+
+			"(set a cluster secret on the router and the workers to register others)", u.Hostname())
+	}
+	return nil
 }
 
 func newClusterCmd(e env) *cobra.Command {

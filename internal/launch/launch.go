@@ -104,12 +104,15 @@ type Launched struct {
 	GenerationURL []string
 	AggregatedURL string // "" unless Options.Aggregated
 
-	router  *serve.Router
-	client  *http.Client // to the workers (mutual TLS when on)
-	scheme  string       // of the workers' URLs: "http://" or "https://"
-	server  *http.Server
-	ln      net.Listener
-	workers []*worker
+	router *serve.Router
+	client *http.Client // to the workers (mutual TLS when on)
+	scheme string       // of the workers' URLs: "http://" or "https://"
+	server *http.Server
+	ln     net.Listener
+	// routerLn is the router's listener, opened before any worker starts
+	// (a taken port fails Start at once); startRouter serves it.
+	routerLn net.Listener
+	workers  []*worker
 	// With disagg_cluster: the workers' cluster_uri, and the stores to
 	// close after the router.
 	clusterURI string
@@ -217,7 +220,19 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 	if routerTLS != nil {
 		l.client, l.scheme = serve.NewHTTPClient(routerTLS.Client), "https://"
 	}
+	// The router's port first: taken, it fails Start before any worker
+	// starts (and loads its model).
+	if l.routerLn, err = listenRouter(o); err != nil {
+		return err
+	}
 	if o.Cluster.DisaggCluster != nil {
+		// The ranks of an MPI world (kvxfer serve-mpi) do not register:
+		// the router, started first without static urls, would wait for
+		// members that never come.
+		if mpi, _, err := UsesMPI(o.Cluster, workerEnv(o.Env)); err == nil && mpi {
+			return errors.New("launch: the workers' backend resolves to MPI, whose ranks do not register in a disagg_cluster: " +
+				"remove disagg_cluster (kvxfer up gives the router the workers' urls), or choose another backend")
+		}
 		// The workers register themselves: the router (and for http://
 		// its built-in store) comes first, the workers join it.
 		if err := l.startRouter(o, routerTLS); err != nil {
@@ -265,17 +280,29 @@ func (l *Launched) openMembership(ctx context.Context, o Options, routerURL stri
 	return co, nil
 }
 
-// waitMembers waits until the router has every started worker as a member.
+// waitMembers waits until the router has every started worker as a member,
+// by its URL: other records in the store (a stale one of an earlier run
+// whose lease has not ended, another cluster's of the same name) are not
+// the workers it started.
 func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error {
 	deadline := time.Now().Add(within)
 	poll := time.NewTicker(50 * time.Millisecond)
 	defer poll.Stop()
 	for {
 		ci := l.router.ClusterInfo()
-		if len(ci.CurrentWorkers["context_servers"]) >= len(l.ContextURLs) && len(ci.CurrentWorkers["generation_servers"]) >= len(l.GenerationURL) && ci.IsReady {
+		missing := l.unregistered(ci)
+		if len(missing) == 0 && ci.IsReady {
 			return nil
 		}
+		// A worker that exits after it answered /health (its
+		// registration failed, or it crashed) will not register.
+		if err := l.exited("registered"); err != nil {
+			return err
+		}
 		if time.Now().After(deadline) {
+			if len(missing) > 0 {
+				return fmt.Errorf("launch: workers %s did not register within %v (the router's members: %s)", strings.Join(missing, ", "), within, memberURLs(ci))
+			}
 			return fmt.Errorf("launch: the workers did not all register within %v: %s", within, ci.Reason)
 		}
 		select {
@@ -284,6 +311,75 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		case <-poll.C:
 		}
 	}
+}
+
+// unregistered returns the names of the started workers (of a role that
+// registers) that the router does not have as members. A worker that
+// listens on an unspecified address (0.0.0.0) advertises a host of its
+// own choice: it is matched by its port.
+func (l *Launched) unregistered(ci serve.ClusterInfo) []string {
+	var missing []string
+	for _, w := range l.workers {
+		var group string
+		switch {
+		case strings.HasPrefix(w.name, serve.RoleContext+"-"):
+			group = "context_servers"
+		case strings.HasPrefix(w.name, serve.RoleGeneration+"-"):
+			group = "generation_servers"
+		default:
+			continue // the aggregated worker does not register
+		}
+		if !registered(w.url, ci.CurrentWorkers[group]) {
+			missing = append(missing, w.name)
+		}
+	}
+	return missing
+}
+
+// registered reports whether a registered worker of ws has url (or, for
+// an unspecified host, its port).
+func registered(url string, ws []serve.ClusterWorker) bool {
+	hostPort := url[strings.Index(url, "://")+3:]
+	host, port, _ := net.SplitHostPort(hostPort)
+	anyHost := host == "" || net.ParseIP(host) != nil && net.ParseIP(host).IsUnspecified()
+	for _, m := range ws {
+		if m.Static {
+			continue
+		}
+		if m.URL == url || anyHost && strconv.Itoa(m.Port) == port {
+			return true
+		}
+	}
+	return false
+}
+
+// memberURLs lists the registered workers of ci, for an error.
+func memberURLs(ci serve.ClusterInfo) string {
+	var us []string
+	for _, g := range []string{"context_servers", "generation_servers"} {
+		for _, m := range ci.CurrentWorkers[g] {
+			if !m.Static {
+				us = append(us, m.Role+" "+m.URL)
+			}
+		}
+	}
+	if len(us) == 0 {
+		return "none"
+	}
+	return strings.Join(us, ", ")
+}
+
+// exited returns an error naming the first worker that has exited before
+// it did what, or nil.
+func (l *Launched) exited(what string) error {
+	for _, w := range l.workers {
+		select {
+		case err := <-w.done:
+			return fmt.Errorf("launch: worker %s exited before it %s: %v", w.name, what, err)
+		default:
+		}
+	}
+	return nil
 }
 
 // startWorkers starts the processes of every server group (and the
@@ -403,17 +499,13 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 // the cluster's (or the options') host and port.
 func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	cl := o.Cluster
-	host := o.Host
-	if host == "" {
-		host = cl.Hostname
-	}
-	port := o.Port
-	if port == 0 {
-		port = cl.Port
-	}
-	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(max(port, 0))))
-	if err != nil {
-		return fmt.Errorf("launch: router listen: %w", err)
+	ln := l.routerLn
+	l.routerLn = nil
+	var err error
+	if ln == nil {
+		if ln, err = listenRouter(o); err != nil {
+			return err
+		}
 	}
 	l.RouterURL = "http://" + ln.Addr().String()
 	ro := serve.ClusterRouting(cl)
@@ -441,6 +533,24 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 		l.server.Serve(l.ln)
 	}()
 	return nil
+}
+
+// listenRouter opens the router's listener on the options' (or the
+// cluster's) host and port.
+func listenRouter(o Options) (net.Listener, error) {
+	host := o.Host
+	if host == "" {
+		host = o.Cluster.Hostname
+	}
+	port := o.Port
+	if port == 0 {
+		port = o.Cluster.Port
+	}
+	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(max(port, 0))))
+	if err != nil {
+		return nil, fmt.Errorf("launch: router listen: %w", err)
+	}
+	return ln, nil
 }
 
 // groupListener opens the HTTP listener of instance idx of a group: on its
@@ -599,10 +709,10 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 	defer retry.Stop()
 	for _, w := range l.workers {
 		for !l.healthy(client, w) {
-			select {
-			case err := <-w.done:
-				return fmt.Errorf("launch: worker %s exited before it was healthy: %v", w.name, err)
-			default:
+			// Any worker, not only the one waited for: one that died
+			// while another loads is reported at once.
+			if err := l.exited("was healthy"); err != nil {
+				return err
 			}
 			if time.Now().After(deadline) {
 				return fmt.Errorf("launch: worker %s not healthy within %v", w.name, within)
@@ -633,6 +743,9 @@ func (l *Launched) healthy(client *http.Client, w *worker) bool {
 // Idempotent.
 func (l *Launched) Stop() {
 	l.stopped.Do(func() {
+		if l.routerLn != nil { // opened, never served
+			l.routerLn.Close()
+		}
 		if l.server != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			l.server.Shutdown(ctx)

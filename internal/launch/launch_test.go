@@ -11,7 +11,12 @@ import (
 	"go.uber.org/goleak"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	if fakeWorkerMain() {
+		return
+	}
+	goleak.VerifyTestMain(m)
+}
 
 func cluster(t *testing.T, text string) *config.Cluster {
 	t.Helper()

@@ -4,7 +4,8 @@
 // workers reach it with Client. Both Store and Client implement
 // membership.Store and pass membership/membershiptest.
 //
-// The store is bounded: keys, leases, concurrent watchers and the value
+// The store is bounded: keys, leases, concurrent watchers, HTTP long polls
+// (apart, so that they never take the router's own watch) and the value
 // size are capped (ErrLimit names the bound), and it keeps a bounded
 // history of events, so that a watcher that falls too far behind gets
 // ErrCompacted and lists again, as with etcd after a compaction. A lease

@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http"
 	"strings"
 	"time"
@@ -16,14 +17,19 @@ import (
 type HandlerOptions struct {
 	// Token, when set, is the bearer token every call must carry
 	// (Authorization: Bearer <token>); compared in constant time.
+	// Without one, a call that carries a proxy's headers (Forwarded,
+	// X-Forwarded-For, X-Forwarded-Host, X-Real-IP, Via) is refused.
 	Token string
 	// MaxWait bounds one watch poll (default and at most MaxWait).
 	MaxWait time.Duration
+	// AllowUnleased lets a put carry no lease (the conformance suite).
+	AllowUnleased bool
 }
 
 // Handler serves s over HTTP at BasePath (kvxfer router mounts it with
 // mux.Handle(BasePath+"/", h)). Each watch is a long poll of at most
-// MaxWait that holds one of s's watcher slots while it waits; the client
+// MaxWait that holds one of s's poll slots (Options.MaxPolls, apart from
+// the watchers of the router's own view) while it waits; the client
 // keeps the revision, so the server keeps no state per client.
 func Handler(s *Store, opts HandlerOptions) http.Handler {
 	if opts.MaxWait <= 0 || opts.MaxWait > MaxWait {
@@ -54,6 +60,9 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			writeErr(w, http.StatusUnauthorized, "unauthorized", "a valid bearer token is required")
 			return
 		}
+	} else if h := proxied(r); h != "" {
+		writeErr(w, http.StatusForbidden, "forbidden", "a store without a cluster secret answers direct calls only, not one a proxy forwarded ("+h+")")
+		return
 	}
 	req, err := decodeRequest(name, http.MaxBytesReader(w, r.Body, maxRequestBody+1))
 	if err != nil {
@@ -78,6 +87,12 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			resp = ttlResp{TTLMs: ttl.Milliseconds()}
 		}
 	case *putReq:
+		if q.Lease == 0 && !h.opts.AllowUnleased {
+			// A worker's record lives by its lease: one without would
+			// outlive whoever put it, counted and routed to by the router.
+			fail(w, fmt.Errorf("%w: put of %s without a lease", membership.ErrInvalid, clipName(q.Key)))
+			return
+		}
 		var rev int64
 		rev, err = h.s.Put(ctx, q.Key, q.Value, q.Lease)
 		resp = revResp{Rev: rev}
@@ -101,10 +116,23 @@ func (h *handler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(resp)
 }
 
+// proxied returns the header that shows r was forwarded by a proxy, or "".
+// Without a token the store trusts its loopback peers (kvxfer router
+// allows no other way), and a proxy in front of the router makes anyone
+// it serves such a peer. Not proof: a proxy may add none of these.
+func proxied(r *http.Request) string {
+	for _, h := range []string{"Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Real-Ip", "Via"} {
+		if r.Header.Get(h) != "" {
+			return h
+		}
+	}
+	return ""
+}
+
 // watch answers one long poll: the events from q.From on, waiting up to
 // q.WaitMs (at most opts.MaxWait) for the first.
 func (h *handler) watch(ctx context.Context, q *watchReq) (watchResp, error) {
-	wt, err := h.s.Watch(ctx, q.Prefix, q.From)
+	wt, err := h.s.watch(q.Prefix, q.From, true)
 	if err != nil {
 		return watchResp{}, err
 	}
@@ -112,7 +140,7 @@ func (h *handler) watch(ctx context.Context, q *watchReq) (watchResp, error) {
 	wctx, cancel := context.WithTimeout(ctx, min(time.Duration(min(q.WaitMs, int64(MaxWait/time.Millisecond)))*time.Millisecond, h.opts.MaxWait))
 	defer cancel()
 	evs, err := wt.Next(wctx)
-	next := wt.(*watcher).nextRev()
+	next := wt.nextRev()
 	if err != nil && !(errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil) {
 		return watchResp{}, err
 	}

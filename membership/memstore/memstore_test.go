@@ -32,7 +32,9 @@ func serve(t *testing.T, s *Store, opts HandlerOptions) string {
 func TestConformance(t *testing.T) {
 	s := New(Options{MinTTL: 500 * time.Millisecond, History: 64})
 	t.Cleanup(func() { s.Close() })
-	addr := serve(t, s, HandlerOptions{})
+	// The suite puts keys without a lease, which the store allows and
+	// the handler refuses by default.
+	addr := serve(t, s, HandlerOptions{AllowUnleased: true})
 	membershiptest.Run(t, membershiptest.Harness{
 		Addr: addr,
 		Dial: func(t testing.TB, addr string) membership.Store {
@@ -299,6 +301,128 @@ func TestRouterRestart(t *testing.T) {
 		}
 		if st.Reregistrations != 1 || !st.Registered {
 			t.Errorf("%s: status %+v, want registered again, once", m.Key(), st)
+		}
+	}
+}
+
+// TestHTTPProxiedWithoutToken: a store without a token (kvxfer router
+// allows that on loopback only) refuses a call that a proxy forwarded
+// (Forwarded, X-Forwarded-For, X-Real-IP, Via): the loopback peer is then
+// the proxy, and the caller anyone the proxy serves, who could revoke the
+// workers' leases (List shows them) or fill the store. With a token, a
+// call through a proxy is as good as any other.
+func TestHTTPProxiedWithoutToken(t *testing.T) {
+	s := New(Options{})
+	defer s.Close()
+	open := serve(t, s, HandlerOptions{})
+	withToken := serve(t, s, HandlerOptions{Token: "sekrit"})
+	post := func(addr, token string, hdr [2]string) int {
+		req, _ := http.NewRequest(http.MethodPost, "http://"+addr+BasePath+"/list", strings.NewReader(`{"prefix":"/"}`))
+		if token != "" {
+			req.Header.Set("Authorization", "Bearer "+token)
+		}
+		if hdr[0] != "" {
+			req.Header.Set(hdr[0], hdr[1])
+		}
+		r, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Body.Close()
+		return r.StatusCode
+	}
+	if st := post(open, "", [2]string{}); st != http.StatusOK {
+		t.Errorf("direct call without token: %d, want 200", st)
+	}
+	for _, h := range [][2]string{{"X-Forwarded-For", "203.0.113.9"}, {"Forwarded", "for=203.0.113.9"}, {"X-Real-Ip", "203.0.113.9"}, {"Via", "1.1 proxy"}} {
+		if st := post(open, "", h); st != http.StatusForbidden {
+			t.Errorf("%s without token: %d, want 403", h[0], st)
+		}
+		if st := post(withToken, "sekrit", h); st != http.StatusOK {
+			t.Errorf("%s with the token: %d, want 200", h[0], st)
+		}
+	}
+}
+
+// TestHTTPPollsSpareTheRouter: the HTTP long polls have a cap of their
+// own (MaxPolls): whoever holds as many polls as it may (each waits up to
+// MaxWait, and a client polls again at once) does not take the watcher
+// slots of the router's own view, which it needs after a compaction to
+// watch again.
+func TestHTTPPollsSpareTheRouter(t *testing.T) {
+	s := New(Options{MaxWatchers: 1, MaxPolls: 2})
+	defer s.Close()
+	addr := serve(t, s, HandlerOptions{})
+	poll := func() (int, error) {
+		// From a revision far ahead: the poll waits its whole wait_ms.
+		r, err := http.Post("http://"+addr+BasePath+"/watch", "application/json", strings.NewReader(`{"prefix":"/","from":1000000,"wait_ms":3000}`))
+		if err != nil {
+			return 0, err
+		}
+		r.Body.Close()
+		return r.StatusCode, nil
+	}
+	type res struct {
+		status int
+		err    error
+	}
+	held := make(chan res, 2)
+	for range 2 {
+		go func() { st, err := poll(); held <- res{st, err} }()
+	}
+	deadline := time.Now().Add(2 * time.Second)
+	for s.polling() < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if st, err := poll(); err != nil || st != http.StatusTooManyRequests {
+		t.Errorf("a third poll: %d, %v, want 429", st, err)
+	}
+	w, err := s.Watch(t.Context(), "/", 0)
+	if err != nil {
+		t.Errorf("the router's watch while the polls are held: %v", err)
+	} else {
+		w.Close()
+	}
+	for range 2 {
+		if r := <-held; r.err != nil || r.status != http.StatusOK {
+			t.Errorf("held poll: %d, %v", r.status, r.err)
+		}
+	}
+}
+
+// TestHTTPPutNeedsLease: over HTTP a key is put under a lease or not at
+// all: a record without one would outlive whoever put it, and the router
+// would count it in minimal_instances, and route to it, for as long as it
+// runs. AllowUnleased (the conformance suite) lifts that.
+func TestHTTPPutNeedsLease(t *testing.T) {
+	s := New(Options{})
+	defer s.Close()
+	for _, tc := range []struct {
+		opts   HandlerOptions
+		status int
+	}{{HandlerOptions{}, http.StatusBadRequest}, {HandlerOptions{AllowUnleased: true}, http.StatusOK}} {
+		addr := serve(t, s, tc.opts)
+		post := func(name, body string) (int, string) {
+			r, err := http.Post("http://"+addr+BasePath+"/"+name, "application/json", strings.NewReader(body))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Body.Close()
+			var b [512]byte
+			n, _ := r.Body.Read(b[:])
+			return r.StatusCode, string(b[:n])
+		}
+		if st, body := post("put", `{"key":"/kvxfer/c/workers/context/x_1-0000000000000001","value":"e30="}`); st != tc.status ||
+			st != http.StatusOK && !strings.Contains(body, "lease") {
+			t.Errorf("%+v: put without a lease: %d %s, want %d", tc.opts, st, body, tc.status)
+		}
+		st, body := post("grant", `{"ttl_ms":5000}`)
+		var lease int64
+		if st != http.StatusOK || func() error { _, err := fmt.Sscanf(body, `{"lease":%d`, &lease); return err }() != nil {
+			t.Fatalf("grant: %d %s", st, body)
+		}
+		if st, body := post("put", fmt.Sprintf(`{"key":"/k","value":"e30=","lease":%d}`, lease)); st != http.StatusOK {
+			t.Errorf("%+v: put under a lease: %d %s", tc.opts, st, body)
 		}
 	}
 }

@@ -17,7 +17,10 @@ import (
 type Options struct {
 	MaxKeys     int // default 4096
 	MaxLeases   int // default 4096
-	MaxWatchers int // concurrent watchers (and HTTP long polls), default 256
+	MaxWatchers int // concurrent watchers of this process (Watch), default 256
+	// MaxPolls bounds the HTTP long polls under way (Handler's watch
+	// calls), apart from MaxWatchers, default 256.
+	MaxPolls int
 	// History is how many events the store keeps for watchers (default
 	// 1024); a watcher that falls further behind gets ErrCompacted.
 	History  int
@@ -35,6 +38,7 @@ func (o Options) withDefaults() Options {
 	def(&o.MaxKeys, 4096)
 	def(&o.MaxLeases, 4096)
 	def(&o.MaxWatchers, 256)
+	def(&o.MaxPolls, 256)
 	def(&o.History, 1024)
 	def(&o.MaxValue, membership.MaxRecordSize)
 	if o.MinTTL <= 0 {
@@ -64,6 +68,7 @@ type Store struct {
 	history   []membership.Event // revision order, at most opts.History
 	changed   chan struct{}      // closed and replaced at every change
 	watchers  int
+	polls     int // HTTP long polls under way
 	closed    bool
 }
 
@@ -296,6 +301,17 @@ func (s *Store) Close() error {
 
 // Watch implements membership.Store.
 func (s *Store) Watch(ctx context.Context, prefix string, fromRev int64) (membership.Watcher, error) {
+	w, err := s.watch(prefix, fromRev, false)
+	if err != nil {
+		return nil, err
+	}
+	return w, nil
+}
+
+// watch opens a watcher: one of this process's (Watch), or for poll one
+// HTTP long poll, counted apart so that the polls never take the slots of
+// the router's own view.
+func (s *Store) watch(prefix string, fromRev int64, poll bool) (*watcher, error) {
 	if err := checkPrefix(prefix); err != nil {
 		return nil, err
 	}
@@ -307,14 +323,21 @@ func (s *Store) Watch(ctx context.Context, prefix string, fromRev int64) (member
 	if s.closed {
 		return nil, membership.ErrClosed
 	}
-	if s.watchers >= s.opts.MaxWatchers {
+	switch {
+	case poll && s.polls >= s.opts.MaxPolls:
+		return nil, fmt.Errorf("%w: %d HTTP long polls", membership.ErrLimit, s.opts.MaxPolls)
+	case !poll && s.watchers >= s.opts.MaxWatchers:
 		return nil, fmt.Errorf("%w: %d watchers", membership.ErrLimit, s.opts.MaxWatchers)
 	}
 	if fromRev == 0 {
 		fromRev = s.rev + 1
 	}
-	s.watchers++
-	return &watcher{s: s, prefix: prefix, next: fromRev, done: make(chan struct{})}, nil
+	if poll {
+		s.polls++
+	} else {
+		s.watchers++
+	}
+	return &watcher{s: s, prefix: prefix, next: fromRev, poll: poll, done: make(chan struct{})}, nil
 }
 
 // poll returns the events under prefix from revision from on, the revision
@@ -344,6 +367,7 @@ func (s *Store) poll(prefix string, from int64) ([]membership.Event, int64, <-ch
 type watcher struct {
 	s      *Store
 	prefix string
+	poll   bool // an HTTP long poll's (counted in s.polls)
 
 	done chan struct{} // closed by Close, ends a waiting Next
 
@@ -388,7 +412,11 @@ func (w *watcher) Close() error {
 	w.closed = true
 	close(w.done)
 	w.s.mu.Lock()
-	w.s.watchers--
+	if w.poll {
+		w.s.polls--
+	} else {
+		w.s.watchers--
+	}
 	w.s.mu.Unlock()
 	return nil
 }
@@ -398,4 +426,11 @@ func (w *watcher) nextRev() int64 {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.next
+}
+
+// polling returns the number of HTTP long polls under way.
+func (s *Store) polling() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.polls
 }

@@ -1,0 +1,236 @@
+package launch
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/membership"
+	"github.com/kvxfer/kvxfer/membership/connect"
+)
+
+// fakeWorkerEnv makes this test binary a fake worker when Start runs it
+// (see fakeWorkerMain): its value is the fake's behaviour.
+const fakeWorkerEnv = "KVXFER_LAUNCH_FAKE_WORKER"
+
+// fakeWorkerMain is a worker that Start can run: it answers /health on the
+// socket it inherits (fd 3) unless its mode is "silent", then, by mode, exits ("exit", 400 ms after its
+// start) or registers a record of another URL than its own in the
+// cluster's store and stays ("foreign"). It reports whether it ran.
+func fakeWorkerMain() bool {
+	mode := os.Getenv(fakeWorkerEnv)
+	if mode == "" {
+		return false
+	}
+	isCtx := false
+	for i, a := range os.Args {
+		if i+1 < len(os.Args) && a == "--role" {
+			isCtx = os.Args[i+1] == "context"
+		}
+	}
+	if mode == "loading-context" { // the context worker still loads, the generation worker dies
+		if isCtx {
+			select {}
+		}
+		os.Exit(4)
+	}
+	if mode == "silent" { // a worker still loading: it never answers
+		select {}
+	}
+	ln, err := net.FileListener(os.NewFile(3, "listener"))
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fake worker:", err)
+		os.Exit(2)
+	}
+	go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
+	role, cfg := "", ""
+	for i, a := range os.Args {
+		if i+1 < len(os.Args) && a == "--role" {
+			role = os.Args[i+1]
+		}
+		if i+1 < len(os.Args) && a == "--config" {
+			cfg = os.Args[i+1]
+		}
+	}
+	switch mode {
+	case "exit":
+		time.Sleep(400 * time.Millisecond)
+		os.Exit(3)
+	case "foreign":
+		f, err := config.LoadFile(cfg, config.LoadEnv(os.LookupEnv, os.Environ()))
+		if err != nil || f.Worker == nil || f.Worker.DisaggCluster == nil {
+			fmt.Fprintln(os.Stderr, "fake worker: config:", err)
+			os.Exit(2)
+		}
+		dc := f.Worker.DisaggCluster
+		secret, _, err := f.Worker.Security.LoadSecret(config.LoadEnv(os.LookupEnv, os.Environ()))
+		if err != nil {
+			os.Exit(2)
+		}
+		st, err := connect.Open(context.Background(), *dc, connect.Options{Token: connect.Token(secret)})
+		if err != nil {
+			os.Exit(2)
+		}
+		// Not this worker's URL: a record of another process (a stale one
+		// of an earlier run, or another cluster's of the same name).
+		other, _ := net.Listen("tcp", "127.0.0.1:0")
+		rec := membership.Record{Role: membership.Role(role), URL: "http://" + other.Addr().String(), Model: "m",
+			Layout: membership.Layout{TP: 1, PP: 1, DP: 1}, Incarnation: membership.NewIncarnation()}
+		m, err := membership.NewMember(st, rec, connect.MemberOptions(*dc))
+		if err == nil {
+			err = m.Register(context.Background())
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "fake worker: register:", err)
+			os.Exit(2)
+		}
+		select {}
+	}
+	os.Exit(2)
+	return true
+}
+
+// startFakes runs Start on a disagg_cluster of one context and one
+// generation worker, both fakes of mode, within ready.
+func startFakes(t *testing.T, mode string, ready time.Duration) (*Launched, time.Duration, error) {
+	t.Helper()
+	cl := cluster(t, `hostname: 127.0.0.1
+port: 8000
+context_servers: {num_instances: 1}
+generation_servers: {num_instances: 1}
+disagg_cluster:
+  cluster_uri: http://127.0.0.1:8000
+  cluster_name: fakes
+  heartbeat_interval_sec: 1
+  inactive_timeout_sec: 3
+`)
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: ready,
+		Env: []string{fakeWorkerEnv + "=" + mode}})
+	took := time.Since(start)
+	if l != nil {
+		t.Cleanup(l.Stop)
+	}
+	return l, took, err
+}
+
+// TestWaitMembersWorkerExits: with disagg_cluster, a worker that exits
+// after it answered /health but before it registered fails Start at once,
+// naming the worker and its exit, instead of a wait for registrations
+// that cannot come until the Ready bound.
+func TestWaitMembersWorkerExits(t *testing.T) {
+	_, took, err := startFakes(t, "exit", 20*time.Second)
+	if err == nil || !strings.Contains(err.Error(), "exited") || !strings.Contains(err.Error(), "-0") {
+		t.Fatalf("Start: %v, want an error naming the worker that exited", err)
+	}
+	if took > 10*time.Second {
+		t.Errorf("Start failed after %v: it waited for registrations from a worker that had exited", took)
+	}
+	t.Logf("Start failed after %v: %v", took.Round(time.Millisecond), err)
+}
+
+// TestWaitMembersOwnURLs: Start waits for the workers it started, by
+// URL, not for as many members as it started: records of other URLs (a
+// stale one of an earlier run whose lease has not ended, another
+// cluster's under the same name) do not make it report the cluster up
+// while its own workers are not routable; the error names the workers
+// that did not register.
+func TestWaitMembersOwnURLs(t *testing.T) {
+	_, took, err := startFakes(t, "foreign", 3*time.Second)
+	if err == nil || !strings.Contains(err.Error(), "context-0") || !strings.Contains(err.Error(), "generation-0") {
+		t.Fatalf("Start after %v: %v, want an error naming the workers that did not register", took, err)
+	}
+	t.Logf("Start failed after %v: %v", took.Round(time.Millisecond), err)
+}
+
+// TestStartMPIDisaggCluster: kvxfer up refuses at once a disagg_cluster
+// whose workers would run in one MPI world: its ranks (kvxfer serve-mpi)
+// do not register, so the router, started first with no static urls,
+// would wait out the Ready bound for members that never come.
+func TestStartMPIDisaggCluster(t *testing.T) {
+	cl := cluster(t, `hostname: 127.0.0.1
+port: 8000
+context_servers: {num_instances: 1, cache_transceiver_config: {backend: MPI}}
+generation_servers: {num_instances: 1, cache_transceiver_config: {backend: MPI}}
+disagg_cluster:
+  cluster_uri: http://127.0.0.1:8000
+  cluster_name: mpi
+`)
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 10 * time.Second,
+		Env: []string{fakeWorkerEnv + "=exit"}})
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "MPI") || !strings.Contains(err.Error(), "disagg_cluster") {
+		t.Fatalf("Start: %v, want a refusal naming MPI and disagg_cluster", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("refused after %v", took)
+	}
+}
+
+// TestStartRouterPortTaken: kvxfer up whose router port is taken fails
+// before it starts any worker, saying so, not after every worker started
+// and became healthy (a large model's load).
+func TestStartRouterPortTaken(t *testing.T) {
+	taken, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	port := taken.Addr().(*net.TCPAddr).Port
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: port, Host: "127.0.0.1", Ready: 5 * time.Second,
+		Env: []string{fakeWorkerEnv + "=silent"}})
+	t.Logf("Start returned after %v", time.Since(start).Round(time.Millisecond))
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "router listen") || !strings.Contains(err.Error(), fmt.Sprint(port)) {
+		t.Fatalf("Start: %v, want the router's listen error on port %d", err, port)
+	}
+}
+
+// TestStartWorkerDiesWhileAnotherLoads: a worker that exits while Start
+// waits for another one to answer /health fails Start at once, naming it,
+// not after the first one is healthy or the Ready bound.
+func TestStartWorkerDiesWhileAnotherLoads(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=loading-context"}})
+	took := time.Since(start)
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "generation-0 exited") {
+		t.Fatalf("Start after %v: %v, want an error naming generation-0's exit", took, err)
+	}
+	if took > 4*time.Second {
+		t.Errorf("Start failed after %v", took)
+	}
+}
