@@ -953,3 +953,34 @@ func TestHostileSilentJoiner(t *testing.T) {
 		}
 	})
 }
+
+// TestGatherGroupLostBeforeJoin: a gather group that breaks before its
+// join (a round of the wrong number of contributions) says so to every
+// later request, rather than that it has not joined yet.
+func TestGatherGroupLostBeforeJoin(t *testing.T) {
+	cfg := testCfg()
+	st := state(2, 4, 16, 8, kvcache.FP16, 2, 1, false)
+	g := NewGatherGroup(0, 2)
+	p, err := kvcache.NewPool(st.RankLayout(0), 4, PoolAllocator(cfg))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	tr, err := New(context.Background(), cfg, Options{State: st, Ranks: []int{0}, Pools: []*kvcache.Pool{p}, Group: g})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tr.Close()
+	if err := g.Deliver([][]byte{g.Outbox()}); !errors.Is(err, ErrBadGroup) {
+		t.Fatalf("a round of 1 contribution for 2 processes: %v, want ErrBadGroup", err)
+	}
+	b, err := p.Allocate(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Release(b...)
+	err = tr.RespondAndSendAsync(&Request{ID: 1, Type: ContextOnly, Blocks: [][]kvcache.BlockID{b}})
+	if !errors.Is(err, ErrGroupLost) || errors.Is(err, ErrNotJoined) {
+		t.Errorf("a request after the group broke before its join: %v, want ErrGroupLost", err)
+	}
+}

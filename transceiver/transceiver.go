@@ -566,17 +566,18 @@ func (t *Transceiver) Joined() <-chan struct{} { return t.joinedCh }
 // ready says whether requests may start: the group has joined and is not
 // lost.
 func (t *Transceiver) ready() error {
+	t.mu.Lock()
+	err := t.groupErr // a group lost before its join, too
+	t.mu.Unlock()
+	if err != nil {
+		return err
+	}
 	select {
 	case <-t.joinedCh:
+		return nil
 	default:
 		return ErrNotJoined
 	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.groupErr != nil {
-		return t.groupErr
-	}
-	return nil
 }
 
 // participants returns the ranks hosted here that hold a request of DP
