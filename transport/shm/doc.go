@@ -108,11 +108,6 @@
 // answers and says IDLE as the worker would: handing the parts to the
 // worker would cost a goroutine hand-off, and with it a thread's wake-up,
 // per op (BenchmarkSendSmallCrossProcess: 102 µs per op against 110-129).
-// It does so only with no other input waiting (one non-blocking peek):
-// a receiver that stalled (a paused process) finds the POST, the CANCEL
-// of a sender that gave up and the connection's end all there at once,
-// and reads the CANCEL and the end before it copies, so that the receipt
-// fails rather than completing for a Send that returned an error.
 // An op of several parts that all came in one POST goes to the worker:
 // the reader reads nothing while it copies, and would go on copying after
 // a CANCEL or the connection's end, where the worker stops between parts.

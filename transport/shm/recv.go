@@ -16,8 +16,6 @@ import (
 	"time"
 	"unsafe"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvxfer/kvxfer/internal/memfd"
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/internal/conn"
@@ -95,10 +93,6 @@ type inConn struct {
 	nc     *net.UnixConn
 	remote string
 	mr     *msgReader // the reader's
-	// postDeferred (the reader's) is set when onPost left the parts it
-	// pulled for after the input already there: readLoop calls onPost
-	// again after the next message.
-	postDeferred bool
 
 	// The sender's window, mapped read-only; set once by the reader
 	// before the first part that uses it, unmapped after the worker ends.
@@ -302,9 +296,6 @@ func (c *inConn) readLoop() error {
 		default:
 			err = errProto("message type %d from a sender", m.typ)
 		}
-		if err == nil && m.typ != msgPost && c.postDeferred {
-			c.onPost()
-		}
 		if err != nil {
 			return err
 		}
@@ -486,16 +477,7 @@ func (c *inConn) onRead(m msg) error {
 // CANCEL nor the connection's end until every part was in, and would
 // complete a receipt after its sender gave up on it, where the worker
 // stops between parts.
-//
-// Nor does the reader take a part while input is already there (read and
-// not handled, or waiting in the socket): a CANCEL, or the connection's
-// end, of a sender that gave up on the op while this process stalled (a
-// paused process reads the POST, the CANCEL and the end all at once when
-// it runs again, long after the sender's grace). It reads that input
-// first and comes back to the parts after (postDeferred): a CANCEL marks
-// the op before anyone copies its part, the end fails its receipt.
 func (c *inConn) onPost() {
-	c.postDeferred = false
 	if !c.workMu.TryLock() {
 		c.signal()
 		return
@@ -504,10 +486,6 @@ func (c *inConn) onPost() {
 	mapped, err := c.pull()
 	if err != nil {
 		c.fail(err)
-		return
-	}
-	if c.inputPending() {
-		c.postDeferred = true
 		return
 	}
 	for {
@@ -528,30 +506,6 @@ func (c *inConn) onPost() {
 		c.mu.Unlock()
 		c.handle(it)
 	}
-}
-
-// inputPending reports whether the reader has input it has not handled:
-// bytes read and not yet a message it returned, or bytes (or the end) in
-// the socket. One non-blocking peek; an error counts as input, which the
-// reader's next read returns.
-func (c *inConn) inputPending() bool {
-	if c.mr.w > c.mr.r {
-		return true
-	}
-	rc, err := c.nc.SyscallConn()
-	if err != nil {
-		return true
-	}
-	pending := true
-	var b [1]byte
-	if err := rc.Read(func(fd uintptr) bool {
-		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
-		pending = !errors.Is(err, unix.EAGAIN)
-		return true // never wait
-	}); err != nil {
-		return true
-	}
-	return pending
 }
 
 // signal wakes the worker.
