@@ -234,24 +234,7 @@ func TestWorkerReusesPrefixesPerSalt(t *testing.T) {
 	prompt := strings.Repeat("a shared system prompt. ", 8) // 193 tokens with BOS: 12 full blocks of 16
 	n := len(engine.Tokenizer{}.Encode(prompt))
 	full := n / 16 * 16
-	cachedOf := func(body map[string]any) int {
-		t.Helper()
-		code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", body)
-		if code != 200 {
-			t.Fatalf("%d %s", code, raw)
-		}
-		var r struct {
-			Usage struct {
-				Details struct {
-					Cached int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if err := json.Unmarshal([]byte(raw), &r); err != nil {
-			t.Fatal(err)
-		}
-		return r.Usage.Details.Cached
-	}
+	cachedOf := func(body map[string]any) int { return cachedTokensOf(t, w.srv.URL, body) }
 	routeSays := func(salt string) int {
 		t.Helper()
 		q, _ := json.Marshal(map[string]any{"prompt": prompt, "cache_salt": salt})
@@ -366,22 +349,7 @@ func TestHostileCachedCountProbe(t *testing.T) {
 		victim[i] = 100 + i
 	}
 	complete := func(prompt []int) int {
-		t.Helper()
-		code, _, raw := postJSON(t, w.srv.URL+"/v1/completions", map[string]any{"prompt": prompt, "max_tokens": 1})
-		if code != 200 {
-			t.Fatalf("%d %s", code, raw)
-		}
-		var r struct {
-			Usage struct {
-				Details struct {
-					Cached int `json:"cached_tokens"`
-				} `json:"prompt_tokens_details"`
-			} `json:"usage"`
-		}
-		if err := json.Unmarshal([]byte(raw), &r); err != nil {
-			t.Fatal(err)
-		}
-		return r.Usage.Details.Cached
+		return cachedTokensOf(t, w.srv.URL, map[string]any{"prompt": prompt, "max_tokens": 1})
 	}
 	complete(victim) // its two full blocks are cached now
 	// The probe: the victim's first block and 4 more of its tokens (the
@@ -398,6 +366,27 @@ func TestHostileCachedCountProbe(t *testing.T) {
 	if !strings.Contains(m, "kvxfer_prefix_cache_hit_tokens_total 16\n") {
 		t.Errorf("/metrics: the hit tokens are not whole blocks:\n%s", grepLines(m, "kvxfer_prefix_cache_hit_tokens_total"))
 	}
+}
+
+// cachedTokensOf posts a completion to the worker at url and returns its
+// usage.prompt_tokens_details.cached_tokens.
+func cachedTokensOf(t *testing.T, url string, body map[string]any) int {
+	t.Helper()
+	code, _, raw := postJSON(t, url+"/v1/completions", body)
+	if code != 200 {
+		t.Fatalf("%d %s", code, raw)
+	}
+	var r struct {
+		Usage struct {
+			Details struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal([]byte(raw), &r); err != nil {
+		t.Fatal(err)
+	}
+	return r.Usage.Details.Cached
 }
 
 // grepLines returns the lines of s that contain sub.
