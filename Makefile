@@ -62,7 +62,7 @@ unit: ## go test -race -shuffle=on (with the short chaos suite, tests/chaos: abo
 	KVXFER_REQUIRE_NODE=1 KVXFER_REQUIRE_ETCD=1 $(GO) test -race -shuffle=on -count=1 -timeout 20m $(PKGS)
 
 hostile: ## only the hostile-client suite (README, Security); make test runs it too
-	$(GO) test -race -count=1 -run 'Hostile|PeerAllowList|FloodAfterHello|ControlHandshakeTimeout|KeepAliveFlood|ConnectionCaps?$$|TLSRefus|WorkerTLS|ServeBindsOnlyTheConfiguredHost|DataCheck|FloodLogBounded|AnnouncedLengthNotAllocated|AcceptedHelloNotKept|AbortReachesStalledReceiver|LateAbortEnds|StalledReaderReleased|SlowBodyRefused|OversizeBody413|WorkerRefusesTrailingData|UpstreamAnswerOverMaxBody|KVEventsDrainReaderStuck|RouterModelsNoWorkerOrStalled|ReuseSaltsNeverShare|BuiltInStoreNoSecretLoopbackMembers|HTTPProxiedWithoutToken|HTTPPollsSpareTheRouter|HTTPPutNeedsLease|ViewBadRecordsLogBounded' ./...
+	$(GO) test -race -count=1 -run 'Hostile|PeerAllowList|FloodAfterHello|ControlHandshakeTimeout|KeepAliveFlood|ConnectionCaps?$$|TLSRefus|WorkerTLS|ServeBindsOnlyTheConfiguredHost|DataCheck|FloodLogBounded|AnnouncedLengthNotAllocated|AcceptedHelloNotKept|AbortReachesStalledReceiver|LateAbortEnds|StalledReaderReleased|SlowBodyRefused|OversizeBody413|WorkerRefusesTrailingData|UpstreamAnswerOverMaxBody|KVEventsDrainReaderStuck|RouterModelsNoWorkerOrStalled|ReuseSaltsNeverShare|BuiltInStoreNoSecretLoopbackMembers|HTTPProxiedWithoutToken|HTTPPollsSpareTheRouter|HTTPPutNeedsLease|ViewBadRecordsLogBounded|BuffersHoldLimit' ./...
 
 chaos: ## the long chaos suite (README, Reliability): workers and router under faults, about 8 minutes; prints the figures table (CHAOS_SEED=N repeats a run)
 	@mkdir -p bin && rm -f bin/chaos-figures.md

@@ -31,3 +31,17 @@ func directOK(p *layout.Plan, n int) bool {
 	}
 	return packed/int64(src) >= minDirectSpan && packed/int64(dst) >= minDirectSpan
 }
+
+// gatherOK reports whether the sender of a staged transfer with plan p, in
+// chunks of n blocks, sends each chunk gathered from its blocks' spans
+// rather than packed into a staging buffer (mover.Pair.Gather): the
+// sender's own spans large enough, whatever the receiver's. The receiver
+// gets the same bytes either way, so this is the sender's choice alone;
+// it also leaves a receiver that stops reading no shared buffer to hold.
+func gatherOK(p *layout.Plan, n int) bool {
+	if p.Identity() {
+		return true
+	}
+	packed, src := p.PackedBytesPerBlock(), len(p.SrcSpans())
+	return packed > 0 && src > 0 && n*src <= maxDirectSegments && packed/int64(src) >= minDirectSpan
+}

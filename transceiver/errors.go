@@ -63,6 +63,11 @@ var (
 	// ErrPeerNotAllowed: a peer host is neither loopback nor on the
 	// allow-list (or, without a secret, not loopback and not allowed).
 	ErrPeerNotAllowed = errors.New("transceiver: peer not allowed")
+	// ErrStalled: a staged transfer held a shared staging buffer past
+	// ConnLimits.StagingHold while another transfer waited for one (its
+	// peer stopped reading or sending); the pull attempt fails, and a
+	// context request stays pullable.
+	ErrStalled = errors.New("transceiver: peer stalled")
 )
 
 // requestErr is err as a request's failure: a data connection's loss
@@ -83,7 +88,7 @@ func requestErr(err error) error {
 // context request stays pullable (see sendCore); any other fails the
 // context request.
 func peerCaused(err error) bool {
-	for _, e := range []error{ErrPeerLost, transport.ErrPeerLost, ErrPeerAborted, wire.ErrMalformed, transport.ErrBadDescriptor, transport.ErrProtocol} {
+	for _, e := range []error{ErrPeerLost, transport.ErrPeerLost, ErrPeerAborted, ErrStalled, wire.ErrMalformed, transport.ErrBadDescriptor, transport.ErrProtocol} {
 		if errors.Is(err, e) {
 			return true
 		}

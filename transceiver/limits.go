@@ -15,11 +15,18 @@ const (
 	DefaultMaxControlConnsPerHost = 256
 	DefaultHandshakeTimeout       = 10 * time.Second
 	DefaultIdleTimeout            = 5 * time.Minute
+	// DefaultStagingHold is ConnLimits.StagingHold's default.
+	DefaultStagingHold = 5 * time.Second
+	// StagingHoldRate is the rate (bytes a second, 100 MB/s: below one
+	// 1 GbE link) at which the hold limit of a staging buffer grows with
+	// the bytes its transfer moves through it.
+	StagingHoldRate = 100_000_000
 )
 
-// ConnLimits bound the connections each rank accepts, before and after
-// their handshake. A zero field takes its default; a negative one removes
-// the bound (a negative timeout: none).
+// ConnLimits bound what peers can hold of a rank: the connections it
+// accepts, before and after their handshake, and its shared staging
+// buffers. A zero field takes its default; a negative one removes the
+// bound (a negative timeout: none).
 type ConnLimits struct {
 	// MaxControlConns bounds one rank's inbound control connections,
 	// shaking hands or not (default DefaultMaxControlConns). One more is
@@ -45,6 +52,15 @@ type ConnLimits struct {
 	// connections of the tcp backend (MaxDataConns also shm's); 0 means
 	// transport.DefaultMaxConns and transport.DefaultMaxConnsPerHost.
 	MaxDataConns, MaxDataConnsPerHost int
+	// StagingHold bounds how long one staged chunk may hold one of a
+	// rank's shared staging buffers while another transfer waits for one
+	// (default DefaultStagingHold), plus the time its bytes take at
+	// StagingHoldRate: a peer that stops reading (a context rank's send)
+	// or sending (a generation rank's receive) then fails its transfer
+	// with ErrStalled and gives the buffer back, rather than hold up other
+	// requests until its own deadline. Nobody is stopped while no one
+	// waits.
+	StagingHold time.Duration
 }
 
 // withDefaults returns l with zero fields set to their defaults.
@@ -65,6 +81,7 @@ func (l ConnLimits) withDefaults() ConnLimits {
 	def(&l.MaxDataConnsPerHost, transport.DefaultMaxConnsPerHost)
 	defDur(&l.HandshakeTimeout, DefaultHandshakeTimeout)
 	defDur(&l.IdleTimeout, DefaultIdleTimeout)
+	defDur(&l.StagingHold, DefaultStagingHold)
 	return l
 }
 

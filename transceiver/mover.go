@@ -23,7 +23,8 @@ import (
 func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <-chan mover.Chunk) (mover.Moved, event) {
 	p := e.pair
 	tr := r.transports[p.backend]
-	pair := mover.Pair{Transport: tr, Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs, Check: r.descCheck(tr, e.to)}
+	pair := mover.Pair{Transport: tr, Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs, Check: r.descCheck(tr, e.to),
+		Gather: gatherOK(p.plan, p.chunk)}
 	m := pair.Send(ctx, p.direct, descs)
 	if m.Err == nil && e.readyAfter {
 		r.send(e.to, effReady{gen: e.gen, to: e.to, chunk: p.chunk}.frame())

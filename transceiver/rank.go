@@ -122,14 +122,19 @@ type srcIO struct {
 	direct transport.Recv // receipt armed for a direct transfer; nil: none
 }
 
+// stagingHold is the hold limit of the rank's staging buffers.
+func (set rankSettings) stagingHold() mover.HoldLimit {
+	return mover.HoldLimit{Base: max(set.limits.StagingHold, 0), Rate: StagingHoldRate, Err: ErrStalled}
+}
+
 func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSettings, trs map[string]transport.Transport, ln net.Listener, done rankDone, attempt attemptEnd) *rank {
 	bb := min(max(set.bufferBytes, pool.BlockBytes()), 1<<40)
 	r := &rank{
 		idx: idx, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
 		goes:     workers.NewPool(maxIdleWorkers),
 		names:    slices.Sorted(maps.Keys(trs)),
-		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb)),
-		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb)),
+		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb), set.stagingHold()),
+		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb), set.stagingHold()),
 		log:      set.logger.With("rank", idx),
 		hold:     newAskHold(idx, set.timeout),
 	}

@@ -12,6 +12,12 @@ func newSilentListener(t *testing.T, nw *memNetwork) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return silentOn(t, ln)
+}
+
+// silentOn accepts connections on ln and neither reads nor writes, until
+// the test ends; it returns ln's address.
+func silentOn(t *testing.T, ln net.Listener) string {
 	var conns []net.Conn
 	done := make(chan struct{})
 	go func() {

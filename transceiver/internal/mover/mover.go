@@ -21,6 +21,12 @@ type Pair struct {
 	Chunk int
 	// Buffers are the staging buffers of this side.
 	Buffers *Buffers
+	// Gather, on the sending side of a staged transfer, sends each chunk
+	// straight from the blocks' spans (vectored) instead of packing it
+	// into a staging buffer: the bytes are the same, the sender makes one
+	// copy fewer and holds no buffer. For spans large enough that their
+	// per-segment cost is small.
+	Gather bool
 	// Check, when not nil, is asked about every descriptor the receiver
 	// handed the sender before anything is sent to it (or a staging buffer
 	// taken for it); its error ends the send.
@@ -90,10 +96,13 @@ func (p Pair) AwaitDirect(ctx context.Context, rv transport.Recv) Moved {
 	return m
 }
 
-// sendStaged sends the blocks chunk by chunk through a staging buffer,
-// each chunk to the receipt announced for it. chunks yields the
-// announcements in order (the caller checks the order). It returns the
-// bytes and chunks sent before it ended.
+// sendStaged sends the blocks chunk by chunk, each to the receipt
+// announced for it: gathered from the blocks' spans (Gather), else packed
+// into a staging buffer, which it holds until the chunk is sent (a send
+// that holds it past the buffers' limit while another waits is stopped:
+// see Buffers). chunks yields the announcements in order (the caller
+// checks the order). It returns the bytes and chunks sent before it
+// ended.
 func (p Pair) sendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, error) {
 	var sent int64
 	n := 0
@@ -108,17 +117,13 @@ func (p Pair) sendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, 
 		if err := p.check(c.Desc); err != nil {
 			return sent, n, err
 		}
-		buf, err := p.Buffers.Get(ctx)
-		if err != nil {
-			return sent, n, err
-		}
 		size := p.bytes(hi - lo)
-		if err := p.Plan.Pack(buf[:size], p.Blocks[lo:hi]); err != nil {
-			p.Buffers.Put(buf)
-			return sent, n, err
+		var err error
+		if p.Gather {
+			err = p.Transport.Send(ctx, c.Desc, Segments(p.Blocks[lo:hi], p.Plan.SrcSpans()))
+		} else {
+			err = p.sendPacked(ctx, c.Desc, p.Blocks[lo:hi], size)
 		}
-		err = p.Transport.Send(ctx, c.Desc, [][]byte{buf[:size]})
-		p.Buffers.Put(buf)
 		if err != nil {
 			return sent, n, err
 		}
@@ -126,6 +131,28 @@ func (p Pair) sendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, 
 		n++
 	}
 	return sent, n, nil
+}
+
+// sendPacked packs blocks (size bytes packed) into a staging buffer and
+// sends it to desc.
+func (p Pair) sendPacked(ctx context.Context, desc transport.Descriptor, blocks [][]byte, size int64) error {
+	ctx, stop := context.WithCancelCause(ctx)
+	defer stop(nil)
+	l, err := p.Buffers.Hold(ctx, size, stop)
+	if err != nil {
+		return err
+	}
+	defer l.Release()
+	if err := p.Plan.Pack(l.Buf[:size], blocks); err != nil {
+		return err
+	}
+	if err := p.Transport.Send(ctx, desc, [][]byte{l.Buf[:size]}); err != nil {
+		if held := l.Err(); held != nil {
+			return held // stopped for holding the buffer: say so, not "cancelled"
+		}
+		return err
+	}
+	return nil
 }
 
 // Receive receives the chunks of a staged transfer, keeping up to two in
@@ -140,7 +167,9 @@ func (p Pair) Receive(ctx context.Context, announce func(Chunk) error) Moved {
 }
 
 func (p Pair) receiveStaged(ctx context.Context, announce func(Chunk) error) (int64, int, error) {
-	w := window{p: p, ctx: ctx, announce: announce, depth: min(2, p.Buffers.Count())}
+	ctx, stop := context.WithCancelCause(ctx) // stop: a buffer held too long (see Buffers)
+	defer stop(nil)
+	w := window{p: p, ctx: ctx, stop: stop, announce: announce, depth: min(2, p.Buffers.Count())}
 	defer w.cancel()
 	total := (len(p.Blocks) + p.Chunk - 1) / p.Chunk
 	var got int64
@@ -184,6 +213,7 @@ func Segments(blocks [][]byte, spans []layout.Span) [][]byte {
 type window struct {
 	p        Pair
 	ctx      context.Context
+	stop     context.CancelCauseFunc
 	announce func(Chunk) error
 	depth    int
 	next     int // index of the next chunk to announce
@@ -191,34 +221,38 @@ type window struct {
 }
 
 type slot struct {
-	buf    []byte
+	buf    *Lease
 	rv     transport.Recv
 	lo, hi int // blocks
 }
 
 // fill announces chunks until depth are in flight, waiting for a buffer
-// only when none is.
+// only when none is. A buffer is held until its chunk is unpacked, so its
+// hold covers the chunks ahead of it in flight as well as its own.
 func (w *window) fill(total int) error {
 	for w.next < total && len(w.flight) < w.depth {
-		var buf []byte
+		lo, hi := w.next*w.p.Chunk, min(len(w.p.Blocks), (w.next+1)*w.p.Chunk)
+		n := w.p.bytes(hi - lo)
+		for _, sl := range w.flight {
+			n += w.p.bytes(sl.hi - sl.lo)
+		}
+		var l *Lease
 		if len(w.flight) == 0 {
-			b, err := w.p.Buffers.Get(w.ctx)
-			if err != nil {
+			var err error
+			if l, err = w.p.Buffers.Hold(w.ctx, n, w.stop); err != nil {
 				return err
 			}
-			buf = b
-		} else if b, ok := w.p.Buffers.TryGet(); ok {
-			buf = b
+		} else if l2, ok := w.p.Buffers.TryHold(n, w.stop); ok {
+			l = l2
 		} else {
 			return nil
 		}
-		lo, hi := w.next*w.p.Chunk, min(len(w.p.Blocks), (w.next+1)*w.p.Chunk)
-		rv, err := w.p.Transport.Expect([][]byte{buf[:w.p.bytes(hi-lo)]})
+		rv, err := w.p.Transport.Expect([][]byte{l.Buf[:w.p.bytes(hi-lo)]})
 		if err != nil {
-			w.p.Buffers.Put(buf)
+			l.Release()
 			return err
 		}
-		w.flight = append(w.flight, slot{buf: buf, rv: rv, lo: lo, hi: hi})
+		w.flight = append(w.flight, slot{buf: l, rv: rv, lo: lo, hi: hi})
 		if err := w.announce(Chunk{Index: w.next, Desc: rv.Descriptor()}); err != nil {
 			return err
 		}
@@ -234,8 +268,8 @@ func (w *window) take() (int64, error) {
 		return 0, err
 	}
 	size := w.p.bytes(head.hi - head.lo)
-	err := w.p.Plan.Unpack(w.p.Blocks[head.lo:head.hi], head.buf[:size])
-	w.p.Buffers.Put(head.buf)
+	err := w.p.Plan.Unpack(w.p.Blocks[head.lo:head.hi], head.buf.Buf[:size])
+	head.buf.Release()
 	w.flight = w.flight[1:]
 	if err != nil {
 		return 0, err
@@ -247,7 +281,7 @@ func (w *window) take() (int64, error) {
 func (w *window) cancel() {
 	for _, sl := range w.flight {
 		sl.rv.Cancel()
-		w.p.Buffers.Put(sl.buf)
+		sl.buf.Release()
 	}
 	w.flight = nil
 }

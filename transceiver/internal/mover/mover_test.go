@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/kvxfer/kvxfer/kvcache"
@@ -69,7 +71,8 @@ func naive(t *testing.T, p *layout.Plan, src, dst [][]byte) [][]byte {
 }
 
 // TestPairAgainstNaive: staged (chunk sizes 1 to all the blocks, one or
-// two receive buffers) and direct moves over tcp between pairings leave
+// two receive buffers; the sender packing, or gathering from its blocks
+// with no buffer of its own) and direct moves over tcp between pairings leave
 // the receiver's blocks as the naive pack and unpack does, report every
 // byte and chunk, and put every staging buffer back.
 func TestPairAgainstNaive(t *testing.T) {
@@ -94,9 +97,9 @@ func TestPairAgainstNaive(t *testing.T) {
 					continue // this pair shares no layer
 				}
 				n := 1 + rng.IntN(9)
-				for _, direct := range []bool{false, true} {
-					name := fmt.Sprintf("ctx TP%d PP%d rank %d → gen TP%d PP%d rank %d, %d blocks, direct %v", pg.ctxTP, pg.ctxPP, c, pg.genTP, pg.genPP, g, n, direct)
-					movePair(t, name, rng, send, recv, plan, n, direct)
+				for _, mode := range []string{"staged", "gathered", "direct"} {
+					name := fmt.Sprintf("ctx TP%d PP%d rank %d → gen TP%d PP%d rank %d, %d blocks, %s", pg.ctxTP, pg.ctxPP, c, pg.genTP, pg.genPP, g, n, mode)
+					movePair(t, name, rng, send, recv, plan, n, mode)
 					moved++
 				}
 			}
@@ -107,15 +110,19 @@ func TestPairAgainstNaive(t *testing.T) {
 	}
 }
 
-func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Transport, plan *layout.Plan, n int, direct bool) {
+// movePair moves n blocks with plan: staged (packed into the sender's
+// buffers), gathered (staged, the sender's chunks sent from its blocks'
+// spans) or direct.
+func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Transport, plan *layout.Plan, n int, mode string) {
+	direct := mode == "direct"
 	src := randomBlocks(rng, n, plan.SrcBlockBytes())
 	dst := randomBlocks(rng, n, plan.DstLayout().BlockBytes())
 	want := naive(t, plan, src, dst)
 	chunk := 1 + rng.IntN(n)
 	packed := plan.PackedBytesPerBlock()
-	sb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed))
-	rb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed))
-	sp := Pair{Transport: send, Blocks: src, Plan: plan, Chunk: chunk, Buffers: sb}
+	sb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{})
+	rb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{})
+	sp := Pair{Transport: send, Blocks: src, Plan: plan, Chunk: chunk, Buffers: sb, Gather: mode == "gathered"}
 	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: chunk, Buffers: rb}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
@@ -163,6 +170,9 @@ func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Tr
 	if direct && (sb.Allocated() != 0 || rb.Allocated() != 0) {
 		t.Errorf("%s: a direct move allocated %d and %d staging buffers", name, sb.Allocated(), rb.Allocated())
 	}
+	if mode == "gathered" && sb.Allocated() != 0 {
+		t.Errorf("%s: a gathered send allocated %d staging buffers", name, sb.Allocated())
+	}
 }
 
 // TestStagedStops: a staged receive whose context ends, or whose
@@ -178,7 +188,7 @@ func TestStagedStops(t *testing.T) {
 	}
 	rng := rand.New(rand.NewPCG(3, 5))
 	dst := randomBlocks(rng, 6, plan.DstLayout().BlockBytes())
-	rb := NewBuffers(2, int(2*plan.PackedBytesPerBlock()))
+	rb := NewBuffers(2, int(2*plan.PackedBytesPerBlock()), HoldLimit{})
 	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: rb}
 
 	stop := errors.New("the request stopped")
@@ -223,7 +233,7 @@ func TestStagedStops(t *testing.T) {
 
 	sctx, scancel := context.WithCancelCause(context.Background())
 	scancel(stop)
-	sp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: NewBuffers(1, rb.Size())}
+	sp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: NewBuffers(1, rb.Size(), HoldLimit{})}
 	if err := sp.Send(sctx, nil, make(chan Chunk)).Err; !errors.Is(err, stop) {
 		t.Errorf("send with its context ended: %v, want the cause", err)
 	}
@@ -232,7 +242,7 @@ func TestStagedStops(t *testing.T) {
 // TestBuffers: at most Count buffers are out at once; each is allocated
 // on first use only; Put gives back its full size.
 func TestBuffers(t *testing.T) {
-	p := NewBuffers(2, 64)
+	p := NewBuffers(2, 64, HoldLimit{})
 	a, _ := p.Get(context.Background())
 	b, ok := p.TryGet()
 	if !ok || len(a) != 64 || len(b) != 64 || p.InUse() != 2 || p.Allocated() != 2 {
@@ -262,4 +272,102 @@ func TestBuffers(t *testing.T) {
 		}
 	}()
 	p.Put(c)
+}
+
+// TestBuffersHoldLimit: a holder is stopped, with an error that wraps the
+// limit's, once it has held its buffer past its limit (Base plus its bytes
+// at Rate) while another caller waits, not before and not while nobody
+// waits; the earliest due goes first; holders taken with Get and buffers
+// without a limit are never stopped.
+func TestBuffersHoldLimit(t *testing.T) {
+	errStalled := errors.New("stalled")
+	synctest.Test(t, func(t *testing.T) {
+		p := NewBuffers(2, 64, HoldLimit{Base: time.Second, Rate: 64, Err: errStalled})
+		// hold takes a buffer for n bytes and gives it back when stopped.
+		hold := func(n int64) (*Lease, context.Context) {
+			ctx, stop := context.WithCancelCause(t.Context())
+			l, err := p.Hold(ctx, n, stop)
+			if err != nil {
+				t.Fatal(err)
+			}
+			go func() {
+				<-ctx.Done()
+				l.Release()
+			}()
+			return l, ctx
+		}
+		a, actx := hold(64) // due after 2 s
+		b, bctx := hold(0)  // due after 1 s
+		time.Sleep(time.Minute)
+		if actx.Err() != nil || bctx.Err() != nil {
+			t.Fatal("a holder was stopped while nobody waited")
+		}
+
+		start := time.Now()
+		w, err := p.Hold(t.Context(), 0, nil) // both overdue: the earliest due (b) goes first, at once
+		if err != nil {
+			t.Fatal(err)
+		}
+		if took := time.Since(start); took != 0 {
+			t.Errorf("waited %v for an overdue holder to be stopped, want 0", took)
+		}
+		if !errors.Is(context.Cause(bctx), errStalled) || actx.Err() != nil {
+			t.Errorf("after one wait: b %v, a %v; want b stopped (%v) and a holding", context.Cause(bctx), context.Cause(actx), errStalled)
+		}
+		if !errors.Is(b.Err(), errStalled) || a.Err() != nil {
+			t.Errorf("Lease.Err: b %v, a %v", b.Err(), a.Err())
+		}
+		// a, overdue, is the next waiter's to stop, at once.
+		w2, err := p.Hold(t.Context(), 0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !errors.Is(context.Cause(actx), errStalled) {
+			t.Errorf("second wait: a %v, want stopped", context.Cause(actx))
+		}
+		w2.Release()
+
+		c, cctx := hold(128) // held with w: c is due after 1 s + 128 bytes at 64/s
+		_ = c
+		start = time.Now()
+		w3, err := p.Hold(t.Context(), 0, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if took := time.Since(start); took != 3*time.Second || !errors.Is(context.Cause(cctx), errStalled) {
+			t.Errorf("a fresh holder was stopped after %v (%v), want 3s", took, context.Cause(cctx))
+		}
+		if err := context.Cause(cctx); err == nil || !strings.Contains(err.Error(), "128 bytes") {
+			t.Errorf("the stop error does not name the transfer's bytes: %v", err)
+		}
+		w3.Release()
+		w.Release()
+		synctest.Wait()
+		if p.InUse() != 0 {
+			t.Errorf("%d buffers in use at the end", p.InUse())
+		}
+
+		// Get's holders are never stopped; a waiter waits for its deadline.
+		g1, _ := p.Get(t.Context())
+		g2, _ := p.Get(t.Context())
+		ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
+		defer cancel()
+		if _, err := p.Hold(ctx, 0, nil); !errors.Is(err, context.DeadlineExceeded) {
+			t.Errorf("a wait behind Get's holders: %v, want its deadline", err)
+		}
+		p.Put(g1)
+		p.Put(g2)
+
+		// Without a limit, nobody is stopped.
+		q := NewBuffers(1, 64, HoldLimit{Err: errStalled})
+		qctx, qstop := context.WithCancelCause(t.Context())
+		defer qstop(nil)
+		l, _ := q.Hold(qctx, 0, qstop)
+		ctx2, cancel2 := context.WithTimeout(t.Context(), time.Hour)
+		defer cancel2()
+		if _, err := q.Hold(ctx2, 0, nil); !errors.Is(err, context.DeadlineExceeded) || qctx.Err() != nil {
+			t.Errorf("without a limit: wait %v, holder %v; want the deadline and the holder untouched", err, qctx.Err())
+		}
+		l.Release()
+	})
 }
