@@ -203,7 +203,7 @@ func newConsensus() *consensus { return &consensus{reqs: map[instKey]*instReq{}}
 // begin enters a request that ranks (instance rank numbers) take part in.
 func (c *consensus) begin(key instKey, ranks []int, now time.Time) error {
 	if _, dup := c.reqs[key]; dup {
-		return fmt.Errorf("transceiver: request %d is already in flight", key.id)
+		return invalidRequest("transceiver: request %d is already in flight", key.id)
 	}
 	if len(ranks) == 0 {
 		return fmt.Errorf("transceiver: request %d has no rank to run on", key.id)

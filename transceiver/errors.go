@@ -68,7 +68,23 @@ var (
 	// peer stopped reading or sending); the pull attempt fails, and a
 	// context request stays pullable.
 	ErrStalled = errors.New("transceiver: peer stalled")
+	// ErrInvalidRequest: RespondAndSendAsync or RequestAndReceiveAsync was
+	// handed a request the caller got wrong (its type, its blocks per
+	// rank, its DP rank, no opaque state, an id already in flight on that
+	// side); nothing was started. The message says what is wrong.
+	ErrInvalidRequest = errors.New("transceiver: invalid request")
 )
+
+// invalidRequest returns an error with the formatted text that wraps
+// ErrInvalidRequest (without repeating its text).
+func invalidRequest(format string, args ...any) error {
+	return &invalidErr{msg: fmt.Sprintf(format, args...)}
+}
+
+type invalidErr struct{ msg string }
+
+func (e *invalidErr) Error() string { return e.msg }
+func (e *invalidErr) Unwrap() error { return ErrInvalidRequest }
 
 // requestErr is err as a request's failure: a data connection's loss
 // (transport.ErrPeerLost) is the peer's loss, ErrPeerLost, as the control

@@ -212,7 +212,7 @@ func (r *rank) admit(q *rankReq) error {
 	if _, dup := r.reqs[q.key]; dup {
 		r.mu.Unlock()
 		q.cancel(nil)
-		return fmt.Errorf("transceiver: rank %d: context request %d is already in flight", r.idx, q.key.id)
+		return invalidRequest("transceiver: rank %d: context request %d is already in flight", r.idx, q.key.id)
 	}
 	r.reqs[q.key] = q
 	if r.obs != nil {

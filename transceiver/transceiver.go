@@ -606,10 +606,10 @@ type part struct {
 func (t *Transceiver) workOutPart(dp int) (all []int, here []*rank, err error) {
 	pc := t.state.Parallel
 	if pc.AttentionDP && (dp < 0 || dp >= pc.DPSize) {
-		return nil, nil, fmt.Errorf("transceiver: DP rank %d out of range (DP size %d)", dp, pc.DPSize)
+		return nil, nil, invalidRequest("transceiver: DP rank %d out of range (DP size %d)", dp, pc.DPSize)
 	}
 	if !pc.AttentionDP && dp != 0 {
-		return nil, nil, fmt.Errorf("transceiver: DP rank %d without attention DP", dp)
+		return nil, nil, invalidRequest("transceiver: DP rank %d without attention DP", dp)
 	}
 	for i := range pc.NumRanks() {
 		if pc.AttentionDP {
@@ -624,7 +624,7 @@ func (t *Transceiver) workOutPart(dp int) (all []int, here []*rank, err error) {
 		}
 	}
 	if len(here) == 0 {
-		return nil, nil, fmt.Errorf("transceiver: no rank of DP group %d is hosted by this process (ranks %s)", dp, intsString(t.Ranks()))
+		return nil, nil, invalidRequest("transceiver: no rank of DP group %d is hosted by this process (ranks %s)", dp, intsString(t.Ranks()))
 	}
 	return all, here, nil
 }
@@ -648,7 +648,7 @@ func (t *Transceiver) requestState(dp int) layout.CacheState {
 // DISAGG_CONTEXT_TRANS_IN_PROGRESS, and returns at once.
 func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 	if req.Type != ContextOnly {
-		return fmt.Errorf("transceiver: respond: request %d is %s, want context_only", req.ID, req.Type)
+		return invalidRequest("transceiver: respond: request %d is %s, want context_only", req.ID, req.Type)
 	}
 	if err := t.ready(); err != nil {
 		return fmt.Errorf("transceiver: respond: request %d: %w", req.ID, err)
@@ -658,15 +658,15 @@ func (t *Transceiver) RespondAndSendAsync(req *Request) error {
 		return err
 	}
 	if len(req.Blocks) != len(t.ranks) {
-		return fmt.Errorf("transceiver: respond: request %d has blocks for %d ranks, this process hosts %d", req.ID, len(req.Blocks), len(t.ranks))
+		return invalidRequest("transceiver: respond: request %d has blocks for %d ranks, this process hosts %d", req.ID, len(req.Blocks), len(t.ranks))
 	}
 	nb := len(req.Blocks[t.pos[ranks[0].idx]])
 	for _, r := range ranks {
 		switch n := len(req.Blocks[t.pos[r.idx]]); {
 		case n == 0:
-			return fmt.Errorf("transceiver: respond: request %d: rank %d has no blocks", req.ID, r.idx)
+			return invalidRequest("transceiver: respond: request %d: rank %d has no blocks", req.ID, r.idx)
 		case n != nb:
-			return fmt.Errorf("transceiver: respond: request %d: rank %d has %d blocks, rank %d has %d", req.ID, r.idx, n, ranks[0].idx, nb)
+			return invalidRequest("transceiver: respond: request %d: rank %d has %d blocks, rank %d has %d", req.ID, r.idx, n, ranks[0].idx, nb)
 		}
 	}
 	var token [16]byte
@@ -744,10 +744,10 @@ func (t *Transceiver) start(req *Request, s side, all []int, here []*rank, st Re
 // otherwise gives it back, and so does an error returned here.
 func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 	if req.Type != GenerationOnly {
-		return fmt.Errorf("transceiver: receive: request %d is %s, want generation_only", req.ID, req.Type)
+		return invalidRequest("transceiver: receive: request %d is %s, want generation_only", req.ID, req.Type)
 	}
 	if req.ContextPhase == nil || len(req.ContextPhase.OpaqueState) == 0 {
-		return fmt.Errorf("transceiver: receive: request %d has no context phase params (opaque state)", req.ID)
+		return invalidRequest("transceiver: receive: request %d has no context phase params (opaque state)", req.ID)
 	}
 	if err := t.ready(); err != nil {
 		return fmt.Errorf("transceiver: receive: request %d: %w", req.ID, err)
@@ -775,7 +775,7 @@ func (t *Transceiver) RequestAndReceiveAsync(req *Request) error {
 		return err
 	}
 	if len(req.Blocks) != len(t.ranks) {
-		return fmt.Errorf("transceiver: receive: request %d has blocks for %d ranks, this process hosts %d", req.ID, len(req.Blocks), len(t.ranks))
+		return invalidRequest("transceiver: receive: request %d has blocks for %d ranks, this process hosts %d", req.ID, len(req.Blocks), len(t.ranks))
 	}
 	if req.NumTokens > 0 && op.Tokens > 0 && uint64(req.NumTokens) != op.Tokens {
 		return fmt.Errorf("%w: request %d has %d prompt tokens but context request %d holds the KV cache of %d: the prompt does not belong to this context request",
@@ -864,7 +864,7 @@ func (t *Transceiver) begin(req *Request, s side, ranks []int, st RequestState) 
 			return key, t.groupErr
 		}
 		if _, dup := t.reqs[key]; dup {
-			return key, fmt.Errorf("transceiver: request %d is already in flight", key.id)
+			return key, invalidRequest("transceiver: request %d is already in flight", key.id)
 		}
 		if u, ok := t.unbegun[key]; ok && t.now().Sub(u.at) < t.timeout {
 			return key, fmt.Errorf("%w: request %d already ended on the instance before this process was handed it: %v", ErrCanceled, key.id, u.cause)

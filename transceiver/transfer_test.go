@@ -597,9 +597,64 @@ func TestRespondBlockCounts(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			err := sender.t.RespondAndSendAsync(&Request{ID: 7, Type: ContextOnly, Blocks: tc.blocks})
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("RespondAndSendAsync = %v, want an error with %q", err, tc.want)
+			if err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, ErrInvalidRequest) {
+				t.Errorf("RespondAndSendAsync = %v, want ErrInvalidRequest with %q", err, tc.want)
 			}
 		})
 	}
+}
+
+// TestInvalidRequests: a request the caller got wrong is refused with
+// ErrInvalidRequest (and a message that says what is wrong), nothing
+// started; a request refused for another reason is not.
+func TestInvalidRequests(t *testing.T) {
+	s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
+	sender := newInst(t, s, testCfg(), 16)
+	gen := newInst(t, s, testCfg(), 16)
+	creq, _ := startSend(t, sender, 3, 8)
+	op := creq.ContextPhase
+	for _, tc := range []struct {
+		name string
+		call func() error
+		want string
+	}{
+		{"respond with a generation request", func() error {
+			return sender.t.RespondAndSendAsync(&Request{ID: 1, Type: GenerationOnly, Blocks: [][]kvcache.BlockID{{1}}})
+		}, "want context_only"},
+		{"respond with blocks for two ranks", func() error {
+			return sender.t.RespondAndSendAsync(&Request{ID: 1, Type: ContextOnly, Blocks: [][]kvcache.BlockID{{1}, {2}}})
+		}, "blocks for 2 ranks"},
+		{"respond with a DP rank and no attention DP", func() error {
+			return sender.t.RespondAndSendAsync(&Request{ID: 1, Type: ContextOnly, DPRank: 1, Blocks: [][]kvcache.BlockID{{1}}})
+		}, "without attention DP"},
+		{"respond with an id in flight", func() error {
+			return sender.t.RespondAndSendAsync(&Request{ID: 3, Type: ContextOnly, Blocks: [][]kvcache.BlockID{{1}}})
+		}, "already in flight"},
+		{"receive with a context request", func() error {
+			return gen.t.RequestAndReceiveAsync(&Request{ID: 1, Type: ContextOnly, Blocks: [][]kvcache.BlockID{{1}}, ContextPhase: op})
+		}, "want generation_only"},
+		{"receive without an opaque state", func() error {
+			return gen.t.RequestAndReceiveAsync(&Request{ID: 1, Type: GenerationOnly, Blocks: [][]kvcache.BlockID{{1}}})
+		}, "no context phase params"},
+		{"receive with blocks for two ranks", func() error {
+			return gen.t.RequestAndReceiveAsync(&Request{ID: 1, Type: GenerationOnly, Blocks: [][]kvcache.BlockID{{1}, {2}}, ContextPhase: op})
+		}, "blocks for 2 ranks"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := tc.call()
+			if !errors.Is(err, ErrInvalidRequest) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("%v, want ErrInvalidRequest with %q", err, tc.want)
+			}
+		})
+	}
+	bad := &ContextPhaseParams{CtxRequestID: 3, OpaqueState: []byte("junk")}
+	if err := gen.t.RequestAndReceiveAsync(&Request{ID: 2, Type: GenerationOnly, Blocks: [][]kvcache.BlockID{{1}}, ContextPhase: bad}); !errors.Is(err, ErrBadOpaqueState) || errors.Is(err, ErrInvalidRequest) {
+		t.Errorf("a junk opaque state: %v, want ErrBadOpaqueState and not ErrInvalidRequest", err)
+	}
+	gb := genReqFor(gen, t, creq, 2)
+	if err := gen.t.RequestAndReceiveSync(t.Context(), gb); err != nil {
+		t.Fatalf("the pull after the refusals: %v", err)
+	}
+	gen.release(t, gb.Blocks)
+	waitDone(t, creq, 10*time.Second)
 }

@@ -112,6 +112,9 @@ func TestCodeOf(t *testing.T) {
 		{&Error{Code: CodeUnsupported, Err: errors.New("x")}, CodeUnsupported},
 		{fmt.Errorf("x: %w", transceiver.ErrGroupLost), CodeGroup},
 		{transceiver.ErrNotJoined, CodeGroup},
+		{fmt.Errorf("x: %w", transceiver.ErrStalled), CodePeer},
+		{fmt.Errorf("x: %w", transceiver.ErrInvalidRequest), CodeInvalidArgument},
+		{kvcache.ErrBadBlock, CodeInvalidArgument},
 	} {
 		if got := CodeOf(tc.err); got != tc.want {
 			t.Errorf("CodeOf(%v) = %v, want %v", tc.err, got, tc.want)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
 	"github.com/kvxfer/kvxfer/transceiver"
 )
@@ -106,7 +107,7 @@ func CodeOf(err error) Code {
 		return CodeBadHandle
 	case errors.Is(err, ErrNotFound):
 		return CodeNotFound
-	case errors.Is(err, ErrInvalidArgument):
+	case errors.Is(err, ErrInvalidArgument), errors.Is(err, transceiver.ErrInvalidRequest), errors.Is(err, kvcache.ErrBadBlock):
 		return CodeInvalidArgument
 	case errors.Is(err, ErrInFlight):
 		return CodeInFlight
@@ -126,7 +127,7 @@ func CodeOf(err error) Code {
 	case errors.Is(err, transceiver.ErrClosed):
 		return CodeClosed
 	case errors.Is(err, transceiver.ErrRefused), errors.Is(err, transceiver.ErrPeerAborted),
-		errors.Is(err, transceiver.ErrPeerLost), errors.Is(err, transceiver.ErrTooManyAttempts):
+		errors.Is(err, transceiver.ErrPeerLost), errors.Is(err, transceiver.ErrTooManyAttempts), errors.Is(err, transceiver.ErrStalled):
 		return CodePeer
 	case errors.Is(err, errors.ErrUnsupported):
 		return CodeUnsupported
