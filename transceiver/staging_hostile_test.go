@@ -3,9 +3,11 @@ package transceiver
 import (
 	"bufio"
 	"context"
+	"errors"
 	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -139,4 +141,113 @@ func TestHostileStagingHold(t *testing.T) {
 	if ended(hostile) {
 		t.Errorf("the stalled peer's request ended (%v): a failed pull attempt leaves it pullable", hostile.Err())
 	}
+}
+
+// stalledContext is a context rank of a hostile peer's making: it answers
+// the hello and every request-info with a Ready for staged chunks, takes
+// the chunk descriptors and never sends a byte.
+func stalledContext(t *testing.T, ctxState layout.CacheState) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, _ := ctxState.MarshalBinary()
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var conns []net.Conn
+	wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			conns = append(conns, c)
+			mu.Unlock()
+			wg.Go(func() {
+				br := bufio.NewReader(c)
+				for {
+					f, err := wire.Read(br)
+					if err != nil {
+						return
+					}
+					var out wire.Frame
+					switch f := f.(type) {
+					case *wire.Hello:
+						out = &wire.Hello{Version: wire.Version, State: st, Host: "hostile", Backends: []string{"tcp"}, Endpoints: []string{ln.Addr().String()}}
+					case *wire.RequestInfo:
+						out = &wire.Ready{CtxRequestID: f.CtxRequestID, GenRequestID: f.GenRequestID, ChunkBlocks: f.MaxChunkBlocks}
+					case *wire.Ping:
+						out = &wire.Pong{Nonce: f.Nonce}
+					}
+					if out != nil {
+						b, _ := wire.Append(nil, out)
+						if _, err := c.Write(b); err != nil {
+							return
+						}
+					}
+				}
+			})
+		}
+	})
+	t.Cleanup(func() {
+		ln.Close()
+		mu.Lock()
+		for _, c := range conns {
+			c.Close()
+		}
+		mu.Unlock()
+		wg.Wait()
+	})
+	return ln.Addr().String()
+}
+
+// TestHostileStalledContext: a generation request whose opaque state
+// names a context rank that takes the chunk descriptors and never sends
+// (any client can hand the generation worker such a state when there is
+// no cluster secret; a context worker that hangs does the same) does not
+// hold up other requests' staged receives until its deadline: it gives
+// its receive buffers back after ConnLimits.StagingHold once another
+// receive waits, fails with ErrStalled, and the other request is pulled,
+// bit-exact.
+func TestHostileStalledContext(t *testing.T) {
+	ctxState := state(2, 4, 16, 4, kvcache.BF16, 1, 1, false)
+	genState := state(2, 4, 16, 4, kvcache.BF16, 2, 1, false)
+	cfg := testCfg(func(ct *config.CacheTransceiver) { ct.KVTransferTimeoutMs = 30_000 })
+	sender := newInst(t, ctxState, cfg, 64)
+	gen := newInst(t, genState, cfg, 64, func(o *Options) { o.Limits.StagingHold = 300 * time.Millisecond })
+
+	op := OpaqueState{RequestID: 99, Token: [16]byte{1}, State: ctxState, Endpoints: []string{stalledContext(t, ctxState)}}
+	ops, err := op.MarshalBinary()
+	if err != nil {
+		t.Fatal(err)
+	}
+	hostile := &Request{ID: 99, Type: GenerationOnly, Blocks: gen.alloc(t, 0, 16), ContextPhase: &ContextPhaseParams{CtxRequestID: 99, OpaqueState: ops}}
+	if err := gen.t.RequestAndReceiveAsync(hostile); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 10*time.Second, "both ranks' receive buffers taken", func() bool {
+		return gen.t.ranks[0].recvBufs.InUse() == 1 && gen.t.ranks[1].recvBufs.InUse() == 1
+	})
+
+	creq, l := startSend(t, sender, 2, 4*16)
+	gb := genReqFor(gen, t, creq, 16)
+	start := time.Now()
+	cctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	if err := gen.t.RequestAndReceiveSync(cctx, gb); err != nil {
+		t.Fatalf("the pull behind a stalled context rank: %v", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("the pull took %v behind the stalled receives, want about StagingHold (300ms)", took)
+	}
+	gen.verify(t, l, 0, gb.Blocks)
+	gen.release(t, gb.Blocks)
+	waitDone(t, creq, 10*time.Second)
+	waitDone(t, hostile, 10*time.Second)
+	if !errors.Is(hostile.Err(), ErrStalled) {
+		t.Errorf("the stalled pull ended with %v, want ErrStalled", hostile.Err())
+	}
+	gen.release(t, hostile.Blocks)
 }
