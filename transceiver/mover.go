@@ -24,7 +24,7 @@ func (r *rank) sendPair(ctx context.Context, q *rankReq, e effStartSend, descs <
 	p := e.pair
 	tr := r.transports[p.backend]
 	pair := mover.Pair{Transport: tr, Blocks: q.mem[p.first : p.first+p.n], Plan: p.plan, Chunk: p.chunk, Buffers: r.sendBufs, Check: r.descCheck(tr, e.to),
-		Gather: gatherOK(p.plan, p.chunk)}
+		Gather: gatherOK(p.plan, p.chunk), Owner: q}
 	m := pair.Send(ctx, p.direct, descs)
 	if m.Err == nil && e.readyAfter {
 		r.send(e.to, effReady{gen: e.gen, to: e.to, chunk: p.chunk}.frame())
@@ -59,7 +59,7 @@ func (r *rank) descCheck(tr transport.Transport, to route) func(transport.Descri
 // connection.
 func (r *rank) recvPair(q *rankReq, e effStartRecv) (mover.Moved, event) {
 	s := q.srcs[e.src]
-	pair := mover.Pair{Transport: s.tr, Blocks: q.mem[:e.pair.n], Plan: e.pair.plan, Chunk: e.pair.chunk, Buffers: r.recvBufs}
+	pair := mover.Pair{Transport: s.tr, Blocks: q.mem[:e.pair.n], Plan: e.pair.plan, Chunk: e.pair.chunk, Buffers: r.recvBufs, Owner: q}
 	m := pair.Receive(q.ctx, func(c mover.Chunk) error {
 		return s.conn.Send(&wire.ChunkDesc{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Index: uint32(c.Index), Desc: c.Desc})
 	})

@@ -19,11 +19,13 @@ import (
 // (or sending) would keep it until its request's deadline, and a few such
 // peers would hold up every other request's staged transfers. So a buffer
 // taken with Hold carries a hold limit (HoldLimit): once a holder has kept
-// its buffer past the limit while another caller waits for one, the
-// holder's stop function is called with an error that wraps
-// HoldLimit.Err, and the transfer ends, putting the buffer back. Nobody
-// is stopped while no one waits: a slow transfer that takes nothing from
-// anyone keeps its buffer until its own deadline.
+// its buffer past the limit while a caller for another owner (another
+// request) waits for one, the holder's stop function is called with an
+// error that wraps HoldLimit.Err, and the transfer ends, putting the
+// buffer back. Nobody is stopped while no one waits, nor for a caller of
+// the same owner (stopping one part of a request for another part of it
+// fails the request all the same): a slow transfer that takes nothing
+// from anyone keeps its buffer until its own deadline.
 type Buffers struct {
 	size      int
 	slots     chan []byte // a nil entry is a buffer not yet allocated
@@ -64,46 +66,59 @@ func NewBuffers(count, size int, limit HoldLimit) *Buffers {
 	return p
 }
 
+// Holder is who takes a buffer with Hold or TryHold.
+type Holder struct {
+	// Owner is the request the transfer is part of (any comparable
+	// value; nil: none): a caller never stops a holder of its own owner.
+	Owner any
+	// Bytes is what the transfer moves through the buffer (the hold
+	// limit grows with it).
+	Bytes int64
+	// Stop ends the transfer: it is called at most once, with an error
+	// that wraps the limit's Err, when the lease has been held past the
+	// limit while a caller for another owner waits. nil: never stopped.
+	Stop context.CancelCauseFunc
+}
+
 // Lease is a buffer taken with Hold or TryHold, until Release.
 type Lease struct {
 	// Buf is the buffer, of the pool's size.
 	Buf   []byte
 	p     *Buffers
+	h     Holder
 	since time.Time
 	due   time.Time // since + the hold limit for its bytes
-	n     int64
-	stop  context.CancelCauseFunc
 
 	err  error         // set under p.mu when the holder was stopped
 	done chan struct{} // closed by Release
 }
 
-// Hold waits for a free buffer for a transfer that moves n bytes through
-// it, or for ctx to end (its cause). stop ends the transfer: it is called
-// at most once, with an error that wraps the limit's Err, when the lease
-// has been held past the limit while another caller waits (see Buffers).
-func (p *Buffers) Hold(ctx context.Context, n int64, stop context.CancelCauseFunc) (*Lease, error) {
-	b, err := p.wait(ctx)
+// Hold waits for a free buffer for h, or for ctx to end (its cause);
+// while it waits, it stops holders of other owners that are past their
+// limit (see Buffers).
+func (p *Buffers) Hold(ctx context.Context, h Holder) (*Lease, error) {
+	b, err := p.wait(ctx, h.Owner)
 	if err != nil {
 		return nil, err
 	}
-	return p.lease(b, n, stop), nil
+	return p.lease(b, h), nil
 }
 
 // TryHold is Hold when a buffer is free now.
-func (p *Buffers) TryHold(n int64, stop context.CancelCauseFunc) (*Lease, bool) {
+func (p *Buffers) TryHold(h Holder) (*Lease, bool) {
 	select {
 	case b := <-p.slots:
-		return p.lease(b, n, stop), true
+		return p.lease(b, h), true
 	default:
 		return nil, false
 	}
 }
 
-func (p *Buffers) lease(b []byte, n int64, stop context.CancelCauseFunc) *Lease {
+func (p *Buffers) lease(b []byte, h Holder) *Lease {
+	b = p.take(b) // a first use allocates: not the holder's time
 	now := time.Now()
-	l := &Lease{Buf: p.take(b), p: p, since: now, due: now.Add(p.limit.of(n)), n: n, stop: stop, done: make(chan struct{})}
-	if p.limit.Base > 0 && stop != nil {
+	l := &Lease{Buf: b, p: p, h: h, since: now, due: now.Add(p.limit.of(h.Bytes)), done: make(chan struct{})}
+	if p.limit.Base > 0 && h.Stop != nil {
 		p.mu.Lock()
 		p.held[l] = struct{}{}
 		p.mu.Unlock()
@@ -127,11 +142,11 @@ func (l *Lease) Err() error {
 	return l.err
 }
 
-// wait takes a free buffer, waiting for one, or for ctx to end; while it
-// waits, it stops the holder due earliest once it is past its limit, and
-// another only after that one has given its buffer back (to a waiter that
-// took it first).
-func (p *Buffers) wait(ctx context.Context) ([]byte, error) {
+// wait takes a free buffer for owner, waiting for one, or for ctx to end;
+// while it waits, it stops the holder of another owner due earliest once
+// it is past its limit, and another only after that one has given its
+// buffer back (to a waiter that took it first).
+func (p *Buffers) wait(ctx context.Context, owner any) ([]byte, error) {
 	select {
 	case b := <-p.slots:
 		return b, nil
@@ -159,7 +174,7 @@ func (p *Buffers) wait(ctx context.Context) ([]byte, error) {
 		if stopped != nil {
 			let = stopped.done
 		} else {
-			t.Reset(p.untilDue())
+			t.Reset(p.untilDue(owner))
 			due = t.C
 		}
 		select {
@@ -170,32 +185,38 @@ func (p *Buffers) wait(ctx context.Context) ([]byte, error) {
 		case <-let:
 			stopped = nil
 		case <-due:
-			stopped = p.stopOverdue()
+			stopped = p.stopOverdue(owner)
 		}
 	}
 }
 
-// untilDue is the time until the earliest lease that may be stopped is
-// due; with none, Base (a lease taken in the meantime is due no sooner).
-func (p *Buffers) untilDue() time.Duration {
+// untilDue is the time until the earliest lease that owner's caller may
+// stop is due; with none, Base (a lease taken in the meantime is due no
+// sooner).
+func (p *Buffers) untilDue(owner any) time.Duration {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	now := time.Now()
 	d := p.limit.Base
 	for l := range p.held {
-		d = min(d, l.due.Sub(now))
+		if !l.sameOwner(owner) {
+			d = min(d, l.due.Sub(now))
+		}
 	}
 	return max(d, 0)
 }
 
-// stopOverdue stops the lease due earliest, if it is past due, and
-// returns it.
-func (p *Buffers) stopOverdue() *Lease {
+// sameOwner reports whether l's holder has owner (nil is nobody's).
+func (l *Lease) sameOwner(owner any) bool { return owner != nil && l.h.Owner == owner }
+
+// stopOverdue stops the lease of another owner than owner due earliest,
+// if it is past due, and returns it.
+func (p *Buffers) stopOverdue(owner any) *Lease {
 	p.mu.Lock()
 	now := time.Now()
 	var first *Lease
 	for l := range p.held {
-		if !l.due.After(now) && (first == nil || l.due.Before(first.due)) {
+		if !l.sameOwner(owner) && !l.due.After(now) && (first == nil || l.due.Before(first.due)) {
 			first = l
 		}
 	}
@@ -205,17 +226,17 @@ func (p *Buffers) stopOverdue() *Lease {
 	}
 	delete(p.held, first)
 	first.err = fmt.Errorf("%w: a transfer of %d bytes held a %d-byte staging buffer for %v (limit %v) while another transfer waited for one",
-		p.limit.Err, first.n, p.size, now.Sub(first.since).Round(time.Millisecond), p.limit.of(first.n))
+		p.limit.Err, first.h.Bytes, p.size, now.Sub(first.since).Round(time.Millisecond), p.limit.of(first.h.Bytes))
 	err := first.err
 	p.mu.Unlock()
-	first.stop(err)
+	first.h.Stop(err)
 	return first
 }
 
 // Get waits for a free buffer, or for ctx to end (its cause). Its holder
 // is never stopped (see Hold).
 func (p *Buffers) Get(ctx context.Context) ([]byte, error) {
-	b, err := p.wait(ctx)
+	b, err := p.wait(ctx, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -21,6 +21,10 @@ type Pair struct {
 	Chunk int
 	// Buffers are the staging buffers of this side.
 	Buffers *Buffers
+	// Owner is the request the pair is part of, for the buffers' hold
+	// limit: a transfer never stops another of the same owner to take its
+	// buffer (see Buffers).
+	Owner any
 	// Gather, on the sending side of a staged transfer, sends each chunk
 	// straight from the blocks' spans (vectored) instead of packing it
 	// into a staging buffer: the bytes are the same, the sender makes one
@@ -138,7 +142,7 @@ func (p Pair) sendStaged(ctx context.Context, chunks <-chan Chunk) (int64, int, 
 func (p Pair) sendPacked(ctx context.Context, desc transport.Descriptor, blocks [][]byte, size int64) error {
 	ctx, stop := context.WithCancelCause(ctx)
 	defer stop(nil)
-	l, err := p.Buffers.Hold(ctx, size, stop)
+	l, err := p.Buffers.Hold(ctx, Holder{Owner: p.Owner, Bytes: size, Stop: stop})
 	if err != nil {
 		return err
 	}
@@ -239,10 +243,10 @@ func (w *window) fill(total int) error {
 		var l *Lease
 		if len(w.flight) == 0 {
 			var err error
-			if l, err = w.p.Buffers.Hold(w.ctx, n, w.stop); err != nil {
+			if l, err = w.p.Buffers.Hold(w.ctx, Holder{Owner: w.p.Owner, Bytes: n, Stop: w.stop}); err != nil {
 				return err
 			}
-		} else if l2, ok := w.p.Buffers.TryHold(n, w.stop); ok {
+		} else if l2, ok := w.p.Buffers.TryHold(Holder{Owner: w.p.Owner, Bytes: n, Stop: w.stop}); ok {
 			l = l2
 		} else {
 			return nil

@@ -284,9 +284,9 @@ func TestBuffersHoldLimit(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		p := NewBuffers(2, 64, HoldLimit{Base: time.Second, Rate: 64, Err: errStalled})
 		// hold takes a buffer for n bytes and gives it back when stopped.
-		hold := func(n int64) (*Lease, context.Context) {
+		hold := func(n int64) (*Lease, context.Context, context.CancelCauseFunc) {
 			ctx, stop := context.WithCancelCause(t.Context())
-			l, err := p.Hold(ctx, n, stop)
+			l, err := p.Hold(ctx, Holder{Owner: "holders", Bytes: n, Stop: stop})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -294,17 +294,17 @@ func TestBuffersHoldLimit(t *testing.T) {
 				<-ctx.Done()
 				l.Release()
 			}()
-			return l, ctx
+			return l, ctx, stop
 		}
-		a, actx := hold(64) // due after 2 s
-		b, bctx := hold(0)  // due after 1 s
+		a, actx, _ := hold(64) // due after 2 s
+		b, bctx, _ := hold(0)  // due after 1 s
 		time.Sleep(time.Minute)
 		if actx.Err() != nil || bctx.Err() != nil {
 			t.Fatal("a holder was stopped while nobody waited")
 		}
 
 		start := time.Now()
-		w, err := p.Hold(t.Context(), 0, nil) // both overdue: the earliest due (b) goes first, at once
+		w, err := p.Hold(t.Context(), Holder{}) // both overdue: the earliest due (b) goes first, at once
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -318,7 +318,7 @@ func TestBuffersHoldLimit(t *testing.T) {
 			t.Errorf("Lease.Err: b %v, a %v", b.Err(), a.Err())
 		}
 		// a, overdue, is the next waiter's to stop, at once.
-		w2, err := p.Hold(t.Context(), 0, nil)
+		w2, err := p.Hold(t.Context(), Holder{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -327,10 +327,10 @@ func TestBuffersHoldLimit(t *testing.T) {
 		}
 		w2.Release()
 
-		c, cctx := hold(128) // held with w: c is due after 1 s + 128 bytes at 64/s
+		c, cctx, _ := hold(128) // held with w: c is due after 1 s + 128 bytes at 64/s
 		_ = c
 		start = time.Now()
-		w3, err := p.Hold(t.Context(), 0, nil)
+		w3, err := p.Hold(t.Context(), Holder{})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -347,12 +347,31 @@ func TestBuffersHoldLimit(t *testing.T) {
 			t.Errorf("%d buffers in use at the end", p.InUse())
 		}
 
+		// A waiter of the holder's own request does not stop it; one of
+		// another does.
+		_, dctx, dstop := hold(0)
+		_, ectx, estop := hold(0)
+		time.Sleep(time.Minute)
+		ctx3, cancel3 := context.WithTimeout(t.Context(), time.Hour)
+		defer cancel3()
+		if _, err := p.Hold(ctx3, Holder{Owner: "holders"}); !errors.Is(err, context.DeadlineExceeded) || dctx.Err() != nil || ectx.Err() != nil {
+			t.Errorf("a waiter of the holders' own request: %v, holders %v and %v; want its deadline, holders untouched", err, dctx.Err(), ectx.Err())
+		}
+		w4, err := p.Hold(t.Context(), Holder{Owner: "another"})
+		if err != nil || (dctx.Err() == nil) == (ectx.Err() == nil) {
+			t.Errorf("a waiter of another request: %v, holders %v and %v; want one stopped", err, dctx.Err(), ectx.Err())
+		}
+		w4.Release()
+		dstop(nil) // the one not stopped gives its buffer back
+		estop(nil)
+		synctest.Wait()
+
 		// Get's holders are never stopped; a waiter waits for its deadline.
 		g1, _ := p.Get(t.Context())
 		g2, _ := p.Get(t.Context())
 		ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
 		defer cancel()
-		if _, err := p.Hold(ctx, 0, nil); !errors.Is(err, context.DeadlineExceeded) {
+		if _, err := p.Hold(ctx, Holder{}); !errors.Is(err, context.DeadlineExceeded) {
 			t.Errorf("a wait behind Get's holders: %v, want its deadline", err)
 		}
 		p.Put(g1)
@@ -362,10 +381,10 @@ func TestBuffersHoldLimit(t *testing.T) {
 		q := NewBuffers(1, 64, HoldLimit{Err: errStalled})
 		qctx, qstop := context.WithCancelCause(t.Context())
 		defer qstop(nil)
-		l, _ := q.Hold(qctx, 0, qstop)
+		l, _ := q.Hold(qctx, Holder{Bytes: 0, Stop: qstop})
 		ctx2, cancel2 := context.WithTimeout(t.Context(), time.Hour)
 		defer cancel2()
-		if _, err := q.Hold(ctx2, 0, nil); !errors.Is(err, context.DeadlineExceeded) || qctx.Err() != nil {
+		if _, err := q.Hold(ctx2, Holder{}); !errors.Is(err, context.DeadlineExceeded) || qctx.Err() != nil {
 			t.Errorf("without a limit: wait %v, holder %v; want the deadline and the holder untouched", err, qctx.Err())
 		}
 		l.Release()
