@@ -34,7 +34,8 @@
 // LoadFile reads a regular file or a named pipe (process substitution),
 // up to MaxFileSize; a pipe's writer is waited for at most PipeTimeout,
 // so that a pipe nobody writes to fails naming it rather than block the
-// CLI or the C ABI's caller for ever.
+// CLI or the C ABI's caller for ever. Security.LoadSecret and
+// EtcdClient.LoadPassword read their files the same way.
 //
 // config does not know which backends a binary was built with: callers pass
 // that in (see ResolveBackend), so resolution stays a pure function.

@@ -67,6 +67,20 @@ func loadFileWithin(path string, env Env, pipeWait time.Duration) (*File, error)
 	return LoadBytes(path, data, env)
 }
 
+// readUpTo reads the file at path, at most limit bytes: a named pipe
+// within pipeWait (readPipe), anything else as it is.
+func readUpTo(path string, limit int64, pipeWait time.Duration) ([]byte, error) {
+	if fi, err := os.Stat(path); err == nil && fi.Mode()&os.ModeNamedPipe != 0 {
+		return readPipe(path, limit, pipeWait)
+	}
+	fh, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer fh.Close()
+	return io.ReadAll(io.LimitReader(fh, limit))
+}
+
 func describeOSError(err error) string {
 	var pe *os.PathError
 	if errors.As(err, &pe) {

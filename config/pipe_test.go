@@ -3,6 +3,7 @@
 package config
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -35,40 +36,45 @@ func mkfifo(t *testing.T) string {
 	return p
 }
 
-// loadPipe runs loadFileWithin on the pipe at p in a goroutine and returns
-// its result and how long it took; when it is still blocked after the
-// bound and the slack, the test fails and the call is released: by
-// release when not nil, else by a writer that comes and goes.
+// loadPipe runs loadFileWithin on the pipe at p (see readPipeBounded).
 func loadPipe(t *testing.T, p string, release func()) (*File, time.Duration, error) {
 	t.Helper()
-	type result struct {
-		f   *File
-		err error
-	}
-	done := make(chan result, 1)
+	var f *File
+	took, err := readPipeBounded(t, p, release, func() error {
+		var err error
+		f, err = loadFileWithin(p, Env{}, pipeTestWait)
+		return err
+	})
+	return f, took, err
+}
+
+// readPipeBounded runs read, which reads the pipe at p, in a goroutine and
+// returns its error and how long it took; when it is still blocked after
+// the bound and the slack, the test fails and the read is released: by
+// release when not nil, else by a writer that comes and goes.
+func readPipeBounded(t *testing.T, p string, release func(), read func() error) (time.Duration, error) {
+	t.Helper()
+	done := make(chan error, 1)
 	start := time.Now()
-	go func() {
-		f, err := loadFileWithin(p, Env{}, pipeTestWait)
-		done <- result{f, err}
-	}()
+	go func() { done <- read() }()
 	select {
-	case r := <-done:
-		return r.f, time.Since(start), r.err
+	case err := <-done:
+		return time.Since(start), err
 	case <-time.After(pipeTestWait + pipeTestSlack):
 	}
-	t.Errorf("LoadFile of a named pipe still blocked after %v", time.Since(start))
+	t.Errorf("a read of a named pipe still blocked after %v", time.Since(start))
 	if release != nil {
 		release()
 	} else if w, err := os.OpenFile(p, os.O_WRONLY, 0); err == nil {
 		w.Close()
 	}
 	select {
-	case r := <-done:
-		return r.f, time.Since(start), r.err
+	case err := <-done:
+		return time.Since(start), err
 	case <-time.After(pipeTestSlack):
-		t.Fatalf("LoadFile of a named pipe still blocked after its writer closed")
+		t.Fatalf("a read of a named pipe still blocked after its writer closed")
 	}
-	return nil, 0, nil
+	return 0, nil
 }
 
 // writePipe opens the pipe at p for writing after delay, writes data and
@@ -167,5 +173,45 @@ func TestPipeTooLarge(t *testing.T) {
 		t.Logf("the writer: %v", werr)
 	case <-time.After(pipeTestSlack):
 		t.Fatalf("the writer of a pipe too large is still blocked")
+	}
+}
+
+// TestHostilePipeSecretFiles: security.secret_file and
+// security.etcd.password_file are bounded as a config file is: a named
+// pipe nobody writes to fails within the bound, naming it; one with a
+// writer is read.
+func TestHostilePipeSecretFiles(t *testing.T) {
+	secret := strings.Repeat("s", MinSecretBytes)
+	for _, tc := range []struct {
+		name string
+		read func(p string) error
+	}{
+		{"secret_file", func(p string) error {
+			b, _, err := (&Security{SecretFile: p}).loadSecret(Env{}, pipeTestWait)
+			if err == nil && string(b) != secret {
+				return fmt.Errorf("read %q", b)
+			}
+			return err
+		}},
+		{"password_file", func(p string) error {
+			pw, err := EtcdClient{PasswordFile: p}.loadPassword(pipeTestWait)
+			if err == nil && pw != secret {
+				return fmt.Errorf("read %q", pw)
+			}
+			return err
+		}},
+	} {
+		p := mkfifo(t)
+		took, err := readPipeBounded(t, p, nil, func() error { return tc.read(p) })
+		t.Logf("%s, no writer: %v after %v", tc.name, err, took)
+		if err == nil || !strings.Contains(err.Error(), p) || !strings.Contains(err.Error(), "named pipe") {
+			t.Errorf("%s, no writer: %v, want an error naming %s as a named pipe", tc.name, err, p)
+		}
+		p = mkfifo(t)
+		errc := writePipe(p, 0, secret+"\n")
+		if _, err := readPipeBounded(t, p, nil, func() error { return tc.read(p) }); err != nil {
+			t.Errorf("%s, with a writer: %v", tc.name, err)
+		}
+		<-errc
 	}
 }
