@@ -1091,9 +1091,11 @@ func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response
 // within HealthReuse after it ended get its results, so that /health costs
 // the workers at most one probe each per HealthReuse, however many clients
 // ask. A round is not reused once workers joined or left, or the router
-// marked one down or re-admitted one (which its own requests and probes
-// do, at most twice per worker per ProbeInterval). A worker that goes down
-// shows in /health within HealthReuse plus HealthTimeout.
+// marked one down or re-admitted one: a client brings that about only with
+// a request that fails on a worker marked up, so such rounds are at most
+// two per failed request, whose own upstream request costs as much. A
+// worker that goes down shows in /health within HealthReuse plus
+// HealthTimeout.
 const HealthReuse = time.Second
 
 // healthRound is one round of probes of every worker for /health.
@@ -1133,9 +1135,9 @@ func (r *Router) healthRound() (rd *healthRound, lead bool) {
 	return r.hlast, true
 }
 
-// runHealthRound probes every worker of rd at once, each within HealthTimeout (one
-// stalled worker delays no other), and re-admits those marked down that
-// answer. The probes belong to the router, not to the caller that runs
+// runHealthRound probes every worker of rd at once, each within
+// HealthTimeout (one stalled worker delays no other), and re-admits those
+// marked down that answer. The probes belong to the router, not to the caller that runs
 // them: they run until they end or the router closes.
 func (r *Router) runHealthRound(rd *healthRound) {
 	var wg sync.WaitGroup
