@@ -31,6 +31,12 @@
 // the block's shape; the secret file is read by Security.LoadSecret and the
 // TLS files where TLS is set up, not at load.
 //
+// LoadFile reads a regular file or a named pipe (process substitution),
+// up to MaxFileSize; a pipe's writer is waited for at most PipeTimeout,
+// so that a pipe nobody writes to fails naming it rather than block the
+// CLI or the C ABI's caller for ever. Security.LoadSecret and
+// EtcdClient.LoadPassword read their files the same way.
+//
 // config does not know which backends a binary was built with: callers pass
 // that in (see ResolveBackend), so resolution stays a pure function.
 package config

@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -20,9 +21,22 @@ import (
 // before it is parsed.
 const MaxFileSize = 1 << 20
 
+// PipeTimeout bounds how long LoadFile waits for the writer of a named
+// pipe (`kvxfer config check <(render-config)`): for the first data, or
+// for the writer to close it empty, and then for each read. A pipe that
+// nobody writes to is an error naming it, not a wait without end.
+const PipeTimeout = 10 * time.Second
+
 // LoadFile reads and loads the config file at path with the environment
-// snapshot env. See LoadBytes.
+// snapshot env: a regular file, or a named pipe (process substitution),
+// which it reads within PipeTimeout. Either is read up to MaxFileSize. See
+// LoadBytes.
 func LoadFile(path string, env Env) (*File, error) {
+	return loadFileWithin(path, env, PipeTimeout)
+}
+
+// loadFileWithin is LoadFile with pipeWait in place of PipeTimeout.
+func loadFileWithin(path string, env Env, pipeWait time.Duration) (*File, error) {
 	fi, err := os.Stat(path)
 	if err != nil {
 		return nil, fileError(path, describeOSError(err))
@@ -30,19 +44,41 @@ func LoadFile(path string, env Env) (*File, error) {
 	if fi.IsDir() {
 		return nil, fileError(path, "is a directory, not a config file")
 	}
-	if !fi.Mode().IsRegular() && fi.Mode()&os.ModeNamedPipe == 0 {
+	var data []byte
+	switch {
+	case fi.Mode().IsRegular():
+		fh, err := os.Open(path)
+		if err != nil {
+			return nil, fileError(path, describeOSError(err))
+		}
+		defer fh.Close()
+		data, err = io.ReadAll(io.LimitReader(fh, MaxFileSize+1))
+		if err != nil {
+			return nil, fileError(path, describeOSError(err))
+		}
+	case fi.Mode()&os.ModeNamedPipe != 0:
+		data, err = readPipe(path, MaxFileSize+1, pipeWait)
+		if err != nil {
+			return nil, fileError(path, describeOSError(err))
+		}
+	default:
 		return nil, fileError(path, "is not a regular file")
+	}
+	return LoadBytes(path, data, env)
+}
+
+// readUpTo reads the file at path, at most limit bytes: a named pipe
+// within pipeWait (readPipe), anything else as it is.
+func readUpTo(path string, limit int64, pipeWait time.Duration) ([]byte, error) {
+	if fi, err := os.Stat(path); err == nil && fi.Mode()&os.ModeNamedPipe != 0 {
+		return readPipe(path, limit, pipeWait)
 	}
 	fh, err := os.Open(path)
 	if err != nil {
-		return nil, fileError(path, describeOSError(err))
+		return nil, err
 	}
 	defer fh.Close()
-	data, err := io.ReadAll(io.LimitReader(fh, MaxFileSize+1))
-	if err != nil {
-		return nil, fileError(path, describeOSError(err))
-	}
-	return LoadBytes(path, data, env)
+	return io.ReadAll(io.LimitReader(fh, limit))
 }
 
 func describeOSError(err error) string {

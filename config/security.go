@@ -4,12 +4,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"net/netip"
-	"os"
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 
 	"go.yaml.in/yaml/v3"
 )
@@ -86,17 +85,16 @@ type EtcdClient struct {
 }
 
 // LoadPassword reads the password of Username from PasswordFile (trailing
-// white space trimmed); "" when no file is named.
-func (e EtcdClient) LoadPassword() (string, error) {
+// white space trimmed); "" when no file is named. A named pipe is read
+// within PipeTimeout, as LoadFile reads one.
+func (e EtcdClient) LoadPassword() (string, error) { return e.loadPassword(PipeTimeout) }
+
+// loadPassword is LoadPassword with pipeWait in place of PipeTimeout.
+func (e EtcdClient) loadPassword(pipeWait time.Duration) (string, error) {
 	if e.PasswordFile == "" {
 		return "", nil
 	}
-	fh, err := os.Open(e.PasswordFile)
-	if err != nil {
-		return "", fmt.Errorf("config: security.etcd.password_file %s: %s", e.PasswordFile, describeOSError(err))
-	}
-	defer fh.Close()
-	b, err := io.ReadAll(io.LimitReader(fh, maxSecretFile+1))
+	b, err := readUpTo(e.PasswordFile, maxSecretFile+1, pipeWait)
 	switch {
 	case err != nil:
 		return "", fmt.Errorf("config: security.etcd.password_file %s: %s", e.PasswordFile, describeOSError(err))
@@ -136,18 +134,17 @@ var ErrNoSecret = errors.New("config: cluster secret not found")
 //
 // The content is trimmed of white space; when what is left is an even
 // number of hex digits it is hex-decoded, else used as it is. The result
-// must be at least MinSecretBytes long.
-func (s *Security) LoadSecret(env Env) ([]byte, string, error) {
+// must be at least MinSecretBytes long. A named pipe is read within
+// PipeTimeout, as LoadFile reads one.
+func (s *Security) LoadSecret(env Env) ([]byte, string, error) { return s.loadSecret(env, PipeTimeout) }
+
+// loadSecret is LoadSecret with pipeWait in place of PipeTimeout.
+func (s *Security) loadSecret(env Env, pipeWait time.Duration) ([]byte, string, error) {
 	var raw, source string
 	switch {
 	case s.SecretFile != "":
 		source = "file " + s.SecretFile
-		fh, err := os.Open(s.SecretFile)
-		if err != nil {
-			return nil, source, fmt.Errorf("config: security.secret_file %s: %s", s.SecretFile, describeOSError(err))
-		}
-		defer fh.Close()
-		b, err := io.ReadAll(io.LimitReader(fh, maxSecretFile+1))
+		b, err := readUpTo(s.SecretFile, maxSecretFile+1, pipeWait)
 		if err != nil {
 			return nil, source, fmt.Errorf("config: security.secret_file %s: %s", s.SecretFile, describeOSError(err))
 		}

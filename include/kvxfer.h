@@ -197,7 +197,8 @@ const char *kvxfer_last_error(void);
  * library was loaded with) opaque states are signed and checked; without
  * one the transceiver says once, on stderr, that it is unauthenticated. kvxfer_config_load_yaml takes the
  * YAML text (len bytes; JSON is YAML too), named name in messages (NULL:
- * "config"); kvxfer_config_load_file a path. Free with kvxfer_config_free
+ * "config"); kvxfer_config_load_file a path (a named pipe: its writer's
+ * data is waited for at most 10 s, else an error naming it). Free with kvxfer_config_free
  * (idempotent); transceivers made from it stay valid. */
 int kvxfer_config_load_yaml(const char *text, size_t len, const char *name, uint64_t *config);
 int kvxfer_config_load_file(const char *path, uint64_t *config);

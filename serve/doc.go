@@ -45,6 +45,10 @@
 // ReuseToken(secret) when the cluster has a secret: they tell what other
 // users' prompts share with one's own.
 //
+// The router's /health probes every worker in one round that all its
+// callers share, and answers from that round for HealthReuse after it,
+// so that its clients cannot multiply the probes the workers get.
+//
 // HTTP servers (worker, router) run within HTTPLimits: a total and a
 // per-client-host cap on open connections (the excess is refused at once),
 // a keep-alive idle timeout and a header timeout; kvxfer_connections_*

@@ -298,6 +298,13 @@ type Router struct {
 	probes    sync.WaitGroup
 	closeOnce sync.Once
 
+	// hlast is /health's newest round of probes, in flight or ended
+	// (HealthReuse); hmu guards it. hepoch counts the workers marked down
+	// or re-admitted: a round is not reused across a change.
+	hmu    sync.Mutex
+	hlast  *healthRound
+	hepoch atomic.Uint64
+
 	cluster *routerCluster // nil without disagg_cluster
 	tls     bool           // worker URLs need https://
 
@@ -454,8 +461,9 @@ func (r *Router) Handler() http.Handler {
 	return countCodes(mux, r.m.HTTPRequests)
 }
 
-// Close stops the probes of workers marked down and closes the idle
-// upstream connections. Requests in flight finish. Idempotent.
+// Close stops the probes of workers marked down and a round of /health's
+// in flight (see HealthReuse), and closes the idle upstream connections.
+// Requests in flight finish. Idempotent.
 func (r *Router) Close() {
 	r.closeOnce.Do(func() {
 		r.stop()
@@ -952,6 +960,7 @@ func (r *Router) markDown(g *group, s *upstream, why string) {
 	if was {
 		return
 	}
+	r.hepoch.Add(1)
 	r.updateWorkerGauge()
 	if strings.HasPrefix(why, whyConnect) {
 		// "worker unreachable" says it already, rate-limited.
@@ -970,6 +979,7 @@ func (r *Router) markUp(g *group, s *upstream) {
 	s.reason = ""
 	s.mu.Unlock()
 	if was {
+		r.hepoch.Add(1)
 		r.updateWorkerGauge()
 		r.log.Info("worker answers again: re-admitted", "role", g.name, "url", s.url)
 	}
@@ -1075,12 +1085,87 @@ func (r *Router) get(ctx context.Context, g *group, path string) (*http.Response
 	return nil, fmt.Errorf("no %s server answered GET %s: %w", g.name, path, errors.Join(errs...))
 }
 
-// health probes every worker at once, each within HealthTimeout (one
-// stalled worker delays no other), and answers 200 when at least one
-// context and one generation worker answered their /health with 200, else
-// 503; the body lists every worker: healthy, its error, and whether the
-// router has it marked down (and why, since when). A worker marked down
-// that answers is re-admitted.
+// HealthReuse is how long the router's /health answers from one round of
+// probes. A round probes every worker at once, each within HealthTimeout;
+// the calls that arrive while it runs wait for it, and those that arrive
+// within HealthReuse after it ended get its results, so that /health costs
+// the workers at most one probe each per HealthReuse, however many clients
+// ask. A round is not reused once workers joined or left, or the router
+// marked one down or re-admitted one: a client brings that about only with
+// a request that fails on a worker marked up, so such rounds are at most
+// two per failed request, whose own upstream request costs as much. A
+// worker that goes down shows in /health within HealthReuse plus
+// HealthTimeout.
+const HealthReuse = time.Second
+
+// healthRound is one round of probes of every worker for /health.
+type healthRound struct {
+	done    chan struct{}  // closed when every probe has ended
+	servers [2][]*upstream // the context and generation servers probed
+	epoch   uint64         // Router.hepoch when it started
+	res     [2][]probeResult
+	at      time.Time // when the probes ended
+}
+
+// probeResult is one worker's answer to a round's probe.
+type probeResult struct {
+	err     error
+	latency time.Duration
+}
+
+// healthRound returns the round /health answers from: the one in flight,
+// else the last one when it ended within HealthReuse, probed the servers
+// of now and no worker was marked down or re-admitted since it started,
+// else a new one, which the caller runs (lead).
+func (r *Router) healthRound() (rd *healthRound, lead bool) {
+	r.hmu.Lock()
+	defer r.hmu.Unlock()
+	now, epoch := [2][]*upstream{r.prefill.list(), r.gen.list()}, r.hepoch.Load()
+	if rd := r.hlast; rd != nil {
+		select {
+		case <-rd.done:
+			if time.Since(rd.at) < HealthReuse && rd.epoch == epoch && slices.Equal(rd.servers[0], now[0]) && slices.Equal(rd.servers[1], now[1]) {
+				return rd, false
+			}
+		default:
+			return rd, false
+		}
+	}
+	r.hlast = &healthRound{done: make(chan struct{}), servers: now, epoch: epoch}
+	return r.hlast, true
+}
+
+// runHealthRound probes every worker of rd at once, each within
+// HealthTimeout (one stalled worker delays no other), and re-admits those
+// marked down that answer. The probes belong to the router, not to the caller that runs
+// them: they run until they end or the router closes.
+func (r *Router) runHealthRound(rd *healthRound) {
+	var wg sync.WaitGroup
+	for gi, g := range []*group{r.prefill, r.gen} {
+		rd.res[gi] = make([]probeResult, len(rd.servers[gi]))
+		for i, s := range rd.servers[gi] {
+			wg.Go(func() {
+				start := time.Now()
+				err := r.checkHealth(r.life, s)
+				rd.res[gi][i] = probeResult{err: err, latency: time.Since(start)}
+				if err == nil {
+					r.markUp(g, s)
+				}
+			})
+		}
+	}
+	wg.Wait()
+	rd.at = time.Now()
+	close(rd.done)
+}
+
+// health answers 200 when at least one context and one generation worker
+// answered their /health with 200 in the round it answers from (see
+// HealthReuse), else 503; the body lists every worker: healthy, its error,
+// and whether the router has it marked down (and why, since when; read at
+// the call), and checked_at says when the round ended. A worker marked
+// down that answers is re-admitted. A caller that leaves while the round
+// runs gets no answer; the round goes on for the others.
 func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 	type state struct {
 		URL        string  `json:"url"`
@@ -1091,30 +1176,30 @@ func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 		DownReason string  `json:"down_reason,omitempty"`
 		DownSince  string  `json:"down_since,omitempty"`
 	}
-	groups := []*group{r.prefill, r.gen}
-	out := make([][]state, len(groups))
-	var wg sync.WaitGroup
-	for gi, g := range groups {
-		servers := g.list()
-		out[gi] = make([]state, len(servers))
-		for i, s := range servers {
-			wg.Go(func() {
-				start := time.Now()
-				err := r.checkHealth(req.Context(), s)
-				st := state{URL: s.url, Healthy: err == nil, LatencyMs: msOf(time.Since(start))}
-				if err != nil {
-					st.Error = err.Error()
-				} else {
-					r.markUp(g, s)
-				}
-				if down, why, since := s.state(); down {
-					st.MarkedDown, st.DownReason, st.DownSince = true, why, since.UTC().Format(time.RFC3339Nano)
-				}
-				out[gi][i] = st
-			})
+	rd, lead := r.healthRound()
+	if lead {
+		r.runHealthRound(rd)
+	}
+	select {
+	case <-rd.done:
+	case <-req.Context().Done():
+		return
+	}
+	var out [2][]state
+	for gi := range rd.servers {
+		out[gi] = make([]state, len(rd.servers[gi]))
+		for i, s := range rd.servers[gi] {
+			res := rd.res[gi][i]
+			st := state{URL: s.url, Healthy: res.err == nil, LatencyMs: msOf(res.latency)}
+			if res.err != nil {
+				st.Error = res.err.Error()
+			}
+			if down, why, since := s.state(); down {
+				st.MarkedDown, st.DownReason, st.DownSince = true, why, since.UTC().Format(time.RFC3339Nano)
+			}
+			out[gi][i] = st
 		}
 	}
-	wg.Wait()
 	anyHealthy := func(ss []state) bool {
 		for _, s := range ss {
 			if s.Healthy {
@@ -1127,7 +1212,7 @@ func (r *Router) health(w http.ResponseWriter, req *http.Request) {
 	if !anyHealthy(out[0]) || !anyHealthy(out[1]) {
 		code, status = http.StatusServiceUnavailable, "unavailable"
 	}
-	body := map[string]any{"status": status, "context_servers": out[0], "generation_servers": out[1]}
+	body := map[string]any{"status": status, "context_servers": out[0], "generation_servers": out[1], "checked_at": rd.at.UTC().Format(time.RFC3339Nano)}
 	if r.cluster != nil {
 		ci := r.clusterState()
 		body["cluster"] = ci

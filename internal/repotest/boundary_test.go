@@ -60,9 +60,11 @@ var boundaries = []rule{
 	// (WorkerOptions.WrapDataPlane, fault injection) to the transceiver.
 	// It hashes prompts as the KV cache does (kvcache.HashBlocks) for the
 	// kv_cache_aware router, which matches them to the workers' events.
+	// Its tests of the router's timing run under testing/synctest over
+	// internal/memnet.
 	{pkg: "serve", may: []string{"engine", "transceiver", "config", "metrics", "internal/netlimit", "internal/tlsconf",
 		"membership", "membership/memstore", "layout", "transport", "kvcache"},
-		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf", "internal/freeport"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
+		tests: []string{"transport/tcp", "transport/ucx", "internal/syncbuf", "internal/freeport", "internal/memnet"}, ext: []string{"github.com/prometheus/client_golang/prometheus"}},
 	// engine's tests wire real transceivers between instances, as serve
 	// does: they build the config and register the tcp data plane.
 	// Its transfer-failure logs are rate-limited (netlimit.RateLog), which
@@ -117,7 +119,9 @@ var boundaries = []rule{
 	{pkg: "layout", may: []string{"kvcache", "internal/memcopy"}},
 	// Shared-memory arenas are memory files (internal/memfd).
 	{pkg: "kvcache", may: []string{"internal/memfd"}},
-	{pkg: "config", ext: []string{"go.yaml.in/yaml/v3"}},
+	// It polls a named pipe given as a config file for a writer
+	// (x/sys/unix's poll), so that one with none does not block it.
+	{pkg: "config", ext: []string{"go.yaml.in/yaml/v3", "golang.org/x/sys/unix"}},
 	{pkg: "metrics", ext: []string{"github.com/prometheus/client_golang/..."}},
 	// Dynamic membership (disagg_cluster): the contract, Member and View,
 	// on nothing of the module.
