@@ -157,7 +157,13 @@
 //     block reuse the cached prefix is pinned first and only the rest is
 //     allocated). generation_only requests start their pull
 //     (RequestAndReceiveAsync) into the blocks of their prompt that their
-//     cached prefix does not cover.
+//     cached prefix does not cover. When the head of the queue does not
+//     fit and held context_only requests keep the blocks, the oldest held
+//     request nobody has begun to pull (transceiver.Transceiver.Pulling)
+//     and that has been held Options.ReleaseUnpulledAfter (2 s) is
+//     released, one at a time, and the scheduler waits for its blocks
+//     (or until the next one is due): a client that never pulls what it
+//     asked for holds the pool for seconds, not kv_transfer_timeout_ms.
 //  4. Admitted context phases are prefilled (up to MaxPrefillTokens prompt
 //     tokens computed per iteration: a cached prefix does not count) and
 //     their first token sampled. A context_only

@@ -25,6 +25,9 @@ const (
 	DefaultMaxQueue         = 1024
 	DefaultMaxPrefillTokens = 4096
 	DefaultMaxTokens        = 16
+	// DefaultReleaseUnpulledAfter is Options.ReleaseUnpulledAfter's
+	// default.
+	DefaultReleaseUnpulledAfter = 2 * time.Second
 	// MaxStopStrings bounds Request.Stop (OpenAI allows 4).
 	MaxStopStrings = 16
 	// MaxStopLen bounds the length of one stop string, in bytes.
@@ -54,6 +57,18 @@ type Options struct {
 	MaxPrefillTokens int
 	// DefaultMaxTokens applies to requests with MaxTokens 0; default 16.
 	DefaultMaxTokens int
+	// ReleaseUnpulledAfter frees the blocks of context requests nobody has
+	// come for when other requests need them: while a request waits for
+	// blocks that held context_only requests keep, the oldest held request
+	// that no generation instance has begun to pull
+	// (transceiver.Transceiver.Pulling) and that has been held this long
+	// is released, one at a time (a pull of it that comes later is
+	// refused as for an unknown request). Without it, any client of the
+	// context worker could hold the pool with context_only requests it
+	// never pulls, each for kv_transfer_timeout_ms. Default
+	// DefaultReleaseUnpulledAfter; negative: held requests are kept until
+	// their deadline.
+	ReleaseUnpulledAfter time.Duration
 	// Logger receives the engine's logs; nil discards them.
 	Logger *slog.Logger
 	// Now is the clock of the timings; nil means time.Now.
@@ -116,7 +131,10 @@ type Engine struct {
 	waitCancel context.CancelFunc // interrupts the scheduler's idle wait
 	stats      Stats
 	held       map[uint64]*transceiver.Request // context_only requests the transceiver holds, by ctx_request_id
+	heldAt     map[uint64]time.Time            // when each held request was handed over
 	released   map[uint64]bool                 // held requests cancelled by CancelContext: their end is no failure
+	unpulled   map[uint64]bool                 // held requests released for waiting requests (ReleaseUnpulledAfter), until they end
+	unpulledN  uint64                          // such releases so far
 
 	// Owned by the scheduler goroutine.
 	waiting      []*request
@@ -164,6 +182,9 @@ type Stats struct {
 	CachedTokens    uint64
 	BlocksPublished uint64
 	BlocksEvicted   uint64
+	// UnpulledReleased counts the held context requests released for
+	// waiting requests before anyone pulled them (ReleaseUnpulledAfter).
+	UnpulledReleased uint64
 }
 
 // request is the scheduler's record of one request.
@@ -219,9 +240,12 @@ func New(inst *Instance, opts Options) (*Engine, error) {
 	if opts.DefaultMaxTokens <= 0 {
 		opts.DefaultMaxTokens = DefaultMaxTokens
 	}
+	if opts.ReleaseUnpulledAfter == 0 {
+		opts.ReleaseUnpulledAfter = DefaultReleaseUnpulledAfter
+	}
 	e := &Engine{inst: inst, tr: opts.Transceiver, opts: opts, log: opts.Logger, now: opts.Now,
 		done: make(chan struct{}), transferring: map[*transceiver.Request]*request{}, held: map[uint64]*transceiver.Request{},
-		released: map[uint64]bool{}}
+		heldAt: map[uint64]time.Time{}, released: map[uint64]bool{}, unpulled: map[uint64]bool{}}
 	if e.log == nil {
 		e.log = slog.New(slog.DiscardHandler)
 	}
@@ -573,6 +597,7 @@ func (e *Engine) publish() {
 		PromptTokens: e.reuse.promptTokens, CachedTokens: e.reuse.cachedTokens, BlocksPublished: e.reuse.published,
 		BlocksEvicted: e.inst.pools[0].Stats().Evictions}
 	e.mu.Lock()
+	st.UnpulledReleased = e.unpulledN
 	e.stats = st
 	e.mu.Unlock()
 }
@@ -635,10 +660,19 @@ func (e *Engine) idle() {
 	prefillBlocked := e.tr != nil && len(e.waiting) > 0 && e.tr.PendingContext() > 0
 	var wctx context.Context
 	var cancel context.CancelFunc
-	if len(e.draining) > 0 || (genPending && prefillBlocked) {
+	switch {
+	case len(e.draining) > 0 || (genPending && prefillBlocked):
 		// Two sources (or a draining request) to watch: poll.
 		wctx, cancel = context.WithTimeout(e.life, pollInterval)
-	} else {
+	case prefillBlocked:
+		// Wake when a held request becomes one to release for the
+		// waiting ones (ReleaseUnpulledAfter), if before a transfer ends.
+		if d, ok := e.nextUnpulledDue(); ok {
+			wctx, cancel = context.WithTimeout(e.life, max(d, time.Millisecond))
+		} else {
+			wctx, cancel = context.WithCancel(e.life)
+		}
+	default:
 		wctx, cancel = context.WithCancel(e.life)
 	}
 	defer cancel()
@@ -728,6 +762,7 @@ func (e *Engine) admit() []*request {
 			m.drop(e.inst.pools)
 			seq.Release()
 			if errors.Is(err, kvcache.ErrPoolExhausted) {
+				e.releaseUnpulled()
 				break
 			}
 			e.finish(r, FinishError, err)
@@ -752,6 +787,80 @@ func (e *Engine) admit() []*request {
 	clear(e.waiting[:n])
 	e.waiting = e.waiting[n:]
 	return prefill
+}
+
+// releaseUnpulled releases the oldest held context request that nobody
+// has begun to pull and that has been held ReleaseUnpulledAfter, for a
+// request that waits for blocks; none while one released so is still
+// ending (its blocks come back when the transceiver reports it).
+func (e *Engine) releaseUnpulled() {
+	if e.tr == nil || e.opts.ReleaseUnpulledAfter < 0 {
+		return
+	}
+	for _, treq := range e.unpulledCandidates() {
+		if e.tr.Pulling(treq) {
+			continue
+		}
+		e.mu.Lock()
+		if _, still := e.held[treq.ID]; !still || e.released[treq.ID] {
+			e.mu.Unlock()
+			continue
+		}
+		e.unpulled[treq.ID] = true
+		e.unpulledN++
+		e.mu.Unlock()
+		if !e.tr.Cancel(treq) {
+			e.mu.Lock()
+			delete(e.unpulled, treq.ID)
+			e.unpulledN--
+			e.mu.Unlock()
+			continue
+		}
+		return
+	}
+}
+
+// unpulledCandidates returns the held requests that may be released for
+// a waiting request now, oldest first: none while one released so is
+// still ending.
+func (e *Engine) unpulledCandidates() []*transceiver.Request {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.unpulled) > 0 {
+		return nil
+	}
+	due := e.now().Add(-e.opts.ReleaseUnpulledAfter)
+	var out []*transceiver.Request
+	for id, treq := range e.held {
+		if at := e.heldAt[id]; !at.After(due) && !e.released[id] {
+			out = append(out, treq)
+		}
+	}
+	slices.SortFunc(out, func(a, b *transceiver.Request) int { return e.heldAt[a.ID].Compare(e.heldAt[b.ID]) })
+	return out
+}
+
+// nextUnpulledDue is how long until the oldest held request becomes one
+// releaseUnpulled may release (0: now or never; ok false: none).
+func (e *Engine) nextUnpulledDue() (time.Duration, bool) {
+	if e.tr == nil || e.opts.ReleaseUnpulledAfter < 0 {
+		return 0, false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if len(e.unpulled) > 0 {
+		return 0, false // the one released is ending: its end wakes the scheduler
+	}
+	var oldest time.Time
+	for id := range e.held {
+		if at := e.heldAt[id]; !e.released[id] && (oldest.IsZero() || at.Before(oldest)) {
+			oldest = at
+		}
+	}
+	if oldest.IsZero() {
+		return 0, false
+	}
+	return max(0, oldest.Add(e.opts.ReleaseUnpulledAfter).Sub(e.now())), true
 }
 
 // prefill runs a context phase: the prompt's forward pass and the first
@@ -803,6 +912,7 @@ func (e *Engine) prefill(r *request) {
 	r.state = transceiver.DisaggContextTransInProgress
 	e.mu.Lock()
 	e.held[r.id] = r.treq
+	e.heldAt[r.id] = e.now()
 	e.mu.Unlock()
 	if reason == "" {
 		reason = FinishNotFinished
@@ -907,14 +1017,21 @@ func (e *Engine) onCtxDone(done []*transceiver.Request) {
 	}
 	released := make([]bool, len(done))
 	e.mu.Lock()
+	unpulled := make([]bool, len(done))
 	for i, treq := range done {
 		delete(e.held, treq.ID)
+		delete(e.heldAt, treq.ID)
 		released[i] = e.released[treq.ID]
 		delete(e.released, treq.ID)
+		unpulled[i] = e.unpulled[treq.ID]
+		delete(e.unpulled, treq.ID)
 	}
 	e.mu.Unlock()
 	for i, treq := range done {
 		switch err := treq.Err(); {
+		case unpulled[i] && errors.Is(err, transceiver.ErrCanceled):
+			e.rl.Warn("context-unpulled", "held context request released for a request waiting for blocks: nobody had begun to pull it",
+				"ctx_request", treq.ID, "after", e.opts.ReleaseUnpulledAfter)
 		case released[i] && errors.Is(err, transceiver.ErrCanceled):
 			// Released by its owner (the router: its generation phase
 			// will not come): nothing went wrong here.

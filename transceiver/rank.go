@@ -272,6 +272,19 @@ func (r *rank) feed(find func() *rankReq, ev, held event) int {
 // step feeds ev to q.
 func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev, nil) }
 
+// pulling reports whether context request id has a pull attempt in
+// progress on this rank (an ask accepted, not failed, not over).
+func (r *rank) pulling(id uint64) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	q := r.reqs[reqKey{sideSend, id}]
+	if q == nil || q.over {
+		return false
+	}
+	c, ok := q.core.(*sendCore)
+	return ok && c.attempt != 0
+}
+
 // stepLocked runs evs, in order, on q's core. Unless q is over, the
 // caller must pass the effects to run, which ends the hold taken here on
 // q's blocks.

@@ -120,6 +120,9 @@ func TestHostileStagingHold(t *testing.T) {
 	waitFor(t, 10*time.Second, "both staging buffers taken", func() bool { return sender.t.ranks[0].sendBufs.InUse() == 2 })
 
 	creq, l := startSend(t, sender, 2, 4*16)
+	if !sender.t.Pulling(hostile) || sender.t.Pulling(creq) {
+		t.Errorf("Pulling: %v for the request being pulled, %v for one nobody asked for; want true and false", sender.t.Pulling(hostile), sender.t.Pulling(creq))
+	}
 	gb := genReqFor(gen, t, creq, 16)
 	start := time.Now()
 	cctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

@@ -1264,6 +1264,22 @@ func (t *Transceiver) PendingContext() int {
 	return n
 }
 
+// Pulling reports whether context request req is being pulled on a rank
+// of this process: a generation instance has asked for it and that pull
+// attempt has neither failed nor ended. A request that no rank here holds
+// (ended, or not one of this transceiver's context requests) is not.
+// Engines use it to tell a held request nobody has come for from one
+// whose bytes are moving (engine: releasing held requests under memory
+// pressure).
+func (t *Transceiver) Pulling(req *Request) bool {
+	for _, r := range t.ranks {
+		if r.pulling(req.ID) {
+			return true
+		}
+	}
+	return false
+}
+
 // StagingBytesInUse returns the bytes of staging buffers currently taken by
 // transfers, over all ranks (role "send" or "recv").
 func (t *Transceiver) StagingBytesInUse() (send, recv int64) {
