@@ -159,8 +159,9 @@
 //     (RequestAndReceiveAsync) into the blocks of their prompt that their
 //     cached prefix does not cover. When the head of the queue does not
 //     fit and held context_only requests keep the blocks, the oldest held
-//     request nobody has begun to pull (transceiver.Transceiver.Pulling)
-//     and that has been held Options.ReleaseUnpulledAfter (2 s) is
+//     request nobody is pulling (transceiver.Transceiver.Pulling: a pull
+//     stuck past the staging hold limit counts as none) and that has been
+//     held Options.ReleaseUnpulledAfter (2 s) is
 //     released, one at a time, and the scheduler waits for its blocks
 //     (or until the next one is due): a client that never pulls what it
 //     asked for holds the pool for seconds, not kv_transfer_timeout_ms.

@@ -60,8 +60,9 @@ type Options struct {
 	// ReleaseUnpulledAfter frees the blocks of context requests nobody has
 	// come for when other requests need them: while a request waits for
 	// blocks that held context_only requests keep, the oldest held request
-	// that no generation instance has begun to pull
-	// (transceiver.Transceiver.Pulling) and that has been held this long
+	// that no generation instance is pulling (transceiver.Transceiver.Pulling:
+	// a pull stuck past the staging hold limit counts as none) and that has
+	// been held this long
 	// is released, one at a time (a pull of it that comes later is
 	// refused as for an unknown request). Without it, any client of the
 	// context worker could hold the pool with context_only requests it

@@ -50,16 +50,17 @@ import (
 // a generation rank this rank serves, a block range the request holds and a
 // backend this rank has open.
 type sendCore struct {
-	cfg      sendConfig
-	deadline deadline
-	phase    phase
-	attempt  uint64            // the current attempt (its asks' GenRequestID); 0: no ask accepted yet
-	failed   []uint64          // the attempts that failed, in order
-	doubted  bool              // phaseSent: a failure of the attempt is reported already
-	deferred []deferredAsk     // phaseSent: asks of another attempt, until the instance's word
-	expected []int             // generation ranks that will ask; nil until the first valid ask of the attempt
-	peers    map[int]*sendPeer // by generation rank: the asks of the attempt accepted
-	sending  map[int]bool      // sends of the attempt started and not finished
+	cfg       sendConfig
+	deadline  deadline
+	phase     phase
+	attempt   uint64            // the current attempt (its asks' GenRequestID); 0: no ask accepted yet
+	attemptAt time.Time         // when the current attempt's first ask was accepted
+	failed    []uint64          // the attempts that failed, in order
+	doubted   bool              // phaseSent: a failure of the attempt is reported already
+	deferred  []deferredAsk     // phaseSent: asks of another attempt, until the instance's word
+	expected  []int             // generation ranks that will ask; nil until the first valid ask of the attempt
+	peers     map[int]*sendPeer // by generation rank: the asks of the attempt accepted
+	sending   map[int]bool      // sends of the attempt started and not finished
 }
 
 // maxPullAttempts bounds the pull attempts of a context request: when this
@@ -399,7 +400,9 @@ func (c *sendCore) ask(from route, ri *wire.RequestInfo, now time.Time) []effect
 		return refuse(effs, wire.RefusedBadRequest, "generation rank %d asked twice", g)
 	}
 	c.peers[g] = &sendPeer{to: from, pair: pair}
-	c.attempt = ri.GenRequestID
+	if c.attempt != ri.GenRequestID {
+		c.attempt, c.attemptAt = ri.GenRequestID, now
+	}
 	if len(c.peers) < len(c.expected) {
 		return effs
 	}

@@ -273,7 +273,8 @@ func (r *rank) feed(find func() *rankReq, ev, held event) int {
 func (r *rank) step(q *rankReq, ev event) { r.feed(func() *rankReq { return q }, ev, nil) }
 
 // pulling reports whether context request id has a pull attempt in
-// progress on this rank (an ask accepted, not failed, not over).
+// progress on this rank (an ask accepted, not failed, not over) that has
+// not gone on for longer than the staging hold limit of its bytes.
 func (r *rank) pulling(id uint64) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -282,7 +283,14 @@ func (r *rank) pulling(id uint64) bool {
 		return false
 	}
 	c, ok := q.core.(*sendCore)
-	return ok && c.attempt != 0
+	if !ok || c.attempt == 0 {
+		return false
+	}
+	var n int64
+	for _, b := range q.mem {
+		n += int64(len(b))
+	}
+	return time.Since(c.attemptAt) < r.set.stagingHold().For(n)
 }
 
 // stepLocked runs evs, in order, on q's core. Unless q is over, the

@@ -123,6 +123,13 @@ func TestHostileStagingHold(t *testing.T) {
 	if !sender.t.Pulling(hostile) || sender.t.Pulling(creq) {
 		t.Errorf("Pulling: %v for the request being pulled, %v for one nobody asked for; want true and false", sender.t.Pulling(hostile), sender.t.Pulling(creq))
 	}
+	// Stuck for longer than StagingHold (its bytes take well under a
+	// millisecond at StagingHoldRate): no longer a pull under way, for the
+	// engine's release of unpulled requests, though nobody has waited yet.
+	time.Sleep(400 * time.Millisecond)
+	if sender.t.Pulling(hostile) || sender.t.ranks[0].sendBufs.InUse() != 2 {
+		t.Errorf("a pull stuck past StagingHold: Pulling %v, %d buffers held; want false and 2", sender.t.Pulling(hostile), sender.t.ranks[0].sendBufs.InUse())
+	}
 	gb := genReqFor(gen, t, creq, 16)
 	start := time.Now()
 	cctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)

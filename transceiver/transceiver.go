@@ -1266,8 +1266,10 @@ func (t *Transceiver) PendingContext() int {
 
 // Pulling reports whether context request req is being pulled on a rank
 // of this process: a generation instance has asked for it and that pull
-// attempt has neither failed nor ended. A request that no rank here holds
-// (ended, or not one of this transceiver's context requests) is not.
+// attempt has neither failed nor ended, nor gone on for longer than its
+// bytes take at StagingHoldRate plus ConnLimits.StagingHold (a pull that
+// stalls longer counts as none). A request that no rank here holds (ended,
+// or not one of this transceiver's context requests) is not.
 // Engines use it to tell a held request nobody has come for from one
 // whose bytes are moving (engine: releasing held requests under memory
 // pressure).

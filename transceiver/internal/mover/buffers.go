@@ -47,8 +47,8 @@ type HoldLimit struct {
 	Err error
 }
 
-// of returns the limit for a holder of n bytes.
-func (l HoldLimit) of(n int64) time.Duration {
+// For returns the limit for a holder of n bytes.
+func (l HoldLimit) For(n int64) time.Duration {
 	d := l.Base
 	if l.Rate > 0 && n > 0 {
 		d += time.Duration(float64(n) / float64(l.Rate) * float64(time.Second))
@@ -117,7 +117,7 @@ func (p *Buffers) TryHold(h Holder) (*Lease, bool) {
 func (p *Buffers) lease(b []byte, h Holder) *Lease {
 	b = p.take(b) // a first use allocates: not the holder's time
 	now := time.Now()
-	l := &Lease{Buf: b, p: p, h: h, since: now, due: now.Add(p.limit.of(h.Bytes)), done: make(chan struct{})}
+	l := &Lease{Buf: b, p: p, h: h, since: now, due: now.Add(p.limit.For(h.Bytes)), done: make(chan struct{})}
 	if p.limit.Base > 0 && h.Stop != nil {
 		p.mu.Lock()
 		p.held[l] = struct{}{}
@@ -226,7 +226,7 @@ func (p *Buffers) stopOverdue(owner any) *Lease {
 	}
 	delete(p.held, first)
 	first.err = fmt.Errorf("%w: a transfer of %d bytes held a %d-byte staging buffer for %v (limit %v) while another transfer waited for one",
-		p.limit.Err, first.h.Bytes, p.size, now.Sub(first.since).Round(time.Millisecond), p.limit.of(first.h.Bytes))
+		p.limit.Err, first.h.Bytes, p.size, now.Sub(first.since).Round(time.Millisecond), p.limit.For(first.h.Bytes))
 	err := first.err
 	p.mu.Unlock()
 	first.h.Stop(err)
