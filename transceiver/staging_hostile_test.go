@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -163,54 +162,30 @@ func stalledContext(t *testing.T, ctxState layout.CacheState) string {
 		t.Fatal(err)
 	}
 	st, _ := ctxState.MarshalBinary()
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	var conns []net.Conn
-	wg.Go(func() {
+	return serveOn(t, ln, func(c net.Conn) {
+		br := bufio.NewReader(c)
 		for {
-			c, err := ln.Accept()
+			f, err := wire.Read(br)
 			if err != nil {
 				return
 			}
-			mu.Lock()
-			conns = append(conns, c)
-			mu.Unlock()
-			wg.Go(func() {
-				br := bufio.NewReader(c)
-				for {
-					f, err := wire.Read(br)
-					if err != nil {
-						return
-					}
-					var out wire.Frame
-					switch f := f.(type) {
-					case *wire.Hello:
-						out = &wire.Hello{Version: wire.Version, State: st, Host: "hostile", Backends: []string{"tcp"}, Endpoints: []string{ln.Addr().String()}}
-					case *wire.RequestInfo:
-						out = &wire.Ready{CtxRequestID: f.CtxRequestID, GenRequestID: f.GenRequestID, ChunkBlocks: f.MaxChunkBlocks}
-					case *wire.Ping:
-						out = &wire.Pong{Nonce: f.Nonce}
-					}
-					if out != nil {
-						b, _ := wire.Append(nil, out)
-						if _, err := c.Write(b); err != nil {
-							return
-						}
-					}
+			var out wire.Frame
+			switch f := f.(type) {
+			case *wire.Hello:
+				out = &wire.Hello{Version: wire.Version, State: st, Host: "hostile", Backends: []string{"tcp"}, Endpoints: []string{ln.Addr().String()}}
+			case *wire.RequestInfo:
+				out = &wire.Ready{CtxRequestID: f.CtxRequestID, GenRequestID: f.GenRequestID, ChunkBlocks: f.MaxChunkBlocks}
+			case *wire.Ping:
+				out = &wire.Pong{Nonce: f.Nonce}
+			}
+			if out != nil {
+				b, _ := wire.Append(nil, out)
+				if _, err := c.Write(b); err != nil {
+					return
 				}
-			})
+			}
 		}
 	})
-	t.Cleanup(func() {
-		ln.Close()
-		mu.Lock()
-		for _, c := range conns {
-			c.Close()
-		}
-		mu.Unlock()
-		wg.Wait()
-	})
-	return ln.Addr().String()
 }
 
 // TestHostileStalledContext: a generation request whose opaque state
