@@ -59,7 +59,8 @@ func (r *rank) descCheck(tr transport.Transport, to route) func(transport.Descri
 // connection.
 func (r *rank) recvPair(q *rankReq, e effStartRecv) (mover.Moved, event) {
 	s := q.srcs[e.src]
-	pair := mover.Pair{Transport: s.tr, Blocks: q.mem[:e.pair.n], Plan: e.pair.plan, Chunk: e.pair.chunk, Buffers: r.recvBufs, Owner: q}
+	pair := mover.Pair{Transport: s.tr, Blocks: q.mem[:e.pair.n], Plan: e.pair.plan, Chunk: e.pair.chunk, Buffers: r.recvBufs, Owner: q,
+		Scatter: scatterOK(e.pair.plan, e.pair.chunk)}
 	m := pair.Receive(q.ctx, func(c mover.Chunk) error {
 		return s.conn.Send(&wire.ChunkDesc{CtxRequestID: e.to.sendID, GenRequestID: e.to.recvID, Index: uint32(c.Index), Desc: c.Desc})
 	})

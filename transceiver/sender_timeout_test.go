@@ -10,10 +10,12 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
+	"github.com/kvxfer/kvxfer/layout"
 )
 
-// TestSenderFutureTimeout: the generation rank asks, then stalls (it has
-// no staging buffer to announce a chunk in, so the send waits for its chunk
+// TestSenderFutureTimeout: the generation ranks ask, then stall (they have
+// no staging buffer to announce a chunk in, their spans too small to
+// receive into the blocks, so the sends wait for their chunk
 // descriptors). The context request ends with ErrTimeout once
 // kv_transfer_sender_future_timeout_ms has passed since the ask, not a
 // moment before, long before kv_transfer_timeout_ms, its peer aborted and
@@ -23,7 +25,7 @@ func TestSenderFutureTimeout(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNetwork) {
 		s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 		sender := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.SenderFutureTimeoutMs = 300 }), 16, withNetwork(nw))
-		gen := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), 16, withNetwork(nw))
+		gen := newInst(t, stagedGen(), testCfg(), 16, withNetwork(nw))
 		stallReceives(t, gen)
 
 		free := sender.pools[0].FreeBlocks()
@@ -66,7 +68,7 @@ func TestSenderFutureTimeoutUnset(t *testing.T) {
 	bubble(t, func(t *testing.T, nw *memNetwork) {
 		s := state(2, 2, 16, 4, kvcache.BF16, 1, 1, false)
 		sender := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.KVTransferTimeoutMs = 2000 }), 16, withNetwork(nw))
-		gen := newInst(t, s, testCfg(func(c *config.CacheTransceiver) { c.ZeroCopy = false }), 16, withNetwork(nw))
+		gen := newInst(t, stagedGen(), testCfg(), 16, withNetwork(nw))
 		stallReceives(t, gen)
 
 		creq, _ := startSend(t, sender, 1, 16)
@@ -96,18 +98,25 @@ func TestSenderFutureTimeoutUnset(t *testing.T) {
 	})
 }
 
-// stallReceives takes every receive staging buffer of in's rank 0 until
-// the test ends: a staged receive then announces no chunk.
+// stagedGen is a generation instance's state that receives the tests'
+// context TP1 requests in chunks through its staging buffers: TP2, whose
+// spans are too small to move directly or to receive into in place.
+func stagedGen() layout.CacheState { return state(2, 2, 16, 4, kvcache.BF16, 2, 1, false) }
+
+// stallReceives takes every receive staging buffer of in's ranks until the
+// test ends: a staged receive that unpacks then announces no chunk.
 func stallReceives(t *testing.T, in *inst) {
-	p := in.t.ranks[0].recvBufs
-	var taken [][]byte
-	for range p.Count() {
-		b, _ := p.Get(context.Background())
-		taken = append(taken, b)
-	}
-	t.Cleanup(func() {
-		for _, b := range taken {
-			p.Put(b)
+	for _, r := range in.t.ranks {
+		p := r.recvBufs
+		var taken [][]byte
+		for range p.Count() {
+			b, _ := p.Get(context.Background())
+			taken = append(taken, b)
 		}
-	})
+		t.Cleanup(func() {
+			for _, b := range taken {
+				p.Put(b)
+			}
+		})
+	}
 }

@@ -25,6 +25,12 @@ type Pair struct {
 	// limit: a transfer never stops another of the same owner to take its
 	// buffer (see Buffers).
 	Owner any
+	// Scatter, on the receiving side of a staged transfer, arms each
+	// chunk's receipt straight into the blocks' spans (vectored) instead of
+	// into a staging buffer to unpack: the sender sends the same bytes
+	// either way; the receiver makes one copy fewer and holds no buffer.
+	// For spans large enough that their per-segment cost is small.
+	Scatter bool
 	// Gather, on the sending side of a staged transfer, sends each chunk
 	// straight from the blocks' spans (vectored) instead of packing it
 	// into a staging buffer: the bytes are the same, the sender makes one
@@ -160,9 +166,10 @@ func (p Pair) sendPacked(ctx context.Context, desc transport.Descriptor, blocks 
 }
 
 // Receive receives the chunks of a staged transfer, keeping up to two in
-// flight when there are two buffers: for each, a receipt into a buffer
-// announced to the sender (announce), then, once it is in, an unpack into
-// the blocks.
+// flight (when there are two buffers, or it scatters): for each, a
+// receipt announced to the sender (announce), into a buffer and, once it
+// is in, unpacked into the blocks; or, with Scatter, straight into the
+// blocks.
 func (p Pair) Receive(ctx context.Context, announce func(Chunk) error) Moved {
 	var m Moved
 	m.Bytes, m.Chunks, m.Err = p.receiveStaged(ctx, announce)
@@ -173,7 +180,11 @@ func (p Pair) Receive(ctx context.Context, announce func(Chunk) error) Moved {
 func (p Pair) receiveStaged(ctx context.Context, announce func(Chunk) error) (int64, int, error) {
 	ctx, stop := context.WithCancelCause(ctx) // stop: a buffer held too long (see Buffers)
 	defer stop(nil)
-	w := window{p: p, ctx: ctx, stop: stop, announce: announce, depth: min(2, p.Buffers.Count())}
+	depth := 2
+	if !p.Scatter {
+		depth = min(depth, p.Buffers.Count())
+	}
+	w := window{p: p, ctx: ctx, stop: stop, announce: announce, depth: depth}
 	defer w.cancel()
 	total := (len(p.Blocks) + p.Chunk - 1) / p.Chunk
 	var got int64
@@ -225,7 +236,7 @@ type window struct {
 }
 
 type slot struct {
-	buf    *Lease
+	buf    *Lease // nil: scattered into the blocks
 	rv     transport.Recv
 	lo, hi int // blocks
 }
@@ -236,6 +247,18 @@ type slot struct {
 func (w *window) fill(total int) error {
 	for w.next < total && len(w.flight) < w.depth {
 		lo, hi := w.next*w.p.Chunk, min(len(w.p.Blocks), (w.next+1)*w.p.Chunk)
+		if w.p.Scatter {
+			rv, err := w.p.Transport.Expect(Segments(w.p.Blocks[lo:hi], w.p.Plan.DstSpans()))
+			if err != nil {
+				return err
+			}
+			w.flight = append(w.flight, slot{rv: rv, lo: lo, hi: hi})
+			if err := w.announce(Chunk{Index: w.next, Desc: rv.Descriptor()}); err != nil {
+				return err
+			}
+			w.next++
+			continue
+		}
 		n := w.p.bytes(hi - lo)
 		for _, sl := range w.flight {
 			n += w.p.bytes(sl.hi - sl.lo)
@@ -272,9 +295,12 @@ func (w *window) take() (int64, error) {
 		return 0, err
 	}
 	size := w.p.bytes(head.hi - head.lo)
+	w.flight = w.flight[1:]
+	if head.buf == nil {
+		return size, nil // scattered: in place already
+	}
 	err := w.p.Plan.Unpack(w.p.Blocks[head.lo:head.hi], head.buf.Buf[:size])
 	head.buf.Release()
-	w.flight = w.flight[1:]
 	if err != nil {
 		return 0, err
 	}
@@ -285,7 +311,9 @@ func (w *window) take() (int64, error) {
 func (w *window) cancel() {
 	for _, sl := range w.flight {
 		sl.rv.Cancel()
-		sl.buf.Release()
+		if sl.buf != nil {
+			sl.buf.Release()
+		}
 	}
 	w.flight = nil
 }

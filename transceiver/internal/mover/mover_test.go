@@ -71,8 +71,9 @@ func naive(t *testing.T, p *layout.Plan, src, dst [][]byte) [][]byte {
 }
 
 // TestPairAgainstNaive: staged (chunk sizes 1 to all the blocks, one or
-// two receive buffers; the sender packing, or gathering from its blocks
-// with no buffer of its own) and direct moves over tcp between pairings leave
+// two receive buffers; the sender packing or gathering from its blocks,
+// the receiver unpacking or scattering into its blocks, with no buffer of
+// their own) and direct moves over tcp between pairings leave
 // the receiver's blocks as the naive pack and unpack does, report every
 // byte and chunk, and put every staging buffer back.
 func TestPairAgainstNaive(t *testing.T) {
@@ -97,7 +98,7 @@ func TestPairAgainstNaive(t *testing.T) {
 					continue // this pair shares no layer
 				}
 				n := 1 + rng.IntN(9)
-				for _, mode := range []string{"staged", "gathered", "direct"} {
+				for _, mode := range []string{"staged", "gathered", "scattered", "gathered+scattered", "direct"} {
 					name := fmt.Sprintf("ctx TP%d PP%d rank %d → gen TP%d PP%d rank %d, %d blocks, %s", pg.ctxTP, pg.ctxPP, c, pg.genTP, pg.genPP, g, n, mode)
 					movePair(t, name, rng, send, recv, plan, n, mode)
 					moved++
@@ -111,8 +112,9 @@ func TestPairAgainstNaive(t *testing.T) {
 }
 
 // movePair moves n blocks with plan: staged (packed into the sender's
-// buffers), gathered (staged, the sender's chunks sent from its blocks'
-// spans) or direct.
+// buffers and unpacked from the receiver's), gathered (the sender's
+// chunks sent from its blocks' spans), scattered (the receiver's chunks
+// received into its blocks' spans), both, or direct.
 func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Transport, plan *layout.Plan, n int, mode string) {
 	direct := mode == "direct"
 	src := randomBlocks(rng, n, plan.SrcBlockBytes())
@@ -122,8 +124,8 @@ func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Tr
 	packed := plan.PackedBytesPerBlock()
 	sb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{})
 	rb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{})
-	sp := Pair{Transport: send, Blocks: src, Plan: plan, Chunk: chunk, Buffers: sb, Gather: mode == "gathered"}
-	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: chunk, Buffers: rb}
+	sp := Pair{Transport: send, Blocks: src, Plan: plan, Chunk: chunk, Buffers: sb, Gather: strings.Contains(mode, "gathered")}
+	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: chunk, Buffers: rb, Scatter: strings.Contains(mode, "scattered")}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	var sm, rm Moved
@@ -170,8 +172,11 @@ func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Tr
 	if direct && (sb.Allocated() != 0 || rb.Allocated() != 0) {
 		t.Errorf("%s: a direct move allocated %d and %d staging buffers", name, sb.Allocated(), rb.Allocated())
 	}
-	if mode == "gathered" && sb.Allocated() != 0 {
+	if strings.Contains(mode, "gathered") && sb.Allocated() != 0 {
 		t.Errorf("%s: a gathered send allocated %d staging buffers", name, sb.Allocated())
+	}
+	if strings.Contains(mode, "scattered") && rb.Allocated() != 0 {
+		t.Errorf("%s: a scattered receive allocated %d staging buffers", name, rb.Allocated())
 	}
 }
 
@@ -192,21 +197,29 @@ func TestStagedStops(t *testing.T) {
 	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: rb}
 
 	stop := errors.New("the request stopped")
-	ctx, cancel := context.WithCancelCause(context.Background())
-	announced := 0
-	m := rp.Receive(ctx, func(Chunk) error {
-		if announced++; announced == 2 {
-			cancel(stop) // no sender: both chunks stay in flight
+	for _, scatter := range []bool{false, true} {
+		ctx, cancel := context.WithCancelCause(context.Background())
+		announced := 0
+		var armed []transport.Descriptor
+		sp := rp
+		sp.Scatter = scatter
+		m := sp.Receive(ctx, func(c Chunk) error {
+			armed = append(armed, c.Desc)
+			if announced++; announced == 2 {
+				cancel(stop) // no sender: both chunks stay in flight
+			}
+			return nil
+		})
+		got, chunks, err := m.Bytes, m.Chunks, m.Err
+		if !errors.Is(err, stop) || got != 0 || chunks != 0 || len(armed) != 2 {
+			t.Errorf("scatter %v: receive with its context ended: %d bytes, %d chunks, %v after %d announced; want 0, 0 and the cause after 2", scatter, got, chunks, err, len(armed))
 		}
-		return nil
-	})
-	got, chunks, err := m.Bytes, m.Chunks, m.Err
-	if !errors.Is(err, stop) || got != 0 || chunks != 0 {
-		t.Errorf("receive with its context ended: %d bytes, %d chunks, %v; want 0, 0 and the cause", got, chunks, err)
+		if rb.InUse() != 0 {
+			t.Errorf("scatter %v: %d receive buffers taken after the receive ended", scatter, rb.InUse())
+		}
 	}
-	if rb.InUse() != 0 {
-		t.Errorf("%d receive buffers taken after the receive ended", rb.InUse())
-	}
+	ctx, cancel := context.WithCancelCause(context.Background())
+	cancel(stop)
 
 	refused := errors.New("control connection lost")
 	err = rp.Receive(context.Background(), func(Chunk) error { return refused }).Err
