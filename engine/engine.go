@@ -35,6 +35,10 @@ const (
 	// pollInterval bounds an idle wait that cannot block on one event
 	// source alone (see Engine.idle).
 	pollInterval = 2 * time.Millisecond
+	// unpulledRecheck is how often the scheduler, with requests waiting
+	// for blocks, looks again at held requests that were due for release
+	// but being pulled (Options.ReleaseUnpulledAfter).
+	unpulledRecheck = 100 * time.Millisecond
 )
 
 // Options configure an Engine.
@@ -669,7 +673,12 @@ func (e *Engine) idle() {
 		// Wake when a held request becomes one to release for the
 		// waiting ones (ReleaseUnpulledAfter), if before a transfer ends.
 		if d, ok := e.nextUnpulledDue(); ok {
-			wctx, cancel = context.WithTimeout(e.life, max(d, time.Millisecond))
+			if d <= 0 {
+				// Due, yet not released this iteration: being pulled.
+				// Look again later, in case that pull stalls.
+				d = unpulledRecheck
+			}
+			wctx, cancel = context.WithTimeout(e.life, d)
 		} else {
 			wctx, cancel = context.WithCancel(e.life)
 		}
