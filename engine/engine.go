@@ -64,15 +64,14 @@ type Options struct {
 	// ReleaseUnpulledAfter frees the blocks of context requests nobody has
 	// come for when other requests need them: while a request waits for
 	// blocks that held context_only requests keep, the oldest held request
-	// that no generation instance is pulling (transceiver.Transceiver.Pulling:
-	// a pull stuck past the staging hold limit counts as none) and that has
-	// been held this long
-	// is released, one at a time (a pull of it that comes later is
-	// refused as for an unknown request). Without it, any client of the
-	// context worker could hold the pool with context_only requests it
-	// never pulls, each for kv_transfer_timeout_ms. Default
-	// DefaultReleaseUnpulledAfter; negative: held requests are kept until
-	// their deadline.
+	// that no generation instance is pulling
+	// (transceiver.Transceiver.Pulling: a pull stuck past the staging hold
+	// limit counts as none) and that has been held this long is released,
+	// one at a time (a pull of it that comes later is refused as for an
+	// unknown request). Without it, any client of the context worker could
+	// hold the pool with context_only requests it never pulls, each for
+	// kv_transfer_timeout_ms. Default DefaultReleaseUnpulledAfter;
+	// negative: held requests are kept until their deadline.
 	ReleaseUnpulledAfter time.Duration
 	// Logger receives the engine's logs; nil discards them.
 	Logger *slog.Logger
@@ -800,7 +799,7 @@ func (e *Engine) admit() []*request {
 }
 
 // releaseUnpulled releases the oldest held context request that nobody
-// has begun to pull and that has been held ReleaseUnpulledAfter, for a
+// is pulling and that has been held ReleaseUnpulledAfter, for a
 // request that waits for blocks; none while one released so is still
 // ending (its blocks come back when the transceiver reports it).
 func (e *Engine) releaseUnpulled() {
@@ -1040,7 +1039,7 @@ func (e *Engine) onCtxDone(done []*transceiver.Request) {
 	for i, treq := range done {
 		switch err := treq.Err(); {
 		case unpulled[i] && errors.Is(err, transceiver.ErrCanceled):
-			e.rl.Warn("context-unpulled", "held context request released for a request waiting for blocks: nobody had begun to pull it",
+			e.rl.Warn("context-unpulled", "held context request released for a request waiting for blocks: nobody was pulling it",
 				"ctx_request", treq.ID, "after", e.opts.ReleaseUnpulledAfter)
 		case released[i] && errors.Is(err, transceiver.ErrCanceled):
 			// Released by its owner (the router: its generation phase
