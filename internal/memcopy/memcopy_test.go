@@ -75,13 +75,20 @@ func TestStreamSpanEqualsCopy(t *testing.T) {
 	}
 	orig := bytes.Clone(src)
 	lengths := []int{0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 1000, 4096, PrefetchMax - 1, PrefetchMax + 65, 2*PrefetchMax + 3}
+	// The destination is the span plus dOff bytes before it and a guard
+	// after it, all 0xa5: a write outside the span shows there.
+	const guard = 256
+	fill := bytes.Repeat([]byte{0xa5}, size)
+	want, got := make([]byte, size), make([]byte, size)
 	for dOff := range 17 {
 		for sOff := range 17 {
 			for _, n := range lengths {
 				for _, nextLen := range []int{0, 1, 100, PrefetchMax} {
 					next := src[size-nextLen:]
-					want := bytes.Repeat([]byte{0xa5}, size)
-					got := bytes.Clone(want)
+					end := min(size, dOff+n+guard)
+					want, got := want[:end], got[:end]
+					copy(want, fill)
+					copy(got, fill)
 					copy(want[dOff:dOff+n], src[sOff:sOff+n])
 					StreamSpan(got[dOff:dOff+n], src[sOff:sOff+n], next)
 					Fence()
