@@ -850,7 +850,8 @@ func (e *Engine) unpulledCandidates() []*transceiver.Request {
 }
 
 // nextUnpulledDue is how long until the oldest held request becomes one
-// releaseUnpulled may release (0: now or never; ok false: none).
+// releaseUnpulled may release (0: it is already; ok false: none held, or
+// one released is still ending).
 func (e *Engine) nextUnpulledDue() (time.Duration, bool) {
 	if e.tr == nil || e.opts.ReleaseUnpulledAfter < 0 {
 		return 0, false

@@ -13,6 +13,7 @@ import (
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/kvcache"
 	"github.com/kvxfer/kvxfer/layout"
+	"github.com/kvxfer/kvxfer/transceiver/internal/mover"
 	"github.com/kvxfer/kvxfer/transport"
 )
 
@@ -339,20 +340,16 @@ func TestContextFailureAfterFailedPull(t *testing.T) {
 // takeRecvBuffers takes every receive staging buffer of in's ranks, so that
 // a staged receive announces no chunk; giveBack returns them.
 func takeRecvBuffers(in *inst) (giveBack func()) {
-	var taken [][][]byte
+	var taken []*mover.Lease
 	for _, r := range in.t.ranks {
-		var bs [][]byte
 		for range r.recvBufs.Count() {
-			b, _ := r.recvBufs.Get(context.Background())
-			bs = append(bs, b)
+			l, _ := r.recvBufs.Hold(context.Background(), mover.Holder{})
+			taken = append(taken, l)
 		}
-		taken = append(taken, bs)
 	}
 	return func() {
-		for i, r := range in.t.ranks {
-			for _, b := range taken[i] {
-				r.recvBufs.Put(b)
-			}
+		for _, l := range taken {
+			l.Release()
 		}
 	}
 }

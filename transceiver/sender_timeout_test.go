@@ -1,7 +1,6 @@
 package transceiver
 
 import (
-	"context"
 	"errors"
 	"strings"
 	"testing"
@@ -105,18 +104,4 @@ func stagedGen() layout.CacheState { return state(2, 2, 16, 4, kvcache.BF16, 2, 
 
 // stallReceives takes every receive staging buffer of in's ranks until the
 // test ends: a staged receive that unpacks then announces no chunk.
-func stallReceives(t *testing.T, in *inst) {
-	for _, r := range in.t.ranks {
-		p := r.recvBufs
-		var taken [][]byte
-		for range p.Count() {
-			b, _ := p.Get(context.Background())
-			taken = append(taken, b)
-		}
-		t.Cleanup(func() {
-			for _, b := range taken {
-				p.Put(b)
-			}
-		})
-	}
-}
+func stallReceives(t *testing.T, in *inst) { t.Cleanup(takeRecvBuffers(in)) }

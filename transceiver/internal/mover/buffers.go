@@ -131,7 +131,7 @@ func (l *Lease) Release() {
 	l.p.mu.Lock()
 	delete(l.p.held, l)
 	l.p.mu.Unlock()
-	l.p.Put(l.Buf)
+	l.p.put(l.Buf)
 	close(l.done) // after the Put: a waiter it wakes finds the buffer there
 }
 
@@ -233,26 +233,6 @@ func (p *Buffers) stopOverdue(owner any) *Lease {
 	return first
 }
 
-// Get waits for a free buffer, or for ctx to end (its cause). Its holder
-// is never stopped (see Hold).
-func (p *Buffers) Get(ctx context.Context) ([]byte, error) {
-	b, err := p.wait(ctx, nil)
-	if err != nil {
-		return nil, err
-	}
-	return p.take(b), nil
-}
-
-// TryGet returns a free buffer if there is one now.
-func (p *Buffers) TryGet() ([]byte, bool) {
-	select {
-	case b := <-p.slots:
-		return p.take(b), true
-	default:
-		return nil, false
-	}
-}
-
 func (p *Buffers) take(b []byte) []byte {
 	if b == nil {
 		b = make([]byte, p.size)
@@ -262,15 +242,14 @@ func (p *Buffers) take(b []byte) []byte {
 	return b
 }
 
-// Put returns a buffer taken with Get or TryGet (resliced to its full
-// size: the caller may have cut it). Putting back more buffers than were
-// taken panics rather than block.
-func (p *Buffers) Put(b []byte) {
+// put gives a buffer back (resliced to its full size). Putting back more
+// buffers than were taken panics rather than block.
+func (p *Buffers) put(b []byte) {
 	select {
 	case p.slots <- b[:p.size:p.size]:
 		p.inUse.Add(-1)
 	default:
-		panic("mover: Buffers.Put of a buffer not taken")
+		panic("mover: Buffers.put of a buffer not taken")
 	}
 }
 

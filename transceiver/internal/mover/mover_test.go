@@ -253,45 +253,45 @@ func TestStagedStops(t *testing.T) {
 }
 
 // TestBuffers: at most Count buffers are out at once; each is allocated
-// on first use only; Put gives back its full size.
+// on first use only; a buffer goes back at its full size.
 func TestBuffers(t *testing.T) {
 	p := NewBuffers(2, 64, HoldLimit{})
-	a, _ := p.Get(context.Background())
-	b, ok := p.TryGet()
-	if !ok || len(a) != 64 || len(b) != 64 || p.InUse() != 2 || p.Allocated() != 2 {
-		t.Fatalf("two buffers: %d and %d bytes, ok %v, %d in use, %d allocated", len(a), len(b), ok, p.InUse(), p.Allocated())
+	a, _ := p.Hold(context.Background(), Holder{})
+	b, ok := p.TryHold(Holder{})
+	if !ok || len(a.Buf) != 64 || len(b.Buf) != 64 || p.InUse() != 2 || p.Allocated() != 2 {
+		t.Fatalf("two buffers: ok %v, %d in use, %d allocated", ok, p.InUse(), p.Allocated())
 	}
-	if _, ok := p.TryGet(); ok {
+	if _, ok := p.TryHold(Holder{}); ok {
 		t.Fatal("a third buffer out of two")
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
 	defer cancel()
-	if _, err := p.Get(ctx); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("Get with none free: %v, want the context's deadline", err)
+	if _, err := p.Hold(ctx, Holder{}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Hold with none free: %v, want the context's deadline", err)
 	}
-	p.Put(a[:3])
-	c, _ := p.Get(context.Background())
-	if len(c) != 64 || p.Allocated() != 2 {
-		t.Errorf("a buffer put back cut: %d bytes, %d allocated; want 64 and 2", len(c), p.Allocated())
+	p.put(a.Buf[:3]) // what Release does, with the buffer cut
+	c, _ := p.Hold(context.Background(), Holder{})
+	if len(c.Buf) != 64 || p.Allocated() != 2 {
+		t.Errorf("a buffer put back cut: %d bytes, %d allocated; want 64 and 2", len(c.Buf), p.Allocated())
 	}
-	p.Put(b)
-	p.Put(c)
+	b.Release()
+	c.Release()
 	if p.InUse() != 0 {
-		t.Errorf("%d in use after every Put", p.InUse())
+		t.Errorf("%d in use after every Release", p.InUse())
 	}
 	defer func() {
 		if recover() == nil {
-			t.Error("a Put of a buffer not taken did not panic")
+			t.Error("a put of a buffer not taken did not panic")
 		}
 	}()
-	p.Put(c)
+	p.put(c.Buf)
 }
 
 // TestBuffersHoldLimit: a holder is stopped, with an error that wraps the
 // limit's, once it has held its buffer past its limit (Base plus its bytes
 // at Rate) while another caller waits, not before and not while nobody
-// waits; the earliest due goes first; holders taken with Get and buffers
-// without a limit are never stopped.
+// waits; the earliest due goes first; holders without a stop function and
+// buffers without a limit are never stopped.
 func TestBuffersHoldLimit(t *testing.T) {
 	errStalled := errors.New("stalled")
 	synctest.Test(t, func(t *testing.T) {
@@ -379,16 +379,17 @@ func TestBuffersHoldLimit(t *testing.T) {
 		estop(nil)
 		synctest.Wait()
 
-		// Get's holders are never stopped; a waiter waits for its deadline.
-		g1, _ := p.Get(t.Context())
-		g2, _ := p.Get(t.Context())
+		// Holders without a stop function are never stopped; a waiter
+		// waits for its deadline.
+		g1, _ := p.Hold(t.Context(), Holder{Owner: "unstoppable"})
+		g2, _ := p.Hold(t.Context(), Holder{Owner: "unstoppable"})
 		ctx, cancel := context.WithTimeout(t.Context(), time.Hour)
 		defer cancel()
 		if _, err := p.Hold(ctx, Holder{}); !errors.Is(err, context.DeadlineExceeded) {
-			t.Errorf("a wait behind Get's holders: %v, want its deadline", err)
+			t.Errorf("a wait behind holders without a stop: %v, want its deadline", err)
 		}
-		p.Put(g1)
-		p.Put(g2)
+		g1.Release()
+		g2.Release()
 
 		// Without a limit, nobody is stopped.
 		q := NewBuffers(1, 64, HoldLimit{Err: errStalled})
