@@ -157,7 +157,7 @@ type Worker struct {
 	// (an aggregated worker).
 	CacheTransceiver *CacheTransceiver
 	// DisaggCluster is the worker's disagg_cluster block (dynamic
-	// membership), nil when absent. Checked, not applied yet.
+	// membership), nil when absent: kvxfer serve registers the worker there.
 	DisaggCluster *DisaggCluster
 	// Security is the kvxfer security block with its environment
 	// variables applied (set even when the file has no block).
@@ -243,8 +243,8 @@ type Cluster struct {
 	// ConditionalDisagg is conditional_disagg_config, nil when absent.
 	ConditionalDisagg *ConditionalDisagg
 	// DisaggCluster is disagg_cluster (dynamic membership), nil when
-	// absent. With it the file may leave out both server groups. Checked,
-	// not applied yet.
+	// absent. With it the file may leave out both server groups, and the
+	// router takes its workers from the membership.
 	DisaggCluster *DisaggCluster
 	// Security applies to the router and to every worker of the cluster.
 	Security Security

@@ -112,7 +112,7 @@ const (
 	ConversationFieldTop = "conversation_id"
 	// ConversationFieldDisagg sends disaggregated_params.conversation_id,
 	// the field TensorRT-LLM's conversation router reads. kvxfer's router
-	// refuses a client's disaggregated_params today (it sets them itself).
+	// reads it too (the only disaggregated_params field a client may set).
 	ConversationFieldDisagg = "disaggregated_params"
 	// ConversationFieldNone sends no id.
 	ConversationFieldNone = "none"

@@ -10,7 +10,7 @@
  *                         to its transceiver, prints the opaque state (hex)
  *                         and waits until the pull has finished
  *
- * Build: gcc -Iinclude examples/c/transfer.c -Llib -lkvxfer -Wl,-rpath,'$ORIGIN/../lib'
+ * Build: gcc -Iinclude examples/c/transfer.c -Llib -lkvxfer -Wl,-rpath,'$ORIGIN/../lib' -o bin/transfer
  * (make test-lib builds and runs it).
  */
 #include <inttypes.h>

@@ -4,7 +4,7 @@ request's KV cache to a generation instance of TP1 in a third process,
 which checks every byte.
 
     make lib
-    KVXFER_LIB=lib/libkvxfer.so /usr/bin/python3 examples/python/transfer.py
+    KVXFER_LIB=lib/libkvxfer.so PYTHONPATH=python /usr/bin/python3 examples/python/transfer.py
 
 Each block holds [layers][kv][heads][tokens_per_block][head_dim] elements
 of the rank's heads (layout.CacheState.RankLayout); a context rank of TP2

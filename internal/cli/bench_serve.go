@@ -100,7 +100,7 @@ func newBenchServeCmd(e env) *cobra.Command {
 	f.StringVar(&sf.aggURL, "aggregated-url", "", "with --url and --compare-aggregated: the aggregated worker to compare with")
 	f.StringArrayVarP(&sf.files, "file", "f", nil, "cluster file (disagg_config.yaml) to start and measure; default: the embedded one of kvxfer up. Repeat it to compare clusters: each is started, measured and stopped in turn, and the report puts them side by side")
 	f.IntVar(&sf.tokensPerBlock, "tokens-per-block", 0, fmt.Sprintf("block size of the bench's own count of each turn's new blocks (default: the cluster file's kv_cache_config.tokens_per_block; with --url %d)", config.DefaultTokensPerBlock))
-	f.StringVar(&sf.convField, "conversation-id", serving.ConversationFieldTop, "where each turn carries its conversation's id: conversation_id (top level), disaggregated_params (disaggregated_params.conversation_id, TensorRT-LLM's conversation router; kvxfer's router refuses it today) or none")
+	f.StringVar(&sf.convField, "conversation-id", serving.ConversationFieldTop, "where each turn carries its conversation's id: conversation_id (top level), disaggregated_params (disaggregated_params.conversation_id, where TensorRT-LLM's conversation router reads it; kvxfer's router reads both) or none")
 	f.StringVar(&sf.readme, "readme", "", "rewrite the prefix-reuse summary of this Markdown file, between its bench-reuse marker lines (make bench-reuse)")
 	f.StringVar(&sf.model, "model", "", "model: the preset the started workers serve (default "+serve.DefaultModel+") and the requests' model field (with --url, left out unless set)")
 	f.BoolVar(&sf.compare, "compare-aggregated", false, "also run the same workload against an aggregated worker of the same model, side by side")
