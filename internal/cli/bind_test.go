@@ -31,7 +31,7 @@ func TestServeBindsOnlyTheConfiguredHost(t *testing.T) {
 			if st, _ := transport.Lookup(strings.ToLower(backend)); backend != "AUTO" && !st.Available() {
 				t.Skipf("backend %s: %v", backend, st.Err)
 			}
-			pid, logged := startServe(t, backend)
+			pid, logged := startServe(t, backend, "--admin-addr", "127.0.0.1:0")
 			ls, err := procnet.Listening(pid)
 			if err != nil {
 				t.Fatal(err)
@@ -61,9 +61,10 @@ type loggedListeners struct {
 
 func (l loggedListeners) covers(a netip.AddrPort) bool { return l.addrs[a] || l.hosts[a.Addr()] }
 
-// startServe runs a context worker (TP2, the given backend) on 127.0.0.1 and
-// returns its pid and the listeners it logged, once it serves HTTP.
-func startServe(t *testing.T, backend string) (int, loggedListeners) {
+// startServe runs a context worker (TP2, the given backend, and the flags
+// extra) on 127.0.0.1 and returns its pid and the listeners it logged, once
+// it serves HTTP.
+func startServe(t *testing.T, backend string, extra ...string) (int, loggedListeners) {
 	t.Helper()
 	cfg := filepath.Join(t.TempDir(), "worker.yaml")
 	yaml := "tensor_parallel_size: 2\nkv_cache_config: {tokens_per_block: 16, max_tokens: 2048}\n" +
@@ -71,8 +72,9 @@ func startServe(t *testing.T, backend string) (int, loggedListeners) {
 	if err := os.WriteFile(cfg, []byte(yaml), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(os.Args[0], "serve", "--role", "context", "--config", cfg, "--host", "127.0.0.1", "--port", "0",
-		"--transceiver-host", "127.0.0.1", "--admin-addr", "127.0.0.1:0", "--log-format", "json")
+	args := append([]string{"serve", "--role", "context", "--config", cfg, "--host", "127.0.0.1", "--port", "0",
+		"--transceiver-host", "127.0.0.1", "--log-format", "json"}, extra...)
+	cmd := exec.Command(os.Args[0], args...)
 	cmd.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stderr, err := cmd.StderrPipe()

@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -19,6 +20,12 @@ import (
 // The test binary doubles as the kvxfer binary for the workers that
 // launch.Start starts: with KVXFER_CLI_CHILD=1 it runs the command line.
 func TestMain(m *testing.M) {
+	if sock := os.Getenv("KVXFER_ADMIN_PROBE"); sock != "" {
+		// A client of an admin socket, run as another user by
+		// TestHostileAdminListener.
+		fmt.Println(adminProbe(sock))
+		os.Exit(0)
+	}
 	if os.Getenv("KVXFER_CLI_CHILD") == "1" {
 		ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 		code := Run(ctx, os.Args[1:], os.Stdout, os.Stderr)

@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/http/pprof"
 	"os"
 	"os/signal"
 	"strconv"
@@ -43,42 +42,6 @@ func (l *logFlags) logger(cmd *cobra.Command) (*slog.Logger, error) {
 		return slog.New(slog.NewJSONHandler(cmd.ErrOrStderr(), opts)), nil
 	}
 	return nil, fmt.Errorf("--log-format %q: want text or json", l.format)
-}
-
-// adminFlag is the address of the admin listener (pprof).
-type adminFlag struct{ addr string }
-
-func (a *adminFlag) add(cmd *cobra.Command) {
-	cmd.Flags().StringVar(&a.addr, "admin-addr", "127.0.0.1:0", "admin listener for /debug/pprof/ (loopback by default; \"\" disables it)")
-}
-
-// start serves /debug/pprof/ on the admin address until ctx ends or the
-// returned stop function is called; stop also waits for the goroutine it
-// started.
-func (a *adminFlag) start(ctx context.Context, log *slog.Logger) (stop func(), err error) {
-	if a.addr == "" {
-		return func() {}, nil
-	}
-	ctx, cancel := context.WithCancel(ctx)
-	ln, err := net.Listen("tcp", a.addr)
-	if err != nil {
-		cancel()
-		return nil, fmt.Errorf("--admin-addr: %w", err)
-	}
-	mux := http.NewServeMux()
-	mux.HandleFunc("/debug/pprof/", pprof.Index)
-	mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
-	mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
-	mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
-	mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
-	log.Info("listening", "plane", "admin", "addr", ln.Addr().String(), "pprof", "http://"+ln.Addr().String()+"/debug/pprof/")
-	ln = serve.LimitListener(ln, "admin", serve.HTTPLimits{}, log, nil)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		serveHTTP(ctx, ln, serve.NewHTTPServer(mux, serve.HTTPLimits{}), slog.New(slog.DiscardHandler))
-	}()
-	return func() { cancel(); <-done }, nil
 }
 
 // serveHTTP runs srv on ln until ctx ends, then shuts down gracefully.
