@@ -23,6 +23,14 @@ const (
 	DefaultHTTPBodyTimeout       = time.Minute
 )
 
+// MaxHeaderBytes bounds a request's header lines (and its request line),
+// which the server keeps until the headers end; past it the request is
+// answered 431 and its connection closed. net/http's own default, 1 MiB,
+// let each of MaxConns connections that never ends its headers hold a
+// megabyte for ReadHeaderTimeout; an OpenAI client's headers, or the
+// router's to a worker, are a few hundred bytes.
+const MaxHeaderBytes = 64 << 10
+
 // HTTPLimits bound the connections of a worker's or router's HTTP server. A
 // zero field takes its default; a negative one removes the bound.
 type HTTPLimits struct {
@@ -88,7 +96,8 @@ func NewHTTPServer(h http.Handler, lim HTTPLimits) *http.Server {
 	if lim.BodyTimeout > 0 {
 		h = bodyDeadline(h, lim.BodyTimeout)
 	}
-	return &http.Server{Handler: h, ReadHeaderTimeout: max(0, lim.ReadHeaderTimeout), IdleTimeout: max(0, lim.IdleTimeout)}
+	return &http.Server{Handler: h, ReadHeaderTimeout: max(0, lim.ReadHeaderTimeout), IdleTimeout: max(0, lim.IdleTimeout),
+		MaxHeaderBytes: MaxHeaderBytes}
 }
 
 // writeDeadlines gives each write and flush of h's answers d to complete

@@ -1,0 +1,128 @@
+package serve
+
+import (
+	"context"
+	"io"
+	"net"
+	"net/http"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestHostileHeaderFlood: a client that sends a megabyte of header lines
+// and never ends them. net/http keeps up to its MaxHeaderBytes (1 MiB by
+// default) of headers per connection while it waits for the rest, for
+// ReadHeaderTimeout (10 s), on each of up to MaxConns (4,096) connections,
+// and any local process can open them from 127.0.0.2, 127.0.0.3, ... past
+// the per-host cap: gigabytes of a worker's or the router's heap. The
+// headers are bounded at MaxHeaderBytes (64 KiB): past it the server
+// answers 431 and closes the connection, and the heap holds a few
+// kilobytes per connection.
+func TestHostileHeaderFlood(t *testing.T) {
+	const (
+		conns  = 64
+		padded = 1 << 20 // header bytes each connection sends
+	)
+	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := NewHTTPServer(w.Handler(), HTTPLimits{})
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(LimitListener(ln, "worker http", HTTPLimits{}, nil, nil)) }()
+	defer func() {
+		srv.Close()
+		<-served
+	}()
+	addr := ln.Addr().String()
+
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	before := heap()
+	line := "X-Pad: " + strings.Repeat("a", 1017) + "\r\n" // 1 KiB a line
+	held := make([]net.Conn, conns)
+	var wg sync.WaitGroup
+	for i := range held {
+		wg.Go(func() {
+			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			held[i] = c
+			c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+			if _, err := io.WriteString(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\n"); err != nil {
+				return
+			}
+			for n := 0; n < padded; n += len(line) {
+				if _, err := io.WriteString(c, line); err != nil {
+					return // the server closed it: what it should do
+				}
+			}
+		})
+	}
+	wg.Wait()
+	defer func() {
+		for _, c := range held {
+			if c != nil {
+				c.Close()
+			}
+		}
+	}()
+	// The server has read what it is going to read once it has answered
+	// or stopped reading; give it a moment to get there either way.
+	time.Sleep(500 * time.Millisecond)
+	grown := int64(heap()) - int64(before)
+	t.Logf("%d connections holding %d KiB of unfinished headers each: heap %+d KiB", conns, padded>>10, grown>>10)
+	if limit := int64(conns) << 18; grown > limit { // 256 KiB a connection
+		t.Errorf("the heap grew %d MiB for %d connections with unfinished headers, want at most %d MiB",
+			grown>>20, conns, limit>>20)
+	}
+	// Every connection has been ended by the server (431 and close), not
+	// left waiting for the rest of its headers (ReadHeaderTimeout, 10 s,
+	// is not what ends them: each is given 2 s from now).
+	var ended sync.WaitGroup
+	var open atomic.Int32
+	for _, c := range held {
+		if c == nil {
+			continue
+		}
+		ended.Go(func() {
+			c.SetReadDeadline(time.Now().Add(2 * time.Second))
+			b, err := io.ReadAll(io.LimitReader(c, 4096))
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				open.Add(1)
+				return
+			}
+			if len(b) > 0 && !strings.HasPrefix(string(b), "HTTP/1.1 431") {
+				t.Errorf("a connection with 1 MiB of headers was answered %q", strings.SplitN(string(b), "\r\n", 2)[0])
+			}
+		})
+	}
+	ended.Wait()
+	if n := open.Load(); n > 0 {
+		t.Errorf("%d of %d connections with 1 MiB of unfinished headers were still open, the server waiting for more", n, conns)
+	}
+	// A client that sends ordinary headers is served.
+	resp, err := http.Get("http://" + addr + "/health")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/health after the flood: %s", resp.Status)
+	}
+}
