@@ -211,7 +211,7 @@ type request struct {
 	published int                             // leading blocks already in the reuse index
 	cached    int                             // prompt tokens found in the cache at admission
 
-	out       chan Event
+	out       *Stream
 	text      *textStream
 	seq       *Sequence
 	treq      *transceiver.Request
@@ -345,7 +345,8 @@ func (e *Engine) Submit(ctx context.Context, req Request) (*Stream, error) {
 	e.inbox = append(e.inbox, r)
 	e.startLocked()
 	e.kickLocked()
-	return &Stream{id: r.id, events: r.out}, nil
+	r.out.id = r.id
+	return r.out, nil
 }
 
 func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) {
@@ -373,10 +374,9 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 	P := len(r.prompt)
 	left := r.maxTokens - len(r.generated) // tokens still to generate
 	r.reserve = P + left - 1
-	events := left + 1
 	switch req.Type {
 	case transceiver.ContextOnly:
-		r.reserve, events = P, 2
+		r.reserve = P
 	case transceiver.GenerationOnly:
 		phase, err := checkContextPhase(req.ContextPhase)
 		if err != nil {
@@ -392,7 +392,7 @@ func (e *Engine) newRequest(ctx context.Context, req Request) (*request, error) 
 		}
 		return nil, &TooLongError{PromptTokens: P, MaxTokens: mt, NeedBlocks: need, PoolBlocks: e.inst.NumBlocks(), BlockTokens: e.inst.tpb}
 	}
-	r.out = make(chan Event, events)
+	r.out = newStream()
 	return r, nil
 }
 
@@ -1134,7 +1134,7 @@ func (e *Engine) decoded(r *request, logits []float32, d time.Duration) {
 func (e *Engine) appendToken(r *request, tok int32) string {
 	r.generated = append(r.generated, tok)
 	piece, hitStop := r.text.push(tok)
-	r.out <- Event{Token: tok, Text: piece}
+	r.out.push(Event{Token: tok, Text: piece})
 	switch {
 	case hitStop, tok == EOS && !r.ignoreEOS, slices.Contains(r.stopToks, tok):
 		return FinishStop
@@ -1180,8 +1180,7 @@ func (e *Engine) finish(r *request, reason string, err error) {
 		f.ContextPhase = &transceiver.ContextPhaseParams{CtxRequestID: cp.CtxRequestID,
 			FirstGenTokens: slices.Clone(cp.FirstGenTokens), OpaqueState: slices.Clone(cp.OpaqueState)}
 	}
-	r.out <- Event{Token: NoToken, Text: r.text.flush(), Final: f}
-	close(r.out)
+	r.out.push(Event{Token: NoToken, Text: r.text.flush(), Final: f})
 	if err != nil && !errors.Is(err, context.Canceled) {
 		e.log.Info("request failed", "request", r.id, "type", r.typ.String(), "err", err)
 	}

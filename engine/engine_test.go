@@ -292,7 +292,9 @@ func TestCloseEndsRequests(t *testing.T) {
 	for i := range 4 {
 		streams = append(streams, submit(t, e, context.Background(), Request{Prompt: prompt(fmt.Sprint("close ", i)), MaxTokens: 50, IgnoreEOS: true}))
 	}
-	<-streams[0].Events() // running
+	for range streams[0].Events() {
+		break // running
+	}
 	if err := e.Close(); err != nil {
 		t.Fatalf("Close: %v", err)
 	}

@@ -1,7 +1,10 @@
 package engine
 
 import (
+	"iter"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/kvxfer/kvxfer/transceiver"
@@ -126,21 +129,82 @@ type Timing struct {
 	Total          time.Duration // Submit to the final event
 }
 
-// Stream is the output of one request. Range over Events until it is
-// closed; the last event has Final set. The engine never blocks on a slow
-// reader (the channel holds every event the request can produce), and a
-// reader that stops early should cancel the request's context.
+// Stream is the output of one request: its events, in order, the last one
+// with Final set. Read it with Events, from one goroutine at a time. The
+// engine never blocks on a slow reader: the stream keeps the events
+// produced and not yet read, so its memory follows what the request has
+// generated and its reader not yet taken, not what it may generate (a
+// channel sized for max_tokens took 512 KiB per request at max_tokens
+// 16000, queued or not). A reader that stops early should cancel the
+// request's context.
 type Stream struct {
-	id     uint64
-	events chan Event
+	id uint64
+
+	mu    sync.Mutex
+	buf   []Event // produced, not yet read
+	ended bool    // the final event is in buf or was read
+	// wake holds a token once an event arrives after the reader last
+	// looked; the reader waits on it when buf is empty.
+	wake chan struct{}
+}
+
+func newStream() *Stream { return &Stream{wake: make(chan struct{}, 1)} }
+
+// push appends ev, the last event if ev.Final is set, and wakes the reader.
+// Only the engine's goroutine calls it.
+func (s *Stream) push(ev Event) {
+	s.mu.Lock()
+	s.buf = append(s.buf, ev)
+	s.ended = ev.Final != nil
+	s.mu.Unlock()
+	select {
+	case s.wake <- struct{}{}:
+	default:
+	}
 }
 
 // ID returns the request's id in this engine; for a context_only request it
 // is the ctx_request_id.
 func (s *Stream) ID() uint64 { return s.id }
 
-// Events returns the stream's events. It is closed after the final event.
-func (s *Stream) Events() <-chan Event { return s.events }
+// Events yields the stream's events as they come, waiting for each, and
+// ends after the final one. A loop that breaks early leaves the events it
+// did not take for the next Events loop over the same stream.
+func (s *Stream) Events() iter.Seq[Event] {
+	return func(yield func(Event) bool) {
+		var batch []Event
+		for {
+			s.mu.Lock()
+			clear(batch) // no strings or Finals kept from the last batch
+			batch, s.buf = s.buf, batch[:0]
+			ended := s.ended
+			s.mu.Unlock()
+			for i, ev := range batch {
+				if !yield(ev) {
+					s.unread(batch[i+1:])
+					return
+				}
+			}
+			if ended {
+				return
+			}
+			if len(batch) == 0 {
+				<-s.wake
+			}
+		}
+	}
+}
+
+// unread puts back, ahead of what arrived since, the events a loop that
+// broke early did not take.
+func (s *Stream) unread(evs []Event) {
+	if len(evs) == 0 {
+		return
+	}
+	s.mu.Lock()
+	s.buf = append(slices.Clone(evs), s.buf...)
+	s.mu.Unlock()
+}
 
 // Result is a whole stream, collected.
 type Result struct {
@@ -153,7 +217,7 @@ type Result struct {
 func (s *Stream) Wait() Result {
 	var res Result
 	var b strings.Builder
-	for ev := range s.events {
+	for ev := range s.Events() {
 		b.WriteString(ev.Text)
 		if ev.Final != nil {
 			res.Final = *ev.Final
