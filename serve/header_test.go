@@ -2,6 +2,7 @@ package serve
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -124,5 +125,113 @@ func TestHostileHeaderFlood(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("/health after the flood: %s", resp.Status)
+	}
+}
+
+// TestHostileBodyFlood: clients that each send a body of MaxBody (8 MiB)
+// less its last byte and stall. Each handler's body grew to what had come,
+// until the body timeout (1 min): on up to MaxConns (4,096) connections,
+// which any local process can open from 127.0.0.2, 127.0.0.3, ... past the
+// per-host cap, that is 32 GiB and more, past this machine's memory. The
+// bodies being received past their first FreeBodyBytes now share a budget
+// (HTTPLimits.BodyBudget): a body that would go over it is refused with
+// 503, and small requests are served all along.
+func TestHostileBodyFlood(t *testing.T) {
+	const (
+		conns  = 24
+		budget = 32 << 20
+	)
+	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lim := HTTPLimits{BodyBudget: budget}
+	srv := NewHTTPServer(w.Handler(), lim)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(LimitListener(ln, "worker http", lim, nil, nil)) }()
+	defer func() {
+		srv.Close()
+		<-served
+	}()
+	addr := ln.Addr().String()
+
+	heap := func() uint64 {
+		runtime.GC()
+		var ms runtime.MemStats
+		runtime.ReadMemStats(&ms)
+		return ms.HeapAlloc
+	}
+	before := heap()
+	chunk := []byte(strings.Repeat(" ", 64<<10))
+	held := make([]net.Conn, conns)
+	var wg sync.WaitGroup
+	for i := range held {
+		wg.Go(func() {
+			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			held[i] = c
+			c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+			if _, err := fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", MaxBody); err != nil {
+				return
+			}
+			for n := 0; n < MaxBody-len(chunk); n += len(chunk) {
+				if _, err := c.Write(chunk); err != nil {
+					return // refused and closed
+				}
+			}
+		})
+	}
+	wg.Wait()
+	defer func() {
+		for _, c := range held {
+			if c != nil {
+				c.Close()
+			}
+		}
+	}()
+	time.Sleep(500 * time.Millisecond)
+	grown := int64(heap()) - int64(before)
+	t.Logf("%d connections stalled near the end of an 8 MiB body: heap %+d MiB (budget %d MiB)", conns, grown>>20, budget>>20)
+	if limit := int64(budget + conns*FreeBodyBytes + 16<<20); grown > limit {
+		t.Errorf("the heap grew %d MiB for %d stalled bodies, want at most %d MiB", grown>>20, conns, limit>>20)
+	}
+	// Small requests are served during the flood.
+	resp, err := http.Post("http://"+addr+"/v1/completions", "application/json",
+		strings.NewReader(`{"model":"tiny-gqa","prompt":"hello","max_tokens":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("a small completion during the flood: %s", resp.Status)
+	}
+	// The bodies over the budget were refused with 503, at once.
+	var refused atomic.Int32
+	var answered sync.WaitGroup
+	for _, c := range held {
+		if c == nil {
+			continue
+		}
+		answered.Go(func() {
+			c.SetReadDeadline(time.Now().Add(time.Second))
+			b := make([]byte, 64)
+			n, _ := io.ReadAtLeast(c, b, 12)
+			if strings.HasPrefix(string(b[:n]), "HTTP/1.1 503") {
+				refused.Add(1)
+			}
+		})
+	}
+	answered.Wait()
+	if min := conns - budget/MaxBody - 1; int(refused.Load()) < min {
+		t.Errorf("%d of %d bodies over the budget were refused with 503, want at least %d", refused.Load(), conns, min)
 	}
 }

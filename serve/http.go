@@ -39,6 +39,8 @@ func readBody(req *http.Request) ([]byte, *httpError) {
 	case errors.As(err, &tooLarge):
 		return nil, &httpError{http.StatusRequestEntityTooLarge, "request_too_large",
 			fmt.Sprintf("the request body is over %d bytes (MaxBody)", MaxBody)}
+	case errors.Is(err, errBodyBudget):
+		return nil, &httpError{http.StatusServiceUnavailable, "server_busy", err.Error() + ": try again"}
 	case errors.As(err, &timeout) && timeout.Timeout():
 		return nil, &httpError{http.StatusRequestTimeout, "request_timeout", "the request body did not come in time: " + err.Error()}
 	case err != nil:

@@ -1,10 +1,14 @@
 package serve
 
 import (
+	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"net/http"
+	"strconv"
+	"sync"
 	"time"
 
 	"github.com/kvxfer/kvxfer/internal/netlimit"
@@ -21,7 +25,12 @@ const (
 	DefaultHTTPReadHeaderTimeout = 10 * time.Second
 	DefaultHTTPWriteTimeout      = 30 * time.Second
 	DefaultHTTPBodyTimeout       = time.Minute
+	DefaultHTTPBodyBudget        = 256 << 20
 )
+
+// FreeBodyBytes is how much of each request body is read without
+// BodyBudget: requests of the usual size are never refused for it.
+const FreeBodyBytes = 64 << 10
 
 // MaxHeaderBytes bounds a request's header lines (and its request line),
 // which the server keeps until the headers end; past it the request is
@@ -54,6 +63,13 @@ type HTTPLimits struct {
 	// its headers (which ReadHeaderTimeout bounds): a client that sends it
 	// slower has its request answered 408 and its connection closed.
 	BodyTimeout time.Duration
+	// BodyBudget bounds the bytes of request bodies being received, past
+	// each body's first FreeBodyBytes, summed over the server's
+	// connections: a body that would go over it is answered 503. A body's
+	// bytes count from their arrival until it has all come or failed.
+	// Without it each of MaxConns connections may hold a body of up to
+	// MaxBody for BodyTimeout.
+	BodyBudget int64
 }
 
 // WithDefaults returns l with zero fields set to their defaults.
@@ -76,14 +92,19 @@ func (l HTTPLimits) WithDefaults() HTTPLimits {
 	if l.BodyTimeout == 0 {
 		l.BodyTimeout = DefaultHTTPBodyTimeout
 	}
+	if l.BodyBudget == 0 {
+		l.BodyBudget = DefaultHTTPBodyBudget
+	}
 	return l
 }
 
 // String describes l for logs: "max 4096 connections, 1024 per host, idle
-// timeout 2m0s, write timeout 30s, body timeout 1m0s".
+// timeout 2m0s, write timeout 30s, body timeout 1m0s, body budget 268435456
+// bytes".
 func (l HTTPLimits) String() string {
 	return netlimit.Limits{MaxConns: l.MaxConns, MaxConnsPerHost: l.MaxConnsPerHost}.String() + ", idle timeout " + l.IdleTimeout.String() +
-		", write timeout " + l.WriteTimeout.String() + ", body timeout " + l.BodyTimeout.String()
+		", write timeout " + l.WriteTimeout.String() + ", body timeout " + l.BodyTimeout.String() +
+		", body budget " + strconv.FormatInt(l.BodyBudget, 10) + " bytes"
 }
 
 // NewHTTPServer returns a server of h with the timeouts of lim (after
@@ -95,6 +116,9 @@ func NewHTTPServer(h http.Handler, lim HTTPLimits) *http.Server {
 	}
 	if lim.BodyTimeout > 0 {
 		h = bodyDeadline(h, lim.BodyTimeout)
+	}
+	if lim.BodyBudget > 0 {
+		h = bodyBudget(h, &budget{max: lim.BodyBudget, left: lim.BodyBudget})
 	}
 	return &http.Server{Handler: h, ReadHeaderTimeout: max(0, lim.ReadHeaderTimeout), IdleTimeout: max(0, lim.IdleTimeout),
 		MaxHeaderBytes: MaxHeaderBytes}
@@ -131,6 +155,102 @@ func bodyDeadline(h http.Handler, d time.Duration) http.Handler {
 		r.Body = &deadlineBody{ReadCloser: r.Body, rc: rc}
 		h.ServeHTTP(w, r)
 	})
+}
+
+// errBodyBudget: a request body would take the server's bodies being
+// received past HTTPLimits.BodyBudget.
+var errBodyBudget = errors.New("the request bodies being received take the server's limit")
+
+// budget is a server's HTTPLimits.BodyBudget: the bytes left to bodies
+// being received. Safe for concurrent use.
+type budget struct {
+	max  int64
+	mu   sync.Mutex
+	left int64
+}
+
+func (b *budget) take(n int64) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if n > b.left {
+		return false
+	}
+	b.left -= n
+	return true
+}
+
+func (b *budget) give(n int64) {
+	b.mu.Lock()
+	b.left += n
+	b.mu.Unlock()
+}
+
+// bodyBudget makes each request body past its first FreeBodyBytes take its
+// bytes from b as they arrive, and give them back once it has all come (or
+// failed, or the handler returned): a slow body holds its share of b, not
+// of the process's memory. A body that would go over b fails with
+// errBodyBudget.
+func bodyBudget(h http.Handler, b *budget) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Body == nil || r.Body == http.NoBody {
+			h.ServeHTTP(w, r)
+			return
+		}
+		bb := &budgetBody{ReadCloser: r.Body, b: b, free: FreeBodyBytes}
+		r.Body = bb
+		defer bb.end()
+		h.ServeHTTP(w, r)
+	})
+}
+
+// budgetBody is a request body that takes its bytes past free from b.
+type budgetBody struct {
+	io.ReadCloser
+	b    *budget
+	free int64 // bytes still to come without the budget
+	held int64 // taken from b
+	err  error // the body's end, once it came
+}
+
+// budgetChunk is the most a read of a body past its free bytes takes from
+// the budget at once (and reads).
+const budgetChunk = 64 << 10
+
+func (r *budgetBody) Read(p []byte) (int, error) {
+	if r.err != nil {
+		return 0, r.err
+	}
+	if r.free > 0 {
+		n, err := r.ReadCloser.Read(p[:min(int64(len(p)), r.free)])
+		r.free -= int64(n)
+		r.err = err
+		return n, err
+	}
+	// Take from the budget before reading, so that nothing is read that
+	// it does not cover; give back what did not come.
+	p = p[:min(len(p), budgetChunk)]
+	if !r.b.take(int64(len(p))) {
+		r.end()
+		r.err = fmt.Errorf("%w (%d bytes past the first %d of each body)", errBodyBudget, r.b.max, FreeBodyBytes)
+		return 0, r.err
+	}
+	n, err := r.ReadCloser.Read(p)
+	r.b.give(int64(len(p) - n))
+	r.held += int64(n)
+	if err != nil {
+		r.err = err
+		r.end()
+	}
+	return n, err
+}
+
+// end gives back what the body took; a body that has all come is in the
+// handler's hands, bounded by the server's work on it from there.
+func (r *budgetBody) end() {
+	if r.held > 0 {
+		r.b.give(r.held)
+		r.held = 0
+	}
 }
 
 // deadlineBody lifts the read deadline when the body ends: from there on

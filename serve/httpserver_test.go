@@ -191,13 +191,13 @@ func TestHTTPKeepAliveFlood(t *testing.T) {
 func TestHTTPLimitsDefaults(t *testing.T) {
 	got := HTTPLimits{MaxConnsPerHost: -1}.WithDefaults()
 	want := HTTPLimits{MaxConns: DefaultHTTPMaxConns, MaxConnsPerHost: -1, IdleTimeout: DefaultHTTPIdleTimeout, ReadHeaderTimeout: DefaultHTTPReadHeaderTimeout,
-		WriteTimeout: DefaultHTTPWriteTimeout, BodyTimeout: DefaultHTTPBodyTimeout}
+		WriteTimeout: DefaultHTTPWriteTimeout, BodyTimeout: DefaultHTTPBodyTimeout, BodyBudget: DefaultHTTPBodyBudget}
 	if got != want {
 		t.Errorf("WithDefaults = %+v, want %+v", got, want)
 	}
 	srv := NewHTTPServer(http.NotFoundHandler(), HTTPLimits{IdleTimeout: -1})
-	if srv.IdleTimeout != 0 || srv.ReadHeaderTimeout != DefaultHTTPReadHeaderTimeout {
-		t.Errorf("server timeouts: idle %v, read header %v", srv.IdleTimeout, srv.ReadHeaderTimeout)
+	if srv.IdleTimeout != 0 || srv.ReadHeaderTimeout != DefaultHTTPReadHeaderTimeout || srv.MaxHeaderBytes != MaxHeaderBytes {
+		t.Errorf("server limits: idle %v, read header %v, header bytes %d", srv.IdleTimeout, srv.ReadHeaderTimeout, srv.MaxHeaderBytes)
 	}
 }
 

@@ -20,4 +20,6 @@ func (h *httpFlags) add(cmd *cobra.Command) {
 		"close an HTTP connection whose client takes no part of an answer (an event of a stream) for this long (-1s: no bound)")
 	f.DurationVar(&h.lim.BodyTimeout, "http-body-timeout", serve.DefaultHTTPBodyTimeout,
 		"answer 408 and close an HTTP connection whose request body has not all come this long after its headers (-1s: no bound)")
+	f.Int64Var(&h.lim.BodyBudget, "http-body-budget", serve.DefaultHTTPBodyBudget,
+		"bytes of request bodies being received at once, over all connections, past the first 64 KiB of each; a body that would go over it is answered 503 (-1: no bound)")
 }
