@@ -84,7 +84,6 @@ mpi: deps ## the MPI backend: vet, staticcheck, its transport's race tests on tw
 	$(GO) test -tags mpi -race -c -o bin/mpi.test ./transport/mpi/
 	cd transport/mpi && $(MPIRUN) -np 2 --bind-to none --oversubscribe ../../bin/mpi.test -test.count=1 -test.timeout=5m
 	$(GO) test -tags mpi -race -count=1 -timeout 10m -run 'TestUpSmokeMPI|TestVersionAndBackends|TestServeMPI|TestBenchMPI' ./internal/cli/
-	$(GO) test -tags mpi -count=1 -timeout 2m -run 'MPI' ./bench/
 
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \
