@@ -75,7 +75,7 @@ ucx: deps ## the UCX backend: vet, staticcheck and race tests with -tags ucx, an
 	$(GO) tool staticcheck -tags ucx ./transport/ucx/ ./internal/cli/ ./transceiver/ ./bench/ ./serve/
 	$(GO) test -tags ucx -race -shuffle=on -count=1 -timeout 10m ./transport/ucx/
 	$(GO) test -tags ucx -race -count=1 -timeout 10m -run 'UCX|TestPairings|TestAutoPicks' ./transceiver/ ./bench/ ./serve/
-	$(GO) test -tags ucx -count=1 -timeout 10m -run 'TestCrossHost' ./tests/crosshost/
+	$(GO) test -tags ucx -count=1 -timeout 10m -run 'TestCrossHost' ./tests/crosshost/ -args -crosshost.backends=UCX,AUTO
 
 mpi: deps ## the MPI backend: vet, staticcheck, its transport's race tests on two ranks of mpirun, kvxfer up --smoke over one MPI world, and kvxfer bench --backend mpi
 	$(GO) vet -tags mpi ./transport/... ./internal/cli/ ./internal/launch/ ./bench/
@@ -84,7 +84,6 @@ mpi: deps ## the MPI backend: vet, staticcheck, its transport's race tests on tw
 	$(GO) test -tags mpi -race -c -o bin/mpi.test ./transport/mpi/
 	cd transport/mpi && $(MPIRUN) -np 2 --bind-to none --oversubscribe ../../bin/mpi.test -test.count=1 -test.timeout=5m
 	$(GO) test -tags mpi -race -count=1 -timeout 10m -run 'TestUpSmokeMPI|TestVersionAndBackends|TestServeMPI|TestBenchMPI' ./internal/cli/
-	$(GO) test -tags mpi -count=1 -timeout 2m -run 'MPI' ./bench/
 
 invariants: ## the packages that have an invariants build tag, tested with it
 	@pkgs="$$(grep -rl --include='*.go' '^//go:build invariants' . | xargs -r -n1 dirname | sort -u)"; \

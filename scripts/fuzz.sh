@@ -25,9 +25,23 @@ bare_deadline() { # the log shows no finding, only the coordinator's deadline
 		! grep -qE 'Failing input written|panic:|fuzz_test.go:[0-9]+:|_test.go:[0-9]+:' "$log"
 }
 
-for pkg in $(go list ./...); do
-	dir=$(go list -f '{{.Dir}}' "$pkg")
-	for target in $(go test -list '^Fuzz' "$pkg" 2>/dev/null | grep '^Fuzz' || true); do
+# The targets are read from each package's test files as go list selects
+# them (build tags and all): `go test -list` would link a test binary of
+# every package, most of them without a target, only to name them.
+targets() { # dir files...: the fuzz targets declared in the files
+	local dir=$1
+	shift
+	(cd "$dir" && grep -ho '^func Fuzz[A-Za-z0-9_]*([A-Za-z0-9_]* \*testing\.F)' "$@" || true) |
+		sed -E 's/^func (Fuzz[A-Za-z0-9_]*).*/\1/'
+}
+
+# A failing go list ends the script here (set -e), before any target.
+listing=$(go list -f '{{.ImportPath}} {{.Dir}}{{range .TestGoFiles}} {{.}}{{end}}{{range .XTestGoFiles}} {{.}}{{end}}' ./...)
+# The list comes on fd 3: go test and the fuzzers keep stdin.
+while read -r pkg dir files <&3; do
+	[[ -n $files ]] || continue
+	# shellcheck disable=SC2086 # files: names without spaces, one word each
+	for target in $(targets "$dir" $files); do
 		found=$((found + 1))
 		for attempt in 1 2; do
 			before=$(corpus_count "$dir" "$target")
@@ -50,5 +64,5 @@ for pkg in $(go list ./...); do
 			exit 1
 		done
 	done
-done
+done 3<<<"$listing"
 echo "fuzz: $found targets, none failed ($flaked deadline flakes)"

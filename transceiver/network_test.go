@@ -237,10 +237,10 @@ func heldBy(in *inst, s side, reqID uint64) int {
 // TestMemPlaneConformance holds memPlane to the suite every backend passes,
 // so that the deadline tests' data plane keeps the transport contract.
 func TestMemPlaneConformance(t *testing.T) {
-	transporttest.Run(t, func(t *testing.T) (a, b transport.Transport) {
+	transporttest.RunOptions(t, func(t *testing.T) (a, b transport.Transport) {
 		nw := newMemNetwork()
 		a, _ = nw.OpenData(t.Context(), "a", transport.Options{})
 		b, _ = nw.OpenData(t.Context(), "b", transport.Options{})
 		return a, b
-	})
+	}, transporttest.Options{SkipLarge: true}) // a test double: one copy, whatever the size
 }

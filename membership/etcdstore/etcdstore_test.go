@@ -111,6 +111,9 @@ func TestTLSRefused(t *testing.T) {
 		{"no client certificate", noCert, "refused this client's TLS: remote error: tls: "},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			// Each waits out most of its deadline (the client retries
+			// until then): the four at once.
+			t.Parallel()
 			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
 			defer cancel()
 			s, err := Dial(ctx, []string{e.Addr}, Options{TLS: tc.tls, DialTimeout: time.Second})

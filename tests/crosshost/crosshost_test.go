@@ -3,12 +3,14 @@ package crosshost
 import (
 	"crypto/rand"
 	"encoding/hex"
+	"flag"
 	"fmt"
 	"net/http"
 	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -236,6 +238,13 @@ func txListeners(t *testing.T, p *proc, addr string, want ...string) []netip.Add
 	return on
 }
 
+// onlyBackends, when set, makes TestCrossHost run the disaggregated flow
+// over these backends only (comma-separated: TCP, UCX, AUTO), without the
+// 2+2 workers and the fault proxy, which run over TCP whatever the build.
+// make ucx sets UCX,AUTO: what a -tags ucx build adds to the unit step's
+// run (UCX, and what AUTO picks when UCX is built in).
+var onlyBackends = flag.String("crosshost.backends", "", "run TestCrossHost's flow over these backends only (TCP,UCX,AUTO), without its TCP-only 2+2 and fault phases")
+
 // TestCrossHost runs the disaggregated flow between network namespaces
 // over each transceiver backend, then with 2 + 2 workers, then through a
 // fault proxy between the context and generation workers' namespaces.
@@ -248,11 +257,24 @@ func TestCrossHost(t *testing.T) {
 	t.Logf("lab: bridge %s %s0/24; router and store in %s (%s), context in %s (%s), generation in %s (%s); ready after %v",
 		cl.lab.bridge, cl.lab.prefix, cl.r.name, cl.r.addr, cl.c.name, cl.c.addr, cl.g.name, cl.g.addr, time.Since(start).Round(time.Millisecond))
 
+	out, err := kvxferVersion()
+	built := versionBackends(out)
 	backends := []string{"TCP", "AUTO"}
-	if out, err := kvxferVersion(); err == nil && strings.Contains(versionBackends(out), "ucx") {
+	if err == nil && strings.Contains(built, "ucx") {
 		backends = []string{"TCP", "UCX", "AUTO"}
 	} else {
-		t.Logf("UCX: not in this build (backends %q): run with -tags ucx to cover it", versionBackends(out))
+		t.Logf("UCX: not in this build (backends %q): run with -tags ucx to cover it", built)
+	}
+	if *onlyBackends != "" {
+		backends = strings.Split(*onlyBackends, ",")
+		for _, b := range backends {
+			if b != "TCP" && b != "UCX" && b != "AUTO" {
+				t.Fatalf("-crosshost.backends=%s: %q is none of TCP, UCX, AUTO", *onlyBackends, b)
+			}
+		}
+		if slices.Contains(backends, "UCX") && (err != nil || !strings.Contains(built, "ucx")) {
+			t.Fatalf("-crosshost.backends=%s names UCX, not in this build (backends %q, %v)", *onlyBackends, built, err)
+		}
 	}
 	next := 0
 	for _, b := range backends {
@@ -317,6 +339,10 @@ func TestCrossHost(t *testing.T) {
 	}
 	t.Logf("backends done after %v", time.Since(start).Round(time.Millisecond))
 	if t.Failed() {
+		return
+	}
+	if *onlyBackends != "" {
+		t.Logf("-crosshost.backends=%s: the 2+2 workers and the fault proxy (both TCP) not run", *onlyBackends)
 		return
 	}
 	next = cl.twoByTwo(next)

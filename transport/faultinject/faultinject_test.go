@@ -40,19 +40,19 @@ func pair(t *testing.T, plan string) (a, b *faultinject.Transport) {
 
 // The wrapper without faults is a conforming backend.
 func TestConformanceNoFaults(t *testing.T) {
-	transporttest.Run(t, func(t *testing.T) (a, b transport.Transport) {
+	transporttest.RunOptions(t, func(t *testing.T) (a, b transport.Transport) {
 		x, y := pair(t, "seed=1")
 		return x, y
-	})
+	}, transporttest.Options{SkipLarge: true}) // tcp's own suite runs 256 MiB
 }
 
 // The wrapper with only delays and reordering is still a conforming
 // backend: those faults change timing, never results.
 func TestConformanceDelayReorder(t *testing.T) {
-	transporttest.Run(t, func(t *testing.T) (a, b transport.Transport) {
+	transporttest.RunOptions(t, func(t *testing.T) (a, b transport.Transport) {
 		x, y := pair(t, "seed=3;send:delay/3=2ms;send:reorder/4=5ms;expect:delay/5=1ms;expect:reorder/7=2ms")
 		return x, y
-	})
+	}, transporttest.Options{SkipLarge: true}) // faults per operation, not per byte
 }
 
 func payload(n int) []byte {

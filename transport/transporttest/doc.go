@@ -19,7 +19,9 @@
 // A backend that sends only from memory registered with it (shm) calls
 // RunOptions instead, with an Options.Alloc that allocates the suite's
 // sources in memory it can register (a sealed memfd); the suite registers
-// them with each transport that implements transport.MemoryRegistrar.
+// them with each transport that implements transport.MemoryRegistrar. A
+// second run of a backend's suite (TLS, other frame sizes, a wrapper) sets
+// Options.SkipLarge: the plain run has done the 256 MiB round trip.
 //
 // What the suite holds a backend to, beyond the interface documentation:
 //   - after Recv.Cancel returns, and after Done, the backend never writes

@@ -46,6 +46,14 @@ type Options struct {
 	// calls free once those transports have closed. nil: sources come from
 	// make and are never registered.
 	Alloc func(n int) (mem []byte, f *os.File, free func(), err error)
+
+	// SkipLarge leaves out RoundTrip's largest case (256 MiB; 64 MiB
+	// remains, as in the cancel cases). For a variant of a backend whose
+	// plain suite runs it (other frame sizes, TLS, a wrapper) or a test
+	// double: what the variant changes is exercised long before 64 MiB,
+	// and the large case costs seconds under -race. A backend's plain
+	// suite leaves it false.
+	SkipLarge bool
 }
 
 // RunOptions runs the suite as Run does, adapted by opts.
@@ -304,6 +312,9 @@ func (s *suite) roundTrip(t *testing.T) {
 		t.Run(sz.name, func(t *testing.T) {
 			if sz.n > 64<<20 && testing.Short() {
 				t.Skip("skipped in -short mode")
+			}
+			if sz.n > 64<<20 && s.opts.SkipLarge {
+				t.Skip("Options.SkipLarge: a variant; the backend's plain suite runs this size")
 			}
 			a, b := s.pair(t)
 			src := [][]byte{pattern(seed(t), 0, s.src(t, sz.n))}
