@@ -235,28 +235,56 @@ func references(hc *http.Client, base string, specs []reqSpec) (map[string][]int
 // drive runs specs through base at concurrency c and returns every
 // outcome; each request is bounded by perReq.
 func drive(hc *http.Client, base string, specs []reqSpec, refs map[string][]int32, c int, perReq time.Duration) []outcome {
-	out := make([]outcome, len(specs))
-	next := make(chan int)
+	return driveUntil(hc, base, specs, refs, c, perReq, nil)
+}
+
+// driveUntil is drive that, once every spec has been sent, goes on sending
+// them again, in the same order, until stop is closed (nil: it is not
+// waited for), at most maxRounds times over: the requests of a faulty run
+// must still be under way when its last fault comes. The outcomes are
+// those of every request sent.
+func driveUntil(hc *http.Client, base string, specs []reqSpec, refs map[string][]int32, c int, perReq time.Duration, stop <-chan struct{}) []outcome {
+	const maxRounds = 50
+	var (
+		mu  sync.Mutex
+		out []outcome
+	)
+	next := make(chan reqSpec)
 	var wg sync.WaitGroup
 	for range c {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for i := range next {
+			for spec := range next {
 				ctx, cancel := context.WithTimeout(context.Background(), perReq)
 				start := time.Now()
-				r := complete(ctx, hc, base, specs[i], nil)
+				r := complete(ctx, hc, base, spec, nil)
 				cancel()
 				if errors.Is(r.err, context.DeadlineExceeded) {
 					r.err, r.clear = fmt.Errorf("no end within %v (hung): %w", perReq, r.err), false
 				}
-				cl, msg := classify(r, refs[specs[i].key()])
-				out[i] = outcome{spec: specs[i], class: cl, start: start, end: time.Now(), msg: msg, firstChunk: r.firstChunk}
+				cl, msg := classify(r, refs[spec.key()])
+				mu.Lock()
+				out = append(out, outcome{spec: spec, class: cl, start: start, end: time.Now(), msg: msg, firstChunk: r.firstChunk})
+				mu.Unlock()
 			}
 		}()
 	}
-	for i := range specs {
-		next <- i
+	stopped := func() bool {
+		if stop == nil {
+			return true
+		}
+		select {
+		case <-stop:
+			return true
+		default:
+			return false
+		}
+	}
+	for round := 0; round == 0 || (round < maxRounds && !stopped()); round++ {
+		for _, spec := range specs {
+			next <- spec
+		}
 	}
 	close(next)
 	wg.Wait()
