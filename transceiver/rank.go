@@ -133,8 +133,8 @@ func newRank(idx int, state layout.CacheState, pool *kvcache.Pool, set rankSetti
 		idx: idx, pool: pool, set: set, transports: trs, done: done, attempt: attempt,
 		goes:     workers.NewPool(maxIdleWorkers),
 		names:    slices.Sorted(maps.Keys(trs)),
-		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb), set.stagingHold()),
-		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb), set.stagingHold()),
+		sendBufs: mover.NewBuffers(set.sendBuffers, int(bb), set.stagingHold(), stagingAlloc),
+		recvBufs: mover.NewBuffers(set.recvBuffers, int(bb), set.stagingHold(), stagingAlloc),
 		log:      set.logger.With("rank", idx),
 		hold:     newAskHold(idx, set.timeout),
 	}
@@ -602,5 +602,24 @@ func (r *rank) close() error {
 	for _, tr := range r.transports {
 		errs = append(errs, tr.Close())
 	}
+	// Nothing moves now: the staging buffers go back to the system.
+	errs = append(errs, r.sendBufs.Close(), r.recvBufs.Close())
 	return errors.Join(errs...)
+}
+
+// stagingAlloc maps a staging buffer of its own (mover.Alloc): its pages
+// come from the kernel zeroed and on first touch, where a buffer of the Go
+// heap that reuses freed memory is zeroed whole at allocation (512 MiB by
+// default: seconds on a machine whose page faults are slow, for a first
+// transfer that may stage 64 KiB), and they go back to the system when the
+// rank closes rather than when the collector and the scavenger get there.
+func stagingAlloc(size int) ([]byte, func() error, error) {
+	a, err := kvcache.MmapAllocator{}.Allocate(size)
+	if errors.Is(err, errors.ErrUnsupported) {
+		return make([]byte, size), func() error { return nil }, nil
+	}
+	if err != nil {
+		return nil, nil, err
+	}
+	return a.Bytes(), a.Close, nil
 }

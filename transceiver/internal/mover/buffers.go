@@ -2,6 +2,7 @@ package mover
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -32,10 +33,19 @@ type Buffers struct {
 	inUse     atomic.Int64
 	allocated atomic.Int64
 	limit     HoldLimit
+	alloc     Alloc
 
-	mu   sync.Mutex
-	held map[*Lease]struct{} // leases that may still be stopped
+	mu     sync.Mutex
+	held   map[*Lease]struct{}    // leases that may still be stopped
+	frees  map[*byte]func() error // each allocated buffer's release, by its first byte
+	closed bool                   // Close was called: buffers put back are released
 }
+
+// Alloc allocates a staging buffer of size bytes, zeroed, and returns it
+// with the function that releases it (called once, when the Buffers are
+// closed and the buffer is back). nil is make([]byte, size), which the
+// garbage collector releases.
+type Alloc func(size int) (buf []byte, free func() error, err error)
 
 // HoldLimit is how long a holder may keep a buffer while others wait:
 // Base, plus the time its bytes take at Rate bytes a second (0: Base
@@ -56,10 +66,12 @@ func (l HoldLimit) For(n int64) time.Duration {
 	return d
 }
 
-// NewBuffers returns count buffers of size bytes, none allocated yet,
-// whose holders are stopped past limit while others wait.
-func NewBuffers(count, size int, limit HoldLimit) *Buffers {
-	p := &Buffers{size: size, slots: make(chan []byte, count), limit: limit, held: map[*Lease]struct{}{}}
+// NewBuffers returns count buffers of size bytes, none allocated yet (alloc
+// allocates them at their first use; nil: the Go heap), whose holders are
+// stopped past limit while others wait.
+func NewBuffers(count, size int, limit HoldLimit, alloc Alloc) *Buffers {
+	p := &Buffers{size: size, slots: make(chan []byte, count), limit: limit, alloc: alloc,
+		held: map[*Lease]struct{}{}, frees: map[*byte]func() error{}}
 	for range count {
 		p.slots <- nil
 	}
@@ -101,21 +113,25 @@ func (p *Buffers) Hold(ctx context.Context, h Holder) (*Lease, error) {
 	if err != nil {
 		return nil, err
 	}
-	return p.lease(b, h), nil
+	return p.lease(b, h)
 }
 
 // TryHold is Hold when a buffer is free now.
 func (p *Buffers) TryHold(h Holder) (*Lease, bool) {
 	select {
 	case b := <-p.slots:
-		return p.lease(b, h), true
+		l, err := p.lease(b, h)
+		return l, err == nil
 	default:
 		return nil, false
 	}
 }
 
-func (p *Buffers) lease(b []byte, h Holder) *Lease {
-	b = p.take(b) // a first use allocates: not the holder's time
+func (p *Buffers) lease(b []byte, h Holder) (*Lease, error) {
+	b, err := p.take(b) // a first use allocates: not the holder's time
+	if err != nil {
+		return nil, err
+	}
 	now := time.Now()
 	l := &Lease{Buf: b, p: p, h: h, since: now, due: now.Add(p.limit.For(h.Bytes)), done: make(chan struct{})}
 	if p.limit.Base > 0 && h.Stop != nil {
@@ -123,7 +139,7 @@ func (p *Buffers) lease(b []byte, h Holder) *Lease {
 		p.held[l] = struct{}{}
 		p.mu.Unlock()
 	}
-	return l
+	return l, nil
 }
 
 // Release puts the lease's buffer back. Once only.
@@ -233,20 +249,79 @@ func (p *Buffers) stopOverdue(owner any) *Lease {
 	return first
 }
 
-func (p *Buffers) take(b []byte) []byte {
+// take makes b, a buffer taken from the slots, ready for use: a nil one is
+// allocated. On an error the slot goes back empty.
+func (p *Buffers) take(b []byte) ([]byte, error) {
 	if b == nil {
-		b = make([]byte, p.size)
+		if p.alloc == nil {
+			b = make([]byte, p.size)
+		} else {
+			buf, free, err := p.alloc(p.size)
+			if err != nil {
+				p.slots <- nil
+				return nil, fmt.Errorf("mover: staging buffer of %d bytes: %w", p.size, err)
+			}
+			b = buf
+			p.mu.Lock()
+			p.frees[&b[0]] = free
+			p.mu.Unlock()
+		}
 		p.allocated.Add(1)
 	}
 	p.inUse.Add(1)
-	return b
+	return b, nil
+}
+
+// Close releases the buffers allocated with alloc: those that are back now,
+// and each other one as it comes back. Call it once no transfer will take a
+// buffer again (a Hold after Close allocates anew, and Close of the
+// Buffers again is needed to release that one). Idempotent.
+func (p *Buffers) Close() error {
+	p.mu.Lock()
+	p.closed = true
+	p.mu.Unlock()
+	var errs []error
+	for range cap(p.slots) {
+		select {
+		case b := <-p.slots:
+			errs = append(errs, p.release(b))
+			p.slots <- nil
+		default:
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// release frees b (nil: nothing) if alloc allocated it.
+func (p *Buffers) release(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	p.mu.Lock()
+	free := p.frees[&b[0]]
+	delete(p.frees, &b[0])
+	p.mu.Unlock()
+	if free == nil {
+		return nil
+	}
+	p.allocated.Add(-1)
+	return free()
 }
 
 // put gives a buffer back (resliced to its full size). Putting back more
 // buffers than were taken panics rather than block.
 func (p *Buffers) put(b []byte) {
+	p.mu.Lock()
+	closed := p.closed
+	p.mu.Unlock()
+	if closed {
+		p.release(b[:p.size:p.size])
+		b = nil
+	} else {
+		b = b[:p.size:p.size]
+	}
 	select {
-	case p.slots <- b[:p.size:p.size]:
+	case p.slots <- b:
 		p.inUse.Add(-1)
 	default:
 		panic("mover: Buffers.put of a buffer not taken")

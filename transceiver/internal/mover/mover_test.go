@@ -122,8 +122,8 @@ func movePair(t *testing.T, name string, rng *rand.Rand, send, recv transport.Tr
 	want := naive(t, plan, src, dst)
 	chunk := 1 + rng.IntN(n)
 	packed := plan.PackedBytesPerBlock()
-	sb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{})
-	rb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{})
+	sb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{}, nil)
+	rb := NewBuffers(1+rng.IntN(2), int(int64(chunk)*packed), HoldLimit{}, nil)
 	sp := Pair{Transport: send, Blocks: src, Plan: plan, Chunk: chunk, Buffers: sb, Gather: strings.Contains(mode, "gathered")}
 	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: chunk, Buffers: rb, Scatter: strings.Contains(mode, "scattered")}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -193,7 +193,7 @@ func TestStagedStops(t *testing.T) {
 	}
 	rng := rand.New(rand.NewPCG(3, 5))
 	dst := randomBlocks(rng, 6, plan.DstLayout().BlockBytes())
-	rb := NewBuffers(2, int(2*plan.PackedBytesPerBlock()), HoldLimit{})
+	rb := NewBuffers(2, int(2*plan.PackedBytesPerBlock()), HoldLimit{}, nil)
 	rp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: rb}
 
 	stop := errors.New("the request stopped")
@@ -246,7 +246,7 @@ func TestStagedStops(t *testing.T) {
 
 	sctx, scancel := context.WithCancelCause(context.Background())
 	scancel(stop)
-	sp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: NewBuffers(1, rb.Size(), HoldLimit{})}
+	sp := Pair{Transport: recv, Blocks: dst, Plan: plan, Chunk: 2, Buffers: NewBuffers(1, rb.Size(), HoldLimit{}, nil)}
 	if err := sp.Send(sctx, nil, make(chan Chunk)).Err; !errors.Is(err, stop) {
 		t.Errorf("send with its context ended: %v, want the cause", err)
 	}
@@ -255,7 +255,7 @@ func TestStagedStops(t *testing.T) {
 // TestBuffers: at most Count buffers are out at once; each is allocated
 // on first use only; a buffer goes back at its full size.
 func TestBuffers(t *testing.T) {
-	p := NewBuffers(2, 64, HoldLimit{})
+	p := NewBuffers(2, 64, HoldLimit{}, nil)
 	a, _ := p.Hold(context.Background(), Holder{})
 	b, ok := p.TryHold(Holder{})
 	if !ok || len(a.Buf) != 64 || len(b.Buf) != 64 || p.InUse() != 2 || p.Allocated() != 2 {
@@ -295,7 +295,7 @@ func TestBuffers(t *testing.T) {
 func TestBuffersHoldLimit(t *testing.T) {
 	errStalled := errors.New("stalled")
 	synctest.Test(t, func(t *testing.T) {
-		p := NewBuffers(2, 64, HoldLimit{Base: time.Second, Rate: 64, Err: errStalled})
+		p := NewBuffers(2, 64, HoldLimit{Base: time.Second, Rate: 64, Err: errStalled}, nil)
 		// hold takes a buffer for n bytes and gives it back when stopped.
 		hold := func(n int64) (*Lease, context.Context, context.CancelCauseFunc) {
 			ctx, stop := context.WithCancelCause(t.Context())
@@ -392,7 +392,7 @@ func TestBuffersHoldLimit(t *testing.T) {
 		g2.Release()
 
 		// Without a limit, nobody is stopped.
-		q := NewBuffers(1, 64, HoldLimit{Err: errStalled})
+		q := NewBuffers(1, 64, HoldLimit{Err: errStalled}, nil)
 		qctx, qstop := context.WithCancelCause(t.Context())
 		defer qstop(nil)
 		l, _ := q.Hold(qctx, Holder{Bytes: 0, Stop: qstop})
@@ -403,4 +403,58 @@ func TestBuffersHoldLimit(t *testing.T) {
 		}
 		l.Release()
 	})
+}
+
+// TestBuffersClose: Close releases, through the allocator, the buffers that
+// are back, and each other one when its lease is released; a buffer whose
+// allocation fails leaves its slot free for the next Hold.
+func TestBuffersClose(t *testing.T) {
+	var allocs, frees int
+	fail := false
+	alloc := func(size int) ([]byte, func() error, error) {
+		if fail {
+			return nil, nil, errors.New("no memory")
+		}
+		allocs++
+		freed := false
+		return make([]byte, size), func() error {
+			if freed {
+				t.Error("a buffer released twice")
+			}
+			freed = true
+			frees++
+			return nil
+		}, nil
+	}
+	p := NewBuffers(2, 64, HoldLimit{}, alloc)
+	fail = true
+	if _, err := p.Hold(context.Background(), Holder{}); err == nil || !strings.Contains(err.Error(), "no memory") {
+		t.Fatalf("Hold with a failing allocator: %v", err)
+	}
+	fail = false
+	a, err := p.Hold(context.Background(), Holder{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, ok := p.TryHold(Holder{})
+	if !ok {
+		t.Fatal("TryHold: the slot of the failed allocation was not free")
+	}
+	b.Release()
+	if allocs != 2 || p.Allocated() != 2 {
+		t.Fatalf("allocated %d (%d counted), want 2", allocs, p.Allocated())
+	}
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if frees != 1 {
+		t.Fatalf("Close released %d buffers, want the 1 that was back", frees)
+	}
+	a.Release()
+	if frees != 2 || p.Allocated() != 0 || p.InUse() != 0 {
+		t.Fatalf("after the last Release: %d released, %d allocated, %d in use; want 2, 0, 0", frees, p.Allocated(), p.InUse())
+	}
+	if err := p.Close(); err != nil || frees != 2 {
+		t.Fatalf("a second Close: %v, %d released", err, frees)
+	}
 }
