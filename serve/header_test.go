@@ -28,65 +28,24 @@ func TestHostileHeaderFlood(t *testing.T) {
 		conns  = 64
 		padded = 1 << 20 // header bytes each connection sends
 	)
-	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := NewHTTPServer(w.Handler(), HTTPLimits{})
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(LimitListener(ln, "worker http", HTTPLimits{}, nil, nil)) }()
-	defer func() {
-		srv.Close()
-		<-served
-	}()
-	addr := ln.Addr().String()
-
-	heap := func() uint64 {
-		runtime.GC()
-		var ms runtime.MemStats
-		runtime.ReadMemStats(&ms)
-		return ms.HeapAlloc
-	}
-	before := heap()
+	addr := serveWorker(t, HTTPLimits{})
+	before := heapAlloc()
 	line := "X-Pad: " + strings.Repeat("a", 1017) + "\r\n" // 1 KiB a line
-	held := make([]net.Conn, conns)
-	var wg sync.WaitGroup
-	for i := range held {
-		wg.Go(func() {
-			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			held[i] = c
-			c.SetWriteDeadline(time.Now().Add(5 * time.Second))
-			if _, err := io.WriteString(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\n"); err != nil {
-				return
-			}
-			for n := 0; n < padded; n += len(line) {
-				if _, err := io.WriteString(c, line); err != nil {
-					return // the server closed it: what it should do
-				}
-			}
-		})
-	}
-	wg.Wait()
-	defer func() {
-		for _, c := range held {
-			if c != nil {
-				c.Close()
+	held := flood(t, addr, conns, func(c net.Conn) {
+		c.SetWriteDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\n"); err != nil {
+			return
+		}
+		for n := 0; n < padded; n += len(line) {
+			if _, err := io.WriteString(c, line); err != nil {
+				return // the server closed it: what it should do
 			}
 		}
-	}()
+	})
 	// The server has read what it is going to read once it has answered
 	// or stopped reading; give it a moment to get there either way.
 	time.Sleep(500 * time.Millisecond)
-	grown := int64(heap()) - int64(before)
+	grown := int64(heapAlloc()) - int64(before)
 	t.Logf("%d connections holding %d KiB of unfinished headers each: heap %+d KiB", conns, padded>>10, grown>>10)
 	if limit := int64(conns) << 18; grown > limit { // 256 KiB a connection
 		t.Errorf("the heap grew %d MiB for %d connections with unfinished headers, want at most %d MiB",
@@ -141,64 +100,22 @@ func TestHostileBodyFlood(t *testing.T) {
 		conns  = 24
 		budget = 32 << 20
 	)
-	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	lim := HTTPLimits{BodyBudget: budget}
-	srv := NewHTTPServer(w.Handler(), lim)
-	served := make(chan error, 1)
-	go func() { served <- srv.Serve(LimitListener(ln, "worker http", lim, nil, nil)) }()
-	defer func() {
-		srv.Close()
-		<-served
-	}()
-	addr := ln.Addr().String()
-
-	heap := func() uint64 {
-		runtime.GC()
-		var ms runtime.MemStats
-		runtime.ReadMemStats(&ms)
-		return ms.HeapAlloc
-	}
-	before := heap()
+	addr := serveWorker(t, HTTPLimits{BodyBudget: budget})
+	before := heapAlloc()
 	chunk := []byte(strings.Repeat(" ", 64<<10))
-	held := make([]net.Conn, conns)
-	var wg sync.WaitGroup
-	for i := range held {
-		wg.Go(func() {
-			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
-			if err != nil {
-				t.Error(err)
-				return
-			}
-			held[i] = c
-			c.SetWriteDeadline(time.Now().Add(10 * time.Second))
-			if _, err := fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", MaxBody); err != nil {
-				return
-			}
-			for n := 0; n < MaxBody-len(chunk); n += len(chunk) {
-				if _, err := c.Write(chunk); err != nil {
-					return // refused and closed
-				}
-			}
-		})
-	}
-	wg.Wait()
-	defer func() {
-		for _, c := range held {
-			if c != nil {
-				c.Close()
+	held := flood(t, addr, conns, func(c net.Conn) {
+		c.SetWriteDeadline(time.Now().Add(10 * time.Second))
+		if _, err := fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: worker\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n", MaxBody); err != nil {
+			return
+		}
+		for n := 0; n < MaxBody-len(chunk); n += len(chunk) {
+			if _, err := c.Write(chunk); err != nil {
+				return // refused and closed
 			}
 		}
-	}()
+	})
 	time.Sleep(500 * time.Millisecond)
-	grown := int64(heap()) - int64(before)
+	grown := int64(heapAlloc()) - int64(before)
 	t.Logf("%d connections stalled near the end of an 8 MiB body: heap %+d MiB (budget %d MiB)", conns, grown>>20, budget>>20)
 	if limit := int64(budget + conns*FreeBodyBytes + 16<<20); grown > limit {
 		t.Errorf("the heap grew %d MiB for %d stalled bodies, want at most %d MiB", grown>>20, conns, limit>>20)
@@ -234,4 +151,65 @@ func TestHostileBodyFlood(t *testing.T) {
 	if min := conns - budget/MaxBody - 1; int(refused.Load()) < min {
 		t.Errorf("%d of %d bodies over the budget were refused with 503, want at least %d", refused.Load(), conns, min)
 	}
+}
+
+// serveWorker serves a tiny-gqa worker (both roles) on loopback with the
+// limits lim until the test ends, and returns its address.
+func serveWorker(t *testing.T, lim HTTPLimits) string {
+	t.Helper()
+	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		w.Close()
+		t.Fatal(err)
+	}
+	srv := NewHTTPServer(w.Handler(), lim)
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(LimitListener(ln, "worker http", lim, nil, nil)) }()
+	t.Cleanup(func() {
+		srv.Close()
+		<-served
+		w.Close()
+	})
+	return ln.Addr().String()
+}
+
+// heapAlloc returns the bytes of live heap objects, after a collection.
+func heapAlloc() uint64 {
+	runtime.GC()
+	var ms runtime.MemStats
+	runtime.ReadMemStats(&ms)
+	return ms.HeapAlloc
+}
+
+// flood opens n connections to addr at once and runs send on each; it
+// returns them (nil where the dial failed, which fails the test), closed
+// when the test ends.
+func flood(t *testing.T, addr string, n int, send func(net.Conn)) []net.Conn {
+	t.Helper()
+	held := make([]net.Conn, n)
+	var wg sync.WaitGroup
+	for i := range held {
+		wg.Go(func() {
+			c, err := net.DialTimeout("tcp", addr, 5*time.Second)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			held[i] = c
+			send(c)
+		})
+	}
+	wg.Wait()
+	t.Cleanup(func() {
+		for _, c := range held {
+			if c != nil {
+				c.Close()
+			}
+		}
+	})
+	return held
 }
