@@ -29,16 +29,21 @@ import (
 // from anyone keeps its buffer until its own deadline.
 type Buffers struct {
 	size      int
-	slots     chan []byte // a nil entry is a buffer not yet allocated
+	slots     chan buffer // a zero entry is a buffer not yet allocated
 	inUse     atomic.Int64
 	allocated atomic.Int64
 	limit     HoldLimit
 	alloc     Alloc
 
 	mu     sync.Mutex
-	held   map[*Lease]struct{}    // leases that may still be stopped
-	frees  map[*byte]func() error // each allocated buffer's release, by its first byte
-	closed bool                   // Close was called: buffers put back are released
+	held   map[*Lease]struct{} // leases that may still be stopped
+	closed bool                // Close was called: buffers put back are released
+}
+
+// buffer is a staging buffer and what releases it (nil: the collector).
+type buffer struct {
+	b    []byte
+	free func() error
 }
 
 // Alloc allocates a staging buffer of size bytes, zeroed, and returns it
@@ -70,10 +75,9 @@ func (l HoldLimit) For(n int64) time.Duration {
 // allocates them at their first use; nil: the Go heap), whose holders are
 // stopped past limit while others wait.
 func NewBuffers(count, size int, limit HoldLimit, alloc Alloc) *Buffers {
-	p := &Buffers{size: size, slots: make(chan []byte, count), limit: limit, alloc: alloc,
-		held: map[*Lease]struct{}{}, frees: map[*byte]func() error{}}
+	p := &Buffers{size: size, slots: make(chan buffer, count), limit: limit, alloc: alloc, held: map[*Lease]struct{}{}}
 	for range count {
-		p.slots <- nil
+		p.slots <- buffer{}
 	}
 	return p
 }
@@ -96,6 +100,7 @@ type Holder struct {
 type Lease struct {
 	// Buf is the buffer, of the pool's size.
 	Buf   []byte
+	buf   buffer // Buf and its release, as it goes back
 	p     *Buffers
 	h     Holder
 	since time.Time
@@ -127,13 +132,13 @@ func (p *Buffers) TryHold(h Holder) (*Lease, bool) {
 	}
 }
 
-func (p *Buffers) lease(b []byte, h Holder) (*Lease, error) {
+func (p *Buffers) lease(b buffer, h Holder) (*Lease, error) {
 	b, err := p.take(b) // a first use allocates: not the holder's time
 	if err != nil {
 		return nil, err
 	}
 	now := time.Now()
-	l := &Lease{Buf: b, p: p, h: h, since: now, due: now.Add(p.limit.For(h.Bytes)), done: make(chan struct{})}
+	l := &Lease{Buf: b.b, buf: b, p: p, h: h, since: now, due: now.Add(p.limit.For(h.Bytes)), done: make(chan struct{})}
 	if p.limit.Base > 0 && h.Stop != nil {
 		p.mu.Lock()
 		p.held[l] = struct{}{}
@@ -147,7 +152,7 @@ func (l *Lease) Release() {
 	l.p.mu.Lock()
 	delete(l.p.held, l)
 	l.p.mu.Unlock()
-	l.p.put(l.Buf)
+	l.p.put(l.buf)
 	close(l.done) // after the Put: a waiter it wakes finds the buffer there
 }
 
@@ -162,7 +167,7 @@ func (l *Lease) Err() error {
 // while it waits, it stops the holder of another owner due earliest once
 // it is past its limit, and another only after that one has given its
 // buffer back (to a waiter that took it first).
-func (p *Buffers) wait(ctx context.Context, owner any) ([]byte, error) {
+func (p *Buffers) wait(ctx context.Context, owner any) (buffer, error) {
 	select {
 	case b := <-p.slots:
 		return b, nil
@@ -173,7 +178,7 @@ func (p *Buffers) wait(ctx context.Context, owner any) ([]byte, error) {
 		case b := <-p.slots:
 			return b, nil
 		case <-ctx.Done():
-			return nil, context.Cause(ctx)
+			return buffer{}, context.Cause(ctx)
 		}
 	}
 	var stopped *Lease // the holder this caller stopped, until it lets go
@@ -197,7 +202,7 @@ func (p *Buffers) wait(ctx context.Context, owner any) ([]byte, error) {
 		case b := <-p.slots:
 			return b, nil
 		case <-ctx.Done():
-			return nil, context.Cause(ctx)
+			return buffer{}, context.Cause(ctx)
 		case <-let:
 			stopped = nil
 		case <-due:
@@ -249,22 +254,19 @@ func (p *Buffers) stopOverdue(owner any) *Lease {
 	return first
 }
 
-// take makes b, a buffer taken from the slots, ready for use: a nil one is
-// allocated. On an error the slot goes back empty.
-func (p *Buffers) take(b []byte) ([]byte, error) {
-	if b == nil {
+// take makes b, a buffer taken from the slots, ready for use: a zero one
+// is allocated. On an error the slot goes back empty.
+func (p *Buffers) take(b buffer) (buffer, error) {
+	if b.b == nil {
 		if p.alloc == nil {
-			b = make([]byte, p.size)
+			b.b = make([]byte, p.size)
 		} else {
 			buf, free, err := p.alloc(p.size)
 			if err != nil {
-				p.slots <- nil
-				return nil, fmt.Errorf("mover: staging buffer of %d bytes: %w", p.size, err)
+				p.slots <- buffer{}
+				return buffer{}, fmt.Errorf("mover: staging buffer of %d bytes: %w", p.size, err)
 			}
-			b = buf
-			p.mu.Lock()
-			p.frees[&b[0]] = free
-			p.mu.Unlock()
+			b = buffer{b: buf, free: free}
 		}
 		p.allocated.Add(1)
 	}
@@ -285,40 +287,31 @@ func (p *Buffers) Close() error {
 		select {
 		case b := <-p.slots:
 			errs = append(errs, p.release(b))
-			p.slots <- nil
+			p.slots <- buffer{}
 		default:
 		}
 	}
 	return errors.Join(errs...)
 }
 
-// release frees b (nil: nothing) if alloc allocated it.
-func (p *Buffers) release(b []byte) error {
-	if len(b) == 0 {
-		return nil
-	}
-	p.mu.Lock()
-	free := p.frees[&b[0]]
-	delete(p.frees, &b[0])
-	p.mu.Unlock()
-	if free == nil {
+// release frees b if alloc allocated it.
+func (p *Buffers) release(b buffer) error {
+	if b.b == nil || b.free == nil {
 		return nil
 	}
 	p.allocated.Add(-1)
-	return free()
+	return b.free()
 }
 
-// put gives a buffer back (resliced to its full size). Putting back more
-// buffers than were taken panics rather than block.
-func (p *Buffers) put(b []byte) {
+// put gives a buffer back, or releases it once the Buffers are closed.
+// Putting back more buffers than were taken panics rather than block.
+func (p *Buffers) put(b buffer) {
 	p.mu.Lock()
 	closed := p.closed
 	p.mu.Unlock()
 	if closed {
-		p.release(b[:p.size:p.size])
-		b = nil
-	} else {
-		b = b[:p.size:p.size]
+		p.release(b)
+		b = buffer{}
 	}
 	select {
 	case p.slots <- b:
