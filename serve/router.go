@@ -863,6 +863,13 @@ func (r *Router) post(ctx context.Context, g *group, path string, body object, a
 			result = "http_error"
 		}
 		r.m.Upstream.WithLabelValues(g.name, result).Inc()
+		if resp.StatusCode < 400 && resp.StatusCode != http.StatusOK {
+			// A redirect or another success: no completion, and nothing
+			// a client of the router should be handed.
+			resp.Body.Close()
+			s.inflight.Add(-1)
+			return nil, s, fmt.Errorf("%s server %s answered %s, not a completion (200) or an error", g.name, s.url, resp.Status)
+		}
 		g.served(ri, conv, s)
 		resp.Body = &doneBody{ReadCloser: resp.Body, done: func() { s.inflight.Add(-1) }}
 		return resp, s, nil

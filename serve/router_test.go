@@ -398,3 +398,43 @@ func TestRouterModelsNoWorkerOrStalled(t *testing.T) {
 		}
 	}
 }
+
+// TestRouterUpstreamOddStatus: a worker that answers a completion with a
+// redirect or a success other than 200 gets its request failed with 502,
+// naming the status, and a redirect is not followed: the router would
+// otherwise send the client's prompt wherever a Location points and hand
+// the client what it found there.
+func TestRouterUpstreamOddStatus(t *testing.T) {
+	var elsewhere atomic.Int32
+	other := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+		elsewhere.Add(1)
+		rw.Write([]byte(`{"choices":[{"text":"from elsewhere","finish_reason":"stop"}]}`))
+	}))
+	t.Cleanup(other.Close)
+	_, gu := startFake(t, "gen", "")
+	for _, tc := range []struct {
+		status int
+		want   string
+	}{
+		{http.StatusTemporaryRedirect, "307 Temporary Redirect"},
+		{http.StatusPermanentRedirect, "308 Permanent Redirect"},
+		{http.StatusFound, "302 Found"},
+		{http.StatusNotModified, "304 Not Modified"},
+		{http.StatusNoContent, "204 No Content"},
+		{http.StatusCreated, "201 Created"},
+	} {
+		ctx := httptest.NewServer(http.HandlerFunc(func(rw http.ResponseWriter, r *http.Request) {
+			rw.Header().Set("Location", other.URL+r.URL.Path)
+			rw.WriteHeader(tc.status)
+		}))
+		rs := newTestRouter(t, []string{ctx.URL}, []string{gu}, RoundRobin)
+		resp, body := post(t, rs.URL+"/v1/completions", `{"prompt":"secret prompt","max_tokens":2}`)
+		if resp.StatusCode != http.StatusBadGateway || !strings.Contains(body, tc.want) {
+			t.Errorf("context worker answering %d: the client got %d %s; want 502 naming %q", tc.status, resp.StatusCode, body, tc.want)
+		}
+		ctx.Close()
+	}
+	if n := elsewhere.Load(); n != 0 {
+		t.Errorf("the router followed a worker's redirect %d times", n)
+	}
+}

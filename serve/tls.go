@@ -37,7 +37,10 @@ func upstreamURL(u string, tlsOn bool) (string, error) {
 // NewHTTPClient returns a client for talking to workers: plain, or with
 // mutual TLS when tc (a client config) is set. Its transport keeps up to 64
 // idle connections per worker and waits at most 10 minutes for an answer's
-// headers (a long prefill).
+// headers (a long prefill). It follows no redirect: a worker's 3xx is its
+// answer (which the router refuses), so a Location never decides where a
+// client's prompt goes.
 func NewHTTPClient(tc *tls.Config) *http.Client {
-	return &http.Client{Transport: newUpstreamTransport(tc)}
+	return &http.Client{Transport: newUpstreamTransport(tc),
+		CheckRedirect: func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }}
 }
