@@ -1,7 +1,9 @@
 package serve
 
 import (
+	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -11,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/iotest"
 	"time"
 )
 
@@ -212,4 +215,56 @@ func flood(t *testing.T, addr string, n int, send func(net.Conn)) []net.Conn {
 		}
 	})
 	return held
+}
+
+// TestReadAll checks readAll against io.ReadAll over sizes around its chunk
+// boundaries and readers that return little at a time or data with their
+// error, and that a body still coming holds little more than what came.
+func TestReadAll(t *testing.T) {
+	src := make([]byte, 5*budgetChunk+300)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	readers := map[string]func([]byte) io.Reader{
+		"plain":    func(b []byte) io.Reader { return bytes.NewReader(b) },
+		"one byte": func(b []byte) io.Reader { return iotest.OneByteReader(bytes.NewReader(b)) },
+		"half":     func(b []byte) io.Reader { return iotest.HalfReader(bytes.NewReader(b)) },
+		"data+EOF": func(b []byte) io.Reader { return iotest.DataErrReader(bytes.NewReader(b)) },
+	}
+	for _, n := range []int{0, 1, 511, 512, 513, budgetChunk - 1, budgetChunk, budgetChunk + 1, 2 * budgetChunk, len(src)} {
+		for name, mk := range readers {
+			if name == "one byte" && n > 2*budgetChunk {
+				continue
+			}
+			got, err := readAll(mk(src[:n]))
+			want, _ := io.ReadAll(mk(src[:n]))
+			if err != nil || !bytes.Equal(got, want) {
+				t.Fatalf("%s, %d bytes: got %d bytes, err %v; want the %d bytes io.ReadAll reads", name, n, len(got), err, len(want))
+			}
+		}
+	}
+	// An error other than EOF is returned, the bytes before it are not.
+	boom := errors.New("boom")
+	if got, err := readAll(io.MultiReader(bytes.NewReader(src[:1000]), iotest.ErrReader(boom))); !errors.Is(err, boom) || got != nil {
+		t.Fatalf("error after 1000 bytes: got %d bytes, %v; want none and boom", len(got), err)
+	}
+	// A body that has sent n bytes and stalls holds about n bytes:
+	// io.ReadAll (Go 1.26) holds up to half as much again, in a chunk made
+	// for what is still to come.
+	for _, n := range []int{1_200_000, 1_400_000, 1_600_000, 1_800_000} {
+		pr, pw := io.Pipe()
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			readAll(pr)
+		}()
+		before := heapAlloc()
+		pw.Write(make([]byte, n))
+		grown := int64(heapAlloc()) - int64(before)
+		pw.CloseWithError(boom)
+		<-done
+		if limit := int64(n + 2*budgetChunk); grown > limit {
+			t.Errorf("a body that sent %d bytes and stalled holds %d bytes, want at most %d", n, grown, limit)
+		}
+	}
 }

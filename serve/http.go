@@ -32,7 +32,7 @@ func writeError(w http.ResponseWriter, code int, typ, msg string) {
 // readBody reads a request's body: 413 when it is over MaxBody, 408 when it
 // did not come within HTTPLimits.BodyTimeout, 400 when it cannot be read.
 func readBody(req *http.Request) ([]byte, *httpError) {
-	b, err := io.ReadAll(http.MaxBytesReader(nil, req.Body, MaxBody))
+	b, err := readAll(http.MaxBytesReader(nil, req.Body, MaxBody))
 	var tooLarge *http.MaxBytesError
 	var timeout net.Error
 	switch {
@@ -47,6 +47,47 @@ func readBody(req *http.Request) ([]byte, *httpError) {
 		return nil, badRequest("reading the request body: %v", err)
 	}
 	return b, nil
+}
+
+// readAll is io.ReadAll for a request body: past its first budgetChunk
+// bytes it keeps what has come in chunks of budgetChunk bytes, each made
+// when the one before is full, and joins them into one slice when the body
+// has all come. A body still coming then holds about the bytes it has sent,
+// those HTTPLimits.BodyBudget covers, where io.ReadAll's buffer, grown by a
+// quarter or more at a time, holds up to a quarter more than has come.
+func readAll(r io.Reader) ([]byte, error) {
+	var full [][]byte
+	b := make([]byte, 0, 512)
+	for {
+		if len(b) == cap(b) {
+			if cap(b) < budgetChunk {
+				b = append(b, 0)[:len(b)]
+			} else {
+				full = append(full, b)
+				b = make([]byte, 0, budgetChunk)
+			}
+		}
+		n, err := r.Read(b[len(b):cap(b)])
+		b = b[:len(b)+n]
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	if len(full) == 0 {
+		return b, nil
+	}
+	size := len(b)
+	for _, c := range full {
+		size += len(c)
+	}
+	out := make([]byte, 0, size)
+	for _, c := range full {
+		out = append(out, c...)
+	}
+	return append(out, b...), nil
 }
 
 func copyHeaders(w http.ResponseWriter, resp *http.Response) {
