@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -19,16 +20,22 @@ const fuzzDeadline = 250 * time.Millisecond
 
 // checkAnswer checks what a handler wrote for a fuzzed request: 200 with a
 // completion (an object with one choice, or a stream of data lines ending
-// in [DONE]), or an error object whose message and type say what was
+// in [DONE]; any JSON on a route that is not a completion's), or an error object whose message and type say what was
 // wrong, with a status of 4xx unless the request's context ended first.
 // Anything else (a 5xx for a request the client got wrong, an empty
 // message, a status without an error body) is a defect.
-func checkAnswer(t *testing.T, rec *httptest.ResponseRecorder, ctxErr error, body []byte) {
+func checkAnswer(t *testing.T, rec *httptest.ResponseRecorder, ctxErr error, body []byte, completion bool) {
 	t.Helper()
 	out := rec.Body.Bytes()
 	if rec.Code == http.StatusOK {
 		if ctxErr != nil {
 			return // a stream cut short by the deadline
+		}
+		if !completion {
+			if !json.Valid(out) {
+				t.Fatalf("body %q: 200 with %q, not JSON", body, tail(out))
+			}
+			return
 		}
 		if bytes.HasPrefix(out, []byte("data: ")) {
 			if !bytes.HasSuffix(out, []byte("data: [DONE]\n\n")) {
@@ -64,10 +71,21 @@ func tail(b []byte) []byte {
 	return b
 }
 
-// FuzzWorkerRequest sends arbitrary bodies to a worker's two completion
-// routes, which every client of the HTTP API reaches: whatever the body,
-// the answer is a completion or an error that says what is wrong (400,
-// 404 or 413, never a 5xx), and the worker goes on serving.
+// workerRoutes are the worker's routes that decode what a client sends:
+// the body, or for the KV event feed the query.
+var workerRoutes = []struct{ method, path string }{
+	{http.MethodPost, "/v1/completions"},
+	{http.MethodPost, "/v1/chat/completions"},
+	{http.MethodPost, CancelContextPath},
+	{http.MethodPost, CachedPrefixPath},
+	{http.MethodGet, KVEventsPath},
+}
+
+// FuzzWorkerRequest sends arbitrary bodies to a worker's routes that
+// decode one (and arbitrary queries to its KV event feed), which every
+// client of the HTTP API reaches: whatever it sends, the answer is a
+// completion (a JSON answer on the other routes) or an error that says what
+// is wrong (4xx, never a 5xx), and the worker goes on serving.
 func FuzzWorkerRequest(f *testing.F) {
 	for _, s := range []string{
 		`{"model":"tiny-gqa","prompt":"hello","max_tokens":2}`,
@@ -77,10 +95,13 @@ func FuzzWorkerRequest(f *testing.F) {
 		`{"prompt_token_ids":[5,6,-1],"max_tokens":2}`,
 		`{"prompt":"x","disaggregated_params":{"request_type":"generation_only","ctx_request_id":1,"encoded_opaque_state":"AA=="}}`,
 		`{"prompt":"x","kvxfer_resume_token_ids":[1,2],"cache_salt":"s","n":1,"ignore_eos":true,"max_tokens":3}`,
+		`{"ctx_request_id":1,"encoded_opaque_state":"AAEC"}`,
 		`{"prompt":"x","max_tokens":0}`, `[]`, `null`, `{"prompt":null}`, `{"prompt":"a"} x`,
+		`after=3&limit=2`, `limit=0`, `after=x`,
 	} {
-		f.Add([]byte(s), false)
-		f.Add([]byte(s), true)
+		for r := range workerRoutes {
+			f.Add([]byte(s), uint8(r))
+		}
 	}
 	w, err := NewWorker(context.Background(), WorkerOptions{Role: RoleBoth, Model: "tiny-gqa"})
 	if err != nil {
@@ -88,18 +109,23 @@ func FuzzWorkerRequest(f *testing.F) {
 	}
 	f.Cleanup(func() { w.Close() })
 	h := w.Handler()
-	f.Fuzz(func(t *testing.T, body []byte, chat bool) {
-		path := "/v1/completions"
-		if chat {
-			path = "/v1/chat/completions"
-		}
+	f.Fuzz(func(t *testing.T, body []byte, route uint8) {
+		rt := workerRoutes[int(route)%len(workerRoutes)]
 		ctx, cancel := context.WithTimeout(context.Background(), fuzzDeadline)
 		defer cancel()
-		req := httptest.NewRequestWithContext(ctx, http.MethodPost, path, bytes.NewReader(body))
+		target, in := rt.path, io.Reader(bytes.NewReader(body))
+		if rt.method == http.MethodGet {
+			target, in = rt.path+"?"+string(body), nil
+		}
+		req, err := http.NewRequestWithContext(ctx, rt.method, target, in)
+		if err != nil {
+			return // not a URL: no request reaches the worker
+		}
 		req.Header.Set("Content-Type", "application/json")
 		rec := httptest.NewRecorder()
 		h.ServeHTTP(rec, req)
-		checkAnswer(t, rec, ctx.Err(), body)
+		completion := rt.path == "/v1/completions" || rt.path == "/v1/chat/completions"
+		checkAnswer(t, rec, ctx.Err(), body, completion)
 	})
 }
 
