@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,14 +18,42 @@ import (
 
 // serve runs s behind Handler on a loopback server for the test.
 func serve(t *testing.T, s *Store, opts HandlerOptions) string {
+	addr, _ := serveCounting(t, s, opts)
+	return addr
+}
+
+// serveCounting is serve that also counts the server's open connections.
+func serveCounting(t *testing.T, s *Store, opts HandlerOptions) (string, *atomic.Int64) {
+	var conns atomic.Int64
 	mux := http.NewServeMux()
 	mux.Handle(BasePath+"/", Handler(s, opts))
-	srv := httptest.NewServer(mux)
+	srv := httptest.NewUnstartedServer(mux)
+	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		switch st {
+		case http.StateNew:
+			conns.Add(1)
+		case http.StateClosed, http.StateHijacked:
+			conns.Add(-1)
+		}
+	}
+	srv.Start()
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		srv.Close()
 	})
-	return srv.Listener.Addr().String()
+	return srv.Listener.Addr().String(), &conns
+}
+
+// released waits up to 2 s for the clients of a server of serveCounting
+// to have closed every connection and ended every long poll on s.
+func released(t *testing.T, s *Store, conns *atomic.Int64, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(2 * time.Second); (conns.Load() > 0 || s.polling() > 0) && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n, p := conns.Load(), s.polling(); n != 0 || p != 0 {
+		t.Errorf("%s: %d connections open, %d polls under way; want none", what, n, p)
+	}
 }
 
 // TestConformance runs the suite on the built-in store over HTTP (Client →
@@ -34,7 +63,7 @@ func TestConformance(t *testing.T) {
 	t.Cleanup(func() { s.Close() })
 	// The suite puts keys without a lease, which the store allows and
 	// the handler refuses by default.
-	addr := serve(t, s, HandlerOptions{AllowUnleased: true})
+	addr, conns := serveCounting(t, s, HandlerOptions{AllowUnleased: true})
 	membershiptest.Run(t, membershiptest.Harness{
 		Addr: addr,
 		Dial: func(t testing.TB, addr string) membership.Store {
@@ -47,6 +76,9 @@ func TestConformance(t *testing.T) {
 		Compact: func(t testing.TB, rev int64) { s.Compact(rev) },
 		MinTTL:  500 * time.Millisecond,
 	})
+	// Every test closed its clients: their connections, kept alive
+	// between calls, are closed, and no long poll holds a slot.
+	released(t, s, conns, "after the suite")
 }
 
 // TestHistoryBound: a watcher that falls further behind than the history
