@@ -255,6 +255,47 @@ func TestWatchCloseEndsNext(t *testing.T) {
 	}
 }
 
+// TestClientCloseEndsPolls: closing a Client ends what it has under way,
+// as closing either other store does: a watcher's Next waiting in a long
+// poll returns ErrClosed at once, not when the poll ends (up to PollWait,
+// 10 s by default), the client's connections close and the poll's slot on
+// the server comes back.
+func TestClientCloseEndsPolls(t *testing.T) {
+	s := New(Options{})
+	defer s.Close()
+	addr, conns := serveCounting(t, s, HandlerOptions{})
+	c, err := NewClient("http://"+addr, ClientOptions{PollWait: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.Watch(t.Context(), "/", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	errc := make(chan error, 1)
+	go func() { _, err := w.Next(context.Background()); errc <- err }()
+	for deadline := time.Now().Add(2 * time.Second); s.polling() == 0 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if s.polling() != 1 {
+		t.Fatalf("%d polls under way, want the watcher's", s.polling())
+	}
+	c.Close()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, membership.ErrClosed) {
+			t.Errorf("Next after the client's Close: %v, want ErrClosed", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("Next still waiting in its poll 3 s after the client's Close")
+	}
+	released(t, s, conns, "after the client's Close")
+	if _, _, err := c.List(t.Context(), "/"); !errors.Is(err, membership.ErrClosed) {
+		t.Errorf("List after Close: %v, want ErrClosed", err)
+	}
+}
+
 // TestRouterRestart: the built-in store lives in the router; when the
 // router restarts on the same address with an empty store, every worker
 // finds its lease gone and registers again, and a new View sees them all
