@@ -3,6 +3,9 @@ package etcdstore
 import (
 	"context"
 	"crypto/tls"
+	"io"
+	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -36,6 +39,41 @@ func TestConformance(t *testing.T) {
 		t.Fatal(err)
 	}
 	runSuite(t, addr, admin, func(t testing.TB, addr string) membership.Store { return dial(t, addr) })
+	// Every watcher the suite opened is closed: the server holds none of
+	// them, nor their streams (the admin client watches nothing).
+	watchesGone(t, addr)
+}
+
+// watchesGone fails t unless, within 2 s, the etcd at addr (plain HTTP)
+// holds no watcher and no watch stream, as its metrics count them.
+func watchesGone(t *testing.T, addr string) {
+	t.Helper()
+	var got map[string]float64
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		got = map[string]float64{}
+		r, err := http.Get("http://" + addr + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := io.ReadAll(r.Body)
+		r.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		for l := range strings.SplitSeq(string(b), "\n") {
+			for _, name := range []string{"etcd_debugging_mvcc_watcher_total", "etcd_debugging_mvcc_watch_stream_total"} {
+				if v, ok := strings.CutPrefix(l, name+" "); ok {
+					got[name], _ = strconv.ParseFloat(v, 64)
+				}
+			}
+		}
+		if len(got) == 2 && got["etcd_debugging_mvcc_watcher_total"] == 0 && got["etcd_debugging_mvcc_watch_stream_total"] == 0 || time.Now().After(deadline) {
+			break
+		}
+	}
+	if len(got) != 2 || got["etcd_debugging_mvcc_watcher_total"] != 0 || got["etcd_debugging_mvcc_watch_stream_total"] != 0 {
+		t.Errorf("etcd's watchers and watch streams after the suite: %v; want both counted, and 0", got)
+	}
 }
 
 // runSuite runs the conformance suite on the etcd at addr, compacting

@@ -745,8 +745,28 @@ func testClose(t *testing.T, h Harness) {
 	if _, _, err := s.List(ctx, "/kvxfer/"); err != nil {
 		t.Fatal(err)
 	}
+	// A watcher waiting when the store closes is ended by the Close, not
+	// left to wait on (its goroutine and connection with it).
+	w, err := s.Watch(ctx, membership.Prefix(cluster(t)), 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	next := make(chan error, 1)
+	go func() { _, err := w.Next(context.Background()); next <- err }()
+	time.Sleep(50 * time.Millisecond) // Next is waiting
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
+	}
+	select {
+	case err := <-next:
+		if !errors.Is(err, membership.ErrClosed) {
+			t.Errorf("Next under way at Close: %v, want ErrClosed", err)
+		}
+	case <-time.After(3 * time.Second):
+		w.Close()
+		<-next
+		t.Error("Next under way at Close still waiting 3 s after it")
 	}
 	if err := s.Close(); err != nil {
 		t.Errorf("second Close: %v", err)

@@ -28,12 +28,15 @@ type ClientOptions struct {
 
 // Client reaches a Store served by Handler; it implements
 // membership.Store. NewClient starts no goroutine and dials nothing; each
-// call is one HTTP request bounded by its ctx.
+// call is one HTTP request bounded by its ctx and by Close, which ends the
+// calls under way (a watcher's long poll among them).
 type Client struct {
 	base string
 	hc   *http.Client
 	own  bool
 	opts ClientOptions
+	life context.Context // canceled by Close
+	end  context.CancelFunc
 
 	mu     sync.Mutex
 	closed bool
@@ -50,6 +53,7 @@ func NewClient(base string, opts ClientOptions) (*Client, error) {
 		return nil, fmt.Errorf("%w: store url %q: want http(s)://host:port", membership.ErrInvalid, clipName(base))
 	}
 	c := &Client{base: strings.TrimSuffix(base, "/") + BasePath + "/", hc: opts.HTTPClient, opts: opts}
+	c.life, c.end = context.WithCancel(context.Background())
 	if c.hc == nil {
 		c.hc, c.own = &http.Client{Transport: http.DefaultTransport.(*http.Transport).Clone()}, true
 	}
@@ -62,8 +66,13 @@ func NewClient(base string, opts ClientOptions) (*Client, error) {
 
 var _ membership.Store = (*Client)(nil)
 
-// call posts req to name and decodes the answer into resp.
+// call posts req to name and decodes the answer into resp. Close ends it
+// with ErrClosed.
 func (c *Client) call(ctx context.Context, name string, req, resp any) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(c.life, cancel)
+	defer stop()
 	c.mu.Lock()
 	closed := c.closed
 	c.mu.Unlock()
@@ -84,6 +93,9 @@ func (c *Client) call(ctx context.Context, name string, req, resp any) error {
 	}
 	r, err := c.hc.Do(hr)
 	if err != nil {
+		if c.life.Err() != nil {
+			return membership.ErrClosed
+		}
 		return fmt.Errorf("memstore: %s: %w", name, err)
 	}
 	defer r.Body.Close()
@@ -92,6 +104,9 @@ func (c *Client) call(ctx context.Context, name string, req, resp any) error {
 		return fmt.Errorf("memstore: %s: %w", name, decodeError(r.StatusCode, r.Body))
 	}
 	if err := decodeJSON(r.Body, maxResponseBody, resp); err != nil {
+		if c.life.Err() != nil {
+			return membership.ErrClosed
+		}
 		return fmt.Errorf("memstore: %s answer: %w", name, err)
 	}
 	return nil
@@ -161,8 +176,10 @@ func (c *Client) Watch(ctx context.Context, prefix string, fromRev int64) (membe
 	return &clientWatcher{c: c, prefix: prefix, next: fromRev, life: life, end: end}, nil
 }
 
-// Close implements membership.Store: later calls fail with ErrClosed, and
-// the idle connections of the client's own http.Client are closed.
+// Close implements membership.Store: the calls under way (a watcher's
+// long poll among them) end with ErrClosed, their connections closed,
+// later calls fail with ErrClosed, and the idle connections of the
+// client's own http.Client are closed.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -170,6 +187,7 @@ func (c *Client) Close() error {
 		return nil
 	}
 	c.closed = true
+	c.end()
 	if c.own {
 		c.hc.CloseIdleConnections()
 	}

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -17,14 +18,42 @@ import (
 
 // serve runs s behind Handler on a loopback server for the test.
 func serve(t *testing.T, s *Store, opts HandlerOptions) string {
+	addr, _ := serveCounting(t, s, opts)
+	return addr
+}
+
+// serveCounting is serve that also counts the server's open connections.
+func serveCounting(t *testing.T, s *Store, opts HandlerOptions) (string, *atomic.Int64) {
+	var conns atomic.Int64
 	mux := http.NewServeMux()
 	mux.Handle(BasePath+"/", Handler(s, opts))
-	srv := httptest.NewServer(mux)
+	srv := httptest.NewUnstartedServer(mux)
+	srv.Config.ConnState = func(_ net.Conn, st http.ConnState) {
+		switch st {
+		case http.StateNew:
+			conns.Add(1)
+		case http.StateClosed, http.StateHijacked:
+			conns.Add(-1)
+		}
+	}
+	srv.Start()
 	t.Cleanup(func() {
 		srv.CloseClientConnections()
 		srv.Close()
 	})
-	return srv.Listener.Addr().String()
+	return srv.Listener.Addr().String(), &conns
+}
+
+// released waits up to 2 s for the clients of a server of serveCounting
+// to have closed every connection and ended every long poll on s.
+func released(t *testing.T, s *Store, conns *atomic.Int64, what string) {
+	t.Helper()
+	for deadline := time.Now().Add(2 * time.Second); (conns.Load() > 0 || s.polling() > 0) && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if n, p := conns.Load(), s.polling(); n != 0 || p != 0 {
+		t.Errorf("%s: %d connections open, %d polls under way; want none", what, n, p)
+	}
 }
 
 // TestConformance runs the suite on the built-in store over HTTP (Client →
@@ -34,7 +63,7 @@ func TestConformance(t *testing.T) {
 	t.Cleanup(func() { s.Close() })
 	// The suite puts keys without a lease, which the store allows and
 	// the handler refuses by default.
-	addr := serve(t, s, HandlerOptions{AllowUnleased: true})
+	addr, conns := serveCounting(t, s, HandlerOptions{AllowUnleased: true})
 	membershiptest.Run(t, membershiptest.Harness{
 		Addr: addr,
 		Dial: func(t testing.TB, addr string) membership.Store {
@@ -47,6 +76,9 @@ func TestConformance(t *testing.T) {
 		Compact: func(t testing.TB, rev int64) { s.Compact(rev) },
 		MinTTL:  500 * time.Millisecond,
 	})
+	// Every test closed its clients: their connections, kept alive
+	// between calls, are closed, and no long poll holds a slot.
+	released(t, s, conns, "after the suite")
 }
 
 // TestHistoryBound: a watcher that falls further behind than the history
@@ -220,6 +252,47 @@ func TestWatchCloseEndsNext(t *testing.T) {
 		case <-time.After(3 * time.Second):
 			t.Fatalf("%T: Next still running 3 s after Close", st)
 		}
+	}
+}
+
+// TestClientCloseEndsPolls: closing a Client ends what it has under way,
+// as closing either other store does: a watcher's Next waiting in a long
+// poll returns ErrClosed at once, not when the poll ends (up to PollWait,
+// 10 s by default), the client's connections close and the poll's slot on
+// the server comes back.
+func TestClientCloseEndsPolls(t *testing.T) {
+	s := New(Options{})
+	defer s.Close()
+	addr, conns := serveCounting(t, s, HandlerOptions{})
+	c, err := NewClient("http://"+addr, ClientOptions{PollWait: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := c.Watch(t.Context(), "/", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	errc := make(chan error, 1)
+	go func() { _, err := w.Next(context.Background()); errc <- err }()
+	for deadline := time.Now().Add(2 * time.Second); s.polling() == 0 && time.Now().Before(deadline); {
+		time.Sleep(5 * time.Millisecond)
+	}
+	if s.polling() != 1 {
+		t.Fatalf("%d polls under way, want the watcher's", s.polling())
+	}
+	c.Close()
+	select {
+	case err := <-errc:
+		if !errors.Is(err, membership.ErrClosed) {
+			t.Errorf("Next after the client's Close: %v, want ErrClosed", err)
+		}
+	case <-time.After(3 * time.Second):
+		t.Fatal("Next still waiting in its poll 3 s after the client's Close")
+	}
+	released(t, s, conns, "after the client's Close")
+	if _, _, err := c.List(t.Context(), "/"); !errors.Is(err, membership.ErrClosed) {
+		t.Errorf("List after Close: %v, want ErrClosed", err)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 
 	"github.com/kvxfer/kvxfer/internal/cli"
@@ -42,7 +43,54 @@ func TestMain(m *testing.M) {
 		stop()
 		os.Exit(code)
 	}
-	os.Exit(m.Run())
+	goleak.VerifyTestMain(labCheck{m})
+}
+
+// labCheck fails a run that passed but left behind what its cleanups
+// must take back: a network namespace or bridge of this process, or a
+// child process (a worker, router or etcd, or an `ip netns exec`).
+type labCheck struct{ m *testing.M }
+
+func (c labCheck) Run() int {
+	code := c.m.Run()
+	if left := labLeftovers(); len(left) > 0 && code == 0 {
+		fmt.Fprintf(os.Stderr, "left after the tests:\n%s\n", strings.Join(left, "\n"))
+		return 1
+	}
+	return code
+}
+
+// labLeftovers lists this process's namespaces, bridges and child
+// processes.
+func labLeftovers() []string {
+	var left []string
+	mine := fmt.Sprintf("%s%d-", nsPrefix, os.Getpid())
+	if out, err := exec.Command("ip", "netns", "list").Output(); err == nil {
+		for l := range strings.SplitSeq(string(out), "\n") {
+			if name, _, _ := strings.Cut(strings.TrimSpace(l), " "); strings.HasPrefix(name, mine) {
+				left = append(left, "namespace "+name)
+			}
+		}
+	}
+	if _, err := net.InterfaceByName("kxb" + strconv.Itoa(os.Getpid())); err == nil {
+		left = append(left, "bridge kxb"+strconv.Itoa(os.Getpid()))
+	}
+	stats, _ := filepath.Glob("/proc/[0-9]*/stat")
+	for _, f := range stats {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue // ended meanwhile
+		}
+		// pid (comm) state ppid ...: comm may hold spaces and parentheses.
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		if fs := strings.Fields(string(b[i+1:])); len(fs) > 1 && fs[1] == strconv.Itoa(os.Getpid()) {
+			left = append(left, "child process "+strings.TrimSpace(string(b[:i+1])))
+		}
+	}
+	return left
 }
 
 // skipNoNetns skips t (or fails it, with EnvRequireNetns=1) with the

@@ -45,6 +45,7 @@ func crossRanks(t testing.TB) link {
 	if w.rank > 1 {
 		t.Skip("ranks 0 and 1 run it")
 	}
+	noLeaks(t) // first: its cleanup runs after the link's and the transports'
 	// The directory is the test's name and its place in the run: a test
 	// run again (-test.count) gets a new one, so that rank 1's next run
 	// cannot write into the directory rank 0 is about to remove, nor read

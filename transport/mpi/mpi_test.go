@@ -8,6 +8,9 @@ import (
 	"fmt"
 	"os"
 	"testing"
+	"time"
+
+	"go.uber.org/goleak"
 
 	"github.com/kvxfer/kvxfer/transport"
 	"github.com/kvxfer/kvxfer/transport/transporttest"
@@ -47,8 +50,60 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "Finalize again = %v, want nil (idempotent)\n", err)
 		code = 2
 	}
+	// Finalize has stopped the progress goroutine: nothing of the
+	// package's, nor of any test's, may be left, and no ignore is needed.
+	if err := goleak.Find(); err != nil {
+		fmt.Fprintf(os.Stderr, "goroutines left after Finalize: %v\n", err)
+		code = 2
+	}
 	os.Exit(code)
 }
+
+// noLeaks checks, after the test's other cleanups, that it left the world
+// as it found it (see settled) and no goroutine behind. The world's
+// progress goroutine is process-wide by design (Init starts it, Finalize
+// in TestMain stops it, and TestMain checks then that nothing is left at
+// all): it is the one goroutine ignored, wherever in its loop it is (in
+// C, waiting, or running a handler).
+func noLeaks(t testing.TB) {
+	t.Cleanup(func() {
+		settled(t)
+		goleak.VerifyNone(t, goleak.IgnoreAnyFunction(progressFunc))
+	})
+}
+
+// settled fails t unless, within 5 s, the world holds no transport, no
+// receipt and no Send, and has no request posted but its standing control
+// receives: every receipt forgotten (one that ended early only once its
+// sender has said how many frames it posted), every frame of one drained
+// into scratch memory and that memory freed, every control send done.
+func settled(t testing.TB) {
+	t.Helper()
+	w, err := current()
+	if err != nil {
+		t.Error(err)
+		return
+	}
+	var trs, recvs, sends, active int
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		ch := make(chan int, 1)
+		w.do(func() { ch <- w.active }) // the progress goroutine's
+		active = <-ch
+		w.mu.Lock()
+		trs, recvs, sends = len(w.transports), len(w.recvs), len(w.sends)
+		w.mu.Unlock()
+		if trs == 0 && recvs == 0 && sends == 0 && active == standingCtl || time.Now().After(deadline) {
+			break
+		}
+	}
+	if trs != 0 || recvs != 0 || sends != 0 || active != standingCtl {
+		t.Errorf("the world 5 s after the test: %d transports, %d receipts, %d sends, %d requests posted; want none but the %d standing control receives",
+			trs, recvs, sends, active, standingCtl)
+	}
+}
+
+// progressFunc is the world's progress goroutine, as goleak names it.
+const progressFunc = "github.com/kvxfer/kvxfer/transport/mpi.(*world).run"
 
 func open(t *testing.T) transport.Transport {
 	t.Helper()
@@ -64,6 +119,7 @@ func open(t *testing.T) transport.Transport {
 // sends to its own rank through the self component): every rank of the
 // world runs it.
 func TestConformance(t *testing.T) {
+	noLeaks(t)
 	transporttest.Run(t, func(t *testing.T) (a, b transport.Transport) {
 		return open(t), open(t)
 	})
