@@ -126,8 +126,47 @@ type Launched struct {
 type worker struct {
 	name string
 	url  string
-	cmd  *exec.Cmd
-	done chan error
+	p    *proc
+}
+
+// proc is a process the launcher started: a worker's, or the mpirun of an
+// MPI world, whose proc every worker of the world shares.
+type proc struct {
+	cmd *exec.Cmd
+	out *prefixWriter
+	// done is closed once the process has exited and its output has been
+	// read; err is then cmd.Wait's.
+	done chan struct{}
+	err  error
+}
+
+// startProc starts cmd with its output through a prefixWriter of prefix
+// to out (nil: discarded, but its tail kept for errors), dying with this
+// process, and waits for it in the background.
+func (l *Launched) startProc(cmd *exec.Cmd, prefix string, out io.Writer) (*proc, error) {
+	if out == nil {
+		out = io.Discard
+	}
+	p := &proc{cmd: cmd, out: &prefixWriter{w: out, prefix: prefix}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = p.out, p.out
+	// Children die with the launcher even if it is killed.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		p.err = cmd.Wait()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// exitError is what a worker's process exit is reported as: its status
+// and the last lines it wrote.
+func (w *worker) exitError() string {
+	return fmt.Sprintf("%v%s", w.p.err, w.p.out.tailText())
 }
 
 // Start starts every worker of the cluster as its own process, waits until
@@ -374,8 +413,8 @@ func memberURLs(ci serve.ClusterInfo) string {
 func (l *Launched) exited(what string) error {
 	for _, w := range l.workers {
 		select {
-		case err := <-w.done:
-			return fmt.Errorf("launch: worker %s exited before it %s: %v", w.name, what, err)
+		case <-w.p.done:
+			return fmt.Errorf("launch: worker %s exited before it %s: %s", w.name, what, w.exitError())
 		default:
 		}
 	}
@@ -467,31 +506,18 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 	if f, ok := tlsFiles[name]; ok {
 		args = append(args, "--tls-cert", f.CertFile, "--tls-key", f.KeyFile, "--tls-ca", f.CAFile)
 	}
-	w := &worker{name: name, url: l.scheme + addr, done: make(chan error, 1)}
-	w.cmd = exec.Command(o.Command[0], args...)
-	w.cmd.ExtraFiles = []*os.File{lf}
+	cmd := exec.Command(o.Command[0], args...)
+	cmd.ExtraFiles = []*os.File{lf}
 	// The secret's variable comes last: it wins over one this process
 	// inherited.
-	w.cmd.Env = append(append(os.Environ(), o.Env...), config.EnvClusterSecret+"="+hex.EncodeToString(o.Secret))
-	out := o.Output
-	if out == nil {
-		out = io.Discard
-	}
-	pw := &prefixWriter{w: out, prefix: "[" + name + "] "}
-	w.cmd.Stdout, w.cmd.Stderr = pw, pw
-	// Children die with the launcher even if it is killed.
-	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-	if err := w.cmd.Start(); err != nil {
+	cmd.Env = append(append(os.Environ(), o.Env...), config.EnvClusterSecret+"="+hex.EncodeToString(o.Secret))
+	p, err := l.startProc(cmd, "["+name+"] ", o.Output)
+	if err != nil {
 		return "", fmt.Errorf("launch: start %s: %w", name, err)
 	}
+	w := &worker{name: name, url: l.scheme + addr, p: p}
 	l.workers = append(l.workers, w)
-	l.wg.Add(1)
-	go func() {
-		defer l.wg.Done()
-		w.done <- w.cmd.Wait()
-		close(w.done)
-	}()
-	l.log.Info("worker started", "name", name, "pid", w.cmd.Process.Pid, "url", w.url)
+	l.log.Info("worker started", "name", name, "pid", cmd.Process.Pid, "url", w.url)
 	return w.url, nil
 }
 
@@ -761,17 +787,17 @@ func (l *Launched) Stop() {
 			l.client.CloseIdleConnections()
 		}
 		for _, w := range l.workers {
-			w.cmd.Process.Signal(syscall.SIGTERM)
+			w.p.cmd.Process.Signal(syscall.SIGTERM)
 		}
 		grace, cancel := context.WithTimeout(context.Background(), stopGrace)
 		defer cancel()
 		for _, w := range l.workers {
 			select {
-			case <-w.done:
+			case <-w.p.done:
 			case <-grace.Done():
 				l.log.Warn("worker did not stop, killing it", "name", w.name)
-				w.cmd.Process.Kill()
-				<-w.done
+				w.p.cmd.Process.Kill()
+				<-w.p.done
 			}
 		}
 		l.wg.Wait()
@@ -783,17 +809,26 @@ func (l *Launched) Stop() {
 func (l *Launched) Workers() map[string]int {
 	out := map[string]int{}
 	for _, w := range l.workers {
-		out[w.name] = w.cmd.Process.Pid
+		out[w.name] = w.p.cmd.Process.Pid
 	}
 	return out
 }
 
-// prefixWriter prefixes every line written through it.
+// Of a worker's log, an error carries the last tailLines lines, each cut
+// at tailLineBytes.
+const (
+	tailLines     = 12
+	tailLineBytes = 512
+)
+
+// prefixWriter prefixes every line written through it, and keeps the last
+// tailLines lines for an error about the process that wrote them.
 type prefixWriter struct {
 	mu     sync.Mutex
 	w      io.Writer
 	prefix string
 	buf    []byte
+	tail   []string // the last lines, oldest first
 }
 
 func (p *prefixWriter) Write(b []byte) (int, error) {
@@ -805,12 +840,44 @@ func (p *prefixWriter) Write(b []byte) (int, error) {
 		if i < 0 {
 			break
 		}
-		fmt.Fprintf(p.w, "%s%s\n", p.prefix, p.buf[:i])
+		p.line(p.buf[:i])
 		p.buf = p.buf[i+1:]
 	}
 	if len(p.buf) > 64<<10 {
-		fmt.Fprintf(p.w, "%s%s\n", p.prefix, p.buf)
+		p.line(p.buf)
 		p.buf = p.buf[:0]
 	}
 	return len(b), nil
+}
+
+// line writes one complete line and keeps it in the tail.
+func (p *prefixWriter) line(b []byte) {
+	fmt.Fprintf(p.w, "%s%s\n", p.prefix, b)
+	if len(p.tail) == tailLines {
+		p.tail = append(p.tail[:0], p.tail[1:]...)
+	}
+	p.tail = append(p.tail, cutLine(b))
+}
+
+// cutLine returns b as a string of at most tailLineBytes.
+func cutLine(b []byte) string {
+	if len(b) > tailLineBytes {
+		return string(b[:tailLineBytes]) + "..."
+	}
+	return string(b)
+}
+
+// tailText is the last lines written (with one not yet ended), indented
+// under a heading, for an error; "" when nothing was written.
+func (p *prefixWriter) tailText() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	lines := p.tail
+	if len(p.buf) > 0 {
+		lines = append(lines[:len(lines):len(lines)], cutLine(p.buf))
+	}
+	if len(lines) == 0 {
+		return ""
+	}
+	return "; its last lines:\n    " + strings.Join(lines, "\n    ")
 }

@@ -43,6 +43,13 @@ func fakeWorkerMain() bool {
 	if mode == "silent" { // a worker still loading: it never answers
 		select {}
 	}
+	if mode == "complain" { // a worker that refuses its command line, as serve does with --model bogus
+		for i := range 30 {
+			fmt.Fprintf(os.Stderr, "fake worker: loading line %d\n", i)
+		}
+		fmt.Fprint(os.Stderr, "fake worker: unknown model \"bogus\"\nfake worker: the last words, without a newline")
+		os.Exit(2)
+	}
 	ln, err := net.FileListener(os.NewFile(3, "listener"))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "fake worker:", err)
@@ -232,5 +239,35 @@ func TestStartWorkerDiesWhileAnotherLoads(t *testing.T) {
 	}
 	if took > 4*time.Second {
 		t.Errorf("Start failed after %v", took)
+	}
+}
+
+// TestStartWorkerExitShowsLogTail: a worker that exits at start-up fails
+// Start with an error that names it and carries the last lines it wrote,
+// also when its log goes nowhere (kvxfer up --smoke and --quiet discard
+// the workers' logs): "exit status 2" alone does not say why.
+func TestStartWorkerExitShowsLogTail(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=complain"}})
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil {
+		t.Fatal("Start succeeded with workers that exit at start-up")
+	}
+	msg := err.Error()
+	for _, want := range []string{"-0 exited", "exit status 2", `fake worker: unknown model "bogus"`, "the last words, without a newline", "loading line 29"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("Start: %v\nwant it to contain %q", err, want)
+		}
+	}
+	// A tail, not the whole log.
+	if strings.Contains(msg, "loading line 0\n") {
+		t.Errorf("Start's error carries the whole log, want its last lines:\n%v", err)
 	}
 }
