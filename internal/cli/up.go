@@ -30,7 +30,9 @@ func newUpCmd(e env) *cobra.Command {
 		Short: "Start a local disaggregated cluster: every worker as its own process, plus the router",
 		Long: `up starts the workers of a cluster file (default: context TP2 -> generation TP1 with the
 GQA model, backend DEFAULT) as separate processes, waits until they are healthy, and serves
-the OpenAI-compatible router until Ctrl-C, when it stops every worker. With --smoke N it
+the OpenAI-compatible router until Ctrl-C, when it stops every worker, or until a server
+group has no worker left running: it then stops the others and exits non-zero, naming the
+workers that exited and showing their last lines. With --smoke N it
 also starts an aggregated worker, sends N prompts through the router and to it, streamed and
 not, checks that every answer has the same token ids (max_tokens of them, with ignore_eos)
 and text, prints TTFT with and without disaggregation, and exits 0 or 1. When a generation
@@ -107,7 +109,11 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 		return nil
 	}
 	fmt.Fprintf(w, "\ntry:\n  curl -N %s/v1/completions -H 'Content-Type: application/json' \\\n    -d '{\"model\":\"%s\",\"prompt\":\"Hello\",\"max_tokens\":32,\"stream\":true}'\n\nCtrl-C stops every worker.\n", l.RouterURL, uf.model)
-	<-cmd.Context().Done()
+	// Until Ctrl-C, or until a server group has no worker left (up
+	// then exits non-zero, naming it, for a supervisor to restart).
+	if err := l.Wait(cmd.Context()); err != nil {
+		return err
+	}
 	fmt.Fprintln(w, "stopping the cluster")
 	return nil
 }

@@ -387,3 +387,81 @@ func TestOpenAINodeClient(t *testing.T) {
 		}
 	}
 }
+
+// upProc is a kvxfer up run as its own process (this test binary, as are
+// its workers), with its output.
+type upProc struct {
+	cmd  *exec.Cmd
+	out  *syncWriter
+	done chan struct{}
+}
+
+// startUp runs kvxfer up with args, on a free router port, and waits (at
+// most 60 s) until it has printed the PIDs of its workers, which it
+// returns by name.
+func startUp(t *testing.T, args ...string) (*upProc, map[string]int) {
+	t.Helper()
+	p := &upProc{out: &syncWriter{w: &bytes.Buffer{}}, done: make(chan struct{})}
+	p.cmd = exec.Command(os.Args[0], append([]string{"up", "--quiet", "--port", "-1"}, args...)...)
+	p.cmd.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.cmd.Wait(); close(p.done) }()
+	t.Cleanup(func() {
+		p.cmd.Process.Signal(syscall.SIGKILL)
+		<-p.done
+		if t.Failed() {
+			t.Logf("kvxfer up's output:\n%s", p.out.String())
+		}
+	})
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		pids := map[string]int{}
+		for _, line := range strings.Split(p.out.String(), "\n") {
+			var name string
+			var pid int
+			if _, err := fmt.Sscanf(strings.TrimSpace(line), "worker %s pid %d", &name, &pid); err == nil {
+				pids[name] = pid
+			}
+		}
+		if strings.Contains(p.out.String(), "router:") && len(pids) > 0 {
+			return p, pids
+		}
+		select {
+		case <-p.done:
+			t.Fatalf("kvxfer up exited at start-up: %v", p.cmd.ProcessState)
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("kvxfer up did not start its cluster within 60 s")
+		}
+	}
+}
+
+// TestUpEndsWhenGroupLost: kvxfer up whose only generation worker dies
+// does not go on serving 502s until Ctrl-C (and then exit 0): it stops
+// the context worker and exits non-zero, naming the worker that died.
+func TestUpEndsWhenGroupLost(t *testing.T) {
+	p, pids := startUp(t)
+	if pids["generation-0"] == 0 || pids["context-0"] == 0 {
+		t.Fatalf("workers %v, want context-0 and generation-0", pids)
+	}
+	syscall.Kill(pids["generation-0"], syscall.SIGKILL)
+	select {
+	case <-p.done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("kvxfer up still runs 20 s after its only generation worker died")
+	}
+	if code := p.cmd.ProcessState.ExitCode(); code == 0 {
+		t.Errorf("kvxfer up exited 0 after its only generation worker died")
+	}
+	for _, want := range []string{"generation_servers has no worker left", "generation-0", "signal: killed"} {
+		if !strings.Contains(p.out.String(), want) {
+			t.Errorf("kvxfer up's output does not say %q", want)
+		}
+	}
+	waitDead(t, pids["context-0"])
+}

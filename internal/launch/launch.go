@@ -121,6 +121,8 @@ type Launched struct {
 	log        *slog.Logger
 	wg         sync.WaitGroup
 	stopped    sync.Once
+	// exits has a token after a worker process exits (Wait's wake-up).
+	exits chan struct{}
 }
 
 type worker struct {
@@ -159,6 +161,10 @@ func (l *Launched) startProc(cmd *exec.Cmd, prefix string, out io.Writer) (*proc
 		defer l.wg.Done()
 		p.err = cmd.Wait()
 		close(p.done)
+		select {
+		case l.exits <- struct{}{}:
+		default:
+		}
 	}()
 	return p, nil
 }
@@ -186,7 +192,7 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Launched{dir: dir, log: o.Logger}
+	l := &Launched{dir: dir, log: o.Logger, exits: make(chan struct{}, 1)}
 	if err := l.start(ctx, o); err != nil {
 		l.Stop()
 		return nil, err
@@ -359,13 +365,8 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 func (l *Launched) unregistered(ci serve.ClusterInfo) []string {
 	var missing []string
 	for _, w := range l.workers {
-		var group string
-		switch {
-		case strings.HasPrefix(w.name, serve.RoleContext+"-"):
-			group = "context_servers"
-		case strings.HasPrefix(w.name, serve.RoleGeneration+"-"):
-			group = "generation_servers"
-		default:
+		group := w.group()
+		if group == "" {
 			continue // the aggregated worker does not register
 		}
 		if !registered(w.url, ci.CurrentWorkers[group]) {
@@ -406,6 +407,57 @@ func memberURLs(ci serve.ClusterInfo) string {
 		return "none"
 	}
 	return strings.Join(us, ", ")
+}
+
+// Wait returns nil when ctx ends, or an error once a server group has no
+// worker left running: the router can serve nothing then (with a worker
+// left it migrates to it). It logs every worker that exits on the way, with
+// its exit and last lines; the error names the group's workers and their
+// exits. The caller still calls Stop.
+func (l *Launched) Wait(ctx context.Context) error {
+	logged := map[*worker]bool{}
+	for {
+		left := map[string]int{}
+		gone := map[string][]string{}
+		for _, w := range l.workers {
+			group := w.group()
+			if group == "" {
+				continue // the aggregated worker of up --smoke: no group's
+			}
+			select {
+			case <-w.p.done:
+				if !logged[w] {
+					logged[w] = true
+					l.log.Error("worker exited", "name", w.name, "pid", w.p.cmd.Process.Pid, "exit", w.exitError())
+				}
+				gone[group] = append(gone[group], w.name+": "+w.exitError())
+			default:
+				left[group]++
+			}
+		}
+		for _, g := range []string{"context_servers", "generation_servers"} {
+			if len(gone[g]) > 0 && left[g] == 0 {
+				return fmt.Errorf("launch: %s has no worker left: %s", g, strings.Join(gone[g], "\n"))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-l.exits:
+		}
+	}
+}
+
+// group is the server group of w ("context_servers",
+// "generation_servers"), or "" for the aggregated worker.
+func (w *worker) group() string {
+	switch {
+	case strings.HasPrefix(w.name, serve.RoleContext+"-"):
+		return "context_servers"
+	case strings.HasPrefix(w.name, serve.RoleGeneration+"-"):
+		return "generation_servers"
+	}
+	return ""
 }
 
 // exited returns an error naming the first worker that has exited before

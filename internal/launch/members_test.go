@@ -66,6 +66,13 @@ func fakeWorkerMain() bool {
 		}
 	}
 	switch mode {
+	case "crash-generation-0": // generation-0 crashes while the cluster runs
+		if strings.HasSuffix(cfg, "generation-0.yaml") {
+			time.Sleep(time.Second)
+			fmt.Fprintln(os.Stderr, "fake worker: out of memory, crashing")
+			os.Exit(5)
+		}
+		select {}
 	case "exit":
 		time.Sleep(400 * time.Millisecond)
 		os.Exit(3)
@@ -269,5 +276,49 @@ func TestStartWorkerExitShowsLogTail(t *testing.T) {
 	// A tail, not the whole log.
 	if strings.Contains(msg, "loading line 0\n") {
 		t.Errorf("Start's error carries the whole log, want its last lines:\n%v", err)
+	}
+}
+
+// TestWaitWorkerLost: Wait, what kvxfer up runs on until its context ends,
+// returns an error once a server group has no worker left, naming the
+// worker and carrying its exit and last lines (else up would go on
+// serving nothing but 502s and exit 0 at Ctrl-C, and systemd would
+// never restart it); a group with workers left keeps the cluster up (the
+// router migrates to them).
+func TestWaitWorkerLost(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		generation int
+		lost       bool
+	}{{1, true}, {2, false}} {
+		cl := cluster(t, fmt.Sprintf("hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: %d}\n", tc.generation))
+		l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+			Env: []string{fakeWorkerEnv + "=crash-generation-0"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		start := time.Now()
+		err = l.Wait(ctx)
+		took := time.Since(start)
+		ended := ctx.Err() != nil
+		cancel()
+		l.Stop()
+		switch {
+		case tc.lost && (err == nil || ended):
+			t.Errorf("%d generation workers, generation-0 crashed: Wait returned %v after %v, want an error before its context ended", tc.generation, err, took)
+		case tc.lost:
+			for _, want := range []string{"generation", "generation-0", "exit status 5", "out of memory, crashing"} {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("Wait: %v\nwant it to contain %q", err, want)
+				}
+			}
+		case err != nil || !ended:
+			t.Errorf("%d generation workers, generation-0 crashed: Wait returned %v after %v, want nil at the end of its context", tc.generation, err, took)
+		}
+		t.Logf("%d generation workers: Wait returned after %v: %v", tc.generation, took.Round(time.Millisecond), err)
 	}
 }
