@@ -112,7 +112,10 @@ type Launched struct {
 	// routerLn is the router's listener, opened before any worker starts
 	// (a taken port fails Start at once); startRouter serves it.
 	routerLn net.Listener
-	workers  []*worker
+	// workerLns are the workers' listeners by name, opened before any
+	// worker starts (listenWorkers); startWorker hands each on.
+	workerLns map[string]*net.TCPListener
+	workers   []*worker
 	// With disagg_cluster: the workers' cluster_uri, and the stores to
 	// close after the router.
 	clusterURI string
@@ -268,6 +271,11 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 	// The router's port first: taken, it fails Start before any worker
 	// starts (and loads its model).
 	if l.routerLn, err = listenRouter(o); err != nil {
+		return err
+	}
+	// Then every worker's: a port given twice, taken, or on another host
+	// fails Start before any worker starts too.
+	if err := l.listenWorkers(o); err != nil {
 		return err
 	}
 	if o.Cluster.DisaggCluster != nil {
@@ -527,23 +535,111 @@ func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) er
 	return nil
 }
 
+// listenWorkers opens the listener of every worker Start will start (into
+// workerLns), or, for an MPI world, whose ranks bind their addresses
+// themselves, checks that each address given can be bound. A port given
+// twice, one taken (by another process, or by the router) and a host that
+// is not this one's are each an error naming the urls entry.
+func (l *Launched) listenWorkers(o Options) error {
+	cl := o.Cluster
+	groups := []struct {
+		key, role string
+		g         *config.ServerGroup
+	}{{"context_servers", serve.RoleContext, &cl.Context}, {"generation_servers", serve.RoleGeneration, &cl.Generation}}
+	seen := map[string]string{}
+	for _, g := range groups {
+		for i, u := range g.g.URLs {
+			entry := fmt.Sprintf("%s.urls[%d]", g.key, i)
+			addr := trimScheme(u)
+			if prev, ok := seen[addr]; ok {
+				return fmt.Errorf("launch: %s and %s are both %s: each worker needs a port of its own", prev, entry, addr)
+			}
+			seen[addr] = entry
+		}
+	}
+	mpi, _, err := UsesMPI(cl, workerEnv(o.Env))
+	if err != nil {
+		return err
+	}
+	l.workerLns = map[string]*net.TCPListener{}
+	for _, g := range groups {
+		for i := range g.g.NumInstances {
+			entry := fmt.Sprintf("%s instance %d", g.key, i)
+			if i < len(g.g.URLs) {
+				entry = fmt.Sprintf("%s.urls[%d]", g.key, i)
+			} else if mpi {
+				continue // a free port, chosen at the start (mpiInstanceAddr)
+			}
+			ln, err := groupListener(g.g, i)
+			if err != nil {
+				addr := ""
+				if i < len(g.g.URLs) {
+					addr = trimScheme(g.g.URLs[i])
+				}
+				return fmt.Errorf("%w%s", err, l.listenHint(err, entry, addr))
+			}
+			if mpi {
+				ln.Close()
+				continue
+			}
+			l.workerLns[fmt.Sprintf("%s-%d", g.role, i)] = ln
+		}
+	}
+	if o.Aggregated {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return fmt.Errorf("launch: listen for the aggregated worker: %w", err)
+		}
+		l.workerLns[serve.RoleBoth+"-0"] = ln.(*net.TCPListener)
+	}
+	return nil
+}
+
+// listenHint says why the listen on addr of entry (of the cluster file)
+// failed, when it can.
+func (l *Launched) listenHint(err error, entry, addr string) string {
+	switch {
+	case errors.Is(err, syscall.EADDRINUSE):
+		if l.routerLn != nil {
+			_, rp, _ := net.SplitHostPort(l.routerLn.Addr().String())
+			if _, p, _ := net.SplitHostPort(addr); p == rp {
+				return fmt.Sprintf(" (%s: the router's port)", entry)
+			}
+		}
+		return fmt.Sprintf(" (%s: in use by another process)", entry)
+	case errors.Is(err, syscall.EADDRNOTAVAIL):
+		return fmt.Sprintf(" (%s: not an address of this host; kvxfer up starts every worker here: start the workers of other hosts with kvxfer serve there, and the router with kvxfer router)", entry)
+	}
+	var dns *net.DNSError
+	if errors.As(err, &dns) {
+		return fmt.Sprintf(" (%s: kvxfer up starts every worker on this host)", entry)
+	}
+	return ""
+}
+
+// trimScheme returns a urls entry without its http:// or https://.
+func trimScheme(u string) string {
+	return strings.TrimPrefix(strings.TrimPrefix(u, "http://"), "https://")
+}
+
 // startWorker starts instance idx of a server group with role, TP tp and
 // PP pp, and returns its URL.
 func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, role string, idx int, g *config.ServerGroup, tp, pp int) (string, error) {
-	ln, err := groupListener(g, idx)
-	if err != nil {
-		return "", err
+	name := fmt.Sprintf("%s-%d", role, idx)
+	ln := l.workerLns[name]
+	if ln == nil {
+		return "", fmt.Errorf("launch: no listener for %s (internal error)", name)
 	}
+	delete(l.workerLns, name)
 	// The worker inherits the socket as fd 3; this process's copy closes
 	// once the worker has started (or failed to).
 	lf, err := ln.File()
 	ln.Close()
 	if err != nil {
-		return "", fmt.Errorf("launch: listener of %s-%d: %w", role, idx, err)
+		return "", fmt.Errorf("launch: listener of %s: %w", name, err)
 	}
 	defer lf.Close()
 	addr := ln.Addr().String()
-	name := fmt.Sprintf("%s-%d", role, idx)
 	cfgPath := filepath.Join(l.dir, name+".yaml")
 	y := workerYAML(g, &o.Cluster.Security, tp, pp)
 	if dc := o.Cluster.DisaggCluster; dc != nil && role != serve.RoleBoth {
@@ -638,7 +734,7 @@ func listenRouter(o Options) (net.Listener, error) {
 func groupListener(g *config.ServerGroup, idx int) (*net.TCPListener, error) {
 	addr := "127.0.0.1:0"
 	if idx < len(g.URLs) {
-		addr = strings.TrimPrefix(strings.TrimPrefix(g.URLs[idx], "http://"), "https://")
+		addr = trimScheme(g.URLs[idx])
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -823,6 +919,9 @@ func (l *Launched) Stop() {
 	l.stopped.Do(func() {
 		if l.routerLn != nil { // opened, never served
 			l.routerLn.Close()
+		}
+		for _, ln := range l.workerLns { // opened, never handed on
+			ln.Close()
 		}
 		if l.server != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
