@@ -465,3 +465,53 @@ func TestUpEndsWhenGroupLost(t *testing.T) {
 	}
 	waitDead(t, pids["context-0"])
 }
+
+// fakeStopper is a cluster whose Stop waits until Kill (at most 10 s).
+type fakeStopper struct {
+	killed chan struct{}
+	once   sync.Once
+}
+
+func (f *fakeStopper) Stop() {
+	select {
+	case <-f.killed:
+	case <-time.After(10 * time.Second):
+	}
+}
+
+func (f *fakeStopper) Kill() { f.once.Do(func() { close(f.killed) }) }
+
+// TestStopClusterSecondSignal: kvxfer up stopped by a signal kills its
+// workers at the next one instead of waiting out their grace; one stopped
+// otherwise (a group lost) kills them at the first.
+func TestStopClusterSecondSignal(t *testing.T) {
+	for _, need := range []int{1, 2} {
+		f := &fakeStopper{killed: make(chan struct{})}
+		sigs := make(chan os.Signal, 2)
+		if need == 2 {
+			sigs <- syscall.SIGINT // the one that ended the command's context
+		}
+		var out bytes.Buffer
+		done := make(chan struct{})
+		go func() {
+			stopCluster(f, sigs, need, &out)
+			close(done)
+		}()
+		select {
+		case <-done:
+			t.Fatalf("need %d: stopCluster returned before its cluster stopped", need)
+		case <-time.After(200 * time.Millisecond):
+		}
+		start := time.Now()
+		sigs <- syscall.SIGTERM
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("need %d: stopCluster still waits 5 s after the signal", need)
+		}
+		if !strings.Contains(out.String(), "terminated while stopping: killing every worker now") {
+			t.Errorf("need %d: output %q", need, out.String())
+		}
+		t.Logf("need %d: stopped %v after the signal", need, time.Since(start).Round(time.Millisecond))
+	}
+}

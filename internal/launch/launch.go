@@ -956,6 +956,19 @@ func (l *Launched) Stop() {
 	})
 }
 
+// Kill ends the cluster at once, for a second Ctrl-C while Stop waits for
+// the workers: SIGKILL to every worker process (to mpirun for an MPI
+// world) and the router's connections closed, so that Stop, running or to
+// come, returns without its grace. Safe to call while Stop runs.
+func (l *Launched) Kill() {
+	for _, w := range l.workers {
+		w.p.cmd.Process.Kill()
+	}
+	if l.server != nil {
+		l.server.Close()
+	}
+}
+
 // Workers returns the name and PID of every worker process.
 func (l *Launched) Workers() map[string]int {
 	out := map[string]int{}

@@ -6,7 +6,9 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -39,6 +41,15 @@ func fakeWorkerMain() bool {
 			select {}
 		}
 		os.Exit(4)
+	}
+	if mode == "stubborn" { // a worker that does not stop on SIGTERM (a long drain, a hung model)
+		signal.Ignore(syscall.SIGTERM)
+		ln, err := net.FileListener(os.NewFile(3, "listener"))
+		if err != nil {
+			os.Exit(2)
+		}
+		go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
+		select {}
 	}
 	if mode == "silent" { // a worker still loading: it never answers
 		select {}
@@ -320,5 +331,46 @@ func TestWaitWorkerLost(t *testing.T) {
 			t.Errorf("%d generation workers, generation-0 crashed: Wait returned %v after %v, want nil at the end of its context", tc.generation, err, took)
 		}
 		t.Logf("%d generation workers: Wait returned after %v: %v", tc.generation, took.Round(time.Millisecond), err)
+	}
+}
+
+// TestKillWhileStopping: Kill, what kvxfer up does on a second Ctrl-C,
+// ends workers that ignore the SIGTERM of Stop at once: Stop returns
+// without waiting out its grace (10 s).
+func TestKillWhileStopping(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=stubborn"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopped := make(chan struct{})
+	start := time.Now()
+	go func() {
+		l.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned at once with workers that ignore SIGTERM")
+	case <-time.After(300 * time.Millisecond):
+	}
+	l.Kill()
+	select {
+	case <-stopped:
+	case <-time.After(stopGrace - time.Second):
+		t.Fatalf("Stop still waits %v after Kill", stopGrace-time.Second)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("Stop returned %v after it began, Kill after 300 ms", took)
+	}
+	for name, pid := range l.Workers() {
+		if err := syscall.Kill(pid, 0); err == nil {
+			t.Errorf("worker %s (pid %d) still runs after Stop", name, pid)
+		}
 	}
 }
