@@ -889,7 +889,7 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 				return err
 			}
 			if time.Now().After(deadline) {
-				return fmt.Errorf("launch: worker %s not healthy within %v", w.name, within)
+				return fmt.Errorf("launch: worker %s not healthy within %v%s", w.name, within, w.p.out.tailText())
 			}
 			retry.Reset(100 * time.Millisecond)
 			select {

@@ -51,6 +51,11 @@ func fakeWorkerMain() bool {
 		go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
 		select {}
 	}
+	if mode == "stuck" { // a worker whose load hangs, saying where
+		fmt.Fprintln(os.Stderr, "fake worker: loading weights")
+		fmt.Fprintln(os.Stderr, "fake worker: waiting for the GPU held by pid 4242")
+		select {}
+	}
 	if mode == "silent" { // a worker still loading: it never answers
 		select {}
 	}
@@ -372,5 +377,35 @@ func TestKillWhileStopping(t *testing.T) {
 		if err := syscall.Kill(pid, 0); err == nil {
 			t.Errorf("worker %s (pid %d) still runs after Stop", name, pid)
 		}
+	}
+}
+
+// TestStartNotHealthyShowsLogTail: a worker that does not answer /health
+// within the Ready bound fails Start with an error naming it and carrying
+// its last lines, which say where its start-up hangs (kvxfer up --smoke
+// and --quiet show no worker log).
+func TestStartNotHealthyShowsLogTail(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 1500 * time.Millisecond,
+		Env: []string{fakeWorkerEnv + "=stuck"}})
+	took := time.Since(start)
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil {
+		t.Fatal("Start succeeded with workers that never answer")
+	}
+	for _, want := range []string{"context-0 not healthy within 1.5s", "waiting for the GPU held by pid 4242"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Start: %v\nwant it to contain %q", err, want)
+		}
+	}
+	if took > 5*time.Second {
+		t.Errorf("Start failed after %v, Ready 1.5 s", took)
 	}
 }
