@@ -132,6 +132,18 @@ type worker struct {
 	name string
 	url  string
 	p    *proc
+	// world: a rank of an MPI world, whose process (p) is the world's
+	// mpirun, shared with every other worker.
+	world bool
+}
+
+// label names w's process in an error: the worker, or the MPI world's
+// mpirun (which ends when any rank does).
+func (w *worker) label() string {
+	if w.world {
+		return "mpirun (the MPI world of every worker)"
+	}
+	return "worker " + w.name
 }
 
 // proc is a process the launcher started: a worker's, or the mpirun of an
@@ -434,6 +446,10 @@ func (l *Launched) Wait(ctx context.Context) error {
 			}
 			select {
 			case <-w.p.done:
+				if w.world {
+					l.log.Error("mpirun exited", "pid", w.p.cmd.Process.Pid, "exit", w.exitError())
+					return fmt.Errorf("launch: %s exited: %s", w.label(), w.exitError())
+				}
 				if !logged[w] {
 					logged[w] = true
 					l.log.Error("worker exited", "name", w.name, "pid", w.p.cmd.Process.Pid, "exit", w.exitError())
@@ -474,7 +490,7 @@ func (l *Launched) exited(what string) error {
 	for _, w := range l.workers {
 		select {
 		case <-w.p.done:
-			return fmt.Errorf("launch: worker %s exited before it %s: %s", w.name, what, w.exitError())
+			return fmt.Errorf("launch: %s exited before it %s: %s", w.label(), what, w.exitError())
 		default:
 		}
 	}

@@ -3,9 +3,11 @@ package launch
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"os/signal"
 	"strings"
 	"syscall"
@@ -407,5 +409,39 @@ func TestStartNotHealthyShowsLogTail(t *testing.T) {
 	}
 	if took > 5*time.Second {
 		t.Errorf("Start failed after %v, Ready 1.5 s", took)
+	}
+}
+
+// TestWaitMPIWorldExit: the workers of an MPI world share one process,
+// mpirun, which ends when any rank does: Wait says mpirun ended, with its
+// last lines (which name the rank), not that context_servers (checked
+// first) has no worker left when a generation rank died.
+func TestWaitMPIWorldExit(t *testing.T) {
+	l := &Launched{log: slog.New(slog.DiscardHandler), exits: make(chan struct{}, 1)}
+	defer l.Stop()
+	mpirun := exec.Command("sh", "-c", "sleep 0.2; echo 'mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).' >&2; exit 137")
+	p, err := l.startProc(mpirun, "[mpi] ", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"context-0", "generation-0"} {
+		l.workers = append(l.workers, &worker{name: name, url: "http://127.0.0.1:1", p: p, world: true})
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	err = l.Wait(ctx)
+	if err == nil {
+		t.Fatal("Wait returned nil: it did not see mpirun end")
+	}
+	for _, want := range []string{"mpirun (the MPI world of every worker) exited", "exit status 137", "rank 1 with PID 0 on node vm exited on signal 9"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Wait: %v\nwant it to contain %q", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "context_servers") {
+		t.Errorf("Wait: %v\nblames context_servers", err)
+	}
+	if err := l.exited("was healthy"); err == nil || !strings.Contains(err.Error(), "mpirun (the MPI world of every worker) exited before it was healthy") {
+		t.Errorf("exited: %v, want it to name mpirun", err)
 	}
 }

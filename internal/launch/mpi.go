@@ -217,7 +217,7 @@ func (l *Launched) startMPIWorkers(o Options, reason string) error {
 	// One process for every worker: each worker's entry is the world's
 	// mpirun (Stop signals it, which forwards the signal to every rank).
 	for _, in := range insts {
-		l.workers = append(l.workers, &worker{name: in.name, url: in.url, p: p})
+		l.workers = append(l.workers, &worker{name: in.name, url: in.url, p: p, world: true})
 	}
 	l.log.Info("workers started as one MPI world", "mpirun_pid", cmd.Process.Pid, "ranks", len(insts),
 		"why", reason, "cluster_file", path)
