@@ -372,7 +372,7 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		}
 		select {
 		case <-ctx.Done():
-			return context.Cause(ctx)
+			return fmt.Errorf("launch: stopped while waiting for workers %s to register: %w", strings.Join(missing, ", "), context.Cause(ctx))
 		case <-poll.C:
 		}
 	}
@@ -910,7 +910,7 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 			retry.Reset(100 * time.Millisecond)
 			select {
 			case <-ctx.Done():
-				return context.Cause(ctx)
+				return fmt.Errorf("launch: stopped while waiting for worker %s to answer /health: %w", w.name, context.Cause(ctx))
 			case <-retry.C:
 			}
 		}

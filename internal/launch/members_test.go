@@ -2,6 +2,7 @@ package launch
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -443,5 +444,32 @@ func TestWaitMPIWorldExit(t *testing.T) {
 	}
 	if err := l.exited("was healthy"); err == nil || !strings.Contains(err.Error(), "mpirun (the MPI world of every worker) exited before it was healthy") {
 		t.Errorf("exited: %v, want it to name mpirun", err)
+	}
+}
+
+// TestStartCanceledSaysWhere: Start whose context ends (kvxfer up's
+// Ctrl-C while its workers load) returns at once with an error that says
+// what it was waiting for, not a bare "context canceled".
+func TestStartCanceledSaysWhere(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	l, err := Start(ctx, Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 20 * time.Second,
+		Env: []string{fakeWorkerEnv + "=stuck"}})
+	took := time.Since(start)
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "stopped while waiting for worker context-0 to answer /health") ||
+		!errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Start: %v, want it to say it stopped while waiting for context-0, wrapping the context's end", err)
+	}
+	if took > 4*time.Second {
+		t.Errorf("Start returned %v after it began, its context ended at 500 ms", took)
 	}
 }
