@@ -403,7 +403,9 @@ func startUp(t *testing.T, args ...string) (*upProc, map[string]int) {
 	t.Helper()
 	p := &upProc{out: &syncWriter{w: &bytes.Buffer{}}, done: make(chan struct{})}
 	p.cmd = exec.Command(os.Args[0], append([]string{"up", "--quiet", "--port", "-1"}, args...)...)
-	p.cmd.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1")
+	// Its own TMPDIR: a kvxfer up killed leaves its directory of worker
+	// files behind.
+	p.cmd.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1", "TMPDIR="+t.TempDir())
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := p.cmd.Start(); err != nil {
@@ -513,5 +515,20 @@ func TestStopClusterSecondSignal(t *testing.T) {
 			t.Errorf("need %d: output %q", need, out.String())
 		}
 		t.Logf("need %d: stopped %v after the signal", need, time.Since(start).Round(time.Millisecond))
+	}
+}
+
+// TestUpKilledWorkersEnd: kvxfer up killed with SIGKILL (no chance to stop
+// anything: the OOM killer, kill -9, a container's end) leaves no worker
+// running: each has the launcher's death as its SIGTERM (Pdeathsig).
+func TestUpKilledWorkersEnd(t *testing.T) {
+	p, pids := startUp(t)
+	if len(pids) != 2 {
+		t.Fatalf("workers %v, want context-0 and generation-0", pids)
+	}
+	p.cmd.Process.Kill()
+	<-p.done
+	for _, pid := range pids {
+		waitDead(t, pid)
 	}
 }
