@@ -3,7 +3,10 @@ package cli
 import (
 	"fmt"
 	"io"
+	"os"
+	"os/signal"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
@@ -30,7 +33,9 @@ func newUpCmd(e env) *cobra.Command {
 		Short: "Start a local disaggregated cluster: every worker as its own process, plus the router",
 		Long: `up starts the workers of a cluster file (default: context TP2 -> generation TP1 with the
 GQA model, backend DEFAULT) as separate processes, waits until they are healthy, and serves
-the OpenAI-compatible router until Ctrl-C, when it stops every worker. With --smoke N it
+the OpenAI-compatible router until Ctrl-C, when it stops every worker, or until a server
+group has no worker left running: it then stops the others and exits non-zero, naming the
+workers that exited and showing their last lines. With --smoke N it
 also starts an aggregated worker, sends N prompts through the router and to it, streamed and
 not, checks that every answer has the same token ids (max_tokens of them, with ignore_eos)
 and text, prints TTFT with and without disaggregation, and exits 0 or 1. When a generation
@@ -89,14 +94,25 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 	if secret == nil {
 		log.Info("cluster secret: generated for this cluster, handed to the workers in their environment")
 	}
+	// A second signal while the cluster stops kills its workers at once.
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
+	defer signal.Stop(sigs)
 	l, err := launch.Start(cmd.Context(), launch.Options{Cluster: cl, Model: uf.model, Aggregated: uf.smoke > 0,
 		Output: out, Logger: log, Secret: secret, TLS: uf.tf.or(cl.Security.TLS), GenerateTLS: uf.genTLS,
 		Deadlines: serve.RouterDeadlines(uf.df), MigrationLimit: uf.mf.limit()})
 	if err != nil {
 		return err
 	}
-	defer l.Stop()
 	w := cmd.OutOrStdout()
+	defer func() {
+		// The signal that ended the command's context is not the second.
+		need := 1
+		if cmd.Context().Err() != nil {
+			need = 2
+		}
+		stopCluster(l, sigs, need, w)
+	}()
 	printCluster(w, l, uf.model)
 	if uf.smoke > 0 {
 		res := launch.SmokeWith(cmd.Context(), l.Client(), l.RouterURL, l.AggregatedURL, uf.smoke, 4)
@@ -107,9 +123,42 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 		return nil
 	}
 	fmt.Fprintf(w, "\ntry:\n  curl -N %s/v1/completions -H 'Content-Type: application/json' \\\n    -d '{\"model\":\"%s\",\"prompt\":\"Hello\",\"max_tokens\":32,\"stream\":true}'\n\nCtrl-C stops every worker.\n", l.RouterURL, uf.model)
-	<-cmd.Context().Done()
+	// Until Ctrl-C, or until a server group has no worker left (up
+	// then exits non-zero, naming it, for a supervisor to restart).
+	if err := l.Wait(cmd.Context()); err != nil {
+		return err
+	}
 	fmt.Fprintln(w, "stopping the cluster")
 	return nil
+}
+
+// stopper is what stopCluster stops: a *launch.Launched.
+type stopper interface {
+	Stop()
+	Kill()
+}
+
+// stopCluster stops l, and kills it at once when the need-th signal of
+// sigs comes in before the stop ends (need is 2 when a signal began it).
+func stopCluster(l stopper, sigs <-chan os.Signal, need int, w io.Writer) {
+	done := make(chan struct{})
+	go func() {
+		l.Stop()
+		close(done)
+	}()
+	for got := 0; ; {
+		select {
+		case <-done:
+			return
+		case sig := <-sigs:
+			if got++; got >= need {
+				fmt.Fprintf(w, "%v while stopping: killing every worker now\n", sig)
+				l.Kill()
+				<-done
+				return
+			}
+		}
+	}
 }
 
 // printCluster lists the workers and the URLs of a launched cluster.

@@ -387,3 +387,148 @@ func TestOpenAINodeClient(t *testing.T) {
 		}
 	}
 }
+
+// upProc is a kvxfer up run as its own process (this test binary, as are
+// its workers), with its output.
+type upProc struct {
+	cmd  *exec.Cmd
+	out  *syncWriter
+	done chan struct{}
+}
+
+// startUp runs kvxfer up with args, on a free router port, and waits (at
+// most 60 s) until it has printed the PIDs of its workers, which it
+// returns by name.
+func startUp(t *testing.T, args ...string) (*upProc, map[string]int) {
+	t.Helper()
+	p := &upProc{out: &syncWriter{w: &bytes.Buffer{}}, done: make(chan struct{})}
+	p.cmd = exec.Command(os.Args[0], append([]string{"up", "--quiet", "--port", "-1"}, args...)...)
+	// Its own TMPDIR: a kvxfer up killed leaves its directory of worker
+	// files behind.
+	p.cmd.Env = append(os.Environ(), "KVXFER_CLI_CHILD=1", "TMPDIR="+t.TempDir())
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.cmd.Wait(); close(p.done) }()
+	t.Cleanup(func() {
+		p.cmd.Process.Signal(syscall.SIGKILL)
+		<-p.done
+		if t.Failed() {
+			t.Logf("kvxfer up's output:\n%s", p.out.String())
+		}
+	})
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		pids := map[string]int{}
+		for _, line := range strings.Split(p.out.String(), "\n") {
+			var name string
+			var pid int
+			if _, err := fmt.Sscanf(strings.TrimSpace(line), "worker %s pid %d", &name, &pid); err == nil {
+				pids[name] = pid
+			}
+		}
+		if strings.Contains(p.out.String(), "router:") && len(pids) > 0 {
+			return p, pids
+		}
+		select {
+		case <-p.done:
+			t.Fatalf("kvxfer up exited at start-up: %v", p.cmd.ProcessState)
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("kvxfer up did not start its cluster within 60 s")
+		}
+	}
+}
+
+// TestUpEndsWhenGroupLost: kvxfer up whose only generation worker dies
+// does not go on serving 502s until Ctrl-C (and then exit 0): it stops
+// the context worker and exits non-zero, naming the worker that died.
+func TestUpEndsWhenGroupLost(t *testing.T) {
+	p, pids := startUp(t)
+	if pids["generation-0"] == 0 || pids["context-0"] == 0 {
+		t.Fatalf("workers %v, want context-0 and generation-0", pids)
+	}
+	syscall.Kill(pids["generation-0"], syscall.SIGKILL)
+	select {
+	case <-p.done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("kvxfer up still runs 20 s after its only generation worker died")
+	}
+	if code := p.cmd.ProcessState.ExitCode(); code == 0 {
+		t.Errorf("kvxfer up exited 0 after its only generation worker died")
+	}
+	for _, want := range []string{"generation_servers has no worker left", "generation-0", "signal: killed"} {
+		if !strings.Contains(p.out.String(), want) {
+			t.Errorf("kvxfer up's output does not say %q", want)
+		}
+	}
+	waitDead(t, pids["context-0"])
+}
+
+// fakeStopper is a cluster whose Stop waits until Kill (at most 10 s).
+type fakeStopper struct {
+	killed chan struct{}
+	once   sync.Once
+}
+
+func (f *fakeStopper) Stop() {
+	select {
+	case <-f.killed:
+	case <-time.After(10 * time.Second):
+	}
+}
+
+func (f *fakeStopper) Kill() { f.once.Do(func() { close(f.killed) }) }
+
+// TestStopClusterSecondSignal: kvxfer up stopped by a signal kills its
+// workers at the next one instead of waiting out their grace; one stopped
+// otherwise (a group lost) kills them at the first.
+func TestStopClusterSecondSignal(t *testing.T) {
+	for _, need := range []int{1, 2} {
+		f := &fakeStopper{killed: make(chan struct{})}
+		sigs := make(chan os.Signal, 2)
+		if need == 2 {
+			sigs <- syscall.SIGINT // the one that ended the command's context
+		}
+		var out bytes.Buffer
+		done := make(chan struct{})
+		go func() {
+			stopCluster(f, sigs, need, &out)
+			close(done)
+		}()
+		select {
+		case <-done:
+			t.Fatalf("need %d: stopCluster returned before its cluster stopped", need)
+		case <-time.After(200 * time.Millisecond):
+		}
+		start := time.Now()
+		sigs <- syscall.SIGTERM
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			t.Fatalf("need %d: stopCluster still waits 5 s after the signal", need)
+		}
+		if !strings.Contains(out.String(), "terminated while stopping: killing every worker now") {
+			t.Errorf("need %d: output %q", need, out.String())
+		}
+		t.Logf("need %d: stopped %v after the signal", need, time.Since(start).Round(time.Millisecond))
+	}
+}
+
+// TestUpKilledWorkersEnd: kvxfer up killed with SIGKILL (no chance to stop
+// anything: the OOM killer, kill -9, a container's end) leaves no worker
+// running: each has the launcher's death as its SIGTERM (Pdeathsig).
+func TestUpKilledWorkersEnd(t *testing.T) {
+	p, pids := startUp(t)
+	if len(pids) != 2 {
+		t.Fatalf("workers %v, want context-0 and generation-0", pids)
+	}
+	p.cmd.Process.Kill()
+	<-p.done
+	for _, pid := range pids {
+		waitDead(t, pid)
+	}
+}

@@ -112,7 +112,10 @@ type Launched struct {
 	// routerLn is the router's listener, opened before any worker starts
 	// (a taken port fails Start at once); startRouter serves it.
 	routerLn net.Listener
-	workers  []*worker
+	// workerLns are the workers' listeners by name, opened before any
+	// worker starts (listenWorkers); startWorker hands each on.
+	workerLns map[string]*net.TCPListener
+	workers   []*worker
 	// With disagg_cluster: the workers' cluster_uri, and the stores to
 	// close after the router.
 	clusterURI string
@@ -121,13 +124,70 @@ type Launched struct {
 	log        *slog.Logger
 	wg         sync.WaitGroup
 	stopped    sync.Once
+	// exits has a token after a worker process exits (Wait's wake-up).
+	exits chan struct{}
 }
 
 type worker struct {
 	name string
 	url  string
-	cmd  *exec.Cmd
-	done chan error
+	p    *proc
+	// world: a rank of an MPI world, whose process (p) is the world's
+	// mpirun, shared with every other worker.
+	world bool
+}
+
+// label names w's process in an error: the worker, or the MPI world's
+// mpirun (which ends when any rank does).
+func (w *worker) label() string {
+	if w.world {
+		return "mpirun (the MPI world of every worker)"
+	}
+	return "worker " + w.name
+}
+
+// proc is a process the launcher started: a worker's, or the mpirun of an
+// MPI world, whose proc every worker of the world shares.
+type proc struct {
+	cmd *exec.Cmd
+	out *prefixWriter
+	// done is closed once the process has exited and its output has been
+	// read; err is then cmd.Wait's.
+	done chan struct{}
+	err  error
+}
+
+// startProc starts cmd with its output through a prefixWriter of prefix
+// to out (nil: discarded, but its tail kept for errors), dying with this
+// process, and waits for it in the background.
+func (l *Launched) startProc(cmd *exec.Cmd, prefix string, out io.Writer) (*proc, error) {
+	if out == nil {
+		out = io.Discard
+	}
+	p := &proc{cmd: cmd, out: &prefixWriter{w: out, prefix: prefix}, done: make(chan struct{})}
+	cmd.Stdout, cmd.Stderr = p.out, p.out
+	// Children die with the launcher even if it is killed.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		p.err = cmd.Wait()
+		close(p.done)
+		select {
+		case l.exits <- struct{}{}:
+		default:
+		}
+	}()
+	return p, nil
+}
+
+// exitError is what a worker's process exit is reported as: its status
+// and the last lines it wrote.
+func (w *worker) exitError() string {
+	return fmt.Sprintf("%v%s", w.p.err, w.p.out.tailText())
 }
 
 // Start starts every worker of the cluster as its own process, waits until
@@ -147,7 +207,7 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Launched{dir: dir, log: o.Logger}
+	l := &Launched{dir: dir, log: o.Logger, exits: make(chan struct{}, 1)}
 	if err := l.start(ctx, o); err != nil {
 		l.Stop()
 		return nil, err
@@ -223,6 +283,11 @@ func (l *Launched) start(ctx context.Context, o Options) error {
 	// The router's port first: taken, it fails Start before any worker
 	// starts (and loads its model).
 	if l.routerLn, err = listenRouter(o); err != nil {
+		return err
+	}
+	// Then every worker's: a port given twice, taken, or on another host
+	// fails Start before any worker starts too.
+	if err := l.listenWorkers(o); err != nil {
 		return err
 	}
 	if o.Cluster.DisaggCluster != nil {
@@ -307,7 +372,7 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 		}
 		select {
 		case <-ctx.Done():
-			return context.Cause(ctx)
+			return fmt.Errorf("launch: stopped while waiting for workers %s to register: %w", strings.Join(missing, ", "), context.Cause(ctx))
 		case <-poll.C:
 		}
 	}
@@ -320,13 +385,8 @@ func (l *Launched) waitMembers(ctx context.Context, within time.Duration) error 
 func (l *Launched) unregistered(ci serve.ClusterInfo) []string {
 	var missing []string
 	for _, w := range l.workers {
-		var group string
-		switch {
-		case strings.HasPrefix(w.name, serve.RoleContext+"-"):
-			group = "context_servers"
-		case strings.HasPrefix(w.name, serve.RoleGeneration+"-"):
-			group = "generation_servers"
-		default:
+		group := w.group()
+		if group == "" {
 			continue // the aggregated worker does not register
 		}
 		if !registered(w.url, ci.CurrentWorkers[group]) {
@@ -369,13 +429,68 @@ func memberURLs(ci serve.ClusterInfo) string {
 	return strings.Join(us, ", ")
 }
 
+// Wait returns nil when ctx ends, or an error once a server group has no
+// worker left running: the router can serve nothing then (with a worker
+// left it migrates to it). It logs every worker that exits on the way, with
+// its exit and last lines; the error names the group's workers and their
+// exits. The caller still calls Stop.
+func (l *Launched) Wait(ctx context.Context) error {
+	logged := map[*worker]bool{}
+	for {
+		left := map[string]int{}
+		gone := map[string][]string{}
+		for _, w := range l.workers {
+			group := w.group()
+			if group == "" {
+				continue // the aggregated worker of up --smoke: no group's
+			}
+			select {
+			case <-w.p.done:
+				if w.world {
+					l.log.Error("mpirun exited", "pid", w.p.cmd.Process.Pid, "exit", w.exitError())
+					return fmt.Errorf("launch: %s exited: %s", w.label(), w.exitError())
+				}
+				if !logged[w] {
+					logged[w] = true
+					l.log.Error("worker exited", "name", w.name, "pid", w.p.cmd.Process.Pid, "exit", w.exitError())
+				}
+				gone[group] = append(gone[group], w.name+": "+w.exitError())
+			default:
+				left[group]++
+			}
+		}
+		for _, g := range []string{"context_servers", "generation_servers"} {
+			if len(gone[g]) > 0 && left[g] == 0 {
+				return fmt.Errorf("launch: %s has no worker left: %s", g, strings.Join(gone[g], "\n"))
+			}
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-l.exits:
+		}
+	}
+}
+
+// group is the server group of w ("context_servers",
+// "generation_servers"), or "" for the aggregated worker.
+func (w *worker) group() string {
+	switch {
+	case strings.HasPrefix(w.name, serve.RoleContext+"-"):
+		return "context_servers"
+	case strings.HasPrefix(w.name, serve.RoleGeneration+"-"):
+		return "generation_servers"
+	}
+	return ""
+}
+
 // exited returns an error naming the first worker that has exited before
 // it did what, or nil.
 func (l *Launched) exited(what string) error {
 	for _, w := range l.workers {
 		select {
-		case err := <-w.done:
-			return fmt.Errorf("launch: worker %s exited before it %s: %v", w.name, what, err)
+		case <-w.p.done:
+			return fmt.Errorf("launch: %s exited before it %s: %s", w.label(), what, w.exitError())
 		default:
 		}
 	}
@@ -436,23 +551,111 @@ func (l *Launched) startWorkers(o Options, tlsFiles map[string]tlsconf.Files) er
 	return nil
 }
 
+// listenWorkers opens the listener of every worker Start will start (into
+// workerLns), or, for an MPI world, whose ranks bind their addresses
+// themselves, checks that each address given can be bound. A port given
+// twice, one taken (by another process, or by the router) and a host that
+// is not this one's are each an error naming the urls entry.
+func (l *Launched) listenWorkers(o Options) error {
+	cl := o.Cluster
+	groups := []struct {
+		key, role string
+		g         *config.ServerGroup
+	}{{"context_servers", serve.RoleContext, &cl.Context}, {"generation_servers", serve.RoleGeneration, &cl.Generation}}
+	seen := map[string]string{}
+	for _, g := range groups {
+		for i, u := range g.g.URLs {
+			entry := fmt.Sprintf("%s.urls[%d]", g.key, i)
+			addr := trimScheme(u)
+			if prev, ok := seen[addr]; ok {
+				return fmt.Errorf("launch: %s and %s are both %s: each worker needs a port of its own", prev, entry, addr)
+			}
+			seen[addr] = entry
+		}
+	}
+	mpi, _, err := UsesMPI(cl, workerEnv(o.Env))
+	if err != nil {
+		return err
+	}
+	l.workerLns = map[string]*net.TCPListener{}
+	for _, g := range groups {
+		for i := range g.g.NumInstances {
+			entry := fmt.Sprintf("%s instance %d", g.key, i)
+			if i < len(g.g.URLs) {
+				entry = fmt.Sprintf("%s.urls[%d]", g.key, i)
+			} else if mpi {
+				continue // a free port, chosen at the start (mpiInstanceAddr)
+			}
+			ln, err := groupListener(g.g, i)
+			if err != nil {
+				addr := ""
+				if i < len(g.g.URLs) {
+					addr = trimScheme(g.g.URLs[i])
+				}
+				return fmt.Errorf("%w%s", err, l.listenHint(err, entry, addr))
+			}
+			if mpi {
+				ln.Close()
+				continue
+			}
+			l.workerLns[fmt.Sprintf("%s-%d", g.role, i)] = ln
+		}
+	}
+	if o.Aggregated {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return fmt.Errorf("launch: listen for the aggregated worker: %w", err)
+		}
+		l.workerLns[serve.RoleBoth+"-0"] = ln.(*net.TCPListener)
+	}
+	return nil
+}
+
+// listenHint says why the listen on addr of entry (of the cluster file)
+// failed, when it can.
+func (l *Launched) listenHint(err error, entry, addr string) string {
+	switch {
+	case errors.Is(err, syscall.EADDRINUSE):
+		if l.routerLn != nil {
+			_, rp, _ := net.SplitHostPort(l.routerLn.Addr().String())
+			if _, p, _ := net.SplitHostPort(addr); p == rp {
+				return fmt.Sprintf(" (%s: the router's port)", entry)
+			}
+		}
+		return fmt.Sprintf(" (%s: in use by another process)", entry)
+	case errors.Is(err, syscall.EADDRNOTAVAIL):
+		return fmt.Sprintf(" (%s: not an address of this host; kvxfer up starts every worker here: start the workers of other hosts with kvxfer serve there, and the router with kvxfer router)", entry)
+	}
+	var dns *net.DNSError
+	if errors.As(err, &dns) {
+		return fmt.Sprintf(" (%s: kvxfer up starts every worker on this host)", entry)
+	}
+	return ""
+}
+
+// trimScheme returns a urls entry without its http:// or https://.
+func trimScheme(u string) string {
+	return strings.TrimPrefix(strings.TrimPrefix(u, "http://"), "https://")
+}
+
 // startWorker starts instance idx of a server group with role, TP tp and
 // PP pp, and returns its URL.
 func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, role string, idx int, g *config.ServerGroup, tp, pp int) (string, error) {
-	ln, err := groupListener(g, idx)
-	if err != nil {
-		return "", err
+	name := fmt.Sprintf("%s-%d", role, idx)
+	ln := l.workerLns[name]
+	if ln == nil {
+		return "", fmt.Errorf("launch: no listener for %s (internal error)", name)
 	}
+	delete(l.workerLns, name)
 	// The worker inherits the socket as fd 3; this process's copy closes
 	// once the worker has started (or failed to).
 	lf, err := ln.File()
 	ln.Close()
 	if err != nil {
-		return "", fmt.Errorf("launch: listener of %s-%d: %w", role, idx, err)
+		return "", fmt.Errorf("launch: listener of %s: %w", name, err)
 	}
 	defer lf.Close()
 	addr := ln.Addr().String()
-	name := fmt.Sprintf("%s-%d", role, idx)
 	cfgPath := filepath.Join(l.dir, name+".yaml")
 	y := workerYAML(g, &o.Cluster.Security, tp, pp)
 	if dc := o.Cluster.DisaggCluster; dc != nil && role != serve.RoleBoth {
@@ -467,31 +670,18 @@ func (l *Launched) startWorker(o Options, tlsFiles map[string]tlsconf.Files, rol
 	if f, ok := tlsFiles[name]; ok {
 		args = append(args, "--tls-cert", f.CertFile, "--tls-key", f.KeyFile, "--tls-ca", f.CAFile)
 	}
-	w := &worker{name: name, url: l.scheme + addr, done: make(chan error, 1)}
-	w.cmd = exec.Command(o.Command[0], args...)
-	w.cmd.ExtraFiles = []*os.File{lf}
+	cmd := exec.Command(o.Command[0], args...)
+	cmd.ExtraFiles = []*os.File{lf}
 	// The secret's variable comes last: it wins over one this process
 	// inherited.
-	w.cmd.Env = append(append(os.Environ(), o.Env...), config.EnvClusterSecret+"="+hex.EncodeToString(o.Secret))
-	out := o.Output
-	if out == nil {
-		out = io.Discard
-	}
-	pw := &prefixWriter{w: out, prefix: "[" + name + "] "}
-	w.cmd.Stdout, w.cmd.Stderr = pw, pw
-	// Children die with the launcher even if it is killed.
-	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-	if err := w.cmd.Start(); err != nil {
+	cmd.Env = append(append(os.Environ(), o.Env...), config.EnvClusterSecret+"="+hex.EncodeToString(o.Secret))
+	p, err := l.startProc(cmd, "["+name+"] ", o.Output)
+	if err != nil {
 		return "", fmt.Errorf("launch: start %s: %w", name, err)
 	}
+	w := &worker{name: name, url: l.scheme + addr, p: p}
 	l.workers = append(l.workers, w)
-	l.wg.Add(1)
-	go func() {
-		defer l.wg.Done()
-		w.done <- w.cmd.Wait()
-		close(w.done)
-	}()
-	l.log.Info("worker started", "name", name, "pid", w.cmd.Process.Pid, "url", w.url)
+	l.log.Info("worker started", "name", name, "pid", cmd.Process.Pid, "url", w.url)
 	return w.url, nil
 }
 
@@ -560,7 +750,7 @@ func listenRouter(o Options) (net.Listener, error) {
 func groupListener(g *config.ServerGroup, idx int) (*net.TCPListener, error) {
 	addr := "127.0.0.1:0"
 	if idx < len(g.URLs) {
-		addr = strings.TrimPrefix(strings.TrimPrefix(g.URLs[idx], "http://"), "https://")
+		addr = trimScheme(g.URLs[idx])
 	}
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
@@ -715,12 +905,12 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 				return err
 			}
 			if time.Now().After(deadline) {
-				return fmt.Errorf("launch: worker %s not healthy within %v", w.name, within)
+				return fmt.Errorf("launch: worker %s not healthy within %v%s", w.name, within, w.p.out.tailText())
 			}
 			retry.Reset(100 * time.Millisecond)
 			select {
 			case <-ctx.Done():
-				return context.Cause(ctx)
+				return fmt.Errorf("launch: stopped while waiting for worker %s to answer /health: %w", w.name, context.Cause(ctx))
 			case <-retry.C:
 			}
 		}
@@ -746,6 +936,9 @@ func (l *Launched) Stop() {
 		if l.routerLn != nil { // opened, never served
 			l.routerLn.Close()
 		}
+		for _, ln := range l.workerLns { // opened, never handed on
+			ln.Close()
+		}
 		if l.server != nil {
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			l.server.Shutdown(ctx)
@@ -761,17 +954,17 @@ func (l *Launched) Stop() {
 			l.client.CloseIdleConnections()
 		}
 		for _, w := range l.workers {
-			w.cmd.Process.Signal(syscall.SIGTERM)
+			w.p.cmd.Process.Signal(syscall.SIGTERM)
 		}
 		grace, cancel := context.WithTimeout(context.Background(), stopGrace)
 		defer cancel()
 		for _, w := range l.workers {
 			select {
-			case <-w.done:
+			case <-w.p.done:
 			case <-grace.Done():
 				l.log.Warn("worker did not stop, killing it", "name", w.name)
-				w.cmd.Process.Kill()
-				<-w.done
+				w.p.cmd.Process.Kill()
+				<-w.p.done
 			}
 		}
 		l.wg.Wait()
@@ -779,21 +972,43 @@ func (l *Launched) Stop() {
 	})
 }
 
+// Kill ends the cluster at once, for a second Ctrl-C while Stop waits for
+// the workers: SIGKILL to every worker process (to mpirun for an MPI
+// world) and the router's connections closed, so that Stop, running or to
+// come, returns without its grace. Safe to call while Stop runs.
+func (l *Launched) Kill() {
+	for _, w := range l.workers {
+		w.p.cmd.Process.Kill()
+	}
+	if l.server != nil {
+		l.server.Close()
+	}
+}
+
 // Workers returns the name and PID of every worker process.
 func (l *Launched) Workers() map[string]int {
 	out := map[string]int{}
 	for _, w := range l.workers {
-		out[w.name] = w.cmd.Process.Pid
+		out[w.name] = w.p.cmd.Process.Pid
 	}
 	return out
 }
 
-// prefixWriter prefixes every line written through it.
+// Of a worker's log, an error carries the last tailLines lines, each cut
+// at tailLineBytes.
+const (
+	tailLines     = 12
+	tailLineBytes = 512
+)
+
+// prefixWriter prefixes every line written through it, and keeps the last
+// tailLines lines for an error about the process that wrote them.
 type prefixWriter struct {
 	mu     sync.Mutex
 	w      io.Writer
 	prefix string
 	buf    []byte
+	tail   []string // the last lines, oldest first
 }
 
 func (p *prefixWriter) Write(b []byte) (int, error) {
@@ -805,12 +1020,44 @@ func (p *prefixWriter) Write(b []byte) (int, error) {
 		if i < 0 {
 			break
 		}
-		fmt.Fprintf(p.w, "%s%s\n", p.prefix, p.buf[:i])
+		p.line(p.buf[:i])
 		p.buf = p.buf[i+1:]
 	}
 	if len(p.buf) > 64<<10 {
-		fmt.Fprintf(p.w, "%s%s\n", p.prefix, p.buf)
+		p.line(p.buf)
 		p.buf = p.buf[:0]
 	}
 	return len(b), nil
+}
+
+// line writes one complete line and keeps it in the tail.
+func (p *prefixWriter) line(b []byte) {
+	fmt.Fprintf(p.w, "%s%s\n", p.prefix, b)
+	if len(p.tail) == tailLines {
+		p.tail = append(p.tail[:0], p.tail[1:]...)
+	}
+	p.tail = append(p.tail, cutLine(b))
+}
+
+// cutLine returns b as a string of at most tailLineBytes.
+func cutLine(b []byte) string {
+	if len(b) > tailLineBytes {
+		return string(b[:tailLineBytes]) + "..."
+	}
+	return string(b)
+}
+
+// tailText is the last lines written (with one not yet ended), indented
+// under a heading, for an error; "" when nothing was written.
+func (p *prefixWriter) tailText() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	lines := p.tail
+	if len(p.buf) > 0 {
+		lines = append(lines[:len(lines):len(lines)], cutLine(p.buf))
+	}
+	if len(lines) == 0 {
+		return ""
+	}
+	return "; its last lines:\n    " + strings.Join(lines, "\n    ")
 }

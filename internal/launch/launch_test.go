@@ -1,8 +1,12 @@
 package launch
 
 import (
+	"fmt"
 	"log/slog"
+	"net"
+	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -163,4 +167,90 @@ security:
 	if got := f.Worker.Security.Etcd; got != cl.Security.Etcd || got.CAFile != "ca dir/etcd-ca.pem" {
 		t.Errorf("worker file's security.etcd %+v, want %+v\n%s", got, cl.Security.Etcd, text)
 	}
+}
+
+// TestStartPortProblems: a cluster file whose workers' ports cannot all be
+// bound (one given twice, the router's, one another process holds, a host
+// that is not this one) fails Start before any worker starts, with an
+// error naming the urls entry and why; before, the workers listed first
+// had started (and begun to load their model) by the time the later one
+// failed, with an error naming neither the entry nor the reason.
+func TestStartPortProblems(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	held, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	heldAddr := held.Addr().String()
+	free, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	freeAddr := free.Addr().String()
+	free.Close()
+	for _, tc := range []struct {
+		name, ctx, gen string
+		router         bool
+		want           []string
+	}{
+		{"twice", freeAddr, freeAddr, false, []string{"context_servers.urls[0] and generation_servers.urls[0] are both " + freeAddr}},
+		{"held", freeAddr, heldAddr, false, []string{"generation_servers.urls[0]: in use by another process", heldAddr}},
+		{"router", freeAddr, "", true, []string{"generation_servers.urls[0]: the router's port"}},
+		{"other host", freeAddr, "192.0.2.1:9001", false, []string{"generation_servers.urls[0]: not an address of this host", "kvxfer serve"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			port := -1
+			gen := tc.gen
+			if tc.router {
+				ln, err := net.Listen("tcp", "127.0.0.1:0")
+				if err != nil {
+					t.Fatal(err)
+				}
+				routerPort := ln.Addr().(*net.TCPAddr).Port
+				ln.Close()
+				port, gen = routerPort, fmt.Sprintf("127.0.0.1:%d", routerPort)
+			}
+			cl := cluster(t, fmt.Sprintf("hostname: 127.0.0.1\nport: 8000\ncontext_servers: {urls: [%q]}\ngeneration_servers: {urls: [%q]}\n", tc.ctx, gen))
+			var logs lockedBuffer
+			l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: port, Host: "127.0.0.1", Ready: 5 * time.Second,
+				Env: []string{fakeWorkerEnv + "=silent"}, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+			if l != nil {
+				l.Stop()
+			}
+			if err == nil {
+				t.Fatal("Start succeeded")
+			}
+			t.Logf("Start: %v", err)
+			for _, want := range tc.want {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("Start: %v\nwant it to contain %q", err, want)
+				}
+			}
+			if strings.Contains(logs.String(), "worker started") {
+				t.Errorf("Start failed (%v) after it started a worker:\n%s", err, logs.String())
+			}
+		})
+	}
+}
+
+// lockedBuffer is a log's buffer, written by goroutines of Start.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

@@ -2,11 +2,16 @@ package launch
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"log/slog"
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
+	"os/signal"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -40,8 +45,29 @@ func fakeWorkerMain() bool {
 		}
 		os.Exit(4)
 	}
+	if mode == "stubborn" { // a worker that does not stop on SIGTERM (a long drain, a hung model)
+		signal.Ignore(syscall.SIGTERM)
+		ln, err := net.FileListener(os.NewFile(3, "listener"))
+		if err != nil {
+			os.Exit(2)
+		}
+		go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
+		select {}
+	}
+	if mode == "stuck" { // a worker whose load hangs, saying where
+		fmt.Fprintln(os.Stderr, "fake worker: loading weights")
+		fmt.Fprintln(os.Stderr, "fake worker: waiting for the GPU held by pid 4242")
+		select {}
+	}
 	if mode == "silent" { // a worker still loading: it never answers
 		select {}
+	}
+	if mode == "complain" { // a worker that refuses its command line, as serve does with --model bogus
+		for i := range 30 {
+			fmt.Fprintf(os.Stderr, "fake worker: loading line %d\n", i)
+		}
+		fmt.Fprint(os.Stderr, "fake worker: unknown model \"bogus\"\nfake worker: the last words, without a newline")
+		os.Exit(2)
 	}
 	ln, err := net.FileListener(os.NewFile(3, "listener"))
 	if err != nil {
@@ -59,6 +85,13 @@ func fakeWorkerMain() bool {
 		}
 	}
 	switch mode {
+	case "crash-generation-0": // generation-0 crashes while the cluster runs
+		if strings.HasSuffix(cfg, "generation-0.yaml") {
+			time.Sleep(time.Second)
+			fmt.Fprintln(os.Stderr, "fake worker: out of memory, crashing")
+			os.Exit(5)
+		}
+		select {}
 	case "exit":
 		time.Sleep(400 * time.Millisecond)
 		os.Exit(3)
@@ -232,5 +265,211 @@ func TestStartWorkerDiesWhileAnotherLoads(t *testing.T) {
 	}
 	if took > 4*time.Second {
 		t.Errorf("Start failed after %v", took)
+	}
+}
+
+// TestStartWorkerExitShowsLogTail: a worker that exits at start-up fails
+// Start with an error that names it and carries the last lines it wrote,
+// also when its log goes nowhere (kvxfer up --smoke and --quiet discard
+// the workers' logs): "exit status 2" alone does not say why.
+func TestStartWorkerExitShowsLogTail(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=complain"}})
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil {
+		t.Fatal("Start succeeded with workers that exit at start-up")
+	}
+	msg := err.Error()
+	for _, want := range []string{"-0 exited", "exit status 2", `fake worker: unknown model "bogus"`, "the last words, without a newline", "loading line 29"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("Start: %v\nwant it to contain %q", err, want)
+		}
+	}
+	// A tail, not the whole log.
+	if strings.Contains(msg, "loading line 0\n") {
+		t.Errorf("Start's error carries the whole log, want its last lines:\n%v", err)
+	}
+}
+
+// TestWaitWorkerLost: Wait, what kvxfer up runs on until its context ends,
+// returns an error once a server group has no worker left, naming the
+// worker and carrying its exit and last lines (else up would go on
+// serving nothing but 502s and exit 0 at Ctrl-C, and systemd would
+// never restart it); a group with workers left keeps the cluster up (the
+// router migrates to them).
+func TestWaitWorkerLost(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		generation int
+		lost       bool
+	}{{1, true}, {2, false}} {
+		cl := cluster(t, fmt.Sprintf("hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: %d}\n", tc.generation))
+		l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+			Env: []string{fakeWorkerEnv + "=crash-generation-0"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		start := time.Now()
+		err = l.Wait(ctx)
+		took := time.Since(start)
+		ended := ctx.Err() != nil
+		cancel()
+		l.Stop()
+		switch {
+		case tc.lost && (err == nil || ended):
+			t.Errorf("%d generation workers, generation-0 crashed: Wait returned %v after %v, want an error before its context ended", tc.generation, err, took)
+		case tc.lost:
+			for _, want := range []string{"generation", "generation-0", "exit status 5", "out of memory, crashing"} {
+				if !strings.Contains(err.Error(), want) {
+					t.Errorf("Wait: %v\nwant it to contain %q", err, want)
+				}
+			}
+		case err != nil || !ended:
+			t.Errorf("%d generation workers, generation-0 crashed: Wait returned %v after %v, want nil at the end of its context", tc.generation, err, took)
+		}
+		t.Logf("%d generation workers: Wait returned after %v: %v", tc.generation, took.Round(time.Millisecond), err)
+	}
+}
+
+// TestKillWhileStopping: Kill, what kvxfer up does on a second Ctrl-C,
+// ends workers that ignore the SIGTERM of Stop at once: Stop returns
+// without waiting out its grace (10 s).
+func TestKillWhileStopping(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=stubborn"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	stopped := make(chan struct{})
+	start := time.Now()
+	go func() {
+		l.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+		t.Fatal("Stop returned at once with workers that ignore SIGTERM")
+	case <-time.After(300 * time.Millisecond):
+	}
+	l.Kill()
+	select {
+	case <-stopped:
+	case <-time.After(stopGrace - time.Second):
+		t.Fatalf("Stop still waits %v after Kill", stopGrace-time.Second)
+	}
+	if took := time.Since(start); took > 3*time.Second {
+		t.Errorf("Stop returned %v after it began, Kill after 300 ms", took)
+	}
+	for name, pid := range l.Workers() {
+		if err := syscall.Kill(pid, 0); err == nil {
+			t.Errorf("worker %s (pid %d) still runs after Stop", name, pid)
+		}
+	}
+}
+
+// TestStartNotHealthyShowsLogTail: a worker that does not answer /health
+// within the Ready bound fails Start with an error naming it and carrying
+// its last lines, which say where its start-up hangs (kvxfer up --smoke
+// and --quiet show no worker log).
+func TestStartNotHealthyShowsLogTail(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 1500 * time.Millisecond,
+		Env: []string{fakeWorkerEnv + "=stuck"}})
+	took := time.Since(start)
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil {
+		t.Fatal("Start succeeded with workers that never answer")
+	}
+	for _, want := range []string{"context-0 not healthy within 1.5s", "waiting for the GPU held by pid 4242"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Start: %v\nwant it to contain %q", err, want)
+		}
+	}
+	if took > 5*time.Second {
+		t.Errorf("Start failed after %v, Ready 1.5 s", took)
+	}
+}
+
+// TestWaitMPIWorldExit: the workers of an MPI world share one process,
+// mpirun, which ends when any rank does: Wait says mpirun ended, with its
+// last lines (which name the rank), not that context_servers (checked
+// first) has no worker left when a generation rank died.
+func TestWaitMPIWorldExit(t *testing.T) {
+	l := &Launched{log: slog.New(slog.DiscardHandler), exits: make(chan struct{}, 1)}
+	defer l.Stop()
+	mpirun := exec.Command("sh", "-c", "sleep 0.2; echo 'mpirun noticed that process rank 1 with PID 0 on node vm exited on signal 9 (Killed).' >&2; exit 137")
+	p, err := l.startProc(mpirun, "[mpi] ", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"context-0", "generation-0"} {
+		l.workers = append(l.workers, &worker{name: name, url: "http://127.0.0.1:1", p: p, world: true})
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	err = l.Wait(ctx)
+	if err == nil {
+		t.Fatal("Wait returned nil: it did not see mpirun end")
+	}
+	for _, want := range []string{"mpirun (the MPI world of every worker) exited", "exit status 137", "rank 1 with PID 0 on node vm exited on signal 9"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Wait: %v\nwant it to contain %q", err, want)
+		}
+	}
+	if strings.Contains(err.Error(), "context_servers") {
+		t.Errorf("Wait: %v\nblames context_servers", err)
+	}
+	if err := l.exited("was healthy"); err == nil || !strings.Contains(err.Error(), "mpirun (the MPI world of every worker) exited before it was healthy") {
+		t.Errorf("exited: %v, want it to name mpirun", err)
+	}
+}
+
+// TestStartCanceledSaysWhere: Start whose context ends (kvxfer up's
+// Ctrl-C while its workers load) returns at once with an error that says
+// what it was waiting for, not a bare "context canceled".
+func TestStartCanceledSaysWhere(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	l, err := Start(ctx, Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 20 * time.Second,
+		Env: []string{fakeWorkerEnv + "=stuck"}})
+	took := time.Since(start)
+	if l != nil {
+		l.Stop()
+	}
+	if err == nil || !strings.Contains(err.Error(), "stopped while waiting for worker context-0 to answer /health") ||
+		!errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Start: %v, want it to say it stopped while waiting for context-0, wrapping the context's end", err)
+	}
+	if took > 4*time.Second {
+		t.Errorf("Start returned %v after it began, its context ended at 500 ms", took)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -13,7 +12,6 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
-	"syscall"
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/freeport"
@@ -212,27 +210,14 @@ func (l *Launched) startMPIWorkers(o Options, reason string) error {
 	if os.Geteuid() == 0 {
 		cmd.Env = append(cmd.Env, MPIRootEnv...)
 	}
-	out := o.Output
-	if out == nil {
-		out = io.Discard
-	}
-	pw := &prefixWriter{w: out, prefix: "[mpi] "}
-	cmd.Stdout, cmd.Stderr = pw, pw
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
-	if err := cmd.Start(); err != nil {
+	p, err := l.startProc(cmd, "[mpi] ", o.Output)
+	if err != nil {
 		return fmt.Errorf("launch: start mpirun: %w", err)
 	}
-	done := make(chan error, 1)
-	l.wg.Add(1)
-	go func() {
-		defer l.wg.Done()
-		done <- cmd.Wait()
-		close(done)
-	}()
 	// One process for every worker: each worker's entry is the world's
 	// mpirun (Stop signals it, which forwards the signal to every rank).
 	for _, in := range insts {
-		l.workers = append(l.workers, &worker{name: in.name, url: in.url, cmd: cmd, done: done})
+		l.workers = append(l.workers, &worker{name: in.name, url: in.url, p: p, world: true})
 	}
 	l.log.Info("workers started as one MPI world", "mpirun_pid", cmd.Process.Pid, "ranks", len(insts),
 		"why", reason, "cluster_file", path)
