@@ -44,8 +44,21 @@ func (l *logFlags) logger(cmd *cobra.Command) (*slog.Logger, error) {
 	return nil, fmt.Errorf("--log-format %q: want text or json", l.format)
 }
 
-// serveHTTP runs srv on ln until ctx ends, then shuts down gracefully.
-func serveHTTP(ctx context.Context, ln net.Listener, srv *http.Server, log *slog.Logger) error {
+// httpDrain is how long serveHTTP lets requests in flight finish once
+// its context ends.
+const httpDrain = 10 * time.Second
+
+// serveHTTP runs srv on ln until ctx ends, then shuts down gracefully:
+// it stops accepting, runs onShutdown (which ends what would otherwise hold
+// a connection open to the end: the built-in store's long polls), lets the
+// requests in flight finish for up to httpDrain and then closes them,
+// saying so. A stop asked for is not an error, however it ends.
+func serveHTTP(ctx context.Context, ln net.Listener, srv *http.Server, log *slog.Logger, onShutdown ...func()) error {
+	for _, f := range onShutdown {
+		if f != nil {
+			srv.RegisterOnShutdown(f)
+		}
+	}
 	errc := make(chan error, 1)
 	go func() { errc <- srv.Serve(ln) }()
 	select {
@@ -54,11 +67,14 @@ func serveHTTP(ctx context.Context, ln net.Listener, srv *http.Server, log *slog
 	case <-ctx.Done():
 	}
 	log.Info("shutting down")
-	sctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	sctx, cancel := context.WithTimeout(context.Background(), httpDrain)
 	defer cancel()
-	err := srv.Shutdown(sctx)
+	if err := srv.Shutdown(sctx); err != nil {
+		log.Warn("requests still in flight at the end of the drain: closed", "drain", httpDrain, "err", err)
+		srv.Close()
+	}
 	<-errc
-	return err
+	return nil
 }
 
 // serveFlags are kvxfer serve's flags.

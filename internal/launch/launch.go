@@ -117,7 +117,7 @@ type Launched struct {
 	workerLns map[string]*net.TCPListener
 	workers   []*worker
 	// With disagg_cluster: the workers' cluster_uri, and the stores to
-	// close after the router.
+	// close (idempotent: as the router's shutdown begins, and after it).
 	clusterURI string
 	closers    []func()
 	dir        string
@@ -940,6 +940,11 @@ func (l *Launched) Stop() {
 			ln.Close()
 		}
 		if l.server != nil {
+			// The stores close as the shutdown begins: a client of the
+			// built-in store in a long poll would otherwise hold it.
+			for _, c := range l.closers {
+				l.server.RegisterOnShutdown(c)
+			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			l.server.Shutdown(ctx)
 			cancel()
