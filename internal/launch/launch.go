@@ -155,6 +155,9 @@ type proc struct {
 	// read; err is then cmd.Wait's.
 	done chan struct{}
 	err  error
+	// started is the process's start time (startTime), read once it has
+	// started: kill reads its children only while its PID names it.
+	started string
 }
 
 // startProc starts cmd with its output through a prefixWriter of prefix
@@ -171,6 +174,7 @@ func (l *Launched) startProc(cmd *exec.Cmd, prefix string, out io.Writer) (*proc
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
+	p.started = startTime(cmd.Process.Pid)
 	l.wg.Add(1)
 	go func() {
 		defer l.wg.Done()
@@ -968,7 +972,7 @@ func (l *Launched) Stop() {
 			case <-w.p.done:
 			case <-grace.Done():
 				l.log.Warn("worker did not stop, killing it", "name", w.name)
-				w.p.cmd.Process.Kill()
+				w.p.kill()
 				<-w.p.done
 			}
 		}
@@ -983,7 +987,7 @@ func (l *Launched) Stop() {
 // come, returns without its grace. Safe to call while Stop runs.
 func (l *Launched) Kill() {
 	for _, w := range l.workers {
-		w.p.cmd.Process.Kill()
+		w.p.kill()
 	}
 	if l.server != nil {
 		l.server.Close()
@@ -1065,4 +1069,51 @@ func (p *prefixWriter) tailText() string {
 		return ""
 	}
 	return "; its last lines:\n    " + strings.Join(lines, "\n    ")
+}
+
+// children returns the PIDs of pid's children (Linux's
+// /proc/PID/task/*/children); none where that cannot be read.
+func children(pid int) []int {
+	files, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", pid))
+	var out []int
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		for _, s := range strings.Fields(string(b)) {
+			if k, err := strconv.Atoi(s); err == nil {
+				out = append(out, k)
+			}
+		}
+	}
+	return out
+}
+
+// startTime is pid's start time (field 22 of /proc/PID/stat), or "" when
+// it cannot be read: with the PID, it names one process.
+func startTime(pid int) string {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return ""
+	}
+	_, rest, ok := bytes.Cut(b, []byte(") "))
+	if f := strings.Fields(string(rest)); ok && len(f) > 19 {
+		return f[19]
+	}
+	return ""
+}
+
+// kill sends SIGKILL to p's children, then to p. OpenMPI puts each rank
+// of a world in a process group of its own, so the ranks of a killed
+// mpirun would run on, reparented to init (and hold p's output open, so
+// that p.done never came). p's children are read only while p's PID still
+// names p (its start time); a child keeps its PID until p reaps it.
+func (p *proc) kill() {
+	if st := startTime(p.cmd.Process.Pid); st != "" && st == p.started {
+		for _, k := range children(p.cmd.Process.Pid) {
+			syscall.Kill(k, syscall.SIGKILL)
+		}
+	}
+	p.cmd.Process.Kill()
 }
