@@ -160,9 +160,10 @@ func (v *View) Stats() ViewStats {
 }
 
 // Run lists the workers, then watches from the listed revision, until ctx
-// ends (it returns ctx's error). After ErrCompacted or a broken watch it
-// lists again, reporting the difference as changes; a store that cannot be
-// reached is retried with backoff, the view keeping its last picture.
+// ends (it returns ctx's error) or the store is closed (an error wrapping
+// ErrClosed). After ErrCompacted or a broken watch it lists again,
+// reporting the difference as changes; a store that cannot be reached is
+// retried with backoff, the view keeping its last picture.
 func (v *View) Run(ctx context.Context) error {
 	prefix := Prefix(v.opts.Cluster)
 	backoff := v.opts.RetryMin
@@ -183,6 +184,12 @@ func (v *View) Run(ctx context.Context) error {
 		if errors.Is(err, ErrCompacted) {
 			v.log.Info("membership: watch compacted, listing again", "err", err)
 			continue
+		}
+		if errors.Is(err, ErrClosed) {
+			// Its owner closed the store (a router that stops): nothing
+			// more will come, and listing again cannot help.
+			v.log.Info("membership: the store was closed; the view keeps its last picture", "err", err)
+			return err
 		}
 		v.log.Warn("membership: watch broken, listing again", "err", err, "backoff", backoff)
 		if !sleepUntil(ctx, time.Now().Add(backoff)) {

@@ -2,6 +2,7 @@ package membership_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -188,5 +189,51 @@ func TestViewListStalls(t *testing.T) {
 	t.Logf("%d lists, %d warnings", n, warns)
 	if n < 3 || warns < 1 {
 		t.Errorf("%d lists and %d warnings in 3 s: want the stalled list given up and retried, and said", n, warns)
+	}
+}
+
+// TestViewStoreClosed: a View whose store is closed under it (the router
+// closes its built-in store as its stop begins, to end the store's long
+// polls) ends its Run with ErrClosed and keeps its last picture, instead
+// of listing again, with a warning each time, until its context ends.
+func TestViewStoreClosed(t *testing.T) {
+	s := memstore.New(memstore.Options{})
+	h := &countHandler{}
+	v := membership.NewView(s, membership.ViewOptions{Cluster: "c", Logger: slog.New(h),
+		RetryMin: 10 * time.Millisecond, RetryMax: 20 * time.Millisecond})
+	rec := membership.Record{Role: membership.RoleContext, URL: "http://10.1.1.1:80", Layout: membership.Layout{TP: 1, PP: 1, DP: 1}, Incarnation: 3}
+	id, _ := rec.ID()
+	b, err := membership.EncodeRecord(&rec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Put(t.Context(), membership.Key("c", rec.Role, id), b, 0); err != nil {
+		t.Fatal(err)
+	}
+	ran := make(chan error, 1)
+	go func() { ran <- v.Run(t.Context()) }()
+	for deadline := time.Now().Add(5 * time.Second); len(v.Workers("")) == 0; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the view did not list the worker within 5 s")
+		}
+	}
+	s.Close()
+	select {
+	case err := <-ran:
+		if !errors.Is(err, membership.ErrClosed) {
+			t.Errorf("Run ended with %v, want ErrClosed", err)
+		}
+	case <-time.After(5 * time.Second):
+		h.mu.Lock()
+		defer h.mu.Unlock()
+		t.Fatalf("Run still runs 5 s after its store closed (%d warnings logged)", h.warns)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.warns > 0 {
+		t.Errorf("a closed store was logged as %d warnings", h.warns)
+	}
+	if n := len(v.Workers("")); n != 1 {
+		t.Errorf("the view has %d workers after its store closed, want its last picture (1)", n)
 	}
 }

@@ -57,7 +57,7 @@ func (r *Router) startCluster(o ClusterOptions) {
 	r.probes.Add(1)
 	go func() {
 		defer r.probes.Done()
-		c.view.Run(r.life) //nolint:errcheck // ends with Close
+		c.view.Run(r.life) //nolint:errcheck // ends with Close, or when the store is closed
 	}()
 }
 

@@ -80,14 +80,16 @@ func (rf *routerFlags) run(cmd *cobra.Command, e env) error {
 	if !cmd.Flags().Changed("port") {
 		rf.port = cl.Port
 	}
-	var closeStore func()
+	var endPolls func() // the built-in store's Close, nil for etcd or none
 	if dc := cl.DisaggCluster; dc != nil {
-		co, cs, err := routerMembership(cmd.Context(), dc, ro.Secret, cl.Security.Etcd, rf.host, rf.port, log)
+		co, closeStore, err := routerMembership(cmd.Context(), dc, ro.Secret, cl.Security.Etcd, rf.host, rf.port, log)
 		if err != nil {
 			return fmt.Errorf("%s: %w", rf.cfgPath, err)
 		}
-		closeStore = cs
 		defer closeStore()
+		if co.Handler != nil {
+			endPolls = closeStore
+		}
 		ro.Cluster = co
 	}
 	r, err := serve.NewRouter(ro)
@@ -95,7 +97,7 @@ func (rf *routerFlags) run(cmd *cobra.Command, e env) error {
 		return err
 	}
 	defer r.Close()
-	return rf.listenAndServe(cmd, r, cl, log, closeStore)
+	return rf.listenAndServe(cmd, r, cl, log, endPolls)
 }
 
 // cluster is the cluster file of --config, checked to be one the router
@@ -137,10 +139,10 @@ func (rf *routerFlags) options(cl *config.Cluster, e env, log *slog.Logger) (ser
 }
 
 // listenAndServe serves r's HTTP API on the listen address, and the admin
-// endpoint when asked, until the command's context ends; closeStore (nil
-// without a disagg_cluster) runs as the stop begins, so that the built-in
-// store's long polls end at once instead of holding the stop.
-func (rf *routerFlags) listenAndServe(cmd *cobra.Command, r *serve.Router, cl *config.Cluster, log *slog.Logger, closeStore func()) error {
+// endpoint when asked, until the command's context ends; endPolls (the
+// built-in store's Close; nil without one) runs as the stop begins, so
+// that the store's long polls end at once instead of holding the stop.
+func (rf *routerFlags) listenAndServe(cmd *cobra.Command, r *serve.Router, cl *config.Cluster, log *slog.Logger, endPolls func()) error {
 	ln, err := net.Listen("tcp", net.JoinHostPort(rf.host, strconv.Itoa(rf.port)))
 	if err != nil {
 		return err
@@ -154,7 +156,7 @@ func (rf *routerFlags) listenAndServe(cmd *cobra.Command, r *serve.Router, cl *c
 	defer wait()
 	log.Info("router listening", "url", "http://"+ln.Addr().String(), "context", cl.Context.URLs, "generation", cl.Generation.URLs,
 		"migration_limit", r.MigrationLimit())
-	return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), rf.hf.lim), log, closeStore)
+	return serveHTTP(cmd.Context(), ln, serve.NewHTTPServer(r.Handler(), rf.hf.lim), log, endPolls)
 }
 
 // deadlineFlags are the router's per-phase deadlines, for kvxfer router

@@ -61,8 +61,11 @@ func TestRouterStopsWithPollHeld(t *testing.T) {
 	case <-time.After(15 * time.Second):
 		t.Fatal("the router did not stop within 15 s of SIGTERM")
 	}
-	if d := time.Since(start); d > 2*time.Second {
-		t.Errorf("the router took %v to stop with a long poll held, want under 2 s", d.Round(10*time.Millisecond))
+	if d := time.Since(start); d > 4*time.Second {
+		t.Errorf("the router took %v to stop with a long poll held, want under 4 s (10 s before)", d.Round(10*time.Millisecond))
+	}
+	if logs := r.logs.String(); strings.Contains(logs, "watch broken") {
+		t.Errorf("the router's own view warned of the store it closed:\n%s", lastLines(logs, 8))
 	}
 	if code := r.cmd.ProcessState.ExitCode(); code != 0 {
 		t.Errorf("the router exited with status %d on SIGTERM, want 0:\n%s", code, lastLines(r.logs.String(), 5))

@@ -116,10 +116,12 @@ type Launched struct {
 	// worker starts (listenWorkers); startWorker hands each on.
 	workerLns map[string]*net.TCPListener
 	workers   []*worker
-	// With disagg_cluster: the workers' cluster_uri, and the stores to
-	// close (idempotent: as the router's shutdown begins, and after it).
+	// With disagg_cluster: the workers' cluster_uri, the stores to close
+	// after the router, and the built-in store's Close, which also runs as
+	// the router's shutdown begins (endPolls; Close is idempotent).
 	clusterURI string
 	closers    []func()
+	endPolls   func()
 	dir        string
 	log        *slog.Logger
 	wg         sync.WaitGroup
@@ -334,7 +336,8 @@ func (l *Launched) openMembership(ctx context.Context, o Options, routerURL stri
 	co := &serve.ClusterOptions{Name: dc.ClusterName, MinContext: dc.MinContext, MinGeneration: dc.MinGeneration, URI: dc.ClusterURI}
 	if connect.IsBuiltIn(*dc) {
 		st := memstore.New(memstore.Options{})
-		l.closers = append(l.closers, func() { st.Close() })
+		l.endPolls = func() { st.Close() }
+		l.closers = append(l.closers, l.endPolls)
 		co.Store, co.Handler, co.URI = st, memstore.Handler(st, memstore.HandlerOptions{Token: connect.Token(o.Secret)}), routerURL
 		l.clusterURI = routerURL
 		return co, nil
@@ -944,10 +947,10 @@ func (l *Launched) Stop() {
 			ln.Close()
 		}
 		if l.server != nil {
-			// The stores close as the shutdown begins: a client of the
-			// built-in store in a long poll would otherwise hold it.
-			for _, c := range l.closers {
-				l.server.RegisterOnShutdown(c)
+			// The built-in store closes as the shutdown begins: a client
+			// in one of its long polls would otherwise hold it.
+			if l.endPolls != nil {
+				l.server.RegisterOnShutdown(l.endPolls)
 			}
 			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 			l.server.Shutdown(ctx)
