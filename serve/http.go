@@ -53,8 +53,9 @@ func readBody(req *http.Request) ([]byte, *httpError) {
 // bytes it keeps what has come in chunks of budgetChunk bytes, each made
 // when the one before is full, and joins them into one slice when the body
 // has all come. A body still coming then holds about the bytes it has sent,
-// those HTTPLimits.BodyBudget covers, where io.ReadAll's buffer, grown by a
-// quarter or more at a time, holds up to a quarter more than has come.
+// those HTTPLimits.BodyBudget covers, where io.ReadAll (Go 1.26) holds up
+// to half as much again, in a chunk made for what is still to come. Like
+// io.ReadAll's, the join briefly holds the body twice.
 func readAll(r io.Reader) ([]byte, error) {
 	var full [][]byte
 	b := make([]byte, 0, 512)
@@ -84,8 +85,9 @@ func readAll(r io.Reader) ([]byte, error) {
 		size += len(c)
 	}
 	out := make([]byte, 0, size)
-	for _, c := range full {
+	for i, c := range full {
 		out = append(out, c...)
+		full[i] = nil // the next collection may take it
 	}
 	return append(out, b...), nil
 }

@@ -354,7 +354,7 @@ func waitDead(t *testing.T, pid int) {
 			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("process %d still not dead 10 s after SIGKILL (state %s)", pid, f[0])
+			t.Fatalf("process %d still not dead 10 s after it was told to end (state %s)", pid, f[0])
 		}
 		time.Sleep(time.Millisecond)
 	}

@@ -905,7 +905,7 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 	retry := time.NewTimer(0)
 	defer retry.Stop()
 	for _, w := range l.workers {
-		for !l.healthy(client, w) {
+		for !l.healthy(ctx, client, w) {
 			// Any worker, not only the one waited for: one that died
 			// while another loads is reported at once.
 			if err := l.exited("was healthy"); err != nil {
@@ -926,8 +926,12 @@ func (l *Launched) waitHealthy(ctx context.Context, within time.Duration) error 
 }
 
 // healthy reports whether w answers its /health with 200.
-func (l *Launched) healthy(client *http.Client, w *worker) bool {
-	resp, err := client.Get(w.url + "/health")
+func (l *Launched) healthy(ctx context.Context, client *http.Client, w *worker) bool {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, w.url+"/health", nil)
+	if err != nil {
+		return false
+	}
+	resp, err := client.Do(req)
 	if err != nil {
 		return false
 	}

@@ -74,7 +74,6 @@ func fakeWorkerMain() bool {
 		fmt.Fprintln(os.Stderr, "fake worker:", err)
 		os.Exit(2)
 	}
-	go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
 	role, cfg := "", ""
 	for i, a := range os.Args {
 		if i+1 < len(os.Args) && a == "--role" {
@@ -84,13 +83,15 @@ func fakeWorkerMain() bool {
 			cfg = os.Args[i+1]
 		}
 	}
-	switch mode {
-	case "crash-generation-0": // generation-0 crashes while the cluster runs
-		if strings.HasSuffix(cfg, "generation-0.yaml") {
-			time.Sleep(time.Second)
+	go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/crash" && mode == "crash-generation-0" && strings.HasSuffix(cfg, "generation-0.yaml") {
 			fmt.Fprintln(os.Stderr, "fake worker: out of memory, crashing")
 			os.Exit(5)
 		}
+		w.WriteHeader(http.StatusOK)
+	}))
+	switch mode {
+	case "crash-generation-0": // generation-0 crashes when the test GETs its /crash
 		select {}
 	case "exit":
 		time.Sleep(400 * time.Millisecond)
@@ -319,6 +320,9 @@ func TestWaitWorkerLost(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		if resp, err := http.Get(l.GenerationURL[0] + "/crash"); err == nil {
+			resp.Body.Close()
+		}
 		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 		start := time.Now()
 		err = l.Wait(ctx)
@@ -394,7 +398,7 @@ func TestStartNotHealthyShowsLogTail(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 1500 * time.Millisecond,
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 3 * time.Second,
 		Env: []string{fakeWorkerEnv + "=stuck"}})
 	took := time.Since(start)
 	if l != nil {
@@ -403,13 +407,13 @@ func TestStartNotHealthyShowsLogTail(t *testing.T) {
 	if err == nil {
 		t.Fatal("Start succeeded with workers that never answer")
 	}
-	for _, want := range []string{"context-0 not healthy within 1.5s", "waiting for the GPU held by pid 4242"} {
+	for _, want := range []string{"context-0 not healthy within 3s", "waiting for the GPU held by pid 4242"} {
 		if !strings.Contains(err.Error(), want) {
 			t.Errorf("Start: %v\nwant it to contain %q", err, want)
 		}
 	}
-	if took > 5*time.Second {
-		t.Errorf("Start failed after %v, Ready 1.5 s", took)
+	if took > 8*time.Second {
+		t.Errorf("Start failed after %v, Ready 3 s", took)
 	}
 }
 

@@ -88,7 +88,12 @@ func settled(t testing.TB) {
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		ch := make(chan int, 1)
 		w.do(func() { ch <- w.active }) // the progress goroutine's
-		active = <-ch
+		select {
+		case active = <-ch:
+		case <-time.After(time.Until(deadline)):
+			t.Errorf("the world's progress goroutine did not answer within 5 s of the test's end")
+			return
+		}
 		w.mu.Lock()
 		trs, recvs, sends = len(w.transports), len(w.recvs), len(w.sends)
 		w.mu.Unlock()
