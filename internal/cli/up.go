@@ -94,24 +94,46 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 	if secret == nil {
 		log.Info("cluster secret: generated for this cluster, handed to the workers in their environment")
 	}
-	// A second signal while the cluster stops kills its workers at once.
+	// A second signal while the cluster stops kills its workers at once,
+	// also while it is still starting (a failed Start stops them).
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM)
 	defer signal.Stop(sigs)
+	w := cmd.OutOrStdout()
+	kill, started := make(chan struct{}), make(chan struct{})
+	during := make(chan int, 1) // the signals that came while starting
+	go func() {
+		got := 0
+		defer func() { during <- got }()
+		for {
+			select {
+			case sig := <-sigs:
+				if got++; got >= 2 {
+					fmt.Fprintf(w, "%v while starting: killing every worker now\n", sig)
+					close(kill)
+					return
+				}
+			case <-started:
+				return
+			}
+		}
+	}()
 	l, err := launch.Start(cmd.Context(), launch.Options{Cluster: cl, Model: uf.model, Aggregated: uf.smoke > 0,
 		Output: out, Logger: log, Secret: secret, TLS: uf.tf.or(cl.Security.TLS), GenerateTLS: uf.genTLS,
-		Deadlines: serve.RouterDeadlines(uf.df), MigrationLimit: uf.mf.limit()})
+		Deadlines: serve.RouterDeadlines(uf.df), MigrationLimit: uf.mf.limit(), Kill: kill})
+	close(started)
+	got := <-during
 	if err != nil {
 		return err
 	}
-	w := cmd.OutOrStdout()
 	defer func() {
-		// The signal that ended the command's context is not the second.
+		// The signal that ended the command's context is not the second,
+		// and one that came while the cluster started counts.
 		need := 1
 		if cmd.Context().Err() != nil {
 			need = 2
 		}
-		stopCluster(l, sigs, need, w)
+		stopCluster(l, sigs, max(need-got, 1), w)
 	}()
 	printCluster(w, l, uf.model)
 	if uf.smoke > 0 {

@@ -77,6 +77,10 @@ type Options struct {
 	// Ready bounds the wait for every worker to become healthy; 0 means
 	// DefaultReady.
 	Ready time.Duration
+	// Kill, when closed, ends the workers at once wherever Stop waits for
+	// them (also the Stop of a Start that fails): what kvxfer up does on a
+	// second Ctrl-C. Nil: only Launched.Kill does.
+	Kill <-chan struct{}
 	// TLS, when it names files, turns on mutual TLS between the router and
 	// the workers and on the workers' transfer planes, with the same
 	// certificate for every worker and the router.
@@ -128,6 +132,8 @@ type Launched struct {
 	stopped    sync.Once
 	// exits has a token after a worker process exits (Wait's wake-up).
 	exits chan struct{}
+	// kill is Options.Kill.
+	kill <-chan struct{}
 }
 
 type worker struct {
@@ -213,7 +219,7 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 	if err != nil {
 		return nil, err
 	}
-	l := &Launched{dir: dir, log: o.Logger, exits: make(chan struct{}, 1)}
+	l := &Launched{dir: dir, log: o.Logger, exits: make(chan struct{}, 1), kill: o.Kill}
 	if err := l.start(ctx, o); err != nil {
 		l.Stop()
 		return nil, err
@@ -977,6 +983,9 @@ func (l *Launched) Stop() {
 		for _, w := range l.workers {
 			select {
 			case <-w.p.done:
+			case <-l.kill:
+				l.Kill()
+				<-w.p.done
 			case <-grace.Done():
 				l.log.Warn("worker did not stop, killing it", "name", w.name)
 				w.p.kill()

@@ -54,6 +54,10 @@ func fakeWorkerMain() bool {
 		go http.Serve(ln, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(http.StatusOK) }))
 		select {}
 	}
+	if mode == "stubborn-silent" { // a worker that loads for ever and does not stop on SIGTERM
+		signal.Ignore(syscall.SIGTERM)
+		select {}
+	}
 	if mode == "stuck" { // a worker whose load hangs, saying where
 		fmt.Fprintln(os.Stderr, "fake worker: loading weights")
 		fmt.Fprintln(os.Stderr, "fake worker: waiting for the GPU held by pid 4242")
@@ -476,4 +480,32 @@ func TestStartCanceledSaysWhere(t *testing.T) {
 	if took > 4*time.Second {
 		t.Errorf("Start returned %v after it began, its context ended at 500 ms", took)
 	}
+}
+
+// TestKillOptionDuringStart: a second Ctrl-C while kvxfer up is still
+// starting (Options.Kill) ends workers that ignore the SIGTERM of the
+// failed Start's Stop at once. Before, nothing listened for it until
+// Start had returned, after its Stop's 10 s grace.
+func TestKillOptionDuringStart(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	kill := make(chan struct{})
+	time.AfterFunc(300*time.Millisecond, cancel)
+	time.AfterFunc(600*time.Millisecond, func() { close(kill) })
+	start := time.Now()
+	l, err := Start(ctx, Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 30 * time.Second, Kill: kill,
+		Env: []string{fakeWorkerEnv + "=stubborn-silent"}})
+	took := time.Since(start)
+	if err == nil {
+		l.Stop()
+		t.Fatal("Start succeeded with workers that never answer")
+	}
+	if took > stopGrace-2*time.Second {
+		t.Errorf("Start returned %v after it began, Kill closed after 600 ms (its Stop's grace is %v)", took.Round(time.Millisecond), stopGrace)
+	}
+	t.Logf("Start returned after %v: %v", took.Round(time.Millisecond), err)
 }
