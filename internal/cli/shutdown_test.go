@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"context"
 	"encoding/hex"
 	"strings"
 	"syscall"
@@ -9,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/membership/connect"
+	"github.com/kvxfer/kvxfer/membership/membershiptest"
 	"github.com/kvxfer/kvxfer/membership/memstore"
 )
 
@@ -37,23 +37,7 @@ func TestRouterStopsWithPollHeld(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cl.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	w, err := cl.Watch(ctx, "", 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
-	polled := make(chan error, 1)
-	go func() {
-		for {
-			if _, err := w.Next(ctx); err != nil {
-				polled <- err
-				return
-			}
-		}
-	}()
-	time.Sleep(500 * time.Millisecond) // the poll is on the server
+	polled := membershiptest.HoldPoll(t, cl)
 	start := time.Now()
 	r.cmd.Process.Signal(syscall.SIGTERM)
 	select {

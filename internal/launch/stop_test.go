@@ -1,7 +1,6 @@
 package launch
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
 	"net"
@@ -13,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/membership/membershiptest"
 	"github.com/kvxfer/kvxfer/membership/memstore"
 )
 
@@ -39,23 +39,7 @@ func TestStopEndsStorePolls(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer cl.Close()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	w, err := cl.Watch(ctx, "", 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
-	polled := make(chan error, 1)
-	go func() {
-		for {
-			if _, err := w.Next(ctx); err != nil {
-				polled <- err
-				return
-			}
-		}
-	}()
-	time.Sleep(300 * time.Millisecond) // the poll is on the server
+	polled := membershiptest.HoldPoll(t, cl)
 	start := time.Now()
 	l.Stop()
 	if d := time.Since(start); d > 4*time.Second {
