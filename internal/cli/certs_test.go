@@ -1,7 +1,6 @@
 package cli
 
 import (
-	"bytes"
 	"context"
 	"io"
 	"net/http"
@@ -13,6 +12,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/launch"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/internal/tlsconf"
 )
 
@@ -77,7 +77,7 @@ func TestUpTLSSmoke(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Cluster.Port = -1
-	logs := &syncWriter{w: &bytes.Buffer{}}
+	logs := &syncbuf.Buffer{}
 	l, err := launch.Start(context.Background(), launch.Options{Cluster: f.Cluster, Aggregated: true, GenerateTLS: true,
 		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: logs, Ready: 60 * time.Second})
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/internal/freeport"
 	"github.com/kvxfer/kvxfer/internal/launch"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/membership/membershiptest"
 	"github.com/kvxfer/kvxfer/serve"
 )
@@ -45,7 +46,7 @@ type dynProc struct {
 	name string
 	url  string
 	cmd  *exec.Cmd
-	logs *syncWriter
+	logs *syncbuf.Buffer
 	done chan struct{}
 }
 
@@ -89,7 +90,7 @@ func newDynClusterWith(t *testing.T, uri, extra string) *dynCluster {
 
 func (c *dynCluster) start(name string, args ...string) *dynProc {
 	c.t.Helper()
-	p := &dynProc{name: name, logs: &syncWriter{w: &bytes.Buffer{}}, done: make(chan struct{})}
+	p := &dynProc{name: name, logs: &syncbuf.Buffer{}, done: make(chan struct{})}
 	p.cmd = exec.Command(os.Args[0], args...)
 	p.cmd.Env = c.env
 	p.cmd.Stdout, p.cmd.Stderr = p.logs, p.logs

@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvxfer/kvxfer/config"
 	"github.com/kvxfer/kvxfer/internal/launch"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/serve"
 )
 
@@ -41,7 +42,7 @@ func launchUpstream(t *testing.T, name string) *launch.Launched {
 	}
 	cl := f.Cluster
 	cl.Port, cl.Context.URLs, cl.Generation.URLs = -1, nil, nil
-	logs := &syncWriter{w: &bytes.Buffer{}}
+	logs := &syncbuf.Buffer{}
 	l, err := launch.Start(context.Background(), launch.Options{Cluster: cl, Aggregated: true, Secret: reuseSecret,
 		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: logs, Ready: 60 * time.Second})
 	if err != nil {

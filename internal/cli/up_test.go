@@ -34,7 +34,7 @@ func launchCluster(t *testing.T, clusterYAML string, aggregated bool) *launch.La
 		t.Fatal(err)
 	}
 	f.Cluster.Port = -1
-	logs := &syncWriter{w: &bytes.Buffer{}}
+	logs := &syncbuf.Buffer{}
 	l, err := launch.Start(context.Background(), launch.Options{Cluster: f.Cluster, Aggregated: aggregated,
 		Command: []string{os.Args[0]}, Env: []string{"KVXFER_CLI_CHILD=1"}, Output: logs, Ready: 60 * time.Second})
 	if err != nil {
@@ -47,23 +47,6 @@ func launchCluster(t *testing.T, clusterYAML string, aggregated bool) *launch.La
 		}
 	})
 	return l
-}
-
-type syncWriter struct {
-	mu sync.Mutex
-	w  *bytes.Buffer
-}
-
-func (s *syncWriter) Write(b []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.Write(b)
-}
-
-func (s *syncWriter) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.w.String()
 }
 
 const smallCluster = `
@@ -392,7 +375,7 @@ func TestOpenAINodeClient(t *testing.T) {
 // its workers), with its output.
 type upProc struct {
 	cmd  *exec.Cmd
-	out  *syncWriter
+	out  *syncbuf.Buffer
 	done chan struct{}
 }
 
@@ -401,7 +384,7 @@ type upProc struct {
 // returns by name.
 func startUp(t *testing.T, args ...string) (*upProc, map[string]int) {
 	t.Helper()
-	p := &upProc{out: &syncWriter{w: &bytes.Buffer{}}, done: make(chan struct{})}
+	p := &upProc{out: &syncbuf.Buffer{}, done: make(chan struct{})}
 	p.cmd = exec.Command(os.Args[0], append([]string{"up", "--quiet", "--port", "-1"}, args...)...)
 	// Its own TMPDIR: a kvxfer up killed leaves its directory of worker
 	// files behind.

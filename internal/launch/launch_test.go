@@ -6,11 +6,11 @@ import (
 	"net"
 	"os"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/serve"
 	"go.uber.org/goleak"
 )
@@ -215,7 +215,7 @@ func TestStartPortProblems(t *testing.T) {
 				port, gen = routerPort, fmt.Sprintf("127.0.0.1:%d", routerPort)
 			}
 			cl := cluster(t, fmt.Sprintf("hostname: 127.0.0.1\nport: 8000\ncontext_servers: {urls: [%q]}\ngeneration_servers: {urls: [%q]}\n", tc.ctx, gen))
-			var logs lockedBuffer
+			var logs syncbuf.Buffer
 			l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: port, Host: "127.0.0.1", Ready: 5 * time.Second,
 				Env: []string{fakeWorkerEnv + "=silent"}, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
 			if l != nil {
@@ -235,22 +235,4 @@ func TestStartPortProblems(t *testing.T) {
 			}
 		})
 	}
-}
-
-// lockedBuffer is a log's buffer, written by goroutines of Start.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

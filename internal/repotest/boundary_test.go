@@ -48,7 +48,7 @@ var boundaries = []rule{
 	// With disagg_cluster it opens the router's membership store
 	// (connect for etcd, memstore for the built-in one).
 	{pkg: "internal/launch", may: []string{"serve", "config", "metrics", "internal/tlsconf", "internal/freeport", "membership/connect", "membership/memstore"},
-		tests: []string{"membership", "membership/membershiptest"}},
+		tests: []string{"membership", "membership/membershiptest", "internal/syncbuf"}},
 	// serve names prometheus.Registry (Worker.Registry, Router.Registry);
 	// the collectors themselves are package metrics'. Its tests register
 	// the data planes that their workers use (tcp; ucx with -tags ucx), as
