@@ -41,7 +41,7 @@ type cluster struct {
 	ref     *proc
 	router  *proc
 	proxies map[*proc]*proxy
-	base    map[*proc]procMetrics // goroutines and open files after the warm-up
+	base    map[*proc]usage // goroutines and open files after the warm-up
 	// migration is whether the router has --migration-limit.
 	migration bool
 	// stall is the shortest and longest SIGSTOP.
@@ -70,7 +70,7 @@ func startCluster(t *testing.T, seed uint64, s suite) *cluster {
 	if out, err := exec.Command(bin, "certs", "--out", certs, "--names", "ctx0,gen0,gen1,router,harness").CombinedOutput(); err != nil {
 		t.Fatalf("kvxfer certs: %v\n%s", err, out)
 	}
-	cl := &cluster{t: t, dir: dir, c: newClients(t, certs), proxies: map[*proc]*proxy{}, base: map[*proc]procMetrics{}, stall: s.stall}
+	cl := &cluster{t: t, dir: dir, c: newClients(t, certs), proxies: map[*proc]*proxy{}, base: map[*proc]usage{}, stall: s.stall}
 	tlsArgs := func(name string) []string {
 		return []string{"--tls-cert", filepath.Join(certs, name+".pem"), "--tls-key", filepath.Join(certs, name+"-key.pem"), "--tls-ca", filepath.Join(certs, "ca.pem")}
 	}
@@ -87,7 +87,8 @@ func startCluster(t *testing.T, seed uint64, s suite) *cluster {
 	worker := func(name, role string, tp int, tlsOn bool) *proc {
 		p := &proc{name: name, bin: bin, port: freePort(t), tls: tlsOn, logDir: dir}
 		p.args = []string{"serve", "--role", role, "--config", workerFile(name, tp), "--model", "tiny-gqa",
-			"--host", "127.0.0.1", "--port", strconv.Itoa(p.port), "--log-level", "warn", "--admin-addr", ""}
+			"--host", "127.0.0.1", "--port", strconv.Itoa(p.port), "--log-level", "warn"}
+		p.args = append(p.args, "--admin-addr", "unix:"+p.adminPath())
 		if tlsOn {
 			// The cluster's workers sign and check opaque states, as
 			// kvxfer up's do.
@@ -130,7 +131,7 @@ func startCluster(t *testing.T, seed uint64, s suite) *cluster {
 	cl.router = &proc{name: "router", bin: bin, port: freePort(t), logDir: dir}
 	cl.router.args = append([]string{"router", "--config", cluster, "--host", "127.0.0.1", "--port", strconv.Itoa(cl.router.port),
 		"--header-timeout", s.headerTimeout.String(), "--chunk-timeout", s.chunkTimeout.String(), "--probe-interval", "200ms", "--health-timeout", "1s",
-		"--log-level", "warn", "--admin-addr", ""}, tlsArgs("router")...)
+		"--log-level", "warn", "--admin-addr", "unix:" + cl.router.adminPath()}, tlsArgs("router")...)
 	if cl.migration {
 		cl.router.args = append(cl.router.args, "--migration-limit", "1")
 	}
@@ -159,11 +160,11 @@ func (cl *cluster) warmUp(specs []reqSpec, refs map[string][]int32, c int) {
 	}
 	time.Sleep(300 * time.Millisecond)
 	for _, p := range append(cl.workers(), cl.router) {
-		m, err := cl.c.metrics(p)
+		u, err := cl.c.usage(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		cl.base[p] = m
+		cl.base[p] = u
 	}
 }
 
@@ -379,31 +380,32 @@ func (cl *cluster) stranded() int {
 	}
 }
 
-// Slack of the goroutine and open-file checks over the warm-up's level:
-// the HTTP keep-alive connections the router and the harness keep idle
-// differ between two moments (a cut or a restart drops some, the next
-// requests open new ones, at most the load's concurrency per peer), and
-// each costs a goroutine and a file on both ends. The transceiver's pooled
-// data connections are re-dialled after a restart, as many as before.
-func slack(c int) (goroutines, files int) { return 2*c + 8, c + 4 }
+// Slack of the goroutine and open-file checks over the warm-up's level,
+// for what is in flight at the moment of a reading: the router's health
+// probes, a request's last goroutines on their way out, a connection being
+// dialled or closed. Idle HTTP connections and idle transceiver workers
+// are not counted (usage). The transceiver's pooled data connections are
+// re-dialled after a restart, as many as before.
+func slack(c int) (goroutines, files int) { return c + 4, c + 4 }
 
-// leaks waits up to 5 s for every process's goroutines and open files to
-// be back within the slack of the warm-up's, and returns those that are
-// not.
+// leaks waits up to 5 s for every process's goroutines and open files
+// other than idle HTTP connections and workers to be back within the slack of the
+// warm-up's, and returns those that are not, with the stacks that grew.
 func (cl *cluster) leaks(c int) []string {
 	sg, sf := slack(c)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
 		var bad []string
 		for _, p := range append(cl.workers(), cl.router) {
-			m, err := cl.c.metrics(p)
+			u, err := cl.c.usage(p)
 			b := cl.base[p]
 			switch {
 			case err != nil:
 				bad = append(bad, fmt.Sprintf("%s: %v", p.name, err))
-			case m.goroutines > b.goroutines+sg || m.openFDs > b.openFDs+sf:
-				bad = append(bad, fmt.Sprintf("%s: %d goroutines (warm-up %d, slack %d), %d open files (warm-up %d, slack %d)",
-					p.name, m.goroutines, b.goroutines, sg, m.openFDs, b.openFDs, sf))
+			case u.others() > b.others()+sg || u.otherFDs() > b.otherFDs()+sf:
+				bad = append(bad, fmt.Sprintf("%s: %d goroutines besides idle connections and workers (warm-up %d, slack %d; %d in all, %d HTTP connections), "+
+					"%d open files besides HTTP connections (warm-up %d, slack %d); grown: %s",
+					p.name, u.others(), b.others(), sg, u.goroutines, u.conns, u.otherFDs(), b.otherFDs(), sf, strings.Join(grown(b, u, 4), "; ")))
 			}
 		}
 		if len(bad) == 0 || time.Now().After(deadline) {

@@ -266,9 +266,8 @@ func (c clients) waitHealthy(p *proc, within time.Duration) error {
 
 // procMetrics is what the harness reads from a process's /metrics.
 type procMetrics struct {
-	pinned     int // kvxfer_pool_blocks{state="pinned"}, summed over ranks
-	goroutines int
-	openFDs    int
+	pinned  int // kvxfer_pool_blocks{state="pinned"}, summed over ranks
+	openFDs int
 }
 
 func (c clients) metrics(p *proc) (procMetrics, error) {
@@ -303,8 +302,6 @@ func (c clients) metrics(p *proc) (procMetrics, error) {
 		switch {
 		case strings.HasPrefix(name, "kvxfer_pool_blocks{") && strings.Contains(name, `state="pinned"`):
 			m.pinned += int(v)
-		case name == "go_goroutines":
-			m.goroutines = int(v)
 		case name == "process_open_fds":
 			m.openFDs = int(v)
 		}

@@ -1,0 +1,302 @@
+package chaos
+
+import (
+	"bufio"
+	"cmp"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+)
+
+// usage is what a process holds at one moment: its goroutines, read from
+// its goroutine profile over its admin socket (--admin-addr unix:PATH),
+// and its open files, read from its /metrics.
+//
+// The leak checks compare what is not parked in a bounded pool: idle HTTP
+// keep-alive connections and the transceiver's idle workers come and go
+// with the load and are not leaks. A stalled worker makes the router open
+// more connections to the others, which stay idle in its pool (up to
+// MaxIdleConnsPerHost) until their idle timeout, and a rank keeps up to
+// maxIdleWorkers goroutines for its next transfers; counting them made the
+// check fail by one goroutine on a run where the router kept 8 more idle
+// connections than after the warm-up. A leaked request, handler, job,
+// unclosed response body or file still counts: those goroutines are not
+// parked where an idle connection or worker waits.
+type usage struct {
+	goroutines int            // all of them
+	parked     int            // those that idle HTTP connections own, and idle transceiver workers
+	conns      int            // HTTP connections, client and server side, idle or busy
+	openFDs    int            // process_open_fds
+	stacks     map[string]int // the goroutines not parked, by stack
+}
+
+// others is the goroutines not parked in a bounded pool.
+func (u usage) others() int { return u.goroutines - u.parked }
+
+// otherFDs is the open files that are not HTTP connections.
+func (u usage) otherFDs() int { return u.openFDs - u.conns }
+
+// adminPath is the admin socket of p (every incarnation's).
+func (p *proc) adminPath() string { return filepath.Join(p.logDir, p.name+".admin") }
+
+// usage reads what p holds.
+func (c clients) usage(p *proc) (usage, error) {
+	m, err := c.metrics(p)
+	if err != nil {
+		return usage{}, err
+	}
+	hc := &http.Client{Transport: &http.Transport{
+		DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", p.adminPath())
+		},
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://admin/debug/pprof/goroutine?debug=1", nil)
+	resp, err := hc.Do(req)
+	if err != nil {
+		return usage{}, fmt.Errorf("%s goroutine profile: %w", p.name, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return usage{}, fmt.Errorf("%s goroutine profile: %s", p.name, resp.Status)
+	}
+	u, err := parseGoroutines(resp.Body)
+	if err != nil {
+		return usage{}, fmt.Errorf("%s goroutine profile: %w", p.name, err)
+	}
+	u.openFDs = m.openFDs
+	return u, nil
+}
+
+// parseGoroutines reads a goroutine profile in its text form (debug=1):
+// groups of goroutines with the same stack, each a line "N @ addresses"
+// followed by one "#\taddress\tfunction+offset\tfile:line" line per frame,
+// the innermost first.
+func parseGoroutines(r io.Reader) (usage, error) {
+	u := usage{stacks: map[string]int{}}
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	n, total := 0, -1
+	var frames []string
+	flush := func() {
+		if n > 0 {
+			u.goroutines += n
+			u.add(n, frames)
+		}
+		n, frames = 0, frames[:0]
+	}
+	for sc.Scan() {
+		line := sc.Text()
+		if t, ok := strings.CutPrefix(line, "goroutine profile: total "); ok {
+			v, err := strconv.Atoi(strings.TrimSpace(t))
+			if err != nil {
+				return u, fmt.Errorf("total %q: %w", t, err)
+			}
+			total = v
+			continue
+		}
+		if c, _, ok := strings.Cut(line, " @ "); ok && !strings.HasPrefix(line, "#") {
+			flush()
+			v, err := strconv.Atoi(c)
+			if err != nil {
+				return u, fmt.Errorf("group %q: %w", line, err)
+			}
+			n = v
+			continue
+		}
+		if f, ok := strings.CutPrefix(line, "#\t"); ok && n > 0 {
+			// address, function+offset, file:line
+			parts := strings.Split(f, "\t")
+			if len(parts) >= 2 {
+				fn, _, _ := strings.Cut(parts[1], "+")
+				frames = append(frames, fn)
+			}
+		}
+	}
+	flush()
+	if err := sc.Err(); err != nil {
+		return u, err
+	}
+	if total < 0 {
+		return u, fmt.Errorf("no total line")
+	}
+	if u.goroutines != total {
+		return u, fmt.Errorf("groups add up to %d goroutines, total says %d", u.goroutines, total)
+	}
+	return u, nil
+}
+
+// add classifies a group of n goroutines with the given frames (innermost
+// first).
+//
+// A client connection (net/http.persistConn) has a writer, which always
+// waits for the next request, and a reader, which waits in a Peek for the
+// next response while the connection is idle or awaits a response (the
+// request's own goroutine then counts elsewhere); a reader elsewhere is a
+// response whose body is being read or was never closed. A server
+// connection (net/http.conn) runs its handlers on its own goroutine: it is
+// idle while no ServeHTTP frame is on its stack. An idle transceiver
+// worker (workers.Pool) waits in its work loop with no job's frame above
+// it.
+func (u *usage) add(n int, frames []string) {
+	has := func(s string) bool {
+		return slices.ContainsFunc(frames, func(f string) bool { return strings.Contains(f, s) })
+	}
+	i := slices.IndexFunc(frames, func(f string) bool { return !strings.HasPrefix(f, "runtime.") })
+	switch {
+	case i >= 0 && frames[i] == idleWorkerFrame:
+		u.parked += n
+		return
+	case has("net/http.(*persistConn).writeLoop"):
+		u.parked += n
+		return
+	case has("net/http.(*persistConn).readLoop"):
+		u.conns += n
+		if has("bufio.(*Reader).Peek") {
+			u.parked += n
+			return
+		}
+	case has("net/http.(*conn).serve"):
+		u.conns += n
+		if !has("ServeHTTP") {
+			u.parked += n
+			return
+		}
+	}
+	u.stacks[strings.Join(frames[:min(len(frames), 8)], " < ")] += n
+}
+
+// idleWorkerFrame is the function in which a transceiver rank's idle
+// worker waits for its next job.
+const idleWorkerFrame = "github.com/kvxfer/kvxfer/transceiver/internal/workers.(*Pool).work"
+
+// grown lists the stacks with more goroutines now than in base, the most
+// grown first (at most k).
+func grown(base, now usage, k int) []string {
+	type g struct {
+		stack string
+		by    int
+	}
+	var gs []g
+	for s, n := range now.stacks {
+		if d := n - base.stacks[s]; d > 0 {
+			gs = append(gs, g{s, d})
+		}
+	}
+	slices.SortFunc(gs, func(a, b g) int { return cmp.Or(b.by-a.by, strings.Compare(a.stack, b.stack)) })
+	var out []string
+	for _, x := range gs[:min(len(gs), k)] {
+		out = append(out, fmt.Sprintf("+%d %s", x.by, x.stack))
+	}
+	return out
+}
+
+// TestUsageCountsIdleConnectionsOnly checks the classification against
+// this process's own profile: an idle keep-alive connection adds
+// connections and their goroutines but no other goroutine; a response
+// whose body nobody reads adds goroutines the check counts (the reader
+// that waits for it and the handler that writes it).
+func TestUsageCountsIdleConnectionsOnly(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/big" {
+			w.Write(make([]byte, 64<<20))
+			return
+		}
+		io.WriteString(w, "ok")
+	}))
+	defer srv.Close()
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	hc := &http.Client{Transport: tr}
+	self := func() usage {
+		var b strings.Builder
+		if err := pprof.Lookup("goroutine").WriteTo(&b, 1); err != nil {
+			t.Fatal(err)
+		}
+		u, err := parseGoroutines(strings.NewReader(b.String()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return u
+	}
+	// settled waits until cond holds for the profile, and returns it.
+	settled := func(what string, cond func(usage) bool) usage {
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			u := self()
+			if cond(u) {
+				return u
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %+v", what, u)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	before := self()
+	for range 3 {
+		resp, err := hc.Get(srv.URL + "/small")
+		if err != nil {
+			t.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	idle := settled("one idle connection", func(u usage) bool {
+		return u.conns == before.conns+2 && u.parked == before.parked+3
+	})
+	if idle.others() != before.others() {
+		t.Errorf("an idle connection counted in others: %d before, %d after; grown: %v", before.others(), idle.others(), grown(before, idle, 4))
+	}
+	resp, err := hc.Get(srv.URL + "/big")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	held := settled("a response body nobody reads", func(u usage) bool { return u.others() >= idle.others()+2 })
+	if len(grown(idle, held, 4)) == 0 {
+		t.Errorf("no stack grew: %+v", held)
+	}
+}
+
+// TestParseGoroutines classifies stacks of a hand-written profile: what
+// waits in a bounded pool is parked, anything with work on its stack is
+// not.
+func TestParseGoroutines(t *testing.T) {
+	const profile = "goroutine profile: total 11\n" +
+		"3 @ 0x1 0x2\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x2\truntime.selectgo+0x2\tselect.go:1\n" +
+		"#\t0x3\t" + idleWorkerFrame + "+0x3\tworkers.go:1\n\n" +
+		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x4\tgithub.com/kvxfer/kvxfer/transceiver.(*rank).send+0x1\trank.go:1\n" +
+		"#\t0x3\t" + idleWorkerFrame + "+0x3\tworkers.go:1\n\n" +
+		"2 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x5\tbufio.(*Reader).Peek+0x1\tbufio.go:1\n#\t0x6\tnet/http.(*persistConn).readLoop+0x1\ttransport.go:1\n\n" +
+		"2 @ 0x1\n#\t0x1\truntime.selectgo+0x1\tselect.go:1\n#\t0x7\tnet/http.(*persistConn).writeLoop+0x1\ttransport.go:1\n\n" +
+		"1 @ 0x1\n#\t0x1\truntime.selectgo+0x1\tselect.go:1\n#\t0x6\tnet/http.(*persistConn).readLoop+0x1\ttransport.go:1\n\n" +
+		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x8\tnet/http.(*conn).serve+0x1\tserver.go:1\n\n" +
+		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x9\tnet/http.serverHandler.ServeHTTP+0x1\tserver.go:1\n#\t0x8\tnet/http.(*conn).serve+0x1\tserver.go:1\n"
+	u, err := parseGoroutines(strings.NewReader(profile))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Parked: 3 idle workers, 2 idle readers, 2 writers, 1 idle server
+	// connection. Not: the busy worker, the reader of an unread body, the
+	// handler.
+	if u.goroutines != 11 || u.parked != 8 || u.others() != 3 || u.conns != 5 {
+		t.Errorf("goroutines %d parked %d others %d conns %d; want 11, 8, 3, 5", u.goroutines, u.parked, u.others(), u.conns)
+	}
+	if _, err := parseGoroutines(strings.NewReader(strings.Replace(profile, "total 11", "total 12", 1))); err == nil {
+		t.Error("a total that the groups do not add up to was accepted")
+	}
+}
