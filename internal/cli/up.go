@@ -145,8 +145,9 @@ func runUp(cmd *cobra.Command, e env, uf *upFlags) error {
 		return nil
 	}
 	fmt.Fprintf(w, "\ntry:\n  curl -N %s/v1/completions -H 'Content-Type: application/json' \\\n    -d '{\"model\":\"%s\",\"prompt\":\"Hello\",\"max_tokens\":32,\"stream\":true}'\n\nCtrl-C stops every worker.\n", l.RouterURL, uf.model)
-	// Until Ctrl-C, or until a server group has no worker left (up
-	// then exits non-zero, naming it, for a supervisor to restart).
+	// Until Ctrl-C, or until a server group has no worker left or the
+	// router stops serving (up then exits non-zero, naming it, for a
+	// supervisor to restart).
 	if err := l.Wait(cmd.Context()); err != nil {
 		return err
 	}

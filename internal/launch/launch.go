@@ -19,6 +19,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -130,8 +131,12 @@ type Launched struct {
 	log        *slog.Logger
 	wg         sync.WaitGroup
 	stopped    sync.Once
-	// exits has a token after a worker process exits (Wait's wake-up).
+	// exits has a token after a worker process exits or the router stops
+	// serving (Wait's wake-up).
 	exits chan struct{}
+	// routerErr is why the router's server stopped serving other than at
+	// Stop, once it has.
+	routerErr atomic.Pointer[error]
 	// kill is Options.Kill.
 	kill <-chan struct{}
 }
@@ -446,10 +451,15 @@ func memberURLs(ci serve.ClusterInfo) string {
 // worker left running: the router can serve nothing then (with a worker
 // left it migrates to it). It logs every worker that exits on the way, with
 // its exit and last lines; the error names the group's workers and their
-// exits. The caller still calls Stop.
+// exits. It returns an error too once the router stops serving (its
+// listener failed under it), since nothing can reach the workers then.
+// The caller still calls Stop.
 func (l *Launched) Wait(ctx context.Context) error {
 	logged := map[*worker]bool{}
 	for {
+		if err := l.routerErr.Load(); err != nil {
+			return fmt.Errorf("launch: the router stopped serving %s: %w", l.RouterURL, *err)
+		}
 		left := map[string]int{}
 		gone := map[string][]string{}
 		for _, w := range l.workers {
@@ -733,7 +743,16 @@ func (l *Launched) startRouter(o Options, routerTLS *tlsconf.Config) error {
 	l.wg.Add(1)
 	go func() {
 		defer l.wg.Done()
-		l.server.Serve(l.ln)
+		if err := l.server.Serve(l.ln); !errors.Is(err, http.ErrServerClosed) {
+			// The listener failed under it: the workers run on, but
+			// nothing reaches them. Wait ends kvxfer up on it.
+			l.log.Error("router stopped serving", "addr", l.ln.Addr().String(), "err", err)
+			l.routerErr.Store(&err)
+			select {
+			case l.exits <- struct{}{}:
+			default:
+			}
+		}
 	}()
 	return nil
 }

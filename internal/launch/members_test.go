@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/kvxfer/kvxfer/config"
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/membership"
 	"github.com/kvxfer/kvxfer/membership/connect"
 )
@@ -347,6 +348,40 @@ func TestWaitWorkerLost(t *testing.T) {
 			t.Errorf("%d generation workers, generation-0 crashed: Wait returned %v after %v, want nil at the end of its context", tc.generation, err, took)
 		}
 		t.Logf("%d generation workers: Wait returned after %v: %v", tc.generation, took.Round(time.Millisecond), err)
+	}
+}
+
+// TestWaitRouterStops: a router whose listener fails under it ends Wait
+// with an error that names the router (before, its Serve's error was
+// dropped: kvxfer up ran on with every worker healthy and nothing
+// reaching them, and exited 0 at Ctrl-C).
+func TestWaitRouterStops(t *testing.T) {
+	exe, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	var logs syncbuf.Buffer
+	l, err := Start(t.Context(), Options{Cluster: cl, Command: []string{exe}, Port: -1, Host: "127.0.0.1", Ready: 8 * time.Second,
+		Env: []string{fakeWorkerEnv + "=crash-generation-0"}, Logger: slog.New(slog.NewTextHandler(&logs, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Stop()
+	l.ln.Close() // the listener's file gone from under the server
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+	defer cancel()
+	err = l.Wait(ctx)
+	if err == nil || ctx.Err() != nil {
+		t.Fatalf("router listener closed: Wait returned %v (context ended: %v), want an error before its context ended", err, ctx.Err() != nil)
+	}
+	for _, want := range []string{"router stopped serving", l.RouterURL, "closed"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("Wait: %v\nwant it to contain %q", err, want)
+		}
+	}
+	if !strings.Contains(logs.String(), "router stopped serving") {
+		t.Errorf("no log line of it:\n%s", logs.String())
 	}
 }
 
