@@ -128,6 +128,7 @@ type Launched struct {
 	closers    []func()
 	endPolls   func()
 	dir        string
+	dirLock    *os.File // held while dir is in use (makeTempDir)
 	log        *slog.Logger
 	wg         sync.WaitGroup
 	stopped    sync.Once
@@ -220,16 +221,89 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 	if err := o.defaults(); err != nil {
 		return nil, err
 	}
-	dir, err := os.MkdirTemp("", "kvxfer-up-")
+	sweepTempDirs(os.TempDir(), o.Logger)
+	dir, lock, err := makeTempDir()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("launch: %w", err)
 	}
-	l := &Launched{dir: dir, log: o.Logger, exits: make(chan struct{}, 1), kill: o.Kill}
+	l := &Launched{dir: dir, dirLock: lock, log: o.Logger, exits: make(chan struct{}, 1), kill: o.Kill}
 	if err := l.start(ctx, o); err != nil {
 		l.Stop()
 		return nil, err
 	}
 	return l, nil
+}
+
+// tempDirPrefix names the directories Start makes in os.TempDir() for the
+// workers' files and certificates.
+const tempDirPrefix = "kvxfer-up-"
+
+// tempDirLock is the file in such a directory that its Start holds an
+// exclusive flock on while the directory is in use. The kernel releases
+// it when the process ends, however it ends, so a later Start can tell
+// the directory of an up that was killed (SIGKILL runs no cleanup) from
+// one that still runs, in this PID namespace or another sharing the
+// directory.
+const tempDirLock = "lock"
+
+// makeTempDir makes a directory for Start (0700) and returns it with its
+// lock held. The lock file is locked under another name and renamed, so
+// that a sweep never sees it unlocked.
+func makeTempDir() (dir string, lock *os.File, err error) {
+	dir, err = os.MkdirTemp("", tempDirPrefix)
+	if err != nil {
+		return "", nil, err
+	}
+	f, err := os.OpenFile(filepath.Join(dir, tempDirLock+".new"), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err == nil {
+		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			err = os.Rename(f.Name(), filepath.Join(dir, tempDirLock))
+		}
+		if err != nil {
+			f.Close()
+		}
+	}
+	if err != nil {
+		os.RemoveAll(dir)
+		return "", nil, err
+	}
+	return dir, f, nil
+}
+
+// sweepTempDirs removes the directories of earlier Starts in tmp that no
+// process holds any more: this user's, real directories (not links), with
+// a lock file nobody holds. Such a directory is what a killed up left: its
+// workers' files and TLS keys. Others are left alone, and a failure only
+// costs the sweep.
+func sweepTempDirs(tmp string, log *slog.Logger) {
+	ents, err := os.ReadDir(tmp)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), tempDirPrefix) {
+			continue
+		}
+		dir := filepath.Join(tmp, e.Name())
+		fi, err := os.Lstat(dir)
+		if err != nil || !fi.IsDir() {
+			continue
+		}
+		if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Geteuid() {
+			continue
+		}
+		f, err := os.OpenFile(filepath.Join(dir, tempDirLock), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+		if err != nil {
+			continue // no lock: not ours to judge (an older up's, or not up's)
+		}
+		if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil {
+			if err := os.RemoveAll(dir); err == nil {
+				log.Info("removed what an up that did not stop left behind", "dir", dir)
+			}
+		}
+		f.Close()
+	}
 }
 
 // Startable reports why Start cannot start cl yet, or nil: a server group
@@ -898,6 +972,12 @@ func (l *Launched) setupTLS(o Options) (map[string]tlsconf.Files, error) {
 		if err != nil {
 			return nil, err
 		}
+		// Every certificate is issued: the CA's key is not kept, so
+		// that no file holds it while the cluster runs, nor after a
+		// kill -9 of up.
+		if err := os.Remove(filepath.Join(l.dir, "tls", tlsconf.CAKeyFileName)); err != nil {
+			return nil, fmt.Errorf("launch: %w", err)
+		}
 		for i, n := range names {
 			out[n] = fs[i]
 		}
@@ -1013,6 +1093,7 @@ func (l *Launched) Stop() {
 		}
 		l.wg.Wait()
 		os.RemoveAll(l.dir)
+		l.dirLock.Close()
 	})
 }
 

@@ -7,11 +7,13 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvxfer/kvxfer/internal/syncbuf"
 	"github.com/kvxfer/kvxfer/membership/membershiptest"
 	"github.com/kvxfer/kvxfer/membership/memstore"
 )
@@ -111,5 +113,109 @@ func TestKillEndsChildren(t *testing.T) {
 			<-p.done
 			l.wg.Wait()
 		})
+	}
+}
+
+// TestSweepTempDirs: what a killed kvxfer up left in the temporary
+// directory (its workers' files and TLS keys; SIGKILL runs no cleanup) is
+// removed by the next Start, and nothing else is: not a running up's
+// directory (its lock held, here by the test), not one without a lock
+// file, not a link, not a file.
+func TestSweepTempDirs(t *testing.T) {
+	tmp := t.TempDir()
+	mk := func(name string, locked bool) string {
+		t.Helper()
+		dir := filepath.Join(tmp, name)
+		if err := os.MkdirAll(filepath.Join(dir, "tls"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, "tls", "context-0-key.pem"), []byte("key"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Create(filepath.Join(dir, tempDirLock))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		if locked {
+			if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return dir
+	}
+	stale := mk(tempDirPrefix+"111", false)
+	live := mk(tempDirPrefix+"222", true)
+	noLock := filepath.Join(tmp, tempDirPrefix+"333")
+	if err := os.Mkdir(noLock, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	target := mk("elsewhere", false)
+	if err := os.Symlink(target, filepath.Join(tmp, tempDirPrefix+"444")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(tmp, tempDirPrefix+"555"), nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	other := mk("unrelated", false)
+	var logs syncbuf.Buffer
+	sweepTempDirs(tmp, slog.New(slog.NewTextHandler(&logs, nil)))
+	if _, err := os.Stat(stale); !os.IsNotExist(err) {
+		t.Errorf("the directory of an up that is gone is still there (%v)", err)
+	}
+	if !strings.Contains(logs.String(), stale) {
+		t.Errorf("its removal is not logged:\n%s", logs.String())
+	}
+	for _, p := range []string{live, noLock, target, filepath.Join(tmp, tempDirPrefix+"444"), filepath.Join(tmp, tempDirPrefix+"555"), other} {
+		if _, err := os.Lstat(p); err != nil {
+			t.Errorf("%s removed: %v", p, err)
+		}
+	}
+}
+
+// TestTempDirHeld: Start's directory (makeTempDir) holds its lock while
+// the cluster runs, so a sweep by another Start leaves it; once its
+// process is gone (the lock closed, as the kernel does at a kill -9), the
+// next sweep removes it.
+func TestTempDirHeld(t *testing.T) {
+	t.Setenv("TMPDIR", t.TempDir())
+	dir, lock, err := makeTempDir()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(filepath.Base(dir), tempDirPrefix) {
+		t.Errorf("%s: want the prefix %s", dir, tempDirPrefix)
+	}
+	sweepTempDirs(os.TempDir(), slog.New(slog.DiscardHandler))
+	if _, err := os.Stat(dir); err != nil {
+		t.Fatalf("a running cluster's directory was swept: %v", err)
+	}
+	lock.Close()
+	sweepTempDirs(os.TempDir(), slog.New(slog.DiscardHandler))
+	if _, err := os.Stat(dir); !os.IsNotExist(err) {
+		t.Errorf("%s left after its lock was released (%v)", dir, err)
+	}
+}
+
+// TestGeneratedTLSKeepsNoCAKey: kvxfer up --tls issues every certificate
+// at start and keeps no CA key on disk (one left after a kill -9 would let
+// whoever reads it mint certificates this cluster's parties trust).
+func TestGeneratedTLSKeepsNoCAKey(t *testing.T) {
+	cl := cluster(t, "hostname: 127.0.0.1\nport: 8000\ncontext_servers: {num_instances: 1}\ngeneration_servers: {num_instances: 1}\n")
+	l := &Launched{dir: t.TempDir(), log: slog.New(slog.DiscardHandler)}
+	fs, err := l.setupTLS(Options{Cluster: cl, GenerateTLS: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(fs) != 3 {
+		t.Errorf("%d parties' files, want 3 (router, context-0, generation-0)", len(fs))
+	}
+	for _, name := range []string{"ca.pem", "context-0-key.pem", "router.pem"} {
+		if _, err := os.Stat(filepath.Join(l.dir, "tls", name)); err != nil {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(l.dir, "tls", "ca-key.pem")); !os.IsNotExist(err) {
+		t.Errorf("the CA key is on disk (%v)", err)
 	}
 }
