@@ -128,7 +128,7 @@ type Launched struct {
 	closers    []func()
 	endPolls   func()
 	dir        string
-	dirLock    *os.File // held while dir is in use (makeTempDir)
+	dirLock    *os.File // its flock held until Stop has removed dir (makeTempDir)
 	log        *slog.Logger
 	wg         sync.WaitGroup
 	stopped    sync.Once
@@ -222,7 +222,7 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 		return nil, err
 	}
 	sweepTempDirs(os.TempDir(), o.Logger)
-	dir, lock, err := makeTempDir()
+	dir, lock, err := makeTempDir(o.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("launch: %w", err)
 	}
@@ -239,17 +239,20 @@ func Start(ctx context.Context, o Options) (*Launched, error) {
 const tempDirPrefix = "kvxfer-up-"
 
 // tempDirLock is the file in such a directory that its Start holds an
-// exclusive flock on while the directory is in use. The kernel releases
-// it when the process ends, however it ends, so a later Start can tell
-// the directory of an up that was killed (SIGKILL runs no cleanup) from
-// one that still runs, in this PID namespace or another sharing the
-// directory.
+// exclusive flock on until Stop has removed the directory. The kernel
+// releases it when the process ends, however it ends, so a later Start
+// can tell the directory of an up that was killed (SIGKILL runs no
+// cleanup) from one that still runs, in this PID namespace or another
+// sharing the directory. (The workers of a killed up, which get SIGTERM,
+// hold no lock: by then they have read their files.)
 const tempDirLock = "lock"
 
 // makeTempDir makes a directory for Start (0700) and returns it with its
 // lock held. The lock file is locked under another name and renamed, so
-// that a sweep never sees it unlocked.
-func makeTempDir() (dir string, lock *os.File, err error) {
+// that a sweep never sees it unlocked. On a file system without flock
+// (NFS mounted nolock, some FUSE ones) the directory goes without a lock,
+// which a sweep cannot take either, so it is never swept.
+func makeTempDir(log *slog.Logger) (dir string, lock *os.File, err error) {
 	dir, err = os.MkdirTemp("", tempDirPrefix)
 	if err != nil {
 		return "", nil, err
@@ -257,6 +260,10 @@ func makeTempDir() (dir string, lock *os.File, err error) {
 	f, err := os.OpenFile(filepath.Join(dir, tempDirLock+".new"), os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err == nil {
 		err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if errors.Is(err, syscall.ENOLCK) || errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS) {
+			log.Warn("the temporary directory's file system has no flock: a kill -9 of this up leaves its directory for good", "dir", dir, "err", err)
+			err = nil
+		}
 		if err == nil {
 			err = os.Rename(f.Name(), filepath.Join(dir, tempDirLock))
 		}
@@ -293,11 +300,13 @@ func sweepTempDirs(tmp string, log *slog.Logger) {
 		if st, ok := fi.Sys().(*syscall.Stat_t); !ok || int(st.Uid) != os.Geteuid() {
 			continue
 		}
-		f, err := os.OpenFile(filepath.Join(dir, tempDirLock), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+		// Not blocking (a FIFO of that name would hold the open), and
+		// only a regular file counts.
+		f, err := os.OpenFile(filepath.Join(dir, tempDirLock), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 		if err != nil {
 			continue // no lock: not ours to judge (an older up's, or not up's)
 		}
-		if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil {
+		if lfi, err := f.Stat(); err == nil && lfi.Mode().IsRegular() && syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) == nil {
 			if err := os.RemoveAll(dir); err == nil {
 				log.Info("removed what an up that did not stop left behind", "dir", dir)
 			}
@@ -968,15 +977,12 @@ func (l *Launched) setupTLS(o Options) (map[string]tlsconf.Files, error) {
 				}
 			}
 		}
-		fs, err := tlsconf.WriteCluster(filepath.Join(l.dir, "tls"), names, hosts, 7*24*time.Hour, false)
+		// Every certificate is issued now: the CA's key is never
+		// written, so no file holds it while the cluster runs, nor
+		// after a kill -9 of up.
+		fs, err := tlsconf.WriteIssued(filepath.Join(l.dir, "tls"), names, hosts, 7*24*time.Hour)
 		if err != nil {
 			return nil, err
-		}
-		// Every certificate is issued: the CA's key is not kept, so
-		// that no file holds it while the cluster runs, nor after a
-		// kill -9 of up.
-		if err := os.Remove(filepath.Join(l.dir, "tls", tlsconf.CAKeyFileName)); err != nil {
-			return nil, fmt.Errorf("launch: %w", err)
 		}
 		for i, n := range names {
 			out[n] = fs[i]

@@ -120,7 +120,8 @@ func TestKillEndsChildren(t *testing.T) {
 // directory (its workers' files and TLS keys; SIGKILL runs no cleanup) is
 // removed by the next Start, and nothing else is: not a running up's
 // directory (its lock held, here by the test), not one without a lock
-// file, not a link, not a file.
+// file or whose lock is a FIFO (which must not hold the sweep), not a
+// link, not a file.
 func TestSweepTempDirs(t *testing.T) {
 	tmp := t.TempDir()
 	mk := func(name string, locked bool) string {
@@ -157,6 +158,13 @@ func TestSweepTempDirs(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(tmp, tempDirPrefix+"555"), nil, 0o600); err != nil {
 		t.Fatal(err)
 	}
+	fifoDir := filepath.Join(tmp, tempDirPrefix+"666")
+	if err := os.Mkdir(fifoDir, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Mkfifo(filepath.Join(fifoDir, tempDirLock), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	other := mk("unrelated", false)
 	var logs syncbuf.Buffer
 	sweepTempDirs(tmp, slog.New(slog.NewTextHandler(&logs, nil)))
@@ -166,7 +174,7 @@ func TestSweepTempDirs(t *testing.T) {
 	if !strings.Contains(logs.String(), stale) {
 		t.Errorf("its removal is not logged:\n%s", logs.String())
 	}
-	for _, p := range []string{live, noLock, target, filepath.Join(tmp, tempDirPrefix+"444"), filepath.Join(tmp, tempDirPrefix+"555"), other} {
+	for _, p := range []string{live, noLock, target, filepath.Join(tmp, tempDirPrefix+"444"), filepath.Join(tmp, tempDirPrefix+"555"), fifoDir, other} {
 		if _, err := os.Lstat(p); err != nil {
 			t.Errorf("%s removed: %v", p, err)
 		}
@@ -179,7 +187,7 @@ func TestSweepTempDirs(t *testing.T) {
 // next sweep removes it.
 func TestTempDirHeld(t *testing.T) {
 	t.Setenv("TMPDIR", t.TempDir())
-	dir, lock, err := makeTempDir()
+	dir, lock, err := makeTempDir(slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
 	}

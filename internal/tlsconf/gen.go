@@ -153,6 +153,18 @@ func CheckName(name string) error {
 // Existing files are not overwritten unless overwrite is set. It returns
 // the Files of each name, in order.
 func WriteCluster(dir string, names, hosts []string, validity time.Duration, overwrite bool) ([]Files, error) {
+	return writeFiles(dir, names, hosts, validity, overwrite, true)
+}
+
+// WriteIssued is WriteCluster for a cluster whose parties are all known
+// now (kvxfer up's): the CA's key is never written, so no file can mint
+// another certificate its parties trust. Existing files are not
+// overwritten.
+func WriteIssued(dir string, names, hosts []string, validity time.Duration) ([]Files, error) {
+	return writeFiles(dir, names, hosts, validity, false, false)
+}
+
+func writeFiles(dir string, names, hosts []string, validity time.Duration, overwrite, caKeyFile bool) ([]Files, error) {
 	if len(names) == 0 {
 		return nil, errors.New("tlsconf: no party names")
 	}
@@ -185,7 +197,10 @@ func WriteCluster(dir string, names, hosts []string, validity time.Duration, ove
 		data []byte
 		mode os.FileMode
 	}
-	files := []file{{CAFileName, ca.CertPEM(), 0o644}, {CAKeyFileName, caKey, 0o600}}
+	files := []file{{CAFileName, ca.CertPEM(), 0o644}}
+	if caKeyFile {
+		files = append(files, file{CAKeyFileName, caKey, 0o600})
+	}
 	out := make([]Files, 0, len(names))
 	for _, n := range names {
 		c, k, err := ca.Issue(n, hosts, validity)

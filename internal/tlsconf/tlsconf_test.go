@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -22,6 +23,29 @@ func writeCluster(t *testing.T, names ...string) (string, []Files) {
 		t.Fatalf("WriteCluster: %v", err)
 	}
 	return dir, fs
+}
+
+// TestWriteIssued: the parties' files and the CA certificate, never the
+// CA's key; each party's files load.
+func TestWriteIssued(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "certs")
+	fs, err := WriteIssued(dir, []string{"router", "context-0"}, nil, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	entries, _ := os.ReadDir(dir)
+	var names []string
+	for _, e := range entries {
+		names = append(names, e.Name())
+	}
+	if len(names) != 5 || slices.Contains(names, CAKeyFileName) {
+		t.Errorf("files %v, want the CA certificate and two parties' certificates and keys, no %s", names, CAKeyFileName)
+	}
+	for _, f := range fs {
+		if _, err := Load(f); err != nil {
+			t.Errorf("Load(%s): %v", f.CertFile, err)
+		}
+	}
 }
 
 func TestWriteClusterLoads(t *testing.T) {
