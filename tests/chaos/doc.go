@@ -10,9 +10,11 @@
 // SIGSTOP/SIGCONT of a worker, live connections cut by the proxy, bytes
 // flipped by the proxy. Every request must end bit-exact (its token ids
 // equal the aggregated worker's) or with a clear error; after each run no
-// block may stay pinned past the transfer deadline, goroutines and open
-// files of every process return to their starting level, and no process
-// crashed, panicked or reported a data race.
+// block may stay pinned past the transfer deadline, every process's
+// goroutines and open files (idle keep-alive connections and idle transfer
+// workers left out, read from its goroutine profile) return to within a
+// slack of their level after the warm-up, its HTTP connections too, and
+// no process crashed, panicked or reported a data race.
 //
 // TestFaultyTransceiver runs engines in process over tcp data planes
 // wrapped with faults (transceiver.Options.WrapDataPlane with package

@@ -150,7 +150,9 @@ func parseGoroutines(r io.Reader) (usage, error) {
 // request's own goroutine then counts elsewhere); a reader elsewhere is a
 // response whose body is being read or was never closed. A server
 // connection (net/http.conn) runs its handlers on its own goroutine: it is
-// idle while no ServeHTTP frame is on its stack. An idle transceiver
+// idle while it waits for a request (a Peek between two, or the first's
+// read) with no ServeHTTP frame on its stack; one in its TLS handshake or
+// writing an answer counts. An idle transceiver
 // worker (workers.Pool) waits in its work loop with no job's frame above
 // it.
 func (u *usage) add(n int, frames []string) {
@@ -173,12 +175,39 @@ func (u *usage) add(n int, frames []string) {
 		}
 	case has("net/http.(*conn).serve"):
 		u.conns += n
-		if !has("ServeHTTP") {
+		if !has("ServeHTTP") && (has("bufio.(*Reader).Peek") || has("net/http.(*conn).readRequest")) {
 			u.parked += n
 			return
 		}
 	}
-	u.stacks[strings.Join(frames[:min(len(frames), 8)], " < ")] += n
+	u.stacks[stackKey(frames)] += n
+}
+
+// stackKey names a stack for the report of what grew: its innermost frame,
+// then up to 6 frames from the first outside the standard library, which
+// say whose goroutine it is (a goroutine blocked in a read has 8 frames of
+// net, internal/poll and bufio before any of kvxfer's), or for a stack of
+// the standard library's only its 6 outermost frames.
+func stackKey(frames []string) string {
+	// A standard package's path starts with an element without a dot
+	// (net, net/http, internal/poll); a module's with a host name.
+	std := func(f string) bool {
+		first, _, slash := strings.Cut(f, "/")
+		if !slash {
+			first, _, _ = strings.Cut(f, ".")
+		}
+		return !strings.Contains(first, ".")
+	}
+	i := slices.IndexFunc(frames, func(f string) bool { return !std(f) })
+	switch {
+	case len(frames) == 0:
+		return "(no frames outside the runtime)"
+	case i == 0 || len(frames) <= 7:
+		return strings.Join(frames[:min(len(frames), 7)], " < ")
+	case i < 0: // the standard library's only: its outermost frames say whose
+		return frames[0] + " < … < " + strings.Join(frames[len(frames)-6:], " < ")
+	}
+	return frames[0] + " < … < " + strings.Join(frames[i:min(len(frames), i+6)], " < ")
 }
 
 // idleWorkerFrame is the function in which a transceiver rank's idle
@@ -216,10 +245,10 @@ func grown(base, now usage, k int) []string {
 // servers) come and go under the counts.
 func TestUsageCountsIdleConnectionsOnly(t *testing.T) {
 	if os.Getenv(usageChildEnv) == "" {
-		cmd := exec.Command(os.Args[0], "-test.run=^TestUsageCountsIdleConnectionsOnly$", "-test.count=1", "-test.v")
+		cmd := exec.Command(os.Args[0], "-test.run=^"+t.Name()+"$", "-test.count=1", "-test.v")
 		cmd.Env = append(os.Environ(), usageChildEnv+"=1")
 		out, err := cmd.CombinedOutput()
-		if err != nil {
+		if err != nil || !strings.Contains(string(out), "--- PASS: "+t.Name()) {
 			t.Fatalf("in a process of its own: %v\n%s", err, out)
 		}
 		return
@@ -300,7 +329,7 @@ const usageChildEnv = "KVXFER_CHAOS_USAGE_CHILD"
 // waits in a bounded pool is parked, anything with work on its stack is
 // not.
 func TestParseGoroutines(t *testing.T) {
-	const profile = "goroutine profile: total 11\n" +
+	const profile = "goroutine profile: total 12\n" +
 		"3 @ 0x1 0x2\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x2\truntime.selectgo+0x2\tselect.go:1\n" +
 		"#\t0x3\t" + idleWorkerFrame + "+0x3\tworkers.go:1\n\n" +
 		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x4\tgithub.com/kvxfer/kvxfer/transceiver.(*rank).send+0x1\trank.go:1\n" +
@@ -308,7 +337,8 @@ func TestParseGoroutines(t *testing.T) {
 		"2 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x5\tbufio.(*Reader).Peek+0x1\tbufio.go:1\n#\t0x6\tnet/http.(*persistConn).readLoop+0x1\ttransport.go:1\n\n" +
 		"2 @ 0x1\n#\t0x1\truntime.selectgo+0x1\tselect.go:1\n#\t0x7\tnet/http.(*persistConn).writeLoop+0x1\ttransport.go:1\n\n" +
 		"1 @ 0x1\n#\t0x1\truntime.selectgo+0x1\tselect.go:1\n#\t0x6\tnet/http.(*persistConn).readLoop+0x1\ttransport.go:1\n\n" +
-		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x8\tnet/http.(*conn).serve+0x1\tserver.go:1\n\n" +
+		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x5\tbufio.(*Reader).Peek+0x1\tbufio.go:1\n#\t0x8\tnet/http.(*conn).serve+0x1\tserver.go:1\n\n" +
+		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0xa\tcrypto/tls.(*Conn).HandshakeContext+0x1\tconn.go:1\n#\t0x8\tnet/http.(*conn).serve+0x1\tserver.go:1\n\n" +
 		"1 @ 0x1\n#\t0x1\truntime.gopark+0x1\tproc.go:1\n#\t0x9\tnet/http.serverHandler.ServeHTTP+0x1\tserver.go:1\n#\t0x8\tnet/http.(*conn).serve+0x1\tserver.go:1\n"
 	u, err := parseGoroutines(strings.NewReader(profile))
 	if err != nil {
@@ -316,11 +346,28 @@ func TestParseGoroutines(t *testing.T) {
 	}
 	// Parked: 3 idle workers, 2 idle readers, 2 writers, 1 idle server
 	// connection. Not: the busy worker, the reader of an unread body, the
-	// handler.
-	if u.goroutines != 11 || u.parked != 8 || u.others() != 3 || u.conns != 5 {
-		t.Errorf("goroutines %d parked %d others %d conns %d; want 11, 8, 3, 5", u.goroutines, u.parked, u.others(), u.conns)
+	// server connection in its TLS handshake, the handler.
+	if u.goroutines != 12 || u.parked != 8 || u.others() != 4 || u.conns != 6 {
+		t.Errorf("goroutines %d parked %d others %d conns %d; want 12, 8, 4, 6", u.goroutines, u.parked, u.others(), u.conns)
 	}
-	if _, err := parseGoroutines(strings.NewReader(strings.Replace(profile, "total 11", "total 12", 1))); err == nil {
+	read := []string{"internal/poll.runtime_pollWait", "internal/poll.(*pollDesc).wait", "internal/poll.(*FD).Read", "net.(*netFD).Read",
+		"net.(*conn).Read", "bufio.(*Reader).fill", "bufio.(*Reader).ReadSlice"}
+	for _, c := range []struct {
+		frames []string
+		want   string
+	}{
+		{append(slices.Clone(read), "github.com/kvxfer/kvxfer/transport/tcp.(*reader).run", "github.com/kvxfer/kvxfer/transport/tcp.dial"),
+			"internal/poll.runtime_pollWait < … < github.com/kvxfer/kvxfer/transport/tcp.(*reader).run < github.com/kvxfer/kvxfer/transport/tcp.dial"},
+		{append(slices.Clone(read), "net/http.(*conn).readRequest", "net/http.(*conn).serve"),
+			"internal/poll.runtime_pollWait < … < net.(*netFD).Read < net.(*conn).Read < bufio.(*Reader).fill < bufio.(*Reader).ReadSlice < net/http.(*conn).readRequest < net/http.(*conn).serve"},
+		{read[:3], "internal/poll.runtime_pollWait < internal/poll.(*pollDesc).wait < internal/poll.(*FD).Read"},
+		{nil, "(no frames outside the runtime)"},
+	} {
+		if k := stackKey(c.frames); k != c.want {
+			t.Errorf("stackKey(%q)\n= %s\nwant %s", c.frames, k, c.want)
+		}
+	}
+	if _, err := parseGoroutines(strings.NewReader(strings.Replace(profile, "total 12", "total 13", 1))); err == nil {
 		t.Error("a total that the groups do not add up to was accepted")
 	}
 }

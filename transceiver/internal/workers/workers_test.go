@@ -3,6 +3,8 @@ package workers
 import (
 	"math/rand/v2"
 	"runtime"
+	"runtime/pprof"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -168,5 +170,40 @@ func TestGroupMisuse(t *testing.T) {
 			}()
 			tc.f(&Group{})
 		})
+	}
+}
+
+// TestIdleWorkerStack: an idle worker waits with Pool.work as the first
+// frame of its stack outside the runtime, under this name. The chaos
+// suite's leak check (tests/chaos, usage.add) knows idle workers by it and
+// leaves them out; should the name or the wait move, this fails here
+// rather than as false leaks there.
+func TestIdleWorkerStack(t *testing.T) {
+	const frame = "github.com/kvxfer/kvxfer/transceiver/internal/workers.(*Pool).work"
+	p := NewPool(1)
+	defer p.Close()
+	p.Go(func() {})
+	waitFor(t, "one idle worker", func() bool { return p.Idle() == 1 })
+	var b strings.Builder
+	if err := pprof.Lookup("goroutine").WriteTo(&b, 1); err != nil {
+		t.Fatal(err)
+	}
+	found := false
+	for group := range strings.SplitSeq(b.String(), "\n\n") {
+		for line := range strings.SplitSeq(group, "\n") {
+			parts := strings.Split(line, "\t")
+			if len(parts) < 3 || parts[0] != "#" {
+				continue
+			}
+			fn, _, _ := strings.Cut(parts[2], "+")
+			if strings.HasPrefix(fn, "runtime.") {
+				continue
+			}
+			found = found || fn == frame
+			break // the first frame outside the runtime only
+		}
+	}
+	if !found {
+		t.Errorf("no goroutine whose first frame outside the runtime is %s:\n%s", frame, b.String())
 	}
 }
