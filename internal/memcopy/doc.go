@@ -13,7 +13,7 @@
 // A copy made of many short spans pays a second cost: each span's first
 // lines miss while the hardware prefetcher, which stops at page
 // boundaries, trains on the new stream. StreamSpan copies one span and
-// prefetches the next one into L2 while it does; an operation calls it per
+// prefetches the next one into the caches while it does; an operation calls it per
 // span and Fence once at the end (Stream is one StreamSpan and its Fence).
 //
 // Use them only when the whole operation moves far more than the caches

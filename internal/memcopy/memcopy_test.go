@@ -7,18 +7,42 @@ import (
 	"testing"
 )
 
+// eachBulk runs test once with each bulk loop this processor has (bulk
+// set to it), as a subtest named for it.
+func eachBulk(t *testing.T, test func(*testing.T)) {
+	saved := bulk
+	t.Cleanup(func() { bulk = saved })
+	for name, f := range bulkVariants() {
+		bulk = f
+		t.Run(name, test)
+	}
+}
+
+// forEachBulk calls f with each bulk loop in turn (bulk set to it, and
+// restored after).
+func forEachBulk(f func(name string)) {
+	saved := bulk
+	defer func() { bulk = saved }()
+	for name, v := range bulkVariants() {
+		bulk = v
+		f(name)
+	}
+}
+
 // TestStreamEqualsCopy checks Stream against copy() for every head
 // misalignment of dst and src and lengths around the 64-byte unit,
 // including the bytes just outside the destination, which must stay.
-func TestStreamEqualsCopy(t *testing.T) {
+func TestStreamEqualsCopy(t *testing.T) { eachBulk(t, testStreamEqualsCopy) }
+
+func testStreamEqualsCopy(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	src := make([]byte, 4096+64)
 	for i := range src {
 		src[i] = byte(r.Uint32())
 	}
-	lengths := []int{0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4096}
-	for dOff := range 17 {
-		for sOff := range 17 {
+	lengths := []int{0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 159, 160, 161, 1000, 4096}
+	for dOff := range align + 1 {
+		for sOff := range align + 1 {
 			for _, n := range lengths {
 				want := bytes.Repeat([]byte{0xa5}, 4096+64)
 				got := bytes.Clone(want)
@@ -46,7 +70,7 @@ func TestStreamShorterSide(t *testing.T) {
 func FuzzStream(f *testing.F) {
 	f.Add([]byte("some bytes to copy, more than sixty-four of them, so the bulk loop runs once at least"), uint8(3), uint8(5))
 	f.Fuzz(func(t *testing.T, data []byte, dOff, sOff uint8) {
-		d, s := int(dOff%32), int(sOff%32)
+		d, s := int(dOff%64), int(sOff%64)
 		if s > len(data) {
 			return
 		}
@@ -54,10 +78,13 @@ func FuzzStream(f *testing.F) {
 		want := make([]byte, d+len(src)+8)
 		got := make([]byte, d+len(src)+8)
 		copy(want[d:], src)
-		Stream(got[d:d+len(src)], src)
-		if !bytes.Equal(got, want) {
-			t.Fatalf("Stream(dst+%d, %d bytes) differs from copy", d, len(src))
-		}
+		forEachBulk(func(name string) {
+			clear(got)
+			Stream(got[d:d+len(src)], src)
+			if !bytes.Equal(got, want) {
+				t.Fatalf("%s: Stream(dst+%d, %d bytes) differs from copy", name, d, len(src))
+			}
+		})
 	})
 }
 
@@ -66,7 +93,9 @@ func FuzzStream(f *testing.F) {
 // prefetch distance, and next regions absent, short and long: the bytes
 // copied, and the bytes around dst and all of src and next, which must
 // stay as they were.
-func TestStreamSpanEqualsCopy(t *testing.T) {
+func TestStreamSpanEqualsCopy(t *testing.T) { eachBulk(t, testStreamSpanEqualsCopy) }
+
+func testStreamSpanEqualsCopy(t *testing.T) {
 	r := rand.New(rand.NewPCG(3, 4))
 	const size = 3*PrefetchMax + 256
 	src := make([]byte, size)
@@ -74,14 +103,14 @@ func TestStreamSpanEqualsCopy(t *testing.T) {
 		src[i] = byte(r.Uint32())
 	}
 	orig := bytes.Clone(src)
-	lengths := []int{0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 1000, 4096, PrefetchMax - 1, PrefetchMax + 65, 2*PrefetchMax + 3}
+	lengths := []int{0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 159, 160, 161, 191, 255, 256, 257, 1000, 4096, PrefetchMax - 1, PrefetchMax + 65, 2*PrefetchMax + 3}
 	// The destination is the span plus dOff bytes before it and a guard
 	// after it, all 0xa5: a write outside the span shows there.
 	const guard = 256
 	fill := bytes.Repeat([]byte{0xa5}, size)
 	want, got := make([]byte, size), make([]byte, size)
-	for dOff := range 17 {
-		for sOff := range 17 {
+	for dOff := range align + 1 {
+		for sOff := range align + 1 {
 			for _, n := range lengths {
 				for _, nextLen := range []int{0, 1, 100, PrefetchMax} {
 					next := src[size-nextLen:]
@@ -108,7 +137,7 @@ func FuzzStreamSpan(f *testing.F) {
 	f.Add(bytes.Repeat([]byte("some bytes to copy, "), 20), uint8(3), uint8(5), uint16(7))
 	f.Add([]byte{}, uint8(0), uint8(0), uint16(0))
 	f.Fuzz(func(t *testing.T, data []byte, dOff, sOff uint8, nextLen uint16) {
-		d, s := int(dOff%32), int(sOff%32)
+		d, s := int(dOff%64), int(sOff%64)
 		if s > len(data) {
 			return
 		}
@@ -118,14 +147,17 @@ func FuzzStreamSpan(f *testing.F) {
 		want := make([]byte, d+len(src)+8)
 		got := make([]byte, d+len(src)+8)
 		copy(want[d:], src)
-		StreamSpan(got[d:d+len(src)], src, next)
-		Fence()
-		if !bytes.Equal(got, want) {
-			t.Fatalf("StreamSpan(dst+%d, %d bytes, next %d bytes) differs from copy", d, len(src), len(next))
-		}
-		if !bytes.Equal(data, orig) {
-			t.Fatal("StreamSpan wrote to its source")
-		}
+		forEachBulk(func(name string) {
+			clear(got)
+			StreamSpan(got[d:d+len(src)], src, next)
+			Fence()
+			if !bytes.Equal(got, want) {
+				t.Fatalf("%s: StreamSpan(dst+%d, %d bytes, next %d bytes) differs from copy", name, d, len(src), len(next))
+			}
+			if !bytes.Equal(data, orig) {
+				t.Fatalf("%s: StreamSpan wrote to its source", name)
+			}
+		})
 	})
 }
 

@@ -151,8 +151,9 @@ var boundaries = []rule{
 	// Memory files, seals and peer mappings on x/sys/unix.
 	{pkg: "internal/memfd", ext: []string{"golang.org/x/sys/..."}},
 	{pkg: "internal/procnet"},
-	// Copies with non-temporal stores (layout's packing, the receipts' scatter).
-	{pkg: "internal/memcopy"},
+	// Copies with non-temporal stores (layout's packing, the receipts'
+	// scatter); x/sys/cpu says whether the processor has AVX.
+	{pkg: "internal/memcopy", ext: []string{"golang.org/x/sys/cpu"}},
 	// Transparent huge-page advice on the pools a data plane moves
 	// (transport/mpi's RegisterMemory).
 	{pkg: "internal/hugepage"},
