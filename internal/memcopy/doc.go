@@ -13,8 +13,10 @@
 // A copy made of many short spans pays a second cost: each span's first
 // lines miss while the hardware prefetcher, which stops at page
 // boundaries, trains on the new stream. StreamSpan copies one span and
-// prefetches the next one into the caches while it does; an operation calls it per
-// span and Fence once at the end (Stream is one StreamSpan and its Fence).
+// prefetches a few KiB ahead, across into the next one, while it does; an
+// operation calls it per span and Fence once at the end (Stream is one
+// StreamSpan and its Fence). On amd64 the copies are assembly: 32-byte
+// (AVX) stores where the processor has AVX, 16-byte (SSE2) ones otherwise.
 //
 // Use them only when the whole operation moves far more than the caches
 // hold (StreamMin): data they write is not in any cache afterwards, so a

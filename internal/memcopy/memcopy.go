@@ -41,7 +41,7 @@ func StreamSpan(dst, src, next []byte) int {
 		if len(next) > 0 {
 			np = &next[0]
 		}
-		bulk(&dst[head], &src[head], nb, np, len(next), min(n, PrefetchMax))
+		streamBulk(&dst[head], &src[head], nb, np, len(next), min(nb, PrefetchMax))
 	}
 	copy(dst[head+nb:n], src[head+nb:n])
 	return n

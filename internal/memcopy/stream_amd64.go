@@ -14,31 +14,33 @@ const align = 32
 // the bulk loop's aligned stores need copied first.
 func headLen(p *byte) int { return int(-uintptr(unsafe.Pointer(p)) & (align - 1)) }
 
-// bulkFunc is the signature of the bulk loops: copy n bytes, a multiple
-// of 128, from src to dst (align-byte aligned) with non-temporal stores,
-// prefetching dist bytes ahead: within src first, then into the nextN bytes
-// at next. They do not fence.
-type bulkFunc = func(dst, src *byte, n int, next *byte, nextN, dist int)
+// useAVX says which loop streamBulk runs: the AVX one where the processor
+// has AVX (x/sys/cpu checks that the OS saves its registers too, as Go's own
+// copy() does), else the SSE2 one, which every amd64 processor has. Tests
+// set it to each of bulkVariants in turn. A variable rather than a function
+// value, so that the loops' go:noescape reaches StreamSpan's callers: their
+// slices do not escape through an indirect call.
+var useAVX = cpu.X86.HasAVX
 
-// bulk is the loop StreamSpan runs: the AVX one where the processor has AVX
-// (as Go's own copy() checks), else the SSE2 one, which every amd64
-// processor has. Tests set it to each of bulkVariants in turn.
-var bulk = pickBulk()
-
-func pickBulk() bulkFunc {
+// bulkVariants maps each loop this processor can run, by name, to the
+// useAVX that selects it.
+func bulkVariants() map[string]bool {
+	v := map[string]bool{"sse2": false}
 	if cpu.X86.HasAVX {
-		return streamBulkAVX
-	}
-	return streamBulkSSE
-}
-
-// bulkVariants lists the loops this processor can run, by name.
-func bulkVariants() map[string]bulkFunc {
-	v := map[string]bulkFunc{"sse2": streamBulkSSE}
-	if cpu.X86.HasAVX {
-		v["avx"] = streamBulkAVX
+		v["avx"] = true
 	}
 	return v
+}
+
+// streamBulk copies n bytes, a multiple of 128, from src to dst (align-byte
+// aligned) with non-temporal stores, prefetching dist bytes ahead: within
+// src first, then into the nextN bytes at next. It does not fence.
+func streamBulk(dst, src *byte, n int, next *byte, nextN, dist int) {
+	if useAVX {
+		streamBulkAVX(dst, src, n, next, nextN, dist)
+		return
+	}
+	streamBulkSSE(dst, src, n, next, nextN, dist)
 }
 
 //go:noescape

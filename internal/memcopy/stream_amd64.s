@@ -65,9 +65,9 @@ done:
 // non-temporal 32-byte stores, the same 128 bytes a turn and the same
 // prefetches; VZEROUPPER before it returns, so that SSE code after it pays
 // no transition. Measured against the SSE loop in layout's benchmarks
-// (Llama-3.1-8B, 4096 tokens, 8 and 32 KiB spans, December 2026): 0.68-0.77x
-// of a copy() of the same bytes -> 0.75-0.86x for packs, 0.86x -> 0.97-1.0x
-// for unpacks.
+// (Llama-3.1-8B, 4096 tokens, 8 and 32 KiB spans, December 2026): packs
+// 0.68-0.77x of a copy() of the same bytes -> 0.75-0.86x, unpacks
+// 0.86-0.88x -> 0.97-0.99x.
 TEXT ·streamBulkAVX(SB), NOSPLIT, $0-48
 	MOVQ dst+0(FP), DI
 	MOVQ src+8(FP), SI
