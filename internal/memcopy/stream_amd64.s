@@ -67,7 +67,10 @@ done:
 // no transition. Measured against the SSE loop in layout's benchmarks
 // (Llama-3.1-8B, 4096 tokens, 8 and 32 KiB spans, December 2026): packs
 // 0.68-0.77x of a copy() of the same bytes -> 0.75-0.86x, unpacks
-// 0.86-0.88x -> 0.97-0.99x.
+// 0.86-0.88x -> 0.97-0.99x. A loop of its own, not a branch per turn in
+// the SSE2 one: one loop with both, the branch chosen by an argument,
+// measured lower in five alternated runs (ctxTP1-genTP2 pack-staged
+// 0.77-1.00x, median 0.82x, against 0.87-0.89x).
 TEXT ·streamBulkAVX(SB), NOSPLIT, $0-48
 	MOVQ dst+0(FP), DI
 	MOVQ src+8(FP), SI
