@@ -3,10 +3,14 @@ package memcopy
 // PrefetchMax bounds how far ahead of its copy StreamSpan prefetches: far
 // enough for the memory's latency and near enough that the lines are still
 // in L1 or L2 when the copy gets there. Measured in layout's benchmarks
-// (Llama-3.1-8B spans of 8 and 32 KiB, alternated runs, December 2026) with
-// the AVX loop: 4 KiB packed at 0.83-0.87x a copy() where 1 and 2 KiB gave
-// 0.74-0.84x and 8 and 32 KiB 0.72-0.90x; prefetching into every level
-// (PREFETCHT0) rather than L2 then raised packs to 0.91-0.98x.
+// (Llama-3.1-8B spans of 8 and 32 KiB, December 2026) with the AVX loop,
+// the two lowest packs in alternated runs: 4 KiB at 0.84-0.90x a copy()
+// where 1 and 2 KiB gave 0.74-0.84x and 8 and 32 KiB 0.72-0.90x. Into every
+// cache level (PREFETCHT0) rather than L2 they then gave 0.91-0.98x in two
+// runs (non-temporal prefetches 0.88-0.94x, within the noise of it), and
+// 0.81-1.15x (medians 0.89x and 0.94x) in five runs alternated with the
+// SSE2 loop that prefetched 32 KiB ahead into L2, which gave 0.71-0.94x
+// (docs/perf-notes.md).
 const PrefetchMax = 4 << 10
 
 // Stream copies min(len(dst), len(src)) bytes from src to dst, as copy()
