@@ -26,7 +26,7 @@ import (
 // cross-process tests (as bench's tests do): a receiver or a sender that
 // talks to the parent over stdin and stdout, one line at a time.
 const (
-	childEnv     = "KVXFER_SHM_CHILD"   // "recv", "send", "sendloop", "echo" or spliceRole
+	childEnv     = "KVXFER_SHM_CHILD"   // "recv", "recv2", "send", "sendloop", "echo" or spliceRole
 	childSizeEnv = "KVXFER_SHM_CHILD_N" // bytes to move
 	childHoldEnv = "KVXFER_SHM_HOLD"    // "1": the receiver stops in its first piece
 )
@@ -36,6 +36,9 @@ const (
 // recv: prints "EP <endpoint>" and "DESC <hex>", waits for the bytes (30 s
 // at most) and prints "RECV ok" or "RECV <error>". With childHoldEnv, it
 // prints "COPYING" in its first piece and stops there until killed.
+//
+// recv2: as recv, then a second receipt the same way (its own "DESC" and
+// "RECV" lines), once the first has ended.
 //
 // send: reads "DESC <hex>" from stdin, sends the pattern from registered
 // shared memory, prints "SEND ok" or "SEND <error>".
@@ -59,7 +62,7 @@ func childMain(role string) int {
 	}
 	defer tr.Close()
 	switch role {
-	case "recv":
+	case "recv", "recv2":
 		if os.Getenv(childHoldEnv) == "1" {
 			var once sync.Once
 			hook := func() {
@@ -68,25 +71,15 @@ func childMain(role string) int {
 			}
 			testHookPiece.Store(&hook)
 		}
-		dst := make([]byte, n)
-		r, err := tr.Expect([][]byte{dst})
-		if err != nil {
-			fmt.Println("RECV", err)
-			return 1
+		fmt.Printf("EP %s\n", tr.Endpoint())
+		receipts := 1
+		if role == "recv2" {
+			receipts = 2
 		}
-		fmt.Printf("EP %s\nDESC %x\n", tr.Endpoint(), r.Descriptor())
-		select {
-		case <-r.Done():
-		case <-time.After(30 * time.Second):
-			r.Cancel()
-		}
-		switch {
-		case r.Err() != nil:
-			fmt.Println("RECV", r.Err())
-		case !bytes.Equal(dst, fill(make([]byte, n), 42)):
-			fmt.Println("RECV bytes differ")
-		default:
-			fmt.Println("RECV ok")
+		for range receipts {
+			if !childRecv(tr, n) {
+				return 1
+			}
 		}
 	case "send":
 		sa, err := memfd.New(memfdName, n, memfd.Options{})
@@ -136,6 +129,33 @@ func childMain(role string) int {
 		return 2
 	}
 	return 0
+}
+
+// childRecv arms a receipt of n bytes, prints "DESC <hex>", waits for the
+// bytes (30 s at most) and prints "RECV ok" or "RECV <error>". It reports
+// false when it could not arm the receipt.
+func childRecv(tr *Transport, n int) bool {
+	dst := make([]byte, n)
+	r, err := tr.Expect([][]byte{dst})
+	if err != nil {
+		fmt.Println("RECV", err)
+		return false
+	}
+	fmt.Printf("DESC %x\n", r.Descriptor())
+	select {
+	case <-r.Done():
+	case <-time.After(30 * time.Second):
+		r.Cancel()
+	}
+	switch {
+	case r.Err() != nil:
+		fmt.Println("RECV", r.Err())
+	case !bytes.Equal(dst, fill(make([]byte, n), 42)):
+		fmt.Println("RECV bytes differ")
+	default:
+		fmt.Println("RECV ok")
+	}
+	return true
 }
 
 // child is a running peer process.

@@ -122,7 +122,16 @@
 // and waits up to a second for the answer: ERR (the receiver stopped; the
 // receipt fails with transport.ErrAborted) and Send returns the ctx error,
 // or DONE (all copied already) and Send returns nil. If no answer comes, the
-// connection is closed (failing the other ops on it). A Send that ends
+// connection is closed (failing the other ops on it). Before the CANCEL, a
+// Send whose last part is posted and not yet released marks that part's
+// ring entry as given up; the receiver looks at the mark before it copies
+// the last part and again just before it completes the receipt, and fails
+// the receipt (ErrAborted) if it is set. So a receiver that takes the part
+// only after its Send gave up (a process stalled past the second, which
+// then reads the POST before the CANCEL) does not complete a receipt whose
+// Send returned an error; only a receiver stalled for that second between
+// its last look and the receipt's completion, a few instructions, still
+// could. A Send that ends
 // before its first part was posted writes ABORT for the tag (dialling for it
 // if needed, within a second), which fails the receipt with
 // transport.ErrAborted unless another Send is filling it. An ABORT that no

@@ -80,6 +80,7 @@ type item struct {
 	offset int64 // of the part in the receipt
 	slot   int
 	length int
+	seq    uint64 // the part's index in the ring (taken-count when pulled)
 }
 
 // inConn is an accepted connection: a reader goroutine (serve) that
@@ -403,7 +404,7 @@ func (c *inConn) pull() (bool, error) {
 		copy(e[:], c.ring[at:at+readLen])
 		m, err := decodeEntry(e[:])
 		if err == nil {
-			err = c.onRead(m)
+			err = c.onRead(m, c.taken)
 		}
 		if err != nil {
 			return true, fmt.Errorf("part %d of the ring: %w", c.taken, err)
@@ -415,7 +416,7 @@ func (c *inConn) pull() (bool, error) {
 // onRead checks a part taken from the ring and queues it for the worker. Its first part
 // creates the op and binds it to the receipt of its tag, or records why
 // not (the worker then answers ERR).
-func (c *inConn) onRead(m msg) error {
+func (c *inConn) onRead(m msg, seq uint64) error {
 	if c.slots == 0 {
 		return errProto("read before the window was announced")
 	}
@@ -459,7 +460,7 @@ func (c *inConn) onRead(m msg) error {
 	op.next += int64(m.length)
 	op.wireEnded = m.last
 	c.held[m.slot] = true
-	c.push(item{op: op, last: m.last, offset: int64(m.offset), slot: int(m.slot), length: int(m.length)})
+	c.push(item{op: op, last: m.last, offset: int64(m.offset), slot: int(m.slot), length: int(m.length), seq: seq})
 	return nil
 }
 
@@ -822,6 +823,9 @@ func (c *inConn) copyPart(op *rop, it item) *msg {
 		r.FinishLocked(fmt.Errorf("shm: receive from %s: %w", c.remote, transport.ErrAborted))
 		t.mu.Unlock()
 		return &msg{typ: msgErr, op: op.id, code: codeAborted, text: "cancelled by the sender"}
+	case it.last && c.gaveUp(it.seq):
+		defer t.mu.Unlock()
+		return c.givenUpLocked(op)
 	}
 	r.HoldLocked()
 	t.mu.Unlock()
@@ -841,11 +845,33 @@ func (c *inConn) copyPart(op *rop, it item) *msg {
 		code, why := endCode(r.ErrLocked())
 		return &msg{typ: msgErr, op: op.id, code: code, text: why}
 	}
-	// Every byte is in place: the receipt completes now, before DONE
-	// goes out (protocol 3 waited for the sender's ACK of DONE, a third
-	// hop and a third wake-up of each process per op).
+	// Every byte is in place. Unless the sender gave up on the op while
+	// it was copied (or before, with this side stalled past the CANCEL's
+	// grace: see the ring's gave-up word in wire.go), the receipt
+	// completes now, before DONE goes out (protocol 3 waited for the
+	// sender's ACK of DONE, a third hop and a third wake-up of each
+	// process per op).
+	if c.gaveUp(it.seq) {
+		return c.givenUpLocked(op)
+	}
 	r.FinishLocked(nil)
 	return &msg{typ: msgDone, op: op.id}
+}
+
+// gaveUp reads the gave-up word of the ring entry of part seq, which the
+// sender sets when it gives up on the op of that last part (wire.go).
+// The entry is intact while its part is held (the sender reuses it only
+// for a part posted after this one's release).
+func (c *inConn) gaveUp(seq uint64) bool {
+	at := ringHdr + int(seq%uint64(c.slots))*readLen + gaveUpAt
+	return (*atomic.Uint32)(unsafe.Pointer(&c.ring[at])).Load() != 0
+}
+
+// givenUpLocked fails op's receipt because its sender gave up on it, and
+// returns the answer: ERR, aborted. Transport.mu must be held.
+func (c *inConn) givenUpLocked(op *rop) *msg {
+	op.r.FinishLocked(fmt.Errorf("shm: receive from %s: %w (the sender gave up on it)", c.remote, transport.ErrAborted))
+	return &msg{typ: msgErr, op: op.id, code: codeAborted, text: "the sender gave up on the op"}
 }
 
 // endCode is the ERR code of an op whose receipt ended with err.

@@ -85,6 +85,7 @@ type outConn struct {
 	posted   uint64        // parts posted in the ring
 	free     []int         // slots not in use
 	slotSt   []byte        // slotFree, slotTaken or slotSent
+	slotSeq  []uint64      // of a slotSent slot: its part's index in the ring
 	slotCh   chan struct{} // closed when a slot is freed; nil: no waiter
 }
 
@@ -94,6 +95,11 @@ type pendingOp struct {
 	weight int64
 	res    chan msg // the answer (DONE, ERR or PROBEOK); capacity 1
 	early  msg      // an answer takeSlot took from res
+	// last is the ring index of the op's last part once it is posted
+	// (lastPosted), and lastSlot that part's slot: giveUp marks its entry.
+	last       uint64
+	lastSlot   int
+	lastPosted bool
 }
 
 func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *memfd.Mapping, slotLen int) *outConn {
@@ -110,6 +116,7 @@ func newOutConn(t *Transport, ep string, nc *net.UnixConn, mr *msgReader, win *m
 		nextOp:  1,
 		credit:  t.credit,
 		slotSt:  make([]byte, windowSlots),
+		slotSeq: make([]uint64, windowSlots),
 	}
 	for s := range windowSlots {
 		oc.free = append(oc.free, s)
@@ -267,8 +274,12 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 		if err == nil {
 			k := int(min(int64(oc.slotLen), d.Total-off))
 			m := msg{typ: msgRead, op: p.id, tag: d.Tag, total: uint64(d.Total), offset: uint64(off), slot: uint32(slot), length: uint32(k), last: off+int64(k) == d.Total}
-			if !oc.post(&m, &cur) {
+			n, ok := oc.post(&m, &cur)
+			if !ok {
 				return oc.lost(oc.deadErr())
+			}
+			if m.last {
+				p.last, p.lastSlot, p.lastPosted = n, slot, true
 			}
 			off += int64(k)
 			continue
@@ -304,6 +315,7 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingOp, ep string, whole bool) error {
 	gctx, gcancel := context.WithTimeout(context.Background(), grace)
 	defer gcancel()
+	oc.giveUp(p)
 	if err := oc.writeMsg(gctx, oc.cancelMsg(p.id)); err != nil {
 		oc.kill(fmt.Errorf("cancel not written within %v: %w", grace, err))
 		return ctxErr(ctx, sctx, ep)
@@ -320,6 +332,33 @@ func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingO
 	}
 	return ctxErr(ctx, sctx, ep)
 }
+
+// giveUp sets the gave-up word of the ring entry of p's last part, if it
+// is posted and the receiver has not released it: a receiver that comes
+// to that part now fails its receipt rather than completing it, however
+// long it stalled before (wire.go). A released part was answered, and its
+// entry may hold another op's part by now: it is left alone.
+func (oc *outConn) giveUp(p *pendingOp) {
+	if !p.lastPosted {
+		return // the receipt cannot complete without it
+	}
+	oc.winMu.RLock()
+	defer oc.winMu.RUnlock()
+	if oc.winMem == nil {
+		return // the connection ended, and the receipt with it
+	}
+	oc.mu.Lock()
+	defer oc.mu.Unlock()
+	if oc.slotSt[p.lastSlot] != slotSent || oc.slotSeq[p.lastSlot] != p.last {
+		return
+	}
+	at := oc.slots*oc.slotLen + ringHdr + int(p.last%uint64(oc.slots))*readLen + gaveUpAt
+	(*atomic.Uint32)(unsafe.Pointer(&oc.winMem[at])).Store(gaveUpWord)
+}
+
+// gaveUpWord is the value whose bytes in memory are the big-endian 1 of
+// a set gave-up word.
+var gaveUpWord = binary.NativeEndian.Uint32([]byte{0, 0, 0, 1})
 
 // endOp writes CANCEL for an op the receiver answered before its last part
 // went out, so that the receiver can forget it.
@@ -745,14 +784,14 @@ func (oc *outConn) putSlotLocked(s int) {
 const fillChunk = 512 << 10
 
 // post copies the next m.length bytes of cur into the slot m.slot, and
-// posts the part m in the ring: its entry, then the count. It reports
-// false when the window is gone (the connection ended). A receiver that
-// said IDLE is woken with a POST.
-func (oc *outConn) post(m *msg, cur *cursor) bool {
+// posts the part m in the ring: its entry, then the count. It returns the
+// part's index in the ring, and false when the window is gone (the
+// connection ended). A receiver that said IDLE is woken with a POST.
+func (oc *outConn) post(m *msg, cur *cursor) (uint64, bool) {
 	oc.winMu.RLock()
 	if oc.winMem == nil {
 		oc.winMu.RUnlock()
-		return false
+		return 0, false
 	}
 	fillSlot(oc.winMem[int(m.slot)*oc.slotLen:int(m.slot)*oc.slotLen+int(m.length)], cur)
 	ring := oc.winMem[oc.slots*oc.slotLen:]
@@ -760,13 +799,13 @@ func (oc *outConn) post(m *msg, cur *cursor) bool {
 	n := oc.posted
 	at := ringHdr + int(n%uint64(oc.slots))*readLen
 	appendEntry(ring[at:at:at+readLen], m)
-	oc.slotSt[m.slot] = slotSent
+	oc.slotSt[m.slot], oc.slotSeq[m.slot] = slotSent, n
 	oc.posted = n + 1
 	oc.count.Store(n + 1)
 	oc.mu.Unlock()
 	oc.winMu.RUnlock()
 	oc.wake(n + 1)
-	return true
+	return n, true
 }
 
 // onIdle notes that the receiver has taken seq parts from the ring and

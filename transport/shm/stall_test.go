@@ -151,3 +151,109 @@ func (t *Transport) abortsPending(ep string) bool {
 	_, ok := t.aborts[ep]
 	return ok
 }
+
+// TestGiveUpOnePart: a Send of one part that gives up on its op while the
+// receiver has the POST and not the part (its reader is held just before
+// it takes the part from the ring, past the CANCEL's grace, as a paused
+// process would be) must not have its receipt completed when the receiver
+// runs again: the sender marks the part's ring entry as given up before
+// it writes the CANCEL, and the receiver reads the mark before it
+// completes the receipt.
+func TestGiveUpOnePart(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 64 << 10
+	src := fill(shared(t, 1<<20, a), 5)
+	healthy(t, a, b, src) // the connection is up
+	c := onlyInbound(t, b)
+	workerAsleep(t, c)
+	c.pullMu.Lock() // the reader stops in the POST's pull
+	held := true
+	defer func() {
+		if held {
+			c.pullMu.Unlock()
+		}
+	}()
+	dst := make([]byte, n)
+	r, err := b.Expect([][]byte{dst})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	res := make(chan error, 1)
+	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src[:n]}) }()
+	a.mu.Lock()
+	oc := a.peers[b.Endpoint()]
+	a.mu.Unlock()
+	within(t, 5*time.Second, "the part to be posted", func() {
+		for {
+			oc.mu.Lock()
+			posted := oc.posted
+			oc.mu.Unlock()
+			if posted > 1 { // healthy's part, then this one
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	})
+	time.Sleep(50 * time.Millisecond) // the POST is read, or in the socket
+	cancel()
+	var serr error
+	within(t, 5*time.Second, "Send", func() { serr = <-res })
+	if !errors.Is(serr, context.Canceled) {
+		t.Fatalf("Send = %v, want context.Canceled (the sender gave up)", serr)
+	}
+	c.pullMu.Unlock()
+	held = false
+	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
+	if err := r.Err(); !errors.Is(err, transport.ErrAborted) {
+		t.Errorf("Recv.Err = %v after its Send gave up (%v), want ErrAborted", err, serr)
+	}
+	healthy(t, a, b, src) // a redials
+}
+
+// TestGiveUpStalledReceiver: the same between two processes, the
+// receiver's process paused (SIGSTOP) with its connection idle, past the
+// CANCEL's grace of a Send that timed out after posting its one part:
+// when it runs again it reads the POST and the CANCEL at once, and its
+// receipt fails (ErrAborted) rather than completing behind the back of a
+// Send that returned an error.
+func TestGiveUpStalledReceiver(t *testing.T) {
+	const n = 64 << 10
+	a := open(t, transport.Options{})
+	src := fill(shared(t, n, a), 42)
+	c := startChild(t, "recv2", n, false)
+	c.line(t, "EP ")
+	send := func(timeout time.Duration) error {
+		desc, err := hex.DecodeString(c.line(t, "DESC "))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), timeout)
+		defer cancel()
+		var serr error
+		within(t, 10*time.Second, "Send", func() { serr = a.Send(ctx, desc, [][]byte{src}) })
+		return serr
+	}
+	if err := send(10 * time.Second); err != nil { // the connection is up
+		t.Fatalf("first Send: %v", err)
+	}
+	if got := c.line(t, "RECV "); got != "ok" {
+		t.Fatalf("child: first RECV %s", got)
+	}
+	time.Sleep(100 * time.Millisecond) // the child's worker and reader go to sleep
+	c.stop(t)
+	// The child printed its second DESC before it was stopped.
+	serr := send(50 * time.Millisecond)
+	var te *transport.TimeoutError
+	if !errors.As(serr, &te) {
+		t.Fatalf("Send to a paused receiver = %v, want a TimeoutError", serr)
+	}
+	c.cont(t)
+	got, ok := c.lineWithin(t, "RECV ", 10*time.Second)
+	if !ok {
+		t.Fatal("no RECV from the child 10 s after it ran again")
+	}
+	if !strings.Contains(got, transport.ErrAborted.Error()) {
+		t.Errorf("child: RECV %s after its Send returned %v, want %q", got, serr, transport.ErrAborted)
+	}
+}

@@ -62,7 +62,21 @@ import (
 //
 //	op id (8), tag (8), total length of the op (8), offset of this part in
 //	the receipt (8), slot (4), length (4, 1..slot size), flags (4; bit 0:
-//	last part), reserved (4): the part's bytes are at the start of the slot
+//	last part), gave up (4): the part's bytes are at the start of the slot
+//
+// Gave up is 0 when the part is posted. A sender that gives up on an op
+// whose last part it posted (its ctx ended while it waited for the
+// answer) stores 1 there, atomically, before it writes the
+// CANCEL, unless the receiver has released that part already (it then
+// answered the op, and the entry may hold another op's part). The
+// receiver reads it, atomically, as it handles the last part: once
+// before copying and again just before completing the receipt, and fails
+// the receipt (ERR, aborted) if it is set. So a receiver that takes the
+// part only after the sender gave up (a receiver stalled past the
+// CANCEL's grace, which then reads the POST before the CANCEL) does not
+// complete a receipt whose Send returned an error. A receiver of
+// protocol 4 before this field reads a set one as a protocol error and
+// closes the connection, which fails the receipt all the same.
 //
 // A sender posts a part only into a slot released to it, so at most slots
 // parts are posted and not taken: a count further ahead, or going back,
@@ -84,6 +98,7 @@ const (
 	helloMagic   = "KVXS"
 	hdrLen       = 8
 	readLen      = 48 // a ring entry
+	gaveUpAt     = 44 // the gave-up word of a ring entry
 	ringHdr      = 64 // the ring's header: the count of parts posted
 	maxErrText   = 512
 	maxBody      = 16 + maxErrText
@@ -142,6 +157,7 @@ type msg struct {
 	slot    uint32 // READ RELEASE
 	length  uint32 // READ
 	last    bool   // READ
+	gaveUp  bool   // READ: the entry's gave-up word (as read; it can change)
 	slotLen uint32 // WINDOW
 	slots   uint32 // WINDOW
 	code    uint32 // ERR
@@ -298,7 +314,11 @@ func appendEntry(b []byte, m *msg) []byte {
 		flags = flagLast
 	}
 	b = be.AppendUint32(b, flags)
-	return be.AppendUint32(b, 0)
+	var gaveUp uint32
+	if m.gaveUp {
+		gaveUp = 1
+	}
+	return be.AppendUint32(b, gaveUp)
 }
 
 // ringLen is the length of the ring of a window of slots slots: its header
@@ -311,20 +331,20 @@ func (m *msg) decodeRead(body []byte) error {
 	u32 := func(i int) uint32 { return binary.BigEndian.Uint32(body[i:]) }
 	m.op, m.tag, m.total, m.offset = u64(0), u64(8), u64(16), u64(24)
 	m.slot, m.length = u32(32), u32(36)
-	flags := u32(40)
+	flags, gaveUp := u32(40), u32(44)
 	switch {
 	case m.op == 0 || m.tag == 0:
 		return errProto("read with op %d, tag %d (want non-zero)", m.op, m.tag)
 	case flags&^flagLast != 0:
 		return errProto("read with unknown flags %#x", flags)
-	case u32(44) != 0:
-		return errProto("read with non-zero reserved bytes")
+	case gaveUp > 1:
+		return errProto("read with gave-up word %d (want 0 or 1)", gaveUp)
 	case m.length == 0:
 		return errProto("read part of length 0")
 	case m.total == 0 || m.total > math.MaxInt64 || m.offset >= m.total || uint64(m.length) > m.total-m.offset:
 		return errProto("read part [%d, +%d) of an op of %d bytes", m.offset, m.length, m.total)
 	}
-	m.last = flags&flagLast != 0
+	m.last, m.gaveUp = flags&flagLast != 0, gaveUp == 1
 	if m.last && m.offset+uint64(m.length) != m.total {
 		return errProto("last read part [%d, +%d) does not end the op of %d bytes", m.offset, m.length, m.total)
 	}
