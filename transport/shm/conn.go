@@ -21,13 +21,17 @@ const (
 	// readBufStart is the initial size of a connection's read buffer; it
 	// grows, up to one whole message, when a longer message arrives.
 	readBufStart = 16 << 10
-	// maxFdsPerRecv bounds the descriptors one recvmsg accepts; a peer
-	// sending more (a WINDOW carries one) breaks the protocol.
-	maxFdsPerRecv = 4
-	// maxPendingFds bounds descriptors received ahead of their WINDOW
-	// message.
-	maxPendingFds = 16
+	// maxStuckCloses bounds the closes of peers' descriptors that run on
+	// goroutines of their own (closeReceived), in the whole process: a
+	// close can block for as long as the peer likes (a FUSE file's
+	// flush). While that many are in flight, no descriptor is taken
+	// (msgReader.fill).
+	maxStuckCloses = 16
 )
+
+// stuckCloses holds a token per close in flight on a goroutine of its own
+// (closeReceived).
+var stuckCloses = make(chan struct{}, maxStuckCloses)
 
 // aLongTimeAgo is a deadline in the past: setting it makes blocked I/O
 // return at once (net/http uses the same trick).
@@ -40,19 +44,32 @@ var aLongTimeAgo = time.Unix(1, 0)
 // sendmsg that carried them, and the kernel never returns the bytes of two
 // such sendmsg calls in one recvmsg; so by the time a WINDOW message has
 // been read, its descriptor is in fds, in order.
+//
+// A reader takes only the descriptors it expects (want: a receiver's one
+// WINDOW descriptor; a sender's none). Every recvmsg gives the kernel room
+// for at most that many, so the kernel drops any other a peer sends
+// without installing it here (MSG_CTRUNC, a protocol error): no close of
+// ours runs for it, and none can block. A descriptor that is taken and
+// turns out not to be shared memory is closed by closeReceived.
 type msgReader struct {
 	nc   *net.UnixConn
 	buf  []byte
 	r, w int // unread bytes are buf[r:w]
 	oob  []byte
-	fds  []int // received, not yet claimed by a WINDOW
+	want int   // descriptors still expected (taken ones included)
+	fds  []int // received, not yet claimed by a WINDOW (at most one)
+	// token: the reader holds a token of stuckCloses for the descriptor
+	// it is receiving or has received and not settled.
+	token bool
 }
 
+// newMsgReader returns a reader of nc that takes no descriptor; a
+// receiver sets want to 1 for its WINDOW's.
 func newMsgReader(nc *net.UnixConn) *msgReader {
 	return &msgReader{
 		nc:  nc,
 		buf: make([]byte, readBufStart),
-		oob: make([]byte, syscall.CmsgSpace(4*maxFdsPerRecv)),
+		oob: make([]byte, syscall.CmsgSpace(4)),
 	}
 }
 
@@ -90,18 +107,49 @@ func (mr *msgReader) fill() error {
 		mr.r = 0
 		mr.buf = nb
 	}
-	n, oobn, flags, _, err := mr.nc.ReadMsgUnix(mr.buf[mr.w:], mr.oob)
+	// Room for a descriptor only while one is expected, and only with a
+	// token of stuckCloses, which the descriptor keeps until it is settled
+	// (closed, or claimed by the WINDOW it came with): should it not be
+	// shared memory, its close could block (closeReceived). Without a
+	// token (as many closes stuck as allowed), a WINDOW comes without its
+	// descriptor and fails its connection, as any other.
+	var oob []byte
+	if mr.want > len(mr.fds) && !mr.token {
+		select {
+		case stuckCloses <- struct{}{}:
+			mr.token = true
+			oob = mr.oob
+		default:
+		}
+	}
+	w0 := mr.w
+	n, oobn, flags, _, err := mr.nc.ReadMsgUnix(mr.buf[mr.w:], oob)
 	// A failed recvmsg returns n = -1. A read deadline is not the end: the
 	// reader may call next again and find what it had read of a message
 	// (the idle check does), so the buffer must stay as it was.
 	n = max(n, 0)
 	if oobn > 0 {
-		if ferr := mr.takeFds(mr.oob[:oobn]); ferr != nil {
+		if ferr := mr.takeFds(oob[:oobn]); ferr != nil {
 			return ferr
 		}
 	}
+	if mr.token && len(mr.fds) == 0 {
+		mr.releaseToken() // nothing came with these bytes
+	}
+	if len(mr.fds) > 0 && oobn > 0 {
+		// A descriptor starts the bytes of the sendmsg that carried it
+		// (see the type's doc): they must be a whole WINDOW, which the
+		// reader settles at once, so that no token waits on a peer.
+		if n < hdrLen+8 || mr.buf[w0] != msgWindow {
+			mr.closeFds()
+			return errProto("a descriptor came with bytes that are not a whole WINDOW message")
+		}
+	}
 	if flags&syscall.MSG_CTRUNC != 0 {
-		return errProto("more descriptors in one message than allowed (%d)", maxFdsPerRecv)
+		if mr.want == 0 {
+			return errProto("descriptors sent where none is taken (the kernel dropped them)")
+		}
+		return errProto("descriptors sent beyond the window's one, or while this process refuses them (the kernel dropped them)")
 	}
 	mr.w += n
 	switch {
@@ -137,8 +185,8 @@ func (mr *msgReader) takeFds(oob []byte) error {
 		}
 		mr.fds = append(mr.fds, fds...)
 	}
-	if bad == nil && len(mr.fds) > maxPendingFds {
-		bad = errProto("%d descriptors received ahead of their window", len(mr.fds))
+	if bad == nil && len(mr.fds) > mr.want {
+		bad = errProto("%d descriptors received, %d expected", len(mr.fds), mr.want)
 	}
 	if bad != nil {
 		mr.closeFds()
@@ -146,42 +194,85 @@ func (mr *msgReader) takeFds(oob []byte) error {
 	return bad
 }
 
-// takeFd returns the oldest received descriptor, which the caller owns.
+// takeFd returns the received descriptor, which the caller owns; it is
+// no longer expected. The caller settles it: with closeFd, or, once it
+// has closed it itself (shared memory, whose close cannot block),
+// releaseToken.
 func (mr *msgReader) takeFd() (int, bool) {
 	if len(mr.fds) == 0 {
 		return -1, false
 	}
 	fd := mr.fds[0]
 	mr.fds = mr.fds[1:]
+	mr.want--
 	return fd, true
 }
 
-// closeFds closes every descriptor received and not claimed.
+// closeFd closes a descriptor takeFd returned, settling it.
+func (mr *msgReader) closeFd(fd int) {
+	closeReceived(fd, mr.token)
+	mr.token = false
+}
+
+// releaseToken gives back the token of a settled descriptor.
+func (mr *msgReader) releaseToken() {
+	if mr.token {
+		mr.token = false
+		<-stuckCloses
+	}
+}
+
+// closeFds closes every descriptor received and not claimed, settling
+// them.
 func (mr *msgReader) closeFds() {
 	for _, fd := range mr.fds {
-		closeReceived(fd)
+		closeReceived(fd, mr.token)
+		mr.token = false
 	}
 	mr.fds = nil
+	mr.releaseToken()
 }
 
 // closeReceived closes a descriptor a peer sent, without letting the peer
-// make the close block: close(2) of a socket with SO_LINGER and unsent data
-// waits for the linger time, so a socket's linger is cut to zero first; a
-// file that is neither shared memory nor a socket (a FUSE file can block
-// in its flush) is closed on a goroutine of its own, which nothing waits
-// for.
-func closeReceived(fd int) {
+// make the close block its caller: close(2) of a socket with SO_LINGER and
+// unsent data waits for the linger time, so a socket's linger is cut to
+// zero first; a file that is neither shared memory nor a socket (a FUSE
+// file can block in its flush for as long as its server likes) is closed
+// on a goroutine of its own, which nothing waits for, holding a token of
+// stuckCloses until the close returns. held says the caller holds a token
+// for fd, which closeReceived takes over (msgReader takes descriptors only
+// with one, so at most maxStuckCloses such goroutines exist); without one
+// it takes one if it can, and otherwise closes on the caller.
+func closeReceived(fd int, held bool) {
+	release := func() {
+		if held {
+			<-stuckCloses
+		}
+	}
 	var st unix.Stat_t
 	if unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
 		unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
 		unix.Close(fd)
+		release()
 		return
 	}
 	if memfd.IsShmem(fd) {
 		unix.Close(fd)
+		release()
 		return
 	}
-	go unix.Close(fd)
+	if !held {
+		select {
+		case stuckCloses <- struct{}{}:
+		default:
+			unix.Close(fd)
+			return
+		}
+	}
+	go func() {
+		defer func() { <-stuckCloses }()
+		unix.Close(fd)
+	}()
 }
 
 // writeFull writes b, and oob with its first byte. A stream sendmsg may

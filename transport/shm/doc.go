@@ -154,7 +154,18 @@
 // hello deadline; the window's descriptor must be a memfd sealed against
 // writes on tmpfs (not hugetlbfs, whose pages a sender could release under
 // the mapping). A descriptor that is not is closed without letting its
-// sender make the close block (a socket's linger is cut to zero first).
+// sender make the close block its reader (a socket's linger is cut to zero
+// first; any other file, a FUSE file whose flush never answers, say, is
+// closed on a goroutine of its own). A receiver takes one descriptor per
+// connection, only with the bytes of a whole WINDOW, and a sender none:
+// every read gives the kernel room for no other, so the kernel drops any
+// other a peer sends without installing it (no close of ours runs, the
+// connection ends with a protocol error). Closes on goroutines of their own
+// are bounded, for the whole process, at 16 in flight; while that many
+// have not returned, a receiver takes no descriptor at all, so new
+// connections cannot announce their windows until one returns (a local
+// process that can mount FUSE can hold shm's new connections up that way,
+// with bounded memory; connections that have their windows go on).
 // A receiver's writes have a deadline, so a sender that stops reading
 // cannot hold its worker; a CANCEL is taken once per op.
 //

@@ -131,6 +131,7 @@ type rawReceiver struct {
 // announces.
 func acceptRaw(nc *net.UnixConn) (*rawReceiver, error) {
 	r := &rawReceiver{nc: nc, mr: newMsgReader(nc)}
+	r.mr.want = 1 // the window's memory file
 	if m, err := r.mr.next(); err != nil || m.typ != msgHello {
 		r.mr.closeFds()
 		return nil, fmt.Errorf("hello: %+v, %v", m, err)
@@ -144,6 +145,7 @@ func acceptRaw(nc *net.UnixConn) (*rawReceiver, error) {
 	r.fds, r.slotLen, r.slots = len(r.mr.fds), int(m.slotLen), int(m.slots)
 	fd, _ := r.mr.takeFd()
 	f := os.NewFile(uintptr(fd), "window")
+	defer r.mr.releaseToken() // after the close
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {

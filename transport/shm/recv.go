@@ -148,11 +148,13 @@ type inConn struct {
 }
 
 func newInConn(t *Transport, nc *net.UnixConn) *inConn {
+	mr := newMsgReader(nc)
+	mr.want = 1 // the WINDOW's memory file
 	return &inConn{
 		t:          t,
 		nc:         nc,
 		remote:     peerName(nc),
-		mr:         newMsgReader(nc),
+		mr:         mr,
 		dead:       make(chan struct{}),
 		wake:       make(chan struct{}, 1),
 		workerDone: make(chan struct{}),
@@ -344,11 +346,12 @@ func (c *inConn) onWindow(m msg) error {
 		return errProto("window announced without its memory file")
 	}
 	if !memfd.IsShmem(fd) {
-		closeReceived(fd)
+		c.mr.closeFd(fd)
 		return errProto("window announced with a descriptor that is not shared memory (memfd)")
 	}
 	f := fdFile(fd, "shm sender window")
-	defer f.Close() // the mapping does not need it
+	defer c.mr.releaseToken() // after the close: shared memory's does not block
+	defer f.Close()           // the mapping does not need it
 	if c.slots != 0 {
 		return errProto("window announced twice")
 	}

@@ -638,10 +638,6 @@ func (oc *outConn) readLoop() {
 		if m, err = oc.mr.next(); err != nil {
 			break
 		}
-		if len(oc.mr.fds) > 0 {
-			err = errProto("the receiver sent descriptors")
-			break
-		}
 		switch m.typ {
 		case msgRelease:
 			err = oc.onRelease(m.slot)
