@@ -24,8 +24,8 @@ const (
 	// maxStuckCloses bounds the closes of peers' descriptors that run on
 	// goroutines of their own (closeReceived), in the whole process: a
 	// close can block for as long as the peer likes (a FUSE file's
-	// flush). While that many are in flight, no descriptor is taken
-	// (msgReader.fill).
+	// flush). Beyond that, such a close runs on the reader of the peer's
+	// connection.
 	maxStuckCloses = 16
 )
 
@@ -46,11 +46,13 @@ var aLongTimeAgo = time.Unix(1, 0)
 // been read, its descriptor is in fds, in order.
 //
 // A reader takes only the descriptors it expects (want: a receiver's one
-// WINDOW descriptor; a sender's none). Every recvmsg gives the kernel room
-// for at most that many, so the kernel drops any other a peer sends
-// without installing it here (MSG_CTRUNC, a protocol error): no close of
-// ours runs for it, and none can block. A descriptor that is taken and
-// turns out not to be shared memory is closed by closeReceived.
+// WINDOW descriptor; a sender's none). A recvmsg gives the kernel room for
+// exactly one descriptor while one is expected and for none otherwise
+// (a control buffer of CmsgLen(4) bytes: CmsgSpace(4), padded, would fit
+// two), so the kernel drops any other a peer sends without installing it
+// here (MSG_CTRUNC, a protocol error): no close of ours runs for it, and
+// none can block. A descriptor taken that turns out not to be shared
+// memory is closed by closeReceived.
 type msgReader struct {
 	nc   *net.UnixConn
 	buf  []byte
@@ -58,9 +60,6 @@ type msgReader struct {
 	oob  []byte
 	want int   // descriptors still expected (taken ones included)
 	fds  []int // received, not yet claimed by a WINDOW (at most one)
-	// token: the reader holds a token of stuckCloses for the descriptor
-	// it is receiving or has received and not settled.
-	token bool
 }
 
 // newMsgReader returns a reader of nc that takes no descriptor; a
@@ -69,7 +68,7 @@ func newMsgReader(nc *net.UnixConn) *msgReader {
 	return &msgReader{
 		nc:  nc,
 		buf: make([]byte, readBufStart),
-		oob: make([]byte, syscall.CmsgSpace(4)),
+		oob: make([]byte, syscall.CmsgLen(4)),
 	}
 }
 
@@ -107,20 +106,10 @@ func (mr *msgReader) fill() error {
 		mr.r = 0
 		mr.buf = nb
 	}
-	// Room for a descriptor only while one is expected, and only with a
-	// token of stuckCloses, which the descriptor keeps until it is settled
-	// (closed, or claimed by the WINDOW it came with): should it not be
-	// shared memory, its close could block (closeReceived). Without a
-	// token (as many closes stuck as allowed), a WINDOW comes without its
-	// descriptor and fails its connection, as any other.
+	// Room for a descriptor only while one is expected.
 	var oob []byte
-	if mr.want > len(mr.fds) && !mr.token {
-		select {
-		case stuckCloses <- struct{}{}:
-			mr.token = true
-			oob = mr.oob
-		default:
-		}
+	if mr.want > len(mr.fds) {
+		oob = mr.oob
 	}
 	w0 := mr.w
 	n, oobn, flags, _, err := mr.nc.ReadMsgUnix(mr.buf[mr.w:], oob)
@@ -132,15 +121,13 @@ func (mr *msgReader) fill() error {
 		if ferr := mr.takeFds(oob[:oobn]); ferr != nil {
 			return ferr
 		}
-	}
-	if mr.token && len(mr.fds) == 0 {
-		mr.releaseToken() // nothing came with these bytes
-	}
-	if len(mr.fds) > 0 && oobn > 0 {
-		// A descriptor starts the bytes of the sendmsg that carried it
-		// (see the type's doc): they must be a whole WINDOW, which the
-		// reader settles at once, so that no token waits on a peer.
-		if n < hdrLen+8 || mr.buf[w0] != msgWindow {
+		// The bytes that came with a descriptor must be a whole WINDOW,
+		// with nothing unread before it: a legitimate sender writes it,
+		// with its descriptor, in one sendmsg, after the receiver's
+		// HELLO (the kernel ends a recvmsg after the bytes of a sendmsg
+		// that carried descriptors, though it may start it with earlier
+		// bytes).
+		if w0 != mr.r || n < hdrLen+8 || mr.buf[w0] != msgWindow {
 			mr.closeFds()
 			return errProto("a descriptor came with bytes that are not a whole WINDOW message")
 		}
@@ -195,9 +182,7 @@ func (mr *msgReader) takeFds(oob []byte) error {
 }
 
 // takeFd returns the received descriptor, which the caller owns; it is
-// no longer expected. The caller settles it: with closeFd, or, once it
-// has closed it itself (shared memory, whose close cannot block),
-// releaseToken.
+// no longer expected.
 func (mr *msgReader) takeFd() (int, bool) {
 	if len(mr.fds) == 0 {
 		return -1, false
@@ -208,71 +193,45 @@ func (mr *msgReader) takeFd() (int, bool) {
 	return fd, true
 }
 
-// closeFd closes a descriptor takeFd returned, settling it.
-func (mr *msgReader) closeFd(fd int) {
-	closeReceived(fd, mr.token)
-	mr.token = false
-}
-
-// releaseToken gives back the token of a settled descriptor.
-func (mr *msgReader) releaseToken() {
-	if mr.token {
-		mr.token = false
-		<-stuckCloses
-	}
-}
-
-// closeFds closes every descriptor received and not claimed, settling
-// them.
+// closeFds closes every descriptor received and not claimed.
 func (mr *msgReader) closeFds() {
 	for _, fd := range mr.fds {
-		closeReceived(fd, mr.token)
-		mr.token = false
+		closeReceived(fd)
 	}
 	mr.fds = nil
-	mr.releaseToken()
 }
 
 // closeReceived closes a descriptor a peer sent, without letting the peer
-// make the close block its caller: close(2) of a socket with SO_LINGER and
-// unsent data waits for the linger time, so a socket's linger is cut to
-// zero first; a file that is neither shared memory nor a socket (a FUSE
-// file can block in its flush for as long as its server likes) is closed
-// on a goroutine of its own, which nothing waits for, holding a token of
-// stuckCloses until the close returns. held says the caller holds a token
-// for fd, which closeReceived takes over (msgReader takes descriptors only
-// with one, so at most maxStuckCloses such goroutines exist); without one
-// it takes one if it can, and otherwise closes on the caller.
-func closeReceived(fd int, held bool) {
-	release := func() {
-		if held {
-			<-stuckCloses
-		}
-	}
+// make the close block its caller where it can: close(2) of a socket with
+// SO_LINGER and unsent data waits for the linger time, so a socket's
+// linger is cut to zero first; a file that is neither shared memory nor a
+// socket (a FUSE file can block in its flush for as long as its server
+// likes) is closed on a goroutine of its own, which nothing waits for,
+// holding a token of stuckCloses until the close returns. With every token
+// held, the close runs on the caller: the reader of the peer's connection,
+// which then stays open (counted against MaxConns) until it returns. A
+// reader takes one descriptor per connection, so what a peer can leave
+// blocked is bounded by the connections it may hold.
+func closeReceived(fd int) {
 	var st unix.Stat_t
 	if unix.Fstat(fd, &st) == nil && st.Mode&unix.S_IFMT == unix.S_IFSOCK {
 		unix.SetsockoptLinger(fd, unix.SOL_SOCKET, unix.SO_LINGER, &unix.Linger{Onoff: 1, Linger: 0})
 		unix.Close(fd)
-		release()
 		return
 	}
 	if memfd.IsShmem(fd) {
 		unix.Close(fd)
-		release()
 		return
 	}
-	if !held {
-		select {
-		case stuckCloses <- struct{}{}:
-		default:
+	select {
+	case stuckCloses <- struct{}{}:
+		go func() {
+			defer func() { <-stuckCloses }()
 			unix.Close(fd)
-			return
-		}
-	}
-	go func() {
-		defer func() { <-stuckCloses }()
+		}()
+	default:
 		unix.Close(fd)
-	}()
+	}
 }
 
 // writeFull writes b, and oob with its first byte. A stream sendmsg may

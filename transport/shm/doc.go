@@ -124,14 +124,15 @@
 // or DONE (all copied already) and Send returns nil. If no answer comes, the
 // connection is closed (failing the other ops on it). Before the CANCEL, a
 // Send whose last part is posted and not yet released marks that part's
-// ring entry as given up; the receiver looks at the mark before it copies
-// the last part and again just before it completes the receipt, and fails
-// the receipt (ErrAborted) if it is set. So a receiver that takes the part
-// only after its Send gave up (a process stalled past the second, which
-// then reads the POST before the CANCEL) does not complete a receipt whose
-// Send returned an error; only a receiver stalled for that second between
-// its last look and the receipt's completion, a few instructions, still
-// could. A Send that ends
+// ring entry as given up, and so does the sender, for every op still
+// waiting for its answer, before it closes a connection; the receiver
+// looks at the mark before it copies the last part and again just before
+// it completes the receipt, and fails the receipt (ErrAborted) if it is
+// set. So a receiver that takes the part only after its Send gave up (a
+// process stalled past the second, which then reads the POST before the
+// CANCEL) does not complete a receipt whose Send returned an error; only a
+// receiver stalled for that second between its last look and the
+// receipt's completion, a few instructions, still could. A Send that ends
 // before its first part was posted writes ABORT for the tag (dialling for it
 // if needed, within a second), which fails the receipt with
 // transport.ErrAborted unless another Send is filling it. An ABORT that no
@@ -154,19 +155,19 @@
 // hello deadline; the window's descriptor must be a memfd sealed against
 // writes on tmpfs (not hugetlbfs, whose pages a sender could release under
 // the mapping). A descriptor that is not is closed without letting its
-// sender make the close block its reader (a socket's linger is cut to zero
-// first; any other file, a FUSE file whose flush never answers, say, is
-// closed on a goroutine of its own). A receiver takes one descriptor per
-// connection, only with the bytes of a whole WINDOW, and a sender none:
-// every read gives the kernel room for no other, so the kernel drops any
-// other a peer sends without installing it (no close of ours runs, the
-// connection ends with a protocol error). Closes on goroutines of their own
-// are bounded, for the whole process, at 16 in flight; while that many
-// have not returned, a receiver takes no descriptor at all, so new
-// connections cannot announce their windows until one returns (a local
-// process that can mount FUSE can hold shm's new connections up that way,
-// with bounded memory; connections that have their windows go on).
-// A receiver's writes have a deadline, so a sender that stops reading
+// sender make the close block its reader where it can (a socket's linger
+// is cut to zero first; any other file, a FUSE file whose flush never
+// answers, say, is closed on a goroutine of its own). A receiver takes one
+// descriptor per connection, only with the bytes of a whole WINDOW, and a
+// sender none: each read gives the kernel room for exactly that, so the
+// kernel drops any other a peer sends without installing it (no close of
+// ours runs; the connection ends with a protocol error). At most 16 closes
+// run on goroutines of their own at a time in the process; beyond that a
+// close runs on the reader of the peer's own connection, which stays open,
+// counted against MaxConns, until the close returns. What a peer can leave
+// blocked is so bounded by the connections it may hold; other senders'
+// connections, new ones included, are not held up (unless it holds every
+// one of MaxConns). A receiver's writes have a deadline, so a sender that stops reading
 // cannot hold its worker; a CANCEL is taken once per op.
 //
 // # Idle connections

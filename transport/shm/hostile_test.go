@@ -145,7 +145,6 @@ func acceptRaw(nc *net.UnixConn) (*rawReceiver, error) {
 	r.fds, r.slotLen, r.slots = len(r.mr.fds), int(m.slotLen), int(m.slots)
 	fd, _ := r.mr.takeFd()
 	f := os.NewFile(uintptr(fd), "window")
-	defer r.mr.releaseToken() // after the close
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {

@@ -346,12 +346,11 @@ func (c *inConn) onWindow(m msg) error {
 		return errProto("window announced without its memory file")
 	}
 	if !memfd.IsShmem(fd) {
-		c.mr.closeFd(fd)
+		closeReceived(fd)
 		return errProto("window announced with a descriptor that is not shared memory (memfd)")
 	}
 	f := fdFile(fd, "shm sender window")
-	defer c.mr.releaseToken() // after the close: shared memory's does not block
-	defer f.Close()           // the mapping does not need it
+	defer f.Close() // the mapping does not need it
 	if c.slots != 0 {
 		return errProto("window announced twice")
 	}

@@ -97,6 +97,7 @@ type pendingOp struct {
 	early  msg      // an answer takeSlot took from res
 	// last is the ring index of the op's last part once it is posted
 	// (lastPosted), and lastSlot that part's slot: giveUp marks its entry.
+	// Set by post, read by giveUp, under outConn.mu.
 	last       uint64
 	lastSlot   int
 	lastPosted bool
@@ -274,12 +275,8 @@ func (t *Transport) send(ctx, sctx context.Context, d receipt.Descriptor, src []
 		if err == nil {
 			k := int(min(int64(oc.slotLen), d.Total-off))
 			m := msg{typ: msgRead, op: p.id, tag: d.Tag, total: uint64(d.Total), offset: uint64(off), slot: uint32(slot), length: uint32(k), last: off+int64(k) == d.Total}
-			n, ok := oc.post(&m, &cur)
-			if !ok {
+			if !oc.post(p, &m, &cur) {
 				return oc.lost(oc.deadErr())
-			}
-			if m.last {
-				p.last, p.lastSlot, p.lastPosted = n, slot, true
 			}
 			off += int64(k)
 			continue
@@ -339,9 +336,6 @@ func (t *Transport) cancelOp(ctx, sctx context.Context, oc *outConn, p *pendingO
 // long it stalled before (wire.go). A released part was answered, and its
 // entry may hold another op's part by now: it is left alone.
 func (oc *outConn) giveUp(p *pendingOp) {
-	if !p.lastPosted {
-		return // the receipt cannot complete without it
-	}
 	oc.winMu.RLock()
 	defer oc.winMu.RUnlock()
 	if oc.winMem == nil {
@@ -349,6 +343,31 @@ func (oc *outConn) giveUp(p *pendingOp) {
 	}
 	oc.mu.Lock()
 	defer oc.mu.Unlock()
+	oc.giveUpLocked(p)
+}
+
+// giveUpAll gives up on every op waiting for its answer, as the
+// connection is closed under them (kill): their Sends fail, so their
+// receipts must not complete in a receiver that reads on after a stall.
+func (oc *outConn) giveUpAll() {
+	oc.winMu.RLock()
+	defer oc.winMu.RUnlock()
+	if oc.winMem == nil {
+		return
+	}
+	oc.mu.Lock()
+	defer oc.mu.Unlock()
+	for _, p := range oc.pending {
+		oc.giveUpLocked(p)
+	}
+}
+
+// giveUpLocked is giveUp with winMu held for reading (the window mapped)
+// and mu held.
+func (oc *outConn) giveUpLocked(p *pendingOp) {
+	if !p.lastPosted {
+		return // the receipt cannot complete without it
+	}
 	if oc.slotSt[p.lastSlot] != slotSent || oc.slotSeq[p.lastSlot] != p.last {
 		return
 	}
@@ -780,14 +799,14 @@ func (oc *outConn) putSlotLocked(s int) {
 const fillChunk = 512 << 10
 
 // post copies the next m.length bytes of cur into the slot m.slot, and
-// posts the part m in the ring: its entry, then the count. It returns the
-// part's index in the ring, and false when the window is gone (the
-// connection ended). A receiver that said IDLE is woken with a POST.
-func (oc *outConn) post(m *msg, cur *cursor) (uint64, bool) {
+// posts the part m of p in the ring: its entry, then the count. It reports
+// false when the window is gone (the connection ended). A receiver that
+// said IDLE is woken with a POST.
+func (oc *outConn) post(p *pendingOp, m *msg, cur *cursor) bool {
 	oc.winMu.RLock()
 	if oc.winMem == nil {
 		oc.winMu.RUnlock()
-		return 0, false
+		return false
 	}
 	fillSlot(oc.winMem[int(m.slot)*oc.slotLen:int(m.slot)*oc.slotLen+int(m.length)], cur)
 	ring := oc.winMem[oc.slots*oc.slotLen:]
@@ -796,12 +815,15 @@ func (oc *outConn) post(m *msg, cur *cursor) (uint64, bool) {
 	at := ringHdr + int(n%uint64(oc.slots))*readLen
 	appendEntry(ring[at:at:at+readLen], m)
 	oc.slotSt[m.slot], oc.slotSeq[m.slot] = slotSent, n
+	if m.last {
+		p.last, p.lastSlot, p.lastPosted = n, int(m.slot), true
+	}
 	oc.posted = n + 1
 	oc.count.Store(n + 1)
 	oc.mu.Unlock()
 	oc.winMu.RUnlock()
 	oc.wake(n + 1)
-	return n, true
+	return true
 }
 
 // onIdle notes that the receiver has taken seq parts from the ring and
@@ -847,8 +869,10 @@ func fillSlot(dst []byte, cur *cursor) {
 }
 
 // kill closes the connection (its reader then ends) and takes it out of
-// the pool at once.
+// the pool at once. The ops waiting for answers on it are given up first
+// (giveUpAll). Neither mu nor winMu may be held.
 func (oc *outConn) kill(err error) {
+	oc.giveUpAll() // before the receiver can see the end
 	oc.mu.Lock()
 	if oc.err == nil {
 		oc.err = err

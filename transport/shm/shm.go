@@ -140,6 +140,7 @@ func Open(ctx context.Context, opts transport.Options) (*Transport, error) {
 	if slot >= 4096 {
 		slot &^= 4095
 	}
+	slot = max(slot&^7, 8) // a multiple of 8 (see WINDOW in wire.go)
 	var rnd [16]byte
 	rand.Read(rnd[:]) // never fails (see crypto/rand.Read)
 	ep := endpointPrefix + hex.EncodeToString(rnd[:])

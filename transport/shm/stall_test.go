@@ -8,6 +8,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 	"syscall"
@@ -256,4 +257,129 @@ func TestGiveUpStalledReceiver(t *testing.T) {
 	if !strings.Contains(got, transport.ErrAborted.Error()) {
 		t.Errorf("child: RECV %s after its Send returned %v, want %q", got, serr, transport.ErrAborted)
 	}
+}
+
+// TestGiveUpOnKill: two one-part Sends on one connection to a receiver
+// that stalls with both parts posted: A gives up, its CANCEL goes
+// unanswered past the grace and the connection is closed, so B's Send
+// fails too (ErrPeerLost). Neither receipt may complete when the receiver
+// runs again: the connection's close marks every op still waiting.
+func TestGiveUpOnKill(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	const n = 64 << 10
+	src := fill(shared(t, 1<<20, a), 5)
+	healthy(t, a, b, src)
+	c := onlyInbound(t, b)
+	workerAsleep(t, c)
+	c.pullMu.Lock() // the reader stops in the first POST's pull
+	held := true
+	defer func() {
+		if held {
+			c.pullMu.Unlock()
+		}
+	}()
+	a.mu.Lock()
+	oc := a.peers[b.Endpoint()]
+	a.mu.Unlock()
+	posted := func(k uint64) {
+		within(t, 5*time.Second, "the parts to be posted", func() {
+			for {
+				oc.mu.Lock()
+				p := oc.posted
+				oc.mu.Unlock()
+				if p >= k {
+					return
+				}
+				time.Sleep(100 * time.Microsecond)
+			}
+		})
+	}
+	rA, err := b.Expect([][]byte{make([]byte, n)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rB, err := b.Expect([][]byte{make([]byte, n)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resB := make(chan error, 1)
+	go func() { resB <- a.Send(context.Background(), rB.Descriptor(), [][]byte{src[:n]}) }()
+	posted(2) // healthy's part, then B's
+	ctx, cancel := context.WithCancel(context.Background())
+	resA := make(chan error, 1)
+	go func() { resA <- a.Send(ctx, rA.Descriptor(), [][]byte{src[:n]}) }()
+	posted(3)
+	time.Sleep(50 * time.Millisecond)
+	cancel()
+	var errA, errB error
+	within(t, 5*time.Second, "Send A", func() { errA = <-resA })
+	within(t, 5*time.Second, "Send B", func() { errB = <-resB })
+	if !errors.Is(errA, context.Canceled) || !errors.Is(errB, transport.ErrPeerLost) {
+		t.Fatalf("Send A = %v, Send B = %v; want context.Canceled, then ErrPeerLost as A's connection is closed", errA, errB)
+	}
+	c.pullMu.Unlock()
+	held = false
+	within(t, 5*time.Second, "the receipts to end", func() {
+		<-rA.Done()
+		<-rB.Done()
+	})
+	if err := rA.Err(); !errors.Is(err, transport.ErrAborted) {
+		t.Errorf("Recv A = %v after its Send gave up, want ErrAborted", err)
+	}
+	if err := rB.Err(); err == nil {
+		t.Errorf("Recv B completed although its Send returned %v", errB)
+	}
+}
+
+// TestManySendersAtOnce: 48 senders send their first transfer to one
+// receiver at once; every one connects, has its window taken, and
+// delivers (a bound on the receiver's descriptors must not refuse
+// legitimate windows).
+func TestManySendersAtOnce(t *testing.T) {
+	b := open(t, transport.Options{})
+	const senders = 48
+	src := fill(make([]byte, 4096), 3)
+	errs := make(chan error, senders)
+	start := make(chan struct{})
+	for range senders {
+		a := open(t, transport.Options{})
+		r, err := b.Expect([][]byte{make([]byte, 4096)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			<-start
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			errs <- a.Send(ctx, r.Descriptor(), [][]byte{src})
+		}()
+	}
+	close(start)
+	failed := 0
+	for range senders {
+		if err := <-errs; err != nil {
+			if failed++; failed <= 3 {
+				t.Errorf("Send: %v", err)
+			}
+		}
+	}
+	if failed > 0 {
+		t.Errorf("%d of %d first Sends at once failed", failed, senders)
+	}
+}
+
+// TestHostileSilentConnections: connections that dial the receiver and
+// say nothing (up to the hello deadline) do not keep a sender that
+// connects meanwhile from having its window taken.
+func TestHostileSilentConnections(t *testing.T) {
+	a, b := open(t, transport.Options{}), open(t, transport.Options{})
+	for range 2 * maxStuckCloses {
+		c, err := net.Dial("unix", b.Endpoint())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+	}
+	time.Sleep(100 * time.Millisecond) // their readers wait for a HELLO
+	healthy(t, a, b, fill(shared(t, 1<<20, a), 3))
 }

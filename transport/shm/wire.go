@@ -23,7 +23,7 @@ import (
 //
 //	HELLO   8   magic "KVXS", protocol version (4), 3 reserved (zero); first
 //	            message of each side (the receiver answers with its own)
-//	WINDOW  8   slot size in bytes (4), number of slots (4); sent once, with
+//	WINDOW  8   slot size in bytes (4, a multiple of 8), number of slots (4); sent once, with
 //	            exactly one descriptor (SCM_RIGHTS): the sender's window, a
 //	            memfd of slots × slot size bytes and then the ring (below),
 //	            sealed against shrinking, growing and writes
@@ -66,8 +66,8 @@ import (
 //
 // Gave up is 0 when the part is posted. A sender that gives up on an op
 // whose last part it posted (its ctx ended while it waited for the
-// answer) stores 1 there, atomically, before it writes the
-// CANCEL, unless the receiver has released that part already (it then
+// answer, or it closes the connection under the op) stores 1 there,
+// atomically, before it writes the CANCEL (or closes), unless the receiver has released that part already (it then
 // answered the op, and the entry may hold another op's part). The
 // receiver reads it, atomically, as it handles the last part: once
 // before copying and again just before completing the receipt, and fails
@@ -75,8 +75,9 @@ import (
 // part only after the sender gave up (a receiver stalled past the
 // CANCEL's grace, which then reads the POST before the CANCEL) does not
 // complete a receipt whose Send returned an error. A receiver of
-// protocol 4 before this field reads a set one as a protocol error and
-// closes the connection, which fails the receipt all the same.
+// protocol 4 before this field that reads a set one (it reads the entry
+// once, as it takes the part) takes it for a protocol error and closes
+// the connection, failing that receipt and the others on it.
 //
 // A sender posts a part only into a slot released to it, so at most slots
 // parts are posted and not taken: a count further ahead, or going back,
@@ -275,8 +276,10 @@ func (m *msg) decodeBody(body []byte) error {
 func (m *msg) decodeWindow(body []byte) error {
 	m.slotLen, m.slots = binary.BigEndian.Uint32(body), binary.BigEndian.Uint32(body[4:])
 	switch {
-	case m.slotLen == 0 || m.slotLen > maxSlotBytes:
-		return errProto("window slots of %d bytes (want 1..%d)", m.slotLen, maxSlotBytes)
+	case m.slotLen == 0 || m.slotLen > maxSlotBytes || m.slotLen%8 != 0:
+		// A multiple of 8, so that the ring after the slots, whose count
+		// and gave-up words are read atomically, is aligned.
+		return errProto("window slots of %d bytes (want a multiple of 8 in 8..%d)", m.slotLen, maxSlotBytes)
 	case m.slots == 0 || m.slots > maxSlots:
 		return errProto("window of %d slots (want 1..%d)", m.slots, maxSlots)
 	case uint64(m.slotLen)*uint64(m.slots) > maxWindow:
