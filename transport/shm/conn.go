@@ -136,7 +136,7 @@ func (mr *msgReader) fill() error {
 		if mr.want == 0 {
 			return errProto("descriptors sent where none is taken (the kernel dropped them)")
 		}
-		return errProto("descriptors sent beyond the window's one, or while this process refuses them (the kernel dropped them)")
+		return errProto("descriptors sent beyond the window's one (the kernel dropped them)")
 	}
 	mr.w += n
 	switch {
