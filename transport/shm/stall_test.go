@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -167,13 +168,7 @@ func TestGiveUpOnePart(t *testing.T) {
 	healthy(t, a, b, src) // the connection is up
 	c := onlyInbound(t, b)
 	workerAsleep(t, c)
-	c.pullMu.Lock() // the reader stops in the POST's pull
-	held := true
-	defer func() {
-		if held {
-			c.pullMu.Unlock()
-		}
-	}()
+	release := holdPull(t, c) // the reader stops in the POST's pull
 	dst := make([]byte, n)
 	r, err := b.Expect([][]byte{dst})
 	if err != nil {
@@ -182,20 +177,7 @@ func TestGiveUpOnePart(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	res := make(chan error, 1)
 	go func() { res <- a.Send(ctx, r.Descriptor(), [][]byte{src[:n]}) }()
-	a.mu.Lock()
-	oc := a.peers[b.Endpoint()]
-	a.mu.Unlock()
-	within(t, 5*time.Second, "the part to be posted", func() {
-		for {
-			oc.mu.Lock()
-			posted := oc.posted
-			oc.mu.Unlock()
-			if posted > 1 { // healthy's part, then this one
-				return
-			}
-			time.Sleep(100 * time.Microsecond)
-		}
-	})
+	waitPosted(t, a, b, 2)            // healthy's part, then this one
 	time.Sleep(50 * time.Millisecond) // the POST is read, or in the socket
 	cancel()
 	var serr error
@@ -203,8 +185,7 @@ func TestGiveUpOnePart(t *testing.T) {
 	if !errors.Is(serr, context.Canceled) {
 		t.Fatalf("Send = %v, want context.Canceled (the sender gave up)", serr)
 	}
-	c.pullMu.Unlock()
-	held = false
+	release()
 	within(t, 5*time.Second, "Recv", func() { <-r.Done() })
 	if err := r.Err(); !errors.Is(err, transport.ErrAborted) {
 		t.Errorf("Recv.Err = %v after its Send gave up (%v), want ErrAborted", err, serr)
@@ -271,29 +252,7 @@ func TestGiveUpOnKill(t *testing.T) {
 	healthy(t, a, b, src)
 	c := onlyInbound(t, b)
 	workerAsleep(t, c)
-	c.pullMu.Lock() // the reader stops in the first POST's pull
-	held := true
-	defer func() {
-		if held {
-			c.pullMu.Unlock()
-		}
-	}()
-	a.mu.Lock()
-	oc := a.peers[b.Endpoint()]
-	a.mu.Unlock()
-	posted := func(k uint64) {
-		within(t, 5*time.Second, "the parts to be posted", func() {
-			for {
-				oc.mu.Lock()
-				p := oc.posted
-				oc.mu.Unlock()
-				if p >= k {
-					return
-				}
-				time.Sleep(100 * time.Microsecond)
-			}
-		})
-	}
+	release := holdPull(t, c) // the reader stops in the first POST's pull
 	rA, err := b.Expect([][]byte{make([]byte, n)})
 	if err != nil {
 		t.Fatal(err)
@@ -304,11 +263,11 @@ func TestGiveUpOnKill(t *testing.T) {
 	}
 	resB := make(chan error, 1)
 	go func() { resB <- a.Send(context.Background(), rB.Descriptor(), [][]byte{src[:n]}) }()
-	posted(2) // healthy's part, then B's
+	waitPosted(t, a, b, 2) // healthy's part, then B's
 	ctx, cancel := context.WithCancel(context.Background())
 	resA := make(chan error, 1)
 	go func() { resA <- a.Send(ctx, rA.Descriptor(), [][]byte{src[:n]}) }()
-	posted(3)
+	waitPosted(t, a, b, 3)
 	time.Sleep(50 * time.Millisecond)
 	cancel()
 	var errA, errB error
@@ -317,8 +276,7 @@ func TestGiveUpOnKill(t *testing.T) {
 	if !errors.Is(errA, context.Canceled) || !errors.Is(errB, transport.ErrPeerLost) {
 		t.Fatalf("Send A = %v, Send B = %v; want context.Canceled, then ErrPeerLost as A's connection is closed", errA, errB)
 	}
-	c.pullMu.Unlock()
-	held = false
+	release()
 	within(t, 5*time.Second, "the receipts to end", func() {
 		<-rA.Done()
 		<-rB.Done()
@@ -382,4 +340,33 @@ func TestHostileSilentConnections(t *testing.T) {
 	}
 	time.Sleep(100 * time.Millisecond) // their readers wait for a HELLO
 	healthy(t, a, b, fill(shared(t, 1<<20, a), 3))
+}
+
+// holdPull holds c's pullMu, so that its reader stops in its next pull
+// (a POST's), until release is called or t ends.
+func holdPull(t *testing.T, c *inConn) (release func()) {
+	c.pullMu.Lock()
+	var once sync.Once
+	release = func() { once.Do(c.pullMu.Unlock) }
+	t.Cleanup(release)
+	return release
+}
+
+// waitPosted waits until a's connection to b has posted k parts in all.
+func waitPosted(t *testing.T, a, b *Transport, k uint64) {
+	t.Helper()
+	a.mu.Lock()
+	oc := a.peers[b.Endpoint()]
+	a.mu.Unlock()
+	within(t, 5*time.Second, fmt.Sprintf("%d parts to be posted", k), func() {
+		for {
+			oc.mu.Lock()
+			posted := oc.posted
+			oc.mu.Unlock()
+			if posted >= k {
+				return
+			}
+			time.Sleep(100 * time.Microsecond)
+		}
+	})
 }
